@@ -1,0 +1,278 @@
+// checks.cpp — SPEC section 5, in one place.
+#include "api/checks.hpp"
+
+#include <limits>
+#include <string>
+
+#include "cpu/thread_pool.hpp"
+#include "padmoe/index_math.hpp"
+
+namespace padmoe {
+namespace detail {
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+std::string shape_str(const TensorView& t) {
+  std::string s = "[";
+  for (int d = 0; d < t.ndim; ++d) s += (d ? ", " : "") + str(t.shape[d]);
+  return s + "]";
+}
+
+}  // namespace
+
+void Checker::fail(ErrorKind kind, const std::string& arg, const std::string& what) const {
+  throw Error(kind, std::string(op_) + ": " + arg + ": " + what);
+}
+
+void Checker::same_device(const TensorView& t, const char* name, Device device) const {
+  if (t.device != device) {
+    fail(ErrorKind::kType, name, "expected a tensor on " + device_name(device) + ", got one on " +
+                                     device_name(t.device));
+  }
+}
+
+void Checker::row_tensor(const TensorView& t, const char* name, int64_t rows, int64_t cols, bool allow_fp8) const {
+  if (t.ndim != 2) value_error(name, "expected a 2-D [rows, hidden] tensor, got shape " + shape_str(t));
+  if (!is_floating(t.dtype) || (is_float8(t.dtype) && !allow_fp8)) {
+    fail(ErrorKind::kType, name,
+         std::string("expected float32, float16 or bfloat16") + (allow_fp8 ? " or float8" : "") + ", got " +
+             dtype_name(t.dtype) + (is_float8(t.dtype) ? " (float8 rows are for move-only ops: no weights)" : ""));
+  }
+  if (rows >= 0 && t.shape[0] != rows) {
+    value_error(name, "expected " + str(rows) + " rows, got shape " + shape_str(t));
+  }
+  if (cols >= 0 && t.shape[1] != cols) {
+    value_error(name, "expected " + str(cols) + " columns (hidden size), got shape " + shape_str(t));
+  }
+  if (t.shape[0] < 0 || t.shape[1] < 0) value_error(name, "negative size in shape " + shape_str(t));
+  if (t.shape[1] > 1 && t.strides[1] != 1) {
+    value_error(name, "expected unit stride along the hidden dimension, got stride " + str(t.strides[1]));
+  }
+  if (t.shape[0] > 1 && t.strides[0] < t.shape[1]) {
+    value_error(name, "row stride " + str(t.strides[0]) + " is smaller than the row length " + str(t.shape[1]));
+  }
+  if (t.data == nullptr && t.shape[0] > 0 && t.shape[1] > 0) value_error(name, "null data pointer");
+}
+
+void Checker::row_output(const TensorView& t, const char* name, int64_t rows, bool at_least, int64_t cols,
+                         DType dtype) const {
+  row_tensor(t, name, -1, cols, /*allow_fp8=*/true);
+  if (t.dtype != dtype) {
+    fail(ErrorKind::kType, name, std::string("expected dtype ") + dtype_name(dtype) + " (the input's), got " +
+                                     dtype_name(t.dtype));
+  }
+  if (at_least ? t.shape[0] < rows : t.shape[0] != rows) {
+    value_error(name, std::string("output capacity: needs ") + (at_least ? "at least " : "") + str(rows) +
+                          " rows, got shape " + shape_str(t));
+  }
+}
+
+void Checker::index_vector(const TensorView& t, const char* name, int64_t len) const {
+  if (t.ndim != 1) value_error(name, "expected a 1-D tensor, got shape " + shape_str(t));
+  if (!is_index(t.dtype)) {
+    fail(ErrorKind::kType, name, std::string("expected int32 or int64, got ") + dtype_name(t.dtype));
+  }
+  if (len >= 0 && t.shape[0] != len) value_error(name, "expected " + str(len) + " entries, got " + str(t.shape[0]));
+  if (t.shape[0] > 1 && t.strides[0] != 1) value_error(name, "expected a contiguous tensor, got stride " + str(t.strides[0]));
+  if (t.data == nullptr && t.shape[0] > 0) value_error(name, "null data pointer");
+}
+
+void Checker::int32_output(const TensorView& t, const char* name, int64_t len, bool at_least) const {
+  if (t.ndim != 1) value_error(name, "expected a 1-D tensor, got shape " + shape_str(t));
+  if (t.dtype != DType::kInt32) fail(ErrorKind::kType, name, std::string("expected int32, got ") + dtype_name(t.dtype));
+  if (at_least ? t.shape[0] < len : t.shape[0] != len) {
+    value_error(name, std::string("output capacity: needs ") + (at_least ? "at least " : "") + str(len) +
+                          " entries, got " + str(t.shape[0]));
+  }
+  if (t.shape[0] > 1 && t.strides[0] != 1) value_error(name, "expected a contiguous tensor, got stride " + str(t.strides[0]));
+  if (t.data == nullptr && t.shape[0] > 0) value_error(name, "null data pointer");
+}
+
+void Checker::scale_vector(const TensorView& t, const char* name, int64_t len, DType row_dtype) const {
+  if (t.dtype != DType::kFloat32 && t.dtype != row_dtype) {
+    fail(ErrorKind::kType, name, std::string("expected float32 or ") + dtype_name(row_dtype) + " (the rows' dtype), got " +
+                                     dtype_name(t.dtype));
+  }
+  if (t.numel() != len) value_error(name, "expected " + str(len) + " elements (one per row), got shape " + shape_str(t));
+  if (!t.is_contiguous()) value_error(name, "expected a contiguous tensor");
+  if (t.data == nullptr && len > 0) value_error(name, "null data pointer");
+}
+
+void Checker::float_output(const TensorView& t, const char* name, int64_t len, DType row_dtype) const {
+  if (t.dtype != DType::kFloat32 && t.dtype != row_dtype) {
+    fail(ErrorKind::kType, name, std::string("expected float32 or ") + dtype_name(row_dtype) + ", got " +
+                                     dtype_name(t.dtype));
+  }
+  if (t.numel() != len) value_error(name, "expected " + str(len) + " elements, got shape " + shape_str(t));
+  if (!t.is_contiguous()) value_error(name, "expected a contiguous tensor");
+  if (t.data == nullptr && len > 0) value_error(name, "null data pointer");
+}
+
+void Checker::top_k(int top_k, int64_t assignments) const {
+  if (top_k < 1) value_error("top_k", "must be >= 1, got " + str(top_k));
+  if (assignments % top_k != 0) {
+    value_error("top_k", "the " + str(assignments) + " assignments are not a multiple of top_k = " + str(top_k));
+  }
+}
+
+void Checker::alignment(int alignment) const {
+  if (alignment < 1) value_error("alignment", "must be >= 1, got " + str(alignment));
+}
+
+void check_int32_extent(const Checker& c, const char* what, int64_t value) {
+  if (value > std::numeric_limits<int32_t>::max()) {
+    c.value_error(what, "size overflow: " + str(value) + " does not fit the int32 index outputs");
+  }
+}
+
+void require_backend(const Checker& c, Device device) {
+  if (device.is_cuda()) {
+    c.fail(ErrorKind::kUnsupported, "device",
+           "tensors are on " + device_name(device) + " but padmoe was built without CUDA (PADMOE_CUDA=OFF)");
+  }
+}
+
+RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
+                                const TensorView& bins, const TensorView& padded_bins, int top_k,
+                                int num_threads) {
+  c.index_vector(indices, "indices", -1);
+  const int64_t a_count = indices.shape[0];
+  c.index_vector(bin_ids, "bin_ids", a_count);
+  c.index_vector(bins, "bins", -1);
+  const int64_t experts = bins.shape[0];
+  c.index_vector(padded_bins, "padded_bins", experts);
+  c.top_k(top_k, a_count);
+  c.same_device(bin_ids, "bin_ids", indices.device);
+  c.same_device(bins, "bins", indices.device);
+  c.same_device(padded_bins, "padded_bins", indices.device);
+  check_int32_extent(c, "indices", a_count);
+
+  const IndexReader idx(indices), bid(bin_ids), bn(bins), pb(padded_bins);
+
+  // bins: nondecreasing, ending at A; padded segments hold their counts.
+  if (experts == 0 && a_count > 0) c.value_error("bins", "no experts but " + str(a_count) + " assignments");
+  int64_t prev = 0, pprev = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t b = bn[e], p = pb[e];
+    if (b < prev) {
+      c.value_error("bins", "must be nondecreasing: bins[" + str(e) + "] = " + str(b) + " < bins[" + str(e - 1) +
+                                "] = " + str(prev));
+    }
+    if (p < pprev) {
+      c.value_error("padded_bins", "must be nondecreasing: padded_bins[" + str(e) + "] = " + str(p) +
+                                       " < padded_bins[" + str(e - 1) + "] = " + str(pprev));
+    }
+    if (p - pprev < b - prev) {
+      c.value_error("padded_bins", "segment of expert " + str(e) + " holds " + str(p - pprev) +
+                                       " rows but the expert has " + str(b - prev) + " assignments");
+    }
+    prev = b;
+    pprev = p;
+  }
+  if (experts > 0 && prev != a_count) {
+    c.value_error("bins", "bins[E-1] = " + str(prev) + " must equal the number of assignments " + str(a_count));
+  }
+  const int64_t padded = pprev;
+  check_int32_extent(c, "padded_bins", padded);
+
+  // bin_ids consistent with bins.
+  for (int64_t e = 0, i = 0; e < experts; ++e) {
+    for (const int64_t end = bn[e]; i < end; ++i) {
+      if (bid[i] != e) {
+        c.value_error("bin_ids", "position " + str(i) + " holds expert " + str(bid[i]) + " but bins place it in expert " +
+                                     str(e));
+      }
+    }
+  }
+
+  // indices: a permutation of [0, A). first_pos[a] = 1 + the sorted position holding a.
+  RoutingMap map;
+  map.assignments = a_count;
+  map.padded_rows = padded;
+  map.top_k = top_k;
+  std::vector<int32_t> first_pos(static_cast<size_t>(a_count), 0);
+  for (int64_t i = 0; i < a_count; ++i) {
+    const int64_t a = idx[i];
+    if (a < 0 || a >= a_count) {
+      c.value_error("indices", "position " + str(i) + " holds assignment id " + str(a) + ", outside [0, " +
+                                   str(a_count) + ")");
+    }
+    if (first_pos[a] != 0) {
+      c.value_error("indices", "must be a permutation of [0, " + str(a_count) + "): assignment id " + str(a) +
+                                   " appears at positions " + str(first_pos[a] - 1) + " and " + str(i));
+    }
+    first_pos[a] = static_cast<int32_t>(i + 1);
+  }
+
+  // Inverse map, SPEC section 6 partition: worker w owns sorted positions
+  // [w*B, min((w+1)*B, A)) and writes their rows, and the padding rows of its
+  // share of the experts. Every entry is written once.
+  map.dest_rows.resize(static_cast<size_t>(a_count));
+  map.row_sources.resize(static_cast<size_t>(padded));
+  const int workers = static_cast<int>(std::min<int64_t>(cpu::resolve_threads(num_threads),
+                                                         std::max<int64_t>(1, a_count / 4096)));
+  cpu::parallel_run(workers, [&](int w) {
+    const index::Range r = index::work_range(w, workers, a_count);
+    int64_t e = -1, real_start = 0, padded_start = 0;
+    for (int64_t i = r.begin; i < r.end; ++i) {
+      if (bid[i] != e) {
+        e = bid[i];
+        real_start = e == 0 ? 0 : bn[e - 1];
+        padded_start = e == 0 ? 0 : pb[e - 1];
+      }
+      const int64_t row = index::padded_row(i, real_start, padded_start);
+      const int64_t a = idx[i];
+      map.dest_rows[a] = static_cast<int32_t>(row);
+      map.row_sources[row] = static_cast<int32_t>(a);
+    }
+    const index::Range er = index::work_range(w, workers, experts);
+    for (int64_t x = er.begin; x < er.end; ++x) {
+      const int64_t count = bn[x] - (x == 0 ? 0 : bn[x - 1]);
+      for (int64_t p = (x == 0 ? 0 : pb[x - 1]) + count; p < pb[x]; ++p) map.row_sources[p] = -1;
+    }
+  });
+  return map;
+}
+
+int64_t check_plan(const Checker& c, const PlanView& plan, Device device) {
+  if (plan.top_k < 1) c.value_error("plan.top_k", "must be >= 1, got " + str(plan.top_k));
+  if (plan.num_experts < 0) c.value_error("plan.num_experts", "must be >= 0");
+  const int64_t a_count = plan.num_tokens * plan.top_k;
+  const int64_t experts = plan.num_experts;
+  c.int32_output(plan.dest_rows, "plan.dest_rows", a_count);
+  c.int32_output(plan.padded_bins, "plan.padded_bins", experts);
+  c.int32_output(plan.row_sources, "plan.row_sources", 0, /*at_least=*/true);
+  c.same_device(plan.dest_rows, "plan.dest_rows", device);
+  c.same_device(plan.padded_bins, "plan.padded_bins", device);
+  c.same_device(plan.row_sources, "plan.row_sources", device);
+  const int32_t* dest = plan.dest_rows.data_as<const int32_t>();
+  const int32_t* src = plan.row_sources.data_as<const int32_t>();
+  const int64_t padded = experts > 0 ? plan.padded_bins.data_as<const int32_t>()[experts - 1] : 0;
+  if (padded < 0 || padded > plan.row_sources.shape[0]) {
+    c.value_error("plan.padded_bins", "padded_bins[E-1] = " + str(padded) + " but row_sources has " +
+                                          str(plan.row_sources.shape[0]) + " entries");
+  }
+  for (int64_t a = 0; a < a_count; ++a) {
+    const int64_t r = dest[a];
+    if (r < -1 || r >= padded) {
+      c.value_error("plan.dest_rows", "assignment " + str(a) + " maps to row " + str(r) + ", outside [-1, " +
+                                          str(padded) + ")");
+    }
+    if (r >= 0 && src[r] != a) {
+      c.value_error("plan.dest_rows", "assignment " + str(a) + " maps to row " + str(r) +
+                                          " but row_sources[" + str(r) + "] = " + str(src[r]));
+    }
+  }
+  for (int64_t r = 0; r < padded; ++r) {
+    const int64_t a = src[r];
+    if (a < -1 || a >= a_count || (a >= 0 && dest[a] != r)) {
+      c.value_error("plan.row_sources", "row " + str(r) + " names assignment " + str(a) +
+                                            " whose dest_rows entry does not point back to it");
+    }
+  }
+  return padded;
+}
+
+}  // namespace detail
+}  // namespace padmoe

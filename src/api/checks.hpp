@@ -1,0 +1,95 @@
+// checks.hpp — argument checking (SPEC section 5), shared by every op.
+//
+// Every check runs before the op writes anything. Messages read
+// "<op>: <argument>: <what was expected>, <first offending position>".
+// Shape/dtype/device checks work on views only; the data checks read index
+// data on the host (the CPU backend always runs them).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "padmoe/error.hpp"
+#include "padmoe/ops.hpp"
+#include "padmoe/tensor.hpp"
+
+namespace padmoe {
+namespace detail {
+
+// Reads element i of an int32 or int64 tensor as int64.
+struct IndexReader {
+  const void* data = nullptr;
+  bool wide = false;
+  IndexReader() = default;
+  explicit IndexReader(const TensorView& t) : data(t.data), wide(t.dtype == DType::kInt64) {}
+  int64_t operator[](int64_t i) const {
+    return wide ? static_cast<const int64_t*>(data)[i] : static_cast<const int32_t*>(data)[i];
+  }
+};
+
+class Checker {
+ public:
+  explicit Checker(const char* op) : op_(op) {}
+  const char* op() const { return op_; }
+
+  [[noreturn]] void fail(ErrorKind kind, const std::string& arg, const std::string& what) const;
+  [[noreturn]] void value_error(const std::string& arg, const std::string& what) const {
+    fail(ErrorKind::kValue, arg, what);
+  }
+
+  // [rows, cols] row tensor: float dtype (float8 only when allow_fp8), unit
+  // column stride, row stride >= cols. rows/cols < 0 means "any".
+  void row_tensor(const TensorView& t, const char* name, int64_t rows, int64_t cols, bool allow_fp8) const;
+  // A row output: like row_tensor but rows is a minimum (capacity semantics)
+  // when at_least is true, and dtype must equal `dtype`.
+  void row_output(const TensorView& t, const char* name, int64_t rows, bool at_least, int64_t cols,
+                  DType dtype) const;
+  // Contiguous 1-D int32/int64 tensor of `len` entries (len < 0: any).
+  void index_vector(const TensorView& t, const char* name, int64_t len) const;
+  // Contiguous int32 tensor with `len` entries (at least `len` when at_least).
+  void int32_output(const TensorView& t, const char* name, int64_t len, bool at_least = false) const;
+  // Router weights / probs: contiguous, `len` elements, float32 or the row dtype.
+  void scale_vector(const TensorView& t, const char* name, int64_t len, DType row_dtype) const;
+  // Optional float output of `len` elements: float32 or `row_dtype`.
+  void float_output(const TensorView& t, const char* name, int64_t len, DType row_dtype) const;
+  void same_device(const TensorView& t, const char* name, Device device) const;
+  void top_k(int top_k, int64_t assignments) const;
+  void alignment(int alignment) const;
+
+ private:
+  const char* op_;
+};
+
+// Routing inputs of the MegaBlocks ops after checking: the inverse map the
+// CPU kernels run on, built with SPEC section 6's partition.
+struct RoutingMap {
+  std::vector<int32_t> dest_rows;    // [A] padded row of each assignment
+  std::vector<int32_t> row_sources;  // [P] assignment of each padded row, -1 padding
+  int64_t assignments = 0;           // A
+  int64_t padded_rows = 0;           // P
+  int top_k = 1;
+};
+
+// Checks (indices, bin_ids, bins, padded_bins, top_k) as SPEC section 5 says
+// and builds the RoutingMap: bins nondecreasing with bins[E-1] == A; every
+// padded segment at least its real count; bin_ids consistent with bins;
+// indices a permutation of [0, A).
+RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
+                                const TensorView& bins, const TensorView& padded_bins, int top_k,
+                                int num_threads);
+
+// Checks a PlanView (shapes, int32, one device, and that dest_rows and
+// row_sources are inverse to each other within [0, P)); returns P.
+int64_t check_plan(const Checker& c, const PlanView& plan, Device device);
+
+// Every device-dependent op calls this: the CPU backend always exists; CUDA
+// tensors need a build with PADMOE_CUDA.
+void require_backend(const Checker& c, Device device);
+
+// Size-overflow guard: padded rows and assignment ids must fit int32 outputs.
+void check_int32_extent(const Checker& c, const char* what, int64_t value);
+
+}  // namespace detail
+}  // namespace padmoe

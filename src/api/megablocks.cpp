@@ -1,0 +1,372 @@
+// megablocks.cpp — SPEC section 2: padded_gather / padded_scatter / wgrad,
+// their backward rules, and the fused plan forms dispatch / combine /
+// combine_backward / dispatch_backward.
+//
+// Every op first reduces its routing arguments to one inverse map
+// (dest_rows[A], row_sources[P]): the plan already holds it; the
+// MegaBlocks-style ops build it from (indices, bin_ids, bins, padded_bins)
+// while checking them. The kernels then run token-driven: each token row is
+// read once for its K assignments, each output row written once.
+#include <string>
+
+#include "api/checks.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "padmoe/ops.hpp"
+#include "padmoe/tiling.hpp"
+
+namespace padmoe {
+namespace {
+
+using detail::Checker;
+
+// Routing reduced to the inverse map (pointers into a plan, or into `owned`).
+struct Routed {
+  int64_t tokens = 0;
+  int64_t assignments = 0;
+  int top_k = 1;
+  int64_t padded_rows = 0;
+  const int32_t* dest_rows = nullptr;
+  const int32_t* row_sources = nullptr;
+  detail::RoutingMap owned;
+};
+
+// MegaBlocks arguments. `device` is the row tensors' device.
+Routed routed_from_sorted(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
+                          const TensorView& bins, const TensorView& padded_bins, int top_k, Device device,
+                          const Options& options) {
+  c.same_device(indices, "indices", device);
+  detail::require_backend(c, device);
+  Routed r;
+  r.owned = detail::check_sorted_routing(c, indices, bin_ids, bins, padded_bins, top_k, options.num_threads);
+  r.assignments = r.owned.assignments;
+  r.top_k = top_k;
+  r.tokens = r.assignments / top_k;
+  r.padded_rows = r.owned.padded_rows;
+  r.dest_rows = r.owned.dest_rows.data();
+  r.row_sources = r.owned.row_sources.data();
+  return r;
+}
+
+Routed routed_from_plan(const Checker& c, const PlanView& plan, Device device) {
+  c.same_device(plan.dest_rows, "plan.dest_rows", device);
+  detail::require_backend(c, device);
+  Routed r;
+  r.padded_rows = detail::check_plan(c, plan, device);
+  r.tokens = plan.num_tokens;
+  r.top_k = plan.top_k;
+  r.assignments = plan.num_tokens * plan.top_k;
+  r.dest_rows = plan.dest_rows.data_as<const int32_t>();
+  r.row_sources = plan.row_sources.data_as<const int32_t>();
+  return r;
+}
+
+void check_weights(const Checker& c, const std::optional<TensorView>& weights, const Routed& r,
+                   const TensorView& rows) {
+  if (!weights) return;
+  c.scale_vector(*weights, "weights", r.assignments, rows.dtype);
+  c.same_device(*weights, "weights", rows.device);
+}
+
+int scatter_block_x(const TensorView& rows) {
+  static const TargetInfo cpu = target_info(TileTarget::kCpu);
+  return plan_tiles(cpu, TileOp::kScatter, rows.shape[1], rows.dtype).block_x;
+}
+
+cpu::FloatOut float_out(const TensorView& t) { return cpu::FloatOut{t.data, t.dtype}; }
+
+// --- the kernels on a Routed ------------------------------------------------
+
+// y[dest[a]] = x[a/K] * w(a); padding rows zero.
+void run_spread(const Routed& r, const TensorView& x, const std::optional<TensorView>& w, const TensorView& y,
+                const TensorView* dots_with, const TensorView* dots, const Options& o) {
+  const cpu::RowsRef with = dots_with ? cpu::RowsRef::of(*dots_with) : cpu::RowsRef{};
+  cpu::spread_rows(cpu::RowsRef::of(x), r.top_k, r.dest_rows, cpu::Scale::of(w), cpu::RowsRef::of(y),
+                   r.row_sources, r.padded_rows, dots_with ? &with : nullptr,
+                   dots ? float_out(*dots) : cpu::FloatOut{}, o.num_threads);
+}
+
+void run_reduce(const Routed& r, const TensorView& y, const std::optional<TensorView>& w, const TensorView& out,
+                const Options& o) {
+  cpu::reduce_rows(cpu::RowsRef::of(y), r.top_k, r.dest_rows, cpu::Scale::of(w), cpu::RowsRef::of(out),
+                   scatter_block_x(y), o.num_threads);
+}
+
+void run_dots(const Routed& r, const TensorView& y, const TensorView& g, const TensorView& out, const Options& o) {
+  cpu::row_dots(cpu::RowsRef::of(y), cpu::RowsRef::of(g), r.top_k, r.dest_rows, r.assignments, float_out(out),
+                o.num_threads);
+}
+
+// --- shared argument checks ---------------------------------------------------
+
+// Token-order rows [T, H] (x, grad_out, grad).
+void check_token_rows(const Checker& c, const TensorView& t, const char* name, const Routed& r, int64_t hidden,
+                      bool allow_fp8) {
+  c.row_tensor(t, name, r.tokens, hidden, allow_fp8);
+}
+
+// Padded rows [>= P, H] (y, grad_y) as an input.
+void check_padded_input(const Checker& c, const TensorView& t, const char* name, const Routed& r, int64_t hidden,
+                        DType dtype) {
+  c.row_tensor(t, name, -1, hidden, /*allow_fp8=*/false);
+  if (t.dtype != dtype) {
+    c.fail(ErrorKind::kType, name, std::string("expected dtype ") + dtype_name(dtype) + ", got " + dtype_name(t.dtype));
+  }
+  if (t.shape[0] < r.padded_rows) {
+    c.value_error(name, "has " + std::to_string(t.shape[0]) + " rows but the routing has " +
+                            std::to_string(r.padded_rows) + " padded rows");
+  }
+}
+
+// The row tensor's device must match the routing's, and be served.
+Device rows_device(const Checker& c, const TensorView& rows) {
+  detail::require_backend(c, rows.device);
+  return rows.device;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// padded_gather
+// ---------------------------------------------------------------------------
+
+void padded_gather_out(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
+                       const TensorView& bins, const TensorView& padded_bins, int top_k,
+                       const std::optional<TensorView>& weights, const TensorView& y, const Options& options) {
+  Checker c("padded_gather");
+  c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
+  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, x), options);
+  check_token_rows(c, x, "x", r, -1, !weights);
+  check_weights(c, weights, r, x);
+  c.row_output(y, "y", r.padded_rows, /*at_least=*/true, x.shape[1], x.dtype);
+  c.same_device(y, "y", x.device);
+  run_spread(r, x, weights, y, nullptr, nullptr, options);
+}
+
+Tensor padded_gather(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
+                     const TensorView& bins, const TensorView& padded_bins, int top_k,
+                     const std::optional<TensorView>& weights, const Options& options) {
+  Checker c("padded_gather");
+  c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
+  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, x), options);
+  check_token_rows(c, x, "x", r, -1, !weights);
+  check_weights(c, weights, r, x);
+  Tensor y = Tensor::empty(x.dtype, {r.padded_rows, x.shape[1]}, x.device);
+  run_spread(r, x, weights, y, nullptr, nullptr, options);
+  return y;
+}
+
+// ---------------------------------------------------------------------------
+// padded_scatter
+// ---------------------------------------------------------------------------
+
+void padded_scatter_out(const TensorView& y, const TensorView& indices, const TensorView& bin_ids,
+                        const std::optional<TensorView>& weights, const TensorView& bins,
+                        const TensorView& padded_bins, int top_k, const TensorView& out, const Options& options) {
+  Checker c("padded_scatter");
+  c.row_tensor(y, "y", -1, -1, false);
+  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, y), options);
+  check_padded_input(c, y, "y", r, -1, y.dtype);
+  check_weights(c, weights, r, y);
+  c.row_output(out, "out", r.tokens, /*at_least=*/false, y.shape[1], y.dtype);
+  c.same_device(out, "out", y.device);
+  run_reduce(r, y, weights, out, options);
+}
+
+Tensor padded_scatter(const TensorView& y, const TensorView& indices, const TensorView& bin_ids,
+                      const std::optional<TensorView>& weights, const TensorView& bins,
+                      const TensorView& padded_bins, int top_k, const Options& options) {
+  Checker c("padded_scatter");
+  c.row_tensor(y, "y", -1, -1, false);
+  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, y), options);
+  check_padded_input(c, y, "y", r, -1, y.dtype);
+  check_weights(c, weights, r, y);
+  Tensor out = Tensor::empty(y.dtype, {r.tokens, y.shape[1]}, y.device);
+  run_reduce(r, y, weights, out, options);
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// padded_scatter_wgrad
+// ---------------------------------------------------------------------------
+
+void padded_scatter_wgrad_out(const TensorView& y, const TensorView& grad, const TensorView& indices,
+                              const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
+                              int top_k, const TensorView& wgrad, const Options& options) {
+  Checker c("padded_scatter_wgrad");
+  c.row_tensor(y, "y", -1, -1, false);
+  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, y), options);
+  check_token_rows(c, grad, "grad", r, y.shape[1], false);
+  check_padded_input(c, y, "y", r, grad.shape[1], grad.dtype);
+  c.same_device(grad, "grad", y.device);
+  c.float_output(wgrad, "wgrad", r.assignments, y.dtype);
+  c.same_device(wgrad, "wgrad", y.device);
+  run_dots(r, y, grad, wgrad, options);
+}
+
+Tensor padded_scatter_wgrad(const TensorView& y, const TensorView& grad, const TensorView& indices,
+                            const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
+                            int top_k, const Options& options) {
+  Checker c("padded_scatter_wgrad");
+  c.row_tensor(y, "y", -1, -1, false);
+  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, y), options);
+  check_token_rows(c, grad, "grad", r, y.shape[1], false);
+  check_padded_input(c, y, "y", r, grad.shape[1], grad.dtype);
+  c.same_device(grad, "grad", y.device);
+  Tensor wgrad = Tensor::empty(y.dtype, {r.assignments}, y.device);
+  run_dots(r, y, grad, wgrad, options);
+  return wgrad;
+}
+
+// ---------------------------------------------------------------------------
+// Backward rules of the MegaBlocks ops
+// ---------------------------------------------------------------------------
+
+RowGrads padded_gather_backward(const TensorView& grad_y, const TensorView& x, const TensorView& indices,
+                                const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
+                                int top_k, const std::optional<TensorView>& weights, const Options& options) {
+  Checker c("padded_gather_backward");
+  c.row_tensor(x, "x", -1, -1, false);
+  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, x), options);
+  check_token_rows(c, x, "x", r, -1, false);
+  check_padded_input(c, grad_y, "grad_y", r, x.shape[1], x.dtype);
+  c.same_device(grad_y, "grad_y", x.device);
+  check_weights(c, weights, r, x);
+  RowGrads g;
+  g.grad_rows = Tensor::empty(x.dtype, {r.tokens, x.shape[1]}, x.device);
+  run_reduce(r, grad_y, weights, g.grad_rows, options);
+  if (weights) {
+    g.grad_weights = Tensor::empty(weights->dtype, {r.assignments}, x.device);
+    run_dots(r, grad_y, x, g.grad_weights, options);
+  }
+  return g;
+}
+
+RowGrads padded_scatter_backward(const TensorView& grad_out, const TensorView& y, const TensorView& indices,
+                                 const TensorView& bin_ids, const std::optional<TensorView>& weights,
+                                 const TensorView& bins, const TensorView& padded_bins, int top_k,
+                                 const Options& options) {
+  Checker c("padded_scatter_backward");
+  c.row_tensor(grad_out, "grad_out", -1, -1, false);
+  const Routed r =
+      routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, grad_out), options);
+  check_token_rows(c, grad_out, "grad_out", r, -1, false);
+  check_padded_input(c, y, "y", r, grad_out.shape[1], grad_out.dtype);
+  c.same_device(y, "y", grad_out.device);
+  check_weights(c, weights, r, grad_out);
+  RowGrads g;
+  g.grad_rows = Tensor::empty(y.dtype, {r.padded_rows, y.shape[1]}, y.device);
+  if (weights) g.grad_weights = Tensor::empty(weights->dtype, {r.assignments}, y.device);
+  const TensorView* gw = weights ? &g.grad_weights.view() : nullptr;
+  run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr, gw, options);
+  return g;
+}
+
+// ---------------------------------------------------------------------------
+// Fused plan forms
+// ---------------------------------------------------------------------------
+
+void dispatch_out(const TensorView& x, const PlanView& plan, const std::optional<TensorView>& weights,
+                  const TensorView& y, const Options& options) {
+  Checker c("dispatch");
+  c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
+  const Routed r = routed_from_plan(c, plan, rows_device(c, x));
+  check_token_rows(c, x, "x", r, -1, !weights);
+  check_weights(c, weights, r, x);
+  c.row_output(y, "y", r.padded_rows, /*at_least=*/true, x.shape[1], x.dtype);
+  c.same_device(y, "y", x.device);
+  run_spread(r, x, weights, y, nullptr, nullptr, options);
+}
+
+Tensor dispatch(const TensorView& x, const PlanView& plan, const std::optional<TensorView>& weights,
+                const Options& options) {
+  Checker c("dispatch");
+  c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
+  const Routed r = routed_from_plan(c, plan, rows_device(c, x));
+  check_token_rows(c, x, "x", r, -1, !weights);
+  check_weights(c, weights, r, x);
+  Tensor y = Tensor::empty(x.dtype, {r.padded_rows, x.shape[1]}, x.device);
+  run_spread(r, x, weights, y, nullptr, nullptr, options);
+  return y;
+}
+
+void combine_out(const TensorView& y, const PlanView& plan, const std::optional<TensorView>& weights,
+                 const TensorView& out, const Options& options) {
+  Checker c("combine");
+  c.row_tensor(y, "y", -1, -1, false);
+  const Routed r = routed_from_plan(c, plan, rows_device(c, y));
+  check_padded_input(c, y, "y", r, -1, y.dtype);
+  check_weights(c, weights, r, y);
+  c.row_output(out, "out", r.tokens, /*at_least=*/false, y.shape[1], y.dtype);
+  c.same_device(out, "out", y.device);
+  run_reduce(r, y, weights, out, options);
+}
+
+Tensor combine(const TensorView& y, const PlanView& plan, const std::optional<TensorView>& weights,
+               const Options& options) {
+  Checker c("combine");
+  c.row_tensor(y, "y", -1, -1, false);
+  const Routed r = routed_from_plan(c, plan, rows_device(c, y));
+  check_padded_input(c, y, "y", r, -1, y.dtype);
+  check_weights(c, weights, r, y);
+  Tensor out = Tensor::empty(y.dtype, {r.tokens, y.shape[1]}, y.device);
+  run_reduce(r, y, weights, out, options);
+  return out;
+}
+
+void combine_backward_out(const TensorView& grad_out, const TensorView& y, const PlanView& plan,
+                          const std::optional<TensorView>& weights, const TensorView& grad_y,
+                          const TensorView& grad_weights, const Options& options) {
+  Checker c("combine_backward");
+  c.row_tensor(grad_out, "grad_out", -1, -1, false);
+  const Routed r = routed_from_plan(c, plan, rows_device(c, grad_out));
+  check_token_rows(c, grad_out, "grad_out", r, -1, false);
+  check_padded_input(c, y, "y", r, grad_out.shape[1], grad_out.dtype);
+  c.same_device(y, "y", grad_out.device);
+  check_weights(c, weights, r, grad_out);
+  c.row_output(grad_y, "grad_y", r.padded_rows, /*at_least=*/true, y.shape[1], y.dtype);
+  c.same_device(grad_y, "grad_y", y.device);
+  const bool want_gw = grad_weights.data != nullptr;
+  if (want_gw) {
+    c.float_output(grad_weights, "grad_weights", r.assignments, y.dtype);
+    c.same_device(grad_weights, "grad_weights", y.device);
+  }
+  run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
+}
+
+RowGrads combine_backward(const TensorView& grad_out, const TensorView& y, const PlanView& plan,
+                          const std::optional<TensorView>& weights, const Options& options) {
+  Checker c("combine_backward");
+  c.row_tensor(grad_out, "grad_out", -1, -1, false);
+  const Routed r = routed_from_plan(c, plan, rows_device(c, grad_out));
+  check_token_rows(c, grad_out, "grad_out", r, -1, false);
+  check_padded_input(c, y, "y", r, grad_out.shape[1], grad_out.dtype);
+  c.same_device(y, "y", grad_out.device);
+  check_weights(c, weights, r, grad_out);
+  RowGrads g;
+  g.grad_rows = Tensor::empty(y.dtype, {r.padded_rows, y.shape[1]}, y.device);
+  if (weights) g.grad_weights = Tensor::empty(weights->dtype, {r.assignments}, y.device);
+  const TensorView* gw = weights ? &g.grad_weights.view() : nullptr;
+  run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr, gw, options);
+  return g;
+}
+
+RowGrads dispatch_backward(const TensorView& grad_y, const TensorView& x, const PlanView& plan,
+                           const std::optional<TensorView>& weights, const Options& options) {
+  Checker c("dispatch_backward");
+  c.row_tensor(x, "x", -1, -1, false);
+  const Routed r = routed_from_plan(c, plan, rows_device(c, x));
+  check_token_rows(c, x, "x", r, -1, false);
+  check_padded_input(c, grad_y, "grad_y", r, x.shape[1], x.dtype);
+  c.same_device(grad_y, "grad_y", x.device);
+  check_weights(c, weights, r, x);
+  RowGrads g;
+  g.grad_rows = Tensor::empty(x.dtype, {r.tokens, x.shape[1]}, x.device);
+  run_reduce(r, grad_y, weights, g.grad_rows, options);
+  if (weights) {
+    g.grad_weights = Tensor::empty(weights->dtype, {r.assignments}, x.device);
+    run_dots(r, grad_y, x, g.grad_weights, options);
+  }
+  return g;
+}
+
+}  // namespace padmoe

@@ -1,0 +1,207 @@
+// megatron.cpp — SPEC section 3: pad_to_alignment / unpad_from_alignment
+// (input already expert-grouped) and the backward of unpad.
+//
+// Both run output-row-driven over a row map: pad builds
+// permutation_map[p] (source row or -1), unpad its inverse over the N output
+// rows. Every output row is written once; padding rows are zeroed in the same
+// pass that moves the real ones.
+#include <string>
+#include <vector>
+
+#include "api/checks.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "cpu/thread_pool.hpp"
+#include "padmoe/index_math.hpp"
+#include "padmoe/ops.hpp"
+
+namespace padmoe {
+namespace {
+
+using detail::Checker;
+
+struct PadShape {
+  std::vector<int64_t> counts;        // [E]
+  std::vector<int64_t> padded_incl;   // [E] padded inclusive cumsum
+  int64_t padded_rows = 0;            // P
+};
+
+PadShape check_pad_inputs(const Checker& c, const TensorView& h, const TensorView& tokens_per_expert, int alignment) {
+  c.row_tensor(h, "hidden_states", -1, -1, /*allow_fp8=*/true);
+  c.index_vector(tokens_per_expert, "tokens_per_expert", -1);
+  c.same_device(tokens_per_expert, "tokens_per_expert", h.device);
+  c.alignment(alignment);
+  detail::require_backend(c, h.device);
+  const int64_t experts = tokens_per_expert.shape[0];
+  const detail::IndexReader counts(tokens_per_expert);
+  PadShape s;
+  s.counts.resize(static_cast<size_t>(experts));
+  s.padded_incl.resize(static_cast<size_t>(experts));
+  int64_t total = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t n = counts[e];
+    if (n < 0) c.value_error("tokens_per_expert", "entry " + std::to_string(e) + " is negative (" + std::to_string(n) + ")");
+    if (n > h.shape[0]) {
+      c.value_error("tokens_per_expert", "entry " + std::to_string(e) + " (" + std::to_string(n) +
+                                             ") exceeds the " + std::to_string(h.shape[0]) + " rows of hidden_states");
+    }
+    total += n;
+    s.counts[e] = n;
+    s.padded_rows += index::round_up(n, alignment);
+    s.padded_incl[e] = s.padded_rows;
+  }
+  if (total > h.shape[0]) {
+    c.value_error("tokens_per_expert", "sums to " + std::to_string(total) + " but hidden_states has " +
+                                           std::to_string(h.shape[0]) + " rows");
+  }
+  detail::check_int32_extent(c, "tokens_per_expert", s.padded_rows);
+  return s;
+}
+
+void run_pad(const PadShape& s, const TensorView& h, const TensorView& padded, const TensorView& permutation_map,
+             const TensorView& inclusive_offsets, const Options& options) {
+  const int64_t experts = static_cast<int64_t>(s.counts.size());
+  int32_t* map = permutation_map.data_as<int32_t>();
+  const int64_t map_len = permutation_map.shape[0];
+  int32_t* offs = inclusive_offsets.data_as<int32_t>();
+  for (int64_t e = 0; e < experts; ++e) offs[e] = static_cast<int32_t>(s.padded_incl[e]);
+
+  // Row map: padded row p of expert e takes h[excl(e) + p - pexcl(e)] while
+  // that is inside e's count, else it is padding (-1); entries past P are -1.
+  std::vector<int64_t> excl(static_cast<size_t>(experts));
+  for (int64_t e = 0, run = 0; e < experts; ++e) { excl[e] = run; run += s.counts[e]; }
+  const int workers = cpu::workers_for(options.num_threads, map_len, 64);
+  cpu::parallel_run(workers, [&](int w) {
+    const index::Range r = index::work_range(w, workers, map_len);
+    int64_t e = index::find_segment(s.padded_incl.data(), experts, r.begin);
+    for (int64_t p = r.begin; p < r.end; ++p) {
+      while (e < experts && p >= s.padded_incl[e]) ++e;
+      if (e >= experts) { map[p] = -1; continue; }
+      const int64_t local = p - index::segment_start(s.padded_incl.data(), e);
+      map[p] = local < s.counts[e] ? static_cast<int32_t>(excl[e] + local) : -1;
+    }
+  });
+  cpu::gather_rows(cpu::RowsRef::of(h), map, cpu::Scale{}, false, cpu::RowsRef::of(padded), s.padded_rows,
+                   options.num_threads);
+}
+
+// permutation_map checked (entries in [-1, N), distinct) and inverted.
+std::vector<int32_t> check_and_invert_map(const Checker& c, const TensorView& permutation_map, int64_t rows,
+                                          int64_t original_size) {
+  c.index_vector(permutation_map, "permutation_map", rows);
+  const detail::IndexReader map(permutation_map);
+  std::vector<int32_t> inverse(static_cast<size_t>(original_size), -1);
+  for (int64_t p = 0; p < rows; ++p) {
+    const int64_t n = map[p];
+    if (n < -1 || n >= original_size) {
+      c.value_error("permutation_map", "entry " + std::to_string(p) + " is " + std::to_string(n) + ", outside [-1, " +
+                                           std::to_string(original_size) + ")");
+    }
+    if (n < 0) continue;
+    if (inverse[n] >= 0) {
+      c.value_error("permutation_map", "entries " + std::to_string(inverse[n]) + " and " + std::to_string(p) +
+                                           " both name row " + std::to_string(n));
+    }
+    inverse[n] = static_cast<int32_t>(p);
+  }
+  return inverse;
+}
+
+void check_unpad_inputs(const Checker& c, const TensorView& padded, const TensorView& permutation_map,
+                        const std::optional<TensorView>& probs, int64_t original_size) {
+  c.row_tensor(padded, "padded_output", -1, -1, /*allow_fp8=*/!probs);
+  c.same_device(permutation_map, "permutation_map", padded.device);
+  detail::require_backend(c, padded.device);
+  if (original_size < 0) c.value_error("original_size", "must be >= 0, got " + std::to_string(original_size));
+  detail::check_int32_extent(c, "original_size", original_size);
+  if (probs) {
+    c.scale_vector(*probs, "probs", original_size, padded.dtype);
+    c.same_device(*probs, "probs", padded.device);
+  }
+}
+
+}  // namespace
+
+void pad_to_alignment_out(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
+                          const TensorView& padded, const TensorView& permutation_map,
+                          const TensorView& inclusive_offsets, const Options& options) {
+  Checker c("pad_to_alignment");
+  const PadShape s = check_pad_inputs(c, hidden_states, tokens_per_expert, alignment);
+  c.row_output(padded, "padded", s.padded_rows, /*at_least=*/true, hidden_states.shape[1], hidden_states.dtype);
+  c.int32_output(permutation_map, "permutation_map", padded.shape[0]);
+  c.int32_output(inclusive_offsets, "inclusive_offsets", static_cast<int64_t>(s.counts.size()));
+  c.same_device(padded, "padded", hidden_states.device);
+  c.same_device(permutation_map, "permutation_map", hidden_states.device);
+  c.same_device(inclusive_offsets, "inclusive_offsets", hidden_states.device);
+  run_pad(s, hidden_states, padded, permutation_map, inclusive_offsets, options);
+}
+
+PadResult pad_to_alignment(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
+                           const Options& options) {
+  Checker c("pad_to_alignment");
+  const PadShape s = check_pad_inputs(c, hidden_states, tokens_per_expert, alignment);
+  const Device dev = hidden_states.device;
+  PadResult r;
+  r.padded = Tensor::empty(hidden_states.dtype, {s.padded_rows, hidden_states.shape[1]}, dev);
+  r.permutation_map = Tensor::empty(DType::kInt32, {s.padded_rows}, dev);
+  r.inclusive_offsets = Tensor::empty(DType::kInt32, {static_cast<int64_t>(s.counts.size())}, dev);
+  run_pad(s, hidden_states, r.padded, r.permutation_map, r.inclusive_offsets, options);
+  return r;
+}
+
+void unpad_from_alignment_out(const TensorView& padded, const TensorView& permutation_map,
+                              const std::optional<TensorView>& probs, const TensorView& out, const Options& options) {
+  Checker c("unpad_from_alignment");
+  c.row_tensor(out, "out", -1, -1, /*allow_fp8=*/true);
+  const int64_t original_size = out.shape[0];
+  check_unpad_inputs(c, padded, permutation_map, probs, original_size);
+  c.row_output(out, "out", original_size, /*at_least=*/false, padded.shape[1], padded.dtype);
+  c.same_device(out, "out", padded.device);
+  const std::vector<int32_t> inverse = check_and_invert_map(c, permutation_map, padded.shape[0], original_size);
+  cpu::gather_rows(cpu::RowsRef::of(padded), inverse.data(), cpu::Scale::of(probs), false, cpu::RowsRef::of(out),
+                   original_size, options.num_threads);
+}
+
+Tensor unpad_from_alignment(const TensorView& padded, const TensorView& permutation_map, int64_t original_size,
+                            const std::optional<TensorView>& probs, const Options& options) {
+  Checker c("unpad_from_alignment");
+  check_unpad_inputs(c, padded, permutation_map, probs, original_size);
+  const std::vector<int32_t> inverse = check_and_invert_map(c, permutation_map, padded.shape[0], original_size);
+  Tensor out = Tensor::empty(padded.dtype, {original_size, padded.shape[1]}, padded.device);
+  cpu::gather_rows(cpu::RowsRef::of(padded), inverse.data(), cpu::Scale::of(probs), false, cpu::RowsRef::of(out),
+                   original_size, options.num_threads);
+  return out;
+}
+
+RowGrads unpad_from_alignment_backward(const TensorView& grad_out, const TensorView& padded,
+                                       const TensorView& permutation_map, const std::optional<TensorView>& probs,
+                                       const Options& options) {
+  Checker c("unpad_from_alignment_backward");
+  c.row_tensor(grad_out, "grad_out", -1, -1, false);
+  const int64_t original_size = grad_out.shape[0];
+  check_unpad_inputs(c, padded, permutation_map, probs, original_size);
+  c.row_tensor(padded, "padded_output", -1, grad_out.shape[1], false);
+  if (padded.dtype != grad_out.dtype) {
+    c.fail(ErrorKind::kType, "padded_output", std::string("expected dtype ") + dtype_name(grad_out.dtype) + ", got " +
+                                                  dtype_name(padded.dtype));
+  }
+  c.same_device(grad_out, "grad_out", padded.device);
+  const std::vector<int32_t> inverse = check_and_invert_map(c, permutation_map, padded.shape[0], original_size);
+  // The map as int32 for the row kernel (the input may be int64).
+  const int64_t rows = padded.shape[0];
+  const detail::IndexReader map_in(permutation_map);
+  std::vector<int32_t> map(static_cast<size_t>(rows));
+  for (int64_t p = 0; p < rows; ++p) map[p] = static_cast<int32_t>(map_in[p]);
+
+  RowGrads g;
+  g.grad_rows = Tensor::empty(padded.dtype, {rows, padded.shape[1]}, padded.device);
+  cpu::gather_rows(cpu::RowsRef::of(grad_out), map.data(), cpu::Scale::of(probs), /*scale_by_source=*/true,
+                   cpu::RowsRef::of(g.grad_rows), rows, options.num_threads);
+  if (probs) {
+    g.grad_weights = Tensor::empty(probs->dtype, {original_size}, padded.device);
+    cpu::row_dots(cpu::RowsRef::of(padded), cpu::RowsRef::of(grad_out), 1, inverse.data(), original_size,
+                  cpu::FloatOut{g.grad_weights.data(), g.grad_weights.dtype()}, options.num_threads);
+  }
+  return g;
+}
+
+}  // namespace padmoe

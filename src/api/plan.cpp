@@ -1,0 +1,136 @@
+// plan.cpp — make_plan: check, size, dispatch to the backend.
+#include <string>
+#include <vector>
+
+#include "api/checks.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "padmoe/index_math.hpp"
+#include "padmoe/ops.hpp"
+
+namespace padmoe {
+
+using detail::Checker;
+
+PlanView Plan::view() const {
+  PlanView v;
+  v.indices = indices;
+  v.bin_ids = bin_ids;
+  v.tokens_per_expert = tokens_per_expert;
+  v.bins = bins;
+  v.padded_tokens_per_expert = padded_tokens_per_expert;
+  v.padded_bins = padded_bins;
+  v.dest_rows = dest_rows;
+  v.row_sources = row_sources;
+  v.num_tokens = num_tokens;
+  v.top_k = top_k;
+  v.num_experts = num_experts;
+  v.alignment = alignment;
+  return v;
+}
+
+int64_t Plan::capacity() const { return capacity_bound(num_tokens, top_k, num_experts, alignment); }
+
+int64_t capacity_bound(int64_t num_tokens, int top_k, int num_experts, int alignment) {
+  return index::capacity_bound(num_tokens * top_k, num_experts, alignment);
+}
+
+int64_t padded_rows(const PlanView& plan, const Options& options) {
+  Checker c("padded_rows");
+  c.int32_output(plan.padded_bins, "plan.padded_bins", plan.num_experts);
+  detail::require_backend(c, plan.padded_bins.device);
+  return plan.num_experts > 0 ? plan.padded_bins.data_as<const int32_t>()[plan.num_experts - 1] : 0;
+}
+
+int64_t padded_rows(const Plan& plan, const Options& options) { return padded_rows(plan.view(), options); }
+
+namespace {
+
+struct PlanShape {
+  int64_t tokens;
+  int top_k;
+  int64_t padded_rows;
+};
+
+// Shapes, dtypes, and every expert id in [0, E); returns P.
+PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int num_experts, int alignment) {
+  if (top_experts.ndim != 2) c.value_error("top_experts", "expected a 2-D [tokens, top_k] tensor");
+  if (!is_index(top_experts.dtype)) {
+    c.fail(ErrorKind::kType, "top_experts", std::string("expected int32 or int64, got ") + dtype_name(top_experts.dtype));
+  }
+  if (!top_experts.is_contiguous()) c.value_error("top_experts", "expected a contiguous tensor");
+  if (num_experts < 1) c.value_error("num_experts", "must be >= 1, got " + std::to_string(num_experts));
+  c.alignment(alignment);
+  const int64_t tokens = top_experts.shape[0];
+  const int64_t k = top_experts.shape[1];
+  if (tokens < 0) c.value_error("top_experts", "negative token count");
+  if (k < 1 || k > (int64_t{1} << 30)) c.value_error("top_k", "top_experts must have top_k >= 1 columns, got " + std::to_string(k));
+  const int64_t a_count = tokens * k;
+  detail::check_int32_extent(c, "top_experts", a_count);
+  detail::check_int32_extent(c, "capacity", index::capacity_bound(a_count, num_experts, alignment));
+  detail::require_backend(c, top_experts.device);
+
+  const detail::IndexReader ids(top_experts);
+  std::vector<int64_t> counts(static_cast<size_t>(num_experts), 0);
+  for (int64_t a = 0; a < a_count; ++a) {
+    const int64_t e = ids[a];
+    if (e < 0 || e >= num_experts) {
+      c.value_error("top_experts", "expert id " + std::to_string(e) + " at [" + std::to_string(a / k) + ", " +
+                                       std::to_string(a % k) + "] is outside [0, " + std::to_string(num_experts) + ")");
+    }
+    ++counts[e];
+  }
+  int64_t padded = 0;
+  for (int64_t n : counts) padded += index::round_up(n, alignment);
+  return PlanShape{tokens, static_cast<int>(k), padded};
+}
+
+void check_plan_outputs(const Checker& c, const PlanView& out, const PlanShape& s, int num_experts, Device device) {
+  const int64_t a_count = s.tokens * s.top_k;
+  c.int32_output(out.indices, "out.indices", a_count);
+  c.int32_output(out.bin_ids, "out.bin_ids", a_count);
+  c.int32_output(out.tokens_per_expert, "out.tokens_per_expert", num_experts);
+  c.int32_output(out.bins, "out.bins", num_experts);
+  c.int32_output(out.padded_tokens_per_expert, "out.padded_tokens_per_expert", num_experts);
+  c.int32_output(out.padded_bins, "out.padded_bins", num_experts);
+  c.int32_output(out.dest_rows, "out.dest_rows", a_count);
+  c.int32_output(out.row_sources, "out.row_sources", s.padded_rows, /*at_least=*/true);
+  const TensorView* all[] = {&out.indices, &out.bin_ids, &out.tokens_per_expert, &out.bins,
+                             &out.padded_tokens_per_expert, &out.padded_bins, &out.dest_rows, &out.row_sources};
+  for (const TensorView* t : all) c.same_device(*t, "out", device);
+}
+
+}  // namespace
+
+void make_plan_out(const TensorView& top_experts, int num_experts, int alignment, const PlanView& out,
+                   const Options& options) {
+  Checker c("make_plan");
+  const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
+  check_plan_outputs(c, out, s, num_experts, top_experts.device);
+  cpu::make_plan(top_experts.data, top_experts.dtype == DType::kInt64, s.tokens, s.top_k, num_experts, alignment, out,
+                 options.num_threads);
+}
+
+Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, const Options& options) {
+  Checker c("make_plan");
+  const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
+  const Device dev = top_experts.device;
+  const int64_t a_count = s.tokens * s.top_k;
+  Plan plan;
+  plan.num_tokens = s.tokens;
+  plan.top_k = s.top_k;
+  plan.num_experts = num_experts;
+  plan.alignment = alignment;
+  plan.indices = Tensor::empty(DType::kInt32, {a_count}, dev);
+  plan.bin_ids = Tensor::empty(DType::kInt32, {a_count}, dev);
+  plan.tokens_per_expert = Tensor::empty(DType::kInt32, {num_experts}, dev);
+  plan.bins = Tensor::empty(DType::kInt32, {num_experts}, dev);
+  plan.padded_tokens_per_expert = Tensor::empty(DType::kInt32, {num_experts}, dev);
+  plan.padded_bins = Tensor::empty(DType::kInt32, {num_experts}, dev);
+  plan.dest_rows = Tensor::empty(DType::kInt32, {a_count}, dev);
+  plan.row_sources = Tensor::empty(DType::kInt32, {plan.capacity()}, dev);
+  cpu::make_plan(top_experts.data, top_experts.dtype == DType::kInt64, s.tokens, s.top_k, num_experts, alignment,
+                 plan.view(), options.num_threads);
+  return plan;
+}
+
+}  // namespace padmoe

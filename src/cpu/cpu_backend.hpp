@@ -1,0 +1,87 @@
+// cpu_backend.hpp — the CPU kernels. Raw pointers and sizes only; every
+// argument was checked by the API layer before these run.
+//
+// Each kernel partitions its output over workers in contiguous ranges
+// (index::work_range), writes every output row exactly once (padding rows
+// are zeroed by the same pass that writes the real rows) and computes each
+// output element in a fixed order, so results are bitwise identical for any
+// thread count.
+#pragma once
+
+#include <cstdint>
+
+#include "padmoe/ops.hpp"
+#include "padmoe/tensor.hpp"
+
+namespace padmoe {
+namespace cpu {
+
+// A [rows, cols] row matrix with a byte row stride.
+struct RowsRef {
+  void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t stride_bytes = 0;
+  DType dtype = DType::kFloat32;
+
+  static RowsRef of(const TensorView& t) {
+    return RowsRef{t.data, t.shape[0], t.shape[1],
+                   t.strides[0] * static_cast<int64_t>(element_size(t.dtype)), t.dtype};
+  }
+  char* row(int64_t r) const { return static_cast<char*>(data) + r * stride_bytes; }
+  int64_t row_bytes() const { return cols * static_cast<int64_t>(element_size(dtype)); }
+};
+
+// Optional per-row scale (router weights, probs): float32 or a row dtype.
+struct Scale {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  static Scale of(const std::optional<TensorView>& t) {
+    return t ? Scale{t->data, t->dtype} : Scale{};
+  }
+  bool present() const { return data != nullptr; }
+  float at(int64_t i) const;  // 1 when absent
+};
+
+// Optional per-assignment float output (weight gradients): float32 or a row dtype.
+struct FloatOut {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  void store(int64_t i, float v) const;
+};
+
+// make_plan on validated top_experts ([A] int32 or int64 ids in [0, E)).
+// Fills every field of `out` (int32), row_sources up to its full length.
+void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k, int num_experts, int alignment,
+               const PlanView& out, int threads);
+
+// Token-driven spread (dispatch / padded_gather / grad of combine):
+//   y[dest[t*K+k]] = x[t] * w(t*K+k) for every k with dest >= 0;
+//   rows r < padded_rows with row_sources[r] < 0 are zeroed.
+// When dots_with is given, dots[a] = <dots_with[dest[a]], x[t]> (0 where
+// dest < 0) from the same read of x[t] (combine_backward's weight grad).
+void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, const RowsRef& y,
+                 const int32_t* row_sources, int64_t padded_rows, const RowsRef* dots_with, FloatOut dots,
+                 int threads);
+
+// Token-driven weighted reduction (combine / padded_scatter):
+//   out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]]  (float32, dest < 0 skipped).
+void reduce_rows(const RowsRef& y, int top_k, const int32_t* dest, Scale w, const RowsRef& out, int block_x,
+                 int threads);
+
+// Per-assignment dot products (padded_scatter_wgrad, unpad's grad_probs):
+//   out[a] = <y[dest[a]], g[a / K]> (float32; 0 where dest < 0), a in [0, A).
+void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest, int64_t assignments,
+              FloatOut out, int threads);
+
+// Output-row-driven move (pad, unpad, grad of unpad):
+//   out[r] = src[map[r]] * s(scale_index) for map[r] >= 0, else zero;
+//   scale_index = map[r] when scale_by_source, else r.
+void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_source, const RowsRef& out,
+                 int64_t rows, int threads);
+
+// Worker count for `items` units of `bytes_per_item` (keeps tiny ops on one thread).
+int workers_for(int threads, int64_t items, int64_t bytes_per_item);
+
+}  // namespace cpu
+}  // namespace padmoe

@@ -1,0 +1,88 @@
+// plan_cpu.cpp — make_plan on the CPU: a stable counting sort by expert.
+//
+// 1. Each worker histograms its contiguous range of assignment ids.
+// 2. The exclusive offsets of (expert, worker) pairs in that order make the
+//    sort stable: worker w's assignments of expert e follow every earlier
+//    worker's, and each worker visits its range in ascending order.
+// 3. Each worker scatters its range into indices / bin_ids / dest_rows /
+//    row_sources; padding rows and rows at or past P get -1 from the same pass.
+#include <vector>
+
+#include "cpu/cpu_backend.hpp"
+#include "cpu/thread_pool.hpp"
+#include "padmoe/index_math.hpp"
+
+namespace padmoe {
+namespace cpu {
+
+void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k, int num_experts, int alignment,
+               const PlanView& out, int threads) {
+  const int64_t a_count = num_tokens * top_k;
+  const int64_t experts = num_experts;
+  auto expert_of = [&](int64_t a) -> int64_t {
+    return wide ? static_cast<const int64_t*>(top_experts)[a] : static_cast<const int32_t*>(top_experts)[a];
+  };
+  const int workers = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(resolve_threads(threads), a_count / 16384)));
+
+  // 1. Per-worker histograms.
+  std::vector<int64_t> counts(static_cast<size_t>(workers * experts), 0);
+  parallel_run(workers, [&](int w) {
+    int64_t* mine = counts.data() + w * experts;
+    const index::Range r = index::work_range(w, workers, a_count);
+    for (int64_t a = r.begin; a < r.end; ++a) ++mine[expert_of(a)];
+  });
+
+  // 2. Counts, cumulative sums and per-(worker, expert) write offsets.
+  int32_t* tokens_per_expert = out.tokens_per_expert.data_as<int32_t>();
+  int32_t* bins = out.bins.data_as<int32_t>();
+  int32_t* padded_tokens = out.padded_tokens_per_expert.data_as<int32_t>();
+  int32_t* padded_bins = out.padded_bins.data_as<int32_t>();
+  std::vector<int64_t> offsets(counts.size());
+  int64_t real_total = 0, padded_total = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    int64_t count = 0;
+    for (int w = 0; w < workers; ++w) {
+      offsets[w * experts + e] = real_total + count;
+      count += counts[w * experts + e];
+    }
+    const int64_t padded = index::round_up(count, alignment);
+    real_total += count;
+    padded_total += padded;
+    tokens_per_expert[e] = static_cast<int32_t>(count);
+    bins[e] = static_cast<int32_t>(real_total);
+    padded_tokens[e] = static_cast<int32_t>(padded);
+    padded_bins[e] = static_cast<int32_t>(padded_total);
+  }
+
+  // 3. Scatter, padding and tail rows.
+  int32_t* indices = out.indices.data_as<int32_t>();
+  int32_t* bin_ids = out.bin_ids.data_as<int32_t>();
+  int32_t* dest_rows = out.dest_rows.data_as<int32_t>();
+  int32_t* row_sources = out.row_sources.data_as<int32_t>();
+  const int64_t row_capacity = out.row_sources.shape[0];
+  parallel_run(workers, [&](int w) {
+    int64_t* next = offsets.data() + w * experts;
+    const index::Range r = index::work_range(w, workers, a_count);
+    for (int64_t a = r.begin; a < r.end; ++a) {
+      const int64_t e = expert_of(a);
+      const int64_t pos = next[e]++;
+      const int64_t row = index::padded_row(pos, index::segment_start(bins, e), index::segment_start(padded_bins, e));
+      indices[pos] = static_cast<int32_t>(a);
+      bin_ids[pos] = static_cast<int32_t>(e);
+      dest_rows[a] = static_cast<int32_t>(row);
+      row_sources[row] = static_cast<int32_t>(a);
+    }
+    const index::Range er = index::work_range(w, workers, experts);
+    for (int64_t e = er.begin; e < er.end; ++e) {
+      for (int64_t p = index::segment_start(padded_bins, e) + tokens_per_expert[e]; p < padded_bins[e]; ++p) {
+        row_sources[p] = -1;
+      }
+    }
+    const index::Range tail = index::work_range(w, workers, row_capacity - padded_total);
+    for (int64_t p = padded_total + tail.begin; p < padded_total + tail.end; ++p) row_sources[p] = -1;
+  });
+}
+
+}  // namespace cpu
+}  // namespace padmoe

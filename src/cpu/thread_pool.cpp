@@ -1,0 +1,96 @@
+// thread_pool.cpp — a persistent pool: threads are started once and parked on
+// a condition variable between ops, so an op costs a wake-up, not a spawn.
+#include "cpu/thread_pool.hpp"
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace padmoe {
+namespace cpu {
+namespace {
+
+class Pool {
+ public:
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  void run(int workers, const std::function<void(int)>& fn) {
+    if (workers <= 1) {
+      fn(0);
+      return;
+    }
+    std::lock_guard<std::mutex> serial(run_mu_);  // one op at a time uses the pool
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (static_cast<int>(threads_.size()) < workers - 1) {
+        const int id = static_cast<int>(threads_.size()) + 1;
+        threads_.emplace_back([this, id] { loop(id); });
+      }
+      fn_ = &fn;
+      active_ = workers;
+      pending_ = workers - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    fn(0);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* fn = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        if (id >= active_) continue;  // not needed for this op
+        fn = fn_;
+      }
+      (*fn)(id);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex run_mu_;
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> threads_;
+  const std::function<void(int)>* fn_ = nullptr;
+  uint64_t generation_ = 0;
+  int active_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+};
+
+Pool& pool() {
+  static Pool p;
+  return p;
+}
+
+}  // namespace
+
+int resolve_threads(int requested) {
+  if (requested > 0) return requested;
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw > 0 ? static_cast<int>(hw) : 1;
+}
+
+void parallel_run(int workers, const std::function<void(int)>& fn) { pool().run(workers, fn); }
+
+}  // namespace cpu
+}  // namespace padmoe
