@@ -9,6 +9,16 @@
 #include "padmoe/index_math.hpp"
 #include "padmoe/numeric.hpp"
 
+// The per-row loops are compiled twice on x86-64 Linux with GCC (AVX2 and
+// baseline), picked at load time. Both clones compute the same bits: no
+// reassociation (no -ffast-math) and no contraction (ISO C++ mode), and the
+// dot product's lanes are explicit.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define PADMOE_CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define PADMOE_CPU_CLONES
+#endif
+
 namespace padmoe {
 namespace cpu {
 namespace {
@@ -37,20 +47,20 @@ struct F16 {
 };
 
 template <typename T>
-void scale_row(char* dst, const char* src, int64_t n, float w) {
+PADMOE_CPU_CLONES void scale_row(char* dst, const char* src, int64_t n, float w) {
   auto* d = reinterpret_cast<typename T::S*>(dst);
   const auto* s = reinterpret_cast<const typename T::S*>(src);
   for (int64_t i = 0; i < n; ++i) d[i] = T::st(T::ld(s[i]) * w);
 }
 
 template <typename T>
-void accumulate_row(float* acc, const char* src, int64_t n, float w) {
+PADMOE_CPU_CLONES void accumulate_row(float* acc, const char* src, int64_t n, float w) {
   const auto* s = reinterpret_cast<const typename T::S*>(src);
   for (int64_t i = 0; i < n; ++i) acc[i] += w * T::ld(s[i]);
 }
 
 template <typename T>
-void store_row(char* dst, const float* acc, int64_t n) {
+PADMOE_CPU_CLONES void store_row(char* dst, const float* acc, int64_t n) {
   auto* d = reinterpret_cast<typename T::S*>(dst);
   for (int64_t i = 0; i < n; ++i) d[i] = T::st(acc[i]);
 }
@@ -60,7 +70,7 @@ void store_row(char* dst, const float* acc, int64_t n) {
 // run and thread count.
 constexpr int kLanes = 16;
 template <typename T>
-float dot_row(const char* a_bytes, const char* b_bytes, int64_t n) {
+PADMOE_CPU_CLONES float dot_row(const char* a_bytes, const char* b_bytes, int64_t n) {
   const auto* a = reinterpret_cast<const typename T::S*>(a_bytes);
   const auto* b = reinterpret_cast<const typename T::S*>(b_bytes);
   float lanes[kLanes] = {};

@@ -1,0 +1,220 @@
+// reference.cpp — the reference loops of reference.hpp, written straight from
+// SPEC.md sections 1-3. Deliberately naive and single-threaded; it shares no
+// code with the backends (no index-math header) so that a mistake in the
+// shared index math cannot hide in both places.
+#include "reference/reference.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+namespace padmoe {
+namespace ref {
+
+namespace {
+
+int64_t round_up_multiple(int64_t x, int64_t m) {
+  // Smallest multiple of m >= x, written differently from index_math on purpose.
+  const int64_t r = x % m;
+  return r == 0 ? x : x + (m - r);
+}
+
+// A move with a weight: the product is formed in double and rounded once to float.
+float weighted(float v, float w) { return static_cast<float>(static_cast<double>(v) * static_cast<double>(w)); }
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("padmoe::ref: " + what);
+}
+
+}  // namespace
+
+Plan make_plan(const std::vector<int64_t>& top_experts, int64_t num_tokens, int top_k, int num_experts,
+               int alignment) {
+  require(top_k >= 1, "top_k must be >= 1");
+  require(alignment >= 1, "alignment must be >= 1");
+  require(num_experts >= 0, "num_experts must be >= 0");
+  require(num_tokens >= 0, "num_tokens must be >= 0");
+  const int64_t A = num_tokens * top_k;
+  require(static_cast<int64_t>(top_experts.size()) == A, "top_experts must hold T*K entries");
+  for (int64_t a = 0; a < A; ++a)
+    require(top_experts[a] >= 0 && top_experts[a] < num_experts,
+            "expert id out of range at position " + std::to_string(a));
+
+  Plan p;
+  p.num_tokens = num_tokens;
+  p.top_k = top_k;
+  p.num_experts = num_experts;
+  p.alignment = alignment;
+  const int64_t E = num_experts;
+
+  // Stable sort of assignment ids by expert.
+  p.indices.resize(A);
+  std::iota(p.indices.begin(), p.indices.end(), int64_t{0});
+  std::stable_sort(p.indices.begin(), p.indices.end(),
+                   [&](int64_t l, int64_t r) { return top_experts[l] < top_experts[r]; });
+  p.bin_ids.resize(A);
+  for (int64_t i = 0; i < A; ++i) p.bin_ids[i] = top_experts[p.indices[i]];
+
+  p.tokens_per_expert.assign(E, 0);
+  for (int64_t a = 0; a < A; ++a) ++p.tokens_per_expert[top_experts[a]];
+  p.bins.assign(E, 0);
+  p.padded_tokens_per_expert.assign(E, 0);
+  p.padded_bins.assign(E, 0);
+  int64_t run = 0, prun = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    run += p.tokens_per_expert[e];
+    p.bins[e] = run;
+    p.padded_tokens_per_expert[e] = round_up_multiple(p.tokens_per_expert[e], alignment);
+    prun += p.padded_tokens_per_expert[e];
+    p.padded_bins[e] = prun;
+  }
+  p.padded_rows = E == 0 ? 0 : p.padded_bins[E - 1];
+  p.capacity = A + E * (static_cast<int64_t>(alignment) - 1);
+
+  // Sorted position i of expert e -> padded_start(e) + i - real_start(e).
+  p.dest_rows.assign(A, -1);
+  p.row_sources.assign(static_cast<size_t>(p.capacity), -1);
+  for (int64_t i = 0; i < A; ++i) {
+    const int64_t e = p.bin_ids[i];
+    const int64_t real_start = e == 0 ? 0 : p.bins[e - 1];
+    const int64_t padded_start = e == 0 ? 0 : p.padded_bins[e - 1];
+    const int64_t row = padded_start + (i - real_start);
+    const int64_t a = p.indices[i];
+    p.dest_rows[a] = row;
+    p.row_sources[row] = a;
+  }
+  return p;
+}
+
+std::vector<float> padded_gather(const std::vector<float>& x, int64_t hidden, const Plan& plan,
+                                 const std::vector<float>* weights) {
+  const int64_t H = hidden, K = plan.top_k, A = plan.num_tokens * K;
+  require(static_cast<int64_t>(x.size()) >= plan.num_tokens * H, "x too small");
+  require(weights == nullptr || static_cast<int64_t>(weights->size()) >= A, "weights too small");
+  std::vector<float> y(static_cast<size_t>(plan.padded_rows * H), 0.0f);
+  for (int64_t r = 0; r < plan.padded_rows; ++r) {
+    const int64_t a = plan.row_sources[r];
+    if (a < 0) continue;  // padding row: zero
+    const int64_t t = a / K;
+    for (int64_t h = 0; h < H; ++h) {
+      const float v = x[t * H + h];
+      y[r * H + h] = weights ? weighted(v, (*weights)[a]) : v;
+    }
+  }
+  return y;
+}
+
+std::vector<double> padded_scatter(const std::vector<float>& y, int64_t hidden, const Plan& plan,
+                                   const std::vector<float>* weights) {
+  const int64_t H = hidden, K = plan.top_k, T = plan.num_tokens;
+  require(static_cast<int64_t>(y.size()) >= plan.padded_rows * H, "y too small");
+  require(weights == nullptr || static_cast<int64_t>(weights->size()) >= T * K, "weights too small");
+  std::vector<double> out(static_cast<size_t>(T * H), 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t a = t * K + k;
+      const int64_t row = plan.dest_rows[a];
+      const double w = weights ? static_cast<double>((*weights)[a]) : 1.0;
+      for (int64_t h = 0; h < H; ++h) out[t * H + h] += w * static_cast<double>(y[row * H + h]);
+    }
+  }
+  return out;
+}
+
+std::vector<double> padded_scatter_wgrad(const std::vector<float>& y, const std::vector<float>& grad,
+                                         int64_t hidden, const Plan& plan) {
+  const int64_t H = hidden, K = plan.top_k, A = plan.num_tokens * K;
+  require(static_cast<int64_t>(y.size()) >= plan.padded_rows * H, "y too small");
+  require(static_cast<int64_t>(grad.size()) >= plan.num_tokens * H, "grad too small");
+  std::vector<double> wgrad(static_cast<size_t>(A), 0.0);
+  for (int64_t a = 0; a < A; ++a) {
+    const int64_t row = plan.dest_rows[a];
+    const int64_t t = a / K;
+    double s = 0.0;
+    for (int64_t h = 0; h < H; ++h) s += static_cast<double>(y[row * H + h]) * static_cast<double>(grad[t * H + h]);
+    wgrad[a] = s;
+  }
+  return wgrad;
+}
+
+PadResult pad_to_alignment(const std::vector<float>& h, int64_t hidden, const std::vector<int64_t>& tokens_per_expert,
+                           int alignment) {
+  require(alignment >= 1, "alignment must be >= 1");
+  const int64_t H = hidden;
+  const int64_t E = static_cast<int64_t>(tokens_per_expert.size());
+  PadResult r;
+  r.inclusive_offsets.assign(E, 0);
+  int64_t total = 0, ptotal = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    require(tokens_per_expert[e] >= 0, "negative count");
+    total += tokens_per_expert[e];
+    ptotal += round_up_multiple(tokens_per_expert[e], alignment);
+    r.inclusive_offsets[e] = ptotal;
+  }
+  require(static_cast<int64_t>(h.size()) >= total * H, "h holds fewer rows than sum(tokens_per_expert)");
+  r.padded_rows = ptotal;
+  r.padded.assign(static_cast<size_t>(ptotal * H), 0.0f);
+  r.permutation_map.assign(static_cast<size_t>(ptotal), -1);
+  int64_t excl = 0, pexcl = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t c = tokens_per_expert[e];
+    for (int64_t j = 0; j < c; ++j) {
+      const int64_t src = excl + j, dst = pexcl + j;
+      r.permutation_map[dst] = src;
+      for (int64_t x = 0; x < H; ++x) r.padded[dst * H + x] = h[src * H + x];
+    }
+    excl += c;
+    pexcl += round_up_multiple(c, alignment);
+  }
+  return r;
+}
+
+std::vector<float> unpad_from_alignment(const std::vector<float>& padded, int64_t hidden,
+                                        const std::vector<int64_t>& permutation_map, int64_t original_size,
+                                        const std::vector<float>* probs) {
+  const int64_t H = hidden;
+  const int64_t P = static_cast<int64_t>(permutation_map.size());
+  require(static_cast<int64_t>(padded.size()) >= P * H, "padded too small");
+  require(probs == nullptr || static_cast<int64_t>(probs->size()) >= original_size, "probs too small");
+  std::vector<float> out(static_cast<size_t>(original_size * H), 0.0f);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t n = permutation_map[p];
+    if (n < 0) continue;
+    require(n < original_size, "permutation_map entry out of range");
+    for (int64_t x = 0; x < H; ++x) {
+      const float v = padded[p * H + x];
+      out[n * H + x] = probs ? weighted(v, (*probs)[n]) : v;
+    }
+  }
+  return out;
+}
+
+UnpadGrads unpad_from_alignment_backward(const std::vector<float>& grad_out, const std::vector<float>& padded,
+                                         int64_t hidden, const std::vector<int64_t>& permutation_map,
+                                         const std::vector<float>* probs) {
+  const int64_t H = hidden;
+  const int64_t P = static_cast<int64_t>(permutation_map.size());
+  const int64_t N = H > 0 ? static_cast<int64_t>(grad_out.size()) / H
+                          : (probs ? static_cast<int64_t>(probs->size()) : 0);
+  UnpadGrads g;
+  g.grad_padded.assign(static_cast<size_t>(P * H), 0.0f);
+  if (probs) g.grad_probs.assign(static_cast<size_t>(probs->size()), 0.0);
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t n = permutation_map[p];
+    if (n < 0) continue;
+    require(H == 0 || n < N, "permutation_map entry out of range");
+    double s = 0.0;
+    for (int64_t x = 0; x < H; ++x) {
+      const float go = grad_out[n * H + x];
+      g.grad_padded[p * H + x] = probs ? weighted(go, (*probs)[n]) : go;
+      s += static_cast<double>(go) * static_cast<double>(padded[p * H + x]);
+    }
+    if (probs) g.grad_probs[n] = s;
+  }
+  return g;
+}
+
+}  // namespace ref
+}  // namespace padmoe

@@ -1,0 +1,146 @@
+// test_plan.cpp — make_plan / make_plan_out against the reference plan and
+// hand-computed examples: stable sort, every field, int32 and int64
+// top_experts, the capacity bound, row_sources past P.
+#include <tuple>
+
+#include "test_util.hpp"
+
+namespace pt {
+namespace {
+
+void expect_plan_matches(const padmoe::PlanView& lib, const ref::Plan& r, int64_t row_sources_len) {
+  const int64_t A = r.num_tokens * r.top_k;
+  const int64_t E = r.num_experts;
+  auto check = [&](const TensorView& v, const std::vector<int64_t>& want, int64_t n, const char* name) {
+    SCOPED_TRACE(name);
+    ASSERT_EQ(v.dtype, DType::kInt32) << "index outputs are int32";
+    ASSERT_EQ(v.numel(), n);
+    EXPECT_EQ(index_to_vec(v), want);
+  };
+  check(lib.indices, r.indices, A, "indices");
+  check(lib.bin_ids, r.bin_ids, A, "bin_ids");
+  check(lib.tokens_per_expert, r.tokens_per_expert, E, "tokens_per_expert");
+  check(lib.bins, r.bins, E, "bins");
+  check(lib.padded_tokens_per_expert, r.padded_tokens_per_expert, E, "padded_tokens_per_expert");
+  check(lib.padded_bins, r.padded_bins, E, "padded_bins");
+  check(lib.dest_rows, r.dest_rows, A, "dest_rows");
+  std::vector<int64_t> rs = r.row_sources;
+  rs.resize(static_cast<size_t>(row_sources_len), -1);  // rows past P (and past capacity) are -1
+  check(lib.row_sources, rs, row_sources_len, "row_sources");
+  EXPECT_EQ(padmoe::padded_rows(lib), r.padded_rows);
+}
+
+using PlanParam = std::tuple<int64_t, int, int, int, DType, int>;  // T, K, E, m, idx dtype, dist
+class MakePlan : public ::testing::TestWithParam<PlanParam> {};
+
+TEST_P(MakePlan, MatchesReference) {
+  int64_t T;
+  int K, E, m, d;
+  DType idx;
+  std::tie(T, K, E, m, idx, d) = GetParam();
+  if (static_cast<Dist>(d) == Dist::kDistinct && K > E) GTEST_SKIP() << "K > E cannot be distinct";
+  const std::vector<int64_t> te = make_routing(T, K, E, static_cast<Dist>(d), static_cast<uint64_t>(T + K + E + m));
+  const ref::Plan r = ref::make_plan(te, T, K, E, m);
+  const Tensor tet = index_matrix(te, T, K, idx);
+  const padmoe::Plan plan = padmoe::make_plan(tet, E, m);
+  EXPECT_EQ(plan.num_tokens, T);
+  EXPECT_EQ(plan.top_k, K);
+  EXPECT_EQ(plan.num_experts, E);
+  EXPECT_EQ(plan.alignment, m);
+  EXPECT_EQ(plan.num_assignments(), T * K);
+  EXPECT_EQ(plan.capacity(), r.capacity);
+  EXPECT_EQ(plan.capacity(), T * K + static_cast<int64_t>(E) * (m - 1));
+  EXPECT_EQ(padmoe::capacity_bound(T, K, E, m), r.capacity);
+  EXPECT_LE(r.padded_rows, r.capacity);
+  EXPECT_EQ(padmoe::padded_rows(plan), r.padded_rows);
+  expect_plan_matches(plan.view(), r, r.capacity);
+
+  // make_plan_out into poisoned caller buffers, row_sources larger than capacity.
+  const int64_t A = T * K, extra = 13;
+  Tensor b_ind = poison_index(A), b_bid = poison_index(A), b_tpe = poison_index(E), b_bins = poison_index(E),
+         b_ptpe = poison_index(E), b_pb = poison_index(E), b_dest = poison_index(A),
+         b_rs = poison_index(r.capacity + extra);
+  padmoe::PlanView out;
+  out.indices = b_ind; out.bin_ids = b_bid; out.tokens_per_expert = b_tpe; out.bins = b_bins;
+  out.padded_tokens_per_expert = b_ptpe; out.padded_bins = b_pb; out.dest_rows = b_dest; out.row_sources = b_rs;
+  padmoe::make_plan_out(tet, E, m, out);
+  padmoe::PlanView got = out;
+  got.num_tokens = T; got.top_k = K; got.num_experts = E; got.alignment = m;
+  expect_plan_matches(got, r, r.capacity + extra);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Grid, MakePlan,
+    ::testing::Combine(::testing::Values<int64_t>(0, 7, 4096), ::testing::Values(1, 2, 8),
+                       ::testing::Values(1, 16, 128), ::testing::Values(1, 8, 128),
+                       ::testing::Values(DType::kInt32, DType::kInt64),
+                       ::testing::Values(static_cast<int>(Dist::kUniform), static_cast<int>(Dist::kSkewed))));
+
+TEST(MakePlan, StableSortHandExample) {
+  // top_experts [[1,0],[0,1],[1,0]] (K = 2): a -> expert: 0->1 1->0 2->0 3->1 4->1 5->0
+  const std::vector<int64_t> te = {1, 0, 0, 1, 1, 0};
+  for (DType idx : {DType::kInt32, DType::kInt64}) {
+    const padmoe::Plan p = padmoe::make_plan(index_matrix(te, 3, 2, idx), 2, 4);
+    EXPECT_EQ(index_to_vec(p.indices), (std::vector<int64_t>{1, 2, 5, 0, 3, 4}));
+    EXPECT_EQ(index_to_vec(p.bin_ids), (std::vector<int64_t>{0, 0, 0, 1, 1, 1}));
+    EXPECT_EQ(index_to_vec(p.tokens_per_expert), (std::vector<int64_t>{3, 3}));
+    EXPECT_EQ(index_to_vec(p.bins), (std::vector<int64_t>{3, 6}));
+    EXPECT_EQ(index_to_vec(p.padded_tokens_per_expert), (std::vector<int64_t>{4, 4}));
+    EXPECT_EQ(index_to_vec(p.padded_bins), (std::vector<int64_t>{4, 8}));
+    EXPECT_EQ(index_to_vec(p.dest_rows), (std::vector<int64_t>{4, 0, 1, 5, 6, 2}));
+    // capacity = 6 + 2 * 3 = 12
+    EXPECT_EQ(index_to_vec(p.row_sources), (std::vector<int64_t>{1, 2, 5, -1, 0, 3, 4, -1, -1, -1, -1, -1}));
+    EXPECT_EQ(padmoe::padded_rows(p), 8);
+  }
+}
+
+TEST(MakePlan, AlignmentOneHasNoPadding) {
+  const std::vector<int64_t> te = {2, 2, 0, 2, 1, 0};
+  const padmoe::Plan p = padmoe::make_plan(index_matrix(te, 6, 1, DType::kInt32), 4, 1);
+  EXPECT_EQ(index_to_vec(p.indices), (std::vector<int64_t>{2, 5, 4, 0, 1, 3}));
+  EXPECT_EQ(index_to_vec(p.bins), (std::vector<int64_t>{2, 3, 6, 6}));
+  EXPECT_EQ(index_to_vec(p.padded_bins), (std::vector<int64_t>{2, 3, 6, 6}));
+  EXPECT_EQ(index_to_vec(p.row_sources), (std::vector<int64_t>{2, 5, 4, 0, 1, 3}));
+  EXPECT_EQ(index_to_vec(p.dest_rows), (std::vector<int64_t>{3, 4, 0, 5, 2, 1}));
+}
+
+TEST(MakePlan, AllTokensToOneExpertAndEmptyExperts) {
+  const int64_t T = 37;
+  const std::vector<int64_t> te(T, 5);
+  const padmoe::Plan p = padmoe::make_plan(index_matrix(te, T, 1, DType::kInt64), 8, 16);
+  EXPECT_EQ(index_to_vec(p.tokens_per_expert), (std::vector<int64_t>{0, 0, 0, 0, 0, 37, 0, 0}));
+  EXPECT_EQ(index_to_vec(p.padded_tokens_per_expert), (std::vector<int64_t>{0, 0, 0, 0, 0, 48, 0, 0}));
+  EXPECT_EQ(index_to_vec(p.padded_bins), (std::vector<int64_t>{0, 0, 0, 0, 0, 48, 48, 48}));
+  std::vector<int64_t> rs(static_cast<size_t>(T + 8 * 15), -1);
+  for (int64_t t = 0; t < T; ++t) rs[static_cast<size_t>(t)] = t;
+  EXPECT_EQ(index_to_vec(p.row_sources), rs);
+}
+
+TEST(MakePlan, EmptyInput) {
+  Tensor te = Tensor::empty(DType::kInt32, {0, 4});
+  const padmoe::Plan p = padmoe::make_plan(te, 3, 8);
+  EXPECT_EQ(p.num_assignments(), 0);
+  EXPECT_EQ(p.indices.numel(), 0);
+  EXPECT_EQ(index_to_vec(p.bins), (std::vector<int64_t>{0, 0, 0}));
+  EXPECT_EQ(index_to_vec(p.padded_bins), (std::vector<int64_t>{0, 0, 0}));
+  EXPECT_EQ(padmoe::padded_rows(p), 0);
+  EXPECT_EQ(index_to_vec(p.row_sources), std::vector<int64_t>(3 * 7, -1));
+}
+
+TEST(MakePlan, ThreadCountDoesNotChangeThePlan) {
+  const int64_t T = 5000;
+  const int K = 4, E = 64, m = 16;
+  const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 77);
+  const ref::Plan r = ref::make_plan(te, T, K, E, m);
+  const Tensor tet = index_matrix(te, T, K, DType::kInt32);
+  for (int threads : {1, 2, 3, 7}) {
+    SCOPED_TRACE(threads);
+    padmoe::Options o;
+    o.num_threads = threads;
+    const padmoe::Plan p = padmoe::make_plan(tet, E, m, o);
+    expect_plan_matches(p.view(), r, r.capacity);
+  }
+}
+
+}  // namespace
+}  // namespace pt
