@@ -1,0 +1,1181 @@
+// padmoe_cli.cpp — the `padmoe` command-line tool.
+//
+//   padmoe check   run every op of ops.hpp on a workload and compare with the
+//                  reference loops (src/reference): moves bitwise, sums within
+//                  a stated float32 tolerance of a float64 reference.
+//   padmoe bench   time every op (median wall clock) against the copy floor of
+//                  SPEC section 7: min_bytes / memcpy bandwidth measured in the
+//                  same run.
+//   padmoe plan    print and validate the tile plan of SPEC section 6.
+//   padmoe presets list the workload presets (src/workload).
+//
+// One table, `op_table()`, lists every op once: its name, how to run it into
+// preallocated outputs, the bytes it must move and its reference. `check` and
+// `bench` both walk that table.
+//
+// Exit codes: 0 all good, 1 a check failed (or an op raised an error), 2 a
+// usage error or a padmoe::Error outside the per-op runs (e.g. an unsupported
+// device).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "padmoe/padmoe.hpp"
+#include "reference/reference.hpp"
+#include "workload/workload.hpp"
+
+namespace {
+
+using namespace padmoe;
+using Clock = std::chrono::steady_clock;
+
+// ===========================================================================
+// Command line
+// ===========================================================================
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+const char* const kUsage = R"(usage: padmoe <command> [options]
+
+commands:
+  check     run every op on a workload and compare with the reference loops
+  bench     time every op against the memcpy floor (SPEC section 7)
+  plan      print and validate a tile plan (SPEC section 6)
+  presets   list the workload presets
+  help      this text
+
+workload (check, bench):
+  --preset NAME          a preset (see `padmoe presets`)
+  --tokens T --experts E --top-k K --hidden H --alignment M
+                         sizes; each overrides the preset's (default preset
+                         mixtral-8x7b)
+  --small                divide T by 8; implied when no preset and no size is given
+  --dtype f32|f16|bf16   row dtype (default bf16)
+  --device cpu|cuda      (default cpu)
+  --seed S               router and data seed (default 0)
+  --threads N            CPU worker threads, 0 = all (default 0)
+
+bench:
+  --warmup N             untimed runs per op (default 2)
+  --iters N              timed runs per op; the median is reported (default 10)
+  --no-reference         skip timing the single-threaded reference loops
+  --json                 print one JSON object instead of the table
+
+plan:
+  --target cpu|ascend-a2 (default cpu)
+  --hidden H --dtype f32|f16|bf16 (default bf16)
+  --op gather|scatter|wgrad (default: all three)
+  --cores N              cores / programs (default: the target's)
+
+exit status: 0 ok, 1 a check failed, 2 usage or setup error
+)";
+
+struct Args {
+  std::string command;
+  std::map<std::string, std::string> values;
+  std::set<std::string> flags;
+
+  bool has(const std::string& name) const { return values.count(name) != 0 || flags.count(name) != 0; }
+  std::string get(const std::string& name, const std::string& fallback) const {
+    auto it = values.find(name);
+    return it == values.end() ? fallback : it->second;
+  }
+  int64_t get_int(const std::string& name, int64_t fallback) const {
+    auto it = values.find(name);
+    if (it == values.end()) return fallback;
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(it->second.c_str(), &end, 10);
+    if (errno != 0 || end == it->second.c_str() || *end != '\0') {
+      throw UsageError("--" + name + " expects an integer, got '" + it->second + "'");
+    }
+    return v;
+  }
+};
+
+const std::set<std::string> kValueOptions = {"preset",    "tokens", "experts", "top-k", "hidden",
+                                             "alignment", "dtype",  "device",  "seed",  "threads",
+                                             "warmup",    "iters",  "target",  "op",    "cores"};
+const std::set<std::string> kFlagOptions = {"small", "json", "no-reference", "help"};
+
+Args parse_args(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    std::string tok = argv[i];
+    if (tok == "-h") tok = "--help";
+    if (tok.rfind("--", 0) != 0) {
+      if (!args.command.empty()) throw UsageError("unexpected argument '" + tok + "'");
+      args.command = tok;
+      continue;
+    }
+    std::string name = tok.substr(2), value;
+    bool has_value = false;
+    const size_t eq = name.find('=');
+    if (eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    if (kFlagOptions.count(name)) {
+      if (has_value) throw UsageError("--" + name + " takes no value");
+      args.flags.insert(name);
+    } else if (kValueOptions.count(name)) {
+      if (!has_value) {
+        if (i + 1 >= argc) throw UsageError("--" + name + " needs a value");
+        value = argv[++i];
+      }
+      args.values[name] = value;
+    } else {
+      throw UsageError("unknown option '--" + name + "'");
+    }
+  }
+  return args;
+}
+
+DType parse_dtype(const std::string& s) {
+  if (s == "f32" || s == "float32" || s == "fp32") return DType::kFloat32;
+  if (s == "f16" || s == "float16" || s == "fp16" || s == "half") return DType::kFloat16;
+  if (s == "bf16" || s == "bfloat16") return DType::kBFloat16;
+  throw UsageError("--dtype expects f32, f16 or bf16, got '" + s + "'");
+}
+
+// Significand bits of a row dtype (p of the tolerance rule) and half its
+// smallest subnormal (the absolute rounding error near zero).
+int significand_bits(DType d) { return d == DType::kFloat16 ? 11 : d == DType::kBFloat16 ? 8 : 24; }
+double half_min_subnormal(DType d) {
+  return d == DType::kFloat16    ? std::ldexp(1.0, -25)
+         : d == DType::kBFloat16 ? std::ldexp(1.0, -134)
+                                 : std::ldexp(1.0, -150);
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S UTC", &tm);
+  return buf;
+}
+
+int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+// ===========================================================================
+// Workload
+// ===========================================================================
+
+struct Workload {
+  std::string label;  // what the header prints
+  int64_t T = 0;
+  int E = 0, K = 0;
+  int64_t H = 0;
+  int m = 1;
+  DType dtype = DType::kBFloat16;
+  Device device = Device::cpu();
+  uint64_t seed = 0;
+  int threads = 0;  // 0 = all
+};
+
+Workload parse_workload(const Args& args) {
+  static const char* const kSizeFlags[] = {"tokens", "experts", "top-k", "hidden", "alignment"};
+  bool sizes_given = false;
+  for (const char* f : kSizeFlags) sizes_given = sizes_given || args.has(f);
+
+  const std::string preset_name = args.get("preset", workload::default_preset_name());
+  const workload::Preset* preset = workload::find_preset(preset_name);
+  if (preset == nullptr) throw UsageError("unknown preset '" + preset_name + "' (see `padmoe presets`)");
+  workload::Preset p = *preset;
+  p.tokens = args.get_int("tokens", p.tokens);
+  p.experts = static_cast<int>(args.get_int("experts", p.experts));
+  p.top_k = static_cast<int>(args.get_int("top-k", p.top_k));
+  p.hidden = args.get_int("hidden", p.hidden);
+  p.alignment = static_cast<int>(args.get_int("alignment", p.alignment));
+  const bool implied_small = !args.has("preset") && !sizes_given;
+  const bool small = args.has("small") || implied_small;
+  if (small) p = workload::small(p);
+
+  Workload w;
+  w.label = sizes_given ? "custom (from " + preset_name + ")" : preset_name;
+  if (small) w.label += implied_small ? " --small (default)" : " --small";
+  w.T = p.tokens;
+  w.E = p.experts;
+  w.K = p.top_k;
+  w.H = p.hidden;
+  w.m = p.alignment;
+  w.dtype = parse_dtype(args.get("dtype", "bf16"));
+  w.seed = static_cast<uint64_t>(args.get_int("seed", 0));
+  w.threads = static_cast<int>(args.get_int("threads", 0));
+  const std::string dev = args.get("device", "cpu");
+  if (dev == "cpu")
+    w.device = Device::cpu();
+  else if (dev == "cuda" || dev.rfind("cuda:", 0) == 0)
+    w.device = Device::cuda(dev.size() > 5 ? std::atoi(dev.c_str() + 5) : 0);
+  else
+    throw UsageError("--device expects cpu or cuda, got '" + dev + "'");
+
+  if (w.T < 0) throw UsageError("--tokens must be >= 0");
+  if (w.E < 1) throw UsageError("--experts must be >= 1");
+  if (w.K < 1 || w.K > w.E) throw UsageError("--top-k must be in [1, experts]");
+  if (w.H < 0) throw UsageError("--hidden must be >= 0");
+  if (w.m < 1) throw UsageError("--alignment must be >= 1");
+  if (w.threads < 0) throw UsageError("--threads must be >= 0");
+  return w;
+}
+
+// Everything the ops read and write, allocated once. Inputs in the padded
+// layout ([P, H]) hold NaN in their padding rows, which no op may read.
+struct Data {
+  Workload w;
+  Options opt;
+  int64_t A = 0, P = 0, R = 0, N = 0;  // assignments, padded rows, capacity, Megatron rows (= A)
+
+  workload::Routing routing;
+  Tensor top_experts;  // [T, K] int32
+  Tensor weights;      // [A] float32 router weights, by assignment id
+  Plan plan;           // the plan every op runs on
+
+  Tensor x, grad_out;        // [T, H]
+  Tensor y, grad_y;          // [P, H], padding rows NaN
+  Tensor tokens_per_expert;  // [E] int32 (the plan's)
+  Tensor h, grad_unpadded;   // [N, H]: h = x rows in expert-sorted order
+  Tensor padded, perm_map;   // [P, H] (padding NaN), [P] int32: h padded as pad_to_alignment does
+  Tensor probs;              // [N] float32: probs[i] = weights[indices[i]]
+
+  // Outputs, reused by every op (no allocation inside a timed run).
+  Plan plan_out;         // row_sources has R entries
+  Tensor out_rows_R;     // [R, H]: gather / dispatch / pad outputs
+  Tensor out_rows_T;     // [T, H]: scatter / combine outputs
+  Tensor out_rows_N;     // [N, H]: unpad outputs
+  Tensor out_rows_R2;    // [R, H]: combine_backward grad_y
+  Tensor out_f32_A;      // [A] float32: wgrad / grad_weights
+  Tensor out_map_R;      // [R] int32
+  Tensor out_offsets_E;  // [E] int32
+  RowGrads grads;        // results of the ops that only have allocating forms
+
+  // Host float copies for the reference loops (filled only when needed).
+  bool have_reference = false;
+  ref::Plan ref_plan;
+  std::vector<float> x_f, grad_out_f, y_f, grad_y_f, h_f, grad_unpadded_f, padded_f, probs_f;
+  std::vector<int64_t> perm_map_ref, tokens_per_expert_ref;
+};
+
+uint64_t stream_seed(uint64_t seed, uint64_t stream) {
+  uint64_t s = seed ^ (0x632be59bd9b4e019ull * (stream + 1));
+  return workload::splitmix64(s);
+}
+
+int32_t* i32(const Tensor& t) { return t.data_as<int32_t>(); }
+
+Tensor plan_tensor(const std::vector<int64_t>& v) {
+  Tensor t = Tensor::empty(DType::kInt32, {static_cast<int64_t>(v.size())});
+  for (size_t i = 0; i < v.size(); ++i) i32(t)[i] = static_cast<int32_t>(v[i]);
+  return t;
+}
+
+Plan allocate_plan(int64_t T, int K, int E, int m, int64_t A, int64_t R) {
+  Plan p;
+  p.indices = Tensor::empty(DType::kInt32, {A});
+  p.bin_ids = Tensor::empty(DType::kInt32, {A});
+  p.tokens_per_expert = Tensor::empty(DType::kInt32, {E});
+  p.bins = Tensor::empty(DType::kInt32, {E});
+  p.padded_tokens_per_expert = Tensor::empty(DType::kInt32, {E});
+  p.padded_bins = Tensor::empty(DType::kInt32, {E});
+  p.dest_rows = Tensor::empty(DType::kInt32, {A});
+  p.row_sources = Tensor::empty(DType::kInt32, {R});
+  p.num_tokens = T;
+  p.top_k = K;
+  p.num_experts = E;
+  p.alignment = m;
+  return p;
+}
+
+std::vector<float> to_floats(const Tensor& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) v[i] = numeric::load_as_float(t.data(), t.dtype(), i);
+  return v;
+}
+
+Tensor random_rows(int64_t rows, int64_t H, DType dtype, uint64_t seed) {
+  Tensor t = Tensor::empty(dtype, {rows, H});
+  workload::fill_uniform(t.data(), dtype, rows * H, seed);
+  return t;
+}
+
+void fill_nan_rows(const Tensor& t, const int32_t* row_sources, int64_t rows, int64_t H) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (row_sources[r] >= 0) continue;
+    for (int64_t c = 0; c < H; ++c) numeric::store_from_float(t.data(), t.dtype(), r * H + c, nan);
+  }
+}
+
+// Builds the workload. With `reference`, the plan the ops run on is the
+// reference plan (so a make_plan bug cannot hide in the other checks) and the
+// host float copies are made; otherwise the plan is the library's make_plan.
+Data build_data(const Workload& w, bool reference) {
+  if (!w.device.is_cpu()) {
+    // The library raises kUnsupported here when built without CUDA.
+    Tensor probe = Tensor::empty(DType::kInt32, {1}, w.device);
+    (void)probe;
+    throw Error(ErrorKind::kUnsupported,
+                "--device " + device_name(w.device) +
+                    ": the CLI cannot stage data on a GPU yet (the public API has no host<->device copy)");
+  }
+  Data d;
+  d.w = w;
+  d.opt.num_threads = w.threads;
+  const int64_t T = w.T, H = w.H;
+  d.A = T * w.K;
+  d.N = d.A;
+  d.R = capacity_bound(T, w.K, w.E, w.m);
+
+  d.routing = workload::random_router(T, w.E, w.K, stream_seed(w.seed, 0));
+  d.top_experts = Tensor::empty(DType::kInt32, {T, w.K});
+  std::copy(d.routing.top_experts.begin(), d.routing.top_experts.end(), i32(d.top_experts));
+  d.weights = Tensor::empty(DType::kFloat32, {d.A});
+  std::copy(d.routing.weights.begin(), d.routing.weights.end(), d.weights.data_as<float>());
+
+  if (reference) {
+    d.have_reference = true;
+    std::vector<int64_t> te(d.routing.top_experts.begin(), d.routing.top_experts.end());
+    d.ref_plan = ref::make_plan(te, T, w.K, w.E, w.m);
+    const ref::Plan& rp = d.ref_plan;
+    d.plan.indices = plan_tensor(rp.indices);
+    d.plan.bin_ids = plan_tensor(rp.bin_ids);
+    d.plan.tokens_per_expert = plan_tensor(rp.tokens_per_expert);
+    d.plan.bins = plan_tensor(rp.bins);
+    d.plan.padded_tokens_per_expert = plan_tensor(rp.padded_tokens_per_expert);
+    d.plan.padded_bins = plan_tensor(rp.padded_bins);
+    d.plan.dest_rows = plan_tensor(rp.dest_rows);
+    d.plan.row_sources = plan_tensor(rp.row_sources);
+    d.plan.num_tokens = T;
+    d.plan.top_k = w.K;
+    d.plan.num_experts = w.E;
+    d.plan.alignment = w.m;
+    d.P = rp.padded_rows;
+  } else {
+    d.plan = make_plan(d.top_experts, w.E, w.m, d.opt);
+    d.P = padded_rows(d.plan, d.opt);
+  }
+  const int64_t A = d.A, P = d.P, R = d.R, N = d.N;
+  const int32_t* indices = i32(d.plan.indices);
+  const int32_t* dest_rows = i32(d.plan.dest_rows);
+  const int32_t* row_sources = i32(d.plan.row_sources);
+
+  d.x = random_rows(T, H, w.dtype, stream_seed(w.seed, 1));
+  d.grad_out = random_rows(T, H, w.dtype, stream_seed(w.seed, 2));
+  d.y = random_rows(P, H, w.dtype, stream_seed(w.seed, 3));
+  d.grad_y = random_rows(P, H, w.dtype, stream_seed(w.seed, 4));
+  fill_nan_rows(d.y, row_sources, P, H);
+  fill_nan_rows(d.grad_y, row_sources, P, H);
+
+  // Megatron inputs: h is what a dispatch without padding produces (x rows in
+  // expert-sorted order); `padded` is h padded per the plan's segments.
+  d.tokens_per_expert = d.plan.tokens_per_expert;
+  const size_t es = element_size(w.dtype);
+  d.h = Tensor::empty(w.dtype, {N, H});
+  d.probs = Tensor::empty(DType::kFloat32, {N});
+  d.padded = Tensor::empty(w.dtype, {P, H});
+  d.perm_map = Tensor::empty(DType::kInt32, {P});
+  std::fill(i32(d.perm_map), i32(d.perm_map) + P, -1);
+  for (int64_t i = 0; i < A; ++i) {
+    const int64_t a = indices[i];
+    const int64_t row = dest_rows[a];
+    std::memcpy(static_cast<char*>(d.h.data()) + i * H * es, static_cast<const char*>(d.x.data()) + (a / w.K) * H * es,
+                H * es);
+    std::memcpy(static_cast<char*>(d.padded.data()) + row * H * es, static_cast<const char*>(d.h.data()) + i * H * es,
+                H * es);
+    i32(d.perm_map)[row] = static_cast<int32_t>(i);
+    d.probs.data_as<float>()[i] = d.weights.data_as<float>()[a];
+  }
+  fill_nan_rows(d.padded, row_sources, P, H);
+  d.grad_unpadded = random_rows(N, H, w.dtype, stream_seed(w.seed, 5));
+
+  d.plan_out = allocate_plan(T, w.K, w.E, w.m, A, R);
+  d.out_rows_R = Tensor::empty(w.dtype, {R, H});
+  d.out_rows_R2 = Tensor::empty(w.dtype, {R, H});
+  d.out_rows_T = Tensor::empty(w.dtype, {T, H});
+  d.out_rows_N = Tensor::empty(w.dtype, {N, H});
+  d.out_f32_A = Tensor::empty(DType::kFloat32, {A});
+  d.out_map_R = Tensor::empty(DType::kInt32, {R});
+  d.out_offsets_E = Tensor::empty(DType::kInt32, {w.E});
+
+  if (reference) {
+    d.x_f = to_floats(d.x);
+    d.grad_out_f = to_floats(d.grad_out);
+    d.y_f = to_floats(d.y);
+    d.grad_y_f = to_floats(d.grad_y);
+    d.h_f = to_floats(d.h);
+    d.padded_f = to_floats(d.padded);
+    d.grad_unpadded_f = to_floats(d.grad_unpadded);
+    d.probs_f = to_floats(d.probs);
+    d.perm_map_ref.assign(i32(d.perm_map), i32(d.perm_map) + P);
+    d.tokens_per_expert_ref = d.ref_plan.tokens_per_expert;
+  }
+  return d;
+}
+
+// ===========================================================================
+// Expected results and their comparison
+// ===========================================================================
+
+enum class Cmp {
+  kIndex,  // int32 output equal to the reference
+  kMove,   // row output bitwise equal to the reference float rounded to the dtype
+  kSum,    // within the tolerance rule of a float64 reference
+};
+
+struct Expect {
+  std::string what;            // output name, for failure messages
+  TensorView got;              // the library's output (1-D, or [rows, H])
+  int64_t rows = 0, cols = 1;  // compared extent
+  int64_t untouched_rows = 0;  // rows after `rows` that must keep the sentinel
+  Cmp cmp = Cmp::kMove;
+  std::vector<int64_t> index;                    // kIndex
+  std::vector<float> move;                       // kMove
+  std::vector<double> sum;                       // kSum
+  int64_t terms = 0;                             // kSum: n
+  std::function<std::vector<double>()> abs_sum;  // kSum: S per element (computed only by `check`)
+};
+
+Expect expect_index(std::string what, const TensorView& got, std::vector<int64_t> ref) {
+  Expect e;
+  e.what = std::move(what);
+  e.got = got;
+  e.rows = static_cast<int64_t>(ref.size());
+  e.cmp = Cmp::kIndex;
+  e.index = std::move(ref);
+  return e;
+}
+Expect expect_move(std::string what, const TensorView& got, int64_t rows, int64_t cols, std::vector<float> ref) {
+  Expect e;
+  e.what = std::move(what);
+  e.got = got;
+  e.rows = rows;
+  e.cols = cols;
+  e.cmp = Cmp::kMove;
+  e.move = std::move(ref);
+  return e;
+}
+Expect expect_sum(std::string what, const TensorView& got, int64_t rows, int64_t cols, std::vector<double> ref,
+                  int64_t terms, std::function<std::vector<double>()> abs_sum) {
+  Expect e;
+  e.what = std::move(what);
+  e.got = got;
+  e.rows = rows;
+  e.cols = cols;
+  e.cmp = Cmp::kSum;
+  e.sum = std::move(ref);
+  e.terms = terms;
+  e.abs_sum = std::move(abs_sum);
+  return e;
+}
+
+constexpr unsigned char kSentinel = 0x7f;
+
+struct Outcome {
+  double max_err = 0.0;
+  double max_tol = 0.0;      // largest tolerance met (sums)
+  double worst_ratio = 0.0;  // max err/tol over sums
+  bool has_sums = false;
+  int64_t rows = 0;
+  bool ok = true;
+  std::string failure;  // the first failure, in words
+};
+
+std::string num(double v) { return fmt("%.6g", v); }
+
+void compare(const Expect& e, Outcome& out) {
+  const TensorView& g = e.got;
+  const size_t es = element_size(g.dtype);
+  const int64_t row_stride = g.ndim >= 2 ? g.strides[0] : e.cols;
+  auto fail = [&](const std::string& msg) {
+    if (out.ok) out.failure = msg;
+    out.ok = false;
+  };
+  const int64_t got_rows = g.ndim == 0 ? 0 : g.shape[0];
+  if (got_rows < e.rows + e.untouched_rows || (g.ndim >= 2 && g.shape[1] != e.cols)) {
+    fail(e.what + ": shape [" + std::to_string(got_rows) + (g.ndim >= 2 ? ", " + std::to_string(g.shape[1]) : "") +
+         "], expected at least " + std::to_string(e.rows + e.untouched_rows) + " rows of " + std::to_string(e.cols));
+    return;
+  }
+  std::vector<double> abs_sum;
+  if (e.cmp == Cmp::kSum) {
+    abs_sum = e.abs_sum();
+    out.has_sums = true;
+  }
+  const double unit = std::ldexp(1.0, -24);
+  const double rel = std::ldexp(1.0, -significand_bits(g.dtype));
+  const double floor_abs = half_min_subnormal(g.dtype);
+  for (int64_t r = 0; r < e.rows; ++r) {
+    for (int64_t c = 0; c < e.cols; ++c) {
+      const int64_t j = r * e.cols + c;
+      const int64_t at = r * row_stride + c;
+      auto where = [&] {
+        return e.what + "[" + std::to_string(r) + (e.cols > 1 ? ", " + std::to_string(c) : "") + "]";
+      };
+      if (e.cmp == Cmp::kIndex) {
+        const int64_t v = g.dtype == DType::kInt64 ? static_cast<const int64_t*>(g.data)[at]
+                                                   : static_cast<const int32_t*>(g.data)[at];
+        if (v != e.index[j]) {
+          out.max_err = std::max(out.max_err, std::fabs(static_cast<double>(v - e.index[j])));
+          fail(where() + " = " + std::to_string(v) + ", expected " + std::to_string(e.index[j]));
+        }
+      } else if (e.cmp == Cmp::kMove) {
+        uint64_t want = 0;
+        numeric::store_from_float(&want, g.dtype, 0, e.move[j]);
+        const char* p = static_cast<const char*>(g.data) + at * es;
+        if (std::memcmp(p, &want, es) != 0) {
+          const double got = numeric::load_as_float(g.data, g.dtype, at);
+          const double exp = numeric::load_as_float(&want, g.dtype, 0);
+          const double err = std::isnan(got) || std::isnan(exp) ? INFINITY : std::fabs(got - exp);
+          out.max_err = std::max(out.max_err, err == 0.0 ? std::numeric_limits<double>::denorm_min() : err);
+          fail(where() + " = " + num(got) + ", expected " + num(exp) + " (not bitwise equal)");
+        }
+      } else {
+        const double got = numeric::load_as_float(g.data, g.dtype, at);
+        const double ref = e.sum[j];
+        const double tol = 2.0 * static_cast<double>(e.terms) * unit * abs_sum[j] + rel * std::fabs(ref) + floor_abs;
+        const double err = std::isnan(got) ? INFINITY : std::fabs(got - ref);
+        out.max_err = std::max(out.max_err, err);
+        out.max_tol = std::max(out.max_tol, tol);
+        out.worst_ratio = std::max(out.worst_ratio, err / tol);
+        if (!(err <= tol)) fail(where() + " = " + num(got) + ", expected " + num(ref) + " within " + num(tol));
+      }
+    }
+  }
+  // Rows past the compared extent (capacity rows past P) must be untouched.
+  for (int64_t r = e.rows; r < e.rows + e.untouched_rows; ++r) {
+    const unsigned char* p = static_cast<const unsigned char*>(g.data) + r * row_stride * es;
+    for (int64_t b = 0; b < e.cols * static_cast<int64_t>(es); ++b) {
+      if (p[b] != kSentinel) {
+        fail(e.what + ": row " + std::to_string(r) + " (past P = " + std::to_string(e.rows) + ") was written");
+        r = e.rows + e.untouched_rows;
+        break;
+      }
+    }
+  }
+}
+
+std::vector<float> abs_of(const std::vector<float>& v) {
+  std::vector<float> a(v.size());
+  for (size_t i = 0; i < v.size(); ++i) a[i] = std::fabs(v[i]);
+  return a;
+}
+
+// ===========================================================================
+// The op table
+// ===========================================================================
+
+struct Dims {
+  double T, H, A, P, R, N, E, s;
+};
+
+struct OpCase {
+  std::string name;
+  std::string bytes_rule;  // the footer's formula
+  std::function<double(const Dims&)> min_bytes;
+  std::function<void(Data&)> run;                       // the library call, into d's outputs
+  std::function<std::vector<Expect>(Data&)> reference;  // the reference loops and the outputs to compare
+  bool allocates = false;                               // no _out form: allocation is inside the timed run
+};
+
+std::vector<OpCase> op_table() {
+  using W = std::optional<TensorView>;
+  std::vector<OpCase> ops;
+
+  // Byte formulas of SPEC section 7 and their extension to the other ops.
+  const std::string kGatherRule = "(T*H + P*H)*s";
+  auto gather_bytes = [](const Dims& d) { return (d.T * d.H + d.P * d.H) * d.s; };
+  const std::string kScatterRule = "(A*H + T*H)*s";
+  auto scatter_bytes = [](const Dims& d) { return (d.A * d.H + d.T * d.H) * d.s; };
+  // grad_out read once, y's A real rows read, grad_y's P rows written.
+  const std::string kScatterBwdRule = "(T*H + A*H + P*H)*s";
+  auto scatter_bwd_bytes = [](const Dims& d) { return (d.T * d.H + d.A * d.H + d.P * d.H) * d.s; };
+  // grad_y's A real rows read, x read once (for grad_weights), grad_x written.
+  const std::string kGatherBwdRule = "(A*H + 2*T*H)*s";
+  auto gather_bwd_bytes = [](const Dims& d) { return (d.A * d.H + 2 * d.T * d.H) * d.s; };
+
+  // The expected values shared by several ops.
+  auto gather_ref = [](Data& d, const std::vector<float>& rows, bool weighted) {
+    return ref::padded_gather(rows, d.w.H, d.ref_plan, weighted ? &d.routing.weights : nullptr);
+  };
+  auto scatter_expect = [](Data& d, const std::string& what, const TensorView& got, const std::vector<float>* rows,
+                           bool weighted) {
+    auto ref = ref::padded_scatter(*rows, d.w.H, d.ref_plan, weighted ? &d.routing.weights : nullptr);
+    return expect_sum(what, got, d.w.T, d.w.H, std::move(ref), d.w.K, [&d, rows, weighted] {
+      const std::vector<float> abs_w = abs_of(d.routing.weights);
+      return ref::padded_scatter(abs_of(*rows), d.w.H, d.ref_plan, weighted ? &abs_w : nullptr);
+    });
+  };
+  auto wgrad_expect = [](Data& d, const std::string& what, const TensorView& got, const std::vector<float>* rows,
+                         const std::vector<float>* grad) {
+    auto ref = ref::padded_scatter_wgrad(*rows, *grad, d.w.H, d.ref_plan);
+    return expect_sum(what, got, d.A, 1, std::move(ref), d.w.H, [&d, rows, grad] {
+      return ref::padded_scatter_wgrad(abs_of(*rows), abs_of(*grad), d.w.H, d.ref_plan);
+    });
+  };
+  auto rows_P = [](Data& d, const std::string& what, const TensorView& got, std::vector<float> ref) {
+    Expect e = expect_move(what, got, d.P, d.w.H, std::move(ref));
+    e.untouched_rows = std::max<int64_t>(0, got.shape[0] - d.P);
+    return e;
+  };
+
+  ops.push_back(
+      {"make_plan", "A*4 + (3*A + 4*E + R)*4 (top_experts read, plan written; R = capacity)",
+       [](const Dims& d) { return d.A * 4 + (3 * d.A + 4 * d.E + d.R) * 4; },
+       [](Data& d) { make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), d.opt); },
+       [](Data& d) {
+         ref::Plan rp = ref::make_plan(std::vector<int64_t>(d.routing.top_experts.begin(), d.routing.top_experts.end()),
+                                       d.w.T, d.w.K, d.w.E, d.w.m);
+         const Plan& o = d.plan_out;
+         return std::vector<Expect>{
+             expect_index("indices", o.indices, rp.indices),
+             expect_index("bin_ids", o.bin_ids, rp.bin_ids),
+             expect_index("tokens_per_expert", o.tokens_per_expert, rp.tokens_per_expert),
+             expect_index("bins", o.bins, rp.bins),
+             expect_index("padded_tokens_per_expert", o.padded_tokens_per_expert, rp.padded_tokens_per_expert),
+             expect_index("padded_bins", o.padded_bins, rp.padded_bins),
+             expect_index("dest_rows", o.dest_rows, rp.dest_rows),
+             expect_index("row_sources", o.row_sources, rp.row_sources)};
+       }});
+
+  for (bool weighted : {false, true}) {
+    ops.push_back(
+        {weighted ? "padded_gather(w)" : "padded_gather", kGatherRule, gather_bytes,
+         [weighted](Data& d) {
+           const Plan& p = d.plan;
+           padded_gather_out(d.x, p.indices, p.bin_ids, p.bins, p.padded_bins, d.w.K, weighted ? W(d.weights) : W(),
+                             d.out_rows_R, d.opt);
+         },
+         [=](Data& d) { return std::vector<Expect>{rows_P(d, "y", d.out_rows_R, gather_ref(d, d.x_f, weighted))}; }});
+  }
+  for (bool weighted : {false, true}) {
+    ops.push_back(
+        {weighted ? "padded_scatter(w)" : "padded_scatter", kScatterRule, scatter_bytes,
+         [weighted](Data& d) {
+           const Plan& p = d.plan;
+           padded_scatter_out(d.y, p.indices, p.bin_ids, weighted ? W(d.weights) : W(), p.bins, p.padded_bins, d.w.K,
+                              d.out_rows_T, d.opt);
+         },
+         [=](Data& d) { return std::vector<Expect>{scatter_expect(d, "out", d.out_rows_T, &d.y_f, weighted)}; }});
+  }
+  ops.push_back(
+      {"padded_scatter_wgrad", kScatterRule, scatter_bytes,
+       [](Data& d) {
+         const Plan& p = d.plan;
+         padded_scatter_wgrad_out(d.y, d.grad_out, p.indices, p.bin_ids, p.bins, p.padded_bins, d.w.K, d.out_f32_A,
+                                  d.opt);
+       },
+       [=](Data& d) { return std::vector<Expect>{wgrad_expect(d, "wgrad", d.out_f32_A, &d.y_f, &d.grad_out_f)}; }});
+  // Backward ops: without weights only the row gradient exists.
+  // d/dx of y[row(a)] = w(a) x[a/K] is sum_k w(a) grad_y[row(a)]: the weighted scatter.
+  auto gather_bwd_expect = [=](Data& d, bool weighted) {
+    std::vector<Expect> e{scatter_expect(d, "grad_x", d.grads.grad_rows, &d.grad_y_f, weighted)};
+    if (weighted) e.push_back(wgrad_expect(d, "grad_weights", d.grads.grad_weights, &d.grad_y_f, &d.x_f));
+    return e;
+  };
+  auto scatter_bwd_expect = [=](Data& d, const TensorView& grad_y, const TensorView& grad_weights, bool weighted) {
+    std::vector<Expect> e{rows_P(d, "grad_y", grad_y, gather_ref(d, d.grad_out_f, weighted))};
+    if (weighted) e.push_back(wgrad_expect(d, "grad_weights", grad_weights, &d.y_f, &d.grad_out_f));
+    return e;
+  };
+  for (bool weighted : {false, true}) {
+    ops.push_back({weighted ? "padded_gather_backward(w)" : "padded_gather_backward",
+                   weighted ? kGatherBwdRule : kScatterRule, weighted ? gather_bwd_bytes : scatter_bytes,
+                   [weighted](Data& d) {
+                     const Plan& p = d.plan;
+                     d.grads = padded_gather_backward(d.grad_y, d.x, p.indices, p.bin_ids, p.bins, p.padded_bins, d.w.K,
+                                                      weighted ? W(d.weights) : W(), d.opt);
+                   },
+                   [=](Data& d) { return gather_bwd_expect(d, weighted); }, true});
+  }
+  for (bool weighted : {false, true}) {
+    ops.push_back(
+        {weighted ? "padded_scatter_backward(w)" : "padded_scatter_backward", weighted ? kScatterBwdRule : kGatherRule,
+         weighted ? scatter_bwd_bytes : gather_bytes,
+         [weighted](Data& d) {
+           const Plan& p = d.plan;
+           d.grads = padded_scatter_backward(d.grad_out, d.y, p.indices, p.bin_ids, weighted ? W(d.weights) : W(),
+                                             p.bins, p.padded_bins, d.w.K, d.opt);
+         },
+         [=](Data& d) { return scatter_bwd_expect(d, d.grads.grad_rows, d.grads.grad_weights, weighted); }, true});
+  }
+  for (bool weighted : {false, true}) {
+    ops.push_back(
+        {weighted ? "dispatch(w)" : "dispatch", kGatherRule, gather_bytes,
+         [weighted](Data& d) { dispatch_out(d.x, d.plan.view(), weighted ? W(d.weights) : W(), d.out_rows_R, d.opt); },
+         [=](Data& d) { return std::vector<Expect>{rows_P(d, "y", d.out_rows_R, gather_ref(d, d.x_f, weighted))}; }});
+  }
+  ops.push_back({"combine(w)", kScatterRule, scatter_bytes,
+                 [](Data& d) { combine_out(d.y, d.plan.view(), W(d.weights), d.out_rows_T, d.opt); },
+                 [=](Data& d) { return std::vector<Expect>{scatter_expect(d, "out", d.out_rows_T, &d.y_f, true)}; }});
+  for (bool weighted : {false, true}) {
+    ops.push_back({weighted ? "combine_backward(w)" : "combine_backward", weighted ? kScatterBwdRule : kGatherRule,
+                   weighted ? scatter_bwd_bytes : gather_bytes,
+                   [weighted](Data& d) {
+                     // Without weights, an empty grad_weights view skips the weight gradient.
+                     combine_backward_out(d.grad_out, d.y, d.plan.view(), weighted ? W(d.weights) : W(), d.out_rows_R2,
+                                          weighted ? d.out_f32_A.view() : TensorView{}, d.opt);
+                   },
+                   [=](Data& d) { return scatter_bwd_expect(d, d.out_rows_R2, d.out_f32_A, weighted); }});
+  }
+  for (bool weighted : {false, true}) {
+    ops.push_back({weighted ? "dispatch_backward(w)" : "dispatch_backward", weighted ? kGatherBwdRule : kScatterRule,
+                   weighted ? gather_bwd_bytes : scatter_bytes,
+                   [weighted](Data& d) {
+                     d.grads = dispatch_backward(d.grad_y, d.x, d.plan.view(), weighted ? W(d.weights) : W(), d.opt);
+                   },
+                   [=](Data& d) { return gather_bwd_expect(d, weighted); }, true});
+  }
+
+  ops.push_back(
+      {"pad_to_alignment", "(N*H + P*H)*s (N = A expert-grouped rows)",
+       [](const Dims& d) { return (d.N * d.H + d.P * d.H) * d.s; },
+       [](Data& d) {
+         pad_to_alignment_out(d.h, d.tokens_per_expert, d.w.m, d.out_rows_R, d.out_map_R, d.out_offsets_E, d.opt);
+       },
+       [=](Data& d) {
+         ref::PadResult r = ref::pad_to_alignment(d.h_f, d.w.H, d.tokens_per_expert_ref, d.w.m);
+         std::vector<int64_t> map = r.permutation_map;
+         map.resize(static_cast<size_t>(d.R), -1);  // entries past P are set to -1
+         return std::vector<Expect>{rows_P(d, "padded", d.out_rows_R, std::move(r.padded)),
+                                    expect_index("permutation_map", d.out_map_R, std::move(map)),
+                                    expect_index("inclusive_offsets", d.out_offsets_E, std::move(r.inclusive_offsets))};
+       }});
+  for (bool with_probs : {false, true}) {
+    ops.push_back(
+        {with_probs ? "unpad_from_alignment(probs)" : "unpad_from_alignment",
+         "(N*H + N*H)*s (real rows read, N rows written)", [](const Dims& d) { return 2 * d.N * d.H * d.s; },
+         [with_probs](Data& d) {
+           unpad_from_alignment_out(d.padded, d.perm_map, with_probs ? W(d.probs) : W(), d.out_rows_N, d.opt);
+         },
+         [=](Data& d) {
+           return std::vector<Expect>{expect_move(
+               "out", d.out_rows_N, d.N, d.w.H,
+               ref::unpad_from_alignment(d.padded_f, d.w.H, d.perm_map_ref, d.N, with_probs ? &d.probs_f : nullptr))};
+         }});
+  }
+  ops.push_back({"unpad_from_alignment_backward(probs)", "(2*N*H + P*H)*s (grad_out, real padded rows, grad_padded)",
+                 [](const Dims& d) { return (2 * d.N * d.H + d.P * d.H) * d.s; },
+                 [](Data& d) {
+                   d.grads = unpad_from_alignment_backward(d.grad_unpadded, d.padded, d.perm_map, W(d.probs), d.opt);
+                 },
+                 [=](Data& d) {
+                   ref::UnpadGrads g = ref::unpad_from_alignment_backward(d.grad_unpadded_f, d.padded_f, d.w.H,
+                                                                          d.perm_map_ref, &d.probs_f);
+                   return std::vector<Expect>{
+                       expect_move("grad_padded", d.grads.grad_rows, d.P, d.w.H, std::move(g.grad_padded)),
+                       expect_sum("grad_probs", d.grads.grad_weights, d.N, 1, std::move(g.grad_probs), d.w.H, [&d] {
+                         return ref::unpad_from_alignment_backward(abs_of(d.grad_unpadded_f), abs_of(d.padded_f), d.w.H,
+                                                                   d.perm_map_ref, &d.probs_f)
+                             .grad_probs;
+                       })};
+                 },
+                 true});
+  return ops;
+}
+
+// ===========================================================================
+// Shared printing
+// ===========================================================================
+
+Dims dims_of(const Data& d) {
+  return Dims{static_cast<double>(d.w.T), static_cast<double>(d.w.H),
+              static_cast<double>(d.A),   static_cast<double>(d.P),
+              static_cast<double>(d.R),   static_cast<double>(d.N),
+              static_cast<double>(d.w.E), static_cast<double>(element_size(d.w.dtype))};
+}
+
+int used_threads(const Workload& w) { return w.threads > 0 ? w.threads : hardware_threads(); }
+
+void print_header(const char* command, const Data& d) {
+  const Workload& w = d.w;
+  std::printf("padmoe %s: workload %s\n", command, w.label.c_str());
+  std::printf("  T=%" PRId64 " E=%d K=%d H=%" PRId64 " m=%d  A=%" PRId64 " P=%" PRId64 " capacity=%" PRId64
+              "  dtype %s  device %s  seed %" PRIu64 "\n",
+              w.T, w.E, w.K, w.H, w.m, d.A, d.P, d.R, dtype_name(w.dtype), device_name(w.device).c_str(), w.seed);
+  std::printf("  threads %d (machine: %d hardware threads)  %s\n\n", used_threads(w), hardware_threads(),
+              utc_now().c_str());
+}
+
+// Large workloads take a while: say what runs now (stderr, so stdout stays a table).
+void progress(const char* command, size_t i, size_t n, const std::string& name) {
+  std::fprintf(stderr, "[%zu/%zu] %s %s...\n", i + 1, n, command, name.c_str());
+}
+
+void fill_sentinel(const Tensor& t) {
+  if (t.defined()) std::memset(t.data(), kSentinel, static_cast<size_t>(t.numel()) * element_size(t.dtype()));
+}
+
+void fill_outputs_with_sentinel(Data& d) {
+  const Plan& p = d.plan_out;
+  for (const Tensor* t : std::initializer_list<const Tensor*>{
+           &p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins, &p.padded_tokens_per_expert, &p.padded_bins,
+           &p.dest_rows, &p.row_sources, &d.out_rows_R, &d.out_rows_R2, &d.out_rows_T, &d.out_rows_N, &d.out_f32_A,
+           &d.out_map_R, &d.out_offsets_E}) {
+    fill_sentinel(*t);
+  }
+}
+
+// ===========================================================================
+// padmoe check
+// ===========================================================================
+
+int cmd_check(const Args& args) {
+  const Workload w = parse_workload(args);
+  Data d = build_data(w, /*reference=*/true);
+  print_header("check", d);
+  const std::vector<OpCase> ops = op_table();
+  const bool large = static_cast<double>(d.R) * static_cast<double>(w.H) > (1 << 26);
+
+  std::printf("%-38s %12s  %-30s %12s  %s\n", "op", "max abs err", "tolerance / exact", "rows checked", "result");
+  int failures = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const OpCase& op = ops[i];
+    if (large) progress("check", i, ops.size(), op.name);
+    Outcome out;
+    try {
+      fill_outputs_with_sentinel(d);
+      op.run(d);
+      const std::vector<Expect> expects = op.reference(d);
+      for (const Expect& e : expects) compare(e, out);
+      out.rows = expects.empty() ? 0 : expects.front().rows;
+    } catch (const Error& e) {
+      out.ok = false;
+      out.failure = std::string("raised padmoe::Error: ") + e.what();
+    }
+    d.grads = RowGrads{};
+    const std::string tol =
+        out.has_sums ? "<= " + num(out.max_tol) + " (err/tol " + fmt("%.3g", out.worst_ratio) + ")" : "exact";
+    std::printf("%-38s %12s  %-30s %12" PRId64 "  %s\n", op.name.c_str(), num(out.max_err).c_str(), tol.c_str(),
+                out.rows, out.ok ? "PASS" : "FAIL");
+    if (!out.ok) {
+      std::printf("    first failure: %s\n", out.failure.c_str());
+      ++failures;
+    }
+    std::fflush(stdout);
+  }
+  const int p = significand_bits(w.dtype);
+  std::printf(
+      "\nmoves (gather, dispatch, grad_y, pad, unpad, grad_padded): bitwise equal to the reference float\n"
+      "  rounded to %s; capacity rows past P must keep their previous contents.\n"
+      "sums (scatter, combine, wgrad, grad_x, grad_weights, grad_probs), against a float64 reference:\n"
+      "  |got - ref| <= 2*n*2^-24*S + 2^-p*|ref| + 2^-%d (half the smallest %s subnormal),\n"
+      "  n = terms summed, S = sum of |terms|, p = 24/11/8 for f32/f16/bf16 (here %d).\n"
+      "inputs in padded layout hold NaN in their padding rows (no op may read them); the gather\n"
+      "backward grad_x is checked against the weighted scatter (d/dx of w*x).\n",
+      dtype_name(w.dtype), -static_cast<int>(std::ilogb(half_min_subnormal(w.dtype))), dtype_name(w.dtype), p);
+  if (failures == 0)
+    std::printf("%zu ops: all PASS\n", ops.size());
+  else
+    std::printf("%zu ops: %d FAIL\n", ops.size(), failures);
+  return failures == 0 ? 0 : 1;
+}
+
+// ===========================================================================
+// padmoe bench
+// ===========================================================================
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+template <typename Fn>
+void run_on_threads(int threads, Fn fn) {
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(fn, t);
+  fn(0);
+  for (std::thread& th : pool) th.join();
+}
+
+// Copy bandwidth of this machine: a 512 MiB memcpy split into one contiguous
+// chunk per thread; bytes counted as read + written; median of 7 runs.
+double measure_memcpy_gbps(int threads) {
+  const size_t bytes = size_t{512} << 20;
+  std::unique_ptr<char[]> src(new char[bytes]), dst(new char[bytes]);
+  auto chunk = [&](int t, size_t* off, size_t* len) {
+    const size_t per = (bytes / threads + 63) / 64 * 64;
+    *off = std::min(bytes, per * t);
+    *len = std::min(bytes - *off, per);
+  };
+  run_on_threads(threads, [&](int t) {  // first touch by the copying thread
+    size_t off, len;
+    chunk(t, &off, &len);
+    std::memset(src.get() + off, t + 1, len);
+    std::memset(dst.get() + off, 0, len);
+  });
+  std::vector<double> seconds;
+  for (int rep = 0; rep < 7; ++rep) {
+    const auto t0 = Clock::now();
+    run_on_threads(threads, [&](int t) {
+      size_t off, len;
+      chunk(t, &off, &len);
+      std::memcpy(dst.get() + off, src.get() + off, len);
+    });
+    seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return 2.0 * static_cast<double>(bytes) / median(seconds) / 1e9;
+}
+
+struct BenchRecord {
+  std::string name;
+  bool allocates = false;
+  double us = 0, min_bytes = 0, gbps = 0, floor_us = 0, ref_us = -1;
+  std::string error;
+};
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    if (static_cast<unsigned char>(c) < 0x20)
+      o += ' ';
+    else
+      o += c;
+  }
+  return o;
+}
+
+std::string json_num(double v) { return std::isfinite(v) ? fmt("%.6g", v) : "null"; }
+
+int cmd_bench(const Args& args) {
+  const Workload w = parse_workload(args);
+  const int warmup = static_cast<int>(args.get_int("warmup", 2));
+  const int iters = static_cast<int>(args.get_int("iters", 10));
+  const bool with_reference = !args.has("no-reference");
+  const bool json = args.has("json");
+  if (warmup < 0 || iters < 1) throw UsageError("--warmup must be >= 0 and --iters >= 1");
+
+  Data d = build_data(w, with_reference);
+  const Dims dims = dims_of(d);
+  const std::vector<OpCase> ops = op_table();
+  const int threads = used_threads(w);
+
+  std::fprintf(stderr, "[memcpy] measuring copy bandwidth on %d threads...\n", threads);
+  const double memcpy_gbps = measure_memcpy_gbps(threads);
+
+  std::vector<BenchRecord> records;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const OpCase& op = ops[i];
+    progress("bench", i, ops.size(), op.name);
+    BenchRecord r;
+    r.name = op.name;
+    r.allocates = op.allocates;
+    r.min_bytes = op.min_bytes(dims);
+    r.floor_us = r.min_bytes / (memcpy_gbps * 1e9) * 1e6;
+    try {
+      for (int k = 0; k < warmup; ++k) op.run(d);
+      std::vector<double> us;
+      for (int k = 0; k < iters; ++k) {
+        const auto t0 = Clock::now();
+        op.run(d);
+        us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      }
+      r.us = median(us);
+      r.gbps = r.us > 0 ? r.min_bytes / (r.us * 1e-6) / 1e9 : 0.0;
+      if (with_reference) {
+        const auto t0 = Clock::now();
+        const std::vector<Expect> discarded = op.reference(d);
+        r.ref_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      }
+    } catch (const Error& e) {
+      r.error = e.what();
+    }
+    d.grads = RowGrads{};
+    records.push_back(r);
+  }
+
+  int errors = 0;
+  for (const BenchRecord& r : records) errors += r.error.empty() ? 0 : 1;
+
+  if (json) {
+    std::printf("{\"command\": \"bench\", \"date\": \"%s\", \"workload\": {\"label\": \"%s\", \"tokens\": %" PRId64
+                ", \"experts\": %d, \"top_k\": %d, \"hidden\": %" PRId64
+                ", \"alignment\": %d, \"assignments\": %" PRId64 ", \"padded_rows\": %" PRId64
+                ", \"capacity\": %" PRId64
+                ", \"dtype\": \"%s\", \"device\": \"%s\", "
+                "\"seed\": %" PRIu64 "},\n",
+                utc_now().c_str(), json_escape(w.label).c_str(), w.T, w.E, w.K, w.H, w.m, d.A, d.P, d.R,
+                dtype_name(w.dtype), device_name(w.device).c_str(), w.seed);
+    std::printf(
+        " \"threads\": %d, \"hardware_threads\": %d, \"warmup\": %d, \"iters\": %d, \"memcpy_gbps\": %s,\n"
+        " \"ops\": [\n",
+        threads, hardware_threads(), warmup, iters, json_num(memcpy_gbps).c_str());
+    for (size_t i = 0; i < records.size(); ++i) {
+      const BenchRecord& r = records[i];
+      const bool ok = r.error.empty();
+      std::printf(
+          "  {\"name\": \"%s\", \"us\": %s, \"gbps\": %s, \"min_bytes\": %.0f, \"floor_us\": %s, "
+          "\"time_over_floor\": %s, \"pct_memcpy\": %s, \"reference_us\": %s, \"allocates\": %s, "
+          "\"error\": %s}%s\n",
+          r.name.c_str(), ok ? json_num(r.us).c_str() : "null", ok ? json_num(r.gbps).c_str() : "null", r.min_bytes,
+          json_num(r.floor_us).c_str(), ok ? json_num(r.us / r.floor_us).c_str() : "null",
+          ok ? json_num(100.0 * r.floor_us / r.us).c_str() : "null",
+          r.ref_us >= 0 ? json_num(r.ref_us).c_str() : "null", r.allocates ? "true" : "false",
+          ok ? "null" : ("\"" + json_escape(r.error) + "\"").c_str(), i + 1 < records.size() ? "," : "");
+    }
+    std::printf(" ]}\n");
+    return errors == 0 ? 0 : 1;
+  }
+
+  print_header("bench", d);
+  std::printf("memcpy: %.1f GB/s (512 MiB, %d threads, read + write bytes, median of 7)\n", memcpy_gbps, threads);
+  std::printf("timing: median of %d runs after %d warm-up runs, steady_clock wall time\n\n", iters, warmup);
+  std::printf("%-38s %10s %8s %10s %10s %9s %12s\n", "op", "us", "GB/s", "floor us", "time/floor", "%memcpy",
+              with_reference ? "reference us" : "");
+  for (const BenchRecord& r : records) {
+    const std::string name = r.name + (r.allocates ? " *" : "");
+    if (!r.error.empty()) {
+      std::printf("%-38s error: %s\n", name.c_str(), r.error.c_str());
+      continue;
+    }
+    std::printf("%-38s %10.1f %8.1f %10.1f %10.2f %8.1f%% %12s\n", name.c_str(), r.us, r.gbps, r.floor_us,
+                r.us / r.floor_us, 100.0 * r.floor_us / r.us, r.ref_us >= 0 ? fmt("%.0f", r.ref_us).c_str() : "");
+  }
+  std::printf(
+      "\nfloor us = min_bytes / memcpy bandwidth; %%memcpy = floor / time; GB/s = min_bytes / time.\n"
+      "min_bytes (s = %zu bytes per element; A = T*K, P = padded rows, N = A, R = capacity):\n",
+      element_size(w.dtype));
+  std::vector<std::string> seen;
+  for (const OpCase& op : ops) {
+    if (std::find(seen.begin(), seen.end(), op.bytes_rule) != seen.end()) continue;
+    seen.push_back(op.bytes_rule);
+    std::string users;
+    for (const OpCase& o : ops) {
+      if (o.bytes_rule == op.bytes_rule) users += (users.empty() ? "" : ", ") + o.name;
+    }
+    std::printf("  %-58s %s\n", op.bytes_rule.c_str(), users.c_str());
+  }
+  std::printf("* allocating form only (no _out form in ops.hpp): output allocation is inside the timed run.\n");
+  if (with_reference) std::printf("reference us: the single-threaded reference loops (src/reference), run once.\n");
+  return errors == 0 ? 0 : 1;
+}
+
+// ===========================================================================
+// padmoe plan / presets
+// ===========================================================================
+
+int cmd_plan(const Args& args) {
+  const std::string target_name = args.get("target", "cpu");
+  TileTarget target;
+  if (target_name == "cpu")
+    target = TileTarget::kCpu;
+  else if (target_name == "ascend-a2" || target_name == "ascend")
+    target = TileTarget::kAscendA2;
+  else
+    throw UsageError("--target expects cpu or ascend-a2, got '" + target_name + "'");
+  if (!args.has("hidden")) throw UsageError("plan needs --hidden H");
+  const int64_t hidden = args.get_int("hidden", 0);
+  if (hidden < 1) throw UsageError("--hidden must be >= 1");
+  const DType dtype = parse_dtype(args.get("dtype", "bf16"));
+  const int cores = static_cast<int>(args.get_int("cores", 0));
+  if (cores < 0) throw UsageError("--cores must be >= 0");
+
+  std::vector<TileOp> tile_ops;
+  const std::string op_name = args.get("op", "all");
+  if (op_name == "gather")
+    tile_ops = {TileOp::kGather};
+  else if (op_name == "scatter")
+    tile_ops = {TileOp::kScatter};
+  else if (op_name == "wgrad")
+    tile_ops = {TileOp::kWgrad};
+  else if (op_name == "all")
+    tile_ops = {TileOp::kGather, TileOp::kScatter, TileOp::kWgrad};
+  else
+    throw UsageError("--op expects gather, scatter or wgrad, got '" + op_name + "'");
+
+  const TargetInfo info = target_info(target, cores);
+  std::printf("target %s: %d cores, buffer %" PRId64 " B per core, %" PRId64 " B reserved, %d buffer(s)\n",
+              tile_target_name(info.target), info.cores, info.buffer_total_bytes, info.reserve_bytes, info.buffers);
+  int invalid = 0;
+  for (TileOp op : tile_ops) {
+    const TileConfig c = plan_tiles(info, op, hidden, dtype);
+    std::printf("\n%s, hidden %" PRId64 ", %s:\n", tile_op_name(op), hidden, dtype_name(dtype));
+    std::printf("  TileConfig{programs=%d, sub_block_rows=%d, block_x=%d, buffer_bytes=%" PRId64 ", buffers=%d}\n",
+                c.programs, c.sub_block_rows, c.block_x, c.buffer_bytes, c.buffers);
+    const int64_t used = tile_buffer_bytes(op, c, dtype);
+    std::printf("  tile_buffer_bytes %" PRId64 " <= buffer_bytes %" PRId64 "? %s\n", used, c.buffer_bytes,
+                used <= c.buffer_bytes ? "yes" : "NO");
+    std::istringstream description(describe_tile_config(op, c, hidden, dtype));
+    for (std::string line; std::getline(description, line);) {
+      if (!line.empty()) std::printf("  | %s\n", line.c_str());
+    }
+    try {
+      validate_tile_config(op, c, hidden, dtype);
+      std::printf("  valid: yes\n");
+    } catch (const Error& e) {
+      std::printf("  valid: NO: %s\n", e.what());
+      ++invalid;
+    }
+  }
+  return invalid == 0 ? 0 : 1;
+}
+
+int cmd_presets() {
+  std::printf("%-15s %7s %5s %3s %6s %4s  %s\n", "preset", "T", "E", "K", "H", "m", "about");
+  for (const workload::Preset& p : workload::presets()) {
+    std::printf("%-15s %7" PRId64 " %5d %3d %6" PRId64 " %4d  %s%s\n", p.name.c_str(), p.tokens, p.experts, p.top_k,
+                p.hidden, p.alignment, p.about.c_str(), p.name == workload::default_preset_name() ? " (default)" : "");
+  }
+  std::printf(
+      "\n--small divides T by 8; with no --preset and no size flags, check and bench use\n"
+      "%s --small.\n",
+      workload::default_preset_name());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args args = parse_args(argc, argv);
+    if (args.has("help") || args.command.empty() || args.command == "help") {
+      const bool asked = args.has("help") || args.command == "help";
+      std::fputs(kUsage, asked ? stdout : stderr);
+      return asked ? 0 : 2;
+    }
+    if (args.command == "check") return cmd_check(args);
+    if (args.command == "bench") return cmd_bench(args);
+    if (args.command == "plan") return cmd_plan(args);
+    if (args.command == "presets") return cmd_presets();
+    throw UsageError("unknown command '" + args.command + "'");
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "padmoe: error: %s\n(see `padmoe --help`)\n", e.what());
+    return 2;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "padmoe: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "padmoe: error: %s\n", e.what());
+    return 2;
+  }
+}
