@@ -30,7 +30,7 @@ int64_t formula_bytes(TileOp op, const TileConfig& c, DType dt) {
 
 int64_t max_block_x(TileTarget t, TileOp op) {
   if (t == TileTarget::kAscendA2) return op == TileOp::kGather ? 20000 : op == TileOp::kScatter ? 6144 : 5120;
-  return op == TileOp::kGather ? 16384 : 4096;
+  return op == TileOp::kGather ? 16384 : op == TileOp::kScatter ? 64 : 4096;
 }
 
 TEST(Tiling, TargetInfo) {

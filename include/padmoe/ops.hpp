@@ -142,12 +142,27 @@ RowGrads padded_gather_backward(const TensorView& grad_y, const TensorView& x, c
                                 const std::optional<TensorView>& weights = std::nullopt,
                                 const Options& options = {});
 
+// _out: grad_x [T, H]; grad_weights float32 or x's dtype with A elements, or
+// an empty TensorView{} to skip it.
+void padded_gather_backward_out(const TensorView& grad_y, const TensorView& x, const TensorView& indices,
+                                const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
+                                int top_k, const std::optional<TensorView>& weights, const TensorView& grad_x,
+                                const TensorView& grad_weights, const Options& options = {});
+
 // Backward of padded_scatter: grad_y = padded_gather(grad_out, weights) (P rows,
 // padding zero); grad_weights = padded_scatter_wgrad(y, grad_out) when weights
 // were given.
 RowGrads padded_scatter_backward(const TensorView& grad_out, const TensorView& y, const TensorView& indices,
                                  const TensorView& bin_ids, const std::optional<TensorView>& weights,
                                  const TensorView& bins, const TensorView& padded_bins, int top_k,
+                                 const Options& options = {});
+
+// _out: grad_y [>= P, H] (rows past P untouched); grad_weights float32 or y's
+// dtype with A elements, or an empty TensorView{} to skip it.
+void padded_scatter_backward_out(const TensorView& grad_out, const TensorView& y, const TensorView& indices,
+                                 const TensorView& bin_ids, const std::optional<TensorView>& weights,
+                                 const TensorView& bins, const TensorView& padded_bins, int top_k,
+                                 const TensorView& grad_y, const TensorView& grad_weights,
                                  const Options& options = {});
 
 // Fused forms on a plan. dispatch == padded_gather, reading each token row
@@ -165,8 +180,8 @@ void combine_out(const TensorView& y, const PlanView& plan, const std::optional<
 // Backward of combine from one read of grad_out:
 //   grad_y[dest_rows[a]] = w(a) * grad_out[a / K] (padding rows zero), and
 //   grad_weights[a] = <y[dest_rows[a]], grad_out[a / K]> when weights are given.
-// _out: grad_weights may be an empty view (data == nullptr) to skip it;
-// it must be float32 or y's dtype.
+// _out: grad_weights float32 or y's dtype with A elements, or an empty
+// TensorView{} to skip it.
 RowGrads combine_backward(const TensorView& grad_out, const TensorView& y, const PlanView& plan,
                           const std::optional<TensorView>& weights = std::nullopt,
                           const Options& options = {});
@@ -180,6 +195,9 @@ void combine_backward_out(const TensorView& grad_out, const TensorView& y, const
 RowGrads dispatch_backward(const TensorView& grad_y, const TensorView& x, const PlanView& plan,
                            const std::optional<TensorView>& weights = std::nullopt,
                            const Options& options = {});
+void dispatch_backward_out(const TensorView& grad_y, const TensorView& x, const PlanView& plan,
+                           const std::optional<TensorView>& weights, const TensorView& grad_x,
+                           const TensorView& grad_weights, const Options& options = {});
 
 // ---------------------------------------------------------------------------
 // 3. Megatron family (input already expert-grouped)
@@ -220,5 +238,20 @@ RowGrads unpad_from_alignment_backward(const TensorView& grad_out, const TensorV
                                        const TensorView& permutation_map,
                                        const std::optional<TensorView>& probs = std::nullopt,
                                        const Options& options = {});
+// _out: grad_padded has padded's shape; grad_probs float32 or the rows' dtype
+// with N elements, or an empty TensorView{} to skip it.
+void unpad_from_alignment_backward_out(const TensorView& grad_out, const TensorView& padded,
+                                       const TensorView& permutation_map, const std::optional<TensorView>& probs,
+                                       const TensorView& grad_padded, const TensorView& grad_probs,
+                                       const Options& options = {});
+
+// ---------------------------------------------------------------------------
+// Utilities
+// ---------------------------------------------------------------------------
+
+// dst = src byte for byte: same dtype and element count, both contiguous. On
+// the CPU a parallel copy that streams large buffers past the caches (the copy
+// padmoe's benchmarks also report as a bandwidth ceiling).
+void copy(const TensorView& src, const TensorView& dst, const Options& options = {});
 
 }  // namespace padmoe

@@ -59,7 +59,7 @@ int64_t tile_buffer_bytes(TileOp op, const TileConfig& config, DType dtype);
 // in 32-byte steps until one row fits; sub_block_rows = the most rows that
 // fit the budget (capped at 256; 1 for wgrad when H > block_x).
 // max_block_x: Ascend gather 20000 / scatter 6144 / wgrad 5120 (the
-// Triton-Ascend tutorial's); CPU 16384 / 4096 / 4096.
+// Triton-Ascend tutorial's); CPU 16384 / 64 / 4096.
 TileConfig plan_tiles(const TargetInfo& target, TileOp op, int64_t hidden, DType dtype);
 
 // Throws padmoe::Error (kValue) naming the first rule `config` breaks.

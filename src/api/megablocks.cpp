@@ -123,22 +123,95 @@ Device rows_device(const Checker& c, const TensorView& rows) {
   return rows.device;
 }
 
+// Outputs: padded rows [>= P, H], token rows [T, H], per-assignment floats [A].
+void check_padded_out(const Checker& c, const TensorView& t, const char* name, const Routed& r, const TensorView& like) {
+  c.row_output(t, name, r.padded_rows, /*at_least=*/true, like.shape[1], like.dtype);
+  c.same_device(t, name, like.device);
+}
+void check_token_out(const Checker& c, const TensorView& t, const char* name, const Routed& r, const TensorView& like) {
+  c.row_output(t, name, r.tokens, /*at_least=*/false, like.shape[1], like.dtype);
+  c.same_device(t, name, like.device);
+}
+// An optional weight-gradient output; an empty TensorView{} (no data, no dims) skips it.
+bool check_weight_grad_out(const Checker& c, const TensorView& t, const char* name, const Routed& r,
+                           const TensorView& like) {
+  if (t.data == nullptr && t.ndim == 0) return false;
+  c.float_output(t, name, r.assignments, like.dtype);
+  c.same_device(t, name, like.device);
+  return true;
+}
+
+Tensor alloc_padded(const Routed& r, const TensorView& like) {
+  return Tensor::empty(like.dtype, {r.padded_rows, like.shape[1]}, like.device);
+}
+Tensor alloc_tokens(const Routed& r, const TensorView& like) {
+  return Tensor::empty(like.dtype, {r.tokens, like.shape[1]}, like.device);
+}
+Tensor alloc_weight_grad(const Routed& r, const std::optional<TensorView>& weights, const TensorView& like) {
+  return weights ? Tensor::empty(weights->dtype, {r.assignments}, like.device) : Tensor();
+}
+
+// --- the inputs of each op, checked; each returns the routing ----------------
+
+Routed gather_inputs(const Checker& c, const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
+                     const TensorView& bins, const TensorView& padded_bins, int top_k,
+                     const std::optional<TensorView>& weights, const Options& o) {
+  c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
+  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, x), o);
+  check_token_rows(c, x, "x", r, -1, !weights);
+  check_weights(c, weights, r, x);
+  return r;
+}
+
+Routed scatter_inputs(const Checker& c, const TensorView& y, const TensorView& indices, const TensorView& bin_ids,
+                      const TensorView& bins, const TensorView& padded_bins, int top_k,
+                      const std::optional<TensorView>& weights, const Options& o) {
+  c.row_tensor(y, "y", -1, -1, false);
+  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, y), o);
+  check_padded_input(c, y, "y", r, -1, y.dtype);
+  check_weights(c, weights, r, y);
+  return r;
+}
+
+// Token rows `tok` and padded rows `pad` of one routing (wgrad, the backward ops).
+void pair_inputs(const Checker& c, const Routed& r, const TensorView& tok, const char* tok_name,
+                 const TensorView& pad, const char* pad_name, const std::optional<TensorView>& weights) {
+  check_token_rows(c, tok, tok_name, r, -1, false);
+  check_padded_input(c, pad, pad_name, r, tok.shape[1], tok.dtype);
+  c.same_device(pad, pad_name, tok.device);
+  check_weights(c, weights, r, tok);
+}
+
+Routed dispatch_inputs(const Checker& c, const TensorView& x, const PlanView& plan,
+                       const std::optional<TensorView>& weights) {
+  c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
+  const Routed r = routed_from_plan(c, plan, rows_device(c, x));
+  check_token_rows(c, x, "x", r, -1, !weights);
+  check_weights(c, weights, r, x);
+  return r;
+}
+
+Routed combine_inputs(const Checker& c, const TensorView& y, const PlanView& plan,
+                      const std::optional<TensorView>& weights) {
+  c.row_tensor(y, "y", -1, -1, false);
+  const Routed r = routed_from_plan(c, plan, rows_device(c, y));
+  check_padded_input(c, y, "y", r, -1, y.dtype);
+  check_weights(c, weights, r, y);
+  return r;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
-// padded_gather
+// padded_gather / padded_scatter / padded_scatter_wgrad
 // ---------------------------------------------------------------------------
 
 void padded_gather_out(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
                        const TensorView& bins, const TensorView& padded_bins, int top_k,
                        const std::optional<TensorView>& weights, const TensorView& y, const Options& options) {
   Checker c("padded_gather");
-  c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
-  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, x), options);
-  check_token_rows(c, x, "x", r, -1, !weights);
-  check_weights(c, weights, r, x);
-  c.row_output(y, "y", r.padded_rows, /*at_least=*/true, x.shape[1], x.dtype);
-  c.same_device(y, "y", x.device);
+  const Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
+  check_padded_out(c, y, "y", r, x);
   run_spread(r, x, weights, y, nullptr, nullptr, options);
 }
 
@@ -146,29 +219,18 @@ Tensor padded_gather(const TensorView& x, const TensorView& indices, const Tenso
                      const TensorView& bins, const TensorView& padded_bins, int top_k,
                      const std::optional<TensorView>& weights, const Options& options) {
   Checker c("padded_gather");
-  c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
-  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, x), options);
-  check_token_rows(c, x, "x", r, -1, !weights);
-  check_weights(c, weights, r, x);
-  Tensor y = Tensor::empty(x.dtype, {r.padded_rows, x.shape[1]}, x.device);
+  const Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
+  Tensor y = alloc_padded(r, x);
   run_spread(r, x, weights, y, nullptr, nullptr, options);
   return y;
 }
-
-// ---------------------------------------------------------------------------
-// padded_scatter
-// ---------------------------------------------------------------------------
 
 void padded_scatter_out(const TensorView& y, const TensorView& indices, const TensorView& bin_ids,
                         const std::optional<TensorView>& weights, const TensorView& bins,
                         const TensorView& padded_bins, int top_k, const TensorView& out, const Options& options) {
   Checker c("padded_scatter");
-  c.row_tensor(y, "y", -1, -1, false);
-  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, y), options);
-  check_padded_input(c, y, "y", r, -1, y.dtype);
-  check_weights(c, weights, r, y);
-  c.row_output(out, "out", r.tokens, /*at_least=*/false, y.shape[1], y.dtype);
-  c.same_device(out, "out", y.device);
+  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, weights, options);
+  check_token_out(c, out, "out", r, y);
   run_reduce(r, y, weights, out, options);
 }
 
@@ -176,28 +238,18 @@ Tensor padded_scatter(const TensorView& y, const TensorView& indices, const Tens
                       const std::optional<TensorView>& weights, const TensorView& bins,
                       const TensorView& padded_bins, int top_k, const Options& options) {
   Checker c("padded_scatter");
-  c.row_tensor(y, "y", -1, -1, false);
-  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, y), options);
-  check_padded_input(c, y, "y", r, -1, y.dtype);
-  check_weights(c, weights, r, y);
-  Tensor out = Tensor::empty(y.dtype, {r.tokens, y.shape[1]}, y.device);
+  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, weights, options);
+  Tensor out = alloc_tokens(r, y);
   run_reduce(r, y, weights, out, options);
   return out;
 }
-
-// ---------------------------------------------------------------------------
-// padded_scatter_wgrad
-// ---------------------------------------------------------------------------
 
 void padded_scatter_wgrad_out(const TensorView& y, const TensorView& grad, const TensorView& indices,
                               const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
                               int top_k, const TensorView& wgrad, const Options& options) {
   Checker c("padded_scatter_wgrad");
-  c.row_tensor(y, "y", -1, -1, false);
-  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, y), options);
-  check_token_rows(c, grad, "grad", r, y.shape[1], false);
-  check_padded_input(c, y, "y", r, grad.shape[1], grad.dtype);
-  c.same_device(grad, "grad", y.device);
+  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  pair_inputs(c, r, grad, "grad", y, "y", std::nullopt);
   c.float_output(wgrad, "wgrad", r.assignments, y.dtype);
   c.same_device(wgrad, "wgrad", y.device);
   run_dots(r, y, grad, wgrad, options);
@@ -207,11 +259,8 @@ Tensor padded_scatter_wgrad(const TensorView& y, const TensorView& grad, const T
                             const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
                             int top_k, const Options& options) {
   Checker c("padded_scatter_wgrad");
-  c.row_tensor(y, "y", -1, -1, false);
-  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, y), options);
-  check_token_rows(c, grad, "grad", r, y.shape[1], false);
-  check_padded_input(c, y, "y", r, grad.shape[1], grad.dtype);
-  c.same_device(grad, "grad", y.device);
+  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  pair_inputs(c, r, grad, "grad", y, "y", std::nullopt);
   Tensor wgrad = Tensor::empty(y.dtype, {r.assignments}, y.device);
   run_dots(r, y, grad, wgrad, options);
   return wgrad;
@@ -221,24 +270,51 @@ Tensor padded_scatter_wgrad(const TensorView& y, const TensorView& grad, const T
 // Backward rules of the MegaBlocks ops
 // ---------------------------------------------------------------------------
 
+namespace {
+
+// grad_x = reduce(grad_y, weights); grad_weights = <grad_y[row], x[t]> (gather / dispatch backward).
+void run_spread_backward(const Routed& r, const TensorView& grad_y, const TensorView& x,
+                         const std::optional<TensorView>& weights, const TensorView& grad_x,
+                         const TensorView* grad_weights, const Options& o) {
+  run_reduce(r, grad_y, weights, grad_x, o);
+  if (grad_weights != nullptr) run_dots(r, grad_y, x, *grad_weights, o);
+}
+
+}  // namespace
+
+void padded_gather_backward_out(const TensorView& grad_y, const TensorView& x, const TensorView& indices,
+                                const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
+                                int top_k, const std::optional<TensorView>& weights, const TensorView& grad_x,
+                                const TensorView& grad_weights, const Options& options) {
+  Checker c("padded_gather_backward");
+  const Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
+  check_token_out(c, grad_x, "grad_x", r, x);
+  const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, x);
+  run_spread_backward(r, grad_y, x, weights, grad_x, want_gw ? &grad_weights : nullptr, options);
+}
+
 RowGrads padded_gather_backward(const TensorView& grad_y, const TensorView& x, const TensorView& indices,
                                 const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
                                 int top_k, const std::optional<TensorView>& weights, const Options& options) {
   Checker c("padded_gather_backward");
-  c.row_tensor(x, "x", -1, -1, false);
-  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, x), options);
-  check_token_rows(c, x, "x", r, -1, false);
-  check_padded_input(c, grad_y, "grad_y", r, x.shape[1], x.dtype);
-  c.same_device(grad_y, "grad_y", x.device);
-  check_weights(c, weights, r, x);
-  RowGrads g;
-  g.grad_rows = Tensor::empty(x.dtype, {r.tokens, x.shape[1]}, x.device);
-  run_reduce(r, grad_y, weights, g.grad_rows, options);
-  if (weights) {
-    g.grad_weights = Tensor::empty(weights->dtype, {r.assignments}, x.device);
-    run_dots(r, grad_y, x, g.grad_weights, options);
-  }
+  const Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
+  RowGrads g{alloc_tokens(r, x), alloc_weight_grad(r, weights, x)};
+  run_spread_backward(r, grad_y, x, weights, g.grad_rows, weights ? &g.grad_weights.view() : nullptr, options);
   return g;
+}
+
+void padded_scatter_backward_out(const TensorView& grad_out, const TensorView& y, const TensorView& indices,
+                                 const TensorView& bin_ids, const std::optional<TensorView>& weights,
+                                 const TensorView& bins, const TensorView& padded_bins, int top_k,
+                                 const TensorView& grad_y, const TensorView& grad_weights, const Options& options) {
+  Checker c("padded_scatter_backward");
+  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
+  check_padded_out(c, grad_y, "grad_y", r, y);
+  const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, y);
+  run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
 }
 
 RowGrads padded_scatter_backward(const TensorView& grad_out, const TensorView& y, const TensorView& indices,
@@ -246,18 +322,11 @@ RowGrads padded_scatter_backward(const TensorView& grad_out, const TensorView& y
                                  const TensorView& bins, const TensorView& padded_bins, int top_k,
                                  const Options& options) {
   Checker c("padded_scatter_backward");
-  c.row_tensor(grad_out, "grad_out", -1, -1, false);
-  const Routed r =
-      routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, grad_out), options);
-  check_token_rows(c, grad_out, "grad_out", r, -1, false);
-  check_padded_input(c, y, "y", r, grad_out.shape[1], grad_out.dtype);
-  c.same_device(y, "y", grad_out.device);
-  check_weights(c, weights, r, grad_out);
-  RowGrads g;
-  g.grad_rows = Tensor::empty(y.dtype, {r.padded_rows, y.shape[1]}, y.device);
-  if (weights) g.grad_weights = Tensor::empty(weights->dtype, {r.assignments}, y.device);
-  const TensorView* gw = weights ? &g.grad_weights.view() : nullptr;
-  run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr, gw, options);
+  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
+  RowGrads g{alloc_padded(r, y), alloc_weight_grad(r, weights, y)};
+  run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr, weights ? &g.grad_weights.view() : nullptr,
+             options);
   return g;
 }
 
@@ -268,23 +337,16 @@ RowGrads padded_scatter_backward(const TensorView& grad_out, const TensorView& y
 void dispatch_out(const TensorView& x, const PlanView& plan, const std::optional<TensorView>& weights,
                   const TensorView& y, const Options& options) {
   Checker c("dispatch");
-  c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
-  const Routed r = routed_from_plan(c, plan, rows_device(c, x));
-  check_token_rows(c, x, "x", r, -1, !weights);
-  check_weights(c, weights, r, x);
-  c.row_output(y, "y", r.padded_rows, /*at_least=*/true, x.shape[1], x.dtype);
-  c.same_device(y, "y", x.device);
+  const Routed r = dispatch_inputs(c, x, plan, weights);
+  check_padded_out(c, y, "y", r, x);
   run_spread(r, x, weights, y, nullptr, nullptr, options);
 }
 
 Tensor dispatch(const TensorView& x, const PlanView& plan, const std::optional<TensorView>& weights,
                 const Options& options) {
   Checker c("dispatch");
-  c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
-  const Routed r = routed_from_plan(c, plan, rows_device(c, x));
-  check_token_rows(c, x, "x", r, -1, !weights);
-  check_weights(c, weights, r, x);
-  Tensor y = Tensor::empty(x.dtype, {r.padded_rows, x.shape[1]}, x.device);
+  const Routed r = dispatch_inputs(c, x, plan, weights);
+  Tensor y = alloc_padded(r, x);
   run_spread(r, x, weights, y, nullptr, nullptr, options);
   return y;
 }
@@ -292,23 +354,16 @@ Tensor dispatch(const TensorView& x, const PlanView& plan, const std::optional<T
 void combine_out(const TensorView& y, const PlanView& plan, const std::optional<TensorView>& weights,
                  const TensorView& out, const Options& options) {
   Checker c("combine");
-  c.row_tensor(y, "y", -1, -1, false);
-  const Routed r = routed_from_plan(c, plan, rows_device(c, y));
-  check_padded_input(c, y, "y", r, -1, y.dtype);
-  check_weights(c, weights, r, y);
-  c.row_output(out, "out", r.tokens, /*at_least=*/false, y.shape[1], y.dtype);
-  c.same_device(out, "out", y.device);
+  const Routed r = combine_inputs(c, y, plan, weights);
+  check_token_out(c, out, "out", r, y);
   run_reduce(r, y, weights, out, options);
 }
 
 Tensor combine(const TensorView& y, const PlanView& plan, const std::optional<TensorView>& weights,
                const Options& options) {
   Checker c("combine");
-  c.row_tensor(y, "y", -1, -1, false);
-  const Routed r = routed_from_plan(c, plan, rows_device(c, y));
-  check_padded_input(c, y, "y", r, -1, y.dtype);
-  check_weights(c, weights, r, y);
-  Tensor out = Tensor::empty(y.dtype, {r.tokens, y.shape[1]}, y.device);
+  const Routed r = combine_inputs(c, y, plan, weights);
+  Tensor out = alloc_tokens(r, y);
   run_reduce(r, y, weights, out, options);
   return out;
 }
@@ -317,55 +372,42 @@ void combine_backward_out(const TensorView& grad_out, const TensorView& y, const
                           const std::optional<TensorView>& weights, const TensorView& grad_y,
                           const TensorView& grad_weights, const Options& options) {
   Checker c("combine_backward");
-  c.row_tensor(grad_out, "grad_out", -1, -1, false);
-  const Routed r = routed_from_plan(c, plan, rows_device(c, grad_out));
-  check_token_rows(c, grad_out, "grad_out", r, -1, false);
-  check_padded_input(c, y, "y", r, grad_out.shape[1], grad_out.dtype);
-  c.same_device(y, "y", grad_out.device);
-  check_weights(c, weights, r, grad_out);
-  c.row_output(grad_y, "grad_y", r.padded_rows, /*at_least=*/true, y.shape[1], y.dtype);
-  c.same_device(grad_y, "grad_y", y.device);
-  const bool want_gw = grad_weights.data != nullptr;
-  if (want_gw) {
-    c.float_output(grad_weights, "grad_weights", r.assignments, y.dtype);
-    c.same_device(grad_weights, "grad_weights", y.device);
-  }
+  const Routed r = combine_inputs(c, y, plan, std::nullopt);
+  pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
+  check_padded_out(c, grad_y, "grad_y", r, y);
+  const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, y);
   run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
 }
 
 RowGrads combine_backward(const TensorView& grad_out, const TensorView& y, const PlanView& plan,
                           const std::optional<TensorView>& weights, const Options& options) {
   Checker c("combine_backward");
-  c.row_tensor(grad_out, "grad_out", -1, -1, false);
-  const Routed r = routed_from_plan(c, plan, rows_device(c, grad_out));
-  check_token_rows(c, grad_out, "grad_out", r, -1, false);
-  check_padded_input(c, y, "y", r, grad_out.shape[1], grad_out.dtype);
-  c.same_device(y, "y", grad_out.device);
-  check_weights(c, weights, r, grad_out);
-  RowGrads g;
-  g.grad_rows = Tensor::empty(y.dtype, {r.padded_rows, y.shape[1]}, y.device);
-  if (weights) g.grad_weights = Tensor::empty(weights->dtype, {r.assignments}, y.device);
-  const TensorView* gw = weights ? &g.grad_weights.view() : nullptr;
-  run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr, gw, options);
+  const Routed r = combine_inputs(c, y, plan, std::nullopt);
+  pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
+  RowGrads g{alloc_padded(r, y), alloc_weight_grad(r, weights, y)};
+  run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr, weights ? &g.grad_weights.view() : nullptr,
+             options);
   return g;
+}
+
+void dispatch_backward_out(const TensorView& grad_y, const TensorView& x, const PlanView& plan,
+                           const std::optional<TensorView>& weights, const TensorView& grad_x,
+                           const TensorView& grad_weights, const Options& options) {
+  Checker c("dispatch_backward");
+  const Routed r = dispatch_inputs(c, x, plan, std::nullopt);
+  pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
+  check_token_out(c, grad_x, "grad_x", r, x);
+  const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, x);
+  run_spread_backward(r, grad_y, x, weights, grad_x, want_gw ? &grad_weights : nullptr, options);
 }
 
 RowGrads dispatch_backward(const TensorView& grad_y, const TensorView& x, const PlanView& plan,
                            const std::optional<TensorView>& weights, const Options& options) {
   Checker c("dispatch_backward");
-  c.row_tensor(x, "x", -1, -1, false);
-  const Routed r = routed_from_plan(c, plan, rows_device(c, x));
-  check_token_rows(c, x, "x", r, -1, false);
-  check_padded_input(c, grad_y, "grad_y", r, x.shape[1], x.dtype);
-  c.same_device(grad_y, "grad_y", x.device);
-  check_weights(c, weights, r, x);
-  RowGrads g;
-  g.grad_rows = Tensor::empty(x.dtype, {r.tokens, x.shape[1]}, x.device);
-  run_reduce(r, grad_y, weights, g.grad_rows, options);
-  if (weights) {
-    g.grad_weights = Tensor::empty(weights->dtype, {r.assignments}, x.device);
-    run_dots(r, grad_y, x, g.grad_weights, options);
-  }
+  const Routed r = dispatch_inputs(c, x, plan, std::nullopt);
+  pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
+  RowGrads g{alloc_tokens(r, x), alloc_weight_grad(r, weights, x)};
+  run_spread_backward(r, grad_y, x, weights, g.grad_rows, weights ? &g.grad_weights.view() : nullptr, options);
   return g;
 }
 

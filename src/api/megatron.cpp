@@ -172,35 +172,69 @@ Tensor unpad_from_alignment(const TensorView& padded, const TensorView& permutat
   return out;
 }
 
-RowGrads unpad_from_alignment_backward(const TensorView& grad_out, const TensorView& padded,
-                                       const TensorView& permutation_map, const std::optional<TensorView>& probs,
-                                       const Options& options) {
-  Checker c("unpad_from_alignment_backward");
+namespace {
+
+// Inputs of unpad's backward, checked; returns the inverse map.
+std::vector<int32_t> unpad_backward_inputs(const Checker& c, const TensorView& grad_out, const TensorView& padded,
+                                           const TensorView& permutation_map,
+                                           const std::optional<TensorView>& probs) {
   c.row_tensor(grad_out, "grad_out", -1, -1, false);
-  const int64_t original_size = grad_out.shape[0];
-  check_unpad_inputs(c, padded, permutation_map, probs, original_size);
+  check_unpad_inputs(c, padded, permutation_map, probs, grad_out.shape[0]);
   c.row_tensor(padded, "padded_output", -1, grad_out.shape[1], false);
   if (padded.dtype != grad_out.dtype) {
     c.fail(ErrorKind::kType, "padded_output", std::string("expected dtype ") + dtype_name(grad_out.dtype) + ", got " +
                                                   dtype_name(padded.dtype));
   }
   c.same_device(grad_out, "grad_out", padded.device);
-  const std::vector<int32_t> inverse = check_and_invert_map(c, permutation_map, padded.shape[0], original_size);
-  // The map as int32 for the row kernel (the input may be int64).
+  return check_and_invert_map(c, permutation_map, padded.shape[0], grad_out.shape[0]);
+}
+
+// grad_padded[p] = grad_out[map[p]] * probs[map[p]] (zero for padding);
+// grad_probs[n] = <padded[inverse[n]], grad_out[n]> when wanted.
+void run_unpad_backward(const TensorView& grad_out, const TensorView& padded, const TensorView& permutation_map,
+                        const std::vector<int32_t>& inverse, const std::optional<TensorView>& probs,
+                        const TensorView& grad_padded, const TensorView* grad_probs, const Options& options) {
   const int64_t rows = padded.shape[0];
   const detail::IndexReader map_in(permutation_map);
-  std::vector<int32_t> map(static_cast<size_t>(rows));
+  std::vector<int32_t> map(static_cast<size_t>(rows));  // int32 for the row kernel (the input may be int64)
   for (int64_t p = 0; p < rows; ++p) map[p] = static_cast<int32_t>(map_in[p]);
-
-  RowGrads g;
-  g.grad_rows = Tensor::empty(padded.dtype, {rows, padded.shape[1]}, padded.device);
   cpu::gather_rows(cpu::RowsRef::of(grad_out), map.data(), cpu::Scale::of(probs), /*scale_by_source=*/true,
-                   cpu::RowsRef::of(g.grad_rows), rows, options.num_threads);
-  if (probs) {
-    g.grad_weights = Tensor::empty(probs->dtype, {original_size}, padded.device);
-    cpu::row_dots(cpu::RowsRef::of(padded), cpu::RowsRef::of(grad_out), 1, inverse.data(), original_size,
-                  cpu::FloatOut{g.grad_weights.data(), g.grad_weights.dtype()}, options.num_threads);
+                   cpu::RowsRef::of(grad_padded), rows, options.num_threads);
+  if (grad_probs != nullptr) {
+    cpu::row_dots(cpu::RowsRef::of(padded), cpu::RowsRef::of(grad_out), 1, inverse.data(), grad_out.shape[0],
+                  cpu::FloatOut{grad_probs->data, grad_probs->dtype}, options.num_threads);
   }
+}
+
+}  // namespace
+
+void unpad_from_alignment_backward_out(const TensorView& grad_out, const TensorView& padded,
+                                       const TensorView& permutation_map, const std::optional<TensorView>& probs,
+                                       const TensorView& grad_padded, const TensorView& grad_probs,
+                                       const Options& options) {
+  Checker c("unpad_from_alignment_backward");
+  const std::vector<int32_t> inverse = unpad_backward_inputs(c, grad_out, padded, permutation_map, probs);
+  c.row_output(grad_padded, "grad_padded", padded.shape[0], /*at_least=*/false, padded.shape[1], padded.dtype);
+  c.same_device(grad_padded, "grad_padded", padded.device);
+  const bool want_gp = !(grad_probs.data == nullptr && grad_probs.ndim == 0);
+  if (want_gp) {
+    c.float_output(grad_probs, "grad_probs", grad_out.shape[0], padded.dtype);
+    c.same_device(grad_probs, "grad_probs", padded.device);
+  }
+  run_unpad_backward(grad_out, padded, permutation_map, inverse, probs, grad_padded, want_gp ? &grad_probs : nullptr,
+                     options);
+}
+
+RowGrads unpad_from_alignment_backward(const TensorView& grad_out, const TensorView& padded,
+                                       const TensorView& permutation_map, const std::optional<TensorView>& probs,
+                                       const Options& options) {
+  Checker c("unpad_from_alignment_backward");
+  const std::vector<int32_t> inverse = unpad_backward_inputs(c, grad_out, padded, permutation_map, probs);
+  RowGrads g;
+  g.grad_rows = Tensor::empty(padded.dtype, {padded.shape[0], padded.shape[1]}, padded.device);
+  if (probs) g.grad_weights = Tensor::empty(probs->dtype, {grad_out.shape[0]}, padded.device);
+  run_unpad_backward(grad_out, padded, permutation_map, inverse, probs, g.grad_rows,
+                     probs ? &g.grad_weights.view() : nullptr, options);
   return g;
 }
 

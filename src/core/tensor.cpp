@@ -3,6 +3,10 @@
 #include <new>
 #include <string>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "padmoe/error.hpp"
 #include "padmoe/tensor.hpp"
 
@@ -104,10 +108,18 @@ Tensor Tensor::empty(DType dtype, int ndim, const int64_t* shape, Device device)
     numel *= shape[d];
   }
   const size_t bytes = static_cast<size_t>(numel) * element_size(dtype);
-  // 64-byte aligned, rounded up to a whole number of alignments (aligned_alloc's rule).
-  const size_t alloc = ((bytes + 63) / 64) * 64 + 64;
-  void* p = std::aligned_alloc(64, alloc);
+  // 64-byte aligned (aligned_alloc wants a whole number of alignments). Large
+  // buffers are 2 MiB aligned and asked to use transparent huge pages: the
+  // row kernels touch rows all over them, and 4 KiB pages cost a TLB miss
+  // every few rows.
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t align = bytes >= 2 * kHuge ? kHuge : 64;
+  const size_t alloc = ((bytes + align - 1) / align) * align + align;
+  void* p = std::aligned_alloc(align, alloc);
   if (p == nullptr) throw Error(ErrorKind::kRuntime, "Tensor::empty: out of memory (" + std::to_string(bytes) + " bytes)");
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (align == kHuge) (void)madvise(p, alloc, MADV_HUGEPAGE);  // advice only; failure is harmless
+#endif
   Tensor t;
   t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
   t.view_.data = p;

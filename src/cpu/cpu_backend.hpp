@@ -80,6 +80,10 @@ void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest
 void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_source, const RowsRef& out,
                  int64_t rows, int threads);
 
+// dst = src for `bytes` bytes, split into contiguous per-worker chunks;
+// large copies use streaming stores.
+void copy_bytes(void* dst, const void* src, int64_t bytes, int threads);
+
 // Worker count for `items` units of `bytes_per_item` (keeps tiny ops on one thread).
 int workers_for(int threads, int64_t items, int64_t bytes_per_item);
 

@@ -3,6 +3,11 @@
 // without a scale is moved with memcpy, bit for bit.
 #include <algorithm>
 #include <cstring>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "cpu/cpu_backend.hpp"
 #include "cpu/thread_pool.hpp"
@@ -65,24 +70,43 @@ PADMOE_CPU_CLONES void store_row(char* dst, const float* acc, int64_t n) {
   for (int64_t i = 0; i < n; ++i) d[i] = T::st(acc[i]);
 }
 
-// Dot product in float32 with 16 interleaved lanes (element i feeds lane
+// Dot products in float32 with 16 interleaved lanes (element i feeds lane
 // i % 16) reduced by a fixed tree: vectorizable, and the same bits on every
-// run and thread count.
+// run and thread count. dot_rows computes up to kMaxDotRows products against
+// one shared row `b` in a single pass over its columns, chunk by chunk, so
+// the K rows of a token stream side by side; each product's lanes still
+// accumulate in ascending column order.
 constexpr int kLanes = 16;
+constexpr int kMaxDotRows = 16;
+constexpr int64_t kDotChunk = 256;  // columns per pass over the rows
+
 template <typename T>
-PADMOE_CPU_CLONES float dot_row(const char* a_bytes, const char* b_bytes, int64_t n) {
+PADMOE_CPU_CLONES void dot_chunk(float* lanes, const char* a_bytes, const char* b_bytes, int64_t begin, int64_t end) {
   const auto* a = reinterpret_cast<const typename T::S*>(a_bytes);
   const auto* b = reinterpret_cast<const typename T::S*>(b_bytes);
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
     for (int j = 0; j < kLanes; ++j) lanes[j] += T::ld(a[i + j]) * T::ld(b[i + j]);
   }
-  for (int j = 0; i < n; ++i, ++j) lanes[j] += T::ld(a[i]) * T::ld(b[i]);
+  for (; i < end; ++i) lanes[i % kLanes] += T::ld(a[i]) * T::ld(b[i]);
+}
+
+inline float reduce_lanes(float* lanes) {
   for (int width = kLanes / 2; width >= 1; width /= 2) {
     for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
   }
   return lanes[0];
+}
+
+// out[k] = <a[k], b> for k < n (n <= kMaxDotRows), b of `cols` elements.
+template <typename T>
+void dot_rows(const char* const* a, int n, const char* b, int64_t cols, float* out) {
+  float lanes[kMaxDotRows][kLanes] = {};
+  for (int64_t c = 0; c < cols; c += kDotChunk) {
+    const int64_t end = std::min(cols, c + kDotChunk);
+    for (int k = 0; k < n; ++k) dot_chunk<T>(lanes[k], a[k], b, c, end);
+  }
+  for (int k = 0; k < n; ++k) out[k] = reduce_lanes(lanes[k]);
 }
 
 // Calls f.template operator()<Traits>() for a float32/16/bf16 dtype.
@@ -95,7 +119,81 @@ void with_traits(DType dtype, F&& f) {
   }
 }
 
-void zero_row(char* dst, int64_t bytes) { std::memset(dst, 0, static_cast<size_t>(bytes)); }
+// Row stores. Large outputs (Store::kStream) are written with non-temporal
+// stores where the destination is 16-byte aligned: they are not read again
+// soon, and streaming skips the read-for-ownership of every line.
+enum class Store { kCached, kStream };
+
+void copy_row(char* dst, const char* src, int64_t bytes, Store mode) {
+#if defined(__SSE2__)
+  if (mode == Store::kStream && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    int64_t i = 0;
+    for (; i + 64 <= bytes; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    if (i < bytes) std::memcpy(dst + i, src + i, static_cast<size_t>(bytes - i));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, static_cast<size_t>(bytes));
+}
+
+void zero_row(char* dst, int64_t bytes, Store mode) {
+#if defined(__SSE2__)
+  if (mode == Store::kStream && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    const __m128i z = _mm_setzero_si128();
+    int64_t i = 0;
+    for (; i + 64 <= bytes; i += 64) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), z);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), z);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), z);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), z);
+    }
+    if (i < bytes) std::memset(dst + i, 0, static_cast<size_t>(bytes - i));
+    return;
+  }
+#endif
+  std::memset(dst, 0, static_cast<size_t>(bytes));
+}
+
+// Orders streaming stores before the op returns.
+void store_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// dst = src * w. Streamed outputs are scaled into an L1-resident tile first
+// and then streamed out (chunks of 4 KiB keep dst's 16-byte alignment).
+template <typename T>
+void scale_row_to(char* dst, const char* src, int64_t n, float w, Store mode) {
+  if (mode == Store::kCached) {
+    scale_row<T>(dst, src, n, w);
+    return;
+  }
+  constexpr int64_t kChunkBytes = 4096;
+  alignas(64) char tile[kChunkBytes];
+  const int64_t es = static_cast<int64_t>(sizeof(typename T::S));
+  const int64_t per = kChunkBytes / es;
+  for (int64_t c = 0; c < n; c += per) {
+    const int64_t len = std::min(per, n - c);
+    scale_row<T>(tile, src + c * es, len, w);
+    copy_row(dst + c * es, tile, len * es, mode);
+  }
+}
+
+// Stream when the output is well past the caches.
+Store store_mode(int64_t output_bytes) {
+  constexpr int64_t kStreamBytes = int64_t{64} << 20;
+  return output_bytes >= kStreamBytes ? Store::kStream : Store::kCached;
+}
 
 }  // namespace
 
@@ -112,12 +210,50 @@ int workers_for(int threads, int64_t items, int64_t bytes_per_item) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({int64_t{resolve_threads(threads)}, by_size, std::max<int64_t>(1, items)})));
 }
 
+// dots[a] = <with[dest[a]], b> for the K assignments of token t (0 where dest < 0).
+template <typename T>
+void token_dots(const RowsRef& with, const int32_t* dest, int64_t t, int top_k, const char* b, int64_t cols,
+                FloatOut dots) {
+  for (int k0 = 0; k0 < top_k; k0 += kMaxDotRows) {
+    const int k1 = std::min(top_k, k0 + kMaxDotRows);
+    const char* rows[kMaxDotRows];
+    int64_t ids[kMaxDotRows];
+    float vals[kMaxDotRows];
+    int n = 0;
+    for (int k = k0; k < k1; ++k) {
+      const int64_t a = index::assignment_id(t, k, top_k);
+      if (dest[a] < 0) {
+        dots.store(a, 0.0f);
+        continue;
+      }
+      rows[n] = with.row(dest[a]);
+      ids[n++] = a;
+    }
+    dot_rows<T>(rows, n, b, cols, vals);
+    for (int q = 0; q < n; ++q) dots.store(ids[q], vals[q]);
+  }
+}
+
+void copy_bytes(void* dst, const void* src, int64_t bytes, int threads) {
+  constexpr int64_t kBlock = 4096;  // per-worker chunks start on 4 KiB boundaries of the buffer
+  const int64_t blocks = index::ceil_div(bytes, kBlock);
+  const int workers = workers_for(threads, blocks, kBlock);
+  const Store mode = store_mode(bytes);
+  parallel_run(workers, [&](int wid) {
+    const index::Range r = index::work_range(wid, workers, blocks);
+    const int64_t begin = r.begin * kBlock, end = std::min(bytes, r.end * kBlock);
+    if (end > begin) copy_row(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, end - begin, mode);
+    store_fence();
+  });
+}
+
 void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, const RowsRef& y,
                  const int32_t* row_sources, int64_t padded_rows, const RowsRef* dots_with, FloatOut dots,
                  int threads) {
   const int64_t tokens = x.rows;
   const int64_t row_bytes = y.row_bytes();
   const int workers = workers_for(threads, tokens * top_k + padded_rows, row_bytes);
+  const Store mode = store_mode(padded_rows * row_bytes);
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);
     parallel_run(workers, [&](int wid) {
@@ -128,20 +264,18 @@ void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, cons
         for (int k = 0; k < top_k; ++k) {
           const int64_t a = index::assignment_id(t, k, top_k);
           const int64_t r = dest[a];
-          if (r < 0) {
-            if (dots_with != nullptr) dots.store(a, 0.0f);
-            continue;
-          }
-          if (w.present()) scale_row<T>(y.row(r), src, x.cols, w.at(a));
-          else std::memcpy(y.row(r), src, static_cast<size_t>(row_bytes));
-          if (dots_with != nullptr) dots.store(a, dot_row<T>(dots_with->row(r), src, x.cols));
+          if (r < 0) continue;
+          if (w.present()) scale_row_to<T>(y.row(r), src, x.cols, w.at(a), mode);
+          else copy_row(y.row(r), src, row_bytes, mode);
         }
+        if (dots_with != nullptr) token_dots<T>(*dots_with, dest, t, top_k, src, x.cols, dots);
       }
       // Padding rows: this worker's share of [0, P).
       const index::Range pr = index::work_range(wid, workers, padded_rows);
       for (int64_t r = pr.begin; r < pr.end; ++r) {
-        if (row_sources[r] < 0) zero_row(y.row(r), row_bytes);
+        if (row_sources[r] < 0) zero_row(y.row(r), row_bytes, mode);
       }
+      store_fence();
     });
   });
 }
@@ -156,18 +290,23 @@ void reduce_rows(const RowsRef& y, int top_k, const int32_t* dest, Scale w, cons
     using T = decltype(traits);
     parallel_run(workers, [&](int wid) {
       std::vector<float> acc(static_cast<size_t>(tile));
+      std::vector<const char*> rows(static_cast<size_t>(top_k));
+      std::vector<float> weights(static_cast<size_t>(top_k));
       const int64_t es = static_cast<int64_t>(element_size(y.dtype));
       const index::Range tr = index::work_range(wid, workers, tokens);
       for (int64_t t = tr.begin; t < tr.end; ++t) {
+        int n = 0;  // this token's live assignments, ascending k
+        for (int k = 0; k < top_k; ++k) {
+          const int64_t a = index::assignment_id(t, k, top_k);
+          if (dest[a] < 0) continue;
+          rows[n] = y.row(dest[a]);
+          weights[n++] = w.at(a);
+        }
+        // Small column tiles keep the K source rows streaming side by side.
         for (int64_t c = 0; c < index::num_column_tiles(hidden, tile); ++c) {
           const index::Range cols = index::column_tile(c, tile, hidden);
           std::fill(acc.begin(), acc.begin() + cols.size(), 0.0f);
-          for (int k = 0; k < top_k; ++k) {
-            const int64_t a = index::assignment_id(t, k, top_k);
-            const int64_t r = dest[a];
-            if (r < 0) continue;
-            accumulate_row<T>(acc.data(), y.row(r) + cols.begin * es, cols.size(), w.at(a));
-          }
+          for (int q = 0; q < n; ++q) accumulate_row<T>(acc.data(), rows[q] + cols.begin * es, cols.size(), weights[q]);
           store_row<T>(out.row(t) + cols.begin * es, acc.data(), cols.size());
         }
       }
@@ -183,13 +322,7 @@ void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest
     using T = decltype(traits);
     parallel_run(workers, [&](int wid) {
       const index::Range tr = index::work_range(wid, workers, tokens);
-      for (int64_t t = tr.begin; t < tr.end; ++t) {
-        for (int k = 0; k < top_k; ++k) {
-          const int64_t a = index::assignment_id(t, k, top_k);
-          const int64_t r = dest[a];
-          out.store(a, r < 0 ? 0.0f : dot_row<T>(y.row(r), g.row(t), g.cols));
-        }
-      }
+      for (int64_t t = tr.begin; t < tr.end; ++t) token_dots<T>(y, dest, t, top_k, g.row(t), g.cols, out);
     });
   });
 }
@@ -198,16 +331,18 @@ void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_
                  int64_t rows, int threads) {
   const int64_t row_bytes = out.row_bytes();
   const int workers = workers_for(threads, rows, 2 * row_bytes);
+  const Store mode = store_mode(rows * row_bytes);
   auto run = [&](auto traits) {
     using T = decltype(traits);
     parallel_run(workers, [&](int wid) {
       const index::Range rr = index::work_range(wid, workers, rows);
       for (int64_t r = rr.begin; r < rr.end; ++r) {
         const int64_t from = map[r];
-        if (from < 0) zero_row(out.row(r), row_bytes);
-        else if (!s.present()) std::memcpy(out.row(r), src.row(from), static_cast<size_t>(row_bytes));
-        else scale_row<T>(out.row(r), src.row(from), out.cols, s.at(scale_by_source ? from : r));
+        if (from < 0) zero_row(out.row(r), row_bytes, mode);
+        else if (!s.present()) copy_row(out.row(r), src.row(from), row_bytes, mode);
+        else scale_row_to<T>(out.row(r), src.row(from), out.cols, s.at(scale_by_source ? from : r), mode);
       }
+      store_fence();
     });
   };
   if (s.present()) with_traits(src.dtype, run);
