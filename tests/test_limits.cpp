@@ -35,7 +35,7 @@ TEST(Limits, PadRejectsPaddedRowsPastInt32) {
 }
 
 TEST(Limits, CudaTensorsWithoutCudaBackendAreRejected) {
-#if defined(PADMOE_TEST_CUDA_BACKEND)
+#if defined(PADMOE_WITH_CUDA)
   GTEST_SKIP() << "this build has a CUDA backend";
 #else
   std::vector<int32_t> ids = {0, 1, 1, 0};

@@ -5,7 +5,8 @@
 //                  a stated float32 tolerance of a float64 reference.
 //   padmoe bench   time every op (median wall clock) against the copy floor of
 //                  SPEC section 7: min_bytes / memcpy bandwidth measured in the
-//                  same run.
+//                  same run; also reports padmoe::copy's (streaming) bandwidth
+//                  and each op's share of it (%copy).
 //   padmoe plan    print and validate the tile plan of SPEC section 6.
 //   padmoe presets list the workload presets (src/workload).
 //
@@ -271,11 +272,12 @@ struct Data {
   Tensor out_rows_R;     // [R, H]: gather / dispatch / pad outputs
   Tensor out_rows_T;     // [T, H]: scatter / combine outputs
   Tensor out_rows_N;     // [N, H]: unpad outputs
-  Tensor out_rows_R2;    // [R, H]: combine_backward grad_y
+  Tensor out_rows_R2;    // [R, H]: grad_y of combine_backward / padded_scatter_backward
+  Tensor out_rows_P;     // [P, H]: unpad backward grad_padded (padded's shape exactly)
   Tensor out_f32_A;      // [A] float32: wgrad / grad_weights
+  Tensor out_f32_N;      // [N] float32: unpad backward grad_probs
   Tensor out_map_R;      // [R] int32
   Tensor out_offsets_E;  // [E] int32
-  RowGrads grads;        // results of the ops that only have allocating forms
 
   // Host float copies for the reference loops (filled only when needed).
   bool have_reference = false;
@@ -421,7 +423,9 @@ Data build_data(const Workload& w, bool reference) {
   d.out_rows_R2 = Tensor::empty(w.dtype, {R, H});
   d.out_rows_T = Tensor::empty(w.dtype, {T, H});
   d.out_rows_N = Tensor::empty(w.dtype, {N, H});
+  d.out_rows_P = Tensor::empty(w.dtype, {P, H});
   d.out_f32_A = Tensor::empty(DType::kFloat32, {A});
+  d.out_f32_N = Tensor::empty(DType::kFloat32, {N});
   d.out_map_R = Tensor::empty(DType::kInt32, {R});
   d.out_offsets_E = Tensor::empty(DType::kInt32, {w.E});
 
@@ -602,7 +606,6 @@ struct OpCase {
   std::function<double(const Dims&)> min_bytes;
   std::function<void(Data&)> run;                       // the library call, into d's outputs
   std::function<std::vector<Expect>(Data&)> reference;  // the reference loops and the outputs to compare
-  bool allocates = false;                               // no _out form: allocation is inside the timed run
 };
 
 std::vector<OpCase> op_table() {
@@ -696,10 +699,12 @@ std::vector<OpCase> op_table() {
   // Backward ops: without weights only the row gradient exists.
   // d/dx of y[row(a)] = w(a) x[a/K] is sum_k w(a) grad_y[row(a)]: the weighted scatter.
   auto gather_bwd_expect = [=](Data& d, bool weighted) {
-    std::vector<Expect> e{scatter_expect(d, "grad_x", d.grads.grad_rows, &d.grad_y_f, weighted)};
-    if (weighted) e.push_back(wgrad_expect(d, "grad_weights", d.grads.grad_weights, &d.grad_y_f, &d.x_f));
+    std::vector<Expect> e{scatter_expect(d, "grad_x", d.out_rows_T, &d.grad_y_f, weighted)};
+    if (weighted) e.push_back(wgrad_expect(d, "grad_weights", d.out_f32_A, &d.grad_y_f, &d.x_f));
     return e;
   };
+  // Without weights, an empty grad_weights view skips the weight gradient.
+  auto grad_w_out = [](Data& d, bool weighted) { return weighted ? d.out_f32_A.view() : TensorView{}; };
   auto scatter_bwd_expect = [=](Data& d, const TensorView& grad_y, const TensorView& grad_weights, bool weighted) {
     std::vector<Expect> e{rows_P(d, "grad_y", grad_y, gather_ref(d, d.grad_out_f, weighted))};
     if (weighted) e.push_back(wgrad_expect(d, "grad_weights", grad_weights, &d.y_f, &d.grad_out_f));
@@ -708,23 +713,24 @@ std::vector<OpCase> op_table() {
   for (bool weighted : {false, true}) {
     ops.push_back({weighted ? "padded_gather_backward(w)" : "padded_gather_backward",
                    weighted ? kGatherBwdRule : kScatterRule, weighted ? gather_bwd_bytes : scatter_bytes,
-                   [weighted](Data& d) {
+                   [=](Data& d) {
                      const Plan& p = d.plan;
-                     d.grads = padded_gather_backward(d.grad_y, d.x, p.indices, p.bin_ids, p.bins, p.padded_bins, d.w.K,
-                                                      weighted ? W(d.weights) : W(), d.opt);
+                     padded_gather_backward_out(d.grad_y, d.x, p.indices, p.bin_ids, p.bins, p.padded_bins, d.w.K,
+                                                weighted ? W(d.weights) : W(), d.out_rows_T, grad_w_out(d, weighted),
+                                                d.opt);
                    },
-                   [=](Data& d) { return gather_bwd_expect(d, weighted); }, true});
+                   [=](Data& d) { return gather_bwd_expect(d, weighted); }});
   }
   for (bool weighted : {false, true}) {
     ops.push_back(
         {weighted ? "padded_scatter_backward(w)" : "padded_scatter_backward", weighted ? kScatterBwdRule : kGatherRule,
          weighted ? scatter_bwd_bytes : gather_bytes,
-         [weighted](Data& d) {
+         [=](Data& d) {
            const Plan& p = d.plan;
-           d.grads = padded_scatter_backward(d.grad_out, d.y, p.indices, p.bin_ids, weighted ? W(d.weights) : W(),
-                                             p.bins, p.padded_bins, d.w.K, d.opt);
+           padded_scatter_backward_out(d.grad_out, d.y, p.indices, p.bin_ids, weighted ? W(d.weights) : W(), p.bins,
+                                       p.padded_bins, d.w.K, d.out_rows_R2, grad_w_out(d, weighted), d.opt);
          },
-         [=](Data& d) { return scatter_bwd_expect(d, d.grads.grad_rows, d.grads.grad_weights, weighted); }, true});
+         [=](Data& d) { return scatter_bwd_expect(d, d.out_rows_R2, d.out_f32_A, weighted); }});
   }
   for (bool weighted : {false, true}) {
     ops.push_back(
@@ -738,20 +744,20 @@ std::vector<OpCase> op_table() {
   for (bool weighted : {false, true}) {
     ops.push_back({weighted ? "combine_backward(w)" : "combine_backward", weighted ? kScatterBwdRule : kGatherRule,
                    weighted ? scatter_bwd_bytes : gather_bytes,
-                   [weighted](Data& d) {
-                     // Without weights, an empty grad_weights view skips the weight gradient.
+                   [=](Data& d) {
                      combine_backward_out(d.grad_out, d.y, d.plan.view(), weighted ? W(d.weights) : W(), d.out_rows_R2,
-                                          weighted ? d.out_f32_A.view() : TensorView{}, d.opt);
+                                          grad_w_out(d, weighted), d.opt);
                    },
                    [=](Data& d) { return scatter_bwd_expect(d, d.out_rows_R2, d.out_f32_A, weighted); }});
   }
   for (bool weighted : {false, true}) {
     ops.push_back({weighted ? "dispatch_backward(w)" : "dispatch_backward", weighted ? kGatherBwdRule : kScatterRule,
                    weighted ? gather_bwd_bytes : scatter_bytes,
-                   [weighted](Data& d) {
-                     d.grads = dispatch_backward(d.grad_y, d.x, d.plan.view(), weighted ? W(d.weights) : W(), d.opt);
+                   [=](Data& d) {
+                     dispatch_backward_out(d.grad_y, d.x, d.plan.view(), weighted ? W(d.weights) : W(), d.out_rows_T,
+                                           grad_w_out(d, weighted), d.opt);
                    },
-                   [=](Data& d) { return gather_bwd_expect(d, weighted); }, true});
+                   [=](Data& d) { return gather_bwd_expect(d, weighted); }});
   }
 
   ops.push_back(
@@ -784,20 +790,20 @@ std::vector<OpCase> op_table() {
   ops.push_back({"unpad_from_alignment_backward(probs)", "(2*N*H + P*H)*s (grad_out, real padded rows, grad_padded)",
                  [](const Dims& d) { return (2 * d.N * d.H + d.P * d.H) * d.s; },
                  [](Data& d) {
-                   d.grads = unpad_from_alignment_backward(d.grad_unpadded, d.padded, d.perm_map, W(d.probs), d.opt);
+                   unpad_from_alignment_backward_out(d.grad_unpadded, d.padded, d.perm_map, W(d.probs), d.out_rows_P,
+                                                     d.out_f32_N, d.opt);
                  },
                  [=](Data& d) {
                    ref::UnpadGrads g = ref::unpad_from_alignment_backward(d.grad_unpadded_f, d.padded_f, d.w.H,
                                                                           d.perm_map_ref, &d.probs_f);
                    return std::vector<Expect>{
-                       expect_move("grad_padded", d.grads.grad_rows, d.P, d.w.H, std::move(g.grad_padded)),
-                       expect_sum("grad_probs", d.grads.grad_weights, d.N, 1, std::move(g.grad_probs), d.w.H, [&d] {
+                       expect_move("grad_padded", d.out_rows_P, d.P, d.w.H, std::move(g.grad_padded)),
+                       expect_sum("grad_probs", d.out_f32_N, d.N, 1, std::move(g.grad_probs), d.w.H, [&d] {
                          return ref::unpad_from_alignment_backward(abs_of(d.grad_unpadded_f), abs_of(d.padded_f), d.w.H,
                                                                    d.perm_map_ref, &d.probs_f)
                              .grad_probs;
                        })};
-                 },
-                 true});
+                 }});
   return ops;
 }
 
@@ -837,8 +843,8 @@ void fill_outputs_with_sentinel(Data& d) {
   const Plan& p = d.plan_out;
   for (const Tensor* t : std::initializer_list<const Tensor*>{
            &p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins, &p.padded_tokens_per_expert, &p.padded_bins,
-           &p.dest_rows, &p.row_sources, &d.out_rows_R, &d.out_rows_R2, &d.out_rows_T, &d.out_rows_N, &d.out_f32_A,
-           &d.out_map_R, &d.out_offsets_E}) {
+           &p.dest_rows, &p.row_sources, &d.out_rows_R, &d.out_rows_R2, &d.out_rows_T, &d.out_rows_N, &d.out_rows_P,
+           &d.out_f32_A, &d.out_f32_N, &d.out_map_R, &d.out_offsets_E}) {
     fill_sentinel(*t);
   }
 }
@@ -870,7 +876,6 @@ int cmd_check(const Args& args) {
       out.ok = false;
       out.failure = std::string("raised padmoe::Error: ") + e.what();
     }
-    d.grads = RowGrads{};
     const std::string tol =
         out.has_sums ? "<= " + num(out.max_tol) + " (err/tol " + fmt("%.3g", out.worst_ratio) + ")" : "exact";
     std::printf("%-38s %12s  %-30s %12" PRId64 "  %s\n", op.name.c_str(), num(out.max_err).c_str(), tol.c_str(),
@@ -917,9 +922,19 @@ void run_on_threads(int threads, Fn fn) {
   for (std::thread& th : pool) th.join();
 }
 
-// Copy bandwidth of this machine: a 512 MiB memcpy split into one contiguous
-// chunk per thread; bytes counted as read + written; median of 7 runs.
-double measure_memcpy_gbps(int threads) {
+// Copy bandwidths of this machine on one pair of 512 MiB buffers, bytes
+// counted as read + written, median of 7 runs each:
+//   memcpy: glibc memcpy split into one contiguous chunk per thread (the
+//           floor of SPEC section 7 and %memcpy);
+//   copy:   padmoe::copy on the same buffers and thread count (streaming
+//           stores past 64 MiB), after one untimed run that starts its
+//           worker threads (%copy).
+struct CopyBandwidth {
+  double memcpy_gbps = 0;
+  double copy_gbps = 0;
+};
+
+CopyBandwidth measure_copy_bandwidth(int threads) {
   const size_t bytes = size_t{512} << 20;
   // Allocated like every padmoe buffer (Tensor::empty), so both sides of the
   // ratio see the same pages.
@@ -948,13 +963,25 @@ double measure_memcpy_gbps(int threads) {
     });
     seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
-  return 2.0 * static_cast<double>(bytes) / median(seconds) / 1e9;
+  CopyBandwidth bw;
+  bw.memcpy_gbps = 2.0 * static_cast<double>(bytes) / median(seconds) / 1e9;
+
+  Options opt;
+  opt.num_threads = threads;
+  padmoe::copy(src_t, dst_t, opt);  // untimed: starts padmoe's worker threads
+  seconds.clear();
+  for (int rep = 0; rep < 7; ++rep) {
+    const auto t0 = Clock::now();
+    padmoe::copy(src_t, dst_t, opt);
+    seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  bw.copy_gbps = 2.0 * static_cast<double>(bytes) / median(seconds) / 1e9;
+  return bw;
 }
 
 struct BenchRecord {
   std::string name;
-  bool allocates = false;
-  double us = 0, min_bytes = 0, gbps = 0, floor_us = 0, ref_us = -1;
+  double us = 0, min_bytes = 0, gbps = 0, floor_us = 0, copy_us = 0, ref_us = -1;
   std::string error;
 };
 
@@ -985,8 +1012,9 @@ int cmd_bench(const Args& args) {
   const std::vector<OpCase> ops = op_table();
   const int threads = used_threads(w);
 
-  std::fprintf(stderr, "[memcpy] measuring copy bandwidth on %d threads...\n", threads);
-  const double memcpy_gbps = measure_memcpy_gbps(threads);
+  std::fprintf(stderr, "[memcpy] measuring memcpy and padmoe::copy bandwidth on %d threads...\n", threads);
+  const CopyBandwidth bw = measure_copy_bandwidth(threads);
+  const double memcpy_gbps = bw.memcpy_gbps, copy_gbps = bw.copy_gbps;
 
   std::vector<BenchRecord> records;
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -994,9 +1022,9 @@ int cmd_bench(const Args& args) {
     progress("bench", i, ops.size(), op.name);
     BenchRecord r;
     r.name = op.name;
-    r.allocates = op.allocates;
     r.min_bytes = op.min_bytes(dims);
     r.floor_us = r.min_bytes / (memcpy_gbps * 1e9) * 1e6;
+    r.copy_us = r.min_bytes / (copy_gbps * 1e9) * 1e6;  // the same bytes at padmoe::copy's bandwidth
     try {
       for (int k = 0; k < warmup; ++k) op.run(d);
       std::vector<double> us;
@@ -1015,7 +1043,6 @@ int cmd_bench(const Args& args) {
     } catch (const Error& e) {
       r.error = e.what();
     }
-    d.grads = RowGrads{};
     records.push_back(r);
   }
 
@@ -1032,20 +1059,22 @@ int cmd_bench(const Args& args) {
                 utc_now().c_str(), json_escape(w.label).c_str(), w.T, w.E, w.K, w.H, w.m, d.A, d.P, d.R,
                 dtype_name(w.dtype), device_name(w.device).c_str(), w.seed);
     std::printf(
-        " \"threads\": %d, \"hardware_threads\": %d, \"warmup\": %d, \"iters\": %d, \"memcpy_gbps\": %s,\n"
+        " \"threads\": %d, \"hardware_threads\": %d, \"warmup\": %d, \"iters\": %d, \"memcpy_gbps\": %s,"
+        " \"copy_gbps\": %s,\n"
         " \"ops\": [\n",
-        threads, hardware_threads(), warmup, iters, json_num(memcpy_gbps).c_str());
+        threads, hardware_threads(), warmup, iters, json_num(memcpy_gbps).c_str(), json_num(copy_gbps).c_str());
     for (size_t i = 0; i < records.size(); ++i) {
       const BenchRecord& r = records[i];
       const bool ok = r.error.empty();
       std::printf(
           "  {\"name\": \"%s\", \"us\": %s, \"gbps\": %s, \"min_bytes\": %.0f, \"floor_us\": %s, "
-          "\"time_over_floor\": %s, \"pct_memcpy\": %s, \"reference_us\": %s, \"allocates\": %s, "
+          "\"time_over_floor\": %s, \"pct_memcpy\": %s, \"pct_copy\": %s, \"reference_us\": %s, "
           "\"error\": %s}%s\n",
           r.name.c_str(), ok ? json_num(r.us).c_str() : "null", ok ? json_num(r.gbps).c_str() : "null", r.min_bytes,
           json_num(r.floor_us).c_str(), ok ? json_num(r.us / r.floor_us).c_str() : "null",
           ok ? json_num(100.0 * r.floor_us / r.us).c_str() : "null",
-          r.ref_us >= 0 ? json_num(r.ref_us).c_str() : "null", r.allocates ? "true" : "false",
+          ok ? json_num(100.0 * r.copy_us / r.us).c_str() : "null",
+          r.ref_us >= 0 ? json_num(r.ref_us).c_str() : "null",
           ok ? "null" : ("\"" + json_escape(r.error) + "\"").c_str(), i + 1 < records.size() ? "," : "");
     }
     std::printf(" ]}\n");
@@ -1054,20 +1083,27 @@ int cmd_bench(const Args& args) {
 
   print_header("bench", d);
   std::printf("memcpy: %.1f GB/s (512 MiB, %d threads, read + write bytes, median of 7)\n", memcpy_gbps, threads);
+  std::printf(
+      "streaming copy: %.1f GB/s (padmoe::copy)  same buffers, threads and bytes as memcpy, median of 7 after 1 "
+      "warm-up\n",
+      copy_gbps);
   std::printf("timing: median of %d runs after %d warm-up runs, steady_clock wall time\n\n", iters, warmup);
-  std::printf("%-38s %10s %8s %10s %10s %9s %12s\n", "op", "us", "GB/s", "floor us", "time/floor", "%memcpy",
-              with_reference ? "reference us" : "");
+  std::printf("%-38s %10s %8s %10s %10s %9s %9s %12s\n", "op", "us", "GB/s", "floor us", "time/floor", "%memcpy",
+              "%copy", with_reference ? "reference us" : "");
   for (const BenchRecord& r : records) {
-    const std::string name = r.name + (r.allocates ? " *" : "");
     if (!r.error.empty()) {
-      std::printf("%-38s error: %s\n", name.c_str(), r.error.c_str());
+      std::printf("%-38s error: %s\n", r.name.c_str(), r.error.c_str());
       continue;
     }
-    std::printf("%-38s %10.1f %8.1f %10.1f %10.2f %8.1f%% %12s\n", name.c_str(), r.us, r.gbps, r.floor_us,
-                r.us / r.floor_us, 100.0 * r.floor_us / r.us, r.ref_us >= 0 ? fmt("%.0f", r.ref_us).c_str() : "");
+    std::printf("%-38s %10.1f %8.1f %10.1f %10.2f %8.1f%% %8.1f%% %12s\n", r.name.c_str(), r.us, r.gbps, r.floor_us,
+                r.us / r.floor_us, 100.0 * r.floor_us / r.us, 100.0 * r.copy_us / r.us,
+                r.ref_us >= 0 ? fmt("%.0f", r.ref_us).c_str() : "");
   }
   std::printf(
       "\nfloor us = min_bytes / memcpy bandwidth; %%memcpy = floor / time; GB/s = min_bytes / time.\n"
+      "streaming copy: padmoe::copy on the memcpy buffers (non-temporal stores past 64 MiB); a second ceiling, "
+      "not the floor.\n"
+      "%%copy = (min_bytes / streaming copy bandwidth) / time: the op's speed as a share of padmoe::copy's.\n"
       "min_bytes (s = %zu bytes per element; A = T*K, P = padded rows, N = A, R = capacity):\n",
       element_size(w.dtype));
   std::vector<std::string> seen;
@@ -1080,7 +1116,6 @@ int cmd_bench(const Args& args) {
     }
     std::printf("  %-58s %s\n", op.bytes_rule.c_str(), users.c_str());
   }
-  std::printf("* allocating form only (no _out form in ops.hpp): output allocation is inside the timed run.\n");
   if (with_reference) std::printf("reference us: the single-threaded reference loops (src/reference), run once.\n");
   return errors == 0 ? 0 : 1;
 }

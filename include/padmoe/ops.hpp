@@ -39,7 +39,17 @@ struct Options {
   bool check_data = true;
   // CPU: worker threads; 0 uses every hardware thread.
   int num_threads = 0;
+  // CUDA: caller-owned device scratch memory. An op that needs more than
+  // workspace_bytes (see workspace_bound) takes stream-ordered memory
+  // (cudaMallocAsync) instead. Unused on the CPU.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
+
+// Device scratch bytes that suffice for every op on a routing of num_tokens x
+// top_k over num_experts at `alignment` (and for pad / unpad of up to
+// A + E*(alignment-1) rows): allocate once, pass as Options::workspace.
+size_t workspace_bound(int64_t num_tokens, int top_k, int num_experts, int alignment);
 
 // ---------------------------------------------------------------------------
 // 1. Routing plan
@@ -143,7 +153,9 @@ RowGrads padded_gather_backward(const TensorView& grad_y, const TensorView& x, c
                                 const Options& options = {});
 
 // _out: grad_x [T, H]; grad_weights float32 or x's dtype with A elements, or
-// an empty TensorView{} to skip it.
+// an empty TensorView{} to skip it. In every backward _out form a given
+// weight-gradient output is filled even when the forward had no weights (the
+// gradient with respect to unit weights).
 void padded_gather_backward_out(const TensorView& grad_y, const TensorView& x, const TensorView& indices,
                                 const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
                                 int top_k, const std::optional<TensorView>& weights, const TensorView& grad_x,
@@ -249,9 +261,11 @@ void unpad_from_alignment_backward_out(const TensorView& grad_out, const TensorV
 // Utilities
 // ---------------------------------------------------------------------------
 
-// dst = src byte for byte: same dtype and element count, both contiguous. On
-// the CPU a parallel copy that streams large buffers past the caches (the copy
-// padmoe's benchmarks also report as a bandwidth ceiling).
+// dst = src byte for byte: same dtype and element count, both contiguous, on
+// any devices (host <-> CUDA too, ordered on options.stream; a copy that
+// touches host memory synchronizes the stream). On the CPU a parallel copy
+// that streams large buffers past the caches (the copy padmoe's benchmarks
+// also report as a bandwidth ceiling).
 void copy(const TensorView& src, const TensorView& dst, const Options& options = {});
 
 }  // namespace padmoe

@@ -127,31 +127,90 @@ void check_int32_extent(const Checker& c, const char* what, int64_t value) {
 }
 
 void require_backend(const Checker& c, Device device) {
+#if !defined(PADMOE_WITH_CUDA)
   if (device.is_cuda()) {
     c.fail(ErrorKind::kUnsupported, "device",
            "tensors are on " + device_name(device) + " but padmoe was built without CUDA (PADMOE_CUDA=OFF)");
   }
+#else
+  (void)c;
+  (void)device;
+#endif
 }
 
-RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
-                                const TensorView& bins, const TensorView& padded_bins, int top_k,
-                                int num_threads) {
+void raise_violation(const Checker& c, const cuda::Violation& v, const ViolationNames& names) {
+  using namespace cuda;
+  switch (v.code) {
+    case kOk: return;
+    case kExpertOutOfRange:
+      c.value_error(names.ids, "expert id " + str(v.v1) + " at position " + str(v.pos) + " is outside [0, " +
+                                   str(names.limit) + ")");
+    case kBinsDecreasing:
+      c.value_error("bins", "must be nondecreasing: bins[" + str(v.pos) + "] = " + str(v.v1) + " < bins[" +
+                                str(v.pos - 1) + "] = " + str(v.v2));
+    case kBinsTotal:
+      c.value_error("bins", "bins[E-1] = " + str(v.v1) + " must equal the number of assignments " + str(names.limit));
+    case kPaddedDecreasing:
+      c.value_error("padded_bins", "must be nondecreasing: padded_bins[" + str(v.pos) + "] = " + str(v.v1) +
+                                       " < padded_bins[" + str(v.pos - 1) + "] = " + str(v.v2));
+    case kPaddedTooSmall:
+      c.value_error("padded_bins", "segment of expert " + str(v.pos) + " holds " + str(v.v1) +
+                                       " rows but the expert has " + str(v.v2) + " assignments");
+    case kBinIdsInconsistent:
+      c.value_error("bin_ids", "position " + str(v.pos) + " holds expert " + str(v.v1) +
+                                   ", which bins do not place there");
+    case kIndexOutOfRange:
+      c.value_error("indices", "position " + str(v.pos) + " holds assignment id " + str(v.v1) + ", outside [0, " +
+                                   str(names.limit) + ")");
+    case kIndexRepeated:
+      c.value_error("indices", "must be a permutation of [0, " + str(names.limit) + "): assignment id " +
+                                   str(v.pos) + " appears more than once");
+    case kCapacity:
+      c.value_error(names.output, "output capacity: needs at least " + str(v.v1) + " rows, got " + str(v.v2));
+    case kCountNegative:
+      c.value_error("tokens_per_expert", "entry " + str(v.pos) + " is negative (" + str(v.v1) + ")");
+    case kCountTotal:
+      c.value_error("tokens_per_expert", "sums to " + str(v.v1) + " but hidden_states has " + str(v.v2) + " rows");
+    case kMapOutOfRange:
+      c.value_error("permutation_map", "entry " + str(v.pos) + " is " + str(v.v1) + ", outside [-1, " +
+                                           str(names.limit) + ")");
+    case kMapRepeated:
+      c.value_error("permutation_map", "row " + str(v.v1) + " is named by more than one entry");
+    case kPlanDestRows:
+      c.value_error("plan.dest_rows", "assignment " + str(v.pos) + " maps to row " + str(v.v1) +
+                                          ", which row_sources does not map back");
+    case kPlanRowSources:
+      c.value_error("plan.row_sources", "row " + str(v.pos) + " names assignment " + str(v.v1) +
+                                            " whose dest_rows entry does not point back to it");
+    default:
+      c.value_error("input", "failed validation (code " + str(v.code) + ")");
+  }
+}
+
+void check_sorted_shapes(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
+                         const TensorView& bins, const TensorView& padded_bins, int top_k) {
   c.index_vector(indices, "indices", -1);
   const int64_t a_count = indices.shape[0];
   c.index_vector(bin_ids, "bin_ids", a_count);
   c.index_vector(bins, "bins", -1);
-  const int64_t experts = bins.shape[0];
-  c.index_vector(padded_bins, "padded_bins", experts);
+  c.index_vector(padded_bins, "padded_bins", bins.shape[0]);
   c.top_k(top_k, a_count);
   c.same_device(bin_ids, "bin_ids", indices.device);
   c.same_device(bins, "bins", indices.device);
   c.same_device(padded_bins, "padded_bins", indices.device);
   check_int32_extent(c, "indices", a_count);
+  if (bins.shape[0] == 0 && a_count > 0) c.value_error("bins", "no experts but " + str(a_count) + " assignments");
+}
 
+RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
+                                const TensorView& bins, const TensorView& padded_bins, int top_k,
+                                int num_threads) {
+  check_sorted_shapes(c, indices, bin_ids, bins, padded_bins, top_k);
+  const int64_t a_count = indices.shape[0];
+  const int64_t experts = bins.shape[0];
   const IndexReader idx(indices), bid(bin_ids), bn(bins), pb(padded_bins);
 
   // bins: nondecreasing, ending at A; padded segments hold their counts.
-  if (experts == 0 && a_count > 0) c.value_error("bins", "no experts but " + str(a_count) + " assignments");
   int64_t prev = 0, pprev = 0;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t b = bn[e], p = pb[e];

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/cuda_backend.hpp"
 #include "padmoe/error.hpp"
 #include "padmoe/ops.hpp"
 #include "padmoe/tensor.hpp"
@@ -80,6 +81,10 @@ RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, con
                                 const TensorView& bins, const TensorView& padded_bins, int top_k,
                                 int num_threads);
 
+// Shapes, dtypes and devices of (indices, bin_ids, bins, padded_bins, top_k).
+void check_sorted_shapes(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
+                         const TensorView& bins, const TensorView& padded_bins, int top_k);
+
 // Checks a PlanView (shapes, int32, one device, and that dest_rows and
 // row_sources are inverse to each other within [0, P)); returns P.
 int64_t check_plan(const Checker& c, const PlanView& plan, Device device);
@@ -87,6 +92,16 @@ int64_t check_plan(const Checker& c, const PlanView& plan, Device device);
 // Every device-dependent op calls this: the CPU backend always exists; CUDA
 // tensors need a build with PADMOE_CUDA.
 void require_backend(const Checker& c, Device device);
+
+// Raises the error a device-side validation found (checked mode), in the
+// CPU backend's words. `ids` names the checked id argument, `limit` the bound
+// of its values (E, A or N), `output` the output argument of a capacity check.
+struct ViolationNames {
+  const char* ids = "top_experts";
+  int64_t limit = 0;
+  const char* output = "out";
+};
+void raise_violation(const Checker& c, const cuda::Violation& v, const ViolationNames& names);
 
 // Size-overflow guard: padded rows and assignment ids must fit int32 outputs.
 void check_int32_extent(const Checker& c, const char* what, int64_t value);

@@ -3,6 +3,7 @@
 
 #include "api/checks.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cuda/cuda_backend.hpp"
 #include "padmoe/ops.hpp"
 
 namespace padmoe {
@@ -16,12 +17,18 @@ void copy(const TensorView& src, const TensorView& dst, const Options& options) 
   if (src.numel() != dst.numel()) {
     c.value_error("dst", "has " + std::to_string(dst.numel()) + " elements but src has " + std::to_string(src.numel()));
   }
+  if (src.data == nullptr && src.numel() > 0) c.value_error("src", "null data pointer");
+  if (dst.data == nullptr && dst.numel() > 0) c.value_error("dst", "null data pointer");
   if (!src.is_contiguous()) c.value_error("src", "expected a contiguous tensor");
   if (!dst.is_contiguous()) c.value_error("dst", "expected a contiguous tensor");
-  c.same_device(dst, "dst", src.device);
   detail::require_backend(c, src.device);
-  cpu::copy_bytes(dst.data, src.data, src.numel() * static_cast<int64_t>(element_size(src.dtype)),
-                  options.num_threads);
+  detail::require_backend(c, dst.device);
+  const int64_t bytes = src.numel() * static_cast<int64_t>(element_size(src.dtype));
+  if (src.device.is_cuda() || dst.device.is_cuda()) {  // any direction, ordered on options.stream
+    cuda::copy_bytes(dst.data, dst.device, src.data, src.device, static_cast<size_t>(bytes), options.stream);
+    return;
+  }
+  cpu::copy_bytes(dst.data, src.data, bytes, options.num_threads);
 }
 
 }  // namespace padmoe

@@ -7,10 +7,13 @@
 // MegaBlocks-style ops build it from (indices, bin_ids, bins, padded_bins)
 // while checking them. The kernels then run token-driven: each token row is
 // read once for its K assignments, each output row written once.
+#include <algorithm>
+#include <memory>
 #include <string>
 
 #include "api/checks.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cuda/cuda_backend.hpp"
 #include "padmoe/ops.hpp"
 #include "padmoe/tiling.hpp"
 
@@ -19,7 +22,11 @@ namespace {
 
 using detail::Checker;
 
-// Routing reduced to the inverse map (pointers into a plan, or into `owned`).
+// Routing reduced to the inverse map. CPU: pointers into a plan, or into
+// `owned` (built while checking). CUDA: dest_rows from the plan or built on
+// the device by prepare(); P is known on the device only (padded_rows = -1
+// until an allocating form reads it), so row-count checks against P collect
+// the smallest row count in rows_limit for the device-side validation.
 struct Routed {
   int64_t tokens = 0;
   int64_t assignments = 0;
@@ -28,6 +35,14 @@ struct Routed {
   const int32_t* dest_rows = nullptr;
   const int32_t* row_sources = nullptr;
   detail::RoutingMap owned;
+  // CUDA only
+  bool on_cuda = false;
+  int device_index = 0;
+  int64_t rows_limit = -1;  // smallest rows of a padded tensor, -1: none
+  cuda::PaddingRef padding;
+  TensorView indices, bin_ids;  // sorted form (dest_rows built from these)
+  const PlanView* plan = nullptr;
+  std::shared_ptr<cuda::Scratch> scratch;
 };
 
 // MegaBlocks arguments. `device` is the row tensors' device.
@@ -37,9 +52,22 @@ Routed routed_from_sorted(const Checker& c, const TensorView& indices, const Ten
   c.same_device(indices, "indices", device);
   detail::require_backend(c, device);
   Routed r;
+  r.top_k = top_k;
+  if (device.is_cuda()) {
+    detail::check_sorted_shapes(c, indices, bin_ids, bins, padded_bins, top_k);
+    r.on_cuda = true;
+    r.device_index = device.index;
+    r.assignments = indices.shape[0];
+    r.tokens = r.assignments / top_k;
+    r.padded_rows = -1;
+    r.indices = indices;
+    r.bin_ids = bin_ids;
+    r.padding = cuda::PaddingRef{cuda::IndexRef::of(bins), cuda::IndexRef::of(padded_bins),
+                                 static_cast<int>(bins.shape[0])};
+    return r;
+  }
   r.owned = detail::check_sorted_routing(c, indices, bin_ids, bins, padded_bins, top_k, options.num_threads);
   r.assignments = r.owned.assignments;
-  r.top_k = top_k;
   r.tokens = r.assignments / top_k;
   r.padded_rows = r.owned.padded_rows;
   r.dest_rows = r.owned.dest_rows.data();
@@ -51,13 +79,70 @@ Routed routed_from_plan(const Checker& c, const PlanView& plan, Device device) {
   c.same_device(plan.dest_rows, "plan.dest_rows", device);
   detail::require_backend(c, device);
   Routed r;
-  r.padded_rows = detail::check_plan(c, plan, device);
   r.tokens = plan.num_tokens;
   r.top_k = plan.top_k;
   r.assignments = plan.num_tokens * plan.top_k;
   r.dest_rows = plan.dest_rows.data_as<const int32_t>();
   r.row_sources = plan.row_sources.data_as<const int32_t>();
+  if (device.is_cuda()) {
+    if (plan.top_k < 1) c.value_error("plan.top_k", "must be >= 1, got " + std::to_string(plan.top_k));
+    c.int32_output(plan.dest_rows, "plan.dest_rows", r.assignments);
+    c.int32_output(plan.bins, "plan.bins", plan.num_experts);
+    c.int32_output(plan.padded_bins, "plan.padded_bins", plan.num_experts);
+    c.int32_output(plan.row_sources, "plan.row_sources", 0, /*at_least=*/true);
+    c.same_device(plan.bins, "plan.bins", device);
+    c.same_device(plan.padded_bins, "plan.padded_bins", device);
+    c.same_device(plan.row_sources, "plan.row_sources", device);
+    r.on_cuda = true;
+    r.device_index = device.index;
+    r.padded_rows = -1;
+    r.plan = &plan;
+    r.padding = cuda::PaddingRef{cuda::IndexRef::of(plan.bins), cuda::IndexRef::of(plan.padded_bins),
+                                 plan.num_experts};
+    return r;
+  }
+  r.padded_rows = detail::check_plan(c, plan, device);
   return r;
+}
+
+// CUDA: checked mode validates the routing (and P against rows_limit) on the
+// device; then dest_rows is built for the MegaBlocks-style arguments. Called
+// after every host-side check, before anything is written. CPU: nothing left.
+void prepare(const Checker& c, Routed& r, const Options& o) {
+  if (!r.on_cuda) return;
+  if (o.check_data) {
+    cuda::Scratch scratch(o, cuda::validate_workspace_bytes(r.assignments), r.device_index);
+    const cuda::Violation v =
+        r.plan != nullptr
+            ? cuda::validate_plan(*r.plan, r.rows_limit, scratch.get(), o.stream)
+            : cuda::validate_sorted_routing(cuda::IndexRef::of(r.indices), cuda::IndexRef::of(r.bin_ids),
+                                            r.padding.bins, r.padding.padded_bins, r.assignments,
+                                            r.padding.num_experts, r.rows_limit, scratch.get(), o.stream);
+    detail::raise_violation(c, v, detail::ViolationNames{"bin_ids", r.assignments, "y"});
+  }
+  if (r.plan == nullptr) {
+    r.scratch = std::make_shared<cuda::Scratch>(o, static_cast<size_t>(r.assignments) * 4, r.device_index);
+    int32_t* dest = static_cast<int32_t*>(r.scratch->get());
+    cuda::build_dest_rows(cuda::IndexRef::of(r.indices), cuda::IndexRef::of(r.bin_ids), r.padding.bins,
+                          r.padding.padded_bins, r.assignments, r.padding.num_experts, dest, o.stream);
+    r.dest_rows = dest;
+  }
+}
+
+// P on the host, for the allocating forms (CUDA: one synchronization).
+void read_padded_rows(Routed& r, const Options& o) {
+  if (!r.on_cuda) return;
+  const int e = r.padding.num_experts;
+  int64_t p = 0;
+  if (e > 0) {
+    const size_t w = r.padding.padded_bins.wide ? 8 : 4;
+    const char* last = static_cast<const char*>(r.padding.padded_bins.data) + (e - 1) * w;
+    int32_t p32 = 0;
+    cuda::copy_bytes(w == 8 ? static_cast<void*>(&p) : static_cast<void*>(&p32), Device::cpu(), last,
+                     Device::cuda(r.device_index), w, o.stream);
+    if (w == 4) p = p32;
+  }
+  r.padded_rows = p;
 }
 
 void check_weights(const Checker& c, const std::optional<TensorView>& weights, const Routed& r,
@@ -76,9 +161,21 @@ cpu::FloatOut float_out(const TensorView& t) { return cpu::FloatOut{t.data, t.dt
 
 // --- the kernels on a Routed ------------------------------------------------
 
+cuda::RowsArg rows_arg(const TensorView& t) { return cuda::RowsArg::of(t); }
+cuda::ScaleArg scale_arg(const std::optional<TensorView>& w) {
+  return w ? cuda::ScaleArg{w->data, w->dtype} : cuda::ScaleArg{};
+}
+
 // y[dest[a]] = x[a/K] * w(a); padding rows zero.
 void run_spread(const Routed& r, const TensorView& x, const std::optional<TensorView>& w, const TensorView& y,
                 const TensorView* dots_with, const TensorView* dots, const Options& o) {
+  if (r.on_cuda) {
+    const cuda::RowsArg with = dots_with ? rows_arg(*dots_with) : cuda::RowsArg{};
+    cuda::spread_rows(rows_arg(x), r.top_k, r.dest_rows, scale_arg(w), rows_arg(y), r.padding,
+                      /*zero_past_end=*/false, dots_with ? &with : nullptr,
+                      dots ? cuda::FloatOutArg{dots->data, dots->dtype} : cuda::FloatOutArg{}, o.stream);
+    return;
+  }
   const cpu::RowsRef with = dots_with ? cpu::RowsRef::of(*dots_with) : cpu::RowsRef{};
   cpu::spread_rows(cpu::RowsRef::of(x), r.top_k, r.dest_rows, cpu::Scale::of(w), cpu::RowsRef::of(y),
                    r.row_sources, r.padded_rows, dots_with ? &with : nullptr,
@@ -87,11 +184,20 @@ void run_spread(const Routed& r, const TensorView& x, const std::optional<Tensor
 
 void run_reduce(const Routed& r, const TensorView& y, const std::optional<TensorView>& w, const TensorView& out,
                 const Options& o) {
+  if (r.on_cuda) {
+    cuda::reduce_rows(rows_arg(y), r.top_k, r.dest_rows, scale_arg(w), rows_arg(out), o.stream);
+    return;
+  }
   cpu::reduce_rows(cpu::RowsRef::of(y), r.top_k, r.dest_rows, cpu::Scale::of(w), cpu::RowsRef::of(out),
                    scatter_block_x(y), o.num_threads);
 }
 
 void run_dots(const Routed& r, const TensorView& y, const TensorView& g, const TensorView& out, const Options& o) {
+  if (r.on_cuda) {
+    cuda::row_dots(rows_arg(y), rows_arg(g), r.top_k, r.dest_rows, r.assignments,
+                   cuda::FloatOutArg{out.data, out.dtype}, o.stream);
+    return;
+  }
   cpu::row_dots(cpu::RowsRef::of(y), cpu::RowsRef::of(g), r.top_k, r.dest_rows, r.assignments, float_out(out),
                 o.num_threads);
 }
@@ -104,14 +210,21 @@ void check_token_rows(const Checker& c, const TensorView& t, const char* name, c
   c.row_tensor(t, name, r.tokens, hidden, allow_fp8);
 }
 
+// A padded tensor of `rows` rows: at least P (CUDA: checked on the device).
+bool padded_rows_known(Routed& r, int64_t rows) {
+  if (!r.on_cuda) return true;
+  r.rows_limit = r.rows_limit < 0 ? rows : std::min(r.rows_limit, rows);
+  return false;
+}
+
 // Padded rows [>= P, H] (y, grad_y) as an input.
-void check_padded_input(const Checker& c, const TensorView& t, const char* name, const Routed& r, int64_t hidden,
+void check_padded_input(const Checker& c, const TensorView& t, const char* name, Routed& r, int64_t hidden,
                         DType dtype) {
   c.row_tensor(t, name, -1, hidden, /*allow_fp8=*/false);
   if (t.dtype != dtype) {
     c.fail(ErrorKind::kType, name, std::string("expected dtype ") + dtype_name(dtype) + ", got " + dtype_name(t.dtype));
   }
-  if (t.shape[0] < r.padded_rows) {
+  if (padded_rows_known(r, t.shape[0]) && t.shape[0] < r.padded_rows) {
     c.value_error(name, "has " + std::to_string(t.shape[0]) + " rows but the routing has " +
                             std::to_string(r.padded_rows) + " padded rows");
   }
@@ -124,8 +237,9 @@ Device rows_device(const Checker& c, const TensorView& rows) {
 }
 
 // Outputs: padded rows [>= P, H], token rows [T, H], per-assignment floats [A].
-void check_padded_out(const Checker& c, const TensorView& t, const char* name, const Routed& r, const TensorView& like) {
-  c.row_output(t, name, r.padded_rows, /*at_least=*/true, like.shape[1], like.dtype);
+void check_padded_out(const Checker& c, const TensorView& t, const char* name, Routed& r, const TensorView& like) {
+  c.row_output(t, name, padded_rows_known(r, t.shape[0]) ? r.padded_rows : 0, /*at_least=*/true, like.shape[1],
+               like.dtype);
   c.same_device(t, name, like.device);
 }
 void check_token_out(const Checker& c, const TensorView& t, const char* name, const Routed& r, const TensorView& like) {
@@ -157,7 +271,7 @@ Routed gather_inputs(const Checker& c, const TensorView& x, const TensorView& in
                      const TensorView& bins, const TensorView& padded_bins, int top_k,
                      const std::optional<TensorView>& weights, const Options& o) {
   c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
-  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, x), o);
+  Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, x), o);
   check_token_rows(c, x, "x", r, -1, !weights);
   check_weights(c, weights, r, x);
   return r;
@@ -167,14 +281,14 @@ Routed scatter_inputs(const Checker& c, const TensorView& y, const TensorView& i
                       const TensorView& bins, const TensorView& padded_bins, int top_k,
                       const std::optional<TensorView>& weights, const Options& o) {
   c.row_tensor(y, "y", -1, -1, false);
-  const Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, y), o);
+  Routed r = routed_from_sorted(c, indices, bin_ids, bins, padded_bins, top_k, rows_device(c, y), o);
   check_padded_input(c, y, "y", r, -1, y.dtype);
   check_weights(c, weights, r, y);
   return r;
 }
 
 // Token rows `tok` and padded rows `pad` of one routing (wgrad, the backward ops).
-void pair_inputs(const Checker& c, const Routed& r, const TensorView& tok, const char* tok_name,
+void pair_inputs(const Checker& c, Routed& r, const TensorView& tok, const char* tok_name,
                  const TensorView& pad, const char* pad_name, const std::optional<TensorView>& weights) {
   check_token_rows(c, tok, tok_name, r, -1, false);
   check_padded_input(c, pad, pad_name, r, tok.shape[1], tok.dtype);
@@ -185,7 +299,7 @@ void pair_inputs(const Checker& c, const Routed& r, const TensorView& tok, const
 Routed dispatch_inputs(const Checker& c, const TensorView& x, const PlanView& plan,
                        const std::optional<TensorView>& weights) {
   c.row_tensor(x, "x", -1, -1, /*allow_fp8=*/!weights);
-  const Routed r = routed_from_plan(c, plan, rows_device(c, x));
+  Routed r = routed_from_plan(c, plan, rows_device(c, x));
   check_token_rows(c, x, "x", r, -1, !weights);
   check_weights(c, weights, r, x);
   return r;
@@ -194,7 +308,7 @@ Routed dispatch_inputs(const Checker& c, const TensorView& x, const PlanView& pl
 Routed combine_inputs(const Checker& c, const TensorView& y, const PlanView& plan,
                       const std::optional<TensorView>& weights) {
   c.row_tensor(y, "y", -1, -1, false);
-  const Routed r = routed_from_plan(c, plan, rows_device(c, y));
+  Routed r = routed_from_plan(c, plan, rows_device(c, y));
   check_padded_input(c, y, "y", r, -1, y.dtype);
   check_weights(c, weights, r, y);
   return r;
@@ -210,8 +324,9 @@ void padded_gather_out(const TensorView& x, const TensorView& indices, const Ten
                        const TensorView& bins, const TensorView& padded_bins, int top_k,
                        const std::optional<TensorView>& weights, const TensorView& y, const Options& options) {
   Checker c("padded_gather");
-  const Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
+  Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
   check_padded_out(c, y, "y", r, x);
+  prepare(c, r, options);
   run_spread(r, x, weights, y, nullptr, nullptr, options);
 }
 
@@ -219,7 +334,9 @@ Tensor padded_gather(const TensorView& x, const TensorView& indices, const Tenso
                      const TensorView& bins, const TensorView& padded_bins, int top_k,
                      const std::optional<TensorView>& weights, const Options& options) {
   Checker c("padded_gather");
-  const Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
+  Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
+  prepare(c, r, options);
+  read_padded_rows(r, options);
   Tensor y = alloc_padded(r, x);
   run_spread(r, x, weights, y, nullptr, nullptr, options);
   return y;
@@ -229,8 +346,9 @@ void padded_scatter_out(const TensorView& y, const TensorView& indices, const Te
                         const std::optional<TensorView>& weights, const TensorView& bins,
                         const TensorView& padded_bins, int top_k, const TensorView& out, const Options& options) {
   Checker c("padded_scatter");
-  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, weights, options);
+  Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, weights, options);
   check_token_out(c, out, "out", r, y);
+  prepare(c, r, options);
   run_reduce(r, y, weights, out, options);
 }
 
@@ -238,7 +356,8 @@ Tensor padded_scatter(const TensorView& y, const TensorView& indices, const Tens
                       const std::optional<TensorView>& weights, const TensorView& bins,
                       const TensorView& padded_bins, int top_k, const Options& options) {
   Checker c("padded_scatter");
-  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, weights, options);
+  Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, weights, options);
+  prepare(c, r, options);
   Tensor out = alloc_tokens(r, y);
   run_reduce(r, y, weights, out, options);
   return out;
@@ -248,10 +367,11 @@ void padded_scatter_wgrad_out(const TensorView& y, const TensorView& grad, const
                               const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
                               int top_k, const TensorView& wgrad, const Options& options) {
   Checker c("padded_scatter_wgrad");
-  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, grad, "grad", y, "y", std::nullopt);
   c.float_output(wgrad, "wgrad", r.assignments, y.dtype);
   c.same_device(wgrad, "wgrad", y.device);
+  prepare(c, r, options);
   run_dots(r, y, grad, wgrad, options);
 }
 
@@ -259,8 +379,9 @@ Tensor padded_scatter_wgrad(const TensorView& y, const TensorView& grad, const T
                             const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
                             int top_k, const Options& options) {
   Checker c("padded_scatter_wgrad");
-  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, grad, "grad", y, "y", std::nullopt);
+  prepare(c, r, options);
   Tensor wgrad = Tensor::empty(y.dtype, {r.assignments}, y.device);
   run_dots(r, y, grad, wgrad, options);
   return wgrad;
@@ -287,10 +408,11 @@ void padded_gather_backward_out(const TensorView& grad_y, const TensorView& x, c
                                 int top_k, const std::optional<TensorView>& weights, const TensorView& grad_x,
                                 const TensorView& grad_weights, const Options& options) {
   Checker c("padded_gather_backward");
-  const Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
   check_token_out(c, grad_x, "grad_x", r, x);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, x);
+  prepare(c, r, options);
   run_spread_backward(r, grad_y, x, weights, grad_x, want_gw ? &grad_weights : nullptr, options);
 }
 
@@ -298,8 +420,9 @@ RowGrads padded_gather_backward(const TensorView& grad_y, const TensorView& x, c
                                 const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
                                 int top_k, const std::optional<TensorView>& weights, const Options& options) {
   Checker c("padded_gather_backward");
-  const Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
+  prepare(c, r, options);
   RowGrads g{alloc_tokens(r, x), alloc_weight_grad(r, weights, x)};
   run_spread_backward(r, grad_y, x, weights, g.grad_rows, weights ? &g.grad_weights.view() : nullptr, options);
   return g;
@@ -310,10 +433,11 @@ void padded_scatter_backward_out(const TensorView& grad_out, const TensorView& y
                                  const TensorView& bins, const TensorView& padded_bins, int top_k,
                                  const TensorView& grad_y, const TensorView& grad_weights, const Options& options) {
   Checker c("padded_scatter_backward");
-  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
   check_padded_out(c, grad_y, "grad_y", r, y);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, y);
+  prepare(c, r, options);
   run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
 }
 
@@ -322,8 +446,10 @@ RowGrads padded_scatter_backward(const TensorView& grad_out, const TensorView& y
                                  const TensorView& bins, const TensorView& padded_bins, int top_k,
                                  const Options& options) {
   Checker c("padded_scatter_backward");
-  const Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
+  prepare(c, r, options);
+  read_padded_rows(r, options);
   RowGrads g{alloc_padded(r, y), alloc_weight_grad(r, weights, y)};
   run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr, weights ? &g.grad_weights.view() : nullptr,
              options);
@@ -337,15 +463,18 @@ RowGrads padded_scatter_backward(const TensorView& grad_out, const TensorView& y
 void dispatch_out(const TensorView& x, const PlanView& plan, const std::optional<TensorView>& weights,
                   const TensorView& y, const Options& options) {
   Checker c("dispatch");
-  const Routed r = dispatch_inputs(c, x, plan, weights);
+  Routed r = dispatch_inputs(c, x, plan, weights);
   check_padded_out(c, y, "y", r, x);
+  prepare(c, r, options);
   run_spread(r, x, weights, y, nullptr, nullptr, options);
 }
 
 Tensor dispatch(const TensorView& x, const PlanView& plan, const std::optional<TensorView>& weights,
                 const Options& options) {
   Checker c("dispatch");
-  const Routed r = dispatch_inputs(c, x, plan, weights);
+  Routed r = dispatch_inputs(c, x, plan, weights);
+  prepare(c, r, options);
+  read_padded_rows(r, options);
   Tensor y = alloc_padded(r, x);
   run_spread(r, x, weights, y, nullptr, nullptr, options);
   return y;
@@ -354,15 +483,17 @@ Tensor dispatch(const TensorView& x, const PlanView& plan, const std::optional<T
 void combine_out(const TensorView& y, const PlanView& plan, const std::optional<TensorView>& weights,
                  const TensorView& out, const Options& options) {
   Checker c("combine");
-  const Routed r = combine_inputs(c, y, plan, weights);
+  Routed r = combine_inputs(c, y, plan, weights);
   check_token_out(c, out, "out", r, y);
+  prepare(c, r, options);
   run_reduce(r, y, weights, out, options);
 }
 
 Tensor combine(const TensorView& y, const PlanView& plan, const std::optional<TensorView>& weights,
                const Options& options) {
   Checker c("combine");
-  const Routed r = combine_inputs(c, y, plan, weights);
+  Routed r = combine_inputs(c, y, plan, weights);
+  prepare(c, r, options);
   Tensor out = alloc_tokens(r, y);
   run_reduce(r, y, weights, out, options);
   return out;
@@ -372,18 +503,21 @@ void combine_backward_out(const TensorView& grad_out, const TensorView& y, const
                           const std::optional<TensorView>& weights, const TensorView& grad_y,
                           const TensorView& grad_weights, const Options& options) {
   Checker c("combine_backward");
-  const Routed r = combine_inputs(c, y, plan, std::nullopt);
+  Routed r = combine_inputs(c, y, plan, std::nullopt);
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
   check_padded_out(c, grad_y, "grad_y", r, y);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, y);
+  prepare(c, r, options);
   run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
 }
 
 RowGrads combine_backward(const TensorView& grad_out, const TensorView& y, const PlanView& plan,
                           const std::optional<TensorView>& weights, const Options& options) {
   Checker c("combine_backward");
-  const Routed r = combine_inputs(c, y, plan, std::nullopt);
+  Routed r = combine_inputs(c, y, plan, std::nullopt);
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
+  prepare(c, r, options);
+  read_padded_rows(r, options);
   RowGrads g{alloc_padded(r, y), alloc_weight_grad(r, weights, y)};
   run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr, weights ? &g.grad_weights.view() : nullptr,
              options);
@@ -394,18 +528,20 @@ void dispatch_backward_out(const TensorView& grad_y, const TensorView& x, const 
                            const std::optional<TensorView>& weights, const TensorView& grad_x,
                            const TensorView& grad_weights, const Options& options) {
   Checker c("dispatch_backward");
-  const Routed r = dispatch_inputs(c, x, plan, std::nullopt);
+  Routed r = dispatch_inputs(c, x, plan, std::nullopt);
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
   check_token_out(c, grad_x, "grad_x", r, x);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, x);
+  prepare(c, r, options);
   run_spread_backward(r, grad_y, x, weights, grad_x, want_gw ? &grad_weights : nullptr, options);
 }
 
 RowGrads dispatch_backward(const TensorView& grad_y, const TensorView& x, const PlanView& plan,
                            const std::optional<TensorView>& weights, const Options& options) {
   Checker c("dispatch_backward");
-  const Routed r = dispatch_inputs(c, x, plan, std::nullopt);
+  Routed r = dispatch_inputs(c, x, plan, std::nullopt);
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
+  prepare(c, r, options);
   RowGrads g{alloc_tokens(r, x), alloc_weight_grad(r, weights, x)};
   run_spread_backward(r, grad_y, x, weights, g.grad_rows, weights ? &g.grad_weights.view() : nullptr, options);
   return g;

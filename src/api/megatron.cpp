@@ -5,11 +5,14 @@
 // permutation_map[p] (source row or -1), unpad its inverse over the N output
 // rows. Every output row is written once; padding rows are zeroed in the same
 // pass that moves the real ones.
+#include <algorithm>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "api/checks.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cuda/cuda_backend.hpp"
 #include "cpu/thread_pool.hpp"
 #include "padmoe/index_math.hpp"
 #include "padmoe/ops.hpp"
@@ -25,14 +28,17 @@ struct PadShape {
   int64_t padded_rows = 0;            // P
 };
 
-PadShape check_pad_inputs(const Checker& c, const TensorView& h, const TensorView& tokens_per_expert, int alignment) {
+void check_pad_shapes(const Checker& c, const TensorView& h, const TensorView& tokens_per_expert, int alignment) {
   c.row_tensor(h, "hidden_states", -1, -1, /*allow_fp8=*/true);
   c.index_vector(tokens_per_expert, "tokens_per_expert", -1);
   c.same_device(tokens_per_expert, "tokens_per_expert", h.device);
   c.alignment(alignment);
   detail::require_backend(c, h.device);
-  const int64_t experts = tokens_per_expert.shape[0];
-  const detail::IndexReader counts(tokens_per_expert);
+}
+
+// The counts' data checks on host memory (on CUDA: a host copy).
+PadShape pad_counts(const Checker& c, const TensorView& h, const detail::IndexReader& counts, int64_t experts,
+                    int alignment) {
   PadShape s;
   s.counts.resize(static_cast<size_t>(experts));
   s.padded_incl.resize(static_cast<size_t>(experts));
@@ -57,9 +63,51 @@ PadShape check_pad_inputs(const Checker& c, const TensorView& h, const TensorVie
   return s;
 }
 
-void run_pad(const PadShape& s, const TensorView& h, const TensorView& padded, const TensorView& permutation_map,
+// Shapes, then the counts: read in place on the CPU; on CUDA copied to the
+// host (one synchronization) when `read_device` (allocating form), else
+// left to the device (checked mode) with P unknown here.
+PadShape check_pad_inputs(const Checker& c, const TensorView& h, const TensorView& tokens_per_expert, int alignment,
+                          const Options& options, bool read_device) {
+  check_pad_shapes(c, h, tokens_per_expert, alignment);
+  const int64_t experts = tokens_per_expert.shape[0];
+  if (!h.device.is_cuda()) return pad_counts(c, h, detail::IndexReader(tokens_per_expert), experts, alignment);
+  if (!read_device) {
+    PadShape s;
+    s.counts.resize(static_cast<size_t>(experts));
+    s.padded_rows = -1;
+    return s;
+  }
+  std::vector<int64_t> host(static_cast<size_t>(experts));
+  const size_t w = element_size(tokens_per_expert.dtype);
+  std::vector<char> raw(static_cast<size_t>(experts) * w);
+  cuda::copy_bytes(raw.data(), Device::cpu(), tokens_per_expert.data, h.device, raw.size(), options.stream);
+  TensorView copy = tokens_per_expert;
+  copy.data = raw.data();
+  return pad_counts(c, h, detail::IndexReader(copy), experts, alignment);
+}
+
+void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const TensorView& tokens_per_expert,
+             int alignment, const TensorView& padded, const TensorView& permutation_map,
              const TensorView& inclusive_offsets, const Options& options) {
   const int64_t experts = static_cast<int64_t>(s.counts.size());
+  if (h.device.is_cuda()) {
+    const cuda::IndexRef counts = cuda::IndexRef::of(tokens_per_expert);
+    if (options.check_data && s.padded_rows < 0) {  // counts not yet seen on the host
+      cuda::Scratch scratch(options, cuda::validate_workspace_bytes(0), h.device.index);
+      detail::raise_violation(c, cuda::validate_counts(counts, static_cast<int>(experts), alignment, h.shape[0],
+                                                       padded.shape[0], scratch.get(), options.stream),
+                              detail::ViolationNames{"tokens_per_expert", 0, "padded"});
+    }
+    cuda::Scratch scratch(options, cuda::pad_workspace_bytes(static_cast<int>(experts)), h.device.index);
+    int32_t* map = permutation_map.data_as<int32_t>();
+    int32_t* offs = inclusive_offsets.data_as<int32_t>();
+    cuda::pad_map(counts, static_cast<int>(experts), alignment, permutation_map.shape[0], map, offs, scratch.get(),
+                  options.stream);
+    cuda::gather_rows(cuda::RowsArg::of(h), cuda::IndexRef{map, false}, cuda::ScaleArg{}, false,
+                      cuda::RowsArg::of(padded), padded.shape[0], experts > 0 ? offs + experts - 1 : nullptr,
+                      options.stream);
+    return;
+  }
   int32_t* map = permutation_map.data_as<int32_t>();
   const int64_t map_len = permutation_map.shape[0];
   int32_t* offs = inclusive_offsets.data_as<int32_t>();
@@ -106,6 +154,50 @@ std::vector<int32_t> check_and_invert_map(const Checker& c, const TensorView& pe
   return inverse;
 }
 
+// unpad's inverse map: inverse[n] = p for map[p] == n, else -1. CPU: checked
+// and built on the host; CUDA: validated on the device (checked mode) and
+// built in scratch memory.
+struct Inverse {
+  std::vector<int32_t> host;
+  std::shared_ptr<cuda::Scratch> device;
+  const int32_t* data = nullptr;
+};
+
+Inverse inverse_map(const Checker& c, const TensorView& permutation_map, int64_t rows, int64_t original_size,
+                    Device device, const Options& options) {
+  Inverse inv;
+  if (!device.is_cuda()) {
+    inv.host = check_and_invert_map(c, permutation_map, rows, original_size);
+    inv.data = inv.host.data();
+    return inv;
+  }
+  c.index_vector(permutation_map, "permutation_map", rows);
+  const cuda::IndexRef map = cuda::IndexRef::of(permutation_map);
+  if (options.check_data) {
+    cuda::Scratch scratch(options, cuda::validate_workspace_bytes(original_size), device.index);
+    detail::raise_violation(c, cuda::validate_map(map, rows, original_size, scratch.get(), options.stream),
+                            detail::ViolationNames{"permutation_map", original_size, "out"});
+  }
+  inv.device = std::make_shared<cuda::Scratch>(options, static_cast<size_t>(original_size) * 4, device.index);
+  int32_t* out = static_cast<int32_t*>(inv.device->get());
+  cuda::invert_map(map, rows, original_size, out, options.stream);
+  inv.data = out;
+  return inv;
+}
+
+// out[r] = src[map[r]] (* scale) or zero, r < rows, on the tensors' backend.
+void run_gather(const TensorView& src, const int32_t* map, const std::optional<TensorView>& scale,
+                bool scale_by_source, const TensorView& out, int64_t rows, const Options& options) {
+  if (src.device.is_cuda()) {
+    cuda::gather_rows(cuda::RowsArg::of(src), cuda::IndexRef{map, false},
+                      scale ? cuda::ScaleArg{scale->data, scale->dtype} : cuda::ScaleArg{}, scale_by_source,
+                      cuda::RowsArg::of(out), rows, nullptr, options.stream);
+    return;
+  }
+  cpu::gather_rows(cpu::RowsRef::of(src), map, cpu::Scale::of(scale), scale_by_source, cpu::RowsRef::of(out), rows,
+                   options.num_threads);
+}
+
 void check_unpad_inputs(const Checker& c, const TensorView& padded, const TensorView& permutation_map,
                         const std::optional<TensorView>& probs, int64_t original_size) {
   c.row_tensor(padded, "padded_output", -1, -1, /*allow_fp8=*/!probs);
@@ -125,26 +217,28 @@ void pad_to_alignment_out(const TensorView& hidden_states, const TensorView& tok
                           const TensorView& padded, const TensorView& permutation_map,
                           const TensorView& inclusive_offsets, const Options& options) {
   Checker c("pad_to_alignment");
-  const PadShape s = check_pad_inputs(c, hidden_states, tokens_per_expert, alignment);
-  c.row_output(padded, "padded", s.padded_rows, /*at_least=*/true, hidden_states.shape[1], hidden_states.dtype);
+  const PadShape s = check_pad_inputs(c, hidden_states, tokens_per_expert, alignment, options, false);
+  c.row_output(padded, "padded", std::max<int64_t>(s.padded_rows, 0), /*at_least=*/true, hidden_states.shape[1],
+               hidden_states.dtype);
   c.int32_output(permutation_map, "permutation_map", padded.shape[0]);
   c.int32_output(inclusive_offsets, "inclusive_offsets", static_cast<int64_t>(s.counts.size()));
   c.same_device(padded, "padded", hidden_states.device);
   c.same_device(permutation_map, "permutation_map", hidden_states.device);
   c.same_device(inclusive_offsets, "inclusive_offsets", hidden_states.device);
-  run_pad(s, hidden_states, padded, permutation_map, inclusive_offsets, options);
+  run_pad(c, s, hidden_states, tokens_per_expert, alignment, padded, permutation_map, inclusive_offsets, options);
 }
 
 PadResult pad_to_alignment(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
                            const Options& options) {
   Checker c("pad_to_alignment");
-  const PadShape s = check_pad_inputs(c, hidden_states, tokens_per_expert, alignment);
+  const PadShape s = check_pad_inputs(c, hidden_states, tokens_per_expert, alignment, options, true);
   const Device dev = hidden_states.device;
   PadResult r;
   r.padded = Tensor::empty(hidden_states.dtype, {s.padded_rows, hidden_states.shape[1]}, dev);
   r.permutation_map = Tensor::empty(DType::kInt32, {s.padded_rows}, dev);
   r.inclusive_offsets = Tensor::empty(DType::kInt32, {static_cast<int64_t>(s.counts.size())}, dev);
-  run_pad(s, hidden_states, r.padded, r.permutation_map, r.inclusive_offsets, options);
+  run_pad(c, s, hidden_states, tokens_per_expert, alignment, r.padded, r.permutation_map, r.inclusive_offsets,
+          options);
   return r;
 }
 
@@ -156,28 +250,26 @@ void unpad_from_alignment_out(const TensorView& padded, const TensorView& permut
   check_unpad_inputs(c, padded, permutation_map, probs, original_size);
   c.row_output(out, "out", original_size, /*at_least=*/false, padded.shape[1], padded.dtype);
   c.same_device(out, "out", padded.device);
-  const std::vector<int32_t> inverse = check_and_invert_map(c, permutation_map, padded.shape[0], original_size);
-  cpu::gather_rows(cpu::RowsRef::of(padded), inverse.data(), cpu::Scale::of(probs), false, cpu::RowsRef::of(out),
-                   original_size, options.num_threads);
+  const Inverse inverse = inverse_map(c, permutation_map, padded.shape[0], original_size, padded.device, options);
+  run_gather(padded, inverse.data, probs, false, out, original_size, options);
 }
 
 Tensor unpad_from_alignment(const TensorView& padded, const TensorView& permutation_map, int64_t original_size,
                             const std::optional<TensorView>& probs, const Options& options) {
   Checker c("unpad_from_alignment");
   check_unpad_inputs(c, padded, permutation_map, probs, original_size);
-  const std::vector<int32_t> inverse = check_and_invert_map(c, permutation_map, padded.shape[0], original_size);
+  const Inverse inverse = inverse_map(c, permutation_map, padded.shape[0], original_size, padded.device, options);
   Tensor out = Tensor::empty(padded.dtype, {original_size, padded.shape[1]}, padded.device);
-  cpu::gather_rows(cpu::RowsRef::of(padded), inverse.data(), cpu::Scale::of(probs), false, cpu::RowsRef::of(out),
-                   original_size, options.num_threads);
+  run_gather(padded, inverse.data, probs, false, out, original_size, options);
   return out;
 }
 
 namespace {
 
 // Inputs of unpad's backward, checked; returns the inverse map.
-std::vector<int32_t> unpad_backward_inputs(const Checker& c, const TensorView& grad_out, const TensorView& padded,
-                                           const TensorView& permutation_map,
-                                           const std::optional<TensorView>& probs) {
+Inverse unpad_backward_inputs(const Checker& c, const TensorView& grad_out, const TensorView& padded,
+                              const TensorView& permutation_map, const std::optional<TensorView>& probs,
+                              const Options& options) {
   c.row_tensor(grad_out, "grad_out", -1, -1, false);
   check_unpad_inputs(c, padded, permutation_map, probs, grad_out.shape[0]);
   c.row_tensor(padded, "padded_output", -1, grad_out.shape[1], false);
@@ -186,22 +278,32 @@ std::vector<int32_t> unpad_backward_inputs(const Checker& c, const TensorView& g
                                                   dtype_name(padded.dtype));
   }
   c.same_device(grad_out, "grad_out", padded.device);
-  return check_and_invert_map(c, permutation_map, padded.shape[0], grad_out.shape[0]);
+  return inverse_map(c, permutation_map, padded.shape[0], grad_out.shape[0], padded.device, options);
 }
 
 // grad_padded[p] = grad_out[map[p]] * probs[map[p]] (zero for padding);
 // grad_probs[n] = <padded[inverse[n]], grad_out[n]> when wanted.
 void run_unpad_backward(const TensorView& grad_out, const TensorView& padded, const TensorView& permutation_map,
-                        const std::vector<int32_t>& inverse, const std::optional<TensorView>& probs,
+                        const Inverse& inverse, const std::optional<TensorView>& probs,
                         const TensorView& grad_padded, const TensorView* grad_probs, const Options& options) {
   const int64_t rows = padded.shape[0];
+  if (padded.device.is_cuda()) {
+    cuda::gather_rows(cuda::RowsArg::of(grad_out), cuda::IndexRef::of(permutation_map),
+                      probs ? cuda::ScaleArg{probs->data, probs->dtype} : cuda::ScaleArg{}, /*scale_by_source=*/true,
+                      cuda::RowsArg::of(grad_padded), rows, nullptr, options.stream);
+    if (grad_probs != nullptr) {
+      cuda::row_dots(cuda::RowsArg::of(padded), cuda::RowsArg::of(grad_out), 1, inverse.data, grad_out.shape[0],
+                     cuda::FloatOutArg{grad_probs->data, grad_probs->dtype}, options.stream);
+    }
+    return;
+  }
   const detail::IndexReader map_in(permutation_map);
   std::vector<int32_t> map(static_cast<size_t>(rows));  // int32 for the row kernel (the input may be int64)
   for (int64_t p = 0; p < rows; ++p) map[p] = static_cast<int32_t>(map_in[p]);
   cpu::gather_rows(cpu::RowsRef::of(grad_out), map.data(), cpu::Scale::of(probs), /*scale_by_source=*/true,
                    cpu::RowsRef::of(grad_padded), rows, options.num_threads);
   if (grad_probs != nullptr) {
-    cpu::row_dots(cpu::RowsRef::of(padded), cpu::RowsRef::of(grad_out), 1, inverse.data(), grad_out.shape[0],
+    cpu::row_dots(cpu::RowsRef::of(padded), cpu::RowsRef::of(grad_out), 1, inverse.data, grad_out.shape[0],
                   cpu::FloatOut{grad_probs->data, grad_probs->dtype}, options.num_threads);
   }
 }
@@ -213,7 +315,8 @@ void unpad_from_alignment_backward_out(const TensorView& grad_out, const TensorV
                                        const TensorView& grad_padded, const TensorView& grad_probs,
                                        const Options& options) {
   Checker c("unpad_from_alignment_backward");
-  const std::vector<int32_t> inverse = unpad_backward_inputs(c, grad_out, padded, permutation_map, probs);
+  c.row_tensor(grad_out, "grad_out", -1, -1, false);
+  c.row_tensor(padded, "padded_output", -1, grad_out.shape[1], false);
   c.row_output(grad_padded, "grad_padded", padded.shape[0], /*at_least=*/false, padded.shape[1], padded.dtype);
   c.same_device(grad_padded, "grad_padded", padded.device);
   const bool want_gp = !(grad_probs.data == nullptr && grad_probs.ndim == 0);
@@ -221,6 +324,7 @@ void unpad_from_alignment_backward_out(const TensorView& grad_out, const TensorV
     c.float_output(grad_probs, "grad_probs", grad_out.shape[0], padded.dtype);
     c.same_device(grad_probs, "grad_probs", padded.device);
   }
+  const Inverse inverse = unpad_backward_inputs(c, grad_out, padded, permutation_map, probs, options);
   run_unpad_backward(grad_out, padded, permutation_map, inverse, probs, grad_padded, want_gp ? &grad_probs : nullptr,
                      options);
 }
@@ -229,7 +333,7 @@ RowGrads unpad_from_alignment_backward(const TensorView& grad_out, const TensorV
                                        const TensorView& permutation_map, const std::optional<TensorView>& probs,
                                        const Options& options) {
   Checker c("unpad_from_alignment_backward");
-  const std::vector<int32_t> inverse = unpad_backward_inputs(c, grad_out, padded, permutation_map, probs);
+  const Inverse inverse = unpad_backward_inputs(c, grad_out, padded, permutation_map, probs, options);
   RowGrads g;
   g.grad_rows = Tensor::empty(padded.dtype, {padded.shape[0], padded.shape[1]}, padded.device);
   if (probs) g.grad_weights = Tensor::empty(probs->dtype, {grad_out.shape[0]}, padded.device);

@@ -1,9 +1,11 @@
 // plan.cpp — make_plan: check, size, dispatch to the backend.
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "api/checks.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cuda/cuda_backend.hpp"
 #include "padmoe/index_math.hpp"
 #include "padmoe/ops.hpp"
 
@@ -38,7 +40,24 @@ int64_t padded_rows(const PlanView& plan, const Options& options) {
   Checker c("padded_rows");
   c.int32_output(plan.padded_bins, "plan.padded_bins", plan.num_experts);
   detail::require_backend(c, plan.padded_bins.device);
-  return plan.num_experts > 0 ? plan.padded_bins.data_as<const int32_t>()[plan.num_experts - 1] : 0;
+  if (plan.num_experts == 0) return 0;
+  int32_t p = 0;
+  const int32_t* last = plan.padded_bins.data_as<const int32_t>() + plan.num_experts - 1;
+  if (plan.padded_bins.device.is_cuda()) {
+    cuda::copy_bytes(&p, Device::cpu(), last, plan.padded_bins.device, sizeof(p), options.stream);
+  } else {
+    p = *last;
+  }
+  return p;
+}
+
+size_t workspace_bound(int64_t num_tokens, int top_k, int num_experts, int alignment) {
+  const int64_t a_count = num_tokens * top_k;
+  const int64_t rows = index::capacity_bound(a_count, num_experts, alignment);
+  const size_t plan = cuda::plan_workspace_bytes(a_count, num_experts);
+  const size_t checks = cuda::validate_workspace_bytes(std::max(a_count, rows));
+  const size_t maps = static_cast<size_t>(std::max(a_count, rows)) * 4 + cuda::pad_workspace_bytes(num_experts);
+  return std::max(plan, std::max(checks, maps));
 }
 
 int64_t padded_rows(const Plan& plan, const Options& options) { return padded_rows(plan.view(), options); }
@@ -68,6 +87,9 @@ PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int
   detail::check_int32_extent(c, "top_experts", a_count);
   detail::check_int32_extent(c, "capacity", index::capacity_bound(a_count, num_experts, alignment));
   detail::require_backend(c, top_experts.device);
+  if (top_experts.device.is_cuda()) {  // P is known on the device only; ids are checked there
+    return PlanShape{tokens, static_cast<int>(k), index::capacity_bound(a_count, num_experts, alignment)};
+  }
 
   const detail::IndexReader ids(top_experts);
   std::vector<int64_t> counts(static_cast<size_t>(num_experts), 0);
@@ -99,6 +121,27 @@ void check_plan_outputs(const Checker& c, const PlanView& out, const PlanShape& 
   for (const TensorView* t : all) c.same_device(*t, "out", device);
 }
 
+
+// The backend's make_plan on checked arguments (CUDA: ids validated in checked mode).
+void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanShape& s, int num_experts,
+                   int alignment, const PlanView& out, const Options& options) {
+  const bool wide = top_experts.dtype == DType::kInt64;
+  if (!top_experts.device.is_cuda()) {
+    cpu::make_plan(top_experts.data, wide, s.tokens, s.top_k, num_experts, alignment, out, options.num_threads);
+    return;
+  }
+  const int64_t a_count = s.tokens * s.top_k;
+  const cuda::IndexRef ids{top_experts.data, wide};
+  if (options.check_data) {
+    cuda::Scratch scratch(options, cuda::validate_workspace_bytes(0), top_experts.device.index);
+    detail::raise_violation(c, cuda::validate_top_experts(ids, a_count, num_experts, scratch.get(), options.stream),
+                            detail::ViolationNames{"top_experts", num_experts, "out.row_sources"});
+  }
+  cuda::Scratch scratch(options, cuda::plan_workspace_bytes(a_count, num_experts), top_experts.device.index);
+  cuda::make_plan(ids, a_count, s.top_k, num_experts, alignment, out, out.row_sources.shape[0], scratch.get(),
+                  options.stream);
+}
+
 }  // namespace
 
 void make_plan_out(const TensorView& top_experts, int num_experts, int alignment, const PlanView& out,
@@ -106,8 +149,7 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
   Checker c("make_plan");
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
   check_plan_outputs(c, out, s, num_experts, top_experts.device);
-  cpu::make_plan(top_experts.data, top_experts.dtype == DType::kInt64, s.tokens, s.top_k, num_experts, alignment, out,
-                 options.num_threads);
+  run_make_plan(c, top_experts, s, num_experts, alignment, out, options);
 }
 
 Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, const Options& options) {
@@ -128,8 +170,7 @@ Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, co
   plan.padded_bins = Tensor::empty(DType::kInt32, {num_experts}, dev);
   plan.dest_rows = Tensor::empty(DType::kInt32, {a_count}, dev);
   plan.row_sources = Tensor::empty(DType::kInt32, {plan.capacity()}, dev);
-  cpu::make_plan(top_experts.data, top_experts.dtype == DType::kInt64, s.tokens, s.top_k, num_experts, alignment,
-                 plan.view(), options.num_threads);
+  run_make_plan(c, top_experts, s, num_experts, alignment, plan.view(), options);
   return plan;
 }
 

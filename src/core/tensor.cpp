@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "cuda/cuda_backend.hpp"
 #include "padmoe/error.hpp"
 #include "padmoe/tensor.hpp"
 
@@ -98,16 +99,33 @@ Tensor Tensor::empty(DType dtype, std::initializer_list<int64_t> shape, Device d
 
 Tensor Tensor::empty(DType dtype, int ndim, const int64_t* shape, Device device) {
   if (ndim < 0 || ndim > kMaxDims) throw Error(ErrorKind::kValue, "Tensor::empty: ndim must be in [0, 4]");
-  if (!device.is_cpu()) {
-    throw Error(ErrorKind::kUnsupported,
-                "Tensor::empty: cannot allocate on " + device_name(device) + ": padmoe was built without CUDA");
-  }
   int64_t numel = 1;
   for (int d = 0; d < ndim; ++d) {
     if (shape[d] < 0) throw Error(ErrorKind::kValue, "Tensor::empty: negative size in dim " + std::to_string(d));
     numel *= shape[d];
   }
   const size_t bytes = static_cast<size_t>(numel) * element_size(dtype);
+  Tensor t;
+  t.view_.dtype = dtype;
+  t.view_.device = device;
+  t.view_.ndim = ndim;
+  int64_t stride = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    t.view_.shape[d] = shape[d];
+    t.view_.strides[d] = stride;
+    stride *= shape[d];
+  }
+  if (device.is_cuda()) {
+#if defined(PADMOE_WITH_CUDA)
+    void* p = cuda::device_alloc(bytes, device.index);
+    t.storage_ = std::shared_ptr<void>(p, [](void* q) { cuda::device_free(q); });
+    t.view_.data = p;
+    return t;
+#else
+    throw Error(ErrorKind::kUnsupported,
+                "Tensor::empty: cannot allocate on " + device_name(device) + ": padmoe was built without CUDA");
+#endif
+  }
   // 64-byte aligned (aligned_alloc wants a whole number of alignments). Large
   // buffers are 2 MiB aligned and asked to use transparent huge pages: the
   // row kernels touch rows all over them, and 4 KiB pages cost a TLB miss
@@ -120,18 +138,8 @@ Tensor Tensor::empty(DType dtype, int ndim, const int64_t* shape, Device device)
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (align == kHuge) (void)madvise(p, alloc, MADV_HUGEPAGE);  // advice only; failure is harmless
 #endif
-  Tensor t;
   t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
   t.view_.data = p;
-  t.view_.dtype = dtype;
-  t.view_.device = device;
-  t.view_.ndim = ndim;
-  int64_t stride = 1;
-  for (int d = ndim - 1; d >= 0; --d) {
-    t.view_.shape[d] = shape[d];
-    t.view_.strides[d] = stride;
-    stride *= shape[d];
-  }
   return t;
 }
 

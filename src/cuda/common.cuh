@@ -1,0 +1,122 @@
+// common.cuh — device-side helpers shared by the CUDA kernels: error checks,
+// index loads, element load/store as float, 16-byte vectors.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/cuda_backend.hpp"
+#include "padmoe/error.hpp"
+#include "padmoe/index_math.hpp"
+
+namespace padmoe {
+namespace cuda {
+
+inline void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw Error(ErrorKind::kRuntime, std::string("CUDA error in ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+#define PADMOE_CUDA_CHECK(expr) ::padmoe::cuda::check_cuda((expr), #expr)
+#define PADMOE_CUDA_LAUNCH_CHECK(name) ::padmoe::cuda::check_cuda(cudaGetLastError(), name)
+
+inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+__device__ __forceinline__ int64_t load_index(const IndexRef& r, int64_t i) {
+  return r.wide ? static_cast<const int64_t*>(r.data)[i] : static_cast<int64_t>(static_cast<const int32_t*>(r.data)[i]);
+}
+
+// Element traits: storage type, load as float, store from float (round to nearest even).
+struct F32 {
+  using S = float;
+  __device__ static float ld(S v) { return v; }
+  __device__ static S st(float f) { return f; }
+};
+struct F16 {
+  using S = __half;
+  __device__ static float ld(S v) { return __half2float(v); }
+  __device__ static S st(float f) { return __float2half_rn(f); }
+};
+struct BF16 {
+  using S = __nv_bfloat16;
+  __device__ static float ld(S v) { return __bfloat162float(v); }
+  __device__ static S st(float f) { return __float2bfloat16_rn(f); }
+};
+
+// Scale value i (1 when absent), float32 or a row dtype.
+__device__ __forceinline__ float load_scale(const ScaleArg& s, int64_t i) {
+  if (s.data == nullptr) return 1.0f;
+  switch (s.dtype) {
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(s.data)[i]);
+    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(s.data)[i]);
+    default: return static_cast<const float*>(s.data)[i];
+  }
+}
+__device__ __forceinline__ void store_float(const FloatOutArg& o, int64_t i, float v) {
+  switch (o.dtype) {
+    case DType::kFloat16: static_cast<__half*>(o.data)[i] = __float2half_rn(v); break;
+    case DType::kBFloat16: static_cast<__nv_bfloat16*>(o.data)[i] = __float2bfloat16_rn(v); break;
+    default: static_cast<float*>(o.data)[i] = v; break;
+  }
+}
+
+// Calls f(Traits{}) for a float32/16/bf16 dtype (host side, picks the kernel).
+template <typename F>
+void with_traits(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat16: f(F16{}); break;
+    case DType::kBFloat16: f(BF16{}); break;
+    default: f(F32{}); break;
+  }
+}
+
+// 16-byte vectors of row elements.
+struct alignas(16) Vec16 {
+  uint4 raw;
+};
+template <typename T>
+struct VecTraits {
+  static constexpr int kElems = 16 / sizeof(typename T::S);
+};
+
+// Whether every row of `r` can be moved in 16-byte vectors.
+inline bool rows_vectorizable(const RowsArg& r) {
+  const int64_t row_bytes = r.cols * static_cast<int64_t>(element_size(r.dtype));
+  return (reinterpret_cast<uintptr_t>(r.data) % 16 == 0) && (row_bytes % 16 == 0) && (r.stride_bytes % 16 == 0);
+}
+
+__device__ __forceinline__ char* row_ptr(const RowsArg& r, int64_t row) {
+  return static_cast<char*>(r.data) + row * r.stride_bytes;
+}
+
+// P = padded_bins[E-1] (0 without experts).
+__device__ __forceinline__ int64_t padded_total(const PaddingRef& p) {
+  return p.num_experts > 0 ? load_index(p.padded_bins, p.num_experts - 1) : 0;
+}
+
+// Whether padded row r (< P) is a padding row.
+__device__ __forceinline__ bool is_padding_row(const PaddingRef& p, int64_t r) {
+  int64_t lo = 0, hi = p.num_experts;  // first e with padded_bins[e] > r
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (load_index(p.padded_bins, mid) > r) hi = mid; else lo = mid + 1;
+  }
+  const int64_t e = lo;
+  const int64_t pstart = e == 0 ? 0 : load_index(p.padded_bins, e - 1);
+  const int64_t count = load_index(p.bins, e) - (e == 0 ? 0 : load_index(p.bins, e - 1));
+  return r - pstart >= count;
+}
+
+inline int grid_for(int64_t work, int per_block, int max_blocks = 65535 * 32) {
+  int64_t g = (work + per_block - 1) / per_block;
+  if (g < 1) g = 1;
+  if (g > max_blocks) g = max_blocks;
+  return static_cast<int>(g);
+}
+
+}  // namespace cuda
+}  // namespace padmoe

@@ -1,0 +1,173 @@
+// cuda_backend.hpp — host-callable launchers of the CUDA backend.
+//
+// Raw device pointers, sizes and a stream (void*, a cudaStream_t) only: this
+// header includes no CUDA header, so the API layer (plain C++) calls it. The
+// API layer has checked shapes, dtypes and devices; the data-dependent
+// properties are checked by the validate_* launchers (checked mode) or
+// assumed (the unchecked fast path). Nothing here synchronizes with the host
+// except the validate_* functions, which must report on the host.
+//
+// P (padded rows) is known on the device only: kernels read it from
+// padded_bins[E-1] and are launched over a host-side row bound.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "padmoe/ops.hpp"
+#include "padmoe/tensor.hpp"
+
+namespace padmoe {
+namespace cuda {
+
+// An int32 or int64 device array.
+struct IndexRef {
+  const void* data = nullptr;
+  bool wide = false;
+  static IndexRef of(const TensorView& t) { return IndexRef{t.data, t.dtype == DType::kInt64}; }
+};
+
+// A [rows, cols] device row matrix with a byte row stride.
+struct RowsArg {
+  void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t stride_bytes = 0;
+  DType dtype = DType::kFloat32;
+  static RowsArg of(const TensorView& t) {
+    return RowsArg{t.data, t.shape[0], t.shape[1], t.strides[0] * static_cast<int64_t>(element_size(t.dtype)),
+                   t.dtype};
+  }
+};
+
+// Optional per-row scale (weights / probs): float32 or a row dtype; data null = 1.
+struct ScaleArg {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+};
+
+// Optional per-assignment float output: float32 or a row dtype; data null = skip.
+struct FloatOutArg {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+};
+
+// --- memory -----------------------------------------------------------------
+void* device_alloc(size_t bytes, int device);  // cudaMalloc on `device`
+void device_free(void* p);
+// Byte copy between any two of host/device memory, ordered on `stream`. Host
+// to/from device synchronizes the stream (the host buffer must be ready / read).
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes, void* stream);
+void memset_async(void* dst, int value, size_t bytes, void* stream);
+void synchronize(void* stream);
+int device_count();
+
+// Scratch memory for one op: the caller's Options::workspace when it is large
+// enough, else stream-ordered cudaMallocAsync / cudaFreeAsync (capturable in
+// CUDA graphs; no cudaMalloc on the hot path after the pool warms up).
+class Scratch {
+ public:
+  Scratch(const Options& options, size_t bytes, int device);
+  ~Scratch();
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  void* get() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+  void* stream_ = nullptr;
+  bool owned_ = false;
+};
+
+// --- plan ---------------------------------------------------------------------
+constexpr int kPlanChunk = 2048;  // assignments sorted per block
+// Workspace bytes make_plan needs for A assignments over E experts.
+size_t plan_workspace_bytes(int64_t assignments, int num_experts);
+// Stable counting sort by expert in three launches. Ids outside [0, E) (only
+// possible unchecked) are dropped: dest_rows -1, not counted.
+// out: int32 device arrays; row_sources has row_capacity entries.
+void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
+               const PlanView& out, int64_t row_capacity, void* workspace, void* stream);
+
+// --- routing ------------------------------------------------------------------
+// dest_rows[indices[i]] = padded_start(e) + i - real_start(e), e = bin_ids[i].
+void build_dest_rows(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins, int64_t assignments,
+                     int num_experts, int32_t* dest_rows, void* stream);
+
+// Where padding is: rows r < P of expert segment e with r - padded_start(e)
+// >= count(e). bins / padded_bins are inclusive cumulative sums.
+struct PaddingRef {
+  IndexRef bins;
+  IndexRef padded_bins;
+  int num_experts = 0;
+};
+
+// --- row kernels ----------------------------------------------------------------
+// y[dest[a]] = x[a/K] * w(a) for dest >= 0; rows < P that are padding are zeroed,
+// and rows in [P, y.rows) too when zero_past_end (allocating forms). When
+// dots_with is given: dots[a] = <dots_with[dest[a]], x[a/K]> from the same read.
+void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
+                 const PaddingRef& padding, bool zero_past_end, const RowsArg* dots_with, FloatOutArg dots,
+                 void* stream);
+
+// out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]], float32, dest < 0 skipped.
+void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& out, void* stream);
+
+// out[a] = <y[dest[a]], g[a/K]> (0 where dest < 0).
+void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest, int64_t assignments,
+              FloatOutArg out, void* stream);
+
+// out[r] = src[map[r]] * s(scale index) or zero for map[r] < 0, r < rows;
+// rows at or past *row_limit (a device int32, e.g. P) are left untouched.
+void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
+                 const int32_t* row_limit, void* stream);
+
+// --- Megatron maps ----------------------------------------------------------------
+// From counts[E]: inclusive_offsets[E] (padded inclusive cumsum) and
+// map[p] for p < map_len: source row or -1 (padding and p >= P).
+// workspace: pad_workspace_bytes(E).
+size_t pad_workspace_bytes(int num_experts);
+void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
+             int32_t* inclusive_offsets, void* workspace, void* stream);
+// inverse[n] = p for map[p] == n, else -1 (n < original_size).
+void invert_map(IndexRef map, int64_t map_len, int64_t original_size, int32_t* inverse, void* stream);
+
+// --- checked mode -------------------------------------------------------------------
+// Each returns 0 when valid, else an error code (below) with the first
+// offending position in *pos and details in *v1 / *v2 (read back on the host;
+// these synchronize the stream).
+enum ValidateCode : int {
+  kOk = 0,
+  kExpertOutOfRange = 1,       // pos: assignment, v1: id
+  kBinsDecreasing = 2,         // pos: e
+  kBinsTotal = 3,              // v1: bins[E-1]
+  kPaddedDecreasing = 4,       // pos: e
+  kPaddedTooSmall = 5,         // pos: e, v1: padded rows, v2: count
+  kBinIdsInconsistent = 6,     // pos: i, v1: bin_ids[i]
+  kIndexOutOfRange = 7,        // pos: i, v1: value
+  kIndexRepeated = 8,          // v1: the (smallest) repeated id
+  kCapacity = 9,               // v1: rows needed (P), v2: rows given
+  kCountNegative = 10,         // pos: e, v1: count
+  kCountTotal = 11,            // v1: sum, v2: rows
+  kMapOutOfRange = 12,         // pos: p, v1: value
+  kMapRepeated = 13,           // v1: the (smallest) repeated row
+  kPlanDestRows = 14,          // pos: a, v1: dest row
+  kPlanRowSources = 15,        // pos: row, v1: value
+};
+struct Violation {
+  int code = kOk;
+  int64_t pos = 0, v1 = 0, v2 = 0;
+};
+size_t validate_workspace_bytes(int64_t entries);
+Violation validate_top_experts(IndexRef ids, int64_t assignments, int num_experts, void* workspace, void* stream);
+// bins/padded_bins/bin_ids/indices of A assignments, E experts; output_rows < 0 skips the capacity check.
+Violation validate_sorted_routing(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins,
+                                  int64_t assignments, int num_experts, int64_t output_rows, void* workspace,
+                                  void* stream);
+Violation validate_plan(const PlanView& plan, int64_t output_rows, void* workspace, void* stream);
+Violation validate_counts(IndexRef counts, int num_experts, int alignment, int64_t rows, int64_t output_rows,
+                          void* workspace, void* stream);
+Violation validate_map(IndexRef map, int64_t map_len, int64_t original_size, void* workspace, void* stream);
+
+}  // namespace cuda
+}  // namespace padmoe

@@ -1,0 +1,126 @@
+// maps.cu — the index maps behind the row kernels: the inverse map of a
+// sorted routing (dest_rows), pad's row map and offsets, unpad's inverse map.
+#include <cub/block/block_scan.cuh>
+
+#include "cuda/common.cuh"
+
+namespace padmoe {
+namespace cuda {
+namespace {
+
+__global__ void dest_rows_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins,
+                                 int64_t assignments, int32_t* dest_rows) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < assignments;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e = load_index(bin_ids, i);
+    const int64_t real_start = e == 0 ? 0 : load_index(bins, e - 1);
+    const int64_t padded_start = e == 0 ? 0 : load_index(padded_bins, e - 1);
+    dest_rows[load_index(indices, i)] = static_cast<int32_t>(index::padded_row(i, real_start, padded_start));
+  }
+}
+
+constexpr int kScanThreads = 1024;
+
+// One block: inclusive padded offsets and exclusive real offsets of the counts.
+__global__ void __launch_bounds__(kScanThreads)
+    pad_offsets_kernel(IndexRef counts, int num_experts, int alignment, int32_t* inclusive_offsets,
+                       int32_t* real_excl, int32_t* padded_excl) {
+  using Scan = cub::BlockScan<int, kScanThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  const int per = (num_experts + kScanThreads - 1) / kScanThreads;
+  const int e0 = min(num_experts, static_cast<int>(threadIdx.x) * per);
+  const int e1 = min(num_experts, e0 + per);
+  int my_real = 0, my_padded = 0;
+  for (int e = e0; e < e1; ++e) {
+    const int n = static_cast<int>(load_index(counts, e));
+    my_real += n;
+    my_padded += static_cast<int>(index::round_up(n, alignment));
+  }
+  int real = 0, padded = 0;
+  Scan(storage).ExclusiveSum(my_real, real);
+  __syncthreads();
+  Scan(storage).ExclusiveSum(my_padded, padded);
+  for (int e = e0; e < e1; ++e) {
+    const int n = static_cast<int>(load_index(counts, e));
+    real_excl[e] = real;
+    padded_excl[e] = padded;
+    real += n;
+    padded += static_cast<int>(index::round_up(n, alignment));
+    inclusive_offsets[e] = padded;
+  }
+}
+
+// map[p]: expert e = first with inclusive_offsets[e] > p; the source row while
+// inside e's count, else -1; -1 at or past P.
+__global__ void pad_map_kernel(IndexRef counts, int num_experts, const int32_t* inclusive_offsets,
+                               const int32_t* real_excl, const int32_t* padded_excl, int64_t map_len, int32_t* map) {
+  const int64_t padded = num_experts > 0 ? inclusive_offsets[num_experts - 1] : 0;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < map_len;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int32_t v = -1;
+    if (p < padded) {
+      const int64_t e = index::find_segment(inclusive_offsets, num_experts, p);
+      const int64_t local = p - padded_excl[e];
+      if (local < load_index(counts, e)) v = static_cast<int32_t>(real_excl[e] + local);
+    }
+    map[p] = v;
+  }
+}
+
+__global__ void fill_kernel(int32_t* out, int64_t n, int32_t value) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = value;
+  }
+}
+
+__global__ void invert_kernel(IndexRef map, int64_t map_len, int64_t original_size, int32_t* inverse) {
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < map_len;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = load_index(map, p);
+    if (n >= 0 && n < original_size) inverse[n] = static_cast<int32_t>(p);
+  }
+}
+
+}  // namespace
+
+void build_dest_rows(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins, int64_t assignments,
+                     int num_experts, int32_t* dest_rows, void* stream) {
+  (void)num_experts;
+  if (assignments == 0) return;
+  dest_rows_kernel<<<grid_for(assignments, 256, 4096), 256, 0, as_stream(stream)>>>(indices, bin_ids, bins,
+                                                                                    padded_bins, assignments, dest_rows);
+  PADMOE_CUDA_LAUNCH_CHECK("dest_rows_kernel");
+}
+
+void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
+             int32_t* inclusive_offsets, void* workspace, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  int32_t* real_excl = static_cast<int32_t*>(workspace);
+  int32_t* padded_excl = real_excl + num_experts;
+  if (num_experts > 0) {
+    pad_offsets_kernel<<<1, kScanThreads, 0, s>>>(counts, num_experts, alignment, inclusive_offsets, real_excl,
+                                                  padded_excl);
+    PADMOE_CUDA_LAUNCH_CHECK("pad_offsets_kernel");
+  }
+  if (map_len > 0) {
+    pad_map_kernel<<<grid_for(map_len, 256, 4096), 256, 0, s>>>(counts, num_experts, inclusive_offsets, real_excl,
+                                                                padded_excl, map_len, map);
+    PADMOE_CUDA_LAUNCH_CHECK("pad_map_kernel");
+  }
+}
+
+void invert_map(IndexRef map, int64_t map_len, int64_t original_size, int32_t* inverse, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  if (original_size > 0) {
+    fill_kernel<<<grid_for(original_size, 256, 4096), 256, 0, s>>>(inverse, original_size, -1);
+    PADMOE_CUDA_LAUNCH_CHECK("fill_kernel");
+  }
+  if (map_len > 0) {
+    invert_kernel<<<grid_for(map_len, 256, 4096), 256, 0, s>>>(map, map_len, original_size, inverse);
+    PADMOE_CUDA_LAUNCH_CHECK("invert_kernel");
+  }
+}
+
+}  // namespace cuda
+}  // namespace padmoe

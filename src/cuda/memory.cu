@@ -1,0 +1,66 @@
+// memory.cu — allocation, copies and scratch memory of the CUDA backend.
+#include "cuda/common.cuh"
+
+namespace padmoe {
+namespace cuda {
+
+void* device_alloc(size_t bytes, int device) {
+  int previous = 0;
+  PADMOE_CUDA_CHECK(cudaGetDevice(&previous));
+  if (previous != device) PADMOE_CUDA_CHECK(cudaSetDevice(device));
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, bytes > 0 ? bytes : 1);
+  if (previous != device) cudaSetDevice(previous);
+  check_cuda(err, "cudaMalloc");
+  return p;
+}
+
+void device_free(void* p) {
+  if (p != nullptr) cudaFree(p);
+}
+
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes, void* stream) {
+  if (bytes == 0) return;
+  cudaMemcpyKind kind = cudaMemcpyDefault;
+  if (dst_device.is_cuda() && src_device.is_cuda()) kind = cudaMemcpyDeviceToDevice;
+  else if (dst_device.is_cuda()) kind = cudaMemcpyHostToDevice;
+  else if (src_device.is_cuda()) kind = cudaMemcpyDeviceToHost;
+  else kind = cudaMemcpyHostToHost;
+  PADMOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, as_stream(stream)));
+  if (kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToHost) {
+    PADMOE_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+  }
+}
+
+void memset_async(void* dst, int value, size_t bytes, void* stream) {
+  if (bytes > 0) PADMOE_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, as_stream(stream)));
+}
+
+void synchronize(void* stream) { PADMOE_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream))); }
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return 0;
+  }
+  return n;
+}
+
+Scratch::Scratch(const Options& options, size_t bytes, int device) : stream_(options.stream) {
+  if (bytes == 0) return;
+  if (options.workspace != nullptr && options.workspace_bytes >= bytes) {
+    ptr_ = options.workspace;
+    return;
+  }
+  (void)device;
+  PADMOE_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, as_stream(stream_)));
+  owned_ = true;
+}
+
+Scratch::~Scratch() {
+  if (owned_) cudaFreeAsync(ptr_, as_stream(stream_));
+}
+
+}  // namespace cuda
+}  // namespace padmoe

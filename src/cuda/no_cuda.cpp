@@ -1,0 +1,52 @@
+// no_cuda.cpp — the CUDA backend's entry points in a build without CUDA
+// (PADMOE_CUDA=OFF). The API layer never reaches them there (require_backend
+// rejects CUDA tensors first); each throws in case it is ever called.
+#include <string>
+
+#include "cuda/cuda_backend.hpp"
+#include "padmoe/error.hpp"
+
+namespace padmoe {
+namespace cuda {
+namespace {
+[[noreturn]] void unavailable(const char* what) {
+  throw Error(ErrorKind::kUnsupported, std::string(what) + ": padmoe was built without CUDA (PADMOE_CUDA=OFF)");
+}
+}  // namespace
+
+void* device_alloc(size_t, int) { unavailable("device_alloc"); }
+void device_free(void*) {}
+void copy_bytes(void*, Device, const void*, Device, size_t, void*) { unavailable("copy"); }
+void memset_async(void*, int, size_t, void*) { unavailable("memset"); }
+void synchronize(void*) { unavailable("synchronize"); }
+int device_count() { return 0; }
+Scratch::Scratch(const Options&, size_t, int) { unavailable("scratch memory"); }
+Scratch::~Scratch() = default;
+
+void make_plan(IndexRef, int64_t, int, int, int, const PlanView&, int64_t, void*, void*) { unavailable("make_plan"); }
+void build_dest_rows(IndexRef, IndexRef, IndexRef, IndexRef, int64_t, int, int32_t*, void*) {
+  unavailable("build_dest_rows");
+}
+void spread_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, const PaddingRef&, bool,
+                 const RowsArg*, FloatOutArg, void*) {
+  unavailable("spread_rows");
+}
+void reduce_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, void*) { unavailable("reduce_rows"); }
+void row_dots(const RowsArg&, const RowsArg&, int, const int32_t*, int64_t, FloatOutArg, void*) {
+  unavailable("row_dots");
+}
+void gather_rows(const RowsArg&, IndexRef, ScaleArg, bool, const RowsArg&, int64_t, const int32_t*, void*) {
+  unavailable("gather_rows");
+}
+void pad_map(IndexRef, int, int, int64_t, int32_t*, int32_t*, void*, void*) { unavailable("pad_map"); }
+void invert_map(IndexRef, int64_t, int64_t, int32_t*, void*) { unavailable("invert_map"); }
+Violation validate_top_experts(IndexRef, int64_t, int, void*, void*) { unavailable("validate"); }
+Violation validate_sorted_routing(IndexRef, IndexRef, IndexRef, IndexRef, int64_t, int, int64_t, void*, void*) {
+  unavailable("validate");
+}
+Violation validate_plan(const PlanView&, int64_t, void*, void*) { unavailable("validate"); }
+Violation validate_counts(IndexRef, int, int, int64_t, int64_t, void*, void*) { unavailable("validate"); }
+Violation validate_map(IndexRef, int64_t, int64_t, void*, void*) { unavailable("validate"); }
+
+}  // namespace cuda
+}  // namespace padmoe

@@ -1,0 +1,341 @@
+// rows.cu — the CUDA row kernels: spread (dispatch / gather / grad of
+// combine), reduce (combine / scatter), dots (wgrad), gather by map
+// (pad / unpad), and the maps behind them.
+//
+// A block owns one token (or one output row): every output row is written by
+// exactly one block, once; padding rows are zeroed by extra blocks of the same
+// launch. Rows move in 16-byte vectors when both sides allow it (row bytes,
+// row stride and base pointer multiples of 16), element by element otherwise.
+// A block caches up to kRegUnits vectors per thread of its source row in
+// registers and writes them to the K destinations from there: each source row
+// is read once. Sums run in float32 in ascending k; dot products reduce in a
+// fixed tree. No float atomics: results are bitwise reproducible.
+#include <type_traits>
+
+#include "cuda/common.cuh"
+
+namespace padmoe {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kRegUnits = 4;  // register-cached units per thread and chunk
+constexpr int kChunkUnits = kThreads * kRegUnits;
+
+// One unit of a row: 16 bytes (kVec) or one element.
+template <typename T, bool kVec>
+struct Unit {
+  using S = typename T::S;
+  static constexpr int N = kVec ? 16 / static_cast<int>(sizeof(S)) : 1;
+  using Raw = typename std::conditional<kVec, uint4, S>::type;
+
+  __device__ static Raw load(const char* row, int64_t u) { return reinterpret_cast<const Raw*>(row)[u]; }
+  __device__ static void store(char* row, int64_t u, const Raw& v) { reinterpret_cast<Raw*>(row)[u] = v; }
+  __device__ static Raw zero() {
+    Raw r;
+    memset(&r, 0, sizeof(Raw));
+    return r;
+  }
+  __device__ static void to_float(const Raw& v, float* f) {
+    const S* s = reinterpret_cast<const S*>(&v);
+#pragma unroll
+    for (int i = 0; i < N; ++i) f[i] = T::ld(s[i]);
+  }
+  __device__ static Raw from_float(const float* f) {
+    Raw r;
+    S* s = reinterpret_cast<S*>(&r);
+#pragma unroll
+    for (int i = 0; i < N; ++i) s[i] = T::st(f[i]);
+    return r;
+  }
+  __device__ static Raw scale(const Raw& v, float w) {
+    float f[N];
+    to_float(v, f);
+#pragma unroll
+    for (int i = 0; i < N; ++i) f[i] *= w;
+    return from_float(f);
+  }
+  __device__ static float dot(const Raw& a, const Raw& b) {
+    float fa[N], fb[N];
+    to_float(a, fa);
+    to_float(b, fb);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) s += fa[i] * fb[i];
+    return s;
+  }
+};
+
+template <typename U>
+__device__ int64_t units_of(const RowsArg& r) {
+  return r.cols / U::N;  // kVec: cols * s / 16 (row bytes are a multiple of 16)
+}
+
+// Deterministic block sum: fixed shuffle tree per warp, warps summed in order.
+__device__ float block_sum(float v, float* s_warp) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // s_warp may still be read from a previous call
+  if (lane == 0) s_warp[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kThreads / 32; ++i) total += s_warp[i];
+  }
+  return total;  // valid in thread 0
+}
+
+// --- spread ---------------------------------------------------------------------
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
+                  bool zero_past_end, int rows_per_zero_block, RowsArg dots_with, FloatOutArg dots) {
+  using U = Unit<T, kVec>;
+  const int64_t tokens = x.rows;
+  const int64_t units = units_of<U>(y);
+  if (blockIdx.x >= tokens) {
+    // Zero blocks: padding rows below P, and rows past P when asked.
+    const int64_t first = (static_cast<int64_t>(blockIdx.x) - tokens) * rows_per_zero_block;
+    const int64_t padded = padded_total(pad);
+    for (int64_t r = first; r < first + rows_per_zero_block && r < y.rows; ++r) {
+      const bool zero = r < padded ? is_padding_row(pad, r) : zero_past_end;
+      if (!zero) continue;
+      char* row = row_ptr(y, r);
+      for (int64_t u = threadIdx.x; u < units; u += kThreads) U::store(row, u, U::zero());
+    }
+    return;
+  }
+  __shared__ float s_warp[kThreads / 32];
+  extern __shared__ float s_dots[];  // [top_k] when dots are wanted
+  const int64_t t = blockIdx.x;
+  const char* src = row_ptr(x, t);
+  const bool want_dots = dots.data != nullptr;
+  for (int k = threadIdx.x; want_dots && k < top_k; k += kThreads) s_dots[k] = 0.0f;
+  for (int64_t c = 0; c < units; c += kChunkUnits) {
+    typename U::Raw reg[kRegUnits];
+#pragma unroll
+    for (int j = 0; j < kRegUnits; ++j) {
+      const int64_t u = c + j * kThreads + threadIdx.x;
+      if (u < units) reg[j] = U::load(src, u);
+    }
+    for (int k = 0; k < top_k; ++k) {
+      const int64_t a = index::assignment_id(t, k, top_k);
+      const int64_t r = dest[a];
+      if (r < 0 || r >= y.rows) continue;  // (r >= y.rows only with unchecked bad input)
+      char* out = row_ptr(y, r);
+      const float wk = load_scale(w, a);
+      float partial = 0.0f;
+      const char* other = want_dots ? row_ptr(dots_with, r) : nullptr;
+#pragma unroll
+      for (int j = 0; j < kRegUnits; ++j) {
+        const int64_t u = c + j * kThreads + threadIdx.x;
+        if (u < units) {
+          U::store(out, u, w.data == nullptr ? reg[j] : U::scale(reg[j], wk));
+          if (want_dots) partial += U::dot(U::load(other, u), reg[j]);
+        }
+      }
+      if (want_dots) {
+        const float sum = block_sum(partial, s_warp);
+        if (threadIdx.x == 0) s_dots[k] += sum;
+      }
+    }
+  }
+  if (want_dots) {
+    __syncthreads();
+    for (int k = threadIdx.x; k < top_k; k += kThreads) {
+      const int64_t a = index::assignment_id(t, k, top_k);
+      store_float(dots, a, dest[a] < 0 ? 0.0f : s_dots[k]);
+    }
+  }
+}
+
+// --- reduce ---------------------------------------------------------------------
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    reduce_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out) {
+  using U = Unit<T, kVec>;
+  const int64_t t = blockIdx.x;
+  const int64_t units = units_of<U>(out);
+  char* dst = row_ptr(out, t);
+  for (int64_t c = 0; c < units; c += kChunkUnits) {
+    float acc[kRegUnits][U::N];
+#pragma unroll
+    for (int j = 0; j < kRegUnits; ++j) {
+#pragma unroll
+      for (int i = 0; i < U::N; ++i) acc[j][i] = 0.0f;
+    }
+    for (int k = 0; k < top_k; ++k) {
+      const int64_t a = index::assignment_id(t, k, top_k);
+      const int64_t r = dest[a];
+      if (r < 0 || r >= y.rows) continue;
+      const float wk = load_scale(w, a);
+      const char* src = row_ptr(y, r);
+#pragma unroll
+      for (int j = 0; j < kRegUnits; ++j) {
+        const int64_t u = c + j * kThreads + threadIdx.x;
+        if (u < units) {
+          float f[U::N];
+          U::to_float(U::load(src, u), f);
+#pragma unroll
+          for (int i = 0; i < U::N; ++i) acc[j][i] += wk * f[i];
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRegUnits; ++j) {
+      const int64_t u = c + j * kThreads + threadIdx.x;
+      if (u < units) U::store(dst, u, U::from_float(acc[j]));
+    }
+  }
+}
+
+// --- dots -----------------------------------------------------------------------
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    dots_kernel(RowsArg y, RowsArg g, int top_k, const int32_t* __restrict__ dest, FloatOutArg out) {
+  using U = Unit<T, kVec>;
+  __shared__ float s_warp[kThreads / 32];
+  const int64_t t = blockIdx.x;
+  const int64_t units = units_of<U>(g);
+  const char* grow = row_ptr(g, t);
+  for (int k = 0; k < top_k; ++k) {
+    const int64_t a = index::assignment_id(t, k, top_k);
+    const int64_t r = dest[a];
+    float partial = 0.0f;
+    if (r >= 0 && r < y.rows) {
+      const char* yrow = row_ptr(y, r);
+      for (int64_t u = threadIdx.x; u < units; u += kThreads) partial += U::dot(U::load(yrow, u), U::load(grow, u));
+    }
+    const float sum = block_sum(partial, s_warp);
+    if (threadIdx.x == 0) store_float(out, a, r < 0 ? 0.0f : sum);
+  }
+}
+
+// --- gather by map ------------------------------------------------------------------
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    gather_kernel(RowsArg src, IndexRef map, ScaleArg s, bool scale_by_source, RowsArg out,
+                  const int32_t* row_limit) {
+  using U = Unit<T, kVec>;
+  const int64_t r = blockIdx.x;
+  if (row_limit != nullptr && r >= *row_limit) return;
+  const int64_t units = units_of<U>(out);
+  const int64_t from = load_index(map, r);
+  char* dst = row_ptr(out, r);
+  if (from < 0) {
+    for (int64_t u = threadIdx.x; u < units; u += kThreads) U::store(dst, u, U::zero());
+    return;
+  }
+  const char* row = row_ptr(src, from);
+  const float w = load_scale(s, scale_by_source ? from : r);
+  for (int64_t u = threadIdx.x; u < units; u += kThreads) {
+    const typename U::Raw v = U::load(row, u);
+    U::store(dst, u, s.data == nullptr ? v : U::scale(v, w));
+  }
+}
+
+// Element traits for moves of any row dtype (raw bits, no arithmetic).
+template <typename Storage>
+struct RawBits {
+  using S = Storage;
+  __device__ static float ld(S) { return 0.0f; }
+  __device__ static S st(float) { return S{}; }
+};
+
+bool is_move_only(DType dtype) { return is_float8(dtype); }
+
+}  // namespace
+
+// Kernel tags: functors carrying the template so dispatch_kernel can pick them.
+template <typename T, bool kVec>
+struct SpreadTag {
+  static constexpr auto fn = spread_kernel<T, kVec>;
+};
+template <typename T, bool kVec>
+struct ReduceTag {
+  static constexpr auto fn = reduce_kernel<T, kVec>;
+};
+template <typename T, bool kVec>
+struct DotsTag {
+  static constexpr auto fn = dots_kernel<T, kVec>;
+};
+template <typename T, bool kVec>
+struct GatherTag {
+  static constexpr auto fn = gather_kernel<T, kVec>;
+};
+
+namespace {
+// float8 rows move as 1-byte raw elements (vectorized as 16-byte units).
+template <template <typename, bool> class Tag, typename Launch>
+void pick(DType dtype, bool vec, Launch&& launch) {
+  if (is_move_only(dtype)) {
+    if (vec) launch(Tag<RawBits<uint8_t>, true>{});
+    else launch(Tag<RawBits<uint8_t>, false>{});
+    return;
+  }
+  with_traits(dtype, [&](auto traits) {
+    using T = decltype(traits);
+    if (vec) launch(Tag<T, true>{});
+    else launch(Tag<T, false>{});
+  });
+}
+}  // namespace
+
+void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
+                 const PaddingRef& padding, bool zero_past_end, const RowsArg* dots_with, FloatOutArg dots,
+                 void* stream) {
+  constexpr int kZeroRows = 4;
+  const int64_t tokens = x.rows;
+  const int64_t zero_blocks = index::ceil_div(y.rows, kZeroRows);
+  const int64_t blocks = tokens + zero_blocks;
+  if (blocks == 0 || y.cols == 0) return;
+  const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
+  const bool vec = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(with));
+  const size_t smem = dots.data != nullptr ? static_cast<size_t>(top_k) * sizeof(float) : 0;
+  pick<SpreadTag>(x.dtype, vec, [&](auto tag) {
+    using Tag = decltype(tag);
+    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, smem, as_stream(stream)>>>(
+        x, top_k, dest, w, y, padding, zero_past_end, kZeroRows, with, dots);
+  });
+  PADMOE_CUDA_LAUNCH_CHECK("spread_kernel");
+}
+
+void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& out, void* stream) {
+  if (out.rows == 0 || out.cols == 0) return;
+  const bool vec = rows_vectorizable(y) && rows_vectorizable(out);
+  pick<ReduceTag>(y.dtype, vec, [&](auto tag) {
+    using Tag = decltype(tag);
+    Tag::fn<<<static_cast<unsigned>(out.rows), kThreads, 0, as_stream(stream)>>>(y, top_k, dest, w, out);
+  });
+  PADMOE_CUDA_LAUNCH_CHECK("reduce_kernel");
+}
+
+void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest, int64_t assignments,
+              FloatOutArg out, void* stream) {
+  const int64_t tokens = assignments / top_k;
+  if (tokens == 0) return;
+  const bool vec = rows_vectorizable(y) && rows_vectorizable(g);
+  pick<DotsTag>(y.dtype, vec, [&](auto tag) {
+    using Tag = decltype(tag);
+    Tag::fn<<<static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream)>>>(y, g, top_k, dest, out);
+  });
+  PADMOE_CUDA_LAUNCH_CHECK("dots_kernel");
+}
+
+void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
+                 const int32_t* row_limit, void* stream) {
+  if (rows == 0 || out.cols == 0) return;
+  const bool vec = rows_vectorizable(src) && rows_vectorizable(out);
+  RowsArg limited = out;
+  limited.rows = rows;
+  pick<GatherTag>(out.dtype, vec, [&](auto tag) {
+    using Tag = decltype(tag);
+    Tag::fn<<<static_cast<unsigned>(rows), kThreads, 0, as_stream(stream)>>>(src, map, s, scale_by_source, limited,
+                                                                                   row_limit);
+  });
+  PADMOE_CUDA_LAUNCH_CHECK("gather_kernel");
+}
+
+}  // namespace cuda
+}  // namespace padmoe
