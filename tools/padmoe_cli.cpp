@@ -6,13 +6,19 @@
 //   padmoe bench   time every op (median wall clock) against the copy floor of
 //                  SPEC section 7: min_bytes / memcpy bandwidth measured in the
 //                  same run; also reports padmoe::copy's (streaming) bandwidth
-//                  and each op's share of it (%copy).
+//                  and each op's share of it (%copy). With --device cuda: CUDA
+//                  events on one stream, cold L2, check_data=false, a caller
+//                  workspace, and the floor is padmoe::copy's device->device
+//                  bandwidth measured in the same run.
 //   padmoe plan    print and validate the tile plan of SPEC section 6.
 //   padmoe presets list the workload presets (src/workload).
 //
 // One table, `op_table()`, lists every op once: its name, how to run it into
 // preallocated outputs, the bytes it must move and its reference. `check` and
-// `bench` both walk that table.
+// `bench` both walk that table. The run lambdas work on whichever device the
+// Data buffers live on: with --device cuda the workload is built on the host,
+// every input is staged with padmoe::copy and the outputs are allocated on the
+// GPU; `check` copies each compared output back before comparing.
 //
 // Exit codes: 0 all good, 1 a check failed (or an op raised an error), 2 a
 // usage error or a padmoe::Error outside the per-op runs (e.g. an unsupported
@@ -43,6 +49,10 @@
 #include "reference/reference.hpp"
 #include "workload/workload.hpp"
 
+#if defined(PADMOE_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
 namespace {
 
 using namespace padmoe;
@@ -60,7 +70,8 @@ const char* const kUsage = R"(usage: padmoe <command> [options]
 
 commands:
   check     run every op on a workload and compare with the reference loops
-  bench     time every op against the memcpy floor (SPEC section 7)
+  bench     time every op against the copy floor (SPEC section 7): memcpy on
+            the CPU; padmoe::copy device->device with --device cuda
   plan      print and validate a tile plan (SPEC section 6)
   presets   list the workload presets
   help      this text
@@ -72,14 +83,15 @@ workload (check, bench):
                          mixtral-8x7b)
   --small                divide T by 8; implied when no preset and no size is given
   --dtype f32|f16|bf16   row dtype (default bf16)
-  --device cpu|cuda      (default cpu)
+  --device cpu|cuda[:N]  (default cpu; cuda needs a build with PADMOE_CUDA=ON)
   --seed S               router and data seed (default 0)
   --threads N            CPU worker threads, 0 = all (default 0)
 
 bench:
-  --warmup N             untimed runs per op (default 2)
-  --iters N              timed runs per op; the median is reported (default 10)
-  --no-reference         skip timing the single-threaded reference loops
+  --warmup N             untimed runs per op (default 2; 5 on cuda)
+  --iters N              timed runs per op; the median is reported (default 10;
+                         50 on cuda, timed with CUDA events, cold L2)
+  --no-reference         skip timing the single-threaded CPU reference loops
   --json                 print one JSON object instead of the table
 
 plan:
@@ -187,6 +199,125 @@ std::string fmt(const char* f, double v) {
 }
 
 // ===========================================================================
+// The GPU (--device cuda)
+// ===========================================================================
+//
+// Everything the CLI does on a GPU besides the padmoe calls: select the card,
+// one stream for every op and copy, a device memset (sentinel fill, L2 flush)
+// and CUDA-event timing. In a build without CUDA, open_gpu() throws
+// padmoe::Error (exit 2) before anything else runs, and the other helpers are
+// unreachable.
+
+struct GpuContext {
+  Device device = Device::cpu();
+  std::string card;       // cudaDeviceProp::name
+  void* stream = nullptr;  // cudaStream_t, for Options::stream
+  GpuContext() = default;
+  GpuContext(const GpuContext&) = delete;
+  GpuContext& operator=(const GpuContext&) = delete;
+  ~GpuContext();
+};
+
+#if defined(PADMOE_WITH_CUDA)
+
+void cuda_check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw Error(ErrorKind::kRuntime, std::string(what) + " failed: " + cudaGetErrorString(err));
+  }
+}
+
+cudaStream_t stream_of(const GpuContext& g) { return static_cast<cudaStream_t>(g.stream); }
+
+GpuContext::~GpuContext() {
+  if (stream != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+std::shared_ptr<GpuContext> open_gpu(Device device) {
+  const std::string name = device_name(device);
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the error
+    throw Error(ErrorKind::kRuntime,
+                "--device " + name + ": no usable CUDA device (" + cudaGetErrorString(err) + ")");
+  }
+  if (device.index < 0 || device.index >= count) {
+    throw Error(ErrorKind::kValue, "--device " + name + ": this machine has " + std::to_string(count) +
+                                       " CUDA device(s)");
+  }
+  // The library launches on the current device: make it the one asked for.
+  cuda_check(cudaSetDevice(device.index), "cudaSetDevice");
+  cudaDeviceProp prop{};
+  cuda_check(cudaGetDeviceProperties(&prop, device.index), "cudaGetDeviceProperties");
+  auto g = std::make_shared<GpuContext>();
+  g->device = device;
+  g->card = prop.name;
+  cudaStream_t s = nullptr;
+  cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  g->stream = s;
+  return g;
+}
+
+// value into every byte of t (a device tensor), ordered on the stream.
+void gpu_memset(const GpuContext& g, const Tensor& t, int value) {
+  const size_t bytes = static_cast<size_t>(t.numel()) * element_size(t.dtype());
+  if (bytes > 0) cuda_check(cudaMemsetAsync(t.data(), value, bytes, stream_of(g)), "cudaMemsetAsync");
+}
+
+void gpu_synchronize(const GpuContext& g) { cuda_check(cudaStreamSynchronize(stream_of(g)), "cudaStreamSynchronize"); }
+
+// Microseconds of each of `iters` runs of fn on the stream, timed with a pair
+// of CUDA events around the call; before each timed run (outside the events)
+// `flush` is overwritten with cudaMemsetAsync so the run starts with a cold L2.
+std::vector<double> gpu_time_us(const GpuContext& g, const std::function<void()>& fn, int warmup, int iters,
+                                const Tensor& flush) {
+  struct Events {
+    std::vector<cudaEvent_t> ev;
+    explicit Events(size_t n) : ev(n, nullptr) {
+      for (cudaEvent_t& e : ev) cuda_check(cudaEventCreate(&e), "cudaEventCreate");
+    }
+    ~Events() {
+      for (cudaEvent_t e : ev) {
+        if (e != nullptr) cudaEventDestroy(e);
+      }
+    }
+  } events(2 * static_cast<size_t>(iters));
+  for (int k = 0; k < warmup; ++k) fn();
+  gpu_synchronize(g);
+  for (int k = 0; k < iters; ++k) {
+    if (flush.defined()) gpu_memset(g, flush, k & 0xff);
+    cuda_check(cudaEventRecord(events.ev[2 * k], stream_of(g)), "cudaEventRecord");
+    fn();
+    cuda_check(cudaEventRecord(events.ev[2 * k + 1], stream_of(g)), "cudaEventRecord");
+  }
+  gpu_synchronize(g);
+  std::vector<double> us;
+  for (int k = 0; k < iters; ++k) {
+    float ms = 0.0f;
+    cuda_check(cudaEventElapsedTime(&ms, events.ev[2 * k], events.ev[2 * k + 1]), "cudaEventElapsedTime");
+    us.push_back(1e3 * static_cast<double>(ms));
+  }
+  return us;
+}
+
+#else  // !PADMOE_WITH_CUDA
+
+GpuContext::~GpuContext() = default;
+
+std::shared_ptr<GpuContext> open_gpu(Device device) {
+  throw Error(ErrorKind::kUnsupported, "--device " + device_name(device) +
+                                           ": this padmoe was built without CUDA (reconfigure with -DPADMOE_CUDA=ON)");
+}
+[[noreturn]] void no_gpu() { throw Error(ErrorKind::kUnsupported, "padmoe was built without CUDA"); }
+void gpu_memset(const GpuContext&, const Tensor&, int) { no_gpu(); }
+void gpu_synchronize(const GpuContext&) { no_gpu(); }
+std::vector<double> gpu_time_us(const GpuContext&, const std::function<void()>&, int, int, const Tensor&) {
+  no_gpu();
+}
+
+#endif  // PADMOE_WITH_CUDA
+
+// ===========================================================================
 // Workload
 // ===========================================================================
 
@@ -253,6 +384,7 @@ Workload parse_workload(const Args& args) {
 struct Data {
   Workload w;
   Options opt;
+  std::shared_ptr<GpuContext> gpu;  // --device cuda only; opt.stream is its stream
   int64_t A = 0, P = 0, R = 0, N = 0;  // assignments, padded rows, capacity, Megatron rows (= A)
 
   workload::Routing routing;
@@ -284,6 +416,10 @@ struct Data {
   ref::Plan ref_plan;
   std::vector<float> x_f, grad_out_f, y_f, grad_y_f, h_f, grad_unpadded_f, padded_f, probs_f;
   std::vector<int64_t> perm_map_ref, tokens_per_expert_ref;
+  std::vector<float> composite_f;  // the plan+dispatch+combine reference's intermediate rows
+
+  // --device cuda: host copies of device outputs, made on demand by on_host().
+  std::map<const void*, Tensor> host_mirrors;
 };
 
 uint64_t stream_seed(uint64_t seed, uint64_t stream) {
@@ -299,16 +435,16 @@ Tensor plan_tensor(const std::vector<int64_t>& v) {
   return t;
 }
 
-Plan allocate_plan(int64_t T, int K, int E, int m, int64_t A, int64_t R) {
+Plan allocate_plan(int64_t T, int K, int E, int m, int64_t A, int64_t R, Device dev) {
   Plan p;
-  p.indices = Tensor::empty(DType::kInt32, {A});
-  p.bin_ids = Tensor::empty(DType::kInt32, {A});
-  p.tokens_per_expert = Tensor::empty(DType::kInt32, {E});
-  p.bins = Tensor::empty(DType::kInt32, {E});
-  p.padded_tokens_per_expert = Tensor::empty(DType::kInt32, {E});
-  p.padded_bins = Tensor::empty(DType::kInt32, {E});
-  p.dest_rows = Tensor::empty(DType::kInt32, {A});
-  p.row_sources = Tensor::empty(DType::kInt32, {R});
+  p.indices = Tensor::empty(DType::kInt32, {A}, dev);
+  p.bin_ids = Tensor::empty(DType::kInt32, {A}, dev);
+  p.tokens_per_expert = Tensor::empty(DType::kInt32, {E}, dev);
+  p.bins = Tensor::empty(DType::kInt32, {E}, dev);
+  p.padded_tokens_per_expert = Tensor::empty(DType::kInt32, {E}, dev);
+  p.padded_bins = Tensor::empty(DType::kInt32, {E}, dev);
+  p.dest_rows = Tensor::empty(DType::kInt32, {A}, dev);
+  p.row_sources = Tensor::empty(DType::kInt32, {R}, dev);
   p.num_tokens = T;
   p.top_k = K;
   p.num_experts = E;
@@ -336,21 +472,45 @@ void fill_nan_rows(const Tensor& t, const int32_t* row_sources, int64_t rows, in
   }
 }
 
-// Builds the workload. With `reference`, the plan the ops run on is the
-// reference plan (so a make_plan bug cannot hide in the other checks) and the
-// host float copies are made; otherwise the plan is the library's make_plan.
+// A copy of host tensor t on `dev` (padmoe::copy, synchronous host->device).
+Tensor to_device(const Tensor& t, Device dev, const Options& opt) {
+  if (!t.defined() || t.device() == dev) return t;
+  Tensor out = Tensor::empty(t.dtype(), t.ndim(), t.view().shape, dev);
+  padmoe::copy(t, out, opt);
+  return out;
+}
+
+// The input tensors of Data (what the ops read).
+std::vector<Tensor*> input_tensors(Data& d) {
+  Plan& p = d.plan;
+  return {&d.top_experts, &d.weights,     &p.indices,  &p.bin_ids,     &p.tokens_per_expert, &p.bins,
+          &p.padded_tokens_per_expert,    &p.padded_bins, &p.dest_rows, &p.row_sources,       &d.x,
+          &d.grad_out,    &d.y,          &d.grad_y,   &d.h,           &d.grad_unpadded,     &d.padded,
+          &d.perm_map,    &d.probs};
+}
+
+// The output tensors of Data (what the ops write).
+std::vector<Tensor*> output_tensors(Data& d) {
+  Plan& p = d.plan_out;
+  return {&p.indices,    &p.bin_ids,      &p.tokens_per_expert, &p.bins,       &p.padded_tokens_per_expert,
+          &p.padded_bins, &p.dest_rows,    &p.row_sources,       &d.out_rows_R, &d.out_rows_R2,
+          &d.out_rows_T, &d.out_rows_N,   &d.out_rows_P,        &d.out_f32_A,  &d.out_f32_N,
+          &d.out_map_R,  &d.out_offsets_E};
+}
+
+// Builds the workload, always on the host; with --device cuda every input is
+// then staged to the GPU (padmoe::copy) and the outputs are allocated there.
+// With `reference`, the plan the ops run on is the reference plan (so a
+// make_plan bug cannot hide in the other checks) and the host float copies are
+// made; otherwise the plan is the library's make_plan (run on the host).
 Data build_data(const Workload& w, bool reference) {
-  if (!w.device.is_cpu()) {
-    // The library raises kUnsupported here when built without CUDA.
-    Tensor probe = Tensor::empty(DType::kInt32, {1}, w.device);
-    (void)probe;
-    throw Error(ErrorKind::kUnsupported,
-                "--device " + device_name(w.device) +
-                    ": the CLI cannot stage data on a GPU yet (the public API has no host<->device copy)");
-  }
   Data d;
   d.w = w;
   d.opt.num_threads = w.threads;
+  if (w.device.is_cuda()) {
+    d.gpu = open_gpu(w.device);  // throws (exit 2) in a build without CUDA or without a GPU
+    d.opt.stream = d.gpu->stream;
+  }
   const int64_t T = w.T, H = w.H;
   d.A = T * w.K;
   d.N = d.A;
@@ -418,16 +578,17 @@ Data build_data(const Workload& w, bool reference) {
   fill_nan_rows(d.padded, row_sources, P, H);
   d.grad_unpadded = random_rows(N, H, w.dtype, stream_seed(w.seed, 5));
 
-  d.plan_out = allocate_plan(T, w.K, w.E, w.m, A, R);
-  d.out_rows_R = Tensor::empty(w.dtype, {R, H});
-  d.out_rows_R2 = Tensor::empty(w.dtype, {R, H});
-  d.out_rows_T = Tensor::empty(w.dtype, {T, H});
-  d.out_rows_N = Tensor::empty(w.dtype, {N, H});
-  d.out_rows_P = Tensor::empty(w.dtype, {P, H});
-  d.out_f32_A = Tensor::empty(DType::kFloat32, {A});
-  d.out_f32_N = Tensor::empty(DType::kFloat32, {N});
-  d.out_map_R = Tensor::empty(DType::kInt32, {R});
-  d.out_offsets_E = Tensor::empty(DType::kInt32, {w.E});
+  const Device dev = w.device;
+  d.plan_out = allocate_plan(T, w.K, w.E, w.m, A, R, dev);
+  d.out_rows_R = Tensor::empty(w.dtype, {R, H}, dev);
+  d.out_rows_R2 = Tensor::empty(w.dtype, {R, H}, dev);
+  d.out_rows_T = Tensor::empty(w.dtype, {T, H}, dev);
+  d.out_rows_N = Tensor::empty(w.dtype, {N, H}, dev);
+  d.out_rows_P = Tensor::empty(w.dtype, {P, H}, dev);
+  d.out_f32_A = Tensor::empty(DType::kFloat32, {A}, dev);
+  d.out_f32_N = Tensor::empty(DType::kFloat32, {N}, dev);
+  d.out_map_R = Tensor::empty(DType::kInt32, {R}, dev);
+  d.out_offsets_E = Tensor::empty(DType::kInt32, {w.E}, dev);
 
   if (reference) {
     d.x_f = to_floats(d.x);
@@ -441,7 +602,29 @@ Data build_data(const Workload& w, bool reference) {
     d.perm_map_ref.assign(i32(d.perm_map), i32(d.perm_map) + P);
     d.tokens_per_expert_ref = d.ref_plan.tokens_per_expert;
   }
+  if (dev.is_cuda()) {  // stage every input (the host copies are dropped)
+    for (Tensor* t : input_tensors(d)) *t = to_device(*t, dev, d.opt);
+    d.tokens_per_expert = d.plan.tokens_per_expert;
+  }
   return d;
+}
+
+// The output view v as host memory: v itself on the CPU; for a device output,
+// a host mirror of the whole tensor, refreshed by padmoe::copy (synchronous),
+// with v's shape and strides.
+TensorView on_host(Data& d, const TensorView& v) {
+  if (!v.device.is_cuda() || v.data == nullptr) return v;
+  for (Tensor* t : output_tensors(d)) {
+    if (t->data() != v.data) continue;
+    Tensor& host = d.host_mirrors[t->data()];
+    if (!host.defined()) host = Tensor::empty(t->dtype(), t->ndim(), t->view().shape);
+    padmoe::copy(*t, host, d.opt);
+    TensorView h = v;
+    h.data = host.data();
+    h.device = Device::cpu();
+    return h;
+  }
+  throw Error(ErrorKind::kRuntime, "check: no output tensor holds the device view being compared");
 }
 
 // ===========================================================================
@@ -804,6 +987,24 @@ std::vector<OpCase> op_table() {
                              .grad_probs;
                        })};
                  }});
+
+  // The decode question: route and move a small batch end to end. make_plan
+  // into the output plan, an unweighted dispatch on it, then the weighted
+  // combine of the dispatched rows (standing in for the expert outputs), back
+  // to back; on a GPU nothing synchronizes between them.
+  ops.push_back(
+      {"plan+dispatch+combine", "make_plan + (T*H + P*H)*s + (A*H + T*H)*s (the three rules summed)",
+       [=](const Dims& d) { return d.A * 4 + (3 * d.A + 4 * d.E + d.R) * 4 + gather_bytes(d) + scatter_bytes(d); },
+       [](Data& d) {
+         make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), d.opt);
+         const PlanView plan = d.plan_out.view();
+         dispatch_out(d.x, plan, W(), d.out_rows_R, d.opt);
+         combine_out(d.out_rows_R, plan, W(d.weights), d.out_rows_T, d.opt);
+       },
+       [=](Data& d) {
+         d.composite_f = gather_ref(d, d.x_f, false);  // exact: an unweighted move
+         return std::vector<Expect>{scatter_expect(d, "out", d.out_rows_T, &d.composite_f, true)};
+       }});
   return ops;
 }
 
@@ -826,8 +1027,11 @@ void print_header(const char* command, const Data& d) {
   std::printf("  T=%" PRId64 " E=%d K=%d H=%" PRId64 " m=%d  A=%" PRId64 " P=%" PRId64 " capacity=%" PRId64
               "  dtype %s  device %s  seed %" PRIu64 "\n",
               w.T, w.E, w.K, w.H, w.m, d.A, d.P, d.R, dtype_name(w.dtype), device_name(w.device).c_str(), w.seed);
-  std::printf("  threads %d (machine: %d hardware threads)  %s\n\n", used_threads(w), hardware_threads(),
-              utc_now().c_str());
+  if (d.gpu)
+    std::printf("  card %s (%s)  %s\n\n", d.gpu->card.c_str(), device_name(w.device).c_str(), utc_now().c_str());
+  else
+    std::printf("  threads %d (machine: %d hardware threads)  %s\n\n", used_threads(w), hardware_threads(),
+                utc_now().c_str());
 }
 
 // Large workloads take a while: say what runs now (stderr, so stdout stays a table).
@@ -835,18 +1039,16 @@ void progress(const char* command, size_t i, size_t n, const std::string& name) 
   std::fprintf(stderr, "[%zu/%zu] %s %s...\n", i + 1, n, command, name.c_str());
 }
 
-void fill_sentinel(const Tensor& t) {
-  if (t.defined()) std::memset(t.data(), kSentinel, static_cast<size_t>(t.numel()) * element_size(t.dtype()));
+void fill_sentinel(const Data& d, const Tensor& t) {
+  if (!t.defined()) return;
+  if (t.device().is_cuda())
+    gpu_memset(*d.gpu, t, kSentinel);  // ordered on the ops' stream
+  else
+    std::memset(t.data(), kSentinel, static_cast<size_t>(t.numel()) * element_size(t.dtype()));
 }
 
 void fill_outputs_with_sentinel(Data& d) {
-  const Plan& p = d.plan_out;
-  for (const Tensor* t : std::initializer_list<const Tensor*>{
-           &p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins, &p.padded_tokens_per_expert, &p.padded_bins,
-           &p.dest_rows, &p.row_sources, &d.out_rows_R, &d.out_rows_R2, &d.out_rows_T, &d.out_rows_N, &d.out_rows_P,
-           &d.out_f32_A, &d.out_f32_N, &d.out_map_R, &d.out_offsets_E}) {
-    fill_sentinel(*t);
-  }
+  for (const Tensor* t : output_tensors(d)) fill_sentinel(d, *t);
 }
 
 // ===========================================================================
@@ -869,8 +1071,11 @@ int cmd_check(const Args& args) {
     try {
       fill_outputs_with_sentinel(d);
       op.run(d);
-      const std::vector<Expect> expects = op.reference(d);
-      for (const Expect& e : expects) compare(e, out);
+      std::vector<Expect> expects = op.reference(d);
+      for (Expect& e : expects) {
+        e.got = on_host(d, e.got);  // --device cuda: the whole output, copied back
+        compare(e, out);
+      }
       out.rows = expects.empty() ? 0 : expects.front().rows;
     } catch (const Error& e) {
       out.ok = false;
@@ -896,6 +1101,13 @@ int cmd_check(const Args& args) {
       "inputs in padded layout hold NaN in their padding rows (no op may read them); the gather\n"
       "backward grad_x is checked against the weighted scatter (d/dx of w*x).\n",
       dtype_name(w.dtype), -static_cast<int>(std::ilogb(half_min_subnormal(w.dtype))), dtype_name(w.dtype), p);
+  if (d.gpu) {
+    std::printf(
+        "%s: workload built on the host, inputs staged with padmoe::copy, outputs (capacity-sized where padded)\n"
+        "  pre-filled with the sentinel on the device, ops in checked mode (check_data=true) on one stream,\n"
+        "  each compared output copied back whole.\n",
+        device_name(w.device).c_str());
+  }
   if (failures == 0)
     std::printf("%zu ops: all PASS\n", ops.size());
   else
@@ -999,10 +1211,29 @@ std::string json_escape(const std::string& s) {
 
 std::string json_num(double v) { return std::isfinite(v) ? fmt("%.6g", v) : "null"; }
 
+// --device cuda: the floor. padmoe::copy of a 1 GiB buffer device->device on
+// the ops' stream, timed with CUDA events (cold L2 like every op), bytes
+// counted as read + written, median of 10 after one untimed copy.
+constexpr int64_t kGpuCopyBytes = int64_t{1} << 30;
+constexpr int kGpuCopyReps = 10;
+constexpr int64_t kL2FlushBytes = int64_t{256} << 20;
+
+double measure_gpu_copy_gbps(Data& d, const Tensor& flush) {
+  const Tensor src = Tensor::empty(DType::kFloat8E4M3, {kGpuCopyBytes}, d.w.device);
+  const Tensor dst = Tensor::empty(DType::kFloat8E4M3, {kGpuCopyBytes}, d.w.device);
+  gpu_memset(*d.gpu, src, 1);
+  gpu_memset(*d.gpu, dst, 0);
+  const std::vector<double> us =
+      gpu_time_us(*d.gpu, [&] { padmoe::copy(src, dst, d.opt); }, 1, kGpuCopyReps, flush);
+  const double t = median(us);
+  return t > 0 ? 2.0 * static_cast<double>(kGpuCopyBytes) / (t * 1e-6) / 1e9 : 0.0;
+}
+
 int cmd_bench(const Args& args) {
   const Workload w = parse_workload(args);
-  const int warmup = static_cast<int>(args.get_int("warmup", 2));
-  const int iters = static_cast<int>(args.get_int("iters", 10));
+  const bool on_gpu = w.device.is_cuda();
+  const int warmup = static_cast<int>(args.get_int("warmup", on_gpu ? 5 : 2));
+  const int iters = static_cast<int>(args.get_int("iters", on_gpu ? 50 : 10));
   const bool with_reference = !args.has("no-reference");
   const bool json = args.has("json");
   if (warmup < 0 || iters < 1) throw UsageError("--warmup must be >= 0 and --iters >= 1");
@@ -1012,9 +1243,29 @@ int cmd_bench(const Args& args) {
   const std::vector<OpCase> ops = op_table();
   const int threads = used_threads(w);
 
-  std::fprintf(stderr, "[memcpy] measuring memcpy and padmoe::copy bandwidth on %d threads...\n", threads);
-  const CopyBandwidth bw = measure_copy_bandwidth(threads);
-  const double memcpy_gbps = bw.memcpy_gbps, copy_gbps = bw.copy_gbps;
+  // The floor: memcpy on the CPU; padmoe::copy device->device on a GPU.
+  double memcpy_gbps = 0, copy_gbps = 0, floor_gbps = 0;
+  Tensor flush, workspace;  // GPU only
+  size_t workspace_bytes = 0;
+  if (on_gpu) {
+    // The sync-free fast path, a caller workspace (no allocation is timed), and
+    // a scratch buffer whose overwrite before each timed run evicts L2.
+    d.opt.check_data = false;
+    workspace_bytes = workspace_bound(w.T, w.K, w.E, w.m);
+    workspace = Tensor::empty(DType::kFloat8E4M3, {std::max<int64_t>(1, static_cast<int64_t>(workspace_bytes))},
+                              w.device);
+    d.opt.workspace = workspace.data();
+    d.opt.workspace_bytes = workspace_bytes;
+    flush = Tensor::empty(DType::kFloat8E4M3, {kL2FlushBytes}, w.device);
+    std::fprintf(stderr, "[copy] measuring padmoe::copy device->device bandwidth on %s (%s)...\n",
+                 device_name(w.device).c_str(), d.gpu->card.c_str());
+    copy_gbps = floor_gbps = measure_gpu_copy_gbps(d, flush);
+  } else {
+    std::fprintf(stderr, "[memcpy] measuring memcpy and padmoe::copy bandwidth on %d threads...\n", threads);
+    const CopyBandwidth bw = measure_copy_bandwidth(threads);
+    memcpy_gbps = floor_gbps = bw.memcpy_gbps;
+    copy_gbps = bw.copy_gbps;
+  }
 
   std::vector<BenchRecord> records;
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -1023,15 +1274,19 @@ int cmd_bench(const Args& args) {
     BenchRecord r;
     r.name = op.name;
     r.min_bytes = op.min_bytes(dims);
-    r.floor_us = r.min_bytes / (memcpy_gbps * 1e9) * 1e6;
+    r.floor_us = r.min_bytes / (floor_gbps * 1e9) * 1e6;
     r.copy_us = r.min_bytes / (copy_gbps * 1e9) * 1e6;  // the same bytes at padmoe::copy's bandwidth
     try {
-      for (int k = 0; k < warmup; ++k) op.run(d);
       std::vector<double> us;
-      for (int k = 0; k < iters; ++k) {
-        const auto t0 = Clock::now();
-        op.run(d);
-        us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      if (on_gpu) {
+        us = gpu_time_us(*d.gpu, [&] { op.run(d); }, warmup, iters, flush);
+      } else {
+        for (int k = 0; k < warmup; ++k) op.run(d);
+        for (int k = 0; k < iters; ++k) {
+          const auto t0 = Clock::now();
+          op.run(d);
+          us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+        }
       }
       r.us = median(us);
       r.gbps = r.us > 0 ? r.min_bytes / (r.us * 1e-6) / 1e9 : 0.0;
@@ -1049,30 +1304,50 @@ int cmd_bench(const Args& args) {
   int errors = 0;
   for (const BenchRecord& r : records) errors += r.error.empty() ? 0 : 1;
 
+  const std::string timing_words =
+      on_gpu ? "CUDA events around each call on one stream; cold L2 (256 MiB cudaMemsetAsync before each timed run, "
+               "outside the timed region); check_data=false (the sync-free fast path); caller workspace "
+               "(padmoe::workspace_bound)"
+             : "steady_clock wall time";
   if (json) {
-    std::printf("{\"command\": \"bench\", \"date\": \"%s\", \"workload\": {\"label\": \"%s\", \"tokens\": %" PRId64
+    std::printf("{\"command\": \"bench\", \"date\": \"%s\", \"device\": \"%s\", \"card\": %s,\n"
+                " \"workload\": {\"label\": \"%s\", \"tokens\": %" PRId64
                 ", \"experts\": %d, \"top_k\": %d, \"hidden\": %" PRId64
                 ", \"alignment\": %d, \"assignments\": %" PRId64 ", \"padded_rows\": %" PRId64
                 ", \"capacity\": %" PRId64
                 ", \"dtype\": \"%s\", \"device\": \"%s\", "
                 "\"seed\": %" PRIu64 "},\n",
-                utc_now().c_str(), json_escape(w.label).c_str(), w.T, w.E, w.K, w.H, w.m, d.A, d.P, d.R,
-                dtype_name(w.dtype), device_name(w.device).c_str(), w.seed);
-    std::printf(
-        " \"threads\": %d, \"hardware_threads\": %d, \"warmup\": %d, \"iters\": %d, \"memcpy_gbps\": %s,"
-        " \"copy_gbps\": %s,\n"
-        " \"ops\": [\n",
-        threads, hardware_threads(), warmup, iters, json_num(memcpy_gbps).c_str(), json_num(copy_gbps).c_str());
+                utc_now().c_str(), device_name(w.device).c_str(),
+                on_gpu ? ("\"" + json_escape(d.gpu->card) + "\"").c_str() : "null", json_escape(w.label).c_str(), w.T,
+                w.E, w.K, w.H, w.m, d.A, d.P, d.R, dtype_name(w.dtype), device_name(w.device).c_str(), w.seed);
+    if (on_gpu) {
+      std::printf(
+          " \"timing\": \"%s\", \"cold_l2\": true, \"l2_flush_bytes\": %" PRId64
+          ", \"check_data\": false, \"workspace_bytes\": %zu, \"warmup\": %d, \"iters\": %d,\n"
+          " \"floor\": \"padmoe::copy device->device\", \"copy_bytes\": %" PRId64
+          ", \"copy_reps\": %d, \"copy_gbps\": %s, \"copy_tbps\": %s, \"memcpy_gbps\": null,\n"
+          " \"ops\": [\n",
+          json_escape(timing_words).c_str(), kL2FlushBytes, workspace_bytes, warmup, iters, kGpuCopyBytes,
+          kGpuCopyReps, json_num(copy_gbps).c_str(), json_num(copy_gbps / 1e3).c_str());
+    } else {
+      std::printf(
+          " \"timing\": \"%s\", \"threads\": %d, \"hardware_threads\": %d, \"warmup\": %d, \"iters\": %d,"
+          " \"floor\": \"memcpy\", \"memcpy_gbps\": %s, \"copy_gbps\": %s, \"copy_tbps\": %s,\n"
+          " \"ops\": [\n",
+          json_escape(timing_words).c_str(), threads, hardware_threads(), warmup, iters, json_num(memcpy_gbps).c_str(),
+          json_num(copy_gbps).c_str(), json_num(copy_gbps / 1e3).c_str());
+    }
     for (size_t i = 0; i < records.size(); ++i) {
       const BenchRecord& r = records[i];
       const bool ok = r.error.empty();
       std::printf(
-          "  {\"name\": \"%s\", \"us\": %s, \"gbps\": %s, \"min_bytes\": %.0f, \"floor_us\": %s, "
+          "  {\"name\": \"%s\", \"us\": %s, \"gbps\": %s, \"tbps\": %s, \"min_bytes\": %.0f, \"floor_us\": %s, "
           "\"time_over_floor\": %s, \"pct_memcpy\": %s, \"pct_copy\": %s, \"reference_us\": %s, "
           "\"error\": %s}%s\n",
-          r.name.c_str(), ok ? json_num(r.us).c_str() : "null", ok ? json_num(r.gbps).c_str() : "null", r.min_bytes,
-          json_num(r.floor_us).c_str(), ok ? json_num(r.us / r.floor_us).c_str() : "null",
-          ok ? json_num(100.0 * r.floor_us / r.us).c_str() : "null",
+          r.name.c_str(), ok ? json_num(r.us).c_str() : "null", ok ? json_num(r.gbps).c_str() : "null",
+          ok ? json_num(r.gbps / 1e3).c_str() : "null", r.min_bytes, json_num(r.floor_us).c_str(),
+          ok ? json_num(r.us / r.floor_us).c_str() : "null",
+          ok && !on_gpu ? json_num(100.0 * r.floor_us / r.us).c_str() : "null",
           ok ? json_num(100.0 * r.copy_us / r.us).c_str() : "null",
           r.ref_us >= 0 ? json_num(r.ref_us).c_str() : "null",
           ok ? "null" : ("\"" + json_escape(r.error) + "\"").c_str(), i + 1 < records.size() ? "," : "");
@@ -1082,30 +1357,57 @@ int cmd_bench(const Args& args) {
   }
 
   print_header("bench", d);
-  std::printf("memcpy: %.1f GB/s (512 MiB, %d threads, read + write bytes, median of 7)\n", memcpy_gbps, threads);
-  std::printf(
-      "streaming copy: %.1f GB/s (padmoe::copy)  same buffers, threads and bytes as memcpy, median of 7 after 1 "
-      "warm-up\n",
-      copy_gbps);
-  std::printf("timing: median of %d runs after %d warm-up runs, steady_clock wall time\n\n", iters, warmup);
-  std::printf("%-38s %10s %8s %10s %10s %9s %9s %12s\n", "op", "us", "GB/s", "floor us", "time/floor", "%memcpy",
-              "%copy", with_reference ? "reference us" : "");
-  for (const BenchRecord& r : records) {
-    if (!r.error.empty()) {
-      std::printf("%-38s error: %s\n", r.name.c_str(), r.error.c_str());
-      continue;
+  if (on_gpu) {
+    std::printf("device copy (the floor): %.3f TB/s (padmoe::copy device->device, 1 GiB, read + write bytes, CUDA "
+                "events, median of %d)\n",
+                copy_gbps / 1e3, kGpuCopyReps);
+    std::printf(
+        "timing: median of %d runs after %d warm-up runs; CUDA events around each call on one stream;\n"
+        "  cold L2: a 256 MiB scratch buffer is overwritten (cudaMemsetAsync) before each timed run, outside the "
+        "timed region;\n"
+        "  check_data=false (the sync-free fast path); caller workspace of %zu bytes (padmoe::workspace_bound), so "
+        "no allocation is timed\n\n",
+        iters, warmup, workspace_bytes);
+    std::printf("%-38s %10s %8s %10s %10s %9s %12s\n", "op", "us", "TB/s", "floor us", "time/floor", "%copy",
+                with_reference ? "reference us" : "");
+    for (const BenchRecord& r : records) {
+      if (!r.error.empty()) {
+        std::printf("%-38s error: %s\n", r.name.c_str(), r.error.c_str());
+        continue;
+      }
+      std::printf("%-38s %10.1f %8.3f %10.1f %10.2f %8.1f%% %12s\n", r.name.c_str(), r.us, r.gbps / 1e3, r.floor_us,
+                  r.us / r.floor_us, 100.0 * r.copy_us / r.us, r.ref_us >= 0 ? fmt("%.0f", r.ref_us).c_str() : "");
     }
-    std::printf("%-38s %10.1f %8.1f %10.1f %10.2f %8.1f%% %8.1f%% %12s\n", r.name.c_str(), r.us, r.gbps, r.floor_us,
-                r.us / r.floor_us, 100.0 * r.floor_us / r.us, 100.0 * r.copy_us / r.us,
-                r.ref_us >= 0 ? fmt("%.0f", r.ref_us).c_str() : "");
+    std::printf(
+        "\nfloor us = min_bytes / device copy bandwidth; %%copy = floor / time; TB/s = min_bytes / time.\n"
+        "min_bytes (s = %zu bytes per element; A = T*K, P = padded rows, N = A, R = capacity):\n",
+        element_size(w.dtype));
+  } else {
+    std::printf("memcpy: %.1f GB/s (512 MiB, %d threads, read + write bytes, median of 7)\n", memcpy_gbps, threads);
+    std::printf(
+        "streaming copy: %.1f GB/s (padmoe::copy)  same buffers, threads and bytes as memcpy, median of 7 after 1 "
+        "warm-up\n",
+        copy_gbps);
+    std::printf("timing: median of %d runs after %d warm-up runs, steady_clock wall time\n\n", iters, warmup);
+    std::printf("%-38s %10s %8s %10s %10s %9s %9s %12s\n", "op", "us", "GB/s", "floor us", "time/floor", "%memcpy",
+                "%copy", with_reference ? "reference us" : "");
+    for (const BenchRecord& r : records) {
+      if (!r.error.empty()) {
+        std::printf("%-38s error: %s\n", r.name.c_str(), r.error.c_str());
+        continue;
+      }
+      std::printf("%-38s %10.1f %8.1f %10.1f %10.2f %8.1f%% %8.1f%% %12s\n", r.name.c_str(), r.us, r.gbps, r.floor_us,
+                  r.us / r.floor_us, 100.0 * r.floor_us / r.us, 100.0 * r.copy_us / r.us,
+                  r.ref_us >= 0 ? fmt("%.0f", r.ref_us).c_str() : "");
+    }
+    std::printf(
+        "\nfloor us = min_bytes / memcpy bandwidth; %%memcpy = floor / time; GB/s = min_bytes / time.\n"
+        "streaming copy: padmoe::copy on the memcpy buffers (non-temporal stores past 64 MiB); a second ceiling, "
+        "not the floor.\n"
+        "%%copy = (min_bytes / streaming copy bandwidth) / time: the op's speed as a share of padmoe::copy's.\n"
+        "min_bytes (s = %zu bytes per element; A = T*K, P = padded rows, N = A, R = capacity):\n",
+        element_size(w.dtype));
   }
-  std::printf(
-      "\nfloor us = min_bytes / memcpy bandwidth; %%memcpy = floor / time; GB/s = min_bytes / time.\n"
-      "streaming copy: padmoe::copy on the memcpy buffers (non-temporal stores past 64 MiB); a second ceiling, "
-      "not the floor.\n"
-      "%%copy = (min_bytes / streaming copy bandwidth) / time: the op's speed as a share of padmoe::copy's.\n"
-      "min_bytes (s = %zu bytes per element; A = T*K, P = padded rows, N = A, R = capacity):\n",
-      element_size(w.dtype));
   std::vector<std::string> seen;
   for (const OpCase& op : ops) {
     if (std::find(seen.begin(), seen.end(), op.bytes_rule) != seen.end()) continue;
@@ -1116,7 +1418,7 @@ int cmd_bench(const Args& args) {
     }
     std::printf("  %-58s %s\n", op.bytes_rule.c_str(), users.c_str());
   }
-  if (with_reference) std::printf("reference us: the single-threaded reference loops (src/reference), run once.\n");
+  if (with_reference) std::printf("reference us: the single-threaded CPU reference loops (src/reference), run once.\n");
   return errors == 0 ? 0 : 1;
 }
 

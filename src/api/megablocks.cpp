@@ -39,6 +39,7 @@ struct Routed {
   bool on_cuda = false;
   int device_index = 0;
   int64_t rows_limit = -1;  // smallest rows of a padded tensor, -1: none
+  const char* rows_limit_name = "y";
   cuda::PaddingRef padding;
   TensorView indices, bin_ids;  // sorted form (dest_rows built from these)
   const PlanView* plan = nullptr;
@@ -118,7 +119,7 @@ void prepare(const Checker& c, Routed& r, const Options& o) {
             : cuda::validate_sorted_routing(cuda::IndexRef::of(r.indices), cuda::IndexRef::of(r.bin_ids),
                                             r.padding.bins, r.padding.padded_bins, r.assignments,
                                             r.padding.num_experts, r.rows_limit, scratch.get(), o.stream);
-    detail::raise_violation(c, v, detail::ViolationNames{"bin_ids", r.assignments, "y"});
+    detail::raise_violation(c, v, detail::ViolationNames{"bin_ids", r.assignments, r.rows_limit_name});
   }
   if (r.plan == nullptr) {
     r.scratch = std::make_shared<cuda::Scratch>(o, static_cast<size_t>(r.assignments) * 4, r.device_index);
@@ -210,10 +211,13 @@ void check_token_rows(const Checker& c, const TensorView& t, const char* name, c
   c.row_tensor(t, name, r.tokens, hidden, allow_fp8);
 }
 
-// A padded tensor of `rows` rows: at least P (CUDA: checked on the device).
-bool padded_rows_known(Routed& r, int64_t rows) {
+// A padded tensor `name` of `rows` rows: at least P (CUDA: checked on the device).
+bool padded_rows_known(Routed& r, int64_t rows, const char* name) {
   if (!r.on_cuda) return true;
-  r.rows_limit = r.rows_limit < 0 ? rows : std::min(r.rows_limit, rows);
+  if (r.rows_limit < 0 || rows < r.rows_limit) {
+    r.rows_limit = rows;
+    r.rows_limit_name = name;
+  }
   return false;
 }
 
@@ -224,7 +228,7 @@ void check_padded_input(const Checker& c, const TensorView& t, const char* name,
   if (t.dtype != dtype) {
     c.fail(ErrorKind::kType, name, std::string("expected dtype ") + dtype_name(dtype) + ", got " + dtype_name(t.dtype));
   }
-  if (padded_rows_known(r, t.shape[0]) && t.shape[0] < r.padded_rows) {
+  if (padded_rows_known(r, t.shape[0], name) && t.shape[0] < r.padded_rows) {
     c.value_error(name, "has " + std::to_string(t.shape[0]) + " rows but the routing has " +
                             std::to_string(r.padded_rows) + " padded rows");
   }
@@ -238,7 +242,7 @@ Device rows_device(const Checker& c, const TensorView& rows) {
 
 // Outputs: padded rows [>= P, H], token rows [T, H], per-assignment floats [A].
 void check_padded_out(const Checker& c, const TensorView& t, const char* name, Routed& r, const TensorView& like) {
-  c.row_output(t, name, padded_rows_known(r, t.shape[0]) ? r.padded_rows : 0, /*at_least=*/true, like.shape[1],
+  c.row_output(t, name, padded_rows_known(r, t.shape[0], name) ? r.padded_rows : 0, /*at_least=*/true, like.shape[1],
                like.dtype);
   c.same_device(t, name, like.device);
 }

@@ -103,9 +103,10 @@ void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const Ten
     int32_t* offs = inclusive_offsets.data_as<int32_t>();
     cuda::pad_map(counts, static_cast<int>(experts), alignment, permutation_map.shape[0], map, offs, scratch.get(),
                   options.stream);
-    cuda::gather_rows(cuda::RowsArg::of(h), cuda::IndexRef{map, false}, cuda::ScaleArg{}, false,
-                      cuda::RowsArg::of(padded), padded.shape[0], experts > 0 ? offs + experts - 1 : nullptr,
-                      options.stream);
+    if (experts > 0) {  // no experts: P = 0, no row of `padded` is touched
+      cuda::gather_rows(cuda::RowsArg::of(h), cuda::IndexRef{map, false}, cuda::ScaleArg{}, false,
+                        cuda::RowsArg::of(padded), padded.shape[0], offs + experts - 1, options.stream);
+    }
     return;
   }
   int32_t* map = permutation_map.data_as<int32_t>();

@@ -87,66 +87,81 @@ __global__ void __launch_bounds__(kScanThreads)
   const int e0 = min(num_experts, static_cast<int>(threadIdx.x) * per);
   const int e1 = min(num_experts, e0 + per);
 
-  // Per expert: total count; counts become exclusive prefixes over chunks.
+  // Per expert: the total over chunks (loads only, so they pipeline).
   int my_real = 0, my_padded = 0;
   for (int e = e0; e < e1; ++e) {
-    int run = 0;
-    for (int c = 0; c < chunks; ++c) {
-      int32_t* slot = chunk_counts + static_cast<int64_t>(c) * num_experts + e;
-      const int n = *slot;
-      *slot = run;
-      run += n;
-    }
-    tokens_per_expert[e] = run;
-    const int padded = static_cast<int>(index::round_up(run, alignment));
+    int total = 0;
+#pragma unroll 8
+    for (int c = 0; c < chunks; ++c) total += chunk_counts[static_cast<int64_t>(c) * num_experts + e];
+    tokens_per_expert[e] = total;
+    const int padded = static_cast<int>(index::round_up(total, alignment));
     padded_tokens[e] = padded;
-    my_real += run;
+    my_real += total;
     my_padded += padded;
   }
   int real_excl = 0, padded_excl = 0;
   Scan(scan_storage).ExclusiveSum(my_real, real_excl);
   __syncthreads();
   Scan(scan_storage).ExclusiveSum(my_padded, padded_excl);
+  // Chunk counts become each (chunk, expert)'s first sorted position.
+  constexpr int kBlock = 8;
   for (int e = e0; e < e1; ++e) {
-    const int start = real_excl;
+    int run = real_excl;
     real_excl += tokens_per_expert[e];
     padded_excl += padded_tokens[e];
     bins[e] = real_excl;
     padded_bins[e] = padded_excl;
-    for (int c = 0; c < chunks; ++c) chunk_counts[static_cast<int64_t>(c) * num_experts + e] += start;
+    for (int c0 = 0; c0 < chunks; c0 += kBlock) {
+      int n[kBlock];
+#pragma unroll
+      for (int q = 0; q < kBlock; ++q) {
+        n[q] = c0 + q < chunks ? chunk_counts[static_cast<int64_t>(c0 + q) * num_experts + e] : 0;
+      }
+#pragma unroll
+      for (int q = 0; q < kBlock; ++q) {
+        if (c0 + q < chunks) chunk_counts[static_cast<int64_t>(c0 + q) * num_experts + e] = run;
+        run += n[q];
+      }
+    }
   }
 }
 
+// Scatter (thread per assignment), then -1 into padding rows (a warp per
+// expert) and rows at or past P (thread per row).
 __global__ void plan_scatter_kernel(IndexRef ids, int64_t assignments, int num_experts, const int32_t* chunk_offsets,
-                                    const int32_t* local_rank, const int32_t* bins, const int32_t* padded_bins,
-                                    int64_t row_capacity, int32_t* indices, int32_t* bin_ids, int32_t* dest_rows,
-                                    int32_t* row_sources) {
-  const int64_t total = assignments > row_capacity ? assignments : row_capacity;
+                                    const int32_t* local_rank, const int32_t* tokens_per_expert, const int32_t* bins,
+                                    const int32_t* padded_bins, int64_t row_capacity, int32_t* indices,
+                                    int32_t* bin_ids, int32_t* dest_rows, int32_t* row_sources) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t real_total = num_experts > 0 ? bins[num_experts - 1] : 0;
   const int64_t padded = num_experts > 0 ? padded_bins[num_experts - 1] : 0;
-  PaddingRef pad{IndexRef{bins, false}, IndexRef{padded_bins, false}, num_experts};
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (i < assignments) {
-      const int rank = local_rank[i];
-      if (rank < 0) {
-        dest_rows[i] = -1;
-      } else {
-        const int e = static_cast<int>(load_index(ids, i));
-        const int64_t pos = chunk_offsets[(i / kChunk) * num_experts + e] + rank;
-        const int64_t row = index::padded_row(pos, index::segment_start(bins, e), index::segment_start(padded_bins, e));
-        indices[pos] = static_cast<int32_t>(i);
-        bin_ids[pos] = e;
-        dest_rows[i] = static_cast<int32_t>(row);
-        row_sources[row] = static_cast<int32_t>(i);
-      }
-      if (i >= real_total) {  // only when ids were dropped (unchecked)
-        indices[i] = -1;
-        bin_ids[i] = -1;
-      }
+  for (int64_t i = tid; i < assignments; i += stride) {
+    const int rank = local_rank[i];
+    if (rank < 0) {
+      dest_rows[i] = -1;
+    } else {
+      const int e = static_cast<int>(load_index(ids, i));
+      const int64_t pos = chunk_offsets[(i / kChunk) * num_experts + e] + rank;
+      const int64_t row = index::padded_row(pos, index::segment_start(bins, e), index::segment_start(padded_bins, e));
+      indices[pos] = static_cast<int32_t>(i);
+      bin_ids[pos] = e;
+      dest_rows[i] = static_cast<int32_t>(row);
+      row_sources[row] = static_cast<int32_t>(i);
     }
-    if (i < row_capacity && (i >= padded || is_padding_row(pad, i))) row_sources[i] = -1;
+    if (i >= real_total) {  // only when ids were dropped (unchecked)
+      indices[i] = -1;
+      bin_ids[i] = -1;
+    }
   }
+  const int64_t lane = tid % 32;
+  for (int64_t e = tid / 32; e < num_experts; e += stride / 32) {
+    const int64_t end = padded_bins[e] < row_capacity ? padded_bins[e] : row_capacity;
+    for (int64_t r = index::segment_start(padded_bins, e) + tokens_per_expert[e] + lane; r < end; r += 32) {
+      row_sources[r] = -1;
+    }
+  }
+  for (int64_t r = padded + tid; r < row_capacity; r += stride) row_sources[r] = -1;
 }
 
 }  // namespace
@@ -175,8 +190,9 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
   PADMOE_CUDA_LAUNCH_CHECK("plan_scan_kernel");
   const int64_t work = assignments > row_capacity ? assignments : row_capacity;
   if (work > 0) {
-    plan_scatter_kernel<<<grid_for(work, 256, 4096), 256, 0, s>>>(
-        top_experts, assignments, num_experts, chunk_counts, local_rank, out.bins.data_as<int32_t>(),
+    plan_scatter_kernel<<<grid_for(work, 256, 1024), 256, 0, s>>>(
+        top_experts, assignments, num_experts, chunk_counts, local_rank, out.tokens_per_expert.data_as<int32_t>(),
+        out.bins.data_as<int32_t>(),
         out.padded_bins.data_as<int32_t>(), row_capacity, out.indices.data_as<int32_t>(),
         out.bin_ids.data_as<int32_t>(), out.dest_rows.data_as<int32_t>(), out.row_sources.data_as<int32_t>());
     PADMOE_CUDA_LAUNCH_CHECK("plan_scatter_kernel");

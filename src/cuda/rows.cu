@@ -87,65 +87,105 @@ __device__ float block_sum(float v, float* s_warp) {
 }
 
 // --- spread ---------------------------------------------------------------------
+constexpr int kGroupK = 64;      // assignments of a token staged in shared memory at a time
+constexpr int kZeroRows = 32;    // rows per zero block
+
+// Zero block: rows [first, first + kZeroRows) of y that are padding (below P)
+// or, when zero_past_end, at or past P. One search per block, then the
+// experts whose padded segments meet the range are walked in order.
+template <typename U>
+__device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool zero_past_end, int64_t first) {
+  const int64_t last = first + kZeroRows < y.rows ? first + kZeroRows : y.rows;
+  const int64_t units = units_of<U>(y);
+  const int64_t padded = padded_total(pad);
+  auto zero_range = [&](int64_t r0, int64_t r1) {  // all threads, flattened over (row, unit)
+    const int64_t n = (r1 - r0) * units;
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) U::store(row_ptr(y, r0 + i / units), i % units, U::zero());
+  };
+  if (zero_past_end && last > padded) zero_range(first > padded ? first : padded, last);
+  const int64_t end = last < padded ? last : padded;
+  if (first >= end) return;
+  int64_t lo = 0, hi = pad.num_experts;  // first expert whose padded segment ends past `first`
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (load_index(pad.padded_bins, mid) > first) hi = mid; else lo = mid + 1;
+  }
+  for (int64_t e = lo; e < pad.num_experts; ++e) {
+    const int64_t pstart = e == 0 ? 0 : load_index(pad.padded_bins, e - 1);
+    if (pstart >= end) break;
+    const int64_t count = load_index(pad.bins, e) - (e == 0 ? 0 : load_index(pad.bins, e - 1));
+    const int64_t z0 = pstart + count > first ? pstart + count : first;
+    const int64_t pend = load_index(pad.padded_bins, e);
+    const int64_t z1 = pend < end ? pend : end;
+    if (z0 < z1) zero_range(z0, z1);
+  }
+}
+
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
-                  bool zero_past_end, int rows_per_zero_block, RowsArg dots_with, FloatOutArg dots) {
+                  bool zero_past_end, RowsArg dots_with, FloatOutArg dots) {
   using U = Unit<T, kVec>;
   const int64_t tokens = x.rows;
-  const int64_t units = units_of<U>(y);
   if (blockIdx.x >= tokens) {
-    // Zero blocks: padding rows below P, and rows past P when asked.
-    const int64_t first = (static_cast<int64_t>(blockIdx.x) - tokens) * rows_per_zero_block;
-    const int64_t padded = padded_total(pad);
-    for (int64_t r = first; r < first + rows_per_zero_block && r < y.rows; ++r) {
-      const bool zero = r < padded ? is_padding_row(pad, r) : zero_past_end;
-      if (!zero) continue;
-      char* row = row_ptr(y, r);
-      for (int64_t u = threadIdx.x; u < units; u += kThreads) U::store(row, u, U::zero());
-    }
+    zero_padding_rows<U>(y, pad, zero_past_end, (static_cast<int64_t>(blockIdx.x) - tokens) * kZeroRows);
     return;
   }
-  __shared__ float s_warp[kThreads / 32];
-  extern __shared__ float s_dots[];  // [top_k] when dots are wanted
+  __shared__ int64_t s_dest[kGroupK];
+  __shared__ float s_w[kGroupK];
+  __shared__ float s_part[kThreads / 32][kGroupK];  // per-warp dot partials
+  const int64_t units = units_of<U>(y);
   const int64_t t = blockIdx.x;
   const char* src = row_ptr(x, t);
   const bool want_dots = dots.data != nullptr;
-  for (int k = threadIdx.x; want_dots && k < top_k; k += kThreads) s_dots[k] = 0.0f;
-  for (int64_t c = 0; c < units; c += kChunkUnits) {
-    typename U::Raw reg[kRegUnits];
-#pragma unroll
-    for (int j = 0; j < kRegUnits; ++j) {
-      const int64_t u = c + j * kThreads + threadIdx.x;
-      if (u < units) reg[j] = U::load(src, u);
-    }
-    for (int k = 0; k < top_k; ++k) {
-      const int64_t a = index::assignment_id(t, k, top_k);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
+    const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
+    __syncthreads();  // the previous group is done with the staging arrays
+    for (int q = threadIdx.x; q < nk; q += kThreads) {
+      const int64_t a = index::assignment_id(t, k0 + q, top_k);
       const int64_t r = dest[a];
-      if (r < 0 || r >= y.rows) continue;  // (r >= y.rows only with unchecked bad input)
-      char* out = row_ptr(y, r);
-      const float wk = load_scale(w, a);
-      float partial = 0.0f;
-      const char* other = want_dots ? row_ptr(dots_with, r) : nullptr;
+      s_dest[q] = (r < 0 || r >= y.rows) ? -1 : r;  // (r >= y.rows only with unchecked bad input)
+      s_w[q] = load_scale(w, a);
+    }
+    for (int q = lane; want_dots && q < nk; q += 32) s_part[warp][q] = 0.0f;
+    __syncthreads();
+    for (int64_t c = 0; c < units; c += kChunkUnits) {
+      typename U::Raw reg[kRegUnits];
 #pragma unroll
       for (int j = 0; j < kRegUnits; ++j) {
         const int64_t u = c + j * kThreads + threadIdx.x;
-        if (u < units) {
-          U::store(out, u, w.data == nullptr ? reg[j] : U::scale(reg[j], wk));
-          if (want_dots) partial += U::dot(U::load(other, u), reg[j]);
+        if (u < units) reg[j] = U::load(src, u);
+      }
+      for (int q = 0; q < nk; ++q) {
+        const int64_t r = s_dest[q];
+        if (r < 0) continue;
+        char* out = row_ptr(y, r);
+        const float wk = s_w[q];
+        const char* other = want_dots ? row_ptr(dots_with, r) : nullptr;
+        float partial = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kRegUnits; ++j) {
+          const int64_t u = c + j * kThreads + threadIdx.x;
+          if (u < units) {
+            U::store(out, u, w.data == nullptr ? reg[j] : U::scale(reg[j], wk));
+            if (want_dots) partial += U::dot(U::load(other, u), reg[j]);
+          }
+        }
+        if (want_dots) {
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
+          if (lane == 0) s_part[warp][q] += partial;  // chunks in order: deterministic
         }
       }
-      if (want_dots) {
-        const float sum = block_sum(partial, s_warp);
-        if (threadIdx.x == 0) s_dots[k] += sum;
-      }
     }
-  }
-  if (want_dots) {
-    __syncthreads();
-    for (int k = threadIdx.x; k < top_k; k += kThreads) {
-      const int64_t a = index::assignment_id(t, k, top_k);
-      store_float(dots, a, dest[a] < 0 ? 0.0f : s_dots[k]);
+    if (want_dots) {
+      __syncthreads();
+      for (int q = threadIdx.x; q < nk; q += kThreads) {
+        float sum = 0.0f;
+        for (int v = 0; v < kThreads / 32; ++v) sum += s_part[v][q];
+        store_float(dots, index::assignment_id(t, k0 + q, top_k), s_dest[q] < 0 ? 0.0f : sum);
+      }
     }
   }
 }
@@ -155,6 +195,8 @@ template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     reduce_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out) {
   using U = Unit<T, kVec>;
+  __shared__ int64_t s_dest[kGroupK];
+  __shared__ float s_w[kGroupK];
   const int64_t t = blockIdx.x;
   const int64_t units = units_of<U>(out);
   char* dst = row_ptr(out, t);
@@ -165,20 +207,33 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < U::N; ++i) acc[j][i] = 0.0f;
     }
-    for (int k = 0; k < top_k; ++k) {
-      const int64_t a = index::assignment_id(t, k, top_k);
-      const int64_t r = dest[a];
-      if (r < 0 || r >= y.rows) continue;
-      const float wk = load_scale(w, a);
-      const char* src = row_ptr(y, r);
+    for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
+      const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
+      __syncthreads();
+      for (int q = threadIdx.x; q < nk; q += kThreads) {
+        const int64_t a = index::assignment_id(t, k0 + q, top_k);
+        const int64_t r = dest[a];
+        s_dest[q] = (r < 0 || r >= y.rows) ? -1 : r;
+        s_w[q] = load_scale(w, a);
+      }
+      __syncthreads();
+#pragma unroll 4
+      for (int q = 0; q < nk; ++q) {
+        const int64_t r = s_dest[q];
+        if (r < 0) continue;
+        const float wk = s_w[q];
+        const char* src = row_ptr(y, r);
 #pragma unroll
-      for (int j = 0; j < kRegUnits; ++j) {
-        const int64_t u = c + j * kThreads + threadIdx.x;
-        if (u < units) {
-          float f[U::N];
-          U::to_float(U::load(src, u), f);
+        for (int j = 0; j < kRegUnits; ++j) {
+          const int64_t u = c + j * kThreads + threadIdx.x;
+          if (u < units) {
+            float f[U::N];
+            U::to_float(U::load(src, u), f);
+            // No contraction into an FMA: the same rounding as the CPU backend
+            // (acc + w*y, each rounded), so combine is bitwise equal on both.
 #pragma unroll
-          for (int i = 0; i < U::N; ++i) acc[j][i] += wk * f[i];
+            for (int i = 0; i < U::N; ++i) acc[j][i] = __fadd_rn(acc[j][i], __fmul_rn(wk, f[i]));
+          }
         }
       }
     }
@@ -285,18 +340,16 @@ void pick(DType dtype, bool vec, Launch&& launch) {
 void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
                  const PaddingRef& padding, bool zero_past_end, const RowsArg* dots_with, FloatOutArg dots,
                  void* stream) {
-  constexpr int kZeroRows = 4;
   const int64_t tokens = x.rows;
   const int64_t zero_blocks = index::ceil_div(y.rows, kZeroRows);
   const int64_t blocks = tokens + zero_blocks;
-  if (blocks == 0 || y.cols == 0) return;
+  if (blocks == 0 || (y.cols == 0 && dots.data == nullptr)) return;  // H = 0 still writes zero dots
   const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
   const bool vec = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(with));
-  const size_t smem = dots.data != nullptr ? static_cast<size_t>(top_k) * sizeof(float) : 0;
   pick<SpreadTag>(x.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, smem, as_stream(stream)>>>(
-        x, top_k, dest, w, y, padding, zero_past_end, kZeroRows, with, dots);
+    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(x, top_k, dest, w, y, padding,
+                                                                               zero_past_end, with, dots);
   });
   PADMOE_CUDA_LAUNCH_CHECK("spread_kernel");
 }

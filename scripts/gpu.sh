@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU job, in one call on the device machine (H200, sm_90): build with
+# CUDA, run the CPU suite, the GPU suite, compute-sanitizer memcheck and
+# racecheck on a representative subset, `padmoe check --device cuda` on every
+# preset and `padmoe bench --device cuda` on every preset. Logs go to $OUT
+# (default: ./gpu-out).
+# Usage: scripts/gpu.sh [all|tests|checks|bench]  (stages; all = every stage)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+build=${BUILD_DIR:-build-gpu}
+stage=${1:-all}
+status=0
+step() { echo; echo "=== $*"; }
+run() {  # run a step, keep going, remember failures
+  local name=$1; shift
+  step "$name"
+  if "$@" > "$out/$name.log" 2>&1; then echo "$name: ok"; else echo "$name: FAILED (rc $?)"; tail -n 30 "$out/$name.log"; status=1; fi
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
+cat "$out/gpu.txt"
+step build
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  > "$out/build.log" 2>&1 && cmake --build "$build" -j "$(nproc)" >> "$out/build.log" 2>&1 \
+  || { echo "build FAILED"; tail -n 40 "$out/build.log"; exit 1; }
+echo "build: ok"
+
+if [ "$stage" = all ] || [ "$stage" = tests ]; then
+  run cpu-tests ctest --test-dir "$build" -j "$(nproc)" --output-on-failure
+  run gpu-tests "$build/padmoe_cuda_tests"
+  subset='Determinism*:CheckedMode*:CudaGraph*:CpuVsGpuEdge*'
+  run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
+  run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
+fi
+if [ "$stage" = all ] || [ "$stage" = checks ]; then
+  for p in mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode awkward; do
+    run "check-$p" "$build/padmoe" check --device cuda --preset "$p"
+  done
+fi
+if [ "$stage" = all ] || [ "$stage" = bench ]; then
+  for p in mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode; do
+    step "bench $p"
+    "$build/padmoe" bench --device cuda --preset "$p" --no-reference --json > "$out/bench-$p.json" 2> "$out/bench-$p.err" || status=1
+    python3 - "$out/bench-$p.json" <<'PY' | tee "$out/bench-$p.txt"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(f"{d.get('card')}  copy {d.get('copy_tbps', 0):.2f} TB/s  {d['workload']['label']}")
+for o in d["ops"]:
+    us, r = o.get("us"), o.get("time_over_floor")
+    print(f"  {o['name']:<40} {us if us is None else round(us, 1):>10}  x{r if r is None else round(r, 2)}")
+PY
+  done
+fi
+step summary
+if [ $status = 0 ]; then echo "GPU job: all steps ok"; else echo "GPU job: some step FAILED (logs in $out)"; fi
+exit $status

@@ -1,0 +1,1054 @@
+// test_cuda.cpp — the GPU test suite (padmoe_cuda_tests; not registered with
+// ctest: CI has no GPU, scripts run it on the GPU machine).
+//
+//   1. CpuVsGpu: every op on CPU and GPU from the same inputs, over a list of
+//      workloads (empty T / H, zero-token experts, counts on / over the
+//      multiple, top_k 1..8, odd H, alignments 1..128, MegaBlocks' grid and
+//      the Ascend tutorial cases, T*K >= 131072), f32 / f16 / bf16 rows and
+//      int32 / int64 index inputs. Plan fields and moves bitwise (GPU vs CPU
+//      and vs the reference), sums within test_util.hpp's tolerance vs the
+//      float64 reference. _out forms into capacity-sized, poison-filled
+//      buffers (rows past P keep the poison, padding rows are zero), and the
+//      allocating forms (P rows).
+//   2. Determinism: every op twice on the GPU, bitwise equal.
+//   3. CheckedMode: bad data throws padmoe::Error naming the argument and
+//      leaves the output unwritten; unchecked mode agrees on valid input.
+//   4. CudaGraph: make_plan_out + dispatch_out + combine_out captured once on
+//      a non-default stream and replayed on new router outputs / activations.
+//   5. Large: a DeepSeek-V3-like step (T=4096, E=256, K=8, H=7168, bf16).
+//
+// Without a CUDA device every test skips.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <numeric>
+#include <optional>
+#include <stdexcept>
+#include <thread>
+
+#include "test_util.hpp"
+#include "workload/workload.hpp"
+
+namespace pt {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Device helpers
+// ---------------------------------------------------------------------------
+bool gpu_available() {
+  static const int n = [] {
+    int c = 0;
+    if (cudaGetDeviceCount(&c) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return c;
+  }();
+  return n > 0;
+}
+
+#define REQUIRE_GPU()                                                                        \
+  do {                                                                                       \
+    if (!gpu_available()) GTEST_SKIP() << "no CUDA device: padmoe_cuda_tests needs a GPU"; \
+  } while (0)
+
+const padmoe::Device kGpu = padmoe::Device::cuda(0);
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+#define CUDA_OK(expr) cuda_ok((expr), #expr)
+
+size_t nbytes(const TensorView& t) { return static_cast<size_t>(t.numel()) * esize(t.dtype); }
+
+Tensor to_gpu(const TensorView& h) {
+  Tensor d = Tensor::empty(h.dtype, h.ndim, h.shape, kGpu);
+  padmoe::copy(h, d);
+  return d;
+}
+Tensor to_cpu(const TensorView& d) {
+  Tensor h = Tensor::empty(d.dtype, d.ndim, d.shape);
+  padmoe::copy(d, h);
+  return h;
+}
+Tensor gpu_filled(DType dt, std::initializer_list<int64_t> shape, unsigned char byte) {
+  Tensor d = Tensor::empty(dt, shape, kGpu);
+  if (d.numel() > 0) CUDA_OK(cudaMemset(d.data(), byte, nbytes(d)));
+  return d;
+}
+Tensor gpu_poison_rows(DType dt, int64_t rows, int64_t cols) { return gpu_filled(dt, {rows, cols}, kPoison); }
+Tensor gpu_poison_index(int64_t n) { return gpu_filled(DType::kInt32, {n}, kIndexPoison); }
+
+// Rows [r0, r1) of two contiguous host row tensors (or entries of vectors) byte-equal.
+::testing::AssertionResult rows_same(const TensorView& a, const TensorView& b, int64_t r0, int64_t r1) {
+  if (a.dtype != b.dtype) return ::testing::AssertionFailure() << "dtypes differ";
+  const int64_t ca = a.ndim == 1 ? 1 : a.shape[1], cb = b.ndim == 1 ? 1 : b.shape[1];
+  if (ca != cb) return ::testing::AssertionFailure() << "column counts differ";
+  if (a.shape[0] < r1 || b.shape[0] < r1) return ::testing::AssertionFailure() << "too few rows";
+  const size_t row = static_cast<size_t>(ca) * esize(a.dtype);
+  for (int64_t r = r0; r < r1; ++r) {
+    const auto* pa = static_cast<const unsigned char*>(a.data) + r * row;
+    const auto* pb = static_cast<const unsigned char*>(b.data) + r * row;
+    if (row > 0 && std::memcmp(pa, pb, row) != 0) {
+      for (size_t i = 0; i < row; ++i)
+        if (pa[i] != pb[i])
+          return ::testing::AssertionFailure() << "first difference at row " << r << " byte " << i << ": 0x"
+                                               << std::hex << int(pa[i]) << " vs 0x" << int(pb[i]);
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+::testing::AssertionResult all_same(const TensorView& a, const TensorView& b) {
+  if (a.numel() != b.numel() || a.shape[0] != b.shape[0])
+    return ::testing::AssertionFailure() << "shapes differ: " << a.shape[0] << " vs " << b.shape[0] << " rows";
+  return rows_same(a, b, 0, a.shape[0]);
+}
+
+std::vector<float> ones(int64_t n) { return std::vector<float>(static_cast<size_t>(n), 1.0f); }
+
+std::vector<double> scatter_abs(const std::vector<float>& y, int64_t H, const ref::Plan& p,
+                                const std::vector<float>* w) {
+  std::vector<float> aw;
+  if (w) aw = abs_of(*w);
+  return ref::padded_scatter(abs_of(y), H, p, w ? &aw : nullptr);
+}
+
+// top_experts with exactly counts[e] assignments of expert e, shuffled.
+std::vector<int64_t> routing_with_counts(const std::vector<int64_t>& counts, uint64_t seed) {
+  std::vector<int64_t> te;
+  for (size_t e = 0; e < counts.size(); ++e) te.insert(te.end(), static_cast<size_t>(counts[e]), static_cast<int64_t>(e));
+  Rng rng(seed);
+  for (size_t i = te.size(); i > 1; --i) std::swap(te[i - 1], te[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
+  return te;
+}
+
+// Capacity-sized int32 plan buffers on the GPU, filled with the index poison.
+struct GpuPlan {
+  Tensor indices, bin_ids, tpe, bins, ptpe, padded_bins, dest_rows, row_sources;
+  padmoe::PlanView view;
+};
+GpuPlan gpu_plan_buffers(int64_t T, int K, int E, int m) {
+  GpuPlan g;
+  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m);
+  g.indices = gpu_poison_index(A);
+  g.bin_ids = gpu_poison_index(A);
+  g.tpe = gpu_poison_index(E);
+  g.bins = gpu_poison_index(E);
+  g.ptpe = gpu_poison_index(E);
+  g.padded_bins = gpu_poison_index(E);
+  g.dest_rows = gpu_poison_index(A);
+  g.row_sources = gpu_poison_index(cap);
+  g.view.indices = g.indices;
+  g.view.bin_ids = g.bin_ids;
+  g.view.tokens_per_expert = g.tpe;
+  g.view.bins = g.bins;
+  g.view.padded_tokens_per_expert = g.ptpe;
+  g.view.padded_bins = g.padded_bins;
+  g.view.dest_rows = g.dest_rows;
+  g.view.row_sources = g.row_sources;
+  g.view.num_tokens = T;
+  g.view.top_k = K;
+  g.view.num_experts = E;
+  g.view.alignment = m;
+  return g;
+}
+
+// Every field of a GPU plan view equals the CPU plan (bitwise) and the reference.
+void expect_plan_equal(const padmoe::PlanView& g, const padmoe::Plan& c, const ref::Plan& p, const char* what) {
+  SCOPED_TRACE(what);
+  const std::pair<const TensorView*, const Tensor*> fields[] = {
+      {&g.indices, &c.indices}, {&g.bin_ids, &c.bin_ids}, {&g.tokens_per_expert, &c.tokens_per_expert},
+      {&g.bins, &c.bins}, {&g.padded_tokens_per_expert, &c.padded_tokens_per_expert},
+      {&g.padded_bins, &c.padded_bins}, {&g.dest_rows, &c.dest_rows}, {&g.row_sources, &c.row_sources}};
+  const char* names[] = {"indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert",
+                         "padded_bins", "dest_rows", "row_sources"};
+  const std::vector<int64_t>* refs[] = {&p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins,
+                                        &p.padded_tokens_per_expert, &p.padded_bins, &p.dest_rows, &p.row_sources};
+  for (int i = 0; i < 8; ++i) {
+    const Tensor h = to_cpu(*fields[i].first);
+    EXPECT_TRUE(all_same(h, *fields[i].second)) << "plan." << names[i] << ": GPU vs CPU";
+    EXPECT_EQ(index_to_vec(h), *refs[i]) << "plan." << names[i] << ": GPU vs reference";
+  }
+}
+
+// A move into a capacity-sized, poisoned GPU buffer: rows [0, P) equal the
+// reference and the CPU result bitwise (padding rows zero), rows past P poison.
+void expect_move(const char* what, const TensorView& gpu_dev, const TensorView& cpu, const std::vector<float>& want,
+                 int64_t P) {
+  const Tensor g = to_cpu(gpu_dev);
+  EXPECT_TRUE(rows_bitwise(g, want, P)) << what << ": GPU vs reference";
+  EXPECT_TRUE(rows_same(g, cpu, 0, P)) << what << ": GPU vs CPU";
+  EXPECT_TRUE(bytes_are(g, P, g.size(0), kPoison)) << what << ": GPU wrote at or past P";
+}
+
+::testing::AssertionResult gpu_sums(const TensorView& gpu_dev, const std::vector<double>& want,
+                                    const std::vector<double>& abs, int64_t n_terms, int64_t rows) {
+  return sums_close(to_cpu(gpu_dev), want, abs, n_terms, rows);
+}
+
+// ---------------------------------------------------------------------------
+// 1. CPU vs GPU on every op
+// ---------------------------------------------------------------------------
+struct Workload {
+  std::string name;
+  int64_t T;
+  int E, K;
+  int64_t H;
+  int m;
+  Dist dist = Dist::kUniform;
+  std::vector<int64_t> counts;  // explicit per-expert counts (sum T*K) instead of dist
+  int combos = 0;               // 0: all six (dtype, index) combinations; 1: bf16/int32 only; 2: f16/int64 only
+};
+
+struct Combo {
+  DType dtype, idx, wdtype;
+};
+std::vector<Combo> combos_of(int which) {
+  const std::vector<Combo> all = {{DType::kFloat32, DType::kInt32, DType::kFloat32},
+                                  {DType::kFloat32, DType::kInt64, DType::kFloat32},
+                                  {DType::kFloat16, DType::kInt32, DType::kFloat32},
+                                  {DType::kFloat16, DType::kInt64, DType::kFloat16},
+                                  {DType::kBFloat16, DType::kInt32, DType::kBFloat16},
+                                  {DType::kBFloat16, DType::kInt64, DType::kFloat32}};
+  if (which == 1) return {all[4]};
+  if (which == 2) return {all[3]};
+  if (which == 3) return {all[1]};
+  return all;
+}
+
+void run_cpu_vs_gpu(const Workload& wl, const Combo& cb, uint64_t seed) {
+  const int64_t T = wl.T, H = wl.H, A = T * wl.K;
+  const int E = wl.E, K = wl.K, m = wl.m;
+  const DType dt = cb.dtype, idx = cb.idx, wdt = cb.wdtype;
+  SCOPED_TRACE(wl.name + " T=" + std::to_string(T) + " E=" + std::to_string(E) + " K=" + std::to_string(K) +
+               " H=" + std::to_string(H) + " m=" + std::to_string(m) + " " + dname(dt) + " idx=" + dname(idx) +
+               " w=" + dname(wdt));
+  const std::vector<int64_t> te = wl.counts.empty() ? make_routing(T, K, E, wl.dist, seed)
+                                                    : routing_with_counts(wl.counts, seed);
+  ASSERT_EQ(static_cast<int64_t>(te.size()), A);
+  const ref::Plan p = ref::make_plan(te, T, K, E, m);
+  const int64_t P = p.padded_rows, cap = p.capacity;
+  ASSERT_EQ(cap, padmoe::capacity_bound(T, K, E, m));
+
+  Rng rng(seed * 7 + 3);
+  const std::vector<float> xf = random_values(T * H, dt, rng);
+  const std::vector<float> wf = random_values(A, wdt, rng, 0.0, 1.0);
+  const std::vector<float> yf = random_values(P * H, dt, rng);
+  const std::vector<float> gof = random_values(T * H, dt, rng);
+  const std::vector<float> gyf = random_values(P * H, dt, rng);
+  const Tensor hx = rows_from_float(xf, dt, T, H), hw = vec_from_float(wf, wdt), hgo = rows_from_float(gof, dt, T, H);
+  Tensor hy = rows_from_float(yf, dt, P, H), hgy = rows_from_float(gyf, dt, P, H);
+  // Padding rows of padded inputs: never read; NaN poison.
+  for (int64_t r = 0; r < P; ++r)
+    if (p.row_sources[static_cast<size_t>(r)] < 0 && H > 0) {
+      std::memset(static_cast<unsigned char*>(hy.data()) + r * H * esize(dt), kPoison, H * esize(dt));
+      std::memset(static_cast<unsigned char*>(hgy.data()) + r * H * esize(dt), kPoison, H * esize(dt));
+    }
+  const Tensor hte = index_matrix(te, T, K, idx);
+  const IndexInputs hii = index_inputs(p, idx);
+  const Tensor dx = to_gpu(hx), dw = to_gpu(hw), dgo = to_gpu(hgo), dy = to_gpu(hy), dgy = to_gpu(hgy),
+               dte = to_gpu(hte);
+  const IndexInputs dii{to_gpu(hii.indices), to_gpu(hii.bin_ids), to_gpu(hii.bins), to_gpu(hii.padded_bins)};
+
+  // --- plan
+  const padmoe::Plan cplan = padmoe::make_plan(hte, E, m);
+  GpuPlan gp = gpu_plan_buffers(T, K, E, m);
+  padmoe::make_plan_out(dte, E, m, gp.view);
+  expect_plan_equal(gp.view, cplan, p, "make_plan_out");
+  {
+    const padmoe::Plan galloc = padmoe::make_plan(dte, E, m);
+    EXPECT_EQ(galloc.row_sources.numel(), cap);
+    expect_plan_equal(galloc.view(), cplan, p, "make_plan (allocating)");
+  }
+  EXPECT_EQ(padmoe::padded_rows(gp.view), P);
+  const padmoe::PlanView gpv = gp.view, cpv = cplan.view();
+
+  // wgrad (no weights)
+  {
+    const std::vector<double> want = ref::padded_scatter_wgrad(yf, gof, H, p);
+    const std::vector<double> abs = ref::padded_scatter_wgrad(abs_of(yf), abs_of(gof), H, p);
+    Tensor g = gpu_filled(DType::kFloat32, {A}, kPoison);
+    padmoe::padded_scatter_wgrad_out(dy, dgo, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, K, g);
+    EXPECT_TRUE(gpu_sums(g, want, abs, H, A)) << "padded_scatter_wgrad_out";
+    const Tensor g2 = padmoe::padded_scatter_wgrad(dy, dgo, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, K);
+    EXPECT_EQ(g2.dtype(), dt);
+    EXPECT_EQ(g2.numel(), A);
+    EXPECT_TRUE(gpu_sums(g2, want, abs, H, A)) << "padded_scatter_wgrad (allocating)";
+  }
+
+  for (bool weighted : {false, true}) {
+    SCOPED_TRACE(weighted ? "weighted" : "unweighted");
+    std::optional<TensorView> cw, gw;
+    if (weighted) {
+      cw = hw.view();
+      gw = dw.view();
+    }
+    const std::vector<float>* wp = weighted ? &wf : nullptr;
+
+    // --- moves: padded_gather / dispatch
+    {
+      const std::vector<float> want = ref::padded_gather(xf, H, p, wp);
+      const Tensor cy = padmoe::padded_gather(hx, hii.indices, hii.bin_ids, hii.bins, hii.padded_bins, K, cw);
+      Tensor gy = gpu_poison_rows(dt, cap + 3, H);
+      padmoe::padded_gather_out(dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, K, gw, gy);
+      expect_move("padded_gather_out", gy, cy, want, P);
+      const Tensor gy2 = padmoe::padded_gather(dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, K, gw);
+      ASSERT_EQ(gy2.size(0), P);
+      EXPECT_TRUE(all_same(to_cpu(gy2), cy)) << "padded_gather (allocating): GPU vs CPU";
+
+      const Tensor cd = padmoe::dispatch(hx, cpv, cw);
+      Tensor gd = gpu_poison_rows(dt, cap + 3, H);
+      padmoe::dispatch_out(dx, gpv, gw, gd);
+      expect_move("dispatch_out", gd, cd, want, P);
+      const Tensor gd2 = padmoe::dispatch(dx, gpv, gw);
+      ASSERT_EQ(gd2.size(0), P);
+      EXPECT_TRUE(all_same(to_cpu(gd2), cd)) << "dispatch (allocating): GPU vs CPU";
+    }
+
+    // --- sums: padded_scatter / combine
+    {
+      const std::vector<double> want = ref::padded_scatter(yf, H, p, wp);
+      const std::vector<double> abs = scatter_abs(yf, H, p, wp);
+      Tensor go = gpu_poison_rows(dt, T, H);
+      padmoe::padded_scatter_out(dy, dii.indices, dii.bin_ids, gw, dii.bins, dii.padded_bins, K, go);
+      EXPECT_TRUE(gpu_sums(go, want, abs, K, T)) << "padded_scatter_out";
+      const Tensor go2 = padmoe::padded_scatter(dy, dii.indices, dii.bin_ids, gw, dii.bins, dii.padded_bins, K);
+      EXPECT_TRUE(all_same(to_cpu(go2), to_cpu(go))) << "padded_scatter allocating vs _out";
+      Tensor gc = gpu_poison_rows(dt, T, H);
+      padmoe::combine_out(dy, gpv, gw, gc);
+      EXPECT_TRUE(gpu_sums(gc, want, abs, K, T)) << "combine_out";
+      const Tensor gc2 = padmoe::combine(dy, gpv, gw);
+      EXPECT_TRUE(gpu_sums(gc2, want, abs, K, T)) << "combine (allocating)";
+    }
+
+    // --- backward of gather / dispatch: grad_x = scatter(grad_y, w), grad_w = <grad_y[row], x[token]>
+    {
+      const std::vector<double> want_gx = ref::padded_scatter(gyf, H, p, wp);
+      const std::vector<double> abs_gx = scatter_abs(gyf, H, p, wp);
+      const std::vector<double> want_gw = ref::padded_scatter_wgrad(gyf, xf, H, p);
+      const std::vector<double> abs_gw = ref::padded_scatter_wgrad(abs_of(gyf), abs_of(xf), H, p);
+      Tensor gx = gpu_poison_rows(dt, T, H), gwt = gpu_filled(DType::kFloat32, {A}, kPoison);
+      padmoe::padded_gather_backward_out(dgy, dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, K, gw, gx, gwt);
+      EXPECT_TRUE(gpu_sums(gx, want_gx, abs_gx, K, T)) << "padded_gather_backward_out grad_x";
+      EXPECT_TRUE(gpu_sums(gwt, want_gw, abs_gw, H, A)) << "padded_gather_backward_out grad_weights";
+      const padmoe::RowGrads g =
+          padmoe::padded_gather_backward(dgy, dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, K, gw);
+      EXPECT_TRUE(gpu_sums(g.grad_rows, want_gx, abs_gx, K, T)) << "padded_gather_backward grad_x";
+      EXPECT_EQ(g.grad_weights.defined(), weighted);
+      if (weighted) EXPECT_TRUE(gpu_sums(g.grad_weights, want_gw, abs_gw, H, A)) << "padded_gather_backward grad_w";
+
+      Tensor dx2 = gpu_poison_rows(dt, T, H), dwt = gpu_filled(DType::kFloat32, {A}, kPoison);
+      padmoe::dispatch_backward_out(dgy, dx, gpv, gw, dx2, dwt);
+      EXPECT_TRUE(gpu_sums(dx2, want_gx, abs_gx, K, T)) << "dispatch_backward_out grad_x";
+      EXPECT_TRUE(gpu_sums(dwt, want_gw, abs_gw, H, A)) << "dispatch_backward_out grad_weights";
+      const padmoe::RowGrads d = padmoe::dispatch_backward(dgy, dx, gpv, gw);
+      EXPECT_TRUE(gpu_sums(d.grad_rows, want_gx, abs_gx, K, T)) << "dispatch_backward grad_x";
+      EXPECT_EQ(d.grad_weights.defined(), weighted);
+      if (weighted) EXPECT_TRUE(gpu_sums(d.grad_weights, want_gw, abs_gw, H, A)) << "dispatch_backward grad_w";
+    }
+
+    // --- backward of scatter / combine: grad_y = gather(grad_out, w) (move), grad_w = <y[row], grad_out[token]>
+    {
+      const std::vector<float> want_gy = ref::padded_gather(gof, H, p, wp);
+      const std::vector<double> want_gw = ref::padded_scatter_wgrad(yf, gof, H, p);
+      const std::vector<double> abs_gw = ref::padded_scatter_wgrad(abs_of(yf), abs_of(gof), H, p);
+      const padmoe::RowGrads cs = padmoe::padded_scatter_backward(hgo, hy, hii.indices, hii.bin_ids, cw, hii.bins,
+                                                                  hii.padded_bins, K);
+      Tensor gyo = gpu_poison_rows(dt, cap + 3, H), gwt = gpu_filled(DType::kFloat32, {A}, kPoison);
+      padmoe::padded_scatter_backward_out(dgo, dy, dii.indices, dii.bin_ids, gw, dii.bins, dii.padded_bins, K, gyo,
+                                          gwt);
+      expect_move("padded_scatter_backward_out grad_y", gyo, cs.grad_rows, want_gy, P);
+      EXPECT_TRUE(gpu_sums(gwt, want_gw, abs_gw, H, A)) << "padded_scatter_backward_out grad_weights";
+      const padmoe::RowGrads gs = padmoe::padded_scatter_backward(dgo, dy, dii.indices, dii.bin_ids, gw, dii.bins,
+                                                                  dii.padded_bins, K);
+      ASSERT_EQ(gs.grad_rows.size(0), P);
+      EXPECT_TRUE(all_same(to_cpu(gs.grad_rows), cs.grad_rows)) << "padded_scatter_backward grad_y: GPU vs CPU";
+      EXPECT_EQ(gs.grad_weights.defined(), weighted);
+      if (weighted) EXPECT_TRUE(gpu_sums(gs.grad_weights, want_gw, abs_gw, H, A)) << "padded_scatter_backward grad_w";
+
+      const padmoe::RowGrads cc = padmoe::combine_backward(hgo, hy, cpv, cw);
+      Tensor cgy = gpu_poison_rows(dt, cap + 3, H), cgw = gpu_filled(DType::kFloat32, {A}, kPoison);
+      padmoe::combine_backward_out(dgo, dy, gpv, gw, cgy, cgw);
+      expect_move("combine_backward_out grad_y", cgy, cc.grad_rows, want_gy, P);
+      EXPECT_TRUE(gpu_sums(cgw, want_gw, abs_gw, H, A)) << "combine_backward_out grad_weights";
+      Tensor cgy2 = gpu_poison_rows(dt, cap, H);
+      padmoe::combine_backward_out(dgo, dy, gpv, gw, cgy2, TensorView{});
+      expect_move("combine_backward_out grad_y (no grad_weights)", cgy2, cc.grad_rows, want_gy, P);
+      const padmoe::RowGrads gc = padmoe::combine_backward(dgo, dy, gpv, gw);
+      ASSERT_EQ(gc.grad_rows.size(0), P);
+      EXPECT_TRUE(all_same(to_cpu(gc.grad_rows), cc.grad_rows)) << "combine_backward grad_y: GPU vs CPU";
+      EXPECT_EQ(gc.grad_weights.defined(), weighted);
+      if (weighted) {
+        EXPECT_EQ(gc.grad_weights.dtype(), wdt);
+        EXPECT_TRUE(gpu_sums(gc.grad_weights, want_gw, abs_gw, H, A)) << "combine_backward grad_w";
+      }
+    }
+  }
+
+  // --- Megatron family: h [N, H] grouped by expert with the plan's counts (+3 ignored rows).
+  const int64_t N = A + 3;
+  const std::vector<float> hf = random_values(N * H, dt, rng);
+  const std::vector<float> pf = random_values(N, wdt, rng, 0.0, 1.0);
+  const std::vector<float> g2f = random_values(N * H, dt, rng);
+  const Tensor hh = rows_from_float(hf, dt, N, H), hc = index_tensor(p.tokens_per_expert, idx);
+  const Tensor hp = vec_from_float(pf, wdt), hg2 = rows_from_float(g2f, dt, N, H);
+  const Tensor dh = to_gpu(hh), dc = to_gpu(hc), dp = to_gpu(hp), dg2 = to_gpu(hg2);
+  const ref::PadResult rp = ref::pad_to_alignment(hf, H, p.tokens_per_expert, m);
+  ASSERT_EQ(rp.padded_rows, P);
+  {
+    const padmoe::PadResult cpad = padmoe::pad_to_alignment(hh, hc, m);
+    Tensor gpad = gpu_poison_rows(dt, cap + 2, H), gmap = gpu_poison_index(cap + 2), goff = gpu_poison_index(E);
+    padmoe::pad_to_alignment_out(dh, dc, m, gpad, gmap, goff);
+    expect_move("pad_to_alignment_out", gpad, cpad.padded, rp.padded, P);
+    const Tensor hmap = to_cpu(gmap);
+    EXPECT_TRUE(rows_same(hmap, cpad.permutation_map, 0, P)) << "permutation_map: GPU vs CPU";
+    std::vector<int64_t> want_map = rp.permutation_map;
+    want_map.resize(static_cast<size_t>(cap + 2), -1);
+    EXPECT_EQ(index_to_vec(hmap), want_map) << "permutation_map (entries past P are -1)";
+    const Tensor hoff = to_cpu(goff);
+    EXPECT_TRUE(all_same(hoff, cpad.inclusive_offsets)) << "inclusive_offsets: GPU vs CPU";
+    EXPECT_EQ(index_to_vec(hoff), rp.inclusive_offsets);
+    const padmoe::PadResult gpa = padmoe::pad_to_alignment(dh, dc, m);
+    ASSERT_EQ(gpa.padded.size(0), P);
+    EXPECT_TRUE(all_same(to_cpu(gpa.padded), cpad.padded)) << "pad_to_alignment (allocating)";
+    EXPECT_TRUE(all_same(to_cpu(gpa.permutation_map), cpad.permutation_map));
+    EXPECT_TRUE(all_same(to_cpu(gpa.inclusive_offsets), cpad.inclusive_offsets));
+  }
+
+  // unpad: padded input = the reference pad with padding rows poisoned (never read).
+  Tensor hpad = rows_from_float(rp.padded, dt, P, H);
+  for (int64_t r = 0; r < P; ++r)
+    if (rp.permutation_map[static_cast<size_t>(r)] < 0 && H > 0)
+      std::memset(static_cast<unsigned char*>(hpad.data()) + r * H * esize(dt), kPoison, H * esize(dt));
+  const Tensor hmap = index_tensor(rp.permutation_map, idx);
+  const Tensor dpad = to_gpu(hpad), dmap = to_gpu(hmap);
+  const std::vector<float> unit = ones(N);
+  for (bool with_probs : {false, true}) {
+    SCOPED_TRACE(with_probs ? "with probs" : "without probs");
+    std::optional<TensorView> cpr, gpr;
+    if (with_probs) {
+      cpr = hp.view();
+      gpr = dp.view();
+    }
+    const std::vector<float>* pp = with_probs ? &pf : nullptr;
+    {
+      const std::vector<float> want = ref::unpad_from_alignment(rp.padded, H, rp.permutation_map, N, pp);
+      const Tensor cu = padmoe::unpad_from_alignment(hpad, hmap, N, cpr);
+      Tensor gu = gpu_poison_rows(dt, N, H);
+      padmoe::unpad_from_alignment_out(dpad, dmap, gpr, gu);
+      expect_move("unpad_from_alignment_out", gu, cu, want, N);
+      EXPECT_TRUE(all_same(to_cpu(padmoe::unpad_from_alignment(dpad, dmap, N, gpr)), cu))
+          << "unpad_from_alignment (allocating)";
+    }
+    {
+      const ref::UnpadGrads want = ref::unpad_from_alignment_backward(g2f, rp.padded, H, rp.permutation_map, pp);
+      const std::vector<float> ag2 = abs_of(g2f), apad = abs_of(rp.padded);
+      const ref::UnpadGrads want_gp = ref::unpad_from_alignment_backward(g2f, rp.padded, H, rp.permutation_map, &unit);
+      const ref::UnpadGrads abs_gp = ref::unpad_from_alignment_backward(ag2, apad, H, rp.permutation_map, &unit);
+      const padmoe::RowGrads cg = padmoe::unpad_from_alignment_backward(hg2, hpad, hmap, cpr);
+      Tensor ggp = gpu_poison_rows(dt, P, H), ggr = gpu_filled(DType::kFloat32, {N}, kPoison);
+      padmoe::unpad_from_alignment_backward_out(dg2, dpad, dmap, gpr, ggp, ggr);
+      expect_move("unpad_from_alignment_backward_out grad_padded", ggp, cg.grad_rows, want.grad_padded, P);
+      EXPECT_TRUE(gpu_sums(ggr, want_gp.grad_probs, abs_gp.grad_probs, H, N))
+          << "unpad_from_alignment_backward_out grad_probs";
+      const padmoe::RowGrads gg = padmoe::unpad_from_alignment_backward(dg2, dpad, dmap, gpr);
+      EXPECT_TRUE(all_same(to_cpu(gg.grad_rows), cg.grad_rows)) << "unpad_from_alignment_backward grad_padded";
+      EXPECT_EQ(gg.grad_weights.defined(), with_probs);
+      if (with_probs)
+        EXPECT_TRUE(gpu_sums(gg.grad_weights, want_gp.grad_probs, abs_gp.grad_probs, H, N))
+            << "unpad_from_alignment_backward grad_probs";
+    }
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  CUDA_OK(cudaGetLastError());
+}
+
+std::vector<Workload> workloads() {
+  std::vector<Workload> w;
+  w.push_back({"tiny", 1, 1, 1, 1, 1});
+  w.push_back({"empty_T", 0, 4, 2, 16, 8});
+  w.push_back({"empty_H", 37, 4, 2, 0, 8});
+  w.push_back({"zero_token_experts", 300, 8, 2, 33, 16, Dist::kOdd});
+  w.push_back({"skewed", 301, 12, 4, 37, 8, Dist::kSkewed});
+  w.push_back({"counts_on_over_multiple", 41, 8, 2, 9, 8, Dist::kUniform, {8, 9, 16, 7, 1, 0, 17, 24}});
+  w.push_back({"counts_128", 384, 4, 1, 5, 128, Dist::kUniform, {128, 129, 0, 127}});
+  w.push_back({"only_last_expert", 100, 16, 2, 24, 16, Dist::kUniform, {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 200}});
+  w.push_back({"topk1", 200, 16, 1, 24, 16, Dist::kDistinct});
+  w.push_back({"topk2", 200, 16, 2, 24, 16, Dist::kUniform});
+  w.push_back({"topk4", 200, 16, 4, 24, 16, Dist::kDistinct});
+  w.push_back({"topk8", 200, 16, 8, 24, 16, Dist::kUniform});
+  w.push_back({"H1", 300, 8, 2, 1, 16});
+  w.push_back({"H3", 300, 8, 2, 3, 16});
+  w.push_back({"H33", 300, 8, 2, 33, 16});
+  w.push_back({"H4097", 64, 8, 2, 4097, 16});
+  w.push_back({"H4096_vec", 64, 8, 2, 4096, 16});
+  w.push_back({"align1", 257, 32, 2, 64, 1});
+  w.push_back({"align8", 257, 32, 2, 64, 8});
+  w.push_back({"align16_tiny_segments", 48, 64, 2, 40, 16});
+  w.push_back({"align128", 257, 32, 2, 64, 128});
+  // MegaBlocks' grid (alignment 128, bf16 rows) and the Ascend tutorial (f16 rows).
+  w.push_back({"mb_T4_H2_E2_K1", 4, 2, 1, 2, 128, Dist::kUniform, {}, 1});
+  w.push_back({"mb_T4_H768_E128_K4", 4, 128, 4, 768, 128, Dist::kUniform, {}, 1});
+  w.push_back({"mb_T1024_H1_E64_K2", 1024, 64, 2, 1, 128, Dist::kUniform, {}, 1});
+  w.push_back({"mb_T1024_H768_E4_K2", 1024, 4, 2, 768, 128, Dist::kUniform, {}, 1});
+  w.push_back({"mb_T1024_H768_E64_K4", 1024, 64, 4, 768, 128, Dist::kUniform, {}, 1});
+  w.push_back({"ascend_T1024_H4_E64_K4", 1024, 64, 4, 4, 128, Dist::kUniform, {}, 2});
+  w.push_back({"ascend_T1024_H1536_E128_K4", 1024, 128, 4, 1536, 128, Dist::kUniform, {}, 2});
+  // T*K >= 131072
+  w.push_back({"large_A_T32768_K4", 32768, 64, 4, 33, 128, Dist::kUniform, {}, 1});
+  w.push_back({"large_A_T16384_E256_K8", 16384, 256, 8, 8, 16, Dist::kDistinct, {}, 3});
+  return w;
+}
+
+class CpuVsGpu : public ::testing::TestWithParam<Workload> {};
+
+TEST_P(CpuVsGpu, EveryOp) {
+  REQUIRE_GPU();
+  const Workload& wl = GetParam();
+  uint64_t seed = 1000;
+  for (const Combo& cb : combos_of(wl.combos)) {
+    run_cpu_vs_gpu(wl, cb, ++seed + static_cast<uint64_t>(wl.T * 31 + wl.H));
+    if (HasFatalFailure()) return;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Workloads, CpuVsGpu, ::testing::ValuesIn(workloads()),
+                         [](const ::testing::TestParamInfo<Workload>& i) { return i.param.name; });
+
+// pad_to_alignment with no experts: P = 0, so every row of the padded output
+// is "past P" and must stay untouched (the CPU leaves it alone).
+TEST(CpuVsGpuEdge, PadWithNoExperts) {
+  REQUIRE_GPU();
+  const int64_t H = 8;
+  const Tensor hh = rows_from_float(ones(5 * H), DType::kFloat32, 5, H);
+  const Tensor hc = index_tensor({}, DType::kInt32);
+  Tensor cpad = poison_rows(DType::kFloat32, 4, H), cmap = poison_index(4), coff = poison_index(0);
+  padmoe::pad_to_alignment_out(hh, hc, 8, cpad, cmap, coff);
+  Tensor gpad = gpu_poison_rows(DType::kFloat32, 4, H), gmap = gpu_poison_index(4), goff = gpu_poison_index(0);
+  padmoe::pad_to_alignment_out(to_gpu(hh), to_gpu(hc), 8, gpad, gmap, goff);
+  EXPECT_TRUE(all_bytes_are(cpad, kPoison)) << "CPU";
+  EXPECT_TRUE(all_bytes_are(to_cpu(gpad), kPoison)) << "GPU wrote rows past P = 0";
+  EXPECT_TRUE(all_same(to_cpu(gmap), cmap)) << "permutation_map: GPU vs CPU";
+}
+
+// Float8 rows through the move-only GPU paths (vectorized and element-wise).
+TEST(CpuVsGpuEdge, Float8MoveOnly) {
+  REQUIRE_GPU();
+  for (DType dt : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+    for (int64_t H : {int64_t{32}, int64_t{21}}) {
+      SCOPED_TRACE(std::string(dname(dt)) + " H=" + std::to_string(H));
+      const int64_t T = 90;
+      const int K = 2, E = 6, m = 16;
+      const std::vector<int64_t> te = make_routing(T, K, E, Dist::kUniform, 21);
+      const ref::Plan p = ref::make_plan(te, T, K, E, m);
+      Rng rng(3);
+      std::vector<float> xf(static_cast<size_t>(T * H));
+      for (auto& v : xf) v = num::round_to(dt, static_cast<float>(rng.uniform() * 8.0));
+      const Tensor hx = rows_from_float(xf, dt, T, H);
+      const padmoe::Plan cplan = padmoe::make_plan(index_matrix(te, T, K, DType::kInt32), E, m);
+      const padmoe::Plan gplan = padmoe::make_plan(to_gpu(index_matrix(te, T, K, DType::kInt32)), E, m);
+      const Tensor cy = padmoe::dispatch(hx, cplan.view());
+      Tensor gy = gpu_poison_rows(dt, p.capacity, H);
+      padmoe::dispatch_out(to_gpu(hx), gplan.view(), std::nullopt, gy);
+      expect_move("float8 dispatch_out", gy, cy, ref::padded_gather(xf, H, p, nullptr), p.padded_rows);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 2. Determinism: every op twice on the GPU gives the same bytes.
+// ---------------------------------------------------------------------------
+TEST(Determinism, EveryOpTwiceBitwise) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t T;
+    int E, K;
+    int64_t H;
+    int m;
+    DType dt;
+  };
+  for (const Case& c : {Case{3001, 16, 4, 67, 16, DType::kFloat32}, Case{3001, 16, 4, 67, 16, DType::kBFloat16},
+                        Case{2048, 64, 8, 1024, 128, DType::kBFloat16}, Case{777, 8, 2, 1024, 8, DType::kFloat16}}) {
+    SCOPED_TRACE("T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) + " " + dname(c.dt));
+    const int64_t A = c.T * c.K;
+    const std::vector<int64_t> te = make_routing(c.T, c.K, c.E, Dist::kSkewed, 9);
+    const ref::Plan p = ref::make_plan(te, c.T, c.K, c.E, c.m);
+    const int64_t P = p.padded_rows, N = A;
+    Rng rng(77);
+    const Tensor dte = to_gpu(index_matrix(te, c.T, c.K, DType::kInt32));
+    const Tensor dx = to_gpu(rows_from_float(random_values(c.T * c.H, c.dt, rng), c.dt, c.T, c.H));
+    const Tensor dgo = to_gpu(rows_from_float(random_values(c.T * c.H, c.dt, rng), c.dt, c.T, c.H));
+    const Tensor dy = to_gpu(rows_from_float(random_values(P * c.H, c.dt, rng), c.dt, P, c.H));
+    const Tensor dw = to_gpu(vec_from_float(random_values(A, DType::kFloat32, rng, 0, 1), DType::kFloat32));
+    const Tensor dc = to_gpu(index_tensor(p.tokens_per_expert, DType::kInt32));
+    const Tensor dprobs = to_gpu(vec_from_float(random_values(N, DType::kFloat32, rng, 0, 1), DType::kFloat32));
+    const IndexInputs hii = index_inputs(p, DType::kInt64);
+    const IndexInputs dii{to_gpu(hii.indices), to_gpu(hii.bin_ids), to_gpu(hii.bins), to_gpu(hii.padded_bins)};
+
+    auto run_all = [&]() {
+      std::vector<Tensor> r;
+      const padmoe::Plan plan = padmoe::make_plan(dte, c.E, c.m);
+      for (const Tensor* t : {&plan.indices, &plan.bin_ids, &plan.bins, &plan.padded_bins, &plan.dest_rows,
+                              &plan.row_sources})
+        r.push_back(to_cpu(*t));
+      const padmoe::PlanView pv = plan.view();
+      r.push_back(to_cpu(padmoe::padded_gather(dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, c.K, dw.view())));
+      r.push_back(to_cpu(padmoe::padded_scatter(dy, dii.indices, dii.bin_ids, dw.view(), dii.bins, dii.padded_bins, c.K)));
+      r.push_back(to_cpu(padmoe::padded_scatter_wgrad(dy, dgo, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, c.K)));
+      const padmoe::RowGrads gb =
+          padmoe::padded_gather_backward(dy, dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, c.K, dw.view());
+      r.push_back(to_cpu(gb.grad_rows));
+      r.push_back(to_cpu(gb.grad_weights));
+      r.push_back(to_cpu(padmoe::dispatch(dx, pv, dw.view())));
+      r.push_back(to_cpu(padmoe::combine(dy, pv, dw.view())));
+      const padmoe::RowGrads cb = padmoe::combine_backward(dgo, dy, pv, dw.view());
+      r.push_back(to_cpu(cb.grad_rows));
+      r.push_back(to_cpu(cb.grad_weights));
+      const padmoe::RowGrads db = padmoe::dispatch_backward(dy, dx, pv, dw.view());
+      r.push_back(to_cpu(db.grad_rows));
+      r.push_back(to_cpu(db.grad_weights));
+      TensorView h = dy.view();  // P >= A rows: the first A are the grouped input
+      const padmoe::PadResult pad = padmoe::pad_to_alignment(h, dc, c.m);
+      r.push_back(to_cpu(pad.padded));
+      r.push_back(to_cpu(pad.permutation_map));
+      r.push_back(to_cpu(pad.inclusive_offsets));
+      r.push_back(to_cpu(padmoe::unpad_from_alignment(pad.padded, pad.permutation_map, N, dprobs.view())));
+      Tensor gout = Tensor::empty(c.dt, {N, c.H}, kGpu);
+      CUDA_OK(cudaMemcpy(gout.data(), dy.data(), nbytes(gout), cudaMemcpyDeviceToDevice));
+      const padmoe::RowGrads ub = padmoe::unpad_from_alignment_backward(gout, pad.padded, pad.permutation_map, dprobs.view());
+      r.push_back(to_cpu(ub.grad_rows));
+      r.push_back(to_cpu(ub.grad_weights));
+      return r;
+    };
+    ASSERT_GE(P, N);
+    const std::vector<Tensor> a = run_all();
+    const std::vector<Tensor> b = run_all();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(all_same(a[i], b[i])) << "output " << i << " differs between runs";
+  }
+}
+
+// ---------------------------------------------------------------------------
+// 3. Checked mode
+// ---------------------------------------------------------------------------
+struct CheckedSetup {
+  int64_t T = 64, H = 16;
+  int E = 8, K = 2, m = 8;
+  std::vector<int64_t> te;
+  ref::Plan p;
+  Tensor hx, hw;
+  Tensor dx, dw;
+};
+CheckedSetup checked_setup() {
+  CheckedSetup s;
+  s.te = make_routing(s.T, s.K, s.E, Dist::kUniform, 5);
+  s.p = ref::make_plan(s.te, s.T, s.K, s.E, s.m);
+  Rng rng(6);
+  s.hx = rows_from_float(random_values(s.T * s.H, DType::kFloat32, rng), DType::kFloat32, s.T, s.H);
+  s.hw = vec_from_float(random_values(s.T * s.K, DType::kFloat32, rng, 0, 1), DType::kFloat32);
+  s.dx = to_gpu(s.hx);
+  s.dw = to_gpu(s.hw);
+  return s;
+}
+
+TEST(CheckedMode, BadDataThrowsAndWritesNothing) {
+  REQUIRE_GPU();
+  const CheckedSetup s = checked_setup();
+  const int64_t P = s.p.padded_rows, cap = s.p.capacity, A = s.T * s.K;
+  ASSERT_GE(s.p.tokens_per_expert[3], 1);
+
+  // Bad expert id -> make_plan_out: "top_experts"; nothing written.
+  {
+    std::vector<int64_t> te = s.te;
+    te[37] = s.E;
+    const Tensor dte = to_gpu(index_matrix(te, s.T, s.K, DType::kInt32));
+    GpuPlan gp = gpu_plan_buffers(s.T, s.K, s.E, s.m);
+    EXPECT_TRUE(throws_error([&] { padmoe::make_plan_out(dte, s.E, s.m, gp.view); },
+                             {"make_plan", "top_experts", "expert id 8"}));
+    for (const Tensor* t : {&gp.indices, &gp.bin_ids, &gp.tpe, &gp.bins, &gp.ptpe, &gp.padded_bins, &gp.dest_rows,
+                            &gp.row_sources})
+      EXPECT_TRUE(all_bytes_are(to_cpu(*t), kIndexPoison)) << "make_plan_out wrote a plan buffer";
+    EXPECT_TRUE(throws_error([&] { padmoe::make_plan(dte, s.E, s.m); }, {"top_experts"}));
+    std::vector<int64_t> te2 = s.te;
+    te2[3] = -1;
+    const Tensor dte2 = to_gpu(index_matrix(te2, s.T, s.K, DType::kInt64));
+    EXPECT_TRUE(throws_error([&] { padmoe::make_plan_out(dte2, s.E, s.m, gp.view); }, {"top_experts", "-1"}));
+    EXPECT_TRUE(all_bytes_are(to_cpu(gp.row_sources), kIndexPoison));
+  }
+
+  // MegaBlocks-style routing arguments, each corrupted one way.
+  struct Bad {
+    const char* what;
+    std::function<void(ref::Plan&)> corrupt;
+    std::vector<std::string> needles;
+  };
+  const std::vector<Bad> bads = {
+      {"bins decreasing",
+       [](ref::Plan& p) { p.bins[2] = p.bins[1] - 1; },
+       {"bins", "nondecreasing"}},
+      {"padded segment too small",
+       [](ref::Plan& p) { p.padded_bins[3] = p.padded_bins[2] + (p.bins[3] - p.bins[2]) - 1; },
+       {"padded_bins", "expert 3"}},
+      {"bin_ids inconsistent",
+       [](ref::Plan& p) { p.bin_ids[10] = (p.bin_ids[10] + 1) % 8; },
+       {"bin_ids", "position 10"}},
+      {"repeated index",
+       [](ref::Plan& p) { p.indices[5] = p.indices[6]; },
+       {"indices", "more than once"}},
+      {"index out of range",
+       [](ref::Plan& p) { p.indices[7] = 100000; },
+       {"indices", "position 7"}},
+  };
+  for (const Bad& b : bads) {
+    SCOPED_TRACE(b.what);
+    for (DType idx : {DType::kInt32, DType::kInt64}) {
+      ref::Plan q = s.p;
+      b.corrupt(q);
+      const IndexInputs hii = index_inputs(q, idx);
+      const IndexInputs dii{to_gpu(hii.indices), to_gpu(hii.bin_ids), to_gpu(hii.bins), to_gpu(hii.padded_bins)};
+      // CPU agrees that it is an error naming the same argument.
+      EXPECT_TRUE(throws_error([&] {
+        Tensor y = poison_rows(DType::kFloat32, cap, s.H);
+        padmoe::padded_gather_out(s.hx, hii.indices, hii.bin_ids, hii.bins, hii.padded_bins, s.K, s.hw.view(), y);
+      }, {b.needles[0]}));
+      Tensor gy = gpu_poison_rows(DType::kFloat32, cap, s.H);
+      EXPECT_TRUE(throws_error([&] {
+        padmoe::padded_gather_out(s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, s.dw.view(), gy);
+      }, b.needles));
+      EXPECT_TRUE(all_bytes_are(to_cpu(gy), kPoison)) << "padded_gather_out wrote before failing";
+      Tensor go = gpu_poison_rows(DType::kFloat32, s.T, s.H);
+      const Tensor dyin = gpu_filled(DType::kFloat32, {cap, s.H}, 0);
+      EXPECT_TRUE(throws_error([&] {
+        padmoe::padded_scatter_out(dyin, dii.indices, dii.bin_ids, s.dw.view(), dii.bins, dii.padded_bins, s.K, go);
+      }, b.needles));
+      EXPECT_TRUE(all_bytes_are(to_cpu(go), kPoison)) << "padded_scatter_out wrote before failing";
+      Tensor gwg = gpu_filled(DType::kFloat32, {A}, kPoison);
+      EXPECT_TRUE(throws_error([&] {
+        padmoe::padded_scatter_wgrad_out(dyin, s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, gwg);
+      }, b.needles));
+      EXPECT_TRUE(all_bytes_are(to_cpu(gwg), kPoison)) << "padded_scatter_wgrad_out wrote before failing";
+    }
+  }
+
+  // Output with too few rows (P - 1): padded_gather_out and dispatch_out.
+  {
+    const IndexInputs hii = index_inputs(s.p, DType::kInt32);
+    const IndexInputs dii{to_gpu(hii.indices), to_gpu(hii.bin_ids), to_gpu(hii.bins), to_gpu(hii.padded_bins)};
+    Tensor gy = gpu_poison_rows(DType::kFloat32, P - 1, s.H);
+    EXPECT_TRUE(throws_error([&] {
+      padmoe::padded_gather_out(s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, std::nullopt, gy);
+    }, {"padded_gather", "y", std::to_string(P)}));
+    EXPECT_TRUE(all_bytes_are(to_cpu(gy), kPoison));
+    const padmoe::Plan plan = padmoe::make_plan(to_gpu(index_matrix(s.te, s.T, s.K, DType::kInt32)), s.E, s.m);
+    EXPECT_TRUE(throws_error([&] { padmoe::dispatch_out(s.dx, plan.view(), s.dw.view(), gy); },
+                             {"dispatch", "y", std::to_string(P)}));
+    EXPECT_TRUE(all_bytes_are(to_cpu(gy), kPoison));
+    Tensor cgy = gpu_poison_rows(DType::kFloat32, P - 1, s.H);
+    const Tensor dyin = gpu_filled(DType::kFloat32, {P, s.H}, 0);
+    const Tensor dgo = gpu_filled(DType::kFloat32, {s.T, s.H}, 0);
+    EXPECT_TRUE(throws_error([&] { padmoe::combine_backward_out(dgo, dyin, plan.view(), s.dw.view(), cgy, TensorView{}); },
+                             {"combine_backward", std::to_string(P)}));
+    EXPECT_TRUE(all_bytes_are(to_cpu(cgy), kPoison));
+    // A plan whose dest_rows does not match row_sources.
+    GpuPlan gp = gpu_plan_buffers(s.T, s.K, s.E, s.m);
+    padmoe::make_plan_out(to_gpu(index_matrix(s.te, s.T, s.K, DType::kInt32)), s.E, s.m, gp.view);
+    std::vector<int32_t> dest(static_cast<size_t>(A));
+    CUDA_OK(cudaMemcpy(dest.data(), gp.dest_rows.data(), A * 4, cudaMemcpyDeviceToHost));
+    std::swap(dest[0], dest[1]);
+    if (dest[0] == dest[1]) dest[1] = -1;
+    CUDA_OK(cudaMemcpy(gp.dest_rows.data(), dest.data(), A * 4, cudaMemcpyHostToDevice));
+    Tensor gy2 = gpu_poison_rows(DType::kFloat32, cap, s.H);
+    EXPECT_TRUE(throws_error([&] { padmoe::dispatch_out(s.dx, gp.view, std::nullopt, gy2); }, {"dispatch", "plan."}));
+    EXPECT_TRUE(all_bytes_are(to_cpu(gy2), kPoison));
+  }
+
+  // Negative count / counts summing past the rows -> pad_to_alignment_out.
+  {
+    const Tensor dh = to_gpu(rows_from_float(ones(A * s.H), DType::kFloat32, A, s.H));
+    for (int which = 0; which < 3; ++which) {
+      std::vector<int64_t> counts = s.p.tokens_per_expert;
+      std::vector<std::string> needles = {"pad_to_alignment", "tokens_per_expert"};
+      int64_t rows = cap;
+      if (which == 0) {
+        counts[2] = -1;
+        needles.push_back("negative");
+      } else if (which == 1) {
+        counts[5] += 1;  // sums to A + 1 > A rows
+        needles.push_back(std::to_string(A + 1));
+      } else {
+        rows = P - 1;  // padded output too small
+        needles = {"pad_to_alignment", "padded", std::to_string(P)};
+      }
+      SCOPED_TRACE(which);
+      for (DType idx : {DType::kInt32, DType::kInt64}) {
+        const Tensor dc = to_gpu(index_tensor(counts, idx));
+        Tensor gpad = gpu_poison_rows(DType::kFloat32, rows, s.H), gmap = gpu_poison_index(rows),
+               goff = gpu_poison_index(s.E);
+        EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment_out(dh, dc, s.m, gpad, gmap, goff); }, needles));
+        EXPECT_TRUE(all_bytes_are(to_cpu(gpad), kPoison));
+        EXPECT_TRUE(all_bytes_are(to_cpu(gmap), kIndexPoison));
+        EXPECT_TRUE(all_bytes_are(to_cpu(goff), kIndexPoison));
+        if (which < 2) EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment(dh, dc, s.m); }, {"tokens_per_expert"}));
+      }
+    }
+  }
+
+  // Repeated / out-of-range permutation_map rows -> unpad and its backward.
+  {
+    const ref::PadResult rp = ref::pad_to_alignment(ones(A * s.H), s.H, s.p.tokens_per_expert, s.m);
+    const Tensor dpad = to_gpu(rows_from_float(rp.padded, DType::kFloat32, P, s.H));
+    int64_t p1 = -1, p2 = -1;
+    for (int64_t r = 0; r < P; ++r)
+      if (rp.permutation_map[static_cast<size_t>(r)] >= 0) {
+        if (p1 < 0) p1 = r;
+        else if (p2 < 0) p2 = r;
+      }
+    ASSERT_GE(p2, 0);
+    for (int which = 0; which < 2; ++which) {
+      std::vector<int64_t> map = rp.permutation_map;
+      if (which == 0) map[static_cast<size_t>(p2)] = map[static_cast<size_t>(p1)];
+      else map[static_cast<size_t>(p2)] = A + 5;
+      SCOPED_TRACE(which == 0 ? "repeated row" : "row out of range");
+      for (DType idx : {DType::kInt32, DType::kInt64}) {
+        const Tensor dmap = to_gpu(index_tensor(map, idx));
+        Tensor gu = gpu_poison_rows(DType::kFloat32, A, s.H);
+        EXPECT_TRUE(throws_error([&] { padmoe::unpad_from_alignment_out(dpad, dmap, std::nullopt, gu); },
+                                 {"unpad_from_alignment", "permutation_map"}));
+        EXPECT_TRUE(all_bytes_are(to_cpu(gu), kPoison));
+        const Tensor dgo = gpu_filled(DType::kFloat32, {A, s.H}, 0);
+        Tensor ggp = gpu_poison_rows(DType::kFloat32, P, s.H), ggr = gpu_filled(DType::kFloat32, {A}, kPoison);
+        EXPECT_TRUE(throws_error([&] {
+          padmoe::unpad_from_alignment_backward_out(dgo, dpad, dmap, std::nullopt, ggp, ggr);
+        }, {"unpad_from_alignment_backward", "permutation_map"}));
+        EXPECT_TRUE(all_bytes_are(to_cpu(ggp), kPoison));
+        EXPECT_TRUE(all_bytes_are(to_cpu(ggr), kPoison));
+      }
+    }
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+}
+
+TEST(CheckedMode, UncheckedAgreesOnValidInput) {
+  REQUIRE_GPU();
+  const CheckedSetup s = checked_setup();
+  const int64_t P = s.p.padded_rows, cap = s.p.capacity, A = s.T * s.K;
+  padmoe::Options fast;
+  fast.check_data = false;
+  const padmoe::Options checked{};
+  const Tensor dte = to_gpu(index_matrix(s.te, s.T, s.K, DType::kInt64));
+  GpuPlan a = gpu_plan_buffers(s.T, s.K, s.E, s.m), b = gpu_plan_buffers(s.T, s.K, s.E, s.m);
+  padmoe::make_plan_out(dte, s.E, s.m, a.view, checked);
+  padmoe::make_plan_out(dte, s.E, s.m, b.view, fast);
+  EXPECT_TRUE(all_same(to_cpu(a.dest_rows), to_cpu(b.dest_rows)));
+  EXPECT_TRUE(all_same(to_cpu(a.row_sources), to_cpu(b.row_sources)));
+  EXPECT_TRUE(all_same(to_cpu(a.indices), to_cpu(b.indices)));
+  EXPECT_TRUE(all_same(to_cpu(a.padded_bins), to_cpu(b.padded_bins)));
+
+  const IndexInputs hii = index_inputs(s.p, DType::kInt32);
+  const IndexInputs dii{to_gpu(hii.indices), to_gpu(hii.bin_ids), to_gpu(hii.bins), to_gpu(hii.padded_bins)};
+  auto both = [&](const char* what, auto&& op, std::initializer_list<int64_t> shape) {
+    Tensor o1 = gpu_filled(DType::kFloat32, shape, kPoison), o2 = gpu_filled(DType::kFloat32, shape, kPoison);
+    op(o1, checked);
+    op(o2, fast);
+    EXPECT_TRUE(all_same(to_cpu(o1), to_cpu(o2))) << what << ": unchecked differs from checked";
+  };
+  both("padded_gather_out", [&](Tensor& o, const padmoe::Options& opt) {
+    padmoe::padded_gather_out(s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, s.dw.view(), o, opt);
+  }, {cap, s.H});
+  const Tensor dy = to_gpu(rows_from_float(ones(P * s.H), DType::kFloat32, P, s.H));
+  both("padded_scatter_out", [&](Tensor& o, const padmoe::Options& opt) {
+    padmoe::padded_scatter_out(dy, dii.indices, dii.bin_ids, s.dw.view(), dii.bins, dii.padded_bins, s.K, o, opt);
+  }, {s.T, s.H});
+  both("dispatch_out", [&](Tensor& o, const padmoe::Options& opt) {
+    padmoe::dispatch_out(s.dx, a.view, s.dw.view(), o, opt);
+  }, {cap, s.H});
+  both("combine_out", [&](Tensor& o, const padmoe::Options& opt) {
+    padmoe::combine_out(dy, a.view, s.dw.view(), o, opt);
+  }, {s.T, s.H});
+  const Tensor dc = to_gpu(index_tensor(s.p.tokens_per_expert, DType::kInt32));
+  const Tensor dh = to_gpu(rows_from_float(ones(A * s.H), DType::kFloat32, A, s.H));
+  Tensor map1 = gpu_poison_index(cap), map2 = gpu_poison_index(cap), off1 = gpu_poison_index(s.E),
+         off2 = gpu_poison_index(s.E);
+  both("pad_to_alignment_out", [&](Tensor& o, const padmoe::Options& opt) {
+    padmoe::pad_to_alignment_out(dh, dc, s.m, o, opt.check_data ? map1 : map2, opt.check_data ? off1 : off2, opt);
+  }, {cap, s.H});
+  EXPECT_TRUE(all_same(to_cpu(map1), to_cpu(map2)));
+  EXPECT_TRUE(all_same(to_cpu(off1), to_cpu(off2)));
+  TensorView pmap = map1.view();
+  pmap.shape[0] = P;
+  TensorView ppad = dy.view();
+  both("unpad_from_alignment_out", [&](Tensor& o, const padmoe::Options& opt) {
+    padmoe::unpad_from_alignment_out(ppad, pmap, s.dw.view(), o, opt);
+  }, {A, s.H});
+}
+
+// ---------------------------------------------------------------------------
+// 4. CUDA graph: plan + dispatch + combine captured once, replayed on new inputs.
+// ---------------------------------------------------------------------------
+TEST(CudaGraph, CaptureOnceReplayOnNewRouting) {
+  REQUIRE_GPU();
+  const int64_t T = 512, H = 256;
+  const int E = 16, K = 4, m = 16;
+  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m);
+  const DType dt = DType::kBFloat16;
+
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const size_t ws_bytes = padmoe::workspace_bound(T, K, E, m);
+  void* ws = nullptr;
+  CUDA_OK(cudaMalloc(&ws, ws_bytes));
+
+  const Tensor d_te = gpu_filled(DType::kInt32, {T, K}, 0);
+  const Tensor d_x = gpu_filled(dt, {T, H}, 0);
+  const Tensor d_w = gpu_filled(DType::kFloat32, {A}, 0);
+  GpuPlan gp = gpu_plan_buffers(T, K, E, m);
+  const Tensor d_y = gpu_poison_rows(dt, cap, H);
+  const Tensor d_out = gpu_poison_rows(dt, T, H);
+
+  padmoe::Options o;
+  o.stream = stream;
+  o.check_data = false;
+  o.workspace = ws;
+  o.workspace_bytes = ws_bytes;
+
+  CUDA_OK(cudaDeviceSynchronize());  // the poison memsets ran on the legacy stream
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  bool threw = false;
+  std::string error;
+  try {
+    padmoe::make_plan_out(d_te, E, m, gp.view, o);
+    padmoe::dispatch_out(d_x, gp.view, d_w.view(), d_y, o);
+    padmoe::combine_out(d_y, gp.view, d_w.view(), d_out, o);
+  } catch (const std::exception& e) {
+    threw = true;
+    error = e.what();
+  }
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t qerr = cudaStreamIsCapturing(stream, &status);
+  const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  ASSERT_FALSE(threw) << "an op failed during capture (a host synchronization or allocation?): " << error;
+  ASSERT_EQ(qerr, cudaSuccess) << cudaGetErrorString(qerr);
+  ASSERT_EQ(status, cudaStreamCaptureStatusActive) << "capture was invalidated by an op";
+  ASSERT_EQ(end, cudaSuccess) << "cudaStreamEndCapture: " << cudaGetErrorString(end);
+  ASSERT_NE(graph, nullptr);
+  size_t num_nodes = 0;
+  CUDA_OK(cudaGraphGetNodes(graph, nullptr, &num_nodes));
+  EXPECT_GT(num_nodes, 3u);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    const padmoe::workload::Routing rt = padmoe::workload::random_router(T, E, K, 1234 + round);
+    std::vector<int64_t> te(rt.top_experts.begin(), rt.top_experts.end());
+    if (round == 2)  // a skewed round: different P, many empty experts
+      te = make_routing(T, K, E, Dist::kSkewed, 99);
+    const std::vector<int32_t> te32(te.begin(), te.end());
+    Rng rng(500 + round);
+    const std::vector<float> xf = random_values(T * H, dt, rng);
+    const Tensor hx = rows_from_float(xf, dt, T, H);
+    const std::vector<float>& wf = rt.weights;
+    CUDA_OK(cudaMemcpyAsync(d_te.data(), te32.data(), te32.size() * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaMemcpyAsync(d_x.data(), hx.data(), nbytes(hx), cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaMemcpyAsync(d_w.data(), wf.data(), wf.size() * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+
+    const ref::Plan p = ref::make_plan(te, T, K, E, m);
+    const int64_t P = p.padded_rows;
+    const padmoe::Plan cplan = padmoe::make_plan(index_matrix(te, T, K, DType::kInt32), E, m);
+    expect_plan_equal(gp.view, cplan, p, "graph make_plan_out");
+    const Tensor hw = vec_from_float(wf, DType::kFloat32);
+    const Tensor cy = padmoe::dispatch(hx, cplan.view(), hw.view());
+    const std::vector<float> want_y = ref::padded_gather(xf, H, p, &wf);
+    const Tensor gy = to_cpu(d_y);
+    EXPECT_TRUE(rows_bitwise(gy, want_y, P)) << "graph dispatch vs reference";
+    EXPECT_TRUE(rows_same(gy, cy, 0, P)) << "graph dispatch vs CPU";
+    if (round == 0) EXPECT_TRUE(bytes_are(gy, P, cap, kPoison)) << "graph dispatch wrote past P";
+    const std::vector<float> yf = rows_to_float(cy);
+    const std::vector<double> want = ref::padded_scatter(yf, H, p, &wf);
+    const std::vector<double> abs = scatter_abs(yf, H, p, &wf);
+    EXPECT_TRUE(sums_close(to_cpu(d_out), want, abs, K, T)) << "graph combine vs reference";
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaFree(ws));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// ---------------------------------------------------------------------------
+// 5. A DeepSeek-V3-like step: T=4096, E=256, K=8, H=7168, bf16, alignment 128.
+// ---------------------------------------------------------------------------
+TEST(Large, DeepSeekV3DispatchCombine) {
+  REQUIRE_GPU();
+  const int64_t T = 4096, H = 7168;
+  const int E = 256, K = 8, m = 128;
+  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m);
+  const DType dt = DType::kBFloat16;
+  const padmoe::workload::Routing rt = padmoe::workload::random_router(T, E, K, 42);
+  const Tensor hte = Tensor::empty(DType::kInt32, {T, K});
+  std::memcpy(hte.data(), rt.top_experts.data(), static_cast<size_t>(A) * 4);
+  const Tensor hw = vec_from_float(rt.weights, DType::kFloat32);
+  const Tensor hx = Tensor::empty(dt, {T, H});
+  padmoe::workload::fill_uniform(hx.data(), dt, T * H, 7);
+
+  const padmoe::Plan cplan = padmoe::make_plan(hte, E, m);
+  const int64_t P = padmoe::padded_rows(cplan);
+  const Tensor dte = to_gpu(hte), dx = to_gpu(hx), dw = to_gpu(hw);
+  GpuPlan gp = gpu_plan_buffers(T, K, E, m);
+  padmoe::make_plan_out(dte, E, m, gp.view);
+  for (const auto& f : {std::make_pair(&gp.indices, &cplan.indices), std::make_pair(&gp.dest_rows, &cplan.dest_rows),
+                        std::make_pair(&gp.row_sources, &cplan.row_sources),
+                        std::make_pair(&gp.padded_bins, &cplan.padded_bins)})
+    EXPECT_TRUE(all_same(to_cpu(*f.first), *f.second)) << "plan field GPU vs CPU";
+
+  // dispatch (weighted): bitwise vs CPU, rows past P untouched.
+  const Tensor cy = padmoe::dispatch(hx, cplan.view(), hw.view());
+  Tensor gy = gpu_poison_rows(dt, cap, H);
+  padmoe::dispatch_out(dx, gp.view, dw.view(), gy);
+  const Tensor hy = to_cpu(gy);
+  EXPECT_TRUE(rows_same(hy, cy, 0, P)) << "dispatch GPU vs CPU";
+  EXPECT_TRUE(bytes_are(hy, P, std::min<int64_t>(cap, P + 64), kPoison)) << "dispatch wrote past P";
+
+  // combine (weighted) of the dispatched rows: GPU and CPU vs a float64 sum.
+  const Tensor cout = padmoe::combine(cy, cplan.view(), hw.view());
+  Tensor gout = gpu_poison_rows(dt, T, H);
+  padmoe::combine_out(gy, gp.view, dw.view(), gout);
+  const Tensor hout = to_cpu(gout);
+  const int32_t* dest = cplan.dest_rows.data_as<int32_t>();
+  std::atomic<int64_t> bad{0};
+  const unsigned nthreads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  std::vector<std::string> first(nthreads);
+  for (unsigned w = 0; w < nthreads; ++w)
+    pool.emplace_back([&, w] {
+      for (int64_t t = w; t < T; t += nthreads)
+        for (int64_t h = 0; h < H; ++h) {
+          double s = 0, sa = 0;
+          for (int k = 0; k < K; ++k) {
+            const int64_t a = t * K + k;
+            const double v = static_cast<double>(rt.weights[a]) *
+                             num::load_as_float(cy.data(), dt, static_cast<int64_t>(dest[a]) * H + h);
+            s += v;
+            sa += std::fabs(v);
+          }
+          const double tol = sum_tolerance(K, sa, s, dt);
+          const double g = num::load_as_float(hout.data(), dt, t * H + h);
+          const double c = num::load_as_float(cout.data(), dt, t * H + h);
+          if (!(std::fabs(g - s) <= tol) || !(std::fabs(c - s) <= tol)) {
+            if (bad.fetch_add(1) < 1)
+              first[w] = "t=" + std::to_string(t) + " h=" + std::to_string(h) + " gpu=" + std::to_string(g) +
+                         " cpu=" + std::to_string(c) + " want=" + std::to_string(s);
+          }
+        }
+    });
+  for (auto& th : pool) th.join();
+  std::string msg;
+  for (const auto& s : first) msg += s;
+  EXPECT_EQ(bad.load(), 0) << "combine out of tolerance: " << msg;
+}
+
+}  // namespace
+}  // namespace pt
