@@ -186,7 +186,8 @@ void run_spread(const Routed& r, const TensorView& x, const std::optional<Tensor
 void run_reduce(const Routed& r, const TensorView& y, const std::optional<TensorView>& w, const TensorView& out,
                 const Options& o) {
   if (r.on_cuda) {
-    cuda::reduce_rows(rows_arg(y), r.top_k, r.dest_rows, scale_arg(w), rows_arg(out), o.stream);
+    cuda::reduce_rows(rows_arg(y), r.top_k, r.dest_rows, scale_arg(w), rows_arg(out), nullptr, cuda::FloatOutArg{},
+                      o.stream);
     return;
   }
   cpu::reduce_rows(cpu::RowsRef::of(y), r.top_k, r.dest_rows, cpu::Scale::of(w), cpu::RowsRef::of(out),
@@ -401,6 +402,14 @@ namespace {
 void run_spread_backward(const Routed& r, const TensorView& grad_y, const TensorView& x,
                          const std::optional<TensorView>& weights, const TensorView& grad_x,
                          const TensorView* grad_weights, const Options& o) {
+  if (r.on_cuda) {  // one pass over grad_y: the sum and the dot products together
+    const cuda::RowsArg xr = rows_arg(x);
+    cuda::reduce_rows(rows_arg(grad_y), r.top_k, r.dest_rows, scale_arg(weights), rows_arg(grad_x),
+                      grad_weights ? &xr : nullptr,
+                      grad_weights ? cuda::FloatOutArg{grad_weights->data, grad_weights->dtype} : cuda::FloatOutArg{},
+                      o.stream);
+    return;
+  }
   run_reduce(r, grad_y, weights, grad_x, o);
   if (grad_weights != nullptr) run_dots(r, grad_y, x, *grad_weights, o);
 }

@@ -80,7 +80,7 @@ class Scratch {
 };
 
 // --- plan ---------------------------------------------------------------------
-constexpr int kPlanChunk = 2048;  // assignments sorted per block
+constexpr int kPlanChunk = 1024;  // assignments sorted per block
 // Workspace bytes make_plan needs for A assignments over E experts.
 size_t plan_workspace_bytes(int64_t assignments, int num_experts);
 // Stable counting sort by expert in three launches. Ids outside [0, E) (only
@@ -111,7 +111,9 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
                  void* stream);
 
 // out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]], float32, dest < 0 skipped.
-void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& out, void* stream);
+// When dots_with is given: dots[a] = <y[dest[a]], dots_with[a/K]> from the same reads of y.
+void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& out,
+                 const RowsArg* dots_with, FloatOutArg dots, void* stream);
 
 // out[a] = <y[dest[a]], g[a/K]> (0 where dest < 0).
 void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest, int64_t assignments,

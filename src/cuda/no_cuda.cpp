@@ -31,7 +31,9 @@ void spread_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, 
                  const RowsArg*, FloatOutArg, void*) {
   unavailable("spread_rows");
 }
-void reduce_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, void*) { unavailable("reduce_rows"); }
+void reduce_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, const RowsArg*, FloatOutArg, void*) {
+  unavailable("reduce_rows");
+}
 void row_dots(const RowsArg&, const RowsArg&, int, const int32_t*, int64_t, FloatOutArg, void*) {
   unavailable("row_dots");
 }

@@ -191,56 +191,89 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // --- reduce ---------------------------------------------------------------------
+// out[t] = sum_k w*y[dest] (ascending k, no FMA contraction: the CPU's
+// rounding). When dots are wanted, also dots[a] = <y[dest[a]], g[t]> from the
+// same reads of y (the weight gradient of a gather / dispatch backward).
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
-    reduce_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out) {
+    reduce_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
+                  FloatOutArg dots) {
   using U = Unit<T, kVec>;
   __shared__ int64_t s_dest[kGroupK];
   __shared__ float s_w[kGroupK];
+  __shared__ float s_part[kThreads / 32][kGroupK];
   const int64_t t = blockIdx.x;
   const int64_t units = units_of<U>(out);
+  const bool want_dots = dots.data != nullptr;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   char* dst = row_ptr(out, t);
-  for (int64_t c = 0; c < units; c += kChunkUnits) {
-    float acc[kRegUnits][U::N];
-#pragma unroll
-    for (int j = 0; j < kRegUnits; ++j) {
-#pragma unroll
-      for (int i = 0; i < U::N; ++i) acc[j][i] = 0.0f;
+  const char* grow = want_dots ? row_ptr(g, t) : nullptr;
+  for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
+    const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
+    __syncthreads();
+    for (int q = threadIdx.x; q < nk; q += kThreads) {
+      const int64_t a = index::assignment_id(t, k0 + q, top_k);
+      const int64_t r = dest[a];
+      s_dest[q] = (r < 0 || r >= y.rows) ? -1 : r;  // (r >= y.rows only with unchecked bad input)
+      s_w[q] = load_scale(w, a);
     }
-    for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
-      const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
-      __syncthreads();
-      for (int q = threadIdx.x; q < nk; q += kThreads) {
-        const int64_t a = index::assignment_id(t, k0 + q, top_k);
-        const int64_t r = dest[a];
-        s_dest[q] = (r < 0 || r >= y.rows) ? -1 : r;
-        s_w[q] = load_scale(w, a);
+    for (int q = lane; want_dots && q < nk; q += 32) s_part[warp][q] = 0.0f;
+    __syncthreads();
+    // More than kGroupK assignments (rare): later groups add onto the stored
+    // row, which rounds the partial sum to the row dtype once per group.
+    for (int64_t c = 0; c < units; c += kChunkUnits) {
+      float acc[kRegUnits][U::N];
+      typename U::Raw gv[kRegUnits];
+#pragma unroll
+      for (int j = 0; j < kRegUnits; ++j) {
+        const int64_t u = c + j * kThreads + threadIdx.x;
+        if (k0 > 0 && u < units) U::to_float(U::load(dst, u), acc[j]);
+        else {
+#pragma unroll
+          for (int i = 0; i < U::N; ++i) acc[j][i] = 0.0f;
+        }
+        if (want_dots && u < units) gv[j] = U::load(grow, u);
       }
-      __syncthreads();
 #pragma unroll 4
       for (int q = 0; q < nk; ++q) {
         const int64_t r = s_dest[q];
         if (r < 0) continue;
         const float wk = s_w[q];
         const char* src = row_ptr(y, r);
+        float partial = 0.0f;
 #pragma unroll
         for (int j = 0; j < kRegUnits; ++j) {
           const int64_t u = c + j * kThreads + threadIdx.x;
           if (u < units) {
+            const typename U::Raw v = U::load(src, u);
             float f[U::N];
-            U::to_float(U::load(src, u), f);
+            U::to_float(v, f);
             // No contraction into an FMA: the same rounding as the CPU backend
             // (acc + w*y, each rounded), so combine is bitwise equal on both.
 #pragma unroll
             for (int i = 0; i < U::N; ++i) acc[j][i] = __fadd_rn(acc[j][i], __fmul_rn(wk, f[i]));
+            if (want_dots) partial += U::dot(v, gv[j]);
           }
         }
+        if (want_dots) {
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
+          if (lane == 0) s_part[warp][q] += partial;  // chunks in order: deterministic
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kRegUnits; ++j) {
+        const int64_t u = c + j * kThreads + threadIdx.x;
+        if (u < units) U::store(dst, u, U::from_float(acc[j]));
       }
     }
-#pragma unroll
-    for (int j = 0; j < kRegUnits; ++j) {
-      const int64_t u = c + j * kThreads + threadIdx.x;
-      if (u < units) U::store(dst, u, U::from_float(acc[j]));
+    if (want_dots) {
+      __syncthreads();
+      for (int q = threadIdx.x; q < nk; q += kThreads) {
+        float sum = 0.0f;
+        for (int v = 0; v < kThreads / 32; ++v) sum += s_part[v][q];
+        store_float(dots, index::assignment_id(t, k0 + q, top_k), s_dest[q] < 0 ? 0.0f : sum);
+      }
     }
   }
 }
@@ -354,12 +387,14 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   PADMOE_CUDA_LAUNCH_CHECK("spread_kernel");
 }
 
-void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& out, void* stream) {
-  if (out.rows == 0 || out.cols == 0) return;
-  const bool vec = rows_vectorizable(y) && rows_vectorizable(out);
+void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& out,
+                 const RowsArg* dots_with, FloatOutArg dots, void* stream) {
+  if (out.rows == 0 || (out.cols == 0 && dots.data == nullptr)) return;  // H = 0 still writes zero dots
+  const RowsArg g = dots_with != nullptr ? *dots_with : RowsArg{};
+  const bool vec = rows_vectorizable(y) && rows_vectorizable(out) && (dots_with == nullptr || rows_vectorizable(g));
   pick<ReduceTag>(y.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(out.rows), kThreads, 0, as_stream(stream)>>>(y, top_k, dest, w, out);
+    Tag::fn<<<static_cast<unsigned>(out.rows), kThreads, 0, as_stream(stream)>>>(y, top_k, dest, w, out, g, dots);
   });
   PADMOE_CUDA_LAUNCH_CHECK("reduce_kernel");
 }
