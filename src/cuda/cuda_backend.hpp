@@ -80,7 +80,7 @@ class Scratch {
 };
 
 // --- plan ---------------------------------------------------------------------
-constexpr int kPlanChunk = 1024;  // assignments sorted per block
+constexpr int kPlanChunk = 2048;  // assignments sorted per block
 // Workspace bytes make_plan needs for A assignments over E experts.
 size_t plan_workspace_bytes(int64_t assignments, int num_experts);
 // Stable counting sort by expert in three launches. Ids outside [0, E) (only

@@ -22,7 +22,7 @@ namespace cuda {
 namespace {
 
 constexpr int kCountThreads = 256;
-constexpr int kItems = 4;
+constexpr int kItems = 8;
 constexpr int kChunk = kCountThreads * kItems;  // assignments per chunk
 static_assert(kChunk == kPlanChunk, "plan_workspace_bytes assumes kPlanChunk");
 constexpr int kScanThreads = 1024;
@@ -78,69 +78,51 @@ __global__ void __launch_bounds__(kCountThreads)
   for (int e = threadIdx.x; e < num_experts; e += kCountThreads) out[e] = s_counts[e];
 }
 
-// One block. A warp per expert turns its column of chunk counts into
-// exclusive prefixes (lanes own contiguous chunk ranges, a shuffle scan joins
-// them); a block scan over the experts' totals gives the bins; a last pass
-// adds each expert's start.
 __global__ void __launch_bounds__(kScanThreads)
     plan_scan_kernel(int32_t* chunk_counts, int chunks, int num_experts, int alignment, int32_t* tokens_per_expert,
                      int32_t* bins, int32_t* padded_tokens, int32_t* padded_bins) {
   using Scan = cub::BlockScan<int, kScanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
-  extern __shared__ int s_start[];  // [E] first sorted position of each expert
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  constexpr int kWarps = kScanThreads / 32;
-  const int per_lane = (chunks + 31) / 32;
-  const int c0 = min(chunks, lane * per_lane), c1 = min(chunks, c0 + per_lane);
-
-  for (int e = warp; e < num_experts; e += kWarps) {
-    int local = 0;
-    for (int c = c0; c < c1; ++c) local += chunk_counts[static_cast<int64_t>(c) * num_experts + e];
-    int incl = local;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += v;
-    }
-    int run = incl - local;  // exclusive prefix of this lane's first chunk
-    for (int c = c0; c < c1; ++c) {
-      int32_t* slot = chunk_counts + static_cast<int64_t>(c) * num_experts + e;
-      const int n = *slot;
-      *slot = run;
-      run += n;
-    }
-    const int total = __shfl_sync(0xffffffffu, incl, 31);
-    if (lane == 0) {
-      tokens_per_expert[e] = total;
-      padded_tokens[e] = static_cast<int>(index::round_up(total, alignment));
-    }
-  }
-  __syncthreads();
-
   const int per = (num_experts + kScanThreads - 1) / kScanThreads;
   const int e0 = min(num_experts, static_cast<int>(threadIdx.x) * per);
   const int e1 = min(num_experts, e0 + per);
+
+  // Per expert: the total over chunks (loads only, so they pipeline).
   int my_real = 0, my_padded = 0;
   for (int e = e0; e < e1; ++e) {
-    my_real += tokens_per_expert[e];
-    my_padded += padded_tokens[e];
+    int total = 0;
+#pragma unroll 8
+    for (int c = 0; c < chunks; ++c) total += chunk_counts[static_cast<int64_t>(c) * num_experts + e];
+    tokens_per_expert[e] = total;
+    const int padded = static_cast<int>(index::round_up(total, alignment));
+    padded_tokens[e] = padded;
+    my_real += total;
+    my_padded += padded;
   }
   int real_excl = 0, padded_excl = 0;
   Scan(scan_storage).ExclusiveSum(my_real, real_excl);
   __syncthreads();
   Scan(scan_storage).ExclusiveSum(my_padded, padded_excl);
+  // Chunk counts become each (chunk, expert)'s first sorted position.
+  constexpr int kBlock = 8;
   for (int e = e0; e < e1; ++e) {
-    s_start[e] = real_excl;
+    int run = real_excl;
     real_excl += tokens_per_expert[e];
     padded_excl += padded_tokens[e];
     bins[e] = real_excl;
     padded_bins[e] = padded_excl;
-  }
-  __syncthreads();
-
-  for (int e = warp; e < num_experts; e += kWarps) {
-    const int start = s_start[e];
-    for (int c = c0; c < c1; ++c) chunk_counts[static_cast<int64_t>(c) * num_experts + e] += start;
+    for (int c0 = 0; c0 < chunks; c0 += kBlock) {
+      int n[kBlock];
+#pragma unroll
+      for (int q = 0; q < kBlock; ++q) {
+        n[q] = c0 + q < chunks ? chunk_counts[static_cast<int64_t>(c0 + q) * num_experts + e] : 0;
+      }
+#pragma unroll
+      for (int q = 0; q < kBlock; ++q) {
+        if (c0 + q < chunks) chunk_counts[static_cast<int64_t>(c0 + q) * num_experts + e] = run;
+        run += n[q];
+      }
+    }
   }
 }
 
@@ -201,12 +183,7 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
                                                          key_bits(num_experts), chunk_counts, local_rank);
     PADMOE_CUDA_LAUNCH_CHECK("plan_count_kernel");
   }
-  const size_t scan_smem = static_cast<size_t>(num_experts) * sizeof(int);
-  if (scan_smem > 48 * 1024) {
-    PADMOE_CUDA_CHECK(cudaFuncSetAttribute(plan_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(scan_smem)));
-  }
-  plan_scan_kernel<<<1, kScanThreads, scan_smem, s>>>(chunk_counts, chunks, num_experts, alignment,
+  plan_scan_kernel<<<1, kScanThreads, 0, s>>>(chunk_counts, chunks, num_experts, alignment,
                                               out.tokens_per_expert.data_as<int32_t>(), out.bins.data_as<int32_t>(),
                                               out.padded_tokens_per_expert.data_as<int32_t>(),
                                               out.padded_bins.data_as<int32_t>());

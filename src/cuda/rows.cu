@@ -194,17 +194,18 @@ __global__ void __launch_bounds__(kThreads)
 // out[t] = sum_k w*y[dest] (ascending k, no FMA contraction: the CPU's
 // rounding). When dots are wanted, also dots[a] = <y[dest[a]], g[t]> from the
 // same reads of y (the weight gradient of a gather / dispatch backward).
-template <typename T, bool kVec>
+// kDots is a template parameter so that plain combine keeps a lean kernel.
+template <typename T, bool kVec, bool kDots>
 __global__ void __launch_bounds__(kThreads)
     reduce_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
                   FloatOutArg dots) {
   using U = Unit<T, kVec>;
   __shared__ int64_t s_dest[kGroupK];
   __shared__ float s_w[kGroupK];
-  __shared__ float s_part[kThreads / 32][kGroupK];
+  __shared__ float s_part[kDots ? kThreads / 32 : 1][kGroupK];
   const int64_t t = blockIdx.x;
   const int64_t units = units_of<U>(out);
-  const bool want_dots = dots.data != nullptr;
+  constexpr bool want_dots = kDots;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   char* dst = row_ptr(out, t);
   const char* grow = want_dots ? row_ptr(g, t) : nullptr;
@@ -342,7 +343,11 @@ struct SpreadTag {
 };
 template <typename T, bool kVec>
 struct ReduceTag {
-  static constexpr auto fn = reduce_kernel<T, kVec>;
+  static constexpr auto fn = reduce_kernel<T, kVec, false>;
+};
+template <typename T, bool kVec>
+struct ReduceDotsTag {
+  static constexpr auto fn = reduce_kernel<T, kVec, true>;
 };
 template <typename T, bool kVec>
 struct DotsTag {
@@ -392,10 +397,12 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
   if (out.rows == 0 || (out.cols == 0 && dots.data == nullptr)) return;  // H = 0 still writes zero dots
   const RowsArg g = dots_with != nullptr ? *dots_with : RowsArg{};
   const bool vec = rows_vectorizable(y) && rows_vectorizable(out) && (dots_with == nullptr || rows_vectorizable(g));
-  pick<ReduceTag>(y.dtype, vec, [&](auto tag) {
+  auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     Tag::fn<<<static_cast<unsigned>(out.rows), kThreads, 0, as_stream(stream)>>>(y, top_k, dest, w, out, g, dots);
-  });
+  };
+  if (dots.data != nullptr) pick<ReduceDotsTag>(y.dtype, vec, launch);
+  else pick<ReduceTag>(y.dtype, vec, launch);
   PADMOE_CUDA_LAUNCH_CHECK("reduce_kernel");
 }
 
