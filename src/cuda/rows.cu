@@ -90,6 +90,36 @@ __device__ float block_sum(float v, float* s_warp) {
 constexpr int kGroupK = 64;      // assignments of a token staged in shared memory at a time
 constexpr int kZeroRows = 32;    // rows per zero block
 
+// Stages assignments [k0, k0 + nk) of token t: their destination rows (-1 when
+// dropped, or outside the `rows` rows given: only with unchecked bad input) and
+// weights, and clears each warp's dot partials. All threads call it.
+template <int kWarpRows>
+__device__ void stage_group(int64_t t, int k0, int nk, int top_k, const int32_t* __restrict__ dest, const ScaleArg& w,
+                            int64_t rows, bool want_dots, int64_t* s_dest, float* s_w,
+                            float (*s_part)[kWarpRows]) {
+  __syncthreads();  // the previous group is done with the staging arrays
+  for (int q = threadIdx.x; q < nk; q += kThreads) {
+    const int64_t a = index::assignment_id(t, k0 + q, top_k);
+    const int64_t r = dest[a];
+    s_dest[q] = (r < 0 || r >= rows) ? -1 : r;
+    s_w[q] = load_scale(w, a);
+  }
+  for (int q = threadIdx.x % 32; want_dots && q < nk; q += 32) s_part[threadIdx.x / 32][q] = 0.0f;
+  __syncthreads();
+}
+
+// dots[a] = the warps' partials summed in order (0 for dropped assignments).
+template <int kWarpRows>
+__device__ void finish_dots(int64_t t, int k0, int nk, int top_k, const int64_t* s_dest,
+                            const float (*s_part)[kWarpRows], const FloatOutArg& dots) {
+  __syncthreads();
+  for (int q = threadIdx.x; q < nk; q += kThreads) {
+    float sum = 0.0f;
+    for (int v = 0; v < kThreads / 32; ++v) sum += s_part[v][q];
+    store_float(dots, index::assignment_id(t, k0 + q, top_k), s_dest[q] < 0 ? 0.0f : sum);
+  }
+}
+
 // Zero block: rows [first, first + kZeroRows) of y that are padding (below P)
 // or, when zero_past_end, at or past P. One search per block, then the
 // experts whose padded segments meet the range are walked in order.
@@ -141,15 +171,7 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
     const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
-    __syncthreads();  // the previous group is done with the staging arrays
-    for (int q = threadIdx.x; q < nk; q += kThreads) {
-      const int64_t a = index::assignment_id(t, k0 + q, top_k);
-      const int64_t r = dest[a];
-      s_dest[q] = (r < 0 || r >= y.rows) ? -1 : r;  // (r >= y.rows only with unchecked bad input)
-      s_w[q] = load_scale(w, a);
-    }
-    for (int q = lane; want_dots && q < nk; q += 32) s_part[warp][q] = 0.0f;
-    __syncthreads();
+    stage_group(t, k0, nk, top_k, dest, w, y.rows, want_dots, s_dest, s_w, s_part);
     for (int64_t c = 0; c < units; c += kChunkUnits) {
       typename U::Raw reg[kRegUnits];
 #pragma unroll
@@ -179,14 +201,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    if (want_dots) {
-      __syncthreads();
-      for (int q = threadIdx.x; q < nk; q += kThreads) {
-        float sum = 0.0f;
-        for (int v = 0; v < kThreads / 32; ++v) sum += s_part[v][q];
-        store_float(dots, index::assignment_id(t, k0 + q, top_k), s_dest[q] < 0 ? 0.0f : sum);
-      }
-    }
+    if (want_dots) finish_dots(t, k0, nk, top_k, s_dest, s_part, dots);
   }
 }
 
@@ -211,15 +226,7 @@ __global__ void __launch_bounds__(kThreads)
   const char* grow = want_dots ? row_ptr(g, t) : nullptr;
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
     const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
-    __syncthreads();
-    for (int q = threadIdx.x; q < nk; q += kThreads) {
-      const int64_t a = index::assignment_id(t, k0 + q, top_k);
-      const int64_t r = dest[a];
-      s_dest[q] = (r < 0 || r >= y.rows) ? -1 : r;  // (r >= y.rows only with unchecked bad input)
-      s_w[q] = load_scale(w, a);
-    }
-    for (int q = lane; want_dots && q < nk; q += 32) s_part[warp][q] = 0.0f;
-    __syncthreads();
+    stage_group(t, k0, nk, top_k, dest, w, y.rows, want_dots, s_dest, s_w, s_part);
     // More than kGroupK assignments (rare): later groups add onto the stored
     // row, which rounds the partial sum to the row dtype once per group.
     for (int64_t c = 0; c < units; c += kChunkUnits) {
@@ -268,14 +275,7 @@ __global__ void __launch_bounds__(kThreads)
         if (u < units) U::store(dst, u, U::from_float(acc[j]));
       }
     }
-    if (want_dots) {
-      __syncthreads();
-      for (int q = threadIdx.x; q < nk; q += kThreads) {
-        float sum = 0.0f;
-        for (int v = 0; v < kThreads / 32; ++v) sum += s_part[v][q];
-        store_float(dots, index::assignment_id(t, k0 + q, top_k), s_dest[q] < 0 ? 0.0f : sum);
-      }
-    }
+    if (want_dots) finish_dots(t, k0, nk, top_k, s_dest, s_part, dots);
   }
 }
 
