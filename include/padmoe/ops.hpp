@@ -18,7 +18,14 @@
 //
 // Output capacity: every op that produces padded rows accepts an output of at
 // least P = padded_bins[E-1] rows; rows at or past P are left untouched.
-// Allocating forms on the CPU allocate exactly P rows.
+// Allocating forms allocate exactly P rows (on CUDA they read P from the
+// device: one synchronization). On CUDA, the _out forms with check_data =
+// false never synchronize with the host (capturable in a CUDA graph); P is then
+// known on the device only, so size outputs with capacity_bound().
+//
+// CUDA checked mode (check_data = true, the default) validates the
+// data-dependent properties on the device and synchronizes once to raise the
+// error on the host, before the op writes anything.
 #pragma once
 
 #include <cstdint>
@@ -96,7 +103,10 @@ int64_t capacity_bound(int64_t num_tokens, int top_k, int num_experts, int align
 int64_t padded_rows(const PlanView& plan, const Options& options = {});
 int64_t padded_rows(const Plan& plan, const Options& options = {});
 
-// make_plan(top_experts[T, K] int32|int64, E, m): SPEC section 1.
+// make_plan(top_experts[T, K] int32|int64, E, m): SPEC section 1. On CUDA,
+// out.row_sources needs at least capacity_bound() entries (P is not known on
+// the host); in unchecked mode an expert id outside [0, E) is dropped
+// (dest_rows -1) rather than validated.
 Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, const Options& options = {});
 void make_plan_out(const TensorView& top_experts, int num_experts, int alignment, const PlanView& out,
                    const Options& options = {});

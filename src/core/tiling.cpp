@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iomanip>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -161,6 +162,7 @@ std::string describe_tile_config(TileOp op, const TileConfig& c, int64_t hidden,
      << index::num_column_tiles(hidden, c.block_x) << " column tile(s) per row\n"
      << "buffers         " << c.buffers << (c.buffers > 1 ? " (multi-buffered)" : "") << "\n"
      << "buffer budget   " << tile_buffer_bytes(op, c, dtype) << " of " << c.buffer_bytes << " bytes used ("
+     << std::fixed << std::setprecision(1)
      << (c.buffer_bytes > 0 ? 100.0 * static_cast<double>(tile_buffer_bytes(op, c, dtype)) /
                                   static_cast<double>(c.buffer_bytes)
                             : 0.0)
