@@ -498,6 +498,9 @@ std::vector<Workload> workloads() {
   // T*K >= 131072
   w.push_back({"large_A_T32768_K4", 32768, 64, 4, 33, 128, Dist::kUniform, {}, 1});
   w.push_back({"large_A_T16384_E256_K8", 16384, 256, 8, 8, 16, Dist::kDistinct, {}, 3});
+  // Many experts: the plan's shared-memory counts and scan at E = 1024 and 4096.
+  w.push_back({"experts_1024", 4096, 1024, 8, 16, 16, Dist::kDistinct, {}, 1});
+  w.push_back({"experts_4096", 2048, 4096, 4, 8, 8, Dist::kUniform, {}, 1});
   return w;
 }
 
