@@ -81,19 +81,9 @@ MbSetup make_mb(int64_t T, int64_t H, int E, int K, int m, DType dtype, DType wd
   s.y = rows_from_float(s.yf, dtype, s.P, H);
   s.grad_y = rows_from_float(s.gyf, dtype, s.P, H);
   // Padding rows of the padded inputs are never read: NaN there would show.
-  for (int64_t r = 0; r < s.P; ++r)
-    if (s.p.row_sources[static_cast<size_t>(r)] < 0) {
-      std::memset(static_cast<unsigned char*>(s.y.data()) + r * H * esize(dtype), kPoison, H * esize(dtype));
-      std::memset(static_cast<unsigned char*>(s.grad_y.data()) + r * H * esize(dtype), kPoison, H * esize(dtype));
-    }
+  poison_padding_rows(s.y, s.p, s.P, H, dtype);
+  poison_padding_rows(s.grad_y, s.p, s.P, H, dtype);
   return s;
-}
-
-std::vector<double> scatter_abs(const std::vector<float>& y, int64_t H, const ref::Plan& p,
-                                const std::vector<float>* w) {
-  std::vector<float> aw;
-  if (w) aw = abs_of(*w);
-  return ref::padded_scatter(abs_of(y), H, p, w ? &aw : nullptr);
 }
 
 // row dtype, weight dtype kind (0: float32, 1: the row dtype); kind 1 also uses int64 index inputs.
@@ -127,7 +117,7 @@ void check_gather_like_backward(
     std::optional<TensorView> wopt;
     if (weighted) wopt = s.w.view();
     const std::vector<double> want_gx = ref::padded_scatter(s.gyf, H, s.p, weighted ? &s.wf : nullptr);
-    const std::vector<double> abs_gx = scatter_abs(s.gyf, H, s.p, weighted ? &s.wf : nullptr);
+    const std::vector<double> abs_gx = ref_scatter_abs(s.gyf, H, s.p, weighted ? &s.wf : nullptr);
     const padmoe::RowGrads g = alloc(wopt);
     ASSERT_EQ(g.grad_rows.size(0), T);
     EXPECT_EQ(g.grad_weights.defined(), weighted);

@@ -46,19 +46,9 @@ Fixture make_setup(int64_t T, int64_t H, int E, int K, int m, DType dtype, DType
   s.grad_out = rows_from_float(s.gof, dtype, T, H);
   s.y = rows_from_float(s.yf, dtype, P, H);
   s.grad_y = rows_from_float(s.gyf, dtype, P, H);
-  for (int64_t r = 0; r < P; ++r)
-    if (s.p.row_sources[static_cast<size_t>(r)] < 0) {
-      std::memset(static_cast<unsigned char*>(s.y.data()) + r * H * esize(dtype), kPoison, H * esize(dtype));
-      std::memset(static_cast<unsigned char*>(s.grad_y.data()) + r * H * esize(dtype), kPoison, H * esize(dtype));
-    }
+  poison_padding_rows(s.y, s.p, P, H, dtype);
+  poison_padding_rows(s.grad_y, s.p, P, H, dtype);
   return s;
-}
-
-std::vector<double> ref_scatter_abs(const std::vector<float>& y, int64_t H, const ref::Plan& p,
-                                    const std::vector<float>* w) {
-  std::vector<float> aw;
-  if (w) aw = abs_of(*w);
-  return ref::padded_scatter(abs_of(y), H, p, w ? &aw : nullptr);
 }
 
 using FusedParam = std::tuple<DType, int, int, bool>;  // row dtype, weight dtype kind, K, library plan?

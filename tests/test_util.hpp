@@ -376,4 +376,20 @@ template <class F>
   return ::testing::AssertionFailure() << "did not throw";
 }
 
+// Padding rows (row_sources < 0) of a padded [rows, H] input set to the poison
+// pattern (NaN in every float format): an op that reads them shows it.
+inline void poison_padding_rows(Tensor& t, const ref::Plan& p, int64_t rows, int64_t H, DType dtype) {
+  for (int64_t r = 0; r < rows; ++r)
+    if (p.row_sources[static_cast<size_t>(r)] < 0)
+      std::memset(static_cast<unsigned char*>(t.data()) + r * H * esize(dtype), kPoison, H * esize(dtype));
+}
+
+// The reference scatter over absolute values: the S of the sum tolerance.
+inline std::vector<double> ref_scatter_abs(const std::vector<float>& y, int64_t H, const ref::Plan& p,
+                                           const std::vector<float>* w) {
+  std::vector<float> aw;
+  if (w) aw = abs_of(*w);
+  return ref::padded_scatter(abs_of(y), H, p, w ? &aw : nullptr);
+}
+
 }  // namespace pt
