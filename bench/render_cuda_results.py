@@ -1,0 +1,35 @@
+#!/usr/bin/env python3
+"""Render `padmoe bench --device cuda --json` files (one per preset) into a markdown table.
+
+Usage: bench/render_cuda_results.py DIR > table.md   (DIR holds bench-<preset>.json)
+"""
+import json
+import pathlib
+import sys
+
+PRESETS = ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "decode"]
+
+
+def main(folder: str) -> None:
+    data = {p: json.loads((pathlib.Path(folder) / f"bench-{p}.json").read_text()) for p in PRESETS}
+    first = data["deepseek-v3"]
+    print(f"Card: {first['card']}. Method: {first['timing']}; {first['iters']} timed runs after "
+          f"{first['warmup']} warm-up runs, median. Copy bandwidth measured: "
+          + ", ".join(f"{p} {data[p]['copy_tbps']:.2f} TB/s" for p in PRESETS) + ".\n")
+    print("| op | " + " | ".join(f"{p} µs | TB/s | ×floor" for p in PRESETS) + " |")
+    print("|---|" + "---:|---:|---:|" * len(PRESETS))
+    for op in first["ops"]:
+        row = [op["name"]]
+        for p in PRESETS:
+            o = next(x for x in data[p]["ops"] if x["name"] == op["name"])
+            row += [f"{o['us']:.1f}", f"{o['tbps']:.2f}", f"{o['time_over_floor']:.2f}"]
+        print("| " + " | ".join(row) + " |")
+    print()
+    print("Workloads: " + "; ".join(
+        f"{p}: T={data[p]['workload']['tokens']}, E={data[p]['workload']['experts']}, K={data[p]['workload']['top_k']}, "
+        f"H={data[p]['workload']['hidden']}, alignment {data[p]['workload']['alignment']}, P={data[p]['workload']['padded_rows']}"
+        for p in PRESETS) + ".")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
