@@ -436,23 +436,6 @@ Tensor plan_tensor(const std::vector<int64_t>& v) {
   return t;
 }
 
-Plan allocate_plan(int64_t T, int K, int E, int m, int64_t A, int64_t R, Device dev) {
-  Plan p;
-  p.indices = Tensor::empty(DType::kInt32, {A}, dev);
-  p.bin_ids = Tensor::empty(DType::kInt32, {A}, dev);
-  p.tokens_per_expert = Tensor::empty(DType::kInt32, {E}, dev);
-  p.bins = Tensor::empty(DType::kInt32, {E}, dev);
-  p.padded_tokens_per_expert = Tensor::empty(DType::kInt32, {E}, dev);
-  p.padded_bins = Tensor::empty(DType::kInt32, {E}, dev);
-  p.dest_rows = Tensor::empty(DType::kInt32, {A}, dev);
-  p.row_sources = Tensor::empty(DType::kInt32, {R}, dev);
-  p.num_tokens = T;
-  p.top_k = K;
-  p.num_experts = E;
-  p.alignment = m;
-  return p;
-}
-
 std::vector<float> to_floats(const Tensor& t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
   for (int64_t i = 0; i < t.numel(); ++i) v[i] = numeric::load_as_float(t.data(), t.dtype(), i);
@@ -580,7 +563,7 @@ Data build_data(const Workload& w, bool reference) {
   d.grad_unpadded = random_rows(N, H, w.dtype, stream_seed(w.seed, 5));
 
   const Device dev = w.device;
-  d.plan_out = allocate_plan(T, w.K, w.E, w.m, A, R, dev);
+  d.plan_out = Plan::empty(T, w.K, w.E, w.m, dev);
   d.out_rows_R = Tensor::empty(w.dtype, {R, H}, dev);
   d.out_rows_R2 = Tensor::empty(w.dtype, {R, H}, dev);
   d.out_rows_T = Tensor::empty(w.dtype, {T, H}, dev);

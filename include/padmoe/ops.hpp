@@ -90,6 +90,10 @@ struct Plan {
   int num_experts = 0;
   int alignment = 1;
 
+  // Uninitialized buffers for make_plan_out on `device` (row_sources with
+  // capacity() entries): allocate once, refill each step (e.g. in a CUDA graph).
+  static Plan empty(int64_t num_tokens, int top_k, int num_experts, int alignment, Device device = Device::cpu());
+
   PlanView view() const;
   int64_t num_assignments() const { return num_tokens * top_k; }
   // Host-side bound on P: A + E*(alignment-1) (the size of row_sources).

@@ -30,6 +30,24 @@ PlanView Plan::view() const {
   return v;
 }
 
+Plan Plan::empty(int64_t num_tokens, int top_k, int num_experts, int alignment, Device device) {
+  const int64_t a_count = num_tokens * top_k;
+  Plan plan;
+  plan.num_tokens = num_tokens;
+  plan.top_k = top_k;
+  plan.num_experts = num_experts;
+  plan.alignment = alignment;
+  plan.indices = Tensor::empty(DType::kInt32, {a_count}, device);
+  plan.bin_ids = Tensor::empty(DType::kInt32, {a_count}, device);
+  plan.tokens_per_expert = Tensor::empty(DType::kInt32, {num_experts}, device);
+  plan.bins = Tensor::empty(DType::kInt32, {num_experts}, device);
+  plan.padded_tokens_per_expert = Tensor::empty(DType::kInt32, {num_experts}, device);
+  plan.padded_bins = Tensor::empty(DType::kInt32, {num_experts}, device);
+  plan.dest_rows = Tensor::empty(DType::kInt32, {a_count}, device);
+  plan.row_sources = Tensor::empty(DType::kInt32, {plan.capacity()}, device);
+  return plan;
+}
+
 int64_t Plan::capacity() const { return capacity_bound(num_tokens, top_k, num_experts, alignment); }
 
 int64_t capacity_bound(int64_t num_tokens, int top_k, int num_experts, int alignment) {
@@ -155,21 +173,7 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
 Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, const Options& options) {
   Checker c("make_plan");
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
-  const Device dev = top_experts.device;
-  const int64_t a_count = s.tokens * s.top_k;
-  Plan plan;
-  plan.num_tokens = s.tokens;
-  plan.top_k = s.top_k;
-  plan.num_experts = num_experts;
-  plan.alignment = alignment;
-  plan.indices = Tensor::empty(DType::kInt32, {a_count}, dev);
-  plan.bin_ids = Tensor::empty(DType::kInt32, {a_count}, dev);
-  plan.tokens_per_expert = Tensor::empty(DType::kInt32, {num_experts}, dev);
-  plan.bins = Tensor::empty(DType::kInt32, {num_experts}, dev);
-  plan.padded_tokens_per_expert = Tensor::empty(DType::kInt32, {num_experts}, dev);
-  plan.padded_bins = Tensor::empty(DType::kInt32, {num_experts}, dev);
-  plan.dest_rows = Tensor::empty(DType::kInt32, {a_count}, dev);
-  plan.row_sources = Tensor::empty(DType::kInt32, {plan.capacity()}, dev);
+  Plan plan = Plan::empty(s.tokens, s.top_k, num_experts, alignment, top_experts.device);
   run_make_plan(c, top_experts, s, num_experts, alignment, plan.view(), options);
   return plan;
 }
