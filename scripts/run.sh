@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
 build=build
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_BUILD_TESTS=OFF >/dev/null
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_BUILD_TESTS=OFF -DPADMOE_BUILD_CLI=ON >/dev/null
 cmake --build "$build" -j "$(nproc)" --target padmoe_cli
 "$build/padmoe" check "$@"
 "$build/padmoe" bench "$@"
