@@ -16,3 +16,5 @@ fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_CUDA=$cuda -DPADMOE_BUILD_TESTS=ON -DPADMOE_BUILD_CLI=ON
 cmake --build "$build" -j "$(nproc)"
 ctest --test-dir "$build" --output-on-failure --no-tests=error -j "$(nproc)"
+# The Python package and its tests (scripts/pytest.sh: a virtualenv, pip install ., pytest).
+if [ "${PADMOE_SKIP_PYTHON:-0}" != "1" ]; then bash scripts/pytest.sh; fi

@@ -252,5 +252,30 @@ TEST(Determinism, BitwiseAcrossRunsAndThreadCounts) {
   }
 }
 
+// Options::zero_tail: an output sized by capacity_bound() is fully defined —
+// rows at or past P zero — for dispatch and the grad_y of combine_backward;
+// without it those rows keep their bytes.
+TEST(ZeroTail, DispatchAndCombineBackwardZeroRowsPastP) {
+  for (bool zero_tail : {false, true}) {
+    Fixture s = make_setup(37, 20, 5, 3, 8, DType::kBFloat16, DType::kFloat32, 77);
+    const int64_t P = s.p.padded_rows;
+    const int64_t R = padmoe::capacity_bound(s.T, s.K, s.E, s.m);
+    ASSERT_GT(R, P);
+    padmoe::Options o;
+    o.zero_tail = zero_tail;
+    const padmoe::PlanView pv = s.lib_plan.view();
+    Tensor y = poison_rows(s.dtype, R, s.H);
+    padmoe::dispatch_out(s.x, pv, s.w.view(), y, o);
+    EXPECT_TRUE(rows_bitwise(y, ref::padded_gather(s.xf, s.H, s.p, &s.wf), P));
+    if (zero_tail) EXPECT_TRUE(bytes_are(y, P, R, 0x00));
+    else EXPECT_TRUE(bytes_are(y, P, R, kPoison));
+    Tensor gy = poison_rows(s.dtype, R, s.H);
+    padmoe::combine_backward_out(s.grad_out, s.y, pv, std::nullopt, gy, TensorView{}, o);
+    EXPECT_TRUE(rows_bitwise(gy, ref::padded_gather(s.gof, s.H, s.p, nullptr), P));
+    if (zero_tail) EXPECT_TRUE(bytes_are(gy, P, R, 0x00));
+    else EXPECT_TRUE(bytes_are(gy, P, R, kPoison));
+  }
+}
+
 }  // namespace
 }  // namespace pt

@@ -92,6 +92,7 @@ bench:
   --iters N              timed runs per op; the median is reported (default 10;
                          50 on cuda, timed with CUDA events, cold L2)
   --no-reference         skip timing the single-threaded CPU reference loops
+  --ops A,B,...          only these ops (names as printed, e.g. combine(w),make_plan)
   --json                 print one JSON object instead of the table
 
 plan:
@@ -128,7 +129,8 @@ struct Args {
 
 const std::set<std::string> kValueOptions = {"preset",    "tokens", "experts", "top-k", "hidden",
                                              "alignment", "dtype",  "device",  "seed",  "threads",
-                                             "warmup",    "iters",  "target",  "op",    "cores"};
+                                             "warmup",    "iters",  "target",  "op",    "cores",
+                                             "ops"};
 const std::set<std::string> kFlagOptions = {"small", "json", "no-reference", "help"};
 
 Args parse_args(int argc, char** argv) {
@@ -1039,6 +1041,13 @@ void fill_outputs_with_sentinel(Data& d) {
 // padmoe check
 // ===========================================================================
 
+// --ops: a comma-separated list of op names (all ops when absent).
+bool op_selected(const Args& args, const std::string& name) {
+  if (!args.has("ops")) return true;
+  const std::string list = "," + args.get("ops", "") + ",";
+  return list.find("," + name + ",") != std::string::npos;
+}
+
 int cmd_check(const Args& args) {
   const Workload w = parse_workload(args);
   Data d = build_data(w, /*reference=*/true);
@@ -1050,6 +1059,7 @@ int cmd_check(const Args& args) {
   int failures = 0;
   for (size_t i = 0; i < ops.size(); ++i) {
     const OpCase& op = ops[i];
+    if (!op_selected(args, op.name)) continue;
     if (large) progress("check", i, ops.size(), op.name);
     Outcome out;
     try {
@@ -1291,6 +1301,7 @@ int cmd_bench(const Args& args) {
   std::vector<BenchRecord> records;
   for (size_t i = 0; i < ops.size(); ++i) {
     const OpCase& op = ops[i];
+    if (!op_selected(args, op.name)) continue;
     progress("bench", i, ops.size(), op.name);
     BenchRecord r;
     r.name = op.name;

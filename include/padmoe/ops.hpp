@@ -51,6 +51,12 @@ struct Options {
   // (cudaMallocAsync) instead. Unused on the CPU.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // Outputs of padded rows written by a spread (padded_gather, dispatch, and
+  // the grad_y of padded_scatter_backward / combine_backward): also zero the
+  // rows at or past P, in the same pass, so that an output sized by
+  // capacity_bound() is fully defined (padmoe.torch uses this). Off by
+  // default: those rows are left untouched.
+  bool zero_tail = false;
 };
 
 // Device scratch bytes that suffice for every op on a routing of num_tokens x

@@ -173,13 +173,13 @@ void run_spread(const Routed& r, const TensorView& x, const std::optional<Tensor
   if (r.on_cuda) {
     const cuda::RowsArg with = dots_with ? rows_arg(*dots_with) : cuda::RowsArg{};
     cuda::spread_rows(rows_arg(x), r.top_k, r.dest_rows, scale_arg(w), rows_arg(y), r.padding,
-                      /*zero_past_end=*/false, dots_with ? &with : nullptr,
+                      o.zero_tail, dots_with ? &with : nullptr,
                       dots ? cuda::FloatOutArg{dots->data, dots->dtype} : cuda::FloatOutArg{}, o.stream);
     return;
   }
   const cpu::RowsRef with = dots_with ? cpu::RowsRef::of(*dots_with) : cpu::RowsRef{};
   cpu::spread_rows(cpu::RowsRef::of(x), r.top_k, r.dest_rows, cpu::Scale::of(w), cpu::RowsRef::of(y),
-                   r.row_sources, r.padded_rows, dots_with ? &with : nullptr,
+                   r.row_sources, r.padded_rows, o.zero_tail, dots_with ? &with : nullptr,
                    dots ? float_out(*dots) : cpu::FloatOut{}, o.num_threads);
 }
 

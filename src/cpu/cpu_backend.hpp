@@ -61,8 +61,8 @@ void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k
 // When dots_with is given, dots[a] = <dots_with[dest[a]], x[t]> (0 where
 // dest < 0) from the same read of x[t] (combine_backward's weight grad).
 void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, const RowsRef& y,
-                 const int32_t* row_sources, int64_t padded_rows, const RowsRef* dots_with, FloatOut dots,
-                 int threads);
+                 const int32_t* row_sources, int64_t padded_rows, bool zero_past_end, const RowsRef* dots_with,
+                 FloatOut dots, int threads);
 
 // Token-driven weighted reduction (combine / padded_scatter):
 //   out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]]  (float32, dest < 0 skipped).

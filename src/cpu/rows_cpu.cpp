@@ -248,12 +248,13 @@ void copy_bytes(void* dst, const void* src, int64_t bytes, int threads) {
 }
 
 void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, const RowsRef& y,
-                 const int32_t* row_sources, int64_t padded_rows, const RowsRef* dots_with, FloatOut dots,
-                 int threads) {
+                 const int32_t* row_sources, int64_t padded_rows, bool zero_past_end, const RowsRef* dots_with,
+                 FloatOut dots, int threads) {
   const int64_t tokens = x.rows;
   const int64_t row_bytes = y.row_bytes();
-  const int workers = workers_for(threads, tokens * top_k + padded_rows, row_bytes);
-  const Store mode = store_mode(padded_rows * row_bytes);
+  const int64_t zero_end = zero_past_end && y.rows > padded_rows ? y.rows : padded_rows;
+  const int workers = workers_for(threads, tokens * top_k + zero_end, row_bytes);
+  const Store mode = store_mode(zero_end * row_bytes);
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);
     parallel_run(workers, [&](int wid) {
@@ -270,10 +271,10 @@ void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, cons
         }
         if (dots_with != nullptr) token_dots<T>(*dots_with, dest, t, top_k, src, x.cols, dots);
       }
-      // Padding rows: this worker's share of [0, P).
-      const index::Range pr = index::work_range(wid, workers, padded_rows);
+      // Padding rows: this worker's share of [0, P) (and of [P, rows) with zero_past_end).
+      const index::Range pr = index::work_range(wid, workers, zero_end);
       for (int64_t r = pr.begin; r < pr.end; ++r) {
-        if (row_sources[r] < 0) zero_row(y.row(r), row_bytes, mode);
+        if (r >= padded_rows || row_sources[r] < 0) zero_row(y.row(r), row_bytes, mode);
       }
       store_fence();
     });

@@ -1,17 +1,20 @@
-// plan.cu — make_plan on the GPU: a stable counting sort by expert in three
+// plan.cu — make_plan on the GPU: a stable counting sort by expert in two
 // launches, no host synchronization.
 //
-//   1. count:   each block sorts its chunk of kChunk assignment ids by expert
-//               (cub::BlockRadixSort, stable), writes every assignment's rank
-//               among its expert inside the chunk and the chunk's per-expert
-//               counts.
-//   2. scan:    one block turns the [chunks, E] counts into the plan's counts,
-//               bins, padded counts, padded bins and each (chunk, expert)'s
-//               first sorted position.
-//   3. scatter: position = chunk offset + rank; writes indices, bin_ids,
-//               dest_rows, row_sources, and -1 into every padding row and row
-//               at or past P of row_sources (each entry written once).
-// Stability: chunks are in assignment order and the block sort is stable.
+//   1. count: each block takes a chunk of kChunk assignment ids and writes
+//             every assignment's rank among its expert inside the chunk and
+//             the chunk's per-expert counts. Up to kMatchMaxExperts experts a
+//             warp ranks 32 ids at a time with __match_any_sync against
+//             per-warp counters in shared memory; above that the chunk is
+//             sorted with cub::BlockRadixSort (stable).
+//   2. place: every block reads the [chunks, E] counts (L2-resident), forms
+//             the expert totals, the block-wide scans (bins, padded bins) and
+//             its own chunk's offsets, then places its assignments: indices,
+//             bin_ids, dest_rows, row_sources. Block 0 writes the count
+//             vectors; the blocks share the -1 fill of row_sources (padding
+//             rows and rows at or past P), each entry written once.
+// Stability: chunks are in assignment order and ranks inside a chunk follow
+// assignment order.
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -25,7 +28,9 @@ constexpr int kCountThreads = 256;
 constexpr int kItems = 8;
 constexpr int kChunk = kCountThreads * kItems;  // assignments per chunk
 static_assert(kChunk == kPlanChunk, "plan_workspace_bytes assumes kPlanChunk");
-constexpr int kScanThreads = 1024;
+constexpr int kPlaceThreads = 256;
+constexpr int kPlaceBatch = 32;         // chunk counts loaded per batch in the place kernel
+constexpr int kMatchMaxExperts = 1024;  // the warp-match count's shared counters: 8 * E ints
 
 int key_bits(int num_experts) {
   int bits = 1;
@@ -78,90 +83,172 @@ __global__ void __launch_bounds__(kCountThreads)
   for (int e = threadIdx.x; e < num_experts; e += kCountThreads) out[e] = s_counts[e];
 }
 
-__global__ void __launch_bounds__(kScanThreads)
-    plan_scan_kernel(int32_t* chunk_counts, int chunks, int num_experts, int alignment, int32_t* tokens_per_expert,
-                     int32_t* bins, int32_t* padded_tokens, int32_t* padded_bins) {
-  using Scan = cub::BlockScan<int, kScanThreads>;
+// Count by warp matching: warp w ranks assignments [base + 256w, base + 256w + 256)
+// 32 at a time in assignment order against its own counters s_wc[w][E];
+// the counters then become each warp's offset among the chunk.
+__global__ void __launch_bounds__(kCountThreads)
+    plan_count_match_kernel(IndexRef ids, int64_t assignments, int num_experts, int32_t* chunk_counts,
+                            int32_t* local_rank) {
+  constexpr int kWarps = kCountThreads / 32;
+  constexpr int kPerWarp = kChunk / kWarps;
+  constexpr int kIters = kPerWarp / 32;
+  extern __shared__ int s_wc[];  // [kWarps][E]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kChunk + warp * kPerWarp;
+  int keys[kIters];
+#pragma unroll
+  for (int j = 0; j < kIters; ++j) {  // all loads first
+    const int64_t a = base + j * 32 + lane;
+    keys[j] = a < assignments ? static_cast<int>(load_index(ids, a)) : num_experts;
+  }
+  for (int i = threadIdx.x; i < kWarps * num_experts; i += kCountThreads) s_wc[i] = 0;
+  __syncthreads();
+  int* my = s_wc + warp * num_experts;
+  const unsigned lower = (1u << lane) - 1u;
+  int rank[kIters];
+#pragma unroll
+  for (int j = 0; j < kIters; ++j) {
+    int key = keys[j];
+    const int64_t a = base + j * 32 + lane;
+    if (key < 0 || key >= num_experts) {  // dropped (unchecked) or past the end
+      if (a < assignments) local_rank[a] = -1;
+      key = num_experts;
+    }
+    keys[j] = key;
+    const unsigned same = __match_any_sync(0xffffffffu, key);
+    const int leader = __ffs(same) - 1;
+    int count = 0;
+    if (lane == leader && key < num_experts) count = my[key];
+    count = __shfl_sync(0xffffffffu, count, leader);
+    rank[j] = count + __popc(same & lower);
+    if (lane == leader && key < num_experts) my[key] = count + __popc(same);
+    __syncwarp();
+  }
+  __syncthreads();
+  int32_t* out = chunk_counts + static_cast<int64_t>(blockIdx.x) * num_experts;
+  for (int e = threadIdx.x; e < num_experts; e += kCountThreads) {
+    int run = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int c = s_wc[w * num_experts + e];
+      s_wc[w * num_experts + e] = run;
+      run += c;
+    }
+    out[e] = run;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kIters; ++j) {
+    const int64_t a = base + j * 32 + lane;
+    if (keys[j] < num_experts) local_rank[a] = my[keys[j]] + rank[j];
+  }
+}
+
+__global__ void __launch_bounds__(kPlaceThreads)
+    plan_place_kernel(IndexRef ids, int64_t assignments, int chunks, int num_experts, int alignment,
+                      const int32_t* chunk_counts, const int32_t* local_rank, int64_t row_capacity,
+                      int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens, int32_t* padded_bins,
+                      int32_t* indices, int32_t* bin_ids, int32_t* dest_rows, int32_t* row_sources) {
+  using Scan = cub::BlockScan<int, kPlaceThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
-  const int per = (num_experts + kScanThreads - 1) / kScanThreads;
+  __shared__ int s_totals[2];  // real and padded totals
+  extern __shared__ int s_plan[];
+  int* s_count = s_plan;                        // [E] expert totals
+  int* s_pos = s_plan + num_experts;            // [E] sorted position of this chunk's first of e
+  int* s_row = s_plan + 2 * num_experts;        // [E] padded row of this chunk's first of e
+  const int chunk = blockIdx.x;
+  const int per = (num_experts + kPlaceThreads - 1) / kPlaceThreads;
   const int e0 = min(num_experts, static_cast<int>(threadIdx.x) * per);
   const int e1 = min(num_experts, e0 + per);
 
-  // Per expert: the total over chunks (loads only, so they pipeline).
   int my_real = 0, my_padded = 0;
   for (int e = e0; e < e1; ++e) {
-    int total = 0;
-#pragma unroll 8
-    for (int c = 0; c < chunks; ++c) total += chunk_counts[static_cast<int64_t>(c) * num_experts + e];
-    tokens_per_expert[e] = total;
-    const int padded = static_cast<int>(index::round_up(total, alignment));
-    padded_tokens[e] = padded;
+    int total = 0, before = 0;
+    for (int c0 = 0; c0 < chunks; c0 += kPlaceBatch) {
+      int n[kPlaceBatch];
+#pragma unroll
+      for (int q = 0; q < kPlaceBatch; ++q) {
+        n[q] = c0 + q < chunks ? chunk_counts[static_cast<int64_t>(c0 + q) * num_experts + e] : 0;
+      }
+#pragma unroll
+      for (int q = 0; q < kPlaceBatch; ++q) {
+        total += n[q];
+        if (c0 + q < chunk) before += n[q];
+      }
+    }
+    s_count[e] = total;
+    s_pos[e] = before;
     my_real += total;
-    my_padded += padded;
+    my_padded += static_cast<int>(index::round_up(total, alignment));
   }
   int real_excl = 0, padded_excl = 0;
   Scan(scan_storage).ExclusiveSum(my_real, real_excl);
   __syncthreads();
   Scan(scan_storage).ExclusiveSum(my_padded, padded_excl);
-  // Chunk counts become each (chunk, expert)'s first sorted position.
-  constexpr int kBlock = 8;
   for (int e = e0; e < e1; ++e) {
-    int run = real_excl;
-    real_excl += tokens_per_expert[e];
-    padded_excl += padded_tokens[e];
-    bins[e] = real_excl;
-    padded_bins[e] = padded_excl;
-    for (int c0 = 0; c0 < chunks; c0 += kBlock) {
-      int n[kBlock];
+    const int count = s_count[e];
+    const int padded = static_cast<int>(index::round_up(count, alignment));
+    const int before = s_pos[e];
+    s_pos[e] = real_excl + before;
+    s_row[e] = padded_excl + before;
+    // Padding rows of e: written by one block (e mod grid), one thread.
+    if (e % gridDim.x == blockIdx.x) {
+      const int64_t end = padded_excl + padded < row_capacity ? padded_excl + padded : row_capacity;
+      for (int64_t r = padded_excl + count; r < end; ++r) row_sources[r] = -1;
+    }
+    real_excl += count;
+    padded_excl += padded;
+    if (blockIdx.x == 0) {
+      tokens_per_expert[e] = count;
+      bins[e] = real_excl;
+      padded_tokens[e] = padded;
+      padded_bins[e] = padded_excl;
+    }
+  }
+  if (threadIdx.x == kPlaceThreads - 1) {
+    s_totals[0] = real_excl;
+    s_totals[1] = padded_excl;
+  }
+  __syncthreads();
+  const int64_t real_total = s_totals[0];
+  const int64_t padded_total = s_totals[1];
+  if (chunk < chunks) {
+    constexpr int kItems = kChunk / kPlaceThreads;
+    const int64_t base = static_cast<int64_t>(chunk) * kChunk;
+    int ranks[kItems], experts[kItems];
 #pragma unroll
-      for (int q = 0; q < kBlock; ++q) {
-        n[q] = c0 + q < chunks ? chunk_counts[static_cast<int64_t>(c0 + q) * num_experts + e] : 0;
-      }
+    for (int j = 0; j < kItems; ++j) {  // every load first, then the stores
+      const int64_t i = base + j * kPlaceThreads + threadIdx.x;
+      ranks[j] = i < assignments ? local_rank[i] : -1;
+      experts[j] = i < assignments ? static_cast<int>(load_index(ids, i)) : 0;
+    }
 #pragma unroll
-      for (int q = 0; q < kBlock; ++q) {
-        if (c0 + q < chunks) chunk_counts[static_cast<int64_t>(c0 + q) * num_experts + e] = run;
-        run += n[q];
+    for (int j = 0; j < kItems; ++j) {
+      const int64_t i = base + j * kPlaceThreads + threadIdx.x;
+      if (i >= assignments) break;
+      const int rank = ranks[j];
+      if (rank < 0) {
+        dest_rows[i] = -1;
+      } else {
+        const int e = experts[j];
+        const int64_t pos = s_pos[e] + rank;
+        const int64_t row = s_row[e] + rank;
+        indices[pos] = static_cast<int32_t>(i);
+        bin_ids[pos] = e;
+        dest_rows[i] = static_cast<int32_t>(row);
+        row_sources[row] = static_cast<int32_t>(i);
+      }
+      if (i >= real_total) {  // only when ids were dropped (unchecked)
+        indices[i] = -1;
+        bin_ids[i] = -1;
       }
     }
   }
-}
-
-// Scatter (thread per assignment), then -1 into padding rows (a warp per
-// expert) and rows at or past P (thread per row).
-__global__ void plan_scatter_kernel(IndexRef ids, int64_t assignments, int num_experts, const int32_t* chunk_offsets,
-                                    const int32_t* local_rank, const int32_t* tokens_per_expert, const int32_t* bins,
-                                    const int32_t* padded_bins, int64_t row_capacity, int32_t* indices,
-                                    int32_t* bin_ids, int32_t* dest_rows, int32_t* row_sources) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t real_total = num_experts > 0 ? bins[num_experts - 1] : 0;
-  const int64_t padded = num_experts > 0 ? padded_bins[num_experts - 1] : 0;
-  for (int64_t i = tid; i < assignments; i += stride) {
-    const int rank = local_rank[i];
-    if (rank < 0) {
-      dest_rows[i] = -1;
-    } else {
-      const int e = static_cast<int>(load_index(ids, i));
-      const int64_t pos = chunk_offsets[(i / kChunk) * num_experts + e] + rank;
-      const int64_t row = index::padded_row(pos, index::segment_start(bins, e), index::segment_start(padded_bins, e));
-      indices[pos] = static_cast<int32_t>(i);
-      bin_ids[pos] = e;
-      dest_rows[i] = static_cast<int32_t>(row);
-      row_sources[row] = static_cast<int32_t>(i);
-    }
-    if (i >= real_total) {  // only when ids were dropped (unchecked)
-      indices[i] = -1;
-      bin_ids[i] = -1;
-    }
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kPlaceThreads;
+  for (int64_t r = padded_total + static_cast<int64_t>(blockIdx.x) * kPlaceThreads + threadIdx.x; r < row_capacity;
+       r += stride) {
+    row_sources[r] = -1;
   }
-  const int64_t lane = tid % 32;
-  for (int64_t e = tid / 32; e < num_experts; e += stride / 32) {
-    const int64_t end = padded_bins[e] < row_capacity ? padded_bins[e] : row_capacity;
-    for (int64_t r = index::segment_start(padded_bins, e) + tokens_per_expert[e] + lane; r < end; r += 32) {
-      row_sources[r] = -1;
-    }
-  }
-  for (int64_t r = padded + tid; r < row_capacity; r += stride) row_sources[r] = -1;
 }
 
 }  // namespace
@@ -174,29 +261,34 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
   int32_t* chunk_counts = static_cast<int32_t*>(workspace);
   int32_t* local_rank = chunk_counts + static_cast<int64_t>(chunks) * num_experts;
   if (chunks > 0) {
-    const size_t smem = static_cast<size_t>(num_experts) * sizeof(int);
-    if (smem > 48 * 1024) {
-      PADMOE_CUDA_CHECK(cudaFuncSetAttribute(plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(smem)));
+    if (num_experts <= kMatchMaxExperts) {
+      const size_t smem = static_cast<size_t>(kCountThreads / 32) * num_experts * sizeof(int);
+      plan_count_match_kernel<<<chunks, kCountThreads, smem, s>>>(top_experts, assignments, num_experts,
+                                                                 chunk_counts, local_rank);
+      PADMOE_CUDA_LAUNCH_CHECK("plan_count_match_kernel");
+    } else {
+      const size_t smem = static_cast<size_t>(num_experts) * sizeof(int);
+      if (smem > 48 * 1024) {
+        PADMOE_CUDA_CHECK(cudaFuncSetAttribute(plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem)));
+      }
+      plan_count_kernel<<<chunks, kCountThreads, smem, s>>>(top_experts, assignments, num_experts,
+                                                           key_bits(num_experts), chunk_counts, local_rank);
+      PADMOE_CUDA_LAUNCH_CHECK("plan_count_kernel");
     }
-    plan_count_kernel<<<chunks, kCountThreads, smem, s>>>(top_experts, assignments, num_experts,
-                                                         key_bits(num_experts), chunk_counts, local_rank);
-    PADMOE_CUDA_LAUNCH_CHECK("plan_count_kernel");
   }
-  plan_scan_kernel<<<1, kScanThreads, 0, s>>>(chunk_counts, chunks, num_experts, alignment,
-                                              out.tokens_per_expert.data_as<int32_t>(), out.bins.data_as<int32_t>(),
-                                              out.padded_tokens_per_expert.data_as<int32_t>(),
-                                              out.padded_bins.data_as<int32_t>());
-  PADMOE_CUDA_LAUNCH_CHECK("plan_scan_kernel");
-  const int64_t work = assignments > row_capacity ? assignments : row_capacity;
-  if (work > 0) {
-    plan_scatter_kernel<<<grid_for(work, 256, 1024), 256, 0, s>>>(
-        top_experts, assignments, num_experts, chunk_counts, local_rank, out.tokens_per_expert.data_as<int32_t>(),
-        out.bins.data_as<int32_t>(),
-        out.padded_bins.data_as<int32_t>(), row_capacity, out.indices.data_as<int32_t>(),
-        out.bin_ids.data_as<int32_t>(), out.dest_rows.data_as<int32_t>(), out.row_sources.data_as<int32_t>());
-    PADMOE_CUDA_LAUNCH_CHECK("plan_scatter_kernel");
+  const size_t smem = static_cast<size_t>(3) * num_experts * sizeof(int);
+  if (smem > 32 * 1024) {  // with the kernel's static shared memory the total may pass 48 KiB
+    PADMOE_CUDA_CHECK(cudaFuncSetAttribute(plan_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
   }
+  plan_place_kernel<<<chunks > 0 ? chunks : 1, kPlaceThreads, smem, s>>>(
+      top_experts, assignments, chunks, num_experts, alignment, chunk_counts, local_rank, row_capacity,
+      out.tokens_per_expert.data_as<int32_t>(), out.bins.data_as<int32_t>(),
+      out.padded_tokens_per_expert.data_as<int32_t>(), out.padded_bins.data_as<int32_t>(),
+      out.indices.data_as<int32_t>(), out.bin_ids.data_as<int32_t>(), out.dest_rows.data_as<int32_t>(),
+      out.row_sources.data_as<int32_t>());
+  PADMOE_CUDA_LAUNCH_CHECK("plan_place_kernel");
 }
 
 }  // namespace cuda

@@ -169,16 +169,20 @@ __global__ void __launch_bounds__(kThreads)
   const char* src = row_ptr(x, t);
   const bool want_dots = dots.data != nullptr;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  typename U::Raw reg[kRegUnits];
+  auto load_chunk = [&](int64_t c) {
+#pragma unroll
+    for (int j = 0; j < kRegUnits; ++j) {
+      const int64_t u = c + j * kThreads + threadIdx.x;
+      if (u < units) reg[j] = U::load(src, u);
+    }
+  };
+  load_chunk(0);  // issued before the destinations are staged: the two loads overlap
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
     const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
     stage_group(t, k0, nk, top_k, dest, w, y.rows, want_dots, s_dest, s_w, s_part);
     for (int64_t c = 0; c < units; c += kChunkUnits) {
-      typename U::Raw reg[kRegUnits];
-#pragma unroll
-      for (int j = 0; j < kRegUnits; ++j) {
-        const int64_t u = c + j * kThreads + threadIdx.x;
-        if (u < units) reg[j] = U::load(src, u);
-      }
+      if (c > 0 || k0 > 0) load_chunk(c);
       for (int q = 0; q < nk; ++q) {
         const int64_t r = s_dest[q];
         if (r < 0) continue;
@@ -210,11 +214,12 @@ __global__ void __launch_bounds__(kThreads)
 // rounding). When dots are wanted, also dots[a] = <y[dest[a]], g[t]> from the
 // same reads of y (the weight gradient of a gather / dispatch backward).
 // kDots is a template parameter so that plain combine keeps a lean kernel.
-template <typename T, bool kVec, bool kDots>
+template <typename T, bool kVec, bool kDots, int kReduceUnits, int kLoadBatch>
 __global__ void __launch_bounds__(kThreads)
     reduce_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
                   FloatOutArg dots) {
   using U = Unit<T, kVec>;
+  constexpr int kReduceChunk = kThreads * kReduceUnits;
   __shared__ int64_t s_dest[kGroupK];
   __shared__ float s_w[kGroupK];
   __shared__ float s_part[kDots ? kThreads / 32 : 1][kGroupK];
@@ -229,11 +234,11 @@ __global__ void __launch_bounds__(kThreads)
     stage_group(t, k0, nk, top_k, dest, w, y.rows, want_dots, s_dest, s_w, s_part);
     // More than kGroupK assignments (rare): later groups add onto the stored
     // row, which rounds the partial sum to the row dtype once per group.
-    for (int64_t c = 0; c < units; c += kChunkUnits) {
-      float acc[kRegUnits][U::N];
-      typename U::Raw gv[kRegUnits];
+    for (int64_t c = 0; c < units; c += kReduceChunk) {
+      float acc[kReduceUnits][U::N];
+      typename U::Raw gv[kReduceUnits];
 #pragma unroll
-      for (int j = 0; j < kRegUnits; ++j) {
+      for (int j = 0; j < kReduceUnits; ++j) {
         const int64_t u = c + j * kThreads + threadIdx.x;
         if (k0 > 0 && u < units) U::to_float(U::load(dst, u), acc[j]);
         else {
@@ -242,35 +247,50 @@ __global__ void __launch_bounds__(kThreads)
         }
         if (want_dots && u < units) gv[j] = U::load(grow, u);
       }
-#pragma unroll 4
-      for (int q = 0; q < nk; ++q) {
-        const int64_t r = s_dest[q];
-        if (r < 0) continue;
-        const float wk = s_w[q];
-        const char* src = row_ptr(y, r);
-        float partial = 0.0f;
+      // kLoadBatch source rows at a time: every load of the batch is issued
+      // before the first add, so each thread keeps kLoadBatch * kReduceUnits
+      // 16-byte loads in flight (the adds stay in ascending k).
+      for (int q0 = 0; q0 < nk; q0 += kLoadBatch) {
+        typename U::Raw v[kLoadBatch][kReduceUnits];
 #pragma unroll
-        for (int j = 0; j < kRegUnits; ++j) {
-          const int64_t u = c + j * kThreads + threadIdx.x;
-          if (u < units) {
-            const typename U::Raw v = U::load(src, u);
-            float f[U::N];
-            U::to_float(v, f);
-            // No contraction into an FMA: the same rounding as the CPU backend
-            // (acc + w*y, each rounded), so combine is bitwise equal on both.
+        for (int b = 0; b < kLoadBatch; ++b) {
+          const int64_t r = q0 + b < nk ? s_dest[q0 + b] : -1;
+          const char* src = row_ptr(y, r < 0 ? 0 : r);
 #pragma unroll
-            for (int i = 0; i < U::N; ++i) acc[j][i] = __fadd_rn(acc[j][i], __fmul_rn(wk, f[i]));
-            if (want_dots) partial += U::dot(v, gv[j]);
+          for (int j = 0; j < kReduceUnits; ++j) {
+            const int64_t u = c + j * kThreads + threadIdx.x;
+            if (r >= 0 && u < units) v[b][j] = U::load(src, u);
           }
         }
-        if (want_dots) {
 #pragma unroll
-          for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
-          if (lane == 0) s_part[warp][q] += partial;  // chunks in order: deterministic
+        for (int b = 0; b < kLoadBatch; ++b) {
+          const int q = q0 + b;
+          if (q >= nk) break;
+          if (s_dest[q] < 0) continue;
+          const float wk = s_w[q];
+          float partial = 0.0f;
+#pragma unroll
+          for (int j = 0; j < kReduceUnits; ++j) {
+            const int64_t u = c + j * kThreads + threadIdx.x;
+            if (u < units) {
+              float f[U::N];
+              U::to_float(v[b][j], f);
+              // No contraction into an FMA: the same rounding as the CPU
+              // backend (acc + w*y, each rounded), so combine is bitwise equal.
+#pragma unroll
+              for (int i = 0; i < U::N; ++i) acc[j][i] = __fadd_rn(acc[j][i], __fmul_rn(wk, f[i]));
+              if (want_dots) partial += U::dot(v[b][j], gv[j]);
+            }
+          }
+          if (want_dots) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
+            if (lane == 0) s_part[warp][q] += partial;  // chunks in order: deterministic
+          }
         }
       }
 #pragma unroll
-      for (int j = 0; j < kRegUnits; ++j) {
+      for (int j = 0; j < kReduceUnits; ++j) {
         const int64_t u = c + j * kThreads + threadIdx.x;
         if (u < units) U::store(dst, u, U::from_float(acc[j]));
       }
@@ -302,25 +322,52 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // --- gather by map ------------------------------------------------------------------
+// A block owns rows_per_block consecutive output rows (several when rows are
+// short, so that each thread keeps up to kRegUnits loads in flight); the map
+// entries are staged first, then the rows move flattened over (row, unit).
+constexpr int kMaxMapRows = 8;
+
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     gather_kernel(RowsArg src, IndexRef map, ScaleArg s, bool scale_by_source, RowsArg out,
-                  const int32_t* row_limit) {
+                  const int32_t* row_limit, int rows_per_block) {
   using U = Unit<T, kVec>;
-  const int64_t r = blockIdx.x;
-  if (row_limit != nullptr && r >= *row_limit) return;
-  const int64_t units = units_of<U>(out);
-  const int64_t from = load_index(map, r);
-  char* dst = row_ptr(out, r);
-  if (from < 0) {
-    for (int64_t u = threadIdx.x; u < units; u += kThreads) U::store(dst, u, U::zero());
-    return;
+  __shared__ int64_t s_from[kMaxMapRows];
+  __shared__ float s_scale[kMaxMapRows];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  int64_t limit = out.rows;
+  if (row_limit != nullptr && *row_limit < limit) limit = *row_limit;
+  if (r0 >= limit) return;
+  const int nrows = limit - r0 < rows_per_block ? static_cast<int>(limit - r0) : rows_per_block;
+  if (threadIdx.x < nrows) {
+    const int64_t r = r0 + threadIdx.x;
+    const int64_t from = load_index(map, r);
+    s_from[threadIdx.x] = from;
+    s_scale[threadIdx.x] = from < 0 ? 0.0f : load_scale(s, scale_by_source ? from : r);
   }
-  const char* row = row_ptr(src, from);
-  const float w = load_scale(s, scale_by_source ? from : r);
-  for (int64_t u = threadIdx.x; u < units; u += kThreads) {
-    const typename U::Raw v = U::load(row, u);
-    U::store(dst, u, s.data == nullptr ? v : U::scale(v, w));
+  __syncthreads();
+  const int units = static_cast<int>(units_of<U>(out));
+  const int n = nrows * units;
+  for (int base = 0; base < n; base += kChunkUnits) {
+    typename U::Raw v[kRegUnits];
+#pragma unroll
+    for (int j = 0; j < kRegUnits; ++j) {
+      const int i = base + j * kThreads + static_cast<int>(threadIdx.x);
+      if (i < n) {
+        const int row = i / units;
+        const int64_t from = s_from[row];
+        v[j] = from < 0 ? U::zero() : U::load(row_ptr(src, from), i - row * units);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRegUnits; ++j) {
+      const int i = base + j * kThreads + static_cast<int>(threadIdx.x);
+      if (i < n) {
+        const int row = i / units;
+        const bool plain = s.data == nullptr || s_from[row] < 0;
+        U::store(row_ptr(out, r0 + row), i - row * units, plain ? v[j] : U::scale(v[j], s_scale[row]));
+      }
+    }
   }
 }
 
@@ -341,13 +388,17 @@ template <typename T, bool kVec>
 struct SpreadTag {
   static constexpr auto fn = spread_kernel<T, kVec>;
 };
-template <typename T, bool kVec>
-struct ReduceTag {
-  static constexpr auto fn = reduce_kernel<T, kVec, false>;
-};
-template <typename T, bool kVec>
-struct ReduceDotsTag {
-  static constexpr auto fn = reduce_kernel<T, kVec, true>;
+// Reduce: kUnits 16-byte units per thread and chunk, kBatch source rows
+// loaded before the first add. Measured on the H200 (bf16, combine): top-2
+// rows of 8 KiB run best at (2, 2) (1.05x the copy floor; (2, 8) 1.61x, the
+// extra registers cost occupancy), top-8 at (1, 4) (qwen3 1.02x, deepseek
+// 0.99x); see bench/results/cuda-h200-2026-11-30.md.
+template <int kUnits, int kBatch, bool kDots>
+struct ReduceShape {
+  template <typename T, bool kVec>
+  struct Tag {
+    static constexpr auto fn = reduce_kernel<T, kVec, kDots, kUnits, kBatch>;
+  };
 };
 template <typename T, bool kVec>
 struct DotsTag {
@@ -401,8 +452,14 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
     using Tag = decltype(tag);
     Tag::fn<<<static_cast<unsigned>(out.rows), kThreads, 0, as_stream(stream)>>>(y, top_k, dest, w, out, g, dots);
   };
-  if (dots.data != nullptr) pick<ReduceDotsTag>(y.dtype, vec, launch);
-  else pick<ReduceTag>(y.dtype, vec, launch);
+  const bool dots_wanted = dots.data != nullptr;
+  if (top_k <= 2) {
+    if (dots_wanted) pick<ReduceShape<2, 2, true>::Tag>(y.dtype, vec, launch);
+    else pick<ReduceShape<2, 2, false>::Tag>(y.dtype, vec, launch);
+  } else {
+    if (dots_wanted) pick<ReduceShape<1, 4, true>::Tag>(y.dtype, vec, launch);
+    else pick<ReduceShape<1, 4, false>::Tag>(y.dtype, vec, launch);
+  }
   PADMOE_CUDA_LAUNCH_CHECK("reduce_kernel");
 }
 
@@ -424,10 +481,14 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
   const bool vec = rows_vectorizable(src) && rows_vectorizable(out);
   RowsArg limited = out;
   limited.rows = rows;
+  const int64_t units = vec ? out.cols * static_cast<int64_t>(element_size(out.dtype)) / 16 : out.cols;
+  int64_t per_block = kChunkUnits / (units > 0 ? units : 1);
+  per_block = per_block < 1 ? 1 : (per_block > kMaxMapRows ? kMaxMapRows : per_block);
+  const int64_t blocks = index::ceil_div(rows, per_block);
   pick<GatherTag>(out.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(rows), kThreads, 0, as_stream(stream)>>>(src, map, s, scale_by_source, limited,
-                                                                                   row_limit);
+    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(
+        src, map, s, scale_by_source, limited, row_limit, static_cast<int>(per_block));
   });
   PADMOE_CUDA_LAUNCH_CHECK("gather_kernel");
 }

@@ -1055,3 +1055,39 @@ TEST(Large, DeepSeekV3DispatchCombine) {
 
 }  // namespace
 }  // namespace pt
+
+// Options::zero_tail on the GPU: rows at or past P of a capacity-sized dispatch
+// output are zero (bitwise equal to the CPU's), untouched without it.
+namespace pt {
+namespace {
+TEST(ZeroTail, DispatchOnGpuMatchesCpu) {
+  REQUIRE_GPU();
+  const int64_t T = 300, H = 72;
+  const int E = 9, K = 3, m = 16;
+  const int64_t cap = padmoe::capacity_bound(T, K, E, m);
+  const DType dt = DType::kBFloat16;
+  const padmoe::workload::Routing rt = padmoe::workload::random_router(T, E, K, 5);
+  const Tensor hte = Tensor::empty(DType::kInt32, {T, K});
+  std::memcpy(hte.data(), rt.top_experts.data(), static_cast<size_t>(T * K) * 4);
+  const Tensor hx = Tensor::empty(dt, {T, H});
+  padmoe::workload::fill_uniform(hx.data(), dt, T * H, 3);
+  const padmoe::Plan cplan = padmoe::make_plan(hte, E, m);
+  const int64_t P = padmoe::padded_rows(cplan);
+  ASSERT_LT(P, cap);
+  GpuPlan gp = gpu_plan_buffers(T, K, E, m);
+  padmoe::make_plan_out(to_gpu(hte), E, m, gp.view);
+  const Tensor dx = to_gpu(hx);
+  for (bool zero_tail : {false, true}) {
+    padmoe::Options o;
+    o.zero_tail = zero_tail;
+    Tensor cy = poison_rows(dt, cap, H);
+    padmoe::dispatch_out(hx, cplan.view(), std::nullopt, cy, o);
+    Tensor gy = gpu_poison_rows(dt, cap, H);
+    padmoe::dispatch_out(dx, gp.view, std::nullopt, gy, o);
+    const Tensor hy = to_cpu(gy);
+    EXPECT_TRUE(rows_same(hy, cy, 0, cap)) << "zero_tail=" << zero_tail;
+    EXPECT_TRUE(bytes_are(hy, P, cap, zero_tail ? 0x00 : kPoison)) << "zero_tail=" << zero_tail;
+  }
+}
+}  // namespace
+}  // namespace pt

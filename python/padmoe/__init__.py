@@ -1,0 +1,72 @@
+"""padmoe: padded Mixture-of-Experts token routing (CPU and CUDA).
+
+Framework-neutral API: every function takes numpy arrays or torch tensors and
+returns arrays of the same framework (torch tensors on the input's device).
+Outputs are allocated here and filled by padmoe's native ``_out`` ops
+(``padmoe._C``), which never copy their inputs (arrays cross by DLPack).
+
+    import numpy as np, padmoe
+    top = np.array([[0, 2], [1, 0], [2, 2]], dtype=np.int32)    # [T, K] router top-k ids
+    w = np.full(top.size, 0.5, dtype=np.float32)               # [T*K] router weights
+    x = np.random.rand(3, 8).astype(np.float32)                 # [T, H]
+    plan = padmoe.make_plan(top, num_experts=4, alignment=4)
+    y = padmoe.dispatch(x, plan)                                # [P, H], expert-grouped, padded
+    out = padmoe.combine(y, plan, w)                            # [T, H], weighted top-k sum
+
+Ops (arguments in the order of padmoe/ops.hpp): :func:`make_plan`,
+:func:`padded_gather`, :func:`padded_scatter`, :func:`padded_scatter_wgrad`,
+:func:`padded_gather_backward`, :func:`padded_scatter_backward`,
+:func:`dispatch`, :func:`combine`, :func:`combine_backward`,
+:func:`dispatch_backward`, :func:`pad_to_alignment`,
+:func:`unpad_from_alignment`, :func:`unpad_from_alignment_backward`,
+:func:`copy`; sizes :func:`capacity_bound`, :func:`workspace_bound`;
+:func:`has_cuda`. See the docstring of ``padmoe._ops`` for the options every
+op takes (``check``, ``num_threads``, ``workspace``, ``stream``, ``rows``,
+``out``) and the error mapping.
+"""
+
+from . import _C
+from ._ops import (
+    capacity_bound,
+    combine,
+    combine_backward,
+    copy,
+    dispatch,
+    dispatch_backward,
+    has_cuda,
+    make_plan,
+    pad_to_alignment,
+    padded_gather,
+    padded_gather_backward,
+    padded_scatter,
+    padded_scatter_backward,
+    padded_scatter_wgrad,
+    unpad_from_alignment,
+    unpad_from_alignment_backward,
+    workspace_bound,
+)
+from ._plan import Plan
+
+__version__ = _C.__version__
+
+__all__ = [
+    "Plan",
+    "capacity_bound",
+    "combine",
+    "combine_backward",
+    "copy",
+    "dispatch",
+    "dispatch_backward",
+    "has_cuda",
+    "make_plan",
+    "pad_to_alignment",
+    "padded_gather",
+    "padded_gather_backward",
+    "padded_scatter",
+    "padded_scatter_backward",
+    "padded_scatter_wgrad",
+    "unpad_from_alignment",
+    "unpad_from_alignment_backward",
+    "workspace_bound",
+    "__version__",
+]

@@ -1,0 +1,113 @@
+"""Array frameworks padmoe's Python API serves: numpy and torch.
+
+The native module takes any DLPack array; this module decides what the
+*outputs* are: numpy arrays for numpy inputs, torch tensors (on the input's
+device) for torch inputs. torch is never imported here: a tensor can only be
+a torch tensor if the caller already imported torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import numpy as np
+
+
+class NumpyArrays:
+    """Outputs as numpy arrays (CPU)."""
+
+    name = "numpy"
+    int32 = np.int32
+
+    def is_mine(self, a: Any) -> bool:
+        return isinstance(a, np.ndarray)
+
+    def empty(self, shape, dtype, like) -> np.ndarray:
+        return np.empty(shape, dtype=dtype)
+
+    def stream(self, like) -> int:
+        return 0
+
+    def prepare(self, a):
+        return a
+
+    def item(self, a, index: int) -> int:
+        return int(a[index])
+
+    def padded_total(self, counts, alignment: int) -> int:
+        """sum(round_up(max(count, 0), alignment)) on the host."""
+        c = np.maximum(np.asarray(counts).astype(np.int64), 0)
+        return int(np.sum((c + alignment - 1) // alignment * alignment))
+
+
+class TorchArrays:
+    """Outputs as torch tensors on the input's device; CUDA work runs on the
+    current torch stream of that device."""
+
+    name = "torch"
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.int32 = torch.int32
+
+    def is_mine(self, a: Any) -> bool:
+        return isinstance(a, self.torch.Tensor)
+
+    def empty(self, shape, dtype, like):
+        return self.torch.empty(shape, dtype=dtype, device=like.device)
+
+    def stream(self, like) -> int:
+        if like.device.type == "cuda":
+            return int(self.torch.cuda.current_stream(like.device).cuda_stream)
+        return 0
+
+    def prepare(self, a):
+        # DLPack refuses tensors that require grad; the data is the same.
+        if isinstance(a, self.torch.Tensor) and a.requires_grad:
+            return a.detach()
+        return a
+
+    def item(self, a, index: int) -> int:
+        return int(a[index].item())  # on CUDA: one synchronization
+
+    def padded_total(self, counts, alignment: int) -> int:
+        c = counts.to(self.torch.int64).clamp(min=0)
+        return int(((c + alignment - 1) // alignment * alignment).sum().item())
+
+
+NUMPY = NumpyArrays()
+_torch_arrays: Optional[TorchArrays] = None
+
+
+def arrays_of(a: Any, op: str, arg: str):
+    """The framework of array `a` (numpy or torch); TypeError otherwise."""
+    global _torch_arrays
+    if isinstance(a, np.ndarray):
+        return NUMPY
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        if _torch_arrays is None:
+            _torch_arrays = TorchArrays(torch)
+        return _torch_arrays
+    raise TypeError(f"{op}: {arg}: expected a numpy array or a torch tensor, got {type(a).__name__}")
+
+
+def prepare(arrays, *values):
+    """Each value made ready for the native module (None stays None)."""
+    return tuple(None if v is None else arrays.prepare(v) for v in values)
+
+
+def ndim(a) -> int:
+    return len(a.shape)
+
+
+def last_entry(arrays, a) -> int:
+    """a[-1] as a non-negative int, 0 when `a` is not a non-empty vector (the
+    native op then reports what is wrong with it). On CUDA: one synchronization."""
+    if a is None or ndim(a) != 1 or a.shape[0] == 0:
+        return 0
+    try:
+        return max(arrays.item(a, -1), 0)
+    except (TypeError, ValueError, OverflowError):
+        return 0

@@ -1,0 +1,452 @@
+"""padmoe's ops on numpy arrays and torch tensors.
+
+Each function allocates its outputs with the caller's framework (numpy in,
+numpy out; torch in, torch out on the same device), then fills them with the
+native ``_out`` op, which allocates nothing. Arguments follow padmoe/ops.hpp.
+
+Common keyword-only options:
+
+``check`` (default True)
+    CUDA checked mode: validate the data-dependent properties (expert ids,
+    bins, permutations) on the device before the op runs; one synchronization.
+    The CPU backend always checks everything.
+``num_threads`` (default 0 = every core)
+    CPU worker threads.
+``workspace``
+    A CUDA buffer (e.g. ``torch.empty(workspace_bound(T, K, E, m), dtype=torch.uint8,
+    device="cuda")``) for scratch memory; without it CUDA scratch memory comes
+    from ``cudaMallocAsync`` on the stream.
+``stream``
+    A ``cudaStream_t`` as an int. Default: the current torch stream of the
+    input's device for CUDA torch tensors, else 0 (the legacy default stream).
+
+Ops that produce padded rows (padded_gather, dispatch, padded_scatter_backward,
+combine_backward, pad_to_alignment) allocate exactly P rows by default, which on
+CUDA reads P from the device (one synchronization). ``rows=n`` allocates n >= P
+rows instead (e.g. ``rows=plan.capacity``: no synchronization); rows at or past
+P are left uninitialized. ``out=`` passes caller-owned outputs (a tuple shaped
+like the return value for the multi-output ops) and returns them.
+
+Errors: ``ValueError`` (bad value or shape, e.g. an expert id out of range),
+``TypeError`` (bad dtype or device), ``NotImplementedError`` (CUDA arrays in a
+build without the CUDA backend), ``RuntimeError`` (backend failure), each with
+padmoe's message naming the op, the argument and the first offending position.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from . import _C
+from ._arrays import arrays_of, last_entry, ndim, prepare
+from ._plan import Plan
+
+Array = Any
+
+
+def _options(arrays, like, check, num_threads, workspace, stream):
+    if stream is None:
+        stream = arrays.stream(like)
+    if workspace is not None:
+        workspace = arrays_of(workspace, "workspace", "workspace").prepare(workspace)
+    return {"stream": int(stream), "check_data": bool(check), "num_threads": int(num_threads), "workspace": workspace}
+
+
+def _cols(a) -> int:
+    return int(a.shape[1]) if ndim(a) == 2 else (int(a.shape[-1]) if ndim(a) >= 1 else 0)
+
+
+def _tokens(indices, top_k) -> int:
+    """T = A / K as the native allocating forms compute it (0 on bad input:
+    the native op then reports it)."""
+    if ndim(indices) != 1 or int(top_k) < 1:
+        return 0
+    return int(indices.shape[0]) // int(top_k)
+
+
+def _padded_out(arrays, op, like, rows, out, p_of):
+    """The padded-rows output: `out`, or `rows` rows, or exactly P rows."""
+    if out is not None:
+        if rows is not None:
+            raise ValueError(f"{op}: pass rows= or out=, not both")
+        return out
+    n = p_of() if rows is None else int(rows)
+    if n < 0:
+        raise ValueError(f"{op}: rows: must be >= 0, got {n}")
+    return arrays.empty((n, _cols(like)), like.dtype, like)
+
+
+def _split_out(op, out, count):
+    if out is None:
+        return (None,) * count
+    if not isinstance(out, (tuple, list)) or len(out) != count:
+        raise TypeError(f"{op}: out: expected a tuple of {count} arrays (or None entries where allowed)")
+    return tuple(out)
+
+
+def _weight_grad(arrays, like, weights, given, count):
+    """The weight-gradient output: the given one (None skips it), else a new
+    array of weights' dtype when weights were given."""
+    if given is not _UNSET:
+        return given
+    if weights is None:
+        return None
+    return arrays.empty((count,), weights.dtype, like)
+
+
+_UNSET = object()
+
+
+# ---------------------------------------------------------------------------
+# Sizes and capabilities
+# ---------------------------------------------------------------------------
+
+
+def capacity_bound(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:
+    """Host-side bound on the padded row count P: ``num_tokens*top_k + num_experts*(alignment-1)``."""
+    return _C.capacity_bound(num_tokens, top_k, num_experts, alignment)
+
+
+def workspace_bound(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:
+    """CUDA scratch bytes that suffice for every op on this routing (and pad/unpad
+    of up to ``capacity_bound(...)`` rows): allocate once, pass as ``workspace=``."""
+    return _C.workspace_bound(num_tokens, top_k, num_experts, alignment)
+
+
+def has_cuda() -> bool:
+    """Whether this build of padmoe has the CUDA backend."""
+    return _C.has_cuda()
+
+
+# ---------------------------------------------------------------------------
+# 1. Routing plan
+# ---------------------------------------------------------------------------
+
+
+def make_plan(top_experts: Array, num_experts: int, alignment: int, *, out: Optional[Plan] = None,
+              check: bool = True, num_threads: int = 0, workspace: Optional[Array] = None,
+              stream: Optional[int] = None) -> Plan:
+    """Route ``top_experts[T, K]`` (int32 or int64) to ``num_experts`` experts with
+    segments padded to multiples of ``alignment``; returns a :class:`Plan` of
+    int32 arrays on ``top_experts``' device.
+
+    ``out``: a plan from ``Plan.empty(T, K, E, alignment, like=...)`` to fill
+    instead (no allocation; on CUDA with ``check=False`` no synchronization,
+    and an expert id outside ``[0, E)`` is dropped: ``dest_rows`` -1).
+    """
+    op = "make_plan"
+    arrays = arrays_of(top_experts, op, "top_experts")
+    (top_experts,) = prepare(arrays, top_experts)
+    t, k = (int(top_experts.shape[0]), int(top_experts.shape[1])) if ndim(top_experts) == 2 else (0, 1)
+    if out is None:
+        out = Plan._allocate(t, k, num_experts, alignment, top_experts)
+    elif ndim(top_experts) == 2 and (out.num_tokens, out.top_k, out.num_experts, out.alignment) != (
+            t, k, num_experts, alignment):
+        raise ValueError(
+            f"{op}: out: the plan buffers are for num_tokens={out.num_tokens}, top_k={out.top_k}, "
+            f"num_experts={out.num_experts}, alignment={out.alignment}; this call needs "
+            f"num_tokens={t}, top_k={k}, num_experts={num_experts}, alignment={alignment}")
+    _C.make_plan_out(top_experts, num_experts, alignment, out,
+                     **_options(arrays, top_experts, check, num_threads, workspace, stream))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 2. MegaBlocks family (input in token order)
+# ---------------------------------------------------------------------------
+
+
+def padded_gather(x: Array, indices: Array, bin_ids: Array, bins: Array, padded_bins: Array, top_k: int,
+                  weights: Optional[Array] = None, *, rows: Optional[int] = None, out: Optional[Array] = None,
+                  check: bool = True, num_threads: int = 0, workspace: Optional[Array] = None,
+                  stream: Optional[int] = None) -> Array:
+    """``y[P, H]``: sorted position ``i`` of expert ``e`` lands in padded row
+    ``padded_start(e) + i - real_start(e)`` and holds ``x[indices[i] // top_k]``
+    (times ``weights[indices[i]]`` when given); padding rows are zero.
+
+    ``x[T, H]`` float32/float16/bfloat16 (float8 without weights), any row
+    stride; ``weights[A]`` float32 or x's dtype. Returns x's dtype.
+    """
+    op = "padded_gather"
+    arrays = arrays_of(x, op, "x")
+    x, indices, bin_ids, bins, padded_bins, weights, out = prepare(
+        arrays, x, indices, bin_ids, bins, padded_bins, weights, out)
+    y = _padded_out(arrays, op, x, rows, out, lambda: last_entry(arrays, padded_bins))
+    _C.padded_gather_out(x, indices, bin_ids, bins, padded_bins, top_k, weights, y,
+                         **_options(arrays, x, check, num_threads, workspace, stream))
+    return y
+
+
+def padded_scatter(y: Array, indices: Array, bin_ids: Array, weights: Optional[Array], bins: Array,
+                   padded_bins: Array, top_k: int, *, out: Optional[Array] = None, check: bool = True,
+                   num_threads: int = 0, workspace: Optional[Array] = None, stream: Optional[int] = None) -> Array:
+    """``out[T, H]``: ``out[t] = sum_k w(t*K+k) * y[dest_rows[t*K+k]]`` with
+    ``w = weights`` or 1 (pass ``weights=None`` for the unweighted sum),
+    accumulated in float32 in ascending k and cast once to y's dtype. Padding
+    rows of ``y`` are never read.
+    """
+    op = "padded_scatter"
+    arrays = arrays_of(y, op, "y")
+    y, indices, bin_ids, weights, bins, padded_bins, out = prepare(
+        arrays, y, indices, bin_ids, weights, bins, padded_bins, out)
+    if out is None:
+        out = arrays.empty((_tokens(indices, top_k), _cols(y)), y.dtype, y)
+    _C.padded_scatter_out(y, indices, bin_ids, weights, bins, padded_bins, top_k, out,
+                          **_options(arrays, y, check, num_threads, workspace, stream))
+    return out
+
+
+def padded_scatter_wgrad(y: Array, grad: Array, indices: Array, bin_ids: Array, bins: Array, padded_bins: Array,
+                         top_k: int, *, out: Optional[Array] = None, check: bool = True, num_threads: int = 0,
+                         workspace: Optional[Array] = None, stream: Optional[int] = None) -> Array:
+    """``wgrad[A]``: ``wgrad[a] = sum_h y[dest_rows[a], h] * grad[a // K, h]``
+    accumulated in float32; returned in y's dtype (``out`` may be float32 or
+    y's dtype)."""
+    op = "padded_scatter_wgrad"
+    arrays = arrays_of(y, op, "y")
+    y, grad, indices, bin_ids, bins, padded_bins, out = prepare(
+        arrays, y, grad, indices, bin_ids, bins, padded_bins, out)
+    if out is None:
+        a = int(indices.shape[0]) if ndim(indices) == 1 else 0
+        out = arrays.empty((a,), y.dtype, y)
+    _C.padded_scatter_wgrad_out(y, grad, indices, bin_ids, bins, padded_bins, top_k, out,
+                                **_options(arrays, y, check, num_threads, workspace, stream))
+    return out
+
+
+def padded_gather_backward(grad_y: Array, x: Array, indices: Array, bin_ids: Array, bins: Array,
+                           padded_bins: Array, top_k: int, weights: Optional[Array] = None, *,
+                           out: Optional[Tuple[Array, Optional[Array]]] = None, check: bool = True,
+                           num_threads: int = 0, workspace: Optional[Array] = None,
+                           stream: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
+    """Backward of :func:`padded_gather`: ``(grad_x, grad_weights)``.
+
+    ``grad_x[T, H] = padded_scatter(grad_y, weights)`` (x's dtype);
+    ``grad_weights[a] = <grad_y[dest_rows[a]], x[a // K]>`` in weights' dtype
+    when weights were given, else None. ``out=(grad_x, grad_weights)``:
+    ``grad_weights`` None skips it; an array is filled even without weights
+    (the gradient with respect to unit weights).
+    """
+    op = "padded_gather_backward"
+    arrays = arrays_of(x, op, "x")
+    out_x, out_w = _split_out(op, out, 2)
+    grad_y, x, indices, bin_ids, bins, padded_bins, weights, out_x, out_w = prepare(
+        arrays, grad_y, x, indices, bin_ids, bins, padded_bins, weights, out_x, out_w)
+    grad_x = out_x if out_x is not None else arrays.empty((_tokens(indices, top_k), _cols(x)), x.dtype, x)
+    a = int(indices.shape[0]) if ndim(indices) == 1 else 0
+    grad_w = _weight_grad(arrays, x, weights, out_w if out is not None else _UNSET, a)
+    _C.padded_gather_backward_out(grad_y, x, indices, bin_ids, bins, padded_bins, top_k, weights, grad_x, grad_w,
+                                  **_options(arrays, x, check, num_threads, workspace, stream))
+    return grad_x, grad_w
+
+
+def padded_scatter_backward(grad_out: Array, y: Array, indices: Array, bin_ids: Array, weights: Optional[Array],
+                            bins: Array, padded_bins: Array, top_k: int, *, rows: Optional[int] = None,
+                            out: Optional[Tuple[Array, Optional[Array]]] = None, check: bool = True,
+                            num_threads: int = 0, workspace: Optional[Array] = None,
+                            stream: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
+    """Backward of :func:`padded_scatter`: ``(grad_y, grad_weights)``.
+
+    ``grad_y[P, H] = padded_gather(grad_out, weights)`` (y's dtype, padding
+    rows zero; ``rows=`` allocates that many rows instead of P);
+    ``grad_weights = padded_scatter_wgrad(y, grad_out)`` in weights' dtype when
+    weights were given, else None. ``out=(grad_y, grad_weights)`` as in
+    :func:`padded_gather_backward`.
+    """
+    op = "padded_scatter_backward"
+    arrays = arrays_of(y, op, "y")
+    out_y, out_w = _split_out(op, out, 2)
+    grad_out, y, indices, bin_ids, weights, bins, padded_bins, out_y, out_w = prepare(
+        arrays, grad_out, y, indices, bin_ids, weights, bins, padded_bins, out_y, out_w)
+    grad_y = _padded_out(arrays, op, y, rows, out_y, lambda: last_entry(arrays, padded_bins))
+    a = int(indices.shape[0]) if ndim(indices) == 1 else 0
+    grad_w = _weight_grad(arrays, y, weights, out_w if out is not None else _UNSET, a)
+    _C.padded_scatter_backward_out(grad_out, y, indices, bin_ids, weights, bins, padded_bins, top_k, grad_y, grad_w,
+                                   **_options(arrays, y, check, num_threads, workspace, stream))
+    return grad_y, grad_w
+
+
+# --- fused forms on a plan ----------------------------------------------------
+
+
+def _plan_rows(arrays, plan):
+    return lambda: last_entry(arrays, plan.padded_bins) if int(plan.num_experts) > 0 else 0
+
+
+def _plan_assignments(plan) -> int:
+    return max(int(plan.num_tokens) * int(plan.top_k), 0)
+
+
+def dispatch(x: Array, plan: Plan, weights: Optional[Array] = None, *, rows: Optional[int] = None,
+             out: Optional[Array] = None, check: bool = True, num_threads: int = 0,
+             workspace: Optional[Array] = None, stream: Optional[int] = None) -> Array:
+    """``y[P, H]`` = :func:`padded_gather` on a plan, reading each token row
+    once and writing its K copies. ``rows=plan.capacity`` avoids reading P
+    (no synchronization on CUDA)."""
+    op = "dispatch"
+    arrays = arrays_of(x, op, "x")
+    x, weights, out = prepare(arrays, x, weights, out)
+    y = _padded_out(arrays, op, x, rows, out, _plan_rows(arrays, plan))
+    _C.dispatch_out(x, plan, weights, y, **_options(arrays, x, check, num_threads, workspace, stream))
+    return y
+
+
+def combine(y: Array, plan: Plan, weights: Optional[Array] = None, *, out: Optional[Array] = None,
+            check: bool = True, num_threads: int = 0, workspace: Optional[Array] = None,
+            stream: Optional[int] = None) -> Array:
+    """``out[T, H]`` = :func:`padded_scatter` on a plan: the weighted top-k sum
+    in float32, ascending k, cast once to y's dtype."""
+    op = "combine"
+    arrays = arrays_of(y, op, "y")
+    y, weights, out = prepare(arrays, y, weights, out)
+    if out is None:
+        out = arrays.empty((max(int(plan.num_tokens), 0), _cols(y)), y.dtype, y)
+    _C.combine_out(y, plan, weights, out, **_options(arrays, y, check, num_threads, workspace, stream))
+    return out
+
+
+def combine_backward(grad_out: Array, y: Array, plan: Plan, weights: Optional[Array] = None, *,
+                     rows: Optional[int] = None, out: Optional[Tuple[Array, Optional[Array]]] = None,
+                     check: bool = True, num_threads: int = 0, workspace: Optional[Array] = None,
+                     stream: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
+    """Backward of :func:`combine` from one read of ``grad_out``:
+    ``(grad_y, grad_weights)`` with ``grad_y[dest_rows[a]] = w(a) * grad_out[a // K]``
+    (P rows, padding zero; y's dtype) and ``grad_weights[a] = <y[dest_rows[a]], grad_out[a // K]>``
+    (weights' dtype) when weights were given, else None."""
+    op = "combine_backward"
+    arrays = arrays_of(y, op, "y")
+    out_y, out_w = _split_out(op, out, 2)
+    grad_out, y, weights, out_y, out_w = prepare(arrays, grad_out, y, weights, out_y, out_w)
+    grad_y = _padded_out(arrays, op, y, rows, out_y, _plan_rows(arrays, plan))
+    grad_w = _weight_grad(arrays, y, weights, out_w if out is not None else _UNSET, _plan_assignments(plan))
+    _C.combine_backward_out(grad_out, y, plan, weights, grad_y, grad_w,
+                            **_options(arrays, y, check, num_threads, workspace, stream))
+    return grad_y, grad_w
+
+
+def dispatch_backward(grad_y: Array, x: Array, plan: Plan, weights: Optional[Array] = None, *,
+                      out: Optional[Tuple[Array, Optional[Array]]] = None, check: bool = True,
+                      num_threads: int = 0, workspace: Optional[Array] = None,
+                      stream: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
+    """Backward of :func:`dispatch`: ``(grad_x, grad_weights)`` with
+    ``grad_x = combine(grad_y, weights)`` (x's dtype) and
+    ``grad_weights[a] = <grad_y[dest_rows[a]], x[a // K]>`` (weights' dtype)
+    when weights were given, else None."""
+    op = "dispatch_backward"
+    arrays = arrays_of(x, op, "x")
+    out_x, out_w = _split_out(op, out, 2)
+    grad_y, x, weights, out_x, out_w = prepare(arrays, grad_y, x, weights, out_x, out_w)
+    grad_x = out_x if out_x is not None else arrays.empty((max(int(plan.num_tokens), 0), _cols(x)), x.dtype, x)
+    grad_w = _weight_grad(arrays, x, weights, out_w if out is not None else _UNSET, _plan_assignments(plan))
+    _C.dispatch_backward_out(grad_y, x, plan, weights, grad_x, grad_w,
+                             **_options(arrays, x, check, num_threads, workspace, stream))
+    return grad_x, grad_w
+
+
+# ---------------------------------------------------------------------------
+# 3. Megatron family (input already expert-grouped)
+# ---------------------------------------------------------------------------
+
+
+def pad_to_alignment(hidden_states: Array, tokens_per_expert: Array, alignment: int, *, rows: Optional[int] = None,
+                     out: Optional[Tuple[Array, Array, Array]] = None, check: bool = True, num_threads: int = 0,
+                     workspace: Optional[Array] = None,
+                     stream: Optional[int] = None) -> Tuple[Array, Array, Array]:
+    """``(padded[P, H], permutation_map[P] int32, inclusive_offsets[E] int32)``:
+    expert e's rows of ``hidden_states[N, H]`` keep their order and move to its
+    aligned segment; padding rows are zero and map to -1; ``inclusive_offsets``
+    are the padded inclusive cumulative sums (grouped-GEMM offsets). Rows past
+    ``sum(tokens_per_expert)`` are ignored.
+
+    P is computed from ``tokens_per_expert`` (on CUDA: one synchronization);
+    ``rows=n`` allocates n rows instead (``permutation_map`` entries past P are
+    -1, padded rows past P are left uninitialized).
+    """
+    op = "pad_to_alignment"
+    arrays = arrays_of(hidden_states, op, "hidden_states")
+    out_p, out_m, out_o = _split_out(op, out, 3)
+    hidden_states, tokens_per_expert, out_p, out_m, out_o = prepare(
+        arrays, hidden_states, tokens_per_expert, out_p, out_m, out_o)
+    counts_ok = ndim(tokens_per_expert) == 1 and int(alignment) >= 1
+
+    def p_of():
+        if not counts_ok:
+            return 0
+        try:
+            return arrays.padded_total(tokens_per_expert, int(alignment))
+        except (TypeError, ValueError, RuntimeError):
+            return 0  # e.g. a float dtype: the native op reports it
+
+    padded = _padded_out(arrays, op, hidden_states, rows, out_p, p_of)
+    permutation_map = out_m if out_m is not None else arrays.empty((int(padded.shape[0]),), arrays.int32, hidden_states)
+    if out_o is None:
+        e = int(tokens_per_expert.shape[0]) if ndim(tokens_per_expert) == 1 else 0
+        out_o = arrays.empty((e,), arrays.int32, hidden_states)
+    _C.pad_to_alignment_out(hidden_states, tokens_per_expert, alignment, padded, permutation_map, out_o,
+                            **_options(arrays, hidden_states, check, num_threads, workspace, stream))
+    return padded, permutation_map, out_o
+
+
+def unpad_from_alignment(padded: Array, permutation_map: Array, original_size: int, probs: Optional[Array] = None,
+                         *, out: Optional[Array] = None, check: bool = True, num_threads: int = 0,
+                         workspace: Optional[Array] = None, stream: Optional[int] = None) -> Array:
+    """``out[N, H]`` with ``N = original_size``: ``out[map[p]] = padded[p]``
+    (times ``probs[map[p]]`` when given) for every ``map[p] >= 0``; rows no
+    entry names are zero. The backward of :func:`pad_to_alignment` is
+    ``unpad_from_alignment(grad, permutation_map, N)``."""
+    op = "unpad_from_alignment"
+    arrays = arrays_of(padded, op, "padded")
+    padded, permutation_map, probs, out = prepare(arrays, padded, permutation_map, probs, out)
+    n = int(original_size)
+    if out is None:
+        if n < 0:
+            raise ValueError(f"{op}: original_size: must be >= 0, got {n}")
+        out = arrays.empty((n, _cols(padded)), padded.dtype, padded)
+    elif ndim(out) >= 1 and int(out.shape[0]) != n:
+        raise ValueError(f"{op}: out: expected original_size = {n} rows, got {int(out.shape[0])}")
+    _C.unpad_from_alignment_out(padded, permutation_map, probs, out,
+                                **_options(arrays, padded, check, num_threads, workspace, stream))
+    return out
+
+
+def unpad_from_alignment_backward(grad_out: Array, padded: Array, permutation_map: Array,
+                                  probs: Optional[Array] = None, *,
+                                  out: Optional[Tuple[Array, Optional[Array]]] = None, check: bool = True,
+                                  num_threads: int = 0, workspace: Optional[Array] = None,
+                                  stream: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
+    """Backward of :func:`unpad_from_alignment`: ``(grad_padded, grad_probs)``
+    with ``grad_padded[p] = grad_out[map[p]]`` (times ``probs[map[p]]``), zero
+    where ``map[p] < 0`` (padded's shape and dtype), and
+    ``grad_probs[n] = <grad_out[n], padded[p]>`` for the p with ``map[p] == n``
+    (probs' dtype) when probs were given, else None."""
+    op = "unpad_from_alignment_backward"
+    arrays = arrays_of(padded, op, "padded")
+    out_p, out_pr = _split_out(op, out, 2)
+    grad_out, padded, permutation_map, probs, out_p, out_pr = prepare(
+        arrays, grad_out, padded, permutation_map, probs, out_p, out_pr)
+    grad_padded = out_p if out_p is not None else arrays.empty(tuple(padded.shape), padded.dtype, padded)
+    n = int(grad_out.shape[0]) if ndim(grad_out) >= 1 else 0
+    grad_probs = _weight_grad(arrays, padded, probs, out_pr if out is not None else _UNSET, n)
+    _C.unpad_from_alignment_backward_out(grad_out, padded, permutation_map, probs, grad_padded, grad_probs,
+                                         **_options(arrays, padded, check, num_threads, workspace, stream))
+    return grad_padded, grad_probs
+
+
+# ---------------------------------------------------------------------------
+# Utilities
+# ---------------------------------------------------------------------------
+
+
+def copy(src: Array, dst: Array, *, check: bool = True, num_threads: int = 0, workspace: Optional[Array] = None,
+         stream: Optional[int] = None) -> Array:
+    """``dst[...] = src`` byte for byte (same dtype and element count, both
+    contiguous), on any devices (host <-> CUDA too); returns ``dst``."""
+    op = "copy"
+    dst_arrays = arrays_of(dst, op, "dst")
+    src_arrays = arrays_of(src, op, "src")
+    (src,) = prepare(src_arrays, src)
+    (dst,) = prepare(dst_arrays, dst)
+    if stream is None:  # the current torch stream of whichever side is a CUDA tensor
+        stream = dst_arrays.stream(dst) or src_arrays.stream(src)
+    _C.copy(src, dst, **_options(dst_arrays, dst, check, num_threads, workspace, stream))
+    return dst

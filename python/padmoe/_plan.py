@@ -1,0 +1,121 @@
+"""The routing plan (SPEC section 1) as a Python object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from . import _C
+from ._arrays import NUMPY, arrays_of
+
+PLAN_ARRAYS = (
+    "indices",
+    "bin_ids",
+    "tokens_per_expert",
+    "bins",
+    "padded_tokens_per_expert",
+    "padded_bins",
+    "dest_rows",
+    "row_sources",
+)
+
+
+@dataclass(eq=False)
+class Plan:
+    """A routing plan: eight int32 arrays (numpy arrays or torch tensors, all
+    on one device) and the sizes they were made for.
+
+    ``indices[A]``
+        assignment ids ``a = t*K + k`` stable-sorted by expert.
+    ``bin_ids[A]``
+        the expert of ``indices[i]`` (nondecreasing).
+    ``tokens_per_expert[E]``, ``bins[E]``
+        counts and their inclusive cumulative sum (``bins[-1] == A``).
+    ``padded_tokens_per_expert[E]``, ``padded_bins[E]``
+        counts rounded up to ``alignment`` and their inclusive cumulative sum;
+        ``padded_bins[-1]`` is P, the number of padded rows (grouped-GEMM offsets).
+    ``dest_rows[A]``
+        the padded row of each assignment.
+    ``row_sources[capacity]``
+        the assignment stored in each padded row, -1 for padding rows and rows
+        at or past P.
+
+    Any object with these attributes can be passed where a plan is expected.
+    """
+
+    indices: Any
+    bin_ids: Any
+    tokens_per_expert: Any
+    bins: Any
+    padded_tokens_per_expert: Any
+    padded_bins: Any
+    dest_rows: Any
+    row_sources: Any
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    alignment: int
+
+    @property
+    def num_assignments(self) -> int:
+        """A = num_tokens * top_k."""
+        return self.num_tokens * self.top_k
+
+    @property
+    def capacity(self) -> int:
+        """Host-side bound on P: ``A + E*(alignment-1)`` (no synchronization).
+        Allocate padded outputs with ``rows=plan.capacity`` to avoid reading P."""
+        return _C.capacity_bound(self.num_tokens, self.top_k, self.num_experts, self.alignment)
+
+    def padded_rows(self) -> int:
+        """P = ``padded_bins[-1]`` read on the host (on CUDA: synchronizes the
+        current stream)."""
+        if self.num_experts == 0:
+            return 0
+        arrays = arrays_of(self.padded_bins, "Plan.padded_rows", "padded_bins")
+        return arrays.item(self.padded_bins, -1)
+
+    @classmethod
+    def empty(cls, num_tokens: int, top_k: int, num_experts: int, alignment: int, like: Optional[Any] = None) -> "Plan":
+        """Uninitialized plan buffers for ``make_plan(..., out=plan)``: allocate
+        once, refill every step (e.g. inside a CUDA graph). The arrays are of
+        ``like``'s framework and device (numpy on the CPU when ``like`` is None);
+        ``row_sources`` has ``capacity`` entries."""
+        for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1),
+                                   ("num_experts", num_experts, 1), ("alignment", alignment, 1)):
+            if int(value) < least:
+                raise ValueError(f"Plan.empty: {name}: must be >= {least}, got {value}")
+        return cls._allocate(num_tokens, top_k, num_experts, alignment, like)
+
+    @classmethod
+    def _allocate(cls, num_tokens, top_k, num_experts, alignment, like) -> "Plan":
+        # Sizes clamped at 0 so that make_plan's own checks report bad arguments.
+        arrays = NUMPY if like is None else arrays_of(like, "Plan.empty", "like")
+        num_tokens, top_k, num_experts, alignment = int(num_tokens), int(top_k), int(num_experts), int(alignment)
+        a = max(num_tokens * top_k, 0)
+        e = max(num_experts, 0)
+        cap = max(_C.capacity_bound(num_tokens, top_k, num_experts, alignment), 0)
+
+        def empty(n):
+            return arrays.empty((n,), arrays.int32, like)
+
+        return cls(
+            indices=empty(a),
+            bin_ids=empty(a),
+            tokens_per_expert=empty(e),
+            bins=empty(e),
+            padded_tokens_per_expert=empty(e),
+            padded_bins=empty(e),
+            dest_rows=empty(a),
+            row_sources=empty(cap),
+            num_tokens=num_tokens,
+            top_k=top_k,
+            num_experts=num_experts,
+            alignment=alignment,
+        )
+
+    def __repr__(self) -> str:
+        dev = getattr(self.indices, "device", "cpu")
+        return (f"Plan(num_tokens={self.num_tokens}, top_k={self.top_k}, num_experts={self.num_experts}, "
+                f"alignment={self.alignment}, capacity={self.capacity}, "
+                f"arrays={type(self.indices).__module__.split('.')[0]}:{dev})")

@@ -1,0 +1,498 @@
+// padmoe_ext.cpp — the native module padmoe._C (nanobind).
+//
+// Binds the `_out` forms of padmoe's ops (they never allocate outputs) with
+// the argument order of padmoe/ops.hpp. Arrays cross by DLPack as
+// nb::ndarray (numpy arrays, torch tensors, anything with __dlpack__ or the
+// buffer protocol; CPU or CUDA) and become padmoe::TensorViews without a copy:
+// pointer (byte offset included), dtype, shape, strides in elements, device.
+// Pure inputs are nb::ndarray<nb::ro> so read-only numpy arrays are accepted;
+// outputs must be writable. Optional C++ arguments (std::optional<TensorView>,
+// or an empty TensorView{} meaning "skip") are Python None. A plan is any
+// Python object with the eight array attributes of padmoe::PlanView and the
+// ints num_tokens, top_k, num_experts, alignment.
+//
+// Every op takes the keyword-only options stream (a cudaStream_t as an int,
+// 0 = legacy default stream), check_data, num_threads and workspace (a CUDA
+// buffer, e.g. uint8, passed as Options::workspace / workspace_bytes). The GIL
+// is released around every kernel call. padmoe::Error becomes ValueError,
+// TypeError, NotImplementedError or RuntimeError by its kind, with the C++
+// message unchanged.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+
+#include "padmoe/error.hpp"
+#include "padmoe/ops.hpp"
+#include "padmoe/tensor.hpp"
+
+#ifndef PADMOE_VERSION
+#define PADMOE_VERSION "unknown"
+#endif
+
+namespace nb = nanobind;
+
+namespace {
+
+using padmoe::DType;
+using padmoe::Error;
+using padmoe::ErrorKind;
+using padmoe::TensorView;
+
+using In = nb::ndarray<nb::ro>;      // a pure input (read-only arrays accepted)
+using Out = nb::ndarray<>;           // an output (must be writable)
+using OptIn = std::optional<In>;     // optional input: None = std::nullopt
+using OptOut = std::optional<Out>;   // optional output: None = empty TensorView{}
+
+[[noreturn]] void fail(ErrorKind kind, const char* op, const std::string& arg, const std::string& what) {
+  throw Error(kind, std::string(op) + ": " + arg + ": " + what);
+}
+
+// DLPack type codes of the float8 formats (DLPack >= 1.1). Numeric so the
+// module also builds with nanobind releases whose dtype_code enum predates them.
+constexpr uint8_t kDLFloat8E4M3FN = 10;
+constexpr uint8_t kDLFloat8E5M2 = 12;
+
+DType to_dtype(const nb::dlpack::dtype& dt, const char* op, const std::string& arg) {
+  const auto code = dt.code;
+  const auto bits = dt.bits;
+  if (dt.lanes == 1) {
+    if (code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float)) {
+      if (bits == 32) return DType::kFloat32;
+      if (bits == 16) return DType::kFloat16;
+    } else if (code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && bits == 16) {
+      return DType::kBFloat16;
+    } else if (code == static_cast<uint8_t>(nb::dlpack::dtype_code::Int)) {
+      if (bits == 32) return DType::kInt32;
+      if (bits == 64) return DType::kInt64;
+    } else if (code == kDLFloat8E4M3FN && bits == 8) {
+      return DType::kFloat8E4M3;
+    } else if (code == kDLFloat8E5M2 && bits == 8) {
+      return DType::kFloat8E5M2;
+    }
+  }
+  fail(ErrorKind::kType, op, arg,
+       "unsupported dtype (DLPack code " + std::to_string(code) + ", " + std::to_string(bits) + " bits, " +
+           std::to_string(dt.lanes) +
+           " lanes); expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32 or int64");
+}
+
+padmoe::Device to_device(int type, int id, const char* op, const std::string& arg) {
+  if (type == nb::device::cpu::value || type == nb::device::cuda_host::value) return padmoe::Device::cpu();
+  if (type == nb::device::cuda::value) return padmoe::Device::cuda(id);
+  fail(ErrorKind::kType, op, arg, "unsupported device (DLPack device type " + std::to_string(type) + "); expected CPU or CUDA");
+}
+
+// A zero-copy view of an nb::ndarray (any flavour).
+template <typename Array>
+TensorView to_view(const Array& a, const char* op, const std::string& arg) {
+  const size_t ndim = a.ndim();
+  if (ndim > static_cast<size_t>(padmoe::kMaxDims)) {
+    fail(ErrorKind::kValue, op, arg,
+         "expected at most " + std::to_string(padmoe::kMaxDims) + " dims, got " + std::to_string(ndim));
+  }
+  TensorView v;
+  v.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  v.dtype = to_dtype(a.dtype(), op, arg);
+  v.ndim = static_cast<int>(ndim);
+  bool empty = false;
+  for (size_t d = 0; d < ndim; ++d) {
+    v.shape[d] = static_cast<int64_t>(a.shape(d));
+    v.strides[d] = a.stride(d);
+    empty = empty || v.shape[d] == 0;
+  }
+  if (empty) {  // no elements: strides are meaningless (numpy 2 reports 0); use row-major ones
+    int64_t stride = 1;
+    for (size_t d = ndim; d-- > 0;) {
+      v.strides[d] = stride;
+      stride *= std::max<int64_t>(v.shape[d], 1);
+    }
+  }
+  v.device = to_device(a.device_type(), a.device_id(), op, arg);
+  return v;
+}
+
+std::optional<TensorView> opt_view(const OptIn& a, const char* op, const char* arg) {
+  if (!a) return std::nullopt;
+  return to_view(*a, op, arg);
+}
+
+// An optional output: None -> an empty TensorView{} (the op skips it).
+TensorView to_out_view(const OptOut& a, const char* op, const char* arg) {
+  if (!a) return TensorView{};
+  return to_view(*a, op, arg);
+}
+
+padmoe::Options make_options(uintptr_t stream, bool check_data, int num_threads, const OptOut& workspace,
+                             const char* op) {
+  padmoe::Options o;
+  o.stream = reinterpret_cast<void*>(stream);
+  o.check_data = check_data;
+  o.num_threads = num_threads;
+  if (workspace) {
+    const Out& w = *workspace;
+    if (w.device_type() != nb::device::cuda::value) {
+      fail(ErrorKind::kType, op, "workspace", "expected a CUDA buffer");
+    }
+    bool contiguous = true;
+    int64_t expect = 1;
+    for (size_t d = w.ndim(); d-- > 0;) {
+      if (w.shape(d) != 1 && w.stride(d) != expect) contiguous = false;
+      expect *= static_cast<int64_t>(w.shape(d));
+    }
+    if (!contiguous) fail(ErrorKind::kValue, op, "workspace", "expected a contiguous buffer");
+    o.workspace = w.size() == 0 ? nullptr : w.data();
+    o.workspace_bytes = o.workspace == nullptr ? 0 : w.nbytes();
+  }
+  return o;
+}
+
+// A plan read from a Python object's attributes. Holds the arrays so the
+// views stay valid while the GIL is released.
+template <typename Array>
+struct PlanArg {
+  Array arrays[8];
+  padmoe::PlanView view;
+};
+
+constexpr const char* kPlanFields[8] = {"indices", "bin_ids", "tokens_per_expert", "bins",
+                                        "padded_tokens_per_expert", "padded_bins", "dest_rows", "row_sources"};
+
+template <typename Int>
+Int plan_int(nb::handle plan, const char* field, const char* op, const char* prefix) {
+  const std::string arg = std::string(prefix) + "." + field;
+  if (!nb::hasattr(plan, field)) fail(ErrorKind::kType, op, prefix, std::string("expected a plan object with an attribute '") + field + "'");
+  nb::object value = nb::getattr(plan, field);
+  int64_t out = 0;
+  if (!nb::try_cast<int64_t>(value, out, /*convert=*/false)) {
+    fail(ErrorKind::kType, op, arg, "expected an int");
+  }
+  if (out < static_cast<int64_t>(std::numeric_limits<Int>::min()) ||
+      out > static_cast<int64_t>(std::numeric_limits<Int>::max())) {
+    fail(ErrorKind::kValue, op, arg, "value " + std::to_string(out) + " is out of range");
+  }
+  return static_cast<Int>(out);
+}
+
+template <typename Array>
+void read_plan(nb::handle plan, const char* op, const char* prefix, PlanArg<Array>& out) {
+  TensorView* views[8] = {&out.view.indices, &out.view.bin_ids, &out.view.tokens_per_expert, &out.view.bins,
+                          &out.view.padded_tokens_per_expert, &out.view.padded_bins, &out.view.dest_rows,
+                          &out.view.row_sources};
+  for (int i = 0; i < 8; ++i) {
+    const char* field = kPlanFields[i];
+    const std::string arg = std::string(prefix) + "." + field;
+    if (!nb::hasattr(plan, field)) {
+      fail(ErrorKind::kType, op, prefix, std::string("expected a plan object with an array attribute '") + field + "'");
+    }
+    nb::object value = nb::getattr(plan, field);
+    if (!nb::try_cast<Array>(value, out.arrays[i])) {
+      fail(ErrorKind::kType, op, arg,
+           std::string("expected a ") + (std::is_same<Array, Out>::value ? "writable " : "") +
+               "array (numpy, torch, DLPack), got " + nb::type_name(value.type()).c_str());
+    }
+    *views[i] = to_view(out.arrays[i], op, arg);
+  }
+  out.view.num_tokens = plan_int<int64_t>(plan, "num_tokens", op, prefix);
+  out.view.top_k = plan_int<int>(plan, "top_k", op, prefix);
+  out.view.num_experts = plan_int<int>(plan, "num_experts", op, prefix);
+  out.view.alignment = plan_int<int>(plan, "alignment", op, prefix);
+}
+
+void translate_error(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const Error& e) {
+    PyObject* type = PyExc_RuntimeError;
+    switch (e.kind()) {
+      case ErrorKind::kValue: type = PyExc_ValueError; break;
+      case ErrorKind::kType: type = PyExc_TypeError; break;
+      case ErrorKind::kUnsupported: type = PyExc_NotImplementedError; break;
+      case ErrorKind::kRuntime: type = PyExc_RuntimeError; break;
+    }
+    PyErr_SetString(type, e.what());
+  }
+}
+
+bool has_cuda() {
+#ifdef PADMOE_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+// The keyword-only options every op takes, in this order.
+#define PADMOE_OPTIONS                                                                                 \
+  nb::kw_only(), nb::arg("stream") = 0, nb::arg("check_data") = true, nb::arg("num_threads") = 0, \
+      nb::arg("workspace").none() = nb::none()
+#define PADMOE_OPTION_PARAMS uintptr_t stream, bool check_data, int num_threads, const OptOut &workspace
+#define PADMOE_OPTS(op) make_options(stream, check_data, num_threads, workspace, op)
+
+NB_MODULE(_C, m) {
+  m.doc() =
+      "padmoe's native ops (the C++ `_out` forms: they fill caller-owned outputs and allocate nothing). "
+      "Use the functions of the `padmoe` package, which allocate outputs for you.";
+  m.attr("__version__") = PADMOE_VERSION;
+  nb::register_exception_translator(translate_error);
+
+  m.def("has_cuda", &has_cuda, "Whether the CUDA backend was compiled in.");
+  m.def(
+      "capacity_bound",
+      [](int64_t num_tokens, int top_k, int num_experts, int alignment) {
+        return padmoe::capacity_bound(num_tokens, top_k, num_experts, alignment);
+      },
+      nb::arg("num_tokens"), nb::arg("top_k"), nb::arg("num_experts"), nb::arg("alignment"),
+      "Host-side bound on P: num_tokens*top_k + num_experts*(alignment-1).");
+  m.def(
+      "workspace_bound",
+      [](int64_t num_tokens, int top_k, int num_experts, int alignment) {
+        return static_cast<uint64_t>(padmoe::workspace_bound(num_tokens, top_k, num_experts, alignment));
+      },
+      nb::arg("num_tokens"), nb::arg("top_k"), nb::arg("num_experts"), nb::arg("alignment"),
+      "Device scratch bytes that suffice for every op on this routing.");
+
+  m.def(
+      "padded_rows",
+      [](nb::handle plan, uintptr_t stream) {
+        PlanArg<In> p;
+        read_plan(plan, "padded_rows", "plan", p);
+        padmoe::Options o;
+        o.stream = reinterpret_cast<void*>(stream);
+        nb::gil_scoped_release release;
+        return padmoe::padded_rows(p.view, o);
+      },
+      nb::arg("plan"), nb::kw_only(), nb::arg("stream") = 0,
+      "P = plan.padded_bins[E-1], read on the host (on CUDA: synchronizes the stream).");
+
+  m.def(
+      "make_plan_out",
+      [](const In& top_experts, int num_experts, int alignment, nb::handle out, PADMOE_OPTION_PARAMS) {
+        const char* op = "make_plan";
+        const TensorView te = to_view(top_experts, op, "top_experts");
+        PlanArg<Out> p;
+        read_plan(out, op, "out", p);
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::make_plan_out(te, num_experts, alignment, p.view, o);
+      },
+      nb::arg("top_experts"), nb::arg("num_experts"), nb::arg("alignment"), nb::arg("out"), PADMOE_OPTIONS);
+
+  // --- MegaBlocks family -----------------------------------------------------
+
+  m.def(
+      "padded_gather_out",
+      [](const In& x, const In& indices, const In& bin_ids, const In& bins, const In& padded_bins, int top_k,
+         const OptIn& weights, const Out& y, PADMOE_OPTION_PARAMS) {
+        const char* op = "padded_gather";
+        const TensorView vx = to_view(x, op, "x"), vi = to_view(indices, op, "indices"),
+                         vb = to_view(bin_ids, op, "bin_ids"), vbins = to_view(bins, op, "bins"),
+                         vp = to_view(padded_bins, op, "padded_bins"), vy = to_view(y, op, "y");
+        const auto vw = opt_view(weights, op, "weights");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::padded_gather_out(vx, vi, vb, vbins, vp, top_k, vw, vy, o);
+      },
+      nb::arg("x"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"), nb::arg("padded_bins"),
+      nb::arg("top_k"), nb::arg("weights").none(), nb::arg("y"), PADMOE_OPTIONS);
+
+  m.def(
+      "padded_scatter_out",
+      [](const In& y, const In& indices, const In& bin_ids, const OptIn& weights, const In& bins,
+         const In& padded_bins, int top_k, const Out& out, PADMOE_OPTION_PARAMS) {
+        const char* op = "padded_scatter";
+        const TensorView vy = to_view(y, op, "y"), vi = to_view(indices, op, "indices"),
+                         vb = to_view(bin_ids, op, "bin_ids"), vbins = to_view(bins, op, "bins"),
+                         vp = to_view(padded_bins, op, "padded_bins"), vo = to_view(out, op, "out");
+        const auto vw = opt_view(weights, op, "weights");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::padded_scatter_out(vy, vi, vb, vw, vbins, vp, top_k, vo, o);
+      },
+      nb::arg("y"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("weights").none(), nb::arg("bins"),
+      nb::arg("padded_bins"), nb::arg("top_k"), nb::arg("out"), PADMOE_OPTIONS);
+
+  m.def(
+      "padded_scatter_wgrad_out",
+      [](const In& y, const In& grad, const In& indices, const In& bin_ids, const In& bins, const In& padded_bins,
+         int top_k, const Out& wgrad, PADMOE_OPTION_PARAMS) {
+        const char* op = "padded_scatter_wgrad";
+        const TensorView vy = to_view(y, op, "y"), vg = to_view(grad, op, "grad"),
+                         vi = to_view(indices, op, "indices"), vb = to_view(bin_ids, op, "bin_ids"),
+                         vbins = to_view(bins, op, "bins"), vp = to_view(padded_bins, op, "padded_bins"),
+                         vw = to_view(wgrad, op, "wgrad");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::padded_scatter_wgrad_out(vy, vg, vi, vb, vbins, vp, top_k, vw, o);
+      },
+      nb::arg("y"), nb::arg("grad"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"),
+      nb::arg("padded_bins"), nb::arg("top_k"), nb::arg("wgrad"), PADMOE_OPTIONS);
+
+  m.def(
+      "padded_gather_backward_out",
+      [](const In& grad_y, const In& x, const In& indices, const In& bin_ids, const In& bins, const In& padded_bins,
+         int top_k, const OptIn& weights, const Out& grad_x, const OptOut& grad_weights, PADMOE_OPTION_PARAMS) {
+        const char* op = "padded_gather_backward";
+        const TensorView vgy = to_view(grad_y, op, "grad_y"), vx = to_view(x, op, "x"),
+                         vi = to_view(indices, op, "indices"), vb = to_view(bin_ids, op, "bin_ids"),
+                         vbins = to_view(bins, op, "bins"), vp = to_view(padded_bins, op, "padded_bins"),
+                         vgx = to_view(grad_x, op, "grad_x"), vgw = to_out_view(grad_weights, op, "grad_weights");
+        const auto vw = opt_view(weights, op, "weights");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::padded_gather_backward_out(vgy, vx, vi, vb, vbins, vp, top_k, vw, vgx, vgw, o);
+      },
+      nb::arg("grad_y"), nb::arg("x"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"),
+      nb::arg("padded_bins"), nb::arg("top_k"), nb::arg("weights").none(), nb::arg("grad_x"),
+      nb::arg("grad_weights").none(), PADMOE_OPTIONS);
+
+  m.def(
+      "padded_scatter_backward_out",
+      [](const In& grad_out, const In& y, const In& indices, const In& bin_ids, const OptIn& weights, const In& bins,
+         const In& padded_bins, int top_k, const Out& grad_y, const OptOut& grad_weights, PADMOE_OPTION_PARAMS) {
+        const char* op = "padded_scatter_backward";
+        const TensorView vgo = to_view(grad_out, op, "grad_out"), vy = to_view(y, op, "y"),
+                         vi = to_view(indices, op, "indices"), vb = to_view(bin_ids, op, "bin_ids"),
+                         vbins = to_view(bins, op, "bins"), vp = to_view(padded_bins, op, "padded_bins"),
+                         vgy = to_view(grad_y, op, "grad_y"), vgw = to_out_view(grad_weights, op, "grad_weights");
+        const auto vw = opt_view(weights, op, "weights");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::padded_scatter_backward_out(vgo, vy, vi, vb, vw, vbins, vp, top_k, vgy, vgw, o);
+      },
+      nb::arg("grad_out"), nb::arg("y"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("weights").none(),
+      nb::arg("bins"), nb::arg("padded_bins"), nb::arg("top_k"), nb::arg("grad_y"), nb::arg("grad_weights").none(),
+      PADMOE_OPTIONS);
+
+  // --- fused plan forms ------------------------------------------------------
+
+  m.def(
+      "dispatch_out",
+      [](const In& x, nb::handle plan, const OptIn& weights, const Out& y, PADMOE_OPTION_PARAMS) {
+        const char* op = "dispatch";
+        const TensorView vx = to_view(x, op, "x"), vy = to_view(y, op, "y");
+        PlanArg<In> p;
+        read_plan(plan, op, "plan", p);
+        const auto vw = opt_view(weights, op, "weights");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::dispatch_out(vx, p.view, vw, vy, o);
+      },
+      nb::arg("x"), nb::arg("plan"), nb::arg("weights").none(), nb::arg("y"), PADMOE_OPTIONS);
+
+  m.def(
+      "combine_out",
+      [](const In& y, nb::handle plan, const OptIn& weights, const Out& out, PADMOE_OPTION_PARAMS) {
+        const char* op = "combine";
+        const TensorView vy = to_view(y, op, "y"), vo = to_view(out, op, "out");
+        PlanArg<In> p;
+        read_plan(plan, op, "plan", p);
+        const auto vw = opt_view(weights, op, "weights");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::combine_out(vy, p.view, vw, vo, o);
+      },
+      nb::arg("y"), nb::arg("plan"), nb::arg("weights").none(), nb::arg("out"), PADMOE_OPTIONS);
+
+  m.def(
+      "combine_backward_out",
+      [](const In& grad_out, const In& y, nb::handle plan, const OptIn& weights, const Out& grad_y,
+         const OptOut& grad_weights, PADMOE_OPTION_PARAMS) {
+        const char* op = "combine_backward";
+        const TensorView vgo = to_view(grad_out, op, "grad_out"), vy = to_view(y, op, "y"),
+                         vgy = to_view(grad_y, op, "grad_y"), vgw = to_out_view(grad_weights, op, "grad_weights");
+        PlanArg<In> p;
+        read_plan(plan, op, "plan", p);
+        const auto vw = opt_view(weights, op, "weights");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::combine_backward_out(vgo, vy, p.view, vw, vgy, vgw, o);
+      },
+      nb::arg("grad_out"), nb::arg("y"), nb::arg("plan"), nb::arg("weights").none(), nb::arg("grad_y"),
+      nb::arg("grad_weights").none(), PADMOE_OPTIONS);
+
+  m.def(
+      "dispatch_backward_out",
+      [](const In& grad_y, const In& x, nb::handle plan, const OptIn& weights, const Out& grad_x,
+         const OptOut& grad_weights, PADMOE_OPTION_PARAMS) {
+        const char* op = "dispatch_backward";
+        const TensorView vgy = to_view(grad_y, op, "grad_y"), vx = to_view(x, op, "x"),
+                         vgx = to_view(grad_x, op, "grad_x"), vgw = to_out_view(grad_weights, op, "grad_weights");
+        PlanArg<In> p;
+        read_plan(plan, op, "plan", p);
+        const auto vw = opt_view(weights, op, "weights");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::dispatch_backward_out(vgy, vx, p.view, vw, vgx, vgw, o);
+      },
+      nb::arg("grad_y"), nb::arg("x"), nb::arg("plan"), nb::arg("weights").none(), nb::arg("grad_x"),
+      nb::arg("grad_weights").none(), PADMOE_OPTIONS);
+
+  // --- Megatron family -------------------------------------------------------
+
+  m.def(
+      "pad_to_alignment_out",
+      [](const In& hidden_states, const In& tokens_per_expert, int alignment, const Out& padded,
+         const Out& permutation_map, const Out& inclusive_offsets, PADMOE_OPTION_PARAMS) {
+        const char* op = "pad_to_alignment";
+        const TensorView vh = to_view(hidden_states, op, "hidden_states"),
+                         vt = to_view(tokens_per_expert, op, "tokens_per_expert"), vp = to_view(padded, op, "padded"),
+                         vm = to_view(permutation_map, op, "permutation_map"),
+                         vo = to_view(inclusive_offsets, op, "inclusive_offsets");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::pad_to_alignment_out(vh, vt, alignment, vp, vm, vo, o);
+      },
+      nb::arg("hidden_states"), nb::arg("tokens_per_expert"), nb::arg("alignment"), nb::arg("padded"),
+      nb::arg("permutation_map"), nb::arg("inclusive_offsets"), PADMOE_OPTIONS);
+
+  m.def(
+      "unpad_from_alignment_out",
+      [](const In& padded, const In& permutation_map, const OptIn& probs, const Out& out, PADMOE_OPTION_PARAMS) {
+        const char* op = "unpad_from_alignment";
+        const TensorView vp = to_view(padded, op, "padded_output"), vm = to_view(permutation_map, op, "permutation_map"),
+                         vo = to_view(out, op, "out");
+        const auto vpr = opt_view(probs, op, "probs");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::unpad_from_alignment_out(vp, vm, vpr, vo, o);
+      },
+      nb::arg("padded"), nb::arg("permutation_map"), nb::arg("probs").none(), nb::arg("out"), PADMOE_OPTIONS);
+
+  m.def(
+      "unpad_from_alignment_backward_out",
+      [](const In& grad_out, const In& padded, const In& permutation_map, const OptIn& probs, const Out& grad_padded,
+         const OptOut& grad_probs, PADMOE_OPTION_PARAMS) {
+        const char* op = "unpad_from_alignment_backward";
+        const TensorView vgo = to_view(grad_out, op, "grad_out"), vp = to_view(padded, op, "padded_output"),
+                         vm = to_view(permutation_map, op, "permutation_map"),
+                         vgp = to_view(grad_padded, op, "grad_padded"), vgpr = to_out_view(grad_probs, op, "grad_probs");
+        const auto vpr = opt_view(probs, op, "probs");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::unpad_from_alignment_backward_out(vgo, vp, vm, vpr, vgp, vgpr, o);
+      },
+      nb::arg("grad_out"), nb::arg("padded"), nb::arg("permutation_map"), nb::arg("probs").none(),
+      nb::arg("grad_padded"), nb::arg("grad_probs").none(), PADMOE_OPTIONS);
+
+  // --- utilities ---------------------------------------------------------------
+
+  m.def(
+      "copy",
+      [](const In& src, const Out& dst, PADMOE_OPTION_PARAMS) {
+        const char* op = "copy";
+        const TensorView vs = to_view(src, op, "src"), vd = to_view(dst, op, "dst");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::copy(vs, vd, o);
+      },
+      nb::arg("src"), nb::arg("dst"), PADMOE_OPTIONS);
+}
