@@ -2,15 +2,20 @@
 # The GPU job, in one call on the device machine (H200, sm_90): build with
 # CUDA, run the CPU suite, the GPU suite, compute-sanitizer memcheck and
 # racecheck on a representative subset, `padmoe check --device cuda` on every
-# preset and `padmoe bench --device cuda` on every preset. Logs go to $OUT
-# (default: ./gpu-out).
-# Usage: scripts/gpu.sh [all|tests|checks|bench]  (stages; all = every stage)
+# preset, `padmoe bench --device cuda` on every preset with the memory
+# system's bandwidth by traffic mix (padmoe_bandwidth), and the Python package
+# (pip install ., pytest on CUDA, bench/bench_python.py with its chart).
+# Logs go to $OUT (default: ./gpu-out), packed into $OUT/gpu-logs.tgz as well
+# (the device tool brings back only a few files).
+# Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench python, or all
+#        (default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 build=${BUILD_DIR:-build-gpu}
-stage=${1:-all}
+stages=" ${*:-all} "
+want() { [[ "$stages" == *" all "* || "$stages" == *" $1 "* ]]; }
 status=0
 step() { echo; echo "=== $*"; }
 run() {  # run a step, keep going, remember failures
@@ -27,19 +32,21 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_CUDA=ON -DCM
   || { echo "build FAILED"; tail -n 40 "$out/build.log"; exit 1; }
 echo "build: ok"
 
-if [ "$stage" = all ] || [ "$stage" = tests ]; then
+if want tests; then
   run cpu-tests ctest --test-dir "$build" -j "$(nproc)" --output-on-failure
   run gpu-tests "$build/padmoe_cuda_tests"
   subset='Determinism*:CheckedMode*:CudaGraph*:CpuVsGpuEdge*'
   run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
   run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
 fi
-if [ "$stage" = all ] || [ "$stage" = checks ]; then
+if want checks; then
   for p in mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode awkward; do
     run "check-$p" "$build/padmoe" check --device cuda --preset "$p"
   done
 fi
-if [ "$stage" = all ] || [ "$stage" = bench ]; then
+if want bench; then
+  run bandwidth "$build/padmoe_bandwidth"
+  cat "$out/bandwidth.log"
   for p in mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode; do
     step "bench $p"
     "$build/padmoe" bench --device cuda --preset "$p" --no-reference --json > "$out/bench-$p.json" 2> "$out/bench-$p.err" || status=1
@@ -53,6 +60,21 @@ for o in d["ops"]:
 PY
   done
 fi
+if want python; then
+  # The system's torch / nanobind / scikit-build-core, no network: a venv that
+  # sees the system site-packages, an unisolated build of this tree.
+  venv=${PADMOE_GPU_VENV:-/tmp/padmoe-venv}
+  [ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages "$venv"
+  run python-build "$venv/bin/pip" install --no-build-isolation --no-deps -v .
+  run pytest-cuda "$venv/bin/python" -m pytest python/tests -q -rs
+  tail -n 5 "$out/pytest-cuda.log"
+  png=()
+  "$venv/bin/python" -c "import matplotlib" 2>/dev/null && png=(--out-png "$out/python-bench.png")
+  run python-bench "$venv/bin/python" bench/bench_python.py --device cuda --out-md "$out/python-bench.md" \
+    --out-json "$out/python-bench.json" "${png[@]}"
+  cat "$out/python-bench.md" 2>/dev/null
+fi
 step summary
 if [ $status = 0 ]; then echo "GPU job: all steps ok"; else echo "GPU job: some step FAILED (logs in $out)"; fi
+tar czf /tmp/padmoe-gpu-logs.tgz -C "$out" --exclude gpu-logs.tgz . 2>/dev/null && mv /tmp/padmoe-gpu-logs.tgz "$out/gpu-logs.tgz"
 exit $status

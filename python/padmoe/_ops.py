@@ -44,12 +44,13 @@ from ._plan import Plan
 Array = Any
 
 
-def _options(arrays, like, check, num_threads, workspace, stream):
+def _options(arrays, like, check, num_threads, workspace, stream, zero_tail=False):
     if stream is None:
         stream = arrays.stream(like)
     if workspace is not None:
         workspace = arrays_of(workspace, "workspace", "workspace").prepare(workspace)
-    return {"stream": int(stream), "check_data": bool(check), "num_threads": int(num_threads), "workspace": workspace}
+    return {"stream": int(stream), "check_data": bool(check), "num_threads": int(num_threads), "workspace": workspace,
+            "zero_tail": bool(zero_tail)}
 
 
 def _cols(a) -> int:
@@ -159,7 +160,7 @@ def make_plan(top_experts: Array, num_experts: int, alignment: int, *, out: Opti
 def padded_gather(x: Array, indices: Array, bin_ids: Array, bins: Array, padded_bins: Array, top_k: int,
                   weights: Optional[Array] = None, *, rows: Optional[int] = None, out: Optional[Array] = None,
                   check: bool = True, num_threads: int = 0, workspace: Optional[Array] = None,
-                  stream: Optional[int] = None) -> Array:
+                  stream: Optional[int] = None, zero_tail: bool = False) -> Array:
     """``y[P, H]``: sorted position ``i`` of expert ``e`` lands in padded row
     ``padded_start(e) + i - real_start(e)`` and holds ``x[indices[i] // top_k]``
     (times ``weights[indices[i]]`` when given); padding rows are zero.
@@ -173,7 +174,7 @@ def padded_gather(x: Array, indices: Array, bin_ids: Array, bins: Array, padded_
         arrays, x, indices, bin_ids, bins, padded_bins, weights, out)
     y = _padded_out(arrays, op, x, rows, out, lambda: last_entry(arrays, padded_bins))
     _C.padded_gather_out(x, indices, bin_ids, bins, padded_bins, top_k, weights, y,
-                         **_options(arrays, x, check, num_threads, workspace, stream))
+                         **_options(arrays, x, check, num_threads, workspace, stream, zero_tail))
     return y
 
 
@@ -244,7 +245,7 @@ def padded_scatter_backward(grad_out: Array, y: Array, indices: Array, bin_ids: 
                             bins: Array, padded_bins: Array, top_k: int, *, rows: Optional[int] = None,
                             out: Optional[Tuple[Array, Optional[Array]]] = None, check: bool = True,
                             num_threads: int = 0, workspace: Optional[Array] = None,
-                            stream: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
+                            stream: Optional[int] = None, zero_tail: bool = False) -> Tuple[Array, Optional[Array]]:
     """Backward of :func:`padded_scatter`: ``(grad_y, grad_weights)``.
 
     ``grad_y[P, H] = padded_gather(grad_out, weights)`` (y's dtype, padding
@@ -262,7 +263,7 @@ def padded_scatter_backward(grad_out: Array, y: Array, indices: Array, bin_ids: 
     a = int(indices.shape[0]) if ndim(indices) == 1 else 0
     grad_w = _weight_grad(arrays, y, weights, out_w if out is not None else _UNSET, a)
     _C.padded_scatter_backward_out(grad_out, y, indices, bin_ids, weights, bins, padded_bins, top_k, grad_y, grad_w,
-                                   **_options(arrays, y, check, num_threads, workspace, stream))
+                                   **_options(arrays, y, check, num_threads, workspace, stream, zero_tail))
     return grad_y, grad_w
 
 
@@ -279,7 +280,7 @@ def _plan_assignments(plan) -> int:
 
 def dispatch(x: Array, plan: Plan, weights: Optional[Array] = None, *, rows: Optional[int] = None,
              out: Optional[Array] = None, check: bool = True, num_threads: int = 0,
-             workspace: Optional[Array] = None, stream: Optional[int] = None) -> Array:
+             workspace: Optional[Array] = None, stream: Optional[int] = None, zero_tail: bool = False) -> Array:
     """``y[P, H]`` = :func:`padded_gather` on a plan, reading each token row
     once and writing its K copies. ``rows=plan.capacity`` avoids reading P
     (no synchronization on CUDA)."""
@@ -287,7 +288,7 @@ def dispatch(x: Array, plan: Plan, weights: Optional[Array] = None, *, rows: Opt
     arrays = arrays_of(x, op, "x")
     x, weights, out = prepare(arrays, x, weights, out)
     y = _padded_out(arrays, op, x, rows, out, _plan_rows(arrays, plan))
-    _C.dispatch_out(x, plan, weights, y, **_options(arrays, x, check, num_threads, workspace, stream))
+    _C.dispatch_out(x, plan, weights, y, **_options(arrays, x, check, num_threads, workspace, stream, zero_tail))
     return y
 
 
@@ -308,7 +309,7 @@ def combine(y: Array, plan: Plan, weights: Optional[Array] = None, *, out: Optio
 def combine_backward(grad_out: Array, y: Array, plan: Plan, weights: Optional[Array] = None, *,
                      rows: Optional[int] = None, out: Optional[Tuple[Array, Optional[Array]]] = None,
                      check: bool = True, num_threads: int = 0, workspace: Optional[Array] = None,
-                     stream: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
+                     stream: Optional[int] = None, zero_tail: bool = False) -> Tuple[Array, Optional[Array]]:
     """Backward of :func:`combine` from one read of ``grad_out``:
     ``(grad_y, grad_weights)`` with ``grad_y[dest_rows[a]] = w(a) * grad_out[a // K]``
     (P rows, padding zero; y's dtype) and ``grad_weights[a] = <y[dest_rows[a]], grad_out[a // K]>``
@@ -320,7 +321,7 @@ def combine_backward(grad_out: Array, y: Array, plan: Plan, weights: Optional[Ar
     grad_y = _padded_out(arrays, op, y, rows, out_y, _plan_rows(arrays, plan))
     grad_w = _weight_grad(arrays, y, weights, out_w if out is not None else _UNSET, _plan_assignments(plan))
     _C.combine_backward_out(grad_out, y, plan, weights, grad_y, grad_w,
-                            **_options(arrays, y, check, num_threads, workspace, stream))
+                            **_options(arrays, y, check, num_threads, workspace, stream, zero_tail))
     return grad_y, grad_w
 
 

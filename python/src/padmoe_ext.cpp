@@ -12,8 +12,10 @@
 // ints num_tokens, top_k, num_experts, alignment.
 //
 // Every op takes the keyword-only options stream (a cudaStream_t as an int,
-// 0 = legacy default stream), check_data, num_threads and workspace (a CUDA
-// buffer, e.g. uint8, passed as Options::workspace / workspace_bytes). The GIL
+// 0 = legacy default stream), check_data, num_threads, workspace (a CUDA
+// buffer, e.g. uint8, passed as Options::workspace / workspace_bytes) and
+// zero_tail (Options::zero_tail: ops that spread rows into a padded output
+// also zero its rows at or past P; the other ops ignore it). The GIL
 // is released around every kernel call. padmoe::Error becomes ValueError,
 // TypeError, NotImplementedError or RuntimeError by its kind, with the C++
 // message unchanged.
@@ -130,11 +132,12 @@ TensorView to_out_view(const OptOut& a, const char* op, const char* arg) {
 }
 
 padmoe::Options make_options(uintptr_t stream, bool check_data, int num_threads, const OptOut& workspace,
-                             const char* op) {
+                             bool zero_tail, const char* op) {
   padmoe::Options o;
   o.stream = reinterpret_cast<void*>(stream);
   o.check_data = check_data;
   o.num_threads = num_threads;
+  o.zero_tail = zero_tail;
   if (workspace) {
     const Out& w = *workspace;
     if (w.device_type() != nb::device::cuda::value) {
@@ -233,9 +236,10 @@ bool has_cuda() {
 // The keyword-only options every op takes, in this order.
 #define PADMOE_OPTIONS                                                                                 \
   nb::kw_only(), nb::arg("stream") = 0, nb::arg("check_data") = true, nb::arg("num_threads") = 0, \
-      nb::arg("workspace").none() = nb::none()
-#define PADMOE_OPTION_PARAMS uintptr_t stream, bool check_data, int num_threads, const OptOut &workspace
-#define PADMOE_OPTS(op) make_options(stream, check_data, num_threads, workspace, op)
+      nb::arg("workspace").none() = nb::none(), nb::arg("zero_tail") = false
+#define PADMOE_OPTION_PARAMS \
+  uintptr_t stream, bool check_data, int num_threads, const OptOut &workspace, bool zero_tail
+#define PADMOE_OPTS(op) make_options(stream, check_data, num_threads, workspace, zero_tail, op)
 
 NB_MODULE(_C, m) {
   m.doc() =
