@@ -30,8 +30,9 @@ exists; otherwise a small local shim (``torch.autograd.Function`` over the frame
 ``padmoe.dispatch``, ``padmoe.combine``, ``padmoe.combine_backward``, ``padmoe.dispatch_backward``).
 ``--ops`` forces one of them; the chosen path is printed.
 
-The dense reference (:func:`dense_reference`) computes the same layer in float64 on the CPU with
-plain per-token loops: for each token, the sum over its top-k experts of ``w_k * expert_k(x_t)``.
+The dense reference (:func:`dense_reference`) computes the same layer in float64 on the CPU without
+padmoe or padding: plain per-token loops (for each token, the sum over its top-k experts of
+``w_k * expert_k(x_t)``) up to 256 tokens, dense [T, E] weight masks beyond.
 ``main()`` runs forward and backward, compares the output and the gradients of x, the router weight
 and both expert weights with the reference (max abs / relative error, asserted within a tolerance
 per dtype) and prints a timing of forward + backward (not part of the check)::
@@ -283,29 +284,55 @@ class MoEMLP(nn.Module):
 # ---------------------------------------------------------------------------
 
 
-def dense_reference(x, router_w, w_in, w_out, grad_out, top_k, activation="swiglu", top_experts=None):
-    """The same layer in float64 on the CPU with plain per-token loops. Returns (out, grads, top):
-    grads of x, router weight, w_in, w_out for the loss ``sum(out * grad_out)``; ``top`` is the
-    routing used ([T, K]: the reference's own top-k unless ``top_experts`` is given)."""
+def _expert_ref(xe, w_in_e, w_out_e, activation):
+    h = xe @ w_in_e
+    if activation == "swiglu":
+        gate, up = h.split(w_out_e.shape[0], dim=-1)
+        return (F.silu(gate) * up) @ w_out_e
+    return F.gelu(h) @ w_out_e
+
+
+def dense_reference(x, router_w, w_in, w_out, grad_out, top_k, activation="swiglu", top_experts=None,
+                    method="auto"):
+    """The same layer in float64 on the CPU, no padmoe, no padding. Returns (out, grads, top):
+    out [T, H], the grads of x, router weight, w_in, w_out for the loss ``sum(out * grad_out)``,
+    and the routing used ``top`` [T, K] (the reference's own float64 top-k unless ``top_experts``).
+
+    method "loop": plain per-token loops, ``out[t] = sum_k w_k * expert_k(x[t])``; "masks": one
+    dense [T, E] matrix of combine weights (zero where an expert is not chosen) and, per expert,
+    the tokens its mask selects (fast enough for large T); "auto": loop up to 256 tokens."""
+    if method == "auto":
+        method = "loop" if x.shape[0] <= 256 else "masks"
     f64 = lambda t: t.detach().to("cpu", torch.float64).clone().requires_grad_(True)  # noqa: E731
     x, router_w, w_in, w_out = f64(x), f64(router_w), f64(w_in), f64(w_out)
-    ffn = w_out.shape[1]
+    num_tokens, num_experts = x.shape[0], w_in.shape[0]
     probs = torch.softmax(x @ router_w.t(), dim=-1)
     if top_experts is None:
         top = torch.topk(probs.detach(), top_k, dim=-1).indices
     else:
         top = top_experts.detach().to("cpu", torch.long)
-    rows = []
-    for t in range(x.shape[0]):
-        chosen = [int(e) for e in top[t]]
-        norm = sum(probs[t, e] for e in chosen)
-        acc = torch.zeros(x.shape[1], dtype=torch.float64)
-        for e in chosen:
-            h = x[t] @ w_in[e]
-            a = F.silu(h[:ffn]) * h[ffn:] if activation == "swiglu" else F.gelu(h)
-            acc = acc + (probs[t, e] / norm) * (a @ w_out[e])
-        rows.append(acc)
-    out = torch.stack(rows)
+    if method == "loop":
+        rows = []
+        for t in range(num_tokens):
+            chosen = [int(e) for e in top[t]]
+            norm = sum(probs[t, e] for e in chosen)
+            acc = torch.zeros(x.shape[1], dtype=torch.float64)
+            for e in chosen:
+                acc = acc + (probs[t, e] / norm) * _expert_ref(x[t:t + 1], w_in[e], w_out[e], activation)[0]
+            rows.append(acc)
+        out = torch.stack(rows)
+    elif method == "masks":
+        chosen = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, top, True)
+        masked = probs * chosen
+        coef = masked / masked.sum(dim=-1, keepdim=True)  # [T, E] renormalized top-k weights, else 0
+        out = torch.zeros_like(x)
+        for e in range(num_experts):
+            tokens = chosen[:, e].nonzero().squeeze(1)
+            if tokens.numel():
+                ye = _expert_ref(x[tokens], w_in[e], w_out[e], activation)
+                out = out.index_add(0, tokens, coef[tokens, e:e + 1] * ye)
+    else:
+        raise ValueError(f"method: expected auto, loop or masks, got {method!r}")
     (out * grad_out.detach().to("cpu", torch.float64)).sum().backward()
     grads = {"x": x.grad, "router.weight": router_w.grad, "w_in": w_in.grad, "w_out": w_out.grad}
     return out.detach(), grads, top

@@ -71,7 +71,7 @@ if want python; then
   png=()
   "$venv/bin/python" -c "import matplotlib" 2>/dev/null && png=(--out-png "$out/python-bench.png")
   run python-bench "$venv/bin/python" bench/bench_python.py --device cuda --out-md "$out/python-bench.md" \
-    --out-json "$out/python-bench.json" "${png[@]}"
+    --out-json "$out/python-bench.json" "${png[@]}" ${PADMOE_PYBENCH_ARGS:-}
   cat "$out/python-bench.md" 2>/dev/null
 fi
 step summary

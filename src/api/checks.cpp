@@ -143,8 +143,11 @@ void raise_violation(const Checker& c, const cuda::Violation& v, const Violation
   switch (v.code) {
     case kOk: return;
     case kExpertOutOfRange:
-      c.value_error(names.ids, "expert id " + str(v.v1) + " at position " + str(v.pos) + " is outside [0, " +
-                                   str(names.limit) + ")");
+      c.value_error(names.ids, "expert id " + str(v.v1) + " at " +
+                                   (names.top_k > 0 ? "[" + str(v.pos / names.top_k) + ", " +
+                                                          str(v.pos % names.top_k) + "]"
+                                                    : "position " + str(v.pos)) +
+                                   " is outside [0, " + str(names.limit) + ")");
     case kBinsDecreasing:
       c.value_error("bins", "must be nondecreasing: bins[" + str(v.pos) + "] = " + str(v.v1) + " < bins[" +
                                 str(v.pos - 1) + "] = " + str(v.v2));

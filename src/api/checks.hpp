@@ -100,6 +100,7 @@ struct ViolationNames {
   const char* ids = "top_experts";
   int64_t limit = 0;
   const char* output = "out";
+  int top_k = 0;  // > 0: ids is [T, top_k] and positions print as [t, k] (as the CPU's checks do)
 };
 void raise_violation(const Checker& c, const cuda::Violation& v, const ViolationNames& names);
 

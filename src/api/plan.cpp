@@ -153,7 +153,7 @@ void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanSh
   if (options.check_data) {
     cuda::Scratch scratch(options, cuda::validate_workspace_bytes(0), top_experts.device.index);
     detail::raise_violation(c, cuda::validate_top_experts(ids, a_count, num_experts, scratch.get(), options.stream),
-                            detail::ViolationNames{"top_experts", num_experts, "out.row_sources"});
+                            detail::ViolationNames{"top_experts", num_experts, "out.row_sources", s.top_k});
   }
   cuda::Scratch scratch(options, cuda::plan_workspace_bytes(a_count, num_experts), top_experts.device.index);
   cuda::make_plan(ids, a_count, s.top_k, num_experts, alignment, out, out.row_sources.shape[0], scratch.get(),

@@ -667,8 +667,9 @@ TEST(CheckedMode, BadDataThrowsAndWritesNothing) {
     te[37] = s.E;
     const Tensor dte = to_gpu(index_matrix(te, s.T, s.K, DType::kInt32));
     GpuPlan gp = gpu_plan_buffers(s.T, s.K, s.E, s.m);
+    const std::string at = "[" + std::to_string(37 / s.K) + ", " + std::to_string(37 % s.K) + "]";
     EXPECT_TRUE(throws_error([&] { padmoe::make_plan_out(dte, s.E, s.m, gp.view); },
-                             {"make_plan", "top_experts", "expert id 8"}));
+                             {"make_plan", "top_experts", "expert id 8", at.c_str()}));
     for (const Tensor* t : {&gp.indices, &gp.bin_ids, &gp.tpe, &gp.bins, &gp.ptpe, &gp.padded_bins, &gp.dest_rows,
                             &gp.row_sources})
       EXPECT_TRUE(all_bytes_are(to_cpu(*t), kIndexPoison)) << "make_plan_out wrote a plan buffer";
