@@ -61,16 +61,17 @@ PY
   done
 fi
 if want python; then
-  # The system's torch / nanobind / scikit-build-core, no network: a venv that
-  # sees the system site-packages, an unisolated build of this tree.
-  venv=${PADMOE_GPU_VENV:-/tmp/padmoe-venv}
-  [ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages "$venv"
-  run python-build "$venv/bin/pip" install --no-build-isolation --no-deps -v .
-  run pytest-cuda "$venv/bin/python" -m pytest python/tests -q -rs
+  # The machine's own python3 with its torch / nanobind / scikit-build-core and
+  # no network: an unisolated pip build into a target directory (a virtualenv
+  # there does not see the system's torch), then PYTHONPATH.
+  pyt=${PADMOE_GPU_PYTARGET:-/tmp/padmoe-pyt}
+  run python-build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python3 -m pip install --no-build-isolation --no-deps \
+    --break-system-packages --upgrade --target "$pyt" .
+  run pytest-cuda env PYTHONPATH="$pyt" python3 -m pytest python/tests -q -rs
   tail -n 5 "$out/pytest-cuda.log"
   png=()
-  "$venv/bin/python" -c "import matplotlib" 2>/dev/null && png=(--out-png "$out/python-bench.png")
-  run python-bench "$venv/bin/python" bench/bench_python.py --device cuda --out-md "$out/python-bench.md" \
+  python3 -c "import matplotlib" 2>/dev/null && png=(--out-png "$out/python-bench.png")
+  run python-bench env PYTHONPATH="$pyt" python3 bench/bench_python.py --device cuda --out-md "$out/python-bench.md" \
     --out-json "$out/python-bench.json" "${png[@]}" ${PADMOE_PYBENCH_ARGS:-}
   cat "$out/python-bench.md" 2>/dev/null
 fi
