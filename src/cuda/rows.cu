@@ -1,6 +1,6 @@
 // rows.cu — the CUDA row kernels: spread (dispatch / gather / grad of
-// combine), reduce (combine / scatter; without its output, the dot products
-// of wgrad), gather by map (pad / unpad), and the maps behind them.
+// combine), reduce (combine / scatter), dots (wgrad), gather by map
+// (pad / unpad), and the maps behind them.
 //
 // A block owns one token (or one output row): every output row is written by
 // exactly one block, once; padding rows are zeroed by extra blocks of the same
@@ -69,6 +69,21 @@ struct Unit {
 template <typename U>
 __device__ int64_t units_of(const RowsArg& r) {
   return r.cols / U::N;  // kVec: cols * s / 16 (row bytes are a multiple of 16)
+}
+
+// Deterministic block sum: fixed shuffle tree per warp, warps summed in order.
+__device__ float block_sum(float v, float* s_warp) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // s_warp may still be read from a previous call
+  if (lane == 0) s_warp[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kThreads / 32; ++i) total += s_warp[i];
+  }
+  return total;  // valid in thread 0
 }
 
 // --- spread ---------------------------------------------------------------------
@@ -198,10 +213,8 @@ __global__ void __launch_bounds__(kThreads)
 // out[t] = sum_k w*y[dest] (ascending k, no FMA contraction: the CPU's
 // rounding). When dots are wanted, also dots[a] = <y[dest[a]], g[t]> from the
 // same reads of y (the weight gradient of a gather / dispatch backward).
-// kDots is a template parameter so that plain combine keeps a lean kernel;
-// kOut = false computes the dots alone (wgrad, unpad's probs gradient): `out`
-// then only gives the row shape and is never written.
-template <typename T, bool kVec, bool kDots, int kReduceUnits, int kLoadBatch, bool kOut = true>
+// kDots is a template parameter so that plain combine keeps a lean kernel.
+template <typename T, bool kVec, bool kDots, int kReduceUnits, int kLoadBatch>
 __global__ void __launch_bounds__(kThreads)
     reduce_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
                   FloatOutArg dots) {
@@ -227,7 +240,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < kReduceUnits; ++j) {
         const int64_t u = c + j * kThreads + threadIdx.x;
-        if (kOut && k0 > 0 && u < units) U::to_float(U::load(dst, u), acc[j]);
+        if (k0 > 0 && u < units) U::to_float(U::load(dst, u), acc[j]);
         else {
 #pragma unroll
           for (int i = 0; i < U::N; ++i) acc[j][i] = 0.0f;
@@ -279,10 +292,32 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < kReduceUnits; ++j) {
         const int64_t u = c + j * kThreads + threadIdx.x;
-        if (kOut && u < units) U::store(dst, u, U::from_float(acc[j]));
+        if (u < units) U::store(dst, u, U::from_float(acc[j]));
       }
     }
     if (want_dots) finish_dots(t, k0, nk, top_k, s_dest, s_part, dots);
+  }
+}
+
+// --- dots -----------------------------------------------------------------------
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    dots_kernel(RowsArg y, RowsArg g, int top_k, const int32_t* __restrict__ dest, FloatOutArg out) {
+  using U = Unit<T, kVec>;
+  __shared__ float s_warp[kThreads / 32];
+  const int64_t t = blockIdx.x;
+  const int64_t units = units_of<U>(g);
+  const char* grow = row_ptr(g, t);
+  for (int k = 0; k < top_k; ++k) {
+    const int64_t a = index::assignment_id(t, k, top_k);
+    const int64_t r = dest[a];
+    float partial = 0.0f;
+    if (r >= 0 && r < y.rows) {
+      const char* yrow = row_ptr(y, r);
+      for (int64_t u = threadIdx.x; u < units; u += kThreads) partial += U::dot(U::load(yrow, u), U::load(grow, u));
+    }
+    const float sum = block_sum(partial, s_warp);
+    if (threadIdx.x == 0) store_float(out, a, r < 0 ? 0.0f : sum);
   }
 }
 
@@ -353,18 +388,21 @@ template <typename T, bool kVec>
 struct SpreadTag {
   static constexpr auto fn = spread_kernel<T, kVec>;
 };
-
 // Reduce: kUnits 16-byte units per thread and chunk, kBatch source rows
 // loaded before the first add. Measured on the H200 (bf16, combine): top-2
 // rows of 8 KiB run best at (2, 2) (1.05x the copy floor; (2, 8) 1.61x, the
 // extra registers cost occupancy), top-8 at (1, 4) (qwen3 1.02x, deepseek
 // 0.99x); see bench/results/cuda-h200-2026-11-30.md.
-template <int kUnits, int kBatch, bool kDots, bool kOut = true>
+template <int kUnits, int kBatch, bool kDots>
 struct ReduceShape {
   template <typename T, bool kVec>
   struct Tag {
-    static constexpr auto fn = reduce_kernel<T, kVec, kDots, kUnits, kBatch, kOut>;
+    static constexpr auto fn = reduce_kernel<T, kVec, kDots, kUnits, kBatch>;
   };
+};
+template <typename T, bool kVec>
+struct DotsTag {
+  static constexpr auto fn = dots_kernel<T, kVec>;
 };
 template <typename T, bool kVec>
 struct GatherTag {
@@ -397,12 +435,11 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   if (blocks == 0 || (y.cols == 0 && dots.data == nullptr)) return;  // H = 0 still writes zero dots
   const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
   const bool vec = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(with));
-  auto launch = [&](auto tag) {
+  pick<SpreadTag>(x.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
     Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(x, top_k, dest, w, y, padding,
                                                                                zero_past_end, with, dots);
-  };
-  pick<SpreadTag>(x.dtype, vec, launch);
+  });
   PADMOE_CUDA_LAUNCH_CHECK("spread_kernel");
 }
 
@@ -431,15 +468,11 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
   const int64_t tokens = assignments / top_k;
   if (tokens == 0) return;
   const bool vec = rows_vectorizable(y) && rows_vectorizable(g);
-  // The reduce kernel without its output: g's rows give the shape, y's rows are
-  // loaded in batches exactly as combine loads them.
-  auto launch = [&](auto tag) {
+  pick<DotsTag>(y.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream)>>>(y, top_k, dest, ScaleArg{}, g, g, out);
-  };
-  if (top_k <= 2) pick<ReduceShape<2, 2, true, false>::Tag>(y.dtype, vec, launch);
-  else pick<ReduceShape<1, 4, true, false>::Tag>(y.dtype, vec, launch);
-  PADMOE_CUDA_LAUNCH_CHECK("reduce_kernel (dots)");
+    Tag::fn<<<static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream)>>>(y, g, top_k, dest, out);
+  });
+  PADMOE_CUDA_LAUNCH_CHECK("dots_kernel");
 }
 
 void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
