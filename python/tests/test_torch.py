@@ -177,3 +177,23 @@ def test_cuda_side_stream():
     s.synchronize()
     exp_y = ref.gather(t64(x), r.ref, w.cpu().numpy())
     np.testing.assert_allclose(t64(out), ref.scatter(exp_y, r.ref, w.cpu().numpy()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_tensors_cross_as_dlpack_capsules(device):
+    """Torch tensors reach padmoe._C as DLPack capsules from torch's C export
+    (not through the Python-level ``__dlpack__``), plans as namespaces of
+    capsules; the capsules alias the tensors' memory (an op writes through)."""
+    from padmoe._arrays import native_args
+
+    x = torch.arange(12, dtype=torch.float32, device=device).reshape(3, 4).requires_grad_()
+    n = np.zeros(3, dtype=np.int32)
+    plan = padmoe.make_plan(torch.tensor([[0], [1], [0]], dtype=torch.int32, device=device), 2, 2)
+    cx, cn, cp, ci = native_args((x, n, plan, 7))
+    assert type(cx).__name__ == "PyCapsule"
+    assert cn is n and ci == 7
+    assert type(cp.dest_rows).__name__ == "PyCapsule"
+    assert (cp.num_tokens, cp.top_k, cp.num_experts, cp.alignment) == (3, 1, 2, 2)
+    dst = torch.full((3, 4), -1.0, device=device)
+    padmoe.copy(x.detach(), dst)
+    assert torch.equal(dst, x.detach())
