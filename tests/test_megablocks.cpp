@@ -102,15 +102,6 @@ INSTANTIATE_TEST_SUITE_P(All, AlignDtype,
 // The seed design's verification list.
 // ---------------------------------------------------------------------------
 
-// top_experts with exactly the given per-expert counts (sum = T*K), shuffled.
-std::vector<int64_t> routing_with_counts(const std::vector<int64_t>& counts, uint64_t seed) {
-  std::vector<int64_t> te;
-  for (size_t e = 0; e < counts.size(); ++e) te.insert(te.end(), static_cast<size_t>(counts[e]), static_cast<int64_t>(e));
-  Rng rng(seed);
-  for (size_t i = te.size(); i > 1; --i) std::swap(te[i - 1], te[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
-  return te;
-}
-
 TEST(SeedVerification, ExpertsWithZeroTokens) {
   for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
     MbCase c;

@@ -384,6 +384,15 @@ inline void poison_padding_rows(Tensor& t, const ref::Plan& p, int64_t rows, int
       std::memset(static_cast<unsigned char*>(t.data()) + r * H * esize(dtype), kPoison, H * esize(dtype));
 }
 
+// top_experts with exactly counts[e] assignments of expert e (sum = T*K), shuffled.
+inline std::vector<int64_t> routing_with_counts(const std::vector<int64_t>& counts, uint64_t seed) {
+  std::vector<int64_t> te;
+  for (size_t e = 0; e < counts.size(); ++e) te.insert(te.end(), static_cast<size_t>(counts[e]), static_cast<int64_t>(e));
+  Rng rng(seed);
+  for (size_t i = te.size(); i > 1; --i) std::swap(te[i - 1], te[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
+  return te;
+}
+
 // The reference scatter over absolute values: the S of the sum tolerance.
 inline std::vector<double> ref_scatter_abs(const std::vector<float>& y, int64_t H, const ref::Plan& p,
                                            const std::vector<float>* w) {

@@ -279,9 +279,10 @@ def _(grad_y, x, plan, weights, top_k, alignment, need_wgrad, check):
     return torch.empty_like(x), _empty_wgrad(x, weights, plan[6].shape[0], need_wgrad)
 
 
-def _dispatch_setup(ctx, inputs, output):
-    x, plan, weights, top_k, alignment, check = inputs
-    ctx.save_for_backward(x, weights, *plan)
+def _plan_op_setup(ctx, inputs, output):
+    """setup_context of dispatch and combine: both take (rows, plan, weights, top_k, alignment, check)."""
+    rows, plan, weights, top_k, alignment, check = inputs
+    ctx.save_for_backward(rows, weights, *plan)
     ctx.top_k, ctx.alignment, ctx.check = top_k, alignment, check
     ctx.need_w = weights is not None and weights.requires_grad
 
@@ -294,7 +295,7 @@ def _dispatch_backward(ctx, grad_y):
     return gx, [None] * 8, (gw if need_w else None), None, None, None
 
 
-_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_plan_op_setup)
 
 
 def dispatch(x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None) -> Tensor:
@@ -336,21 +337,14 @@ def _combine_backward_op(grad_out: Tensor, y: Tensor, plan: List[Tensor], weight
     p = _plan_ns(plan, top_k, alignment)
     gy = torch.empty_like(y)
     gw = _empty_wgrad(y, weights, int(plan[6].shape[0]), need_wgrad)
-    padmoe.combine_backward(grad_out, y, p, weights, out=(gy, gw if need_wgrad and weights is not None else None), zero_tail=True,
-                            **_native_kw(y, check, (p.num_tokens, top_k, p.num_experts, alignment)))
+    padmoe.combine_backward(grad_out, y, p, weights, out=(gy, gw if need_wgrad and weights is not None else None),
+                            zero_tail=True, **_native_kw(y, check, (p.num_tokens, top_k, p.num_experts, alignment)))
     return gy, gw
 
 
 @_combine_backward_op.register_fake
 def _(grad_out, y, plan, weights, top_k, alignment, need_wgrad, check):
     return torch.empty_like(y), _empty_wgrad(y, weights, plan[6].shape[0], need_wgrad)
-
-
-def _combine_setup(ctx, inputs, output):
-    y, plan, weights, top_k, alignment, check = inputs
-    ctx.save_for_backward(y, weights, *plan)
-    ctx.top_k, ctx.alignment, ctx.check = top_k, alignment, check
-    ctx.need_w = weights is not None and weights.requires_grad
 
 
 def _combine_backward(ctx, grad_out):
@@ -361,7 +355,7 @@ def _combine_backward(ctx, grad_out):
     return gy, [None] * 8, (gw if need_w else None), None, None, None
 
 
-_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+_combine_op.register_autograd(_combine_backward, setup_context=_plan_op_setup)
 
 
 def combine(y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None) -> Tensor:

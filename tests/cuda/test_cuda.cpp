@@ -107,22 +107,6 @@ Tensor gpu_poison_index(int64_t n) { return gpu_filled(DType::kInt32, {n}, kInde
 
 std::vector<float> ones(int64_t n) { return std::vector<float>(static_cast<size_t>(n), 1.0f); }
 
-std::vector<double> scatter_abs(const std::vector<float>& y, int64_t H, const ref::Plan& p,
-                                const std::vector<float>* w) {
-  std::vector<float> aw;
-  if (w) aw = abs_of(*w);
-  return ref::padded_scatter(abs_of(y), H, p, w ? &aw : nullptr);
-}
-
-// top_experts with exactly counts[e] assignments of expert e, shuffled.
-std::vector<int64_t> routing_with_counts(const std::vector<int64_t>& counts, uint64_t seed) {
-  std::vector<int64_t> te;
-  for (size_t e = 0; e < counts.size(); ++e) te.insert(te.end(), static_cast<size_t>(counts[e]), static_cast<int64_t>(e));
-  Rng rng(seed);
-  for (size_t i = te.size(); i > 1; --i) std::swap(te[i - 1], te[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
-  return te;
-}
-
 // Capacity-sized int32 plan buffers on the GPU, filled with the index poison.
 struct GpuPlan {
   Tensor indices, bin_ids, tpe, bins, ptpe, padded_bins, dest_rows, row_sources;
@@ -309,7 +293,7 @@ void run_cpu_vs_gpu(const Workload& wl, const Combo& cb, uint64_t seed) {
     // --- sums: padded_scatter / combine
     {
       const std::vector<double> want = ref::padded_scatter(yf, H, p, wp);
-      const std::vector<double> abs = scatter_abs(yf, H, p, wp);
+      const std::vector<double> abs = ref_scatter_abs(yf, H, p, wp);
       Tensor go = gpu_poison_rows(dt, T, H);
       padmoe::padded_scatter_out(dy, dii.indices, dii.bin_ids, gw, dii.bins, dii.padded_bins, K, go);
       EXPECT_TRUE(gpu_sums(go, want, abs, K, T)) << "padded_scatter_out";
@@ -325,7 +309,7 @@ void run_cpu_vs_gpu(const Workload& wl, const Combo& cb, uint64_t seed) {
     // --- backward of gather / dispatch: grad_x = scatter(grad_y, w), grad_w = <grad_y[row], x[token]>
     {
       const std::vector<double> want_gx = ref::padded_scatter(gyf, H, p, wp);
-      const std::vector<double> abs_gx = scatter_abs(gyf, H, p, wp);
+      const std::vector<double> abs_gx = ref_scatter_abs(gyf, H, p, wp);
       const std::vector<double> want_gw = ref::padded_scatter_wgrad(gyf, xf, H, p);
       const std::vector<double> abs_gw = ref::padded_scatter_wgrad(abs_of(gyf), abs_of(xf), H, p);
       Tensor gx = gpu_poison_rows(dt, T, H), gwt = gpu_filled(DType::kFloat32, {A}, kPoison);
@@ -973,7 +957,7 @@ TEST(CudaGraph, CaptureOnceReplayOnNewRouting) {
     if (round == 0) EXPECT_TRUE(bytes_are(gy, P, cap, kPoison)) << "graph dispatch wrote past P";
     const std::vector<float> yf = rows_to_float(cy);
     const std::vector<double> want = ref::padded_scatter(yf, H, p, &wf);
-    const std::vector<double> abs = scatter_abs(yf, H, p, &wf);
+    const std::vector<double> abs = ref_scatter_abs(yf, H, p, &wf);
     EXPECT_TRUE(sums_close(to_cpu(d_out), want, abs, K, T)) << "graph combine vs reference";
   }
   CUDA_OK(cudaGraphExecDestroy(exec));
