@@ -94,19 +94,26 @@ def arrays_of(a: Any, op: str, arg: str):
     raise TypeError(f"{op}: {arg}: expected a numpy array or a torch tensor, got {type(a).__name__}")
 
 
+_capsule_export = None  # (torch.Tensor, torch's to_dlpack), found once torch has been imported
+
+
 def _torch_capsule_maker():
-    """torch's C-level DLPack export (about 0.2 µs a tensor), or None. The
-    ``__dlpack__`` method that nanobind would call instead is Python code in
-    torch, about 2 µs a tensor: at decode sizes, with ten tensors per op (the
-    plan's eight arrays among them), that was most of a call's host time."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None, None
-    try:
-        from torch.utils.dlpack import to_dlpack
-    except ImportError:  # pragma: no cover - every torch padmoe supports has it
-        return torch, None
-    return torch, to_dlpack
+    """(torch.Tensor, torch's C-level DLPack export, about 0.2 µs a tensor), or
+    None before torch is imported. The ``__dlpack__`` method that nanobind
+    would call instead is Python code in torch, about 2 µs a tensor: at decode
+    sizes, with ten tensors per op (the plan's eight arrays among them), that
+    was most of a call's host time."""
+    global _capsule_export
+    if _capsule_export is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        try:
+            from torch.utils.dlpack import to_dlpack
+        except ImportError:  # pragma: no cover - every torch padmoe supports has it
+            return None
+        _capsule_export = (torch.Tensor, to_dlpack)
+    return _capsule_export
 
 
 def native_args(args):
@@ -115,10 +122,10 @@ def native_args(args):
     synchronization), a plan becomes a namespace of such capsules; everything
     else passes unchanged. Called right at the native call, after shapes and
     outputs are settled."""
-    torch, to_dlpack = _torch_capsule_maker()
-    if to_dlpack is None:
+    export = _torch_capsule_maker()
+    if export is None:
         return args
-    tensor = torch.Tensor
+    tensor, to_dlpack = export
 
     def one(v):
         if isinstance(v, tensor):

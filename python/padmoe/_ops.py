@@ -58,6 +58,7 @@ class _Native:
                 kwargs["workspace"] = native_args((kwargs["workspace"],))[0]
             return fn(*native_args(args), **kwargs)
 
+        setattr(self, name, call)  # __getattr__ runs once per name
         return call
 
 
