@@ -56,7 +56,7 @@ int64_t stage_bytes(TileOp op, int64_t rows, int64_t block_x, int64_t elem) {
 
 int64_t cpu_l2_bytes() {
 #ifdef _SC_LEVEL2_CACHE_SIZE
-  const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  static const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // read once
   if (l2 > 0) return l2;
 #endif
   return 1024 * kKiB;
@@ -86,7 +86,7 @@ TargetInfo target_info(TileTarget target, int cores) {
     info.reserve_bytes = 16 * kKiB;
     info.buffers = 2;
   } else {
-    const unsigned hw = std::thread::hardware_concurrency();
+    static const unsigned hw = std::thread::hardware_concurrency();  // sysfs reads: once
     info.cores = cores > 0 ? cores : static_cast<int>(hw > 0 ? hw : 1);
     // Half of the per-core L2 for the tiles: the other half streams.
     info.buffer_total_bytes = cpu_l2_bytes();

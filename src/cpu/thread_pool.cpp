@@ -86,8 +86,13 @@ Pool& pool() {
 
 int resolve_threads(int requested) {
   if (requested > 0) return requested;
-  const unsigned hw = std::thread::hardware_concurrency();
-  return hw > 0 ? static_cast<int>(hw) : 1;
+  // Read once: glibc answers hardware_concurrency() by reading sysfs, several
+  // syscalls that cost more than a whole op on a small workload.
+  static const int hw = [] {
+    const unsigned n = std::thread::hardware_concurrency();
+    return n > 0 ? static_cast<int>(n) : 1;
+  }();
+  return hw;
 }
 
 void parallel_run(int workers, const std::function<void(int)>& fn) { pool().run(workers, fn); }
