@@ -57,6 +57,14 @@ struct Options {
   // capacity_bound() is fully defined (padmoe.torch uses this). Off by
   // default: those rows are left untouched.
   bool zero_tail = false;
+  // CUDA: scratch memory an op needs beyond `workspace` comes from
+  // scratch_alloc(bytes, stream, scratch_ctx) and goes back through
+  // scratch_free(ptr, stream, scratch_ctx) once the op's work is queued (a
+  // framework's stream-ordered caching allocator: padmoe.torch passes torch's).
+  // Unset: cudaMallocAsync / cudaFreeAsync on the stream.
+  void* (*scratch_alloc)(size_t bytes, void* stream, void* ctx) = nullptr;
+  void (*scratch_free)(void* ptr, void* stream, void* ctx) = nullptr;
+  void* scratch_ctx = nullptr;
 };
 
 // Device scratch bytes that suffice for every op on a routing of num_tokens x

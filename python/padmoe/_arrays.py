@@ -59,7 +59,12 @@ class TorchArrays:
         return self.torch.empty(shape, dtype=dtype, device=like.device)
 
     def stream(self, like) -> int:
-        if like.device.type == "cuda":
+        if like.is_cuda:
+            # torch's C accessor of the raw cudaStream_t (what inductor's generated code calls):
+            # torch.cuda.current_stream() builds a Stream object, several µs a call.
+            raw = getattr(self.torch._C, "_cuda_getCurrentRawStream", None)
+            if raw is not None:
+                return int(raw(like.get_device()))
             return int(self.torch.cuda.current_stream(like.device).cuda_stream)
         return 0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import _C
@@ -20,10 +19,21 @@ PLAN_ARRAYS = (
 )
 
 
-@dataclass(eq=False)
+def _array_field(i: int, name: str):
+    def get(self):
+        return self.arrays[i]
+
+    def set(self, value):
+        self.arrays[i] = value
+
+    return property(get, set, doc=f"``{name}`` (``arrays[{i}]``)")
+
+
 class Plan:
     """A routing plan: eight int32 arrays (numpy arrays or torch tensors, all
-    on one device) and the sizes they were made for.
+    on one device) and the sizes they were made for. The one plan type of the
+    Python package: ``padmoe.make_plan``, ``padmoe.torch.make_plan`` and
+    ``padmoe.eager.make_plan`` all return it.
 
     ``indices[A]``
         assignment ids ``a = t*K + k`` stable-sorted by expert.
@@ -40,21 +50,43 @@ class Plan:
         the assignment stored in each padded row, -1 for padding rows and rows
         at or past P.
 
-    Any object with these attributes can be passed where a plan is expected.
+    ``arrays`` is the list of the eight, in that order (what padmoe's torch
+    operators take). Any object with these attributes can be passed where a
+    plan is expected.
     """
 
-    indices: Any
-    bin_ids: Any
-    tokens_per_expert: Any
-    bins: Any
-    padded_tokens_per_expert: Any
-    padded_bins: Any
-    dest_rows: Any
-    row_sources: Any
-    num_tokens: int
-    top_k: int
-    num_experts: int
-    alignment: int
+    __slots__ = ("arrays", "num_tokens", "top_k", "num_experts", "alignment")
+    _fields = PLAN_ARRAYS + ("num_tokens", "top_k", "num_experts", "alignment")
+
+    def __init__(self, indices: Any, bin_ids: Any, tokens_per_expert: Any, bins: Any, padded_tokens_per_expert: Any,
+                 padded_bins: Any, dest_rows: Any, row_sources: Any, num_tokens: int, top_k: int, num_experts: int,
+                 alignment: int):
+        self.arrays = [indices, bin_ids, tokens_per_expert, bins, padded_tokens_per_expert, padded_bins, dest_rows,
+                       row_sources]
+        self.num_tokens = num_tokens
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.alignment = alignment
+
+    @classmethod
+    def _of(cls, arrays, num_tokens: int, top_k: int, num_experts: int, alignment: int) -> "Plan":
+        """A plan around a list of the eight arrays (no copies, no checks)."""
+        p = cls.__new__(cls)
+        p.arrays = arrays
+        p.num_tokens = num_tokens
+        p.top_k = top_k
+        p.num_experts = num_experts
+        p.alignment = alignment
+        return p
+
+    indices = _array_field(0, "indices")
+    bin_ids = _array_field(1, "bin_ids")
+    tokens_per_expert = _array_field(2, "tokens_per_expert")
+    bins = _array_field(3, "bins")
+    padded_tokens_per_expert = _array_field(4, "padded_tokens_per_expert")
+    padded_bins = _array_field(5, "padded_bins")
+    dest_rows = _array_field(6, "dest_rows")
+    row_sources = _array_field(7, "row_sources")
 
     @property
     def num_assignments(self) -> int:
@@ -65,7 +97,7 @@ class Plan:
     def capacity(self) -> int:
         """Host-side bound on P: ``A + E*(alignment-1)`` (no synchronization).
         Allocate padded outputs with ``rows=plan.capacity`` to avoid reading P."""
-        return _C.capacity_bound(self.num_tokens, self.top_k, self.num_experts, self.alignment)
+        return self.num_tokens * self.top_k + self.num_experts * (self.alignment - 1)  # = _C.capacity_bound
 
     def padded_rows(self) -> int:
         """P = ``padded_bins[-1]`` read on the host (on CUDA: synchronizes the

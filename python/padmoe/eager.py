@@ -29,9 +29,14 @@ checked inputs.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
+
+try:
+    from ._plan import Plan
+except ImportError:  # eager.py loaded from its file, outside the package (python/tests/test_eager.py)
+    from padmoe._plan import Plan
 
 __all__ = [
     "Plan",
@@ -49,26 +54,7 @@ __all__ = [
 ]
 
 
-class Plan(NamedTuple):
-    """The routing plan of SPEC section 1 (the same fields as ``padmoe.Plan``)."""
-
-    indices: torch.Tensor  # [A] assignment ids, stable-sorted by expert
-    bin_ids: torch.Tensor  # [A] expert of indices[i]
-    tokens_per_expert: torch.Tensor  # [E]
-    bins: torch.Tensor  # [E] inclusive cumsum of tokens_per_expert
-    padded_tokens_per_expert: torch.Tensor  # [E] round_up(count, alignment)
-    padded_bins: torch.Tensor  # [E] inclusive cumsum of the padded counts
-    dest_rows: torch.Tensor  # [A] padded row of assignment a
-    row_sources: torch.Tensor  # [capacity] assignment in each padded row, or -1
-    num_tokens: int
-    top_k: int
-    num_experts: int
-    alignment: int
-
-    @property
-    def capacity(self) -> int:
-        """Host-side bound on P: A + E * (alignment - 1)."""
-        return self.num_tokens * self.top_k + self.num_experts * (self.alignment - 1)
+# The plan type is padmoe's one Plan (padmoe/_plan.py), here holding torch tensors.
 
 
 # ---------------------------------------------------------------------------

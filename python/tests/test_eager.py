@@ -2,8 +2,8 @@
 
 The reference loops below are written straight from SPEC.md sections 1-3 and share no
 code with eager.py (dest_rows, for instance, comes from walking the experts in order,
-not from a sort). eager.py is loaded from its file, so these tests need neither the
-native extension nor padmoe/__init__.py.
+not from a sort). eager.py is loaded from its file (its Plan type comes from the
+installed padmoe).
 
 Tolerances: moves without weights must be bitwise equal; a weighted move may differ from
 the float64 product by the float32 product's rounding plus the cast to the row dtype;

@@ -90,9 +90,11 @@ void Checker::int32_output(const TensorView& t, const char* name, int64_t len, b
 }
 
 void Checker::scale_vector(const TensorView& t, const char* name, int64_t len, DType row_dtype) const {
-  if (t.dtype != DType::kFloat32 && t.dtype != row_dtype) {
-    fail(ErrorKind::kType, name, std::string("expected float32 or ") + dtype_name(row_dtype) + " (the rows' dtype), got " +
-                                     dtype_name(t.dtype));
+  // Router weights and probs may be of any 16/32-bit float dtype, whatever the rows' dtype (under
+  // bf16 autocast routers emit bf16 weights beside float32 rows); they are read as float32.
+  (void)row_dtype;
+  if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat16 && t.dtype != DType::kBFloat16) {
+    fail(ErrorKind::kType, name, std::string("expected float32, float16 or bfloat16, got ") + dtype_name(t.dtype));
   }
   if (t.numel() != len) value_error(name, "expected " + str(len) + " elements (one per row), got shape " + shape_str(t));
   if (!t.is_contiguous()) value_error(name, "expected a contiguous tensor");
@@ -100,9 +102,9 @@ void Checker::scale_vector(const TensorView& t, const char* name, int64_t len, D
 }
 
 void Checker::float_output(const TensorView& t, const char* name, int64_t len, DType row_dtype) const {
-  if (t.dtype != DType::kFloat32 && t.dtype != row_dtype) {
-    fail(ErrorKind::kType, name, std::string("expected float32 or ") + dtype_name(row_dtype) + ", got " +
-                                     dtype_name(t.dtype));
+  (void)row_dtype;  // weight gradients are written in the weights' dtype, any of the three
+  if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat16 && t.dtype != DType::kBFloat16) {
+    fail(ErrorKind::kType, name, std::string("expected float32, float16 or bfloat16, got ") + dtype_name(t.dtype));
   }
   if (t.numel() != len) value_error(name, "expected " + str(len) + " elements, got shape " + shape_str(t));
   if (!t.is_contiguous()) value_error(name, "expected a contiguous tensor");

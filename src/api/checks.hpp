@@ -51,9 +51,9 @@ class Checker {
   void index_vector(const TensorView& t, const char* name, int64_t len) const;
   // Contiguous int32 tensor with `len` entries (at least `len` when at_least).
   void int32_output(const TensorView& t, const char* name, int64_t len, bool at_least = false) const;
-  // Router weights / probs: contiguous, `len` elements, float32 or the row dtype.
+  // Router weights / probs: contiguous, `len` elements, float32, float16 or bfloat16 (any rows).
   void scale_vector(const TensorView& t, const char* name, int64_t len, DType row_dtype) const;
-  // Optional float output of `len` elements: float32 or `row_dtype`.
+  // Optional float output of `len` elements: float32, float16 or bfloat16.
   void float_output(const TensorView& t, const char* name, int64_t len, DType row_dtype) const;
   void same_device(const TensorView& t, const char* name, Device device) const;
   void top_k(int top_k, int64_t assignments) const;

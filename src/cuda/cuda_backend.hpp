@@ -77,6 +77,8 @@ class Scratch {
   void* ptr_ = nullptr;
   void* stream_ = nullptr;
   bool owned_ = false;
+  void (*free_)(void*, void*, void*) = nullptr;  // Options::scratch_free when scratch_alloc gave ptr_
+  void* free_ctx_ = nullptr;
 };
 
 // --- plan ---------------------------------------------------------------------

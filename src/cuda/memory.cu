@@ -54,12 +54,21 @@ Scratch::Scratch(const Options& options, size_t bytes, int device) : stream_(opt
     return;
   }
   (void)device;
-  PADMOE_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, as_stream(stream_)));
   owned_ = true;
+  if (options.scratch_alloc != nullptr && options.scratch_free != nullptr) {
+    ptr_ = options.scratch_alloc(bytes, stream_, options.scratch_ctx);
+    if (ptr_ == nullptr) throw Error(ErrorKind::kRuntime, "scratch_alloc returned null for " + std::to_string(bytes) + " bytes");
+    free_ = options.scratch_free;
+    free_ctx_ = options.scratch_ctx;
+    return;
+  }
+  PADMOE_CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, as_stream(stream_)));
 }
 
 Scratch::~Scratch() {
-  if (owned_) cudaFreeAsync(ptr_, as_stream(stream_));
+  if (!owned_) return;
+  if (free_ != nullptr) free_(ptr_, stream_, free_ctx_);
+  else cudaFreeAsync(ptr_, as_stream(stream_));
 }
 
 }  // namespace cuda

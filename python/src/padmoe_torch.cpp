@@ -1,0 +1,1298 @@
+// padmoe_torch.cpp — padmoe's ops as native PyTorch operators (torch.ops.padmoe.*).
+//
+// Built by `pip install .` when torch is importable at build time, as the
+// shared library padmoe/_torch_ops.so (loaded by padmoe.torch through
+// torch.ops.load_library). It registers, with the torch dispatcher:
+//   - every op's schema (TORCH_LIBRARY), so torch.compile traces them as
+//     single graph nodes (their fake kernels are in padmoe/torch.py);
+//   - one kernel per op for the CPU and CUDA keys: argument conversion to
+//     padmoe::TensorView, outputs from torch's allocator, padmoe's `_out`
+//     form on the current CUDA stream, scratch memory from torch's caching
+//     allocator (Options::scratch_alloc), padmoe::Error re-raised as
+//     c10::ValueError / TypeError / NotImplementedError (Python: ValueError,
+//     TypeError, NotImplementedError) with padmoe's message;
+//   - the autograd formulas (Autograd key), written in C++: the backward of
+//     each op is one call of its backward op through the dispatcher, so a
+//     backward pass launches exactly the backward kernels, and compiled
+//     backward graphs hold the backward ops.
+// The C++ library and padmoe._C do not depend on this file or on torch.
+//
+// `check` (every op): 0 = no data checks on CUDA (no synchronization),
+// 1 = checked mode, 2 = checked mode unless the current stream is capturing a
+// CUDA graph. The CPU backend always checks everything.
+//
+// float64 rows (which padmoe's kernels do not take) run through ATen
+// formulas in float64 inside the same operators, so that
+// torch.autograd.gradcheck exercises the operators and their autograd.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/library.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <pybind11/pybind11.h>
+
+#ifdef PADMOE_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+#include <algorithm>
+#include <array>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "padmoe/error.hpp"
+#include "padmoe/ops.hpp"
+#include "padmoe/tensor.hpp"
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+using padmoe::DType;
+using padmoe::TensorView;
+using torch::autograd::variable_list;
+
+// --- errors -------------------------------------------------------------------
+
+[[noreturn]] void rethrow(const padmoe::Error& e) {
+  const c10::SourceLocation here{__func__, __FILE__, static_cast<uint32_t>(__LINE__)};
+  switch (e.kind()) {
+    case padmoe::ErrorKind::kValue: throw c10::ValueError(here, e.what());
+    case padmoe::ErrorKind::kType: throw c10::TypeError(here, e.what());
+    case padmoe::ErrorKind::kUnsupported: throw c10::NotImplementedError(here, e.what());
+    default: throw c10::Error(here, e.what());
+  }
+}
+
+[[noreturn]] void value_error(const char* op, const char* arg, const std::string& what) {
+  throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::string(op) + ": " + arg + ": " + what);
+}
+[[noreturn]] void type_error(const char* op, const char* arg, const std::string& what) {
+  throw c10::TypeError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::string(op) + ": " + arg + ": " + what);
+}
+
+// Runs a padmoe call, translating its errors.
+template <typename Fn>
+void native(Fn&& fn) {
+  try {
+    fn();
+  } catch (const padmoe::Error& e) {
+    rethrow(e);
+  }
+}
+
+// --- tensors -> views -----------------------------------------------------------
+
+std::string shape_of(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+DType dtype_of(const Tensor& t, const char* op, const char* arg) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat8_e4m3fn: return DType::kFloat8E4M3;
+    case at::kFloat8_e5m2: return DType::kFloat8E5M2;
+    case at::kInt: return DType::kInt32;
+    case at::kLong: return DType::kInt64;
+    default:
+      type_error(op, arg, std::string("unsupported dtype ") + c10::toString(t.scalar_type()) +
+                              "; expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32 or int64");
+  }
+}
+
+TensorView view(const Tensor& t, const char* op, const char* arg) {
+  if (!t.defined()) return TensorView{};
+  if (t.dim() > padmoe::kMaxDims) {
+    value_error(op, arg, "expected at most " + std::to_string(padmoe::kMaxDims) + " dims, got shape " + shape_of(t));
+  }
+  TensorView v;
+  v.data = t.data_ptr();
+  v.dtype = dtype_of(t, op, arg);
+  v.ndim = static_cast<int>(t.dim());
+  int64_t stride = 1;
+  const bool empty = t.numel() == 0;
+  for (int d = v.ndim; d-- > 0;) {  // empty tensors: row-major strides (torch's may be anything)
+    v.shape[d] = t.size(d);
+    v.strides[d] = empty ? stride : t.stride(d);
+    stride *= std::max<int64_t>(t.size(d), 1);
+  }
+  if (t.is_cuda()) v.device = padmoe::Device::cuda(t.get_device());
+  else if (t.is_cpu()) v.device = padmoe::Device::cpu();
+  else type_error(op, arg, "unsupported device " + t.device().str() + "; expected CPU or CUDA");
+  return v;
+}
+
+std::optional<TensorView> opt_view(const OptTensor& t, const char* op, const char* arg) {
+  if (!t || !t->defined()) return std::nullopt;
+  return view(*t, op, arg);
+}
+
+// Rows: any row stride, but unit stride along the hidden dimension (else one copy).
+Tensor rows_arg(const Tensor& t) {
+  if (t.dim() == 2 && t.size(1) > 1 && t.stride(1) != 1) return t.contiguous();
+  if (t.dim() == 2 && t.size(0) > 1 && t.stride(0) < t.size(1)) return t.contiguous();  // e.g. expanded
+  return t;
+}
+
+// Index inputs: any stride (one copy when not contiguous).
+Tensor index_arg(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+// Router weights / probs: any shape with one entry per row, any float dtype,
+// any stride; read as float32 by padmoe (float64 is converted once).
+OptTensor scale_arg(const OptTensor& w) {
+  if (!w || !w->defined()) return std::nullopt;
+  Tensor t = *w;
+  if (t.dim() != 1) t = t.reshape({-1});
+  if (t.scalar_type() == at::kDouble) t = t.to(at::kFloat);
+  return t.is_contiguous() ? t : t.contiguous();
+}
+
+// Weight gradient output in the weights' dtype (float32 when padmoe cannot write that dtype).
+Tensor wgrad_buffer(const Tensor& weights, int64_t n) {
+  const auto st = weights.scalar_type();
+  const bool direct = st == at::kFloat || st == at::kHalf || st == at::kBFloat16;
+  return at::empty({n}, weights.options().dtype(direct ? st : at::kFloat));
+}
+
+Tensor as_weights_dtype(const Tensor& g, const OptTensor& weights) {
+  return g.scalar_type() == weights->scalar_type() ? g : g.to(weights->scalar_type());
+}
+
+Tensor no_grad_placeholder(const Tensor& like, const OptTensor& weights) {
+  return at::empty({0}, like.options().dtype(weights && weights->defined() ? weights->scalar_type() : like.scalar_type()));
+}
+
+// --- options: stream, checks, scratch -----------------------------------------
+
+#ifdef PADMOE_TORCH_CUDA
+void* torch_scratch_alloc(size_t bytes, void* stream, void*) {
+  return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, static_cast<cudaStream_t>(stream));
+}
+void torch_scratch_free(void* ptr, void*, void*) { c10::cuda::CUDACachingAllocator::raw_delete(ptr); }
+#endif
+
+padmoe::Options options_for(const Tensor& like, int64_t check, bool zero_tail = false) {
+  padmoe::Options o;
+  o.zero_tail = zero_tail;
+  o.check_data = check != 0;
+  if (like.is_cuda()) {
+#ifdef PADMOE_TORCH_CUDA
+    cudaStream_t s = c10::cuda::getCurrentCUDAStream(like.get_device()).stream();
+    o.stream = s;
+    o.scratch_alloc = torch_scratch_alloc;
+    o.scratch_free = torch_scratch_free;
+    if (check == 2) {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      if (cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+        o.check_data = false;
+      }
+    }
+#else
+    throw c10::NotImplementedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                   "padmoe.torch was built without CUDA support; rebuild padmoe with nvcc on the PATH");
+#endif
+  }
+  return o;
+}
+
+// --- plan -----------------------------------------------------------------------
+
+constexpr int kPlanTensors = 8;  // indices, bin_ids, tpe, bins, ptpe, padded_bins, dest_rows, row_sources
+
+padmoe::PlanView plan_view(at::TensorList plan, int64_t top_k, int64_t alignment, const char* op) {
+  if (plan.size() != kPlanTensors) {
+    value_error(op, "plan", "expected the 8 plan tensors, got " + std::to_string(plan.size()));
+  }
+  padmoe::PlanView p;
+  TensorView* fields[kPlanTensors] = {&p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins,
+                                      &p.padded_tokens_per_expert, &p.padded_bins, &p.dest_rows, &p.row_sources};
+  static const char* names[kPlanTensors] = {"plan.indices", "plan.bin_ids", "plan.tokens_per_expert", "plan.bins",
+                                            "plan.padded_tokens_per_expert", "plan.padded_bins", "plan.dest_rows",
+                                            "plan.row_sources"};
+  for (int i = 0; i < kPlanTensors; ++i) *fields[i] = view(plan[i], op, names[i]);
+  if (top_k < 1) value_error(op, "top_k", "must be >= 1, got " + std::to_string(top_k));
+  p.top_k = static_cast<int>(top_k);
+  p.num_tokens = plan[6].numel() / top_k;
+  p.num_experts = static_cast<int>(plan[5].numel());
+  p.alignment = static_cast<int>(alignment);
+  return p;
+}
+
+int64_t plan_capacity(at::TensorList plan) { return plan.size() == kPlanTensors ? plan[7].numel() : 0; }
+
+// P = padded_bins[-1] on the host (CUDA: one synchronization, as MegaBlocks does).
+int64_t host_last(const Tensor& t, const char* op, const char* arg) {
+  if (t.dim() != 1 || t.numel() == 0) return 0;
+  if (t.scalar_type() != at::kInt && t.scalar_type() != at::kLong) return 0;  // padmoe reports the dtype
+  Tensor last = t.narrow(0, t.numel() - 1, 1);
+  if (t.is_cuda()) last = last.to(at::kCPU);
+  return std::max<int64_t>(t.scalar_type() == at::kInt ? last.data_ptr<int32_t>()[0] : last.data_ptr<int64_t>()[0], 0);
+}
+
+// --- float64 formulas (exact; for gradcheck) ---------------------------------------
+
+bool is_f64(const Tensor& t) { return t.scalar_type() == at::kDouble; }
+
+Tensor w64(const OptTensor& w, int64_t n, const Tensor& like) {
+  if (!w || !w->defined()) return at::ones({n}, like.options());
+  return w->reshape({-1}).to(like.scalar_type());
+}
+
+// y[rows, H]: y[dest[a]] = x[a / K] * w[a]; other rows zero (dest < 0: dropped).
+Tensor spread64(const Tensor& x, const Tensor& dest, int64_t k, const OptTensor& w, int64_t rows) {
+  const int64_t a = dest.numel();
+  Tensor src = x.repeat_interleave(k, 0) * w64(w, a, x).unsqueeze(1);
+  Tensor y = at::zeros({rows, x.size(1)}, x.options());
+  Tensor keep = dest.ge(0);
+  y.index_put_({dest.masked_select(keep).to(at::kLong)}, src.index({keep}));
+  return y;
+}
+
+// out[t] = sum_k w[t*K+k] * y[dest[t*K+k]] (dest < 0 contributes zero).
+Tensor reduce64(const Tensor& y, const Tensor& dest, int64_t k, const OptTensor& w) {
+  const int64_t a = dest.numel();
+  Tensor keep = dest.ge(0).to(y.scalar_type()).unsqueeze(1);
+  Tensor g = y.index_select(0, dest.clamp_min(0).to(at::kLong)) * keep * w64(w, a, y).unsqueeze(1);
+  return g.view({a / k, k, y.size(1)}).sum(1);
+}
+
+// d[a] = <y[dest[a]], other[a / K]> (0 where dest < 0).
+Tensor dots64(const Tensor& y, const Tensor& dest, int64_t k, const Tensor& other) {
+  Tensor keep = dest.ge(0).to(y.scalar_type());
+  Tensor g = y.index_select(0, dest.clamp_min(0).to(at::kLong));
+  return (g * other.repeat_interleave(k, 0)).sum(-1) * keep;
+}
+
+// dest_rows from the sorted (MegaBlocks) form: dest[indices[i]] = padded_start(e) + i - real_start(e).
+Tensor dest_of(const Tensor& indices, const Tensor& bin_ids, const Tensor& bins, const Tensor& padded_bins) {
+  const int64_t a = indices.numel();
+  Tensor e = bin_ids.to(at::kLong);
+  Tensor zero = at::zeros({1}, bins.options().dtype(at::kLong));
+  Tensor real_start = at::cat({zero, bins.to(at::kLong).narrow(0, 0, std::max<int64_t>(bins.numel() - 1, 0))});
+  Tensor pad_start = at::cat({zero, padded_bins.to(at::kLong).narrow(0, 0, std::max<int64_t>(padded_bins.numel() - 1, 0))});
+  Tensor rows = pad_start.index_select(0, e) + at::arange(a, e.options()) - real_start.index_select(0, e);
+  Tensor dest = at::empty({a}, indices.options().dtype(at::kInt));
+  dest.index_put_({indices.to(at::kLong)}, rows.to(at::kInt));
+  return dest;
+}
+
+// --- the operators (CPU and CUDA kernels) ---------------------------------------
+
+using PlanTensors = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+PlanTensors make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64_t alignment, int64_t check,
+                             const OptTensor& weights) {
+  const char* op = "make_plan";
+  if (top_experts_in.dim() != 2) value_error(op, "top_experts", "expected [T, K], got shape " + shape_of(top_experts_in));
+  const int64_t t = top_experts_in.size(0), k = top_experts_in.size(1);
+  if (weights && weights->defined()) {  // checked here, not first at combine after the expert GEMMs
+    const Tensor& w = *weights;
+    if (!at::isFloatingType(w.scalar_type()) || w.scalar_type() == at::kFloat8_e4m3fn ||
+        w.scalar_type() == at::kFloat8_e5m2) {
+      type_error(op, "weights", std::string("expected a float dtype, got ") + c10::toString(w.scalar_type()));
+    }
+    if (w.numel() != t * k) {
+      value_error(op, "weights", "expected " + std::to_string(t * k) + " elements ([T, K] = [" + std::to_string(t) +
+                                     ", " + std::to_string(k) + "]), got shape " + shape_of(w));
+    }
+    if (w.device() != top_experts_in.device()) {
+      type_error(op, "weights", "expected a tensor on " + top_experts_in.device().str() + ", got one on " + w.device().str());
+    }
+  }
+  Tensor top = index_arg(top_experts_in);
+  const int64_t a = std::max<int64_t>(t * k, 0), e = std::max<int64_t>(num_experts, 0);
+  int64_t cap = 0;
+  native([&] { cap = padmoe::capacity_bound(t, static_cast<int>(k), static_cast<int>(num_experts), static_cast<int>(alignment)); });
+  cap = std::max<int64_t>(cap, 0);
+  auto i32 = top.options().dtype(at::kInt);
+  PlanTensors out{at::empty({a}, i32), at::empty({a}, i32), at::empty({e}, i32), at::empty({e}, i32),
+                  at::empty({e}, i32), at::empty({e}, i32), at::empty({a}, i32), at::empty({cap}, i32)};
+  const char* names = op;
+  c10::OptionalDeviceGuard guard(top.device());
+  padmoe::PlanView pv;
+  pv.indices = view(std::get<0>(out), names, "indices");
+  pv.bin_ids = view(std::get<1>(out), names, "bin_ids");
+  pv.tokens_per_expert = view(std::get<2>(out), names, "tokens_per_expert");
+  pv.bins = view(std::get<3>(out), names, "bins");
+  pv.padded_tokens_per_expert = view(std::get<4>(out), names, "padded_tokens_per_expert");
+  pv.padded_bins = view(std::get<5>(out), names, "padded_bins");
+  pv.dest_rows = view(std::get<6>(out), names, "dest_rows");
+  pv.row_sources = view(std::get<7>(out), names, "row_sources");
+  pv.num_tokens = t;
+  pv.top_k = static_cast<int>(std::max<int64_t>(k, 1));
+  pv.num_experts = static_cast<int>(num_experts);
+  pv.alignment = static_cast<int>(alignment);
+  const padmoe::Options o = options_for(top, check);
+  native([&] { padmoe::make_plan_out(view(top, op, "top_experts"), static_cast<int>(num_experts), static_cast<int>(alignment), pv, o); });
+  return out;
+}
+
+Tensor dispatch_kernel(const Tensor& x_in, at::TensorList plan, const OptTensor& weights, int64_t top_k,
+                       int64_t alignment, int64_t check) {
+  const char* op = "dispatch";
+  const int64_t cap = plan_capacity(plan);
+  if (is_f64(x_in) && plan.size() == kPlanTensors) return spread64(x_in, plan[6], top_k, weights, cap);
+  Tensor x = rows_arg(x_in);
+  OptTensor w = scale_arg(weights);
+  Tensor y = at::empty({cap, x.dim() == 2 ? x.size(1) : 0}, x.options());
+  c10::OptionalDeviceGuard guard(x.device());
+  const padmoe::PlanView pv = plan_view(plan, top_k, alignment, op);
+  const padmoe::Options o = options_for(x, check, /*zero_tail=*/true);
+  native([&] { padmoe::dispatch_out(view(x, op, "x"), pv, opt_view(w, op, "weights"), view(y, op, "y"), o); });
+  return y;
+}
+
+Tensor combine_kernel(const Tensor& y_in, at::TensorList plan, const OptTensor& weights, int64_t top_k,
+                      int64_t alignment, int64_t check) {
+  const char* op = "combine";
+  if (is_f64(y_in) && plan.size() == kPlanTensors) return reduce64(y_in, plan[6], top_k, weights);
+  Tensor y = rows_arg(y_in);
+  OptTensor w = scale_arg(weights);
+  const int64_t tokens = top_k >= 1 && plan.size() == kPlanTensors ? plan[6].numel() / top_k : 0;
+  Tensor out = at::empty({tokens, y.dim() == 2 ? y.size(1) : 0}, y.options());
+  c10::OptionalDeviceGuard guard(y.device());
+  const padmoe::PlanView pv = plan_view(plan, top_k, alignment, op);
+  const padmoe::Options o = options_for(y, check);
+  native([&] { padmoe::combine_out(view(y, op, "y"), pv, opt_view(w, op, "weights"), view(out, op, "out"), o); });
+  return out;
+}
+
+// y (combine's input) is needed only for the weight gradient; without it
+// (None) grad_y has `rows` rows (-1: the plan's capacity) of grad_out's dtype.
+std::tuple<Tensor, Tensor> combine_backward_kernel(const Tensor& grad_out_in, const OptTensor& y_in, at::TensorList plan,
+                                                   const OptTensor& weights, int64_t top_k, int64_t alignment,
+                                                   bool need_wgrad, int64_t check, int64_t rows) {
+  const char* op = "combine_backward";
+  const bool have_y = y_in && y_in->defined();
+  const bool want_w = need_wgrad && weights && weights->defined();
+  if (want_w && !have_y) value_error(op, "y", "needed for the weight gradient");
+  if (rows < 0) rows = have_y && y_in->dim() >= 1 ? y_in->size(0) : plan_capacity(plan);
+  if (is_f64(grad_out_in) && plan.size() == kPlanTensors) {
+    Tensor gy = spread64(grad_out_in, plan[6], top_k, weights, rows);
+    Tensor gw = want_w ? dots64(*y_in, plan[6], top_k, grad_out_in).to(weights->scalar_type())
+                       : no_grad_placeholder(grad_out_in, weights);
+    return {gy, gw};
+  }
+  Tensor grad_out = rows_arg(grad_out_in);
+  OptTensor w = scale_arg(weights);
+  const int64_t cols = grad_out.dim() == 2 ? grad_out.size(1) : 0;
+  Tensor gy = at::empty({rows, cols}, have_y ? y_in->options() : grad_out.options());
+  Tensor y = have_y ? rows_arg(*y_in) : gy;  // without the weight gradient y gives only its shape and dtype
+  Tensor gw = want_w ? wgrad_buffer(*weights, plan.size() == kPlanTensors ? plan[6].numel() : 0) : Tensor();
+  c10::OptionalDeviceGuard guard(grad_out.device());
+  const padmoe::PlanView pv = plan_view(plan, top_k, alignment, op);
+  const padmoe::Options o = options_for(grad_out, check, /*zero_tail=*/true);
+  native([&] {
+    padmoe::combine_backward_out(view(grad_out, op, "grad_out"), view(y, op, "y"), pv, opt_view(w, op, "weights"),
+                                 view(gy, op, "grad_y"), want_w ? view(gw, op, "grad_weights") : TensorView{}, o);
+  });
+  return {gy, want_w ? as_weights_dtype(gw, weights) : no_grad_placeholder(grad_out, weights)};
+}
+
+// x (dispatch's input) is needed only for the weight gradient; without it
+// (None) grad_x is [T, H] of grad_y's dtype.
+std::tuple<Tensor, Tensor> dispatch_backward_kernel(const Tensor& grad_y_in, const OptTensor& x_in, at::TensorList plan,
+                                                    const OptTensor& weights, int64_t top_k, int64_t alignment,
+                                                    bool need_wgrad, int64_t check) {
+  const char* op = "dispatch_backward";
+  const bool have_x = x_in && x_in->defined();
+  const bool want_w = need_wgrad && weights && weights->defined();
+  if (want_w && !have_x) value_error(op, "x", "needed for the weight gradient");
+  if (is_f64(grad_y_in) && plan.size() == kPlanTensors) {
+    Tensor gx = reduce64(grad_y_in, plan[6], top_k, weights);
+    Tensor gw = want_w ? dots64(grad_y_in, plan[6], top_k, *x_in).to(weights->scalar_type())
+                       : no_grad_placeholder(grad_y_in, weights);
+    return {gx, gw};
+  }
+  Tensor grad_y = rows_arg(grad_y_in);
+  OptTensor w = scale_arg(weights);
+  const int64_t tokens = top_k >= 1 && plan.size() == kPlanTensors ? plan[6].numel() / top_k : 0;
+  Tensor gx = have_x ? at::empty(x_in->sizes(), x_in->options())
+                     : at::empty({tokens, grad_y.dim() == 2 ? grad_y.size(1) : 0}, grad_y.options());
+  Tensor x = have_x ? rows_arg(*x_in) : gx;  // without the weight gradient x gives only its shape and dtype
+  Tensor gw = want_w ? wgrad_buffer(*weights, plan.size() == kPlanTensors ? plan[6].numel() : 0) : Tensor();
+  c10::OptionalDeviceGuard guard(grad_y.device());
+  const padmoe::PlanView pv = plan_view(plan, top_k, alignment, op);
+  const padmoe::Options o = options_for(grad_y, check);
+  native([&] {
+    padmoe::dispatch_backward_out(view(grad_y, op, "grad_y"), view(x, op, "x"), pv, opt_view(w, op, "weights"),
+                                  view(gx, op, "grad_x"), want_w ? view(gw, op, "grad_weights") : TensorView{}, o);
+  });
+  return {gx, want_w ? as_weights_dtype(gw, weights) : no_grad_placeholder(grad_y, weights)};
+}
+
+// MegaBlocks drop-ins --------------------------------------------------------------
+
+Tensor padded_gather_kernel(const Tensor& x_in, const Tensor& indices_in, const Tensor& bin_ids_in,
+                            const Tensor& bins_in, const Tensor& padded_bins_in, int64_t top_k,
+                            const OptTensor& weights, int64_t check) {
+  const char* op = "padded_gather";
+  Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
+         padded_bins = index_arg(padded_bins_in);
+  const int64_t p = host_last(padded_bins, op, "padded_bins");
+  if (is_f64(x_in)) return spread64(x_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, weights, p);
+  Tensor x = rows_arg(x_in);
+  OptTensor w = scale_arg(weights);
+  Tensor y = at::empty({p, x.dim() == 2 ? x.size(1) : 0}, x.options());
+  c10::OptionalDeviceGuard guard(x.device());
+  const padmoe::Options o = options_for(x, check);
+  native([&] {
+    padmoe::padded_gather_out(view(x, op, "x"), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
+                              view(bins, op, "bins"), view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+                              opt_view(w, op, "weights"), view(y, op, "y"), o);
+  });
+  return y;
+}
+
+std::tuple<Tensor, Tensor> padded_gather_backward_kernel(const Tensor& grad_y_in, const Tensor& x_in,
+                                                         const Tensor& indices_in, const Tensor& bin_ids_in,
+                                                         const Tensor& bins_in, const Tensor& padded_bins_in,
+                                                         int64_t top_k, const OptTensor& weights, bool need_wgrad,
+                                                         int64_t check) {
+  const char* op = "padded_gather_backward";
+  const bool want_w = need_wgrad && weights && weights->defined();
+  Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
+         padded_bins = index_arg(padded_bins_in);
+  if (is_f64(x_in)) {
+    Tensor dest = dest_of(indices, bin_ids, bins, padded_bins);
+    Tensor gx = reduce64(grad_y_in, dest, top_k, weights);
+    Tensor gw = want_w ? dots64(grad_y_in, dest, top_k, x_in).to(weights->scalar_type()) : no_grad_placeholder(x_in, weights);
+    return {gx, gw};
+  }
+  Tensor grad_y = rows_arg(grad_y_in), x = rows_arg(x_in);
+  OptTensor w = scale_arg(weights);
+  Tensor gx = at::empty(x.sizes(), x.options());
+  Tensor gw = want_w ? wgrad_buffer(*weights, indices.numel()) : Tensor();
+  c10::OptionalDeviceGuard guard(x.device());
+  const padmoe::Options o = options_for(x, check);
+  native([&] {
+    padmoe::padded_gather_backward_out(view(grad_y, op, "grad_y"), view(x, op, "x"), view(indices, op, "indices"),
+                                       view(bin_ids, op, "bin_ids"), view(bins, op, "bins"),
+                                       view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+                                       opt_view(w, op, "weights"), view(gx, op, "grad_x"),
+                                       want_w ? view(gw, op, "grad_weights") : TensorView{}, o);
+  });
+  return {gx, want_w ? as_weights_dtype(gw, weights) : no_grad_placeholder(x, weights)};
+}
+
+Tensor padded_scatter_kernel(const Tensor& y_in, const Tensor& indices_in, const Tensor& bin_ids_in,
+                             const OptTensor& weights, const Tensor& bins_in, const Tensor& padded_bins_in,
+                             int64_t top_k, int64_t check) {
+  const char* op = "padded_scatter";
+  Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
+         padded_bins = index_arg(padded_bins_in);
+  if (is_f64(y_in)) return reduce64(y_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, weights);
+  Tensor y = rows_arg(y_in);
+  OptTensor w = scale_arg(weights);
+  const int64_t tokens = top_k >= 1 ? indices.numel() / top_k : 0;
+  Tensor out = at::empty({tokens, y.dim() == 2 ? y.size(1) : 0}, y.options());
+  c10::OptionalDeviceGuard guard(y.device());
+  const padmoe::Options o = options_for(y, check);
+  native([&] {
+    padmoe::padded_scatter_out(view(y, op, "y"), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
+                               opt_view(w, op, "weights"), view(bins, op, "bins"),
+                               view(padded_bins, op, "padded_bins"), static_cast<int>(top_k), view(out, op, "out"), o);
+  });
+  return out;
+}
+
+std::tuple<Tensor, Tensor> padded_scatter_backward_kernel(const Tensor& grad_out_in, const Tensor& y_in,
+                                                          const Tensor& indices_in, const Tensor& bin_ids_in,
+                                                          const OptTensor& weights, const Tensor& bins_in,
+                                                          const Tensor& padded_bins_in, int64_t top_k,
+                                                          bool need_wgrad, int64_t check) {
+  const char* op = "padded_scatter_backward";
+  const bool want_w = need_wgrad && weights && weights->defined();
+  Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
+         padded_bins = index_arg(padded_bins_in);
+  if (is_f64(y_in)) {
+    Tensor dest = dest_of(indices, bin_ids, bins, padded_bins);
+    Tensor gy = spread64(grad_out_in, dest, top_k, weights, y_in.size(0));
+    Tensor gw = want_w ? dots64(y_in, dest, top_k, grad_out_in).to(weights->scalar_type()) : no_grad_placeholder(y_in, weights);
+    return {gy, gw};
+  }
+  Tensor grad_out = rows_arg(grad_out_in), y = rows_arg(y_in);
+  OptTensor w = scale_arg(weights);
+  Tensor gy = at::empty(y.sizes(), y.options());
+  Tensor gw = want_w ? wgrad_buffer(*weights, indices.numel()) : Tensor();
+  c10::OptionalDeviceGuard guard(y.device());
+  const padmoe::Options o = options_for(y, check, /*zero_tail=*/true);
+  native([&] {
+    padmoe::padded_scatter_backward_out(view(grad_out, op, "grad_out"), view(y, op, "y"), view(indices, op, "indices"),
+                                        view(bin_ids, op, "bin_ids"), opt_view(w, op, "weights"), view(bins, op, "bins"),
+                                        view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+                                        view(gy, op, "grad_y"), want_w ? view(gw, op, "grad_weights") : TensorView{}, o);
+  });
+  return {gy, want_w ? as_weights_dtype(gw, weights) : no_grad_placeholder(y, weights)};
+}
+
+Tensor padded_scatter_wgrad_kernel(const Tensor& y_in, const Tensor& grad_in, const Tensor& indices_in,
+                                   const Tensor& bin_ids_in, const Tensor& bins_in, const Tensor& padded_bins_in,
+                                   int64_t top_k, int64_t check) {
+  const char* op = "padded_scatter_wgrad";
+  Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
+         padded_bins = index_arg(padded_bins_in);
+  if (is_f64(y_in)) return dots64(y_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, grad_in);
+  Tensor y = rows_arg(y_in), grad = rows_arg(grad_in);
+  Tensor out = at::empty({indices.numel()}, y.options());
+  c10::OptionalDeviceGuard guard(y.device());
+  const padmoe::Options o = options_for(y, check);
+  native([&] {
+    padmoe::padded_scatter_wgrad_out(view(y, op, "y"), view(grad, op, "grad"), view(indices, op, "indices"),
+                                     view(bin_ids, op, "bin_ids"), view(bins, op, "bins"),
+                                     view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+                                     view(out, op, "wgrad"), o);
+  });
+  return out;
+}
+
+// Megatron drop-ins ------------------------------------------------------------------
+
+// P = sum of round_up(max(count, 0), alignment) on the host (CUDA: reads the counts, one synchronization).
+int64_t padded_total(const Tensor& counts, int64_t alignment) {
+  if (counts.dim() != 1 || alignment < 1) return 0;
+  if (counts.scalar_type() != at::kInt && counts.scalar_type() != at::kLong) return 0;  // padmoe reports it
+  Tensor c = counts.is_cuda() ? counts.to(at::kCPU) : counts.contiguous();
+  int64_t total = 0;
+  for (int64_t i = 0; i < c.numel(); ++i) {
+    const int64_t v = std::max<int64_t>(c.scalar_type() == at::kInt ? c.data_ptr<int32_t>()[i] : c.data_ptr<int64_t>()[i], 0);
+    total += (v + alignment - 1) / alignment * alignment;
+  }
+  return total;
+}
+
+std::tuple<Tensor, Tensor, Tensor> pad_kernel(const Tensor& h_in, const Tensor& tpe_in, int64_t alignment,
+                                              int64_t check) {
+  const char* op = "pad_to_alignment";
+  Tensor tpe = index_arg(tpe_in);
+  const int64_t p = padded_total(tpe, alignment);
+  const int64_t e = tpe.dim() == 1 ? tpe.numel() : 0;
+  Tensor h = is_f64(h_in) ? h_in : rows_arg(h_in);
+  Tensor map = at::empty({p}, h.options().dtype(at::kInt));
+  Tensor offs = at::empty({e}, h.options().dtype(at::kInt));
+  if (is_f64(h)) {  // the map and offsets from padmoe on float32 rows of no columns, then an exact move
+    Tensor none = at::empty({h.size(0), 0}, h.options().dtype(at::kFloat));
+    Tensor pn = at::empty({p, 0}, none.options());
+    c10::OptionalDeviceGuard guard(h.device());
+    const padmoe::Options o = options_for(h, check);
+    native([&] {
+      padmoe::pad_to_alignment_out(view(none, op, "hidden_states"), view(tpe, op, "tokens_per_expert"),
+                                   static_cast<int>(alignment), view(pn, op, "padded"), view(map, op, "permutation_map"),
+                                   view(offs, op, "inclusive_offsets"), o);
+    });
+    Tensor keep = map.ge(0).to(h.scalar_type()).unsqueeze(1);
+    Tensor padded = h.index_select(0, map.clamp_min(0).to(at::kLong)) * keep;
+    return {padded, map, offs};
+  }
+  Tensor padded = at::empty({p, h.dim() == 2 ? h.size(1) : 0}, h.options());
+  c10::OptionalDeviceGuard guard(h.device());
+  const padmoe::Options o = options_for(h, check);
+  native([&] {
+    padmoe::pad_to_alignment_out(view(h, op, "hidden_states"), view(tpe, op, "tokens_per_expert"),
+                                 static_cast<int>(alignment), view(padded, op, "padded"),
+                                 view(map, op, "permutation_map"), view(offs, op, "inclusive_offsets"), o);
+  });
+  return {padded, map, offs};
+}
+
+Tensor unpad_kernel(const Tensor& padded_in, const Tensor& map_in, int64_t original_size, const OptTensor& probs,
+                    int64_t check) {
+  const char* op = "unpad_from_alignment";
+  if (original_size < 0) value_error(op, "original_size", "must be >= 0, got " + std::to_string(original_size));
+  Tensor map = index_arg(map_in);
+  if (is_f64(padded_in)) {
+    Tensor out = at::zeros({original_size, padded_in.size(1)}, padded_in.options());
+    Tensor src = at::nonzero(map.ge(0)).squeeze(1);
+    Tensor dst = map.to(at::kLong).index_select(0, src);
+    Tensor rows = padded_in.index_select(0, src);
+    if (probs && probs->defined()) rows = rows * probs->reshape({-1}).to(rows.scalar_type()).index_select(0, dst).unsqueeze(1);
+    out.index_put_({dst}, rows);
+    return out;
+  }
+  Tensor padded = rows_arg(padded_in);
+  OptTensor pr = scale_arg(probs);
+  Tensor out = at::empty({original_size, padded.dim() == 2 ? padded.size(1) : 0}, padded.options());
+  c10::OptionalDeviceGuard guard(padded.device());
+  const padmoe::Options o = options_for(padded, check);
+  native([&] {
+    padmoe::unpad_from_alignment_out(view(padded, op, "padded"), view(map, op, "permutation_map"),
+                                     opt_view(pr, op, "probs"), view(out, op, "out"), o);
+  });
+  return out;
+}
+
+std::tuple<Tensor, Tensor> unpad_backward_kernel(const Tensor& grad_out_in, const Tensor& padded_in,
+                                                 const Tensor& map_in, const OptTensor& probs, bool need_pgrad,
+                                                 int64_t check) {
+  const char* op = "unpad_from_alignment_backward";
+  const bool want_p = need_pgrad && probs && probs->defined();
+  Tensor map = index_arg(map_in);
+  const int64_t n = grad_out_in.dim() >= 1 ? grad_out_in.size(0) : 0;
+  if (is_f64(padded_in)) {
+    Tensor src = at::nonzero(map.ge(0)).squeeze(1);
+    Tensor dst = map.to(at::kLong).index_select(0, src);
+    Tensor g = grad_out_in.index_select(0, dst);
+    Tensor gp = at::zeros_like(padded_in);
+    if (probs && probs->defined()) {
+      gp.index_put_({src}, g * probs->reshape({-1}).to(g.scalar_type()).index_select(0, dst).unsqueeze(1));
+    } else {
+      gp.index_put_({src}, g);
+    }
+    if (!want_p) return {gp, no_grad_placeholder(padded_in, probs)};
+    Tensor gpr = at::zeros({n}, g.options());
+    gpr.index_put_({dst}, (padded_in.index_select(0, src) * g).sum(-1));
+    return {gp, gpr.to(probs->scalar_type())};
+  }
+  Tensor grad_out = rows_arg(grad_out_in), padded = rows_arg(padded_in);
+  OptTensor pr = scale_arg(probs);
+  Tensor gp = at::empty(padded.sizes(), padded.options());
+  Tensor gpr = want_p ? wgrad_buffer(*probs, n) : Tensor();
+  c10::OptionalDeviceGuard guard(padded.device());
+  const padmoe::Options o = options_for(padded, check);
+  native([&] {
+    padmoe::unpad_from_alignment_backward_out(view(grad_out, op, "grad_out"), view(padded, op, "padded"),
+                                              view(map, op, "permutation_map"), opt_view(pr, op, "probs"),
+                                              view(gp, op, "grad_padded"),
+                                              want_p ? view(gpr, op, "grad_probs") : TensorView{}, o);
+  });
+  return {gp, want_p ? as_weights_dtype(gpr, probs) : no_grad_placeholder(padded, probs)};
+}
+
+// --- autograd ---------------------------------------------------------------------
+//
+// Hand-written graph nodes (as torch's generated autograd code does, not
+// torch::autograd::Function: a Function node costs several µs of host time
+// per call). Each forward on the Autograd key calls the kernel below autograd,
+// and when an input needs a gradient attaches one node whose apply() is one
+// call of the backward operator through the dispatcher.
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using NodePtr = decltype(torch::autograd::Edge::function);  // intrusive_ptr in recent torch, shared_ptr before
+
+template <typename T>
+NodePtr new_node() {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>) {
+    return std::shared_ptr<T>(new T());
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
+
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+// Backward check mode: off when the forward was unchecked, else checked unless capturing.
+int64_t backward_check(int64_t check) { return check == 0 ? 0 : 2; }
+
+bool wants_grad(const OptTensor& t) { return t && t->defined() && t->requires_grad(); }
+OptTensor optional_of(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+// Does this call record a graph node? (grad mode on and a differentiable input that needs it)
+bool recording(const Tensor& rows, const OptTensor& scale) {
+  return at::GradMode::is_enabled() && (rows.requires_grad() || wants_grad(scale));
+}
+
+// A saved tensor: SavedVariable (version-checked) when defined, else empty.
+struct Saved {
+  SavedVariable var;
+  bool present = false;
+  void save(const Tensor& t) {
+    if (t.defined()) {
+      var = SavedVariable(t, /*is_output=*/false);
+      present = true;
+    }
+  }
+  Tensor get() const { return present ? var.unpack() : Tensor(); }
+  void release() {
+    if (present) var.reset_data();
+  }
+};
+
+Tensor shaped_as(const Tensor& g, c10::IntArrayRef shape) { return g.sizes() == shape ? g : g.view(shape); }
+
+// Static path: dispatch / combine on a plan. Edges: (rows, weights).
+struct PlanOpBackward : Node {
+  bool is_combine = false;
+  std::vector<Tensor> plan;  // int32 arrays of make_plan: never differentiable
+  Saved rows;                // dispatch's x / combine's y, saved only for the weight gradient
+  Saved weights;
+  std::vector<int64_t> weight_shape;
+  int64_t top_k = 1, alignment = 1, check = 0, row_count = 0;
+  bool need_w = false;
+
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return variable_list(2);
+    Tensor r = rows.get(), w = weights.get();
+    Tensor g_rows, g_w;
+    if (is_combine) {
+      static auto op = handle<decltype(combine_backward_kernel)>("padmoe::combine_backward");
+      std::tie(g_rows, g_w) = op.call(grads[0], optional_of(r), plan, optional_of(w), top_k, alignment, need_w, check,
+                                      row_count);
+    } else {
+      static auto op = handle<decltype(dispatch_backward_kernel)>("padmoe::dispatch_backward");
+      std::tie(g_rows, g_w) = op.call(grads[0], optional_of(r), plan, optional_of(w), top_k, alignment, need_w, check);
+    }
+    return {g_rows, need_w ? shaped_as(g_w, weight_shape) : Tensor()};
+  }
+  void release_variables() override {
+    rows.release();
+    weights.release();
+    plan.clear();
+  }
+  std::string name() const override { return is_combine ? "padmoe::CombineBackward" : "padmoe::DispatchBackward"; }
+};
+
+Tensor plan_op_autograd(bool is_combine, const Tensor& rows, at::TensorList plan, const OptTensor& weights,
+                        int64_t top_k, int64_t alignment, int64_t check) {
+  Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    if (is_combine) {
+      static auto op = handle<decltype(combine_kernel)>("padmoe::combine");
+      out = op.call(rows, plan, weights, top_k, alignment, check);
+    } else {
+      static auto op = handle<decltype(dispatch_kernel)>("padmoe::dispatch");
+      out = op.call(rows, plan, weights, top_k, alignment, check);
+    }
+  }
+  if (!recording(rows, weights)) return out;
+  NodePtr node = new_node<PlanOpBackward>();
+  auto* n = static_cast<PlanOpBackward*>(node.get());
+  n->set_next_edges(torch::autograd::collect_next_edges(rows, weights));
+  n->is_combine = is_combine;
+  n->plan.assign(plan.begin(), plan.end());
+  n->need_w = wants_grad(weights);
+  if (n->need_w) {
+    n->rows.save(rows);
+    n->weight_shape = weights->sizes().vec();
+  }
+  if (weights) n->weights.save(*weights);
+  n->top_k = top_k;
+  n->alignment = alignment;
+  n->check = backward_check(check);
+  n->row_count = rows.dim() >= 1 ? rows.size(0) : 0;
+  torch::autograd::set_history(out, node);
+  return out;
+}
+
+Tensor dispatch_autograd(const Tensor& x, at::TensorList plan, const OptTensor& weights, int64_t top_k,
+                         int64_t alignment, int64_t check) {
+  return plan_op_autograd(false, x, plan, weights, top_k, alignment, check);
+}
+Tensor combine_autograd(const Tensor& y, at::TensorList plan, const OptTensor& weights, int64_t top_k,
+                        int64_t alignment, int64_t check) {
+  return plan_op_autograd(true, y, plan, weights, top_k, alignment, check);
+}
+
+// MegaBlocks drop-ins: padded_gather (x, ..., weights) and padded_scatter (y, ..., weights). Edges: (rows, weights).
+struct SortedOpBackward : Node {
+  bool is_scatter = false;
+  Saved rows, weights;
+  Tensor indices, bin_ids, bins, padded_bins;
+  std::vector<int64_t> weight_shape;
+  int64_t top_k = 1, check = 0;
+  bool need_w = false;
+
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return variable_list(2);
+    Tensor r = rows.get(), w = weights.get();
+    Tensor g_rows, g_w;
+    if (is_scatter) {
+      static auto op = handle<decltype(padded_scatter_backward_kernel)>("padmoe::padded_scatter_backward");
+      std::tie(g_rows, g_w) = op.call(grads[0], r, indices, bin_ids, optional_of(w), bins, padded_bins, top_k, need_w,
+                                      check);
+    } else {
+      static auto op = handle<decltype(padded_gather_backward_kernel)>("padmoe::padded_gather_backward");
+      std::tie(g_rows, g_w) = op.call(grads[0], r, indices, bin_ids, bins, padded_bins, top_k, optional_of(w), need_w,
+                                      check);
+    }
+    return {g_rows, need_w ? shaped_as(g_w, weight_shape) : Tensor()};
+  }
+  void release_variables() override {
+    rows.release();
+    weights.release();
+  }
+  std::string name() const override {
+    return is_scatter ? "padmoe::PaddedScatterBackward" : "padmoe::PaddedGatherBackward";
+  }
+};
+
+void attach_sorted(bool is_scatter, const Tensor& out, const Tensor& rows, const Tensor& indices,
+                   const Tensor& bin_ids, const Tensor& bins, const Tensor& padded_bins, const OptTensor& weights,
+                   int64_t top_k, int64_t check) {
+  NodePtr node = new_node<SortedOpBackward>();
+  auto* n = static_cast<SortedOpBackward*>(node.get());
+  n->set_next_edges(torch::autograd::collect_next_edges(rows, weights));
+  n->is_scatter = is_scatter;
+  n->rows.save(rows);
+  if (weights) n->weights.save(*weights);
+  n->indices = indices;
+  n->bin_ids = bin_ids;
+  n->bins = bins;
+  n->padded_bins = padded_bins;
+  n->need_w = wants_grad(weights);
+  if (n->need_w) n->weight_shape = weights->sizes().vec();
+  n->top_k = top_k;
+  n->check = backward_check(check);
+  torch::autograd::set_history(out, node);
+}
+
+Tensor padded_gather_autograd(const Tensor& x, const Tensor& indices, const Tensor& bin_ids, const Tensor& bins,
+                              const Tensor& padded_bins, int64_t top_k, const OptTensor& weights, int64_t check) {
+  Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = handle<decltype(padded_gather_kernel)>("padmoe::padded_gather");
+    out = op.call(x, indices, bin_ids, bins, padded_bins, top_k, weights, check);
+  }
+  if (recording(x, weights)) attach_sorted(false, out, x, indices, bin_ids, bins, padded_bins, weights, top_k, check);
+  return out;
+}
+Tensor padded_scatter_autograd(const Tensor& y, const Tensor& indices, const Tensor& bin_ids, const OptTensor& weights,
+                               const Tensor& bins, const Tensor& padded_bins, int64_t top_k, int64_t check) {
+  Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = handle<decltype(padded_scatter_kernel)>("padmoe::padded_scatter");
+    out = op.call(y, indices, bin_ids, weights, bins, padded_bins, top_k, check);
+  }
+  if (recording(y, weights)) attach_sorted(true, out, y, indices, bin_ids, bins, padded_bins, weights, top_k, check);
+  return out;
+}
+
+// Megatron drop-ins. pad: edge (hidden_states); its backward is unpad of the gradient.
+struct PadBackward : Node {
+  Tensor permutation_map;
+  int64_t rows = 0, check = 0;
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return variable_list(1);
+    static auto op = handle<decltype(unpad_kernel)>("padmoe::unpad_from_alignment");
+    return {op.call(grads[0], permutation_map, rows, std::nullopt, check)};
+  }
+  void release_variables() override { permutation_map = Tensor(); }
+  std::string name() const override { return "padmoe::PadToAlignmentBackward"; }
+};
+
+std::tuple<Tensor, Tensor, Tensor> pad_autograd(const Tensor& h, const Tensor& tpe, int64_t alignment, int64_t check) {
+  std::tuple<Tensor, Tensor, Tensor> out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = handle<decltype(pad_kernel)>("padmoe::pad_to_alignment");
+    out = op.call(h, tpe, alignment, check);
+  }
+  if (recording(h, std::nullopt)) {
+    NodePtr node = new_node<PadBackward>();
+    auto* n = static_cast<PadBackward*>(node.get());
+    n->set_next_edges(torch::autograd::collect_next_edges(h));
+    n->permutation_map = std::get<1>(out);
+    n->rows = h.dim() >= 1 ? h.size(0) : 0;
+    n->check = backward_check(check);
+    torch::autograd::set_history(std::get<0>(out), node);  // the map and offsets are integers: no history
+  }
+  return out;
+}
+
+// unpad: edges (padded_output, probs).
+struct UnpadBackward : Node {
+  Saved padded, probs;
+  Tensor permutation_map;
+  std::vector<int64_t> probs_shape;
+  int64_t check = 0;
+  bool need_p = false;
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return variable_list(2);
+    static auto op = handle<decltype(unpad_backward_kernel)>("padmoe::unpad_from_alignment_backward");
+    Tensor p = padded.get(), pr = probs.get();
+    auto [gp, gpr] = op.call(grads[0], p, permutation_map, optional_of(pr), need_p, check);
+    return {gp, need_p ? shaped_as(gpr, probs_shape) : Tensor()};
+  }
+  void release_variables() override {
+    padded.release();
+    probs.release();
+    permutation_map = Tensor();
+  }
+  std::string name() const override { return "padmoe::UnpadFromAlignmentBackward"; }
+};
+
+Tensor unpad_autograd(const Tensor& padded, const Tensor& map, int64_t original_size, const OptTensor& probs,
+                      int64_t check) {
+  Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = handle<decltype(unpad_kernel)>("padmoe::unpad_from_alignment");
+    out = op.call(padded, map, original_size, probs, check);
+  }
+  if (recording(padded, probs)) {
+    NodePtr node = new_node<UnpadBackward>();
+    auto* n = static_cast<UnpadBackward*>(node.get());
+    n->set_next_edges(torch::autograd::collect_next_edges(padded, probs));
+    n->padded.save(padded);
+    if (probs) n->probs.save(*probs);
+    n->permutation_map = map;
+    n->need_p = wants_grad(probs);
+    if (n->need_p) n->probs_shape = probs->sizes().vec();
+    n->check = backward_check(check);
+    torch::autograd::set_history(out, node);
+  }
+  return out;
+}
+
+// Integer outputs only: never differentiable.
+PlanTensors make_plan_autograd(const Tensor& top_experts, int64_t num_experts, int64_t alignment, int64_t check,
+                               const OptTensor& weights) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = handle<decltype(make_plan_kernel)>("padmoe::make_plan");
+  return op.call(top_experts, num_experts, alignment, check, weights);
+}
+
+}  // namespace
+
+// --- registration ---------------------------------------------------------------------
+
+TORCH_LIBRARY(padmoe, m) {
+  m.def("make_plan(Tensor top_experts, int num_experts, int alignment, int check=2, Tensor? weights=None) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("dispatch(Tensor x, Tensor[] plan, Tensor? weights, int top_k, int alignment, int check=2) -> Tensor");
+  m.def("dispatch_backward(Tensor grad_y, Tensor? x, Tensor[] plan, Tensor? weights, int top_k, int alignment, "
+        "bool need_wgrad, int check=2) -> (Tensor, Tensor)");
+  m.def("combine(Tensor y, Tensor[] plan, Tensor? weights, int top_k, int alignment, int check=2) -> Tensor");
+  m.def("combine_backward(Tensor grad_out, Tensor? y, Tensor[] plan, Tensor? weights, int top_k, int alignment, "
+        "bool need_wgrad, int check=2, int rows=-1) -> (Tensor, Tensor)");
+  m.def("padded_gather(Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, Tensor padded_bins, int top_k, "
+        "Tensor? weights=None, int check=2) -> Tensor");
+  m.def("padded_gather_backward(Tensor grad_y, Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, "
+        "Tensor padded_bins, int top_k, Tensor? weights, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
+  m.def("padded_scatter(Tensor y, Tensor indices, Tensor bin_ids, Tensor? weights, Tensor bins, Tensor padded_bins, "
+        "int top_k, int check=2) -> Tensor");
+  m.def("padded_scatter_backward(Tensor grad_out, Tensor y, Tensor indices, Tensor bin_ids, Tensor? weights, "
+        "Tensor bins, Tensor padded_bins, int top_k, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
+  m.def("padded_scatter_wgrad(Tensor y, Tensor grad, Tensor indices, Tensor bin_ids, Tensor bins, "
+        "Tensor padded_bins, int top_k, int check=2) -> Tensor");
+  m.def("pad_to_alignment(Tensor hidden_states, Tensor tokens_per_expert, int alignment, int check=2) -> "
+        "(Tensor, Tensor, Tensor)");
+  m.def("unpad_from_alignment(Tensor padded_output, Tensor permutation_map, int original_size, Tensor? probs=None, "
+        "int check=2) -> Tensor");
+  m.def("unpad_from_alignment_backward(Tensor grad_out, Tensor padded_output, Tensor permutation_map, Tensor? probs, "
+        "bool need_pgrad, int check=2) -> (Tensor, Tensor)");
+}
+
+#define PADMOE_TORCH_KERNELS(m)                                                   \
+  m.impl("make_plan", make_plan_kernel);                                          \
+  m.impl("dispatch", dispatch_kernel);                                            \
+  m.impl("dispatch_backward", dispatch_backward_kernel);                          \
+  m.impl("combine", combine_kernel);                                              \
+  m.impl("combine_backward", combine_backward_kernel);                            \
+  m.impl("padded_gather", padded_gather_kernel);                                  \
+  m.impl("padded_gather_backward", padded_gather_backward_kernel);                \
+  m.impl("padded_scatter", padded_scatter_kernel);                                \
+  m.impl("padded_scatter_backward", padded_scatter_backward_kernel);              \
+  m.impl("padded_scatter_wgrad", padded_scatter_wgrad_kernel);                    \
+  m.impl("pad_to_alignment", pad_kernel);                                         \
+  m.impl("unpad_from_alignment", unpad_kernel);                                   \
+  m.impl("unpad_from_alignment_backward", unpad_backward_kernel)
+
+TORCH_LIBRARY_IMPL(padmoe, CPU, m) { PADMOE_TORCH_KERNELS(m); }
+#ifdef PADMOE_TORCH_CUDA
+TORCH_LIBRARY_IMPL(padmoe, CUDA, m) { PADMOE_TORCH_KERNELS(m); }
+#endif
+
+TORCH_LIBRARY_IMPL(padmoe, Autograd, m) {
+  m.impl("make_plan", make_plan_autograd);
+  m.impl("dispatch", dispatch_autograd);
+  m.impl("combine", combine_autograd);
+  m.impl("padded_gather", padded_gather_autograd);
+  m.impl("padded_scatter", padded_scatter_autograd);
+  m.impl("pad_to_alignment", pad_autograd);
+  m.impl("unpad_from_alignment", unpad_autograd);
+}
+
+// --- Python entry points ------------------------------------------------------------
+//
+// padmoe/_torch_ops.so is also the Python module padmoe._torch_ops. Its
+// functions take the operators' arguments positionally and call the
+// operators through the dispatcher, unboxed: every dispatch key (autograd,
+// torch dispatch modes, tensor subclasses' __torch_dispatch__) applies as for
+// torch.ops.padmoe.*, but the Python argument layer of torch.ops (schema
+// matching, IValue boxing: about 1 µs an op) is skipped. Anything they do not
+// take as it is (a tensor subclass, a torch function mode, a non-int, a wrong
+// argument count) is passed to the OpOverload, torch.ops.padmoe.<op>.default,
+// which padmoe.torch registers with _set_fallback, so the result is always
+// what torch.ops would give.
+
+namespace {
+
+enum PyOp { kPyMakePlan, kPyDispatch, kPyCombine, kPyPaddedGather, kPyPaddedScatter, kPyPaddedScatterWgrad,
+            kPyPad, kPyUnpad, kPyOpCount };
+PyObject* g_fallback[kPyOpCount] = {};
+
+PyObject* fallback(PyOp op, PyObject* const* args, Py_ssize_t nargs) {
+  if (g_fallback[op] == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "padmoe._torch_ops: fallback operator not registered");
+    return nullptr;
+  }
+  return PyObject_Vectorcall(g_fallback[op], args, static_cast<size_t>(nargs), nullptr);
+}
+
+// Argument readers: false = "not taken here, use the fallback".
+bool arg_tensor(PyObject* o, Tensor& out) {
+  if (!THPVariable_CheckExact(o)) return false;
+  out = THPVariable_Unpack(o);
+  return true;
+}
+bool arg_opt_tensor(PyObject* o, OptTensor& out) {
+  if (o == Py_None) {
+    out = std::nullopt;
+    return true;
+  }
+  if (!THPVariable_CheckExact(o)) return false;
+  out = THPVariable_Unpack(o);
+  return true;
+}
+bool arg_int(PyObject* o, int64_t& out) {
+  if (!PyLong_CheckExact(o)) return false;
+  int overflow = 0;
+  out = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (overflow != 0 || (out == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+bool arg_plan(PyObject* o, std::array<Tensor, kPlanTensors>& out) {
+  const bool list = PyList_CheckExact(o), tuple = PyTuple_CheckExact(o);
+  if (!list && !tuple) return false;
+  if ((list ? PyList_GET_SIZE(o) : PyTuple_GET_SIZE(o)) != kPlanTensors) return false;
+  for (int i = 0; i < kPlanTensors; ++i) {
+    if (!arg_tensor(list ? PyList_GET_ITEM(o, i) : PyTuple_GET_ITEM(o, i), out[i])) return false;
+  }
+  return true;
+}
+bool plain_call() { return !at::impl::torch_function_mode_enabled(); }
+
+PyObject* wrap(Tensor t) { return THPVariable_Wrap(std::move(t)); }
+
+// A tuple (or list) of new references to the tensors.
+PyObject* wrap_all(std::initializer_list<Tensor> tensors, bool as_list) {
+  const Py_ssize_t n = static_cast<Py_ssize_t>(tensors.size());
+  PyObject* seq = as_list ? PyList_New(n) : PyTuple_New(n);
+  if (seq == nullptr) return nullptr;
+  Py_ssize_t i = 0;
+  for (const Tensor& t : tensors) {
+    PyObject* v = THPVariable_Wrap(t);
+    if (v == nullptr) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    if (as_list) PyList_SET_ITEM(seq, i++, v);
+    else PyTuple_SET_ITEM(seq, i++, v);
+  }
+  return seq;
+}
+
+#define PADMOE_TAKE(cond) \
+  if (!(cond)) return fallback(kOp, args, nargs)
+
+// make_plan(top_experts, num_experts, alignment, check, weights) -> list of the 8 plan tensors
+PyObject* py_make_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr PyOp kOp = kPyMakePlan;
+  Tensor top;
+  int64_t e = 0, m = 0, check = 0;
+  OptTensor w;
+  PADMOE_TAKE(nargs == 5 && plain_call() && arg_tensor(args[0], top) && arg_int(args[1], e) && arg_int(args[2], m) &&
+              arg_int(args[3], check) && arg_opt_tensor(args[4], w));
+  PlanTensors out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    static auto op = handle<decltype(make_plan_kernel)>("padmoe::make_plan");
+    out = op.call(top, e, m, check, w);
+  }
+  auto& [a0, a1, a2, a3, a4, a5, a6, a7] = out;
+  return wrap_all({a0, a1, a2, a3, a4, a5, a6, a7}, /*as_list=*/true);
+  END_HANDLE_TH_ERRORS
+}
+
+// dispatch / combine(rows, plan, weights, top_k, alignment, check) -> Tensor
+template <PyOp kOp>
+PyObject* py_plan_op(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  Tensor rows;
+  std::array<Tensor, kPlanTensors> plan;
+  OptTensor w;
+  int64_t k = 0, m = 0, check = 0;
+  PADMOE_TAKE(nargs == 6 && plain_call() && arg_tensor(args[0], rows) && arg_plan(args[1], plan) &&
+              arg_opt_tensor(args[2], w) && arg_int(args[3], k) && arg_int(args[4], m) && arg_int(args[5], check));
+  Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    static auto op = handle<decltype(dispatch_kernel)>(kOp == kPyCombine ? "padmoe::combine" : "padmoe::dispatch");
+    out = op.call(rows, plan, w, k, m, check);
+  }
+  return wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+// padded_gather(x, indices, bin_ids, bins, padded_bins, top_k, weights, check)
+PyObject* py_padded_gather(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr PyOp kOp = kPyPaddedGather;
+  Tensor x, idx, bid, bins, pb;
+  OptTensor w;
+  int64_t k = 0, check = 0;
+  PADMOE_TAKE(nargs == 8 && plain_call() && arg_tensor(args[0], x) && arg_tensor(args[1], idx) &&
+              arg_tensor(args[2], bid) && arg_tensor(args[3], bins) && arg_tensor(args[4], pb) &&
+              arg_int(args[5], k) && arg_opt_tensor(args[6], w) && arg_int(args[7], check));
+  Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    static auto op = handle<decltype(padded_gather_kernel)>("padmoe::padded_gather");
+    out = op.call(x, idx, bid, bins, pb, k, w, check);
+  }
+  return wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+// padded_scatter(y, indices, bin_ids, weights, bins, padded_bins, top_k, check)
+PyObject* py_padded_scatter(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr PyOp kOp = kPyPaddedScatter;
+  Tensor y, idx, bid, bins, pb;
+  OptTensor w;
+  int64_t k = 0, check = 0;
+  PADMOE_TAKE(nargs == 8 && plain_call() && arg_tensor(args[0], y) && arg_tensor(args[1], idx) &&
+              arg_tensor(args[2], bid) && arg_opt_tensor(args[3], w) && arg_tensor(args[4], bins) &&
+              arg_tensor(args[5], pb) && arg_int(args[6], k) && arg_int(args[7], check));
+  Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    static auto op = handle<decltype(padded_scatter_kernel)>("padmoe::padded_scatter");
+    out = op.call(y, idx, bid, w, bins, pb, k, check);
+  }
+  return wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+// padded_scatter_wgrad(y, grad, indices, bin_ids, bins, padded_bins, top_k, check)
+PyObject* py_padded_scatter_wgrad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr PyOp kOp = kPyPaddedScatterWgrad;
+  Tensor y, g, idx, bid, bins, pb;
+  int64_t k = 0, check = 0;
+  PADMOE_TAKE(nargs == 8 && plain_call() && arg_tensor(args[0], y) && arg_tensor(args[1], g) &&
+              arg_tensor(args[2], idx) && arg_tensor(args[3], bid) && arg_tensor(args[4], bins) &&
+              arg_tensor(args[5], pb) && arg_int(args[6], k) && arg_int(args[7], check));
+  Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    static auto op = handle<decltype(padded_scatter_wgrad_kernel)>("padmoe::padded_scatter_wgrad");
+    out = op.call(y, g, idx, bid, bins, pb, k, check);
+  }
+  return wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+// pad_to_alignment(hidden_states, tokens_per_expert, alignment, check) -> (padded, map, offsets)
+PyObject* py_pad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr PyOp kOp = kPyPad;
+  Tensor h, tpe;
+  int64_t m = 0, check = 0;
+  PADMOE_TAKE(nargs == 4 && plain_call() && arg_tensor(args[0], h) && arg_tensor(args[1], tpe) &&
+              arg_int(args[2], m) && arg_int(args[3], check));
+  std::tuple<Tensor, Tensor, Tensor> out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    static auto op = handle<decltype(pad_kernel)>("padmoe::pad_to_alignment");
+    out = op.call(h, tpe, m, check);
+  }
+  return wrap_all({std::get<0>(out), std::get<1>(out), std::get<2>(out)}, /*as_list=*/false);
+  END_HANDLE_TH_ERRORS
+}
+
+// unpad_from_alignment(padded_output, permutation_map, original_size, probs, check)
+PyObject* py_unpad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  constexpr PyOp kOp = kPyUnpad;
+  Tensor p, map;
+  OptTensor pr;
+  int64_t n = 0, check = 0;
+  PADMOE_TAKE(nargs == 5 && plain_call() && arg_tensor(args[0], p) && arg_tensor(args[1], map) &&
+              arg_int(args[2], n) && arg_opt_tensor(args[3], pr) && arg_int(args[4], check));
+  Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    static auto op = handle<decltype(unpad_kernel)>("padmoe::unpad_from_alignment");
+    out = op.call(p, map, n, pr, check);
+  }
+  return wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+#undef PADMOE_TAKE
+
+// _set_fallback(index, callable): the OpOverload an entry hands unusual calls to.
+PyObject* py_set_fallback(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyLong_Check(args[0]) || !PyCallable_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "_set_fallback(index, callable)");
+    return nullptr;
+  }
+  const long i = PyLong_AsLong(args[0]);
+  if (i < 0 || i >= kPyOpCount) {
+    PyErr_SetString(PyExc_ValueError, "_set_fallback: index out of range");
+    return nullptr;
+  }
+  Py_INCREF(args[1]);
+  Py_XSETREF(g_fallback[i], args[1]);
+  Py_RETURN_NONE;
+}
+
+#define PADMOE_PY_FN(name, fn) \
+  { name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_FASTCALL, nullptr }
+
+PyMethodDef g_methods[] = {
+    PADMOE_PY_FN("make_plan", py_make_plan),
+    PADMOE_PY_FN("dispatch", py_plan_op<kPyDispatch>),
+    PADMOE_PY_FN("combine", py_plan_op<kPyCombine>),
+    PADMOE_PY_FN("padded_gather", py_padded_gather),
+    PADMOE_PY_FN("padded_scatter", py_padded_scatter),
+    PADMOE_PY_FN("padded_scatter_wgrad", py_padded_scatter_wgrad),
+    PADMOE_PY_FN("pad_to_alignment", py_pad),
+    PADMOE_PY_FN("unpad_from_alignment", py_unpad),
+    PADMOE_PY_FN("_set_fallback", py_set_fallback),
+    {nullptr, nullptr, 0, nullptr},
+};
+#undef PADMOE_PY_FN
+
+PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "_torch_ops",
+                        "padmoe's native torch operators (torch.ops.padmoe.*) and their Python entry points", -1,
+                        g_methods};
+
+}  // namespace
+
+// The fallback indices, in the order padmoe.torch registers them.
+PyMODINIT_FUNC PyInit__torch_ops() {
+  PyObject* m = PyModule_Create(&g_module);
+  if (m == nullptr) return nullptr;
+  static const char* names[kPyOpCount] = {"make_plan", "dispatch", "combine", "padded_gather", "padded_scatter",
+                                          "padded_scatter_wgrad", "pad_to_alignment", "unpad_from_alignment"};
+  PyObject* order = PyTuple_New(kPyOpCount);
+  for (int i = 0; i < kPyOpCount; ++i) PyTuple_SET_ITEM(order, i, PyUnicode_FromString(names[i]));
+  PyModule_AddObject(m, "FALLBACK_ORDER", order);
+  return m;
+}
