@@ -74,6 +74,14 @@ if want python; then
   run python-bench env PYTHONPATH="$pyt" python3 bench/bench_python.py --device cuda --out-md "$out/python-bench.md" \
     --out-json "$out/python-bench.json" "${png[@]}" ${PADMOE_PYBENCH_ARGS:-}
   cat "$out/python-bench.md" 2>/dev/null
+  # The harness of the shared bench folder (a copy in .ubench, carried to the device; not in the repo):
+  # single eager calls with the host included, CUDA-graph replay, beside PyTorch eager.
+  if [ -f .ubench/user_bench.py ]; then
+    run user-bench env PYTHONPATH="$pyt" OUT="$out" PYTHONUNBUFFERED=1 python3 .ubench/user_bench.py --graphs
+    cat "$out/user-bench.log"
+    run host-overhead env PYTHONPATH="$pyt" python3 .ubench/host_overhead.py
+    cat "$out/host-overhead.log"
+  fi
 fi
 step summary
 if [ $status = 0 ]; then echo "GPU job: all steps ok"; else echo "GPU job: some step FAILED (logs in $out)"; fi

@@ -24,8 +24,8 @@ constexpr int kType = static_cast<int>(padmoe::ErrorKind::kType);
 
 // A row dtype other than dt (for "wrong dtype" outputs).
 DType other_row_dtype(DType dt) { return dt == DType::kFloat32 ? DType::kBFloat16 : DType::kFloat32; }
-// A float dtype that is neither float32 nor dt (rejected for weight-gradient outputs).
-DType bad_wgrad_dtype(DType dt) { return dt == DType::kFloat16 ? DType::kBFloat16 : DType::kFloat16; }
+// A float dtype padmoe writes no weight gradient in (float8; float32, float16 and bfloat16 all are).
+DType bad_wgrad_dtype(DType) { return DType::kFloat8E4M3; }
 
 // A copy of a tensor's bytes, to show an op left its inputs alone.
 std::vector<unsigned char> bytes_of(const TensorView& t) {

@@ -59,7 +59,10 @@ TEST_P(Fused, DispatchCombineAndBackward) {
   int wkind, K;
   bool use_lib_plan;
   std::tie(dt, wkind, K, use_lib_plan) = GetParam();
-  const DType wdt = wkind == 0 ? DType::kFloat32 : dt;
+  // weights: float32, the rows' dtype, or a 16-bit float dtype other than the rows' (SPEC section 4:
+  // any float dtype, whatever the rows' dtype; e.g. bf16 router weights beside float32 rows under autocast)
+  const DType other16 = dt == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
+  const DType wdt = wkind == 0 ? DType::kFloat32 : wkind == 1 ? dt : other16;
   const Fixture s = make_setup(301, 37, 12, K, 8, dt, wdt, static_cast<uint64_t>(K) * 3 + wkind, Dist::kSkewed);
   const padmoe::PlanView pv = use_lib_plan ? s.lib_plan.view() : s.ph.view;
   const int64_t T = s.T, H = s.H, A = T * K, P = s.p.padded_rows;
@@ -173,10 +176,10 @@ TEST_P(Fused, DispatchCombineAndBackward) {
 
 INSTANTIATE_TEST_SUITE_P(All, Fused,
                          ::testing::Combine(::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-                                            ::testing::Values(0, 1), ::testing::Values(1, 2, 4, 8), ::testing::Bool()),
+                                            ::testing::Values(0, 1, 2), ::testing::Values(1, 2, 4, 8), ::testing::Bool()),
                          [](const ::testing::TestParamInfo<FusedParam>& i) {
                            return std::string(dname(std::get<0>(i.param))) +
-                                  (std::get<1>(i.param) == 0 ? "_wf32" : "_wrow") + "_K" +
+                                  (std::get<1>(i.param) == 0 ? "_wf32" : std::get<1>(i.param) == 1 ? "_wrow" : "_wother") + "_K" +
                                   std::to_string(std::get<2>(i.param)) + (std::get<3>(i.param) ? "_libplan" : "_refplan");
                          });
 
