@@ -69,14 +69,22 @@ if want python; then
     --break-system-packages --upgrade --target "$pyt" .
   run pytest-cuda env PYTHONPATH="$pyt" python3 -m pytest python/tests -q -rs
   tail -n 5 "$out/pytest-cuda.log"
-  png=()
-  python3 -c "import matplotlib" 2>/dev/null && png=(--out-png "$out/python-bench.png")
-  run python-bench env PYTHONPATH="$pyt" python3 bench/bench_python.py --device cuda --out-md "$out/python-bench.md" \
-    --out-json "$out/python-bench.json" "${png[@]}" ${PADMOE_PYBENCH_ARGS:-}
-  cat "$out/python-bench.md" 2>/dev/null
+  # padmoe.torch as users see it: per op the kernels' GPU time (profiler), one eager call with the
+  # host included, and CUDA-graph replay; the MoE block with grouped_mm experts.
+  run torch-bench env PYTHONPATH="$pyt" PYTHONUNBUFFERED=1 python3 bench/bench_torch.py --moe \
+    --out-md "$out/torch-bench.md" --out-json "$out/torch-bench.json" ${PADMOE_TORCHBENCH_ARGS:-}
+  cat "$out/torch-bench.log"
+  # the per-op cold-L2 GPU figure beside padmoe.eager (bench_python.py) only when asked: PADMOE_PYBENCH=1
+  if [ "${PADMOE_PYBENCH:-0}" = "1" ]; then
+    png=()
+    python3 -c "import matplotlib" 2>/dev/null && png=(--out-png "$out/python-bench.png")
+    run python-bench env PYTHONPATH="$pyt" python3 bench/bench_python.py --device cuda --out-md "$out/python-bench.md" \
+      --out-json "$out/python-bench.json" "${png[@]}" ${PADMOE_PYBENCH_ARGS:-}
+    cat "$out/python-bench.md" 2>/dev/null
+  fi
   # The harness of the shared bench folder (a copy in .ubench, carried to the device; not in the repo):
   # single eager calls with the host included, CUDA-graph replay, beside PyTorch eager.
-  if [ -f .ubench/user_bench.py ]; then
+  if [ -f .ubench/user_bench.py ] && [ "${PADMOE_USER_BENCH:-1}" = "1" ]; then
     run user-bench env PYTHONPATH="$pyt" OUT="$out" PYTHONUNBUFFERED=1 python3 .ubench/user_bench.py --graphs
     cat "$out/user-bench.log"
     run host-overhead env PYTHONPATH="$pyt" python3 .ubench/host_overhead.py
