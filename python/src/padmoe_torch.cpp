@@ -233,12 +233,23 @@ padmoe::PlanView plan_view(at::TensorList plan, int64_t top_k, int64_t alignment
 
 int64_t plan_capacity(at::TensorList plan) { return plan.size() == kPlanTensors ? plan[7].numel() : 0; }
 
+// A small device tensor's values on the host: a copy into pinned memory on the current
+// stream, then a wait for that stream (CPU tensors: as they are).
+Tensor to_host(const Tensor& t) {
+  if (!t.is_cuda()) return t.contiguous();
+  Tensor h = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  h.copy_(t, /*non_blocking=*/true);
+#ifdef PADMOE_TORCH_CUDA
+  c10::cuda::getCurrentCUDAStream(t.get_device()).synchronize();
+#endif
+  return h;
+}
+
 // P = padded_bins[-1] on the host (CUDA: one synchronization, as MegaBlocks does).
 int64_t host_last(const Tensor& t, const char* op, const char* arg) {
   if (t.dim() != 1 || t.numel() == 0) return 0;
   if (t.scalar_type() != at::kInt && t.scalar_type() != at::kLong) return 0;  // padmoe reports the dtype
-  Tensor last = t.narrow(0, t.numel() - 1, 1);
-  if (t.is_cuda()) last = last.to(at::kCPU);
+  Tensor last = to_host(t.narrow(0, t.numel() - 1, 1));
   return std::max<int64_t>(t.scalar_type() == at::kInt ? last.data_ptr<int32_t>()[0] : last.data_ptr<int64_t>()[0], 0);
 }
 
@@ -318,10 +329,31 @@ PlanTensors make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, 
   native([&] { cap = padmoe::capacity_bound(t, static_cast<int>(k), static_cast<int>(num_experts), static_cast<int>(alignment)); });
   cap = std::max<int64_t>(cap, 0);
   auto i32 = top.options().dtype(at::kInt);
-  PlanTensors out{at::empty({a}, i32), at::empty({a}, i32), at::empty({e}, i32), at::empty({e}, i32),
-                  at::empty({e}, i32), at::empty({e}, i32), at::empty({a}, i32), at::empty({cap}, i32)};
-  const char* names = op;
   c10::OptionalDeviceGuard guard(top.device());
+  PlanTensors out;
+  Tensor workspace;
+  if (top.is_cuda()) {
+    // CUDA: one caching-allocator call for the eight arrays (disjoint slices of one buffer) and
+    // one for the scratch memory: eight separate allocations cost more host time than the plan's
+    // kernels take on the GPU at decode sizes.
+    Tensor buf = at::empty({3 * a + 4 * e + cap}, i32);
+    int64_t offset = 0;
+    auto slice = [&](int64_t n) {
+      Tensor v = buf.narrow(0, offset, n);
+      offset += n;
+      return v;
+    };
+    Tensor s0 = slice(a), s1 = slice(a), s2 = slice(e), s3 = slice(e), s4 = slice(e), s5 = slice(e),
+           s6 = slice(a), s7 = slice(cap);
+    out = PlanTensors{s0, s1, s2, s3, s4, s5, s6, s7};
+    size_t bytes = 0;
+    native([&] { bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e), static_cast<int>(std::max<int64_t>(alignment, 1))); });
+    if (bytes > 0) workspace = at::empty({static_cast<int64_t>(bytes)}, top.options().dtype(at::kByte));
+  } else {  // the CPU allocator is cheaper than views
+    out = PlanTensors{at::empty({a}, i32), at::empty({a}, i32), at::empty({e}, i32), at::empty({e}, i32),
+                      at::empty({e}, i32), at::empty({e}, i32), at::empty({a}, i32), at::empty({cap}, i32)};
+  }
+  const char* names = op;
   padmoe::PlanView pv;
   pv.indices = view(std::get<0>(out), names, "indices");
   pv.bin_ids = view(std::get<1>(out), names, "bin_ids");
@@ -335,7 +367,11 @@ PlanTensors make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, 
   pv.top_k = static_cast<int>(std::max<int64_t>(k, 1));
   pv.num_experts = static_cast<int>(num_experts);
   pv.alignment = static_cast<int>(alignment);
-  const padmoe::Options o = options_for(top, check);
+  padmoe::Options o = options_for(top, check);
+  if (workspace.defined()) {
+    o.workspace = workspace.data_ptr();
+    o.workspace_bytes = static_cast<size_t>(workspace.numel());
+  }
   native([&] { padmoe::make_plan_out(view(top, op, "top_experts"), static_cast<int>(num_experts), static_cast<int>(alignment), pv, o); });
   return out;
 }
@@ -565,7 +601,7 @@ Tensor padded_scatter_wgrad_kernel(const Tensor& y_in, const Tensor& grad_in, co
 int64_t padded_total(const Tensor& counts, int64_t alignment) {
   if (counts.dim() != 1 || alignment < 1) return 0;
   if (counts.scalar_type() != at::kInt && counts.scalar_type() != at::kLong) return 0;  // padmoe reports it
-  Tensor c = counts.is_cuda() ? counts.to(at::kCPU) : counts.contiguous();
+  Tensor c = to_host(counts);
   int64_t total = 0;
   for (int64_t i = 0; i < c.numel(); ++i) {
     const int64_t v = std::max<int64_t>(c.scalar_type() == at::kInt ? c.data_ptr<int32_t>()[i] : c.data_ptr<int64_t>()[i], 0);

@@ -264,8 +264,8 @@ class MoE(torch.nn.Module):
 
 def _grouped_mm_works(device):
     try:
-        x = torch.randn(16, 8, device=device)
-        torch.nn.functional.grouped_mm(x, torch.randn(2, 8, 4, device=device),
+        x = torch.randn(16, 8, device=device, dtype=torch.bfloat16)
+        torch.nn.functional.grouped_mm(x, torch.randn(2, 8, 4, device=device, dtype=torch.bfloat16),
                                        offs=torch.tensor([8, 16], dtype=torch.int32, device=device))
         return True
     except Exception:  # noqa: BLE001 - an older torch or a device without it
@@ -277,8 +277,9 @@ def test_compile_moe_layer_fullgraph(device):
     if not hasattr(torch.nn.functional, "grouped_mm") or not _grouped_mm_works(device):
         pytest.skip("torch.nn.functional.grouped_mm (float32) is not available here")
     torch._dynamo.reset()
-    model = MoE().to(device)
-    x = torch.randn(40, 16, device=device)
+    # bfloat16: grouped_mm's fake (meta) kernel takes only bf16 in some torch releases
+    model = MoE().to(device, torch.bfloat16)
+    x = torch.randn(40, 16, device=device, dtype=torch.bfloat16)
     ref_x = x.clone().requires_grad_(True)
     ref = model(ref_x)
     ref.square().sum().backward()
@@ -288,9 +289,10 @@ def test_compile_moe_layer_fullgraph(device):
     cx = x.clone().requires_grad_(True)
     out = compiled(cx)
     out.square().sum().backward()
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cx.grad, ref_x.grad, rtol=1e-5, atol=1e-5)
+    # aot_eager runs the same kernels as eager: equal up to bf16 rounding of reordered adds
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(cx.grad, ref_x.grad, rtol=2e-2, atol=2e-2)
     for p, rg in zip(model.parameters(), ref_grads):
-        torch.testing.assert_close(p.grad, rg, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p.grad, rg, rtol=2e-2, atol=2e-2)
     explain = torch._dynamo.explain(model)(x)
     assert explain.graph_break_count == 0
