@@ -227,9 +227,10 @@ def test_padded_scatter_wgrad_dropin(device):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_opcheck_static_ops():
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_static_ops(device):
     """torch.library.opcheck: schema, fake kernels, autograd registration, AOT dispatch."""
-    top, probs, x = routing("cpu")
+    top, probs, x = routing(device)
     plan = pt.make_plan(top, 6, 4)
     xr = x.clone().requires_grad_(True)
     w = probs.reshape(-1).clone().requires_grad_(True)
