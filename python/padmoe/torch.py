@@ -66,6 +66,7 @@ int32.
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -77,6 +78,7 @@ __all__ = [
     "Plan",
     "Routing",
     "make_plan",
+    "set_default_check",
     "dispatch",
     "combine",
     "padded_gather",
@@ -108,14 +110,25 @@ _OPS = {name: getattr(_ops, name).default for name in (
 for _i, _name in enumerate(_native.FALLBACK_ORDER):
     _native._set_fallback(_i, _OPS[_name])
 _compiling = torch.compiler.is_compiling
+_eager_check = 0 if os.environ.get("PADMOE_TORCH_CHECK", "1") == "0" else 2
+
+
+def set_default_check(check: Optional[bool]) -> None:
+    """What ``check=None`` means in eager mode from now on: ``None`` (the default) checks the data
+    except while a CUDA graph is being captured; ``False`` never checks on CUDA (no
+    synchronization at all: what a training or serving loop that trusts its router wants);
+    ``True`` always checks. The environment variable ``PADMOE_TORCH_CHECK=0`` sets ``False`` at
+    import. Under torch.compile, ``check=None`` never checks. The CPU backend always checks."""
+    global _eager_check
+    _eager_check = 2 if check is None else int(bool(check))
 
 
 def _call(name):
     """(operator, check mode for None): the OpOverload while torch.compile traces (check off),
-    the module's entry point in eager mode (check on unless capturing)."""
+    the module's entry point in eager mode (the default of set_default_check)."""
     if _compiling():
         return _OPS[name], 0
-    return getattr(_native, name), 2
+    return getattr(_native, name), _eager_check
 
 
 def _mode(check: Optional[bool], default: int) -> int:

@@ -330,28 +330,18 @@ PlanTensors make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, 
   cap = std::max<int64_t>(cap, 0);
   auto i32 = top.options().dtype(at::kInt);
   c10::OptionalDeviceGuard guard(top.device());
-  PlanTensors out;
+  // Eight separate allocations: the arrays must not alias one another (slices of one buffer
+  // would break the schema's no-alias promise, which opcheck and functionalization rely on).
+  PlanTensors out{at::empty({a}, i32), at::empty({a}, i32), at::empty({e}, i32), at::empty({e}, i32),
+                  at::empty({e}, i32), at::empty({e}, i32), at::empty({a}, i32), at::empty({cap}, i32)};
   Tensor workspace;
-  if (top.is_cuda()) {
-    // CUDA: one caching-allocator call for the eight arrays (disjoint slices of one buffer) and
-    // one for the scratch memory: eight separate allocations cost more host time than the plan's
-    // kernels take on the GPU at decode sizes.
-    Tensor buf = at::empty({3 * a + 4 * e + cap}, i32);
-    int64_t offset = 0;
-    auto slice = [&](int64_t n) {
-      Tensor v = buf.narrow(0, offset, n);
-      offset += n;
-      return v;
-    };
-    Tensor s0 = slice(a), s1 = slice(a), s2 = slice(e), s3 = slice(e), s4 = slice(e), s5 = slice(e),
-           s6 = slice(a), s7 = slice(cap);
-    out = PlanTensors{s0, s1, s2, s3, s4, s5, s6, s7};
+  if (top.is_cuda()) {  // scratch from the caching allocator in one call (not through scratch_alloc)
     size_t bytes = 0;
-    native([&] { bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e), static_cast<int>(std::max<int64_t>(alignment, 1))); });
+    native([&] {
+      bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e),
+                                      static_cast<int>(std::max<int64_t>(alignment, 1)));
+    });
     if (bytes > 0) workspace = at::empty({static_cast<int64_t>(bytes)}, top.options().dtype(at::kByte));
-  } else {  // the CPU allocator is cheaper than views
-    out = PlanTensors{at::empty({a}, i32), at::empty({a}, i32), at::empty({e}, i32), at::empty({e}, i32),
-                      at::empty({e}, i32), at::empty({e}, i32), at::empty({a}, i32), at::empty({cap}, i32)};
   }
   const char* names = op;
   padmoe::PlanView pv;

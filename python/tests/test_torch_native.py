@@ -265,8 +265,8 @@ class MoE(torch.nn.Module):
 
 def _grouped_mm_works(device):
     try:
-        x = torch.randn(16, 8, device=device, dtype=torch.bfloat16)
-        torch.nn.functional.grouped_mm(x, torch.randn(2, 8, 4, device=device, dtype=torch.bfloat16),
+        x = torch.randn(16, 16, device=device, dtype=torch.bfloat16)
+        torch.nn.functional.grouped_mm(x, torch.randn(2, 16, 16, device=device, dtype=torch.bfloat16),
                                        offs=torch.tensor([8, 16], dtype=torch.int32, device=device))
         return True
     except Exception:  # noqa: BLE001 - an older torch or a device without it
@@ -276,7 +276,7 @@ def _grouped_mm_works(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_moe_layer_fullgraph(device):
     if not hasattr(torch.nn.functional, "grouped_mm") or not _grouped_mm_works(device):
-        pytest.skip("torch.nn.functional.grouped_mm (float32) is not available here")
+        pytest.skip("torch.nn.functional.grouped_mm (bfloat16) is not available here")
     torch._dynamo.reset()
     # bfloat16: grouped_mm's fake (meta) kernel takes only bf16 in some torch releases
     model = MoE().to(device, torch.bfloat16)
