@@ -25,6 +25,7 @@ def _array_field(i: int, name: str):
 
     def set(self, value):
         self.arrays[i] = value
+        self.packed = None  # the packed copy no longer matches
 
     return property(get, set, doc=f"``{name}`` (``arrays[{i}]``)")
 
@@ -50,19 +51,21 @@ class Plan:
         the assignment stored in each padded row, -1 for padding rows and rows
         at or past P.
 
-    ``arrays`` is the list of the eight, in that order (what padmoe's torch
-    operators take). Any object with these attributes can be passed where a
-    plan is expected.
+    ``arrays`` is the list of the eight, in that order. A plan made by
+    ``padmoe.torch`` also holds ``packed``: the eight back to back in one int32
+    tensor (what padmoe's torch operators take; the arrays are views of it).
+    Any object with these attributes can be passed where a plan is expected.
     """
 
-    __slots__ = ("arrays", "num_tokens", "top_k", "num_experts", "alignment")
+    __slots__ = ("_arrays", "packed", "num_tokens", "top_k", "num_experts", "alignment")
     _fields = PLAN_ARRAYS + ("num_tokens", "top_k", "num_experts", "alignment")
 
     def __init__(self, indices: Any, bin_ids: Any, tokens_per_expert: Any, bins: Any, padded_tokens_per_expert: Any,
                  padded_bins: Any, dest_rows: Any, row_sources: Any, num_tokens: int, top_k: int, num_experts: int,
                  alignment: int):
-        self.arrays = [indices, bin_ids, tokens_per_expert, bins, padded_tokens_per_expert, padded_bins, dest_rows,
-                       row_sources]
+        self._arrays = [indices, bin_ids, tokens_per_expert, bins, padded_tokens_per_expert, padded_bins, dest_rows,
+                        row_sources]
+        self.packed = None
         self.num_tokens = num_tokens
         self.top_k = top_k
         self.num_experts = num_experts
@@ -72,12 +75,35 @@ class Plan:
     def _of(cls, arrays, num_tokens: int, top_k: int, num_experts: int, alignment: int) -> "Plan":
         """A plan around a list of the eight arrays (no copies, no checks)."""
         p = cls.__new__(cls)
-        p.arrays = arrays
+        p._arrays = arrays
+        p.packed = None
         p.num_tokens = num_tokens
         p.top_k = top_k
         p.num_experts = num_experts
         p.alignment = alignment
         return p
+
+    @classmethod
+    def _from_packed(cls, packed, num_tokens: int, top_k: int, num_experts: int, alignment: int) -> "Plan":
+        """A plan around padmoe.torch's packed form: one int32 tensor holding the eight arrays back to
+        back (``indices, bin_ids`` [A], the four [E] arrays, ``dest_rows`` [A], ``row_sources``
+        [capacity]); the arrays are views of it, made on first use."""
+        p = cls.__new__(cls)
+        p._arrays = None
+        p.packed = packed
+        p.num_tokens = num_tokens
+        p.top_k = top_k
+        p.num_experts = num_experts
+        p.alignment = alignment
+        return p
+
+    @property
+    def arrays(self) -> list:
+        """The eight arrays, in the order of the field list above."""
+        if self._arrays is None:
+            a, e = self.num_tokens * self.top_k, self.num_experts
+            self._arrays = list(self.packed.split([a, a, e, e, e, e, a, self.capacity]))
+        return self._arrays
 
     indices = _array_field(0, "indices")
     bin_ids = _array_field(1, "bin_ids")

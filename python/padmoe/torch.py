@@ -147,39 +147,44 @@ def _wgrad_fake(like: Tensor, weights: Optional[Tensor], n, need: bool) -> Tenso
     return like.new_empty(0, dtype=like.dtype if weights is None else weights.dtype)
 
 
+def _plan_sizes(plan, top_k, num_experts, alignment):
+    """(T, A, capacity) of a packed plan of 4*A + E*(alignment+3) entries."""
+    a = (plan.shape[0] - num_experts * (alignment + 3)) // 4
+    return a // top_k, a, a + num_experts * (alignment - 1)
+
+
 @torch.library.register_fake("padmoe::make_plan")
 def _(top_experts, num_experts, alignment, check=2, weights=None):
     t, k = top_experts.shape
-    a, e = t * k, num_experts
-    cap = a + e * (alignment - 1)
-    i32 = dict(dtype=torch.int32)
-    return (top_experts.new_empty(a, **i32), top_experts.new_empty(a, **i32), top_experts.new_empty(e, **i32),
-            top_experts.new_empty(e, **i32), top_experts.new_empty(e, **i32), top_experts.new_empty(e, **i32),
-            top_experts.new_empty(a, **i32), top_experts.new_empty(cap, **i32))
+    return top_experts.new_empty(4 * t * k + num_experts * (alignment + 3), dtype=torch.int32)
 
 
 @torch.library.register_fake("padmoe::dispatch")
-def _(x, plan, weights, top_k, alignment, check=2):
-    return x.new_empty(plan[7].shape[0], x.shape[1])
+def _(x, plan, weights, top_k, num_experts, alignment, check=2):
+    _, _, cap = _plan_sizes(plan, top_k, num_experts, alignment)
+    return x.new_empty(cap, x.shape[1])
 
 
 @torch.library.register_fake("padmoe::dispatch_backward")
-def _(grad_y, x, plan, weights, top_k, alignment, need_wgrad, check=2):
-    gx = grad_y.new_empty(plan[6].shape[0] // top_k, grad_y.shape[1]) if x is None else torch.empty_like(x)
-    return gx, _wgrad_fake(grad_y, weights, plan[6].shape[0], need_wgrad)
+def _(grad_y, x, plan, weights, top_k, num_experts, alignment, need_wgrad, check=2):
+    t, a, _ = _plan_sizes(plan, top_k, num_experts, alignment)
+    gx = grad_y.new_empty(t, grad_y.shape[1]) if x is None else torch.empty_like(x)
+    return gx, _wgrad_fake(grad_y, weights, a, need_wgrad)
 
 
 @torch.library.register_fake("padmoe::combine")
-def _(y, plan, weights, top_k, alignment, check=2):
-    return y.new_empty(plan[6].shape[0] // top_k, y.shape[1])
+def _(y, plan, weights, top_k, num_experts, alignment, check=2):
+    t, _, _ = _plan_sizes(plan, top_k, num_experts, alignment)
+    return y.new_empty(t, y.shape[1])
 
 
 @torch.library.register_fake("padmoe::combine_backward")
-def _(grad_out, y, plan, weights, top_k, alignment, need_wgrad, check=2, rows=-1):
+def _(grad_out, y, plan, weights, top_k, num_experts, alignment, need_wgrad, check=2, rows=-1):
+    _, a, cap = _plan_sizes(plan, top_k, num_experts, alignment)
     if rows < 0:
-        rows = y.shape[0] if y is not None else plan[7].shape[0]
+        rows = y.shape[0] if y is not None else cap
     gy = grad_out.new_empty(rows, grad_out.shape[1], dtype=grad_out.dtype if y is None else y.dtype)
-    return gy, _wgrad_fake(grad_out, weights, plan[6].shape[0], need_wgrad)
+    return gy, _wgrad_fake(grad_out, weights, a, need_wgrad)
 
 
 @torch.library.register_fake("padmoe::padded_gather")
@@ -231,6 +236,19 @@ def _(grad_out, padded_output, permutation_map, probs, need_pgrad, check=2):
 # ---------------------------------------------------------------------------
 
 
+def _packed(plan) -> Tensor:
+    """The packed form of a plan: its own (plans of padmoe.torch.make_plan), else the eight arrays
+    concatenated (one extra copy: plans from padmoe.make_plan or padmoe.eager)."""
+    packed = getattr(plan, "packed", None)
+    if packed is not None:
+        return packed
+    return torch.cat([getattr(plan, f).reshape(-1).to(torch.int32) for f in _PLAN_FIELDS])
+
+
+_PLAN_FIELDS = ("indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert", "padded_bins",
+                "dest_rows", "row_sources")
+
+
 def make_plan(top_experts: Tensor, num_experts: int, alignment: int, *, check: Optional[bool] = None) -> Plan:
     """Routing plan of ``top_experts[T, K]`` (int32/int64, any stride) over ``num_experts``
     experts, segments padded to multiples of ``alignment``: a :class:`padmoe.Plan` of int32
@@ -238,9 +256,9 @@ def make_plan(top_experts: Tensor, num_experts: int, alignment: int, *, check: O
     No host synchronization with ``check=False`` (the default under torch.compile and
     CUDA-graph capture)."""
     op, default = _call("make_plan")
-    arrays = op(top_experts, num_experts, alignment, _mode(check, default), None)
+    packed = op(top_experts, num_experts, alignment, _mode(check, default), None)
     t, k = top_experts.shape
-    return Plan._of(list(arrays), t, k, num_experts, alignment)
+    return Plan._from_packed(packed, t, k, num_experts, alignment)
 
 
 def dispatch(x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None) -> Tensor:
@@ -248,7 +266,7 @@ def dispatch(x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: 
     given); padding rows and rows at or past P are zero. Differentiable wrt ``x`` and
     ``weights`` (backward: the ``dispatch_backward`` operator)."""
     op, default = _call("dispatch")
-    return op(x, plan.arrays, weights, plan.top_k, plan.alignment, _mode(check, default))
+    return op(x, _packed(plan), weights, plan.top_k, plan.num_experts, plan.alignment, _mode(check, default))
 
 
 def combine(y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None) -> Tensor:
@@ -257,7 +275,7 @@ def combine(y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: O
     Differentiable wrt ``y`` and ``weights`` (backward: ``combine_backward``, one read of the
     output gradient)."""
     op, default = _call("combine")
-    return op(y, plan.arrays, weights, plan.top_k, plan.alignment, _mode(check, default))
+    return op(y, _packed(plan), weights, plan.top_k, plan.num_experts, plan.alignment, _mode(check, default))
 
 
 # ---------------------------------------------------------------------------
@@ -359,10 +377,10 @@ class Routing:
     def from_topk(cls, top_experts: Tensor, weights: Optional[Tensor], num_experts: int, alignment: int, *,
                   check: Optional[bool] = None) -> "Routing":
         op, default = _call("make_plan")
-        arrays = op(top_experts, num_experts, alignment, _mode(check, default), weights)
+        packed = op(top_experts, num_experts, alignment, _mode(check, default), weights)
         t, k = top_experts.shape
         r = cls.__new__(cls)
-        r.plan = Plan._of(list(arrays), t, k, num_experts, alignment)
+        r.plan = Plan._from_packed(packed, t, k, num_experts, alignment)
         r.weights = weights
         r.check = check
         r._row_experts = None
@@ -413,9 +431,11 @@ class Routing:
             raise ValueError("Routing.dispatch: weighted=True needs router weights (from_topk got None)")
         op, default = _call("dispatch")
         p = self.plan
-        return op(x, p.arrays, self.weights if weighted else None, p.top_k, p.alignment, _mode(self.check, default))
+        return op(x, _packed(p), self.weights if weighted else None, p.top_k, p.num_experts, p.alignment,
+                  _mode(self.check, default))
 
     def combine(self, y: Tensor, weighted: bool = True) -> Tensor:
         op, default = _call("combine")
         p = self.plan
-        return op(y, p.arrays, self.weights if weighted else None, p.top_k, p.alignment, _mode(self.check, default))
+        return op(y, _packed(p), self.weights if weighted else None, p.top_k, p.num_experts, p.alignment,
+                  _mode(self.check, default))

@@ -210,28 +210,77 @@ padmoe::Options options_for(const Tensor& like, int64_t check, bool zero_tail = 
 
 // --- plan -----------------------------------------------------------------------
 
-constexpr int kPlanTensors = 8;  // indices, bin_ids, tpe, bins, ptpe, padded_bins, dest_rows, row_sources
+// The static path's plan is one int32 tensor, the eight arrays back to back:
+//   [indices A | bin_ids A | tokens_per_expert E | bins E | padded_tokens_per_expert E |
+//    padded_bins E | dest_rows A | row_sources capacity],  A = T*K, capacity = A + E*(m-1),
+// 4*A + E*(m+3) entries. One allocation and one tensor to pass, save and hand over, where eight
+// cost several µs of host time per op (padmoe.Plan exposes the arrays as views of it).
+constexpr int kPlanFields = 8;
 
-padmoe::PlanView plan_view(at::TensorList plan, int64_t top_k, int64_t alignment, const char* op) {
-  if (plan.size() != kPlanTensors) {
-    value_error(op, "plan", "expected the 8 plan tensors, got " + std::to_string(plan.size()));
+int64_t packed_length(int64_t a, int64_t e, int64_t m) { return 4 * a + e * (m + 3); }
+
+struct PackedPlan {
+  Tensor t;
+  int64_t a = 0, e = 0, cap = 0, tokens = 0;
+  int k = 1, m = 1;
+  int64_t offset(int field) const {
+    const int64_t sizes[kPlanFields] = {a, a, e, e, e, e, a, cap};
+    int64_t o = 0;
+    for (int i = 0; i < field; ++i) o += sizes[i];
+    return o;
   }
-  padmoe::PlanView p;
-  TensorView* fields[kPlanTensors] = {&p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins,
-                                      &p.padded_tokens_per_expert, &p.padded_bins, &p.dest_rows, &p.row_sources};
-  static const char* names[kPlanTensors] = {"plan.indices", "plan.bin_ids", "plan.tokens_per_expert", "plan.bins",
-                                            "plan.padded_tokens_per_expert", "plan.padded_bins", "plan.dest_rows",
-                                            "plan.row_sources"};
-  for (int i = 0; i < kPlanTensors; ++i) *fields[i] = view(plan[i], op, names[i]);
+  Tensor field(int i) const {  // an ATen view (only the float64 formulas need one)
+    const int64_t sizes[kPlanFields] = {a, a, e, e, e, e, a, cap};
+    return t.narrow(0, offset(i), sizes[i]);
+  }
+  Tensor dest_rows() const { return field(6); }
+  padmoe::PlanView view(const char* op) const {
+    padmoe::PlanView p;
+    TensorView* fields[kPlanFields] = {&p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins,
+                                       &p.padded_tokens_per_expert, &p.padded_bins, &p.dest_rows, &p.row_sources};
+    const int64_t sizes[kPlanFields] = {a, a, e, e, e, e, a, cap};
+    const TensorView whole = ::view(t, op, "plan");
+    int64_t o = 0;
+    for (int i = 0; i < kPlanFields; ++i) {
+      TensorView v = whole;
+      v.data = static_cast<int32_t*>(whole.data) + o;
+      v.shape[0] = sizes[i];
+      v.strides[0] = 1;
+      *fields[i] = v;
+      o += sizes[i];
+    }
+    p.num_tokens = tokens;
+    p.top_k = k;
+    p.num_experts = static_cast<int>(e);
+    p.alignment = m;
+    return p;
+  }
+};
+
+PackedPlan packed_plan(const Tensor& plan, int64_t top_k, int64_t num_experts, int64_t alignment, const char* op) {
   if (top_k < 1) value_error(op, "top_k", "must be >= 1, got " + std::to_string(top_k));
-  p.top_k = static_cast<int>(top_k);
-  p.num_tokens = plan[6].numel() / top_k;
-  p.num_experts = static_cast<int>(plan[5].numel());
-  p.alignment = static_cast<int>(alignment);
+  if (num_experts < 1) value_error(op, "num_experts", "must be >= 1, got " + std::to_string(num_experts));
+  if (alignment < 1) value_error(op, "alignment", "must be >= 1, got " + std::to_string(alignment));
+  if (plan.scalar_type() != at::kInt || plan.dim() != 1 || !plan.is_contiguous()) {
+    type_error(op, "plan", std::string("expected the packed plan of make_plan (a contiguous 1-D int32 tensor), got ") +
+                               c10::toString(plan.scalar_type()) + " of shape " + shape_of(plan));
+  }
+  const int64_t rest = plan.numel() - num_experts * (alignment + 3);
+  if (rest < 0 || rest % (4 * top_k) != 0) {
+    value_error(op, "plan", std::to_string(plan.numel()) + " entries is no packed plan for top_k=" +
+                                std::to_string(top_k) + ", num_experts=" + std::to_string(num_experts) +
+                                ", alignment=" + std::to_string(alignment) + " (expected 4*T*K + E*(alignment+3))");
+  }
+  PackedPlan p;
+  p.t = plan;
+  p.k = static_cast<int>(top_k);
+  p.m = static_cast<int>(alignment);
+  p.e = num_experts;
+  p.a = rest / 4;
+  p.tokens = p.a / top_k;
+  p.cap = p.a + num_experts * (alignment - 1);
   return p;
 }
-
-int64_t plan_capacity(at::TensorList plan) { return plan.size() == kPlanTensors ? plan[7].numel() : 0; }
 
 // A small device tensor's values on the host: a copy into pinned memory on the current
 // stream, then a wait for that stream (CPU tensors: as they are).
@@ -302,9 +351,7 @@ Tensor dest_of(const Tensor& indices, const Tensor& bin_ids, const Tensor& bins,
 
 // --- the operators (CPU and CUDA kernels) ---------------------------------------
 
-using PlanTensors = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
-
-PlanTensors make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64_t alignment, int64_t check,
+Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64_t alignment, int64_t check,
                              const OptTensor& weights) {
   const char* op = "make_plan";
   if (top_experts_in.dim() != 2) value_error(op, "top_experts", "expected [T, K], got shape " + shape_of(top_experts_in));
@@ -324,39 +371,31 @@ PlanTensors make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, 
     }
   }
   Tensor top = index_arg(top_experts_in);
-  const int64_t a = std::max<int64_t>(t * k, 0), e = std::max<int64_t>(num_experts, 0);
+  if (num_experts < 1) value_error(op, "num_experts", "must be >= 1, got " + std::to_string(num_experts));
+  if (alignment < 1) value_error(op, "alignment", "must be >= 1, got " + std::to_string(alignment));
+  const int64_t a = std::max<int64_t>(t * k, 0), e = num_experts;
   int64_t cap = 0;
   native([&] { cap = padmoe::capacity_bound(t, static_cast<int>(k), static_cast<int>(num_experts), static_cast<int>(alignment)); });
-  cap = std::max<int64_t>(cap, 0);
-  auto i32 = top.options().dtype(at::kInt);
   c10::OptionalDeviceGuard guard(top.device());
-  // Eight separate allocations: the arrays must not alias one another (slices of one buffer
-  // would break the schema's no-alias promise, which opcheck and functionalization rely on).
-  PlanTensors out{at::empty({a}, i32), at::empty({a}, i32), at::empty({e}, i32), at::empty({e}, i32),
-                  at::empty({e}, i32), at::empty({e}, i32), at::empty({a}, i32), at::empty({cap}, i32)};
+  Tensor out = at::empty({packed_length(a, e, alignment)}, top.options().dtype(at::kInt));
   Tensor workspace;
   if (top.is_cuda()) {  // scratch from the caching allocator in one call (not through scratch_alloc)
     size_t bytes = 0;
     native([&] {
       bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e),
-                                      static_cast<int>(std::max<int64_t>(alignment, 1)));
+                                      static_cast<int>(alignment));
     });
     if (bytes > 0) workspace = at::empty({static_cast<int64_t>(bytes)}, top.options().dtype(at::kByte));
   }
-  const char* names = op;
-  padmoe::PlanView pv;
-  pv.indices = view(std::get<0>(out), names, "indices");
-  pv.bin_ids = view(std::get<1>(out), names, "bin_ids");
-  pv.tokens_per_expert = view(std::get<2>(out), names, "tokens_per_expert");
-  pv.bins = view(std::get<3>(out), names, "bins");
-  pv.padded_tokens_per_expert = view(std::get<4>(out), names, "padded_tokens_per_expert");
-  pv.padded_bins = view(std::get<5>(out), names, "padded_bins");
-  pv.dest_rows = view(std::get<6>(out), names, "dest_rows");
-  pv.row_sources = view(std::get<7>(out), names, "row_sources");
-  pv.num_tokens = t;
-  pv.top_k = static_cast<int>(std::max<int64_t>(k, 1));
-  pv.num_experts = static_cast<int>(num_experts);
-  pv.alignment = static_cast<int>(alignment);
+  PackedPlan packed;
+  packed.t = out;
+  packed.a = a;
+  packed.e = e;
+  packed.cap = cap;
+  packed.tokens = t;
+  packed.k = static_cast<int>(std::max<int64_t>(k, 1));
+  packed.m = static_cast<int>(alignment);
+  const padmoe::PlanView pv = packed.view(op);
   padmoe::Options o = options_for(top, check);
   if (workspace.defined()) {
     o.workspace = workspace.data_ptr();
@@ -366,31 +405,31 @@ PlanTensors make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, 
   return out;
 }
 
-Tensor dispatch_kernel(const Tensor& x_in, at::TensorList plan, const OptTensor& weights, int64_t top_k,
-                       int64_t alignment, int64_t check) {
+Tensor dispatch_kernel(const Tensor& x_in, const Tensor& plan, const OptTensor& weights, int64_t top_k,
+                       int64_t num_experts, int64_t alignment, int64_t check) {
   const char* op = "dispatch";
-  const int64_t cap = plan_capacity(plan);
-  if (is_f64(x_in) && plan.size() == kPlanTensors) return spread64(x_in, plan[6], top_k, weights, cap);
+  const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, op);
+  if (is_f64(x_in)) return spread64(x_in, pp.dest_rows(), top_k, weights, pp.cap);
   Tensor x = rows_arg(x_in);
   OptTensor w = scale_arg(weights);
-  Tensor y = at::empty({cap, x.dim() == 2 ? x.size(1) : 0}, x.options());
+  Tensor y = at::empty({pp.cap, x.dim() == 2 ? x.size(1) : 0}, x.options());
   c10::OptionalDeviceGuard guard(x.device());
-  const padmoe::PlanView pv = plan_view(plan, top_k, alignment, op);
+  const padmoe::PlanView pv = pp.view(op);
   const padmoe::Options o = options_for(x, check, /*zero_tail=*/true);
   native([&] { padmoe::dispatch_out(view(x, op, "x"), pv, opt_view(w, op, "weights"), view(y, op, "y"), o); });
   return y;
 }
 
-Tensor combine_kernel(const Tensor& y_in, at::TensorList plan, const OptTensor& weights, int64_t top_k,
-                      int64_t alignment, int64_t check) {
+Tensor combine_kernel(const Tensor& y_in, const Tensor& plan, const OptTensor& weights, int64_t top_k,
+                      int64_t num_experts, int64_t alignment, int64_t check) {
   const char* op = "combine";
-  if (is_f64(y_in) && plan.size() == kPlanTensors) return reduce64(y_in, plan[6], top_k, weights);
+  const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, op);
+  if (is_f64(y_in)) return reduce64(y_in, pp.dest_rows(), top_k, weights);
   Tensor y = rows_arg(y_in);
   OptTensor w = scale_arg(weights);
-  const int64_t tokens = top_k >= 1 && plan.size() == kPlanTensors ? plan[6].numel() / top_k : 0;
-  Tensor out = at::empty({tokens, y.dim() == 2 ? y.size(1) : 0}, y.options());
+  Tensor out = at::empty({pp.tokens, y.dim() == 2 ? y.size(1) : 0}, y.options());
   c10::OptionalDeviceGuard guard(y.device());
-  const padmoe::PlanView pv = plan_view(plan, top_k, alignment, op);
+  const padmoe::PlanView pv = pp.view(op);
   const padmoe::Options o = options_for(y, check);
   native([&] { padmoe::combine_out(view(y, op, "y"), pv, opt_view(w, op, "weights"), view(out, op, "out"), o); });
   return out;
@@ -398,17 +437,18 @@ Tensor combine_kernel(const Tensor& y_in, at::TensorList plan, const OptTensor& 
 
 // y (combine's input) is needed only for the weight gradient; without it
 // (None) grad_y has `rows` rows (-1: the plan's capacity) of grad_out's dtype.
-std::tuple<Tensor, Tensor> combine_backward_kernel(const Tensor& grad_out_in, const OptTensor& y_in, at::TensorList plan,
-                                                   const OptTensor& weights, int64_t top_k, int64_t alignment,
-                                                   bool need_wgrad, int64_t check, int64_t rows) {
+std::tuple<Tensor, Tensor> combine_backward_kernel(const Tensor& grad_out_in, const OptTensor& y_in, const Tensor& plan,
+                                                   const OptTensor& weights, int64_t top_k, int64_t num_experts,
+                                                   int64_t alignment, bool need_wgrad, int64_t check, int64_t rows) {
   const char* op = "combine_backward";
+  const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, op);
   const bool have_y = y_in && y_in->defined();
   const bool want_w = need_wgrad && weights && weights->defined();
   if (want_w && !have_y) value_error(op, "y", "needed for the weight gradient");
-  if (rows < 0) rows = have_y && y_in->dim() >= 1 ? y_in->size(0) : plan_capacity(plan);
-  if (is_f64(grad_out_in) && plan.size() == kPlanTensors) {
-    Tensor gy = spread64(grad_out_in, plan[6], top_k, weights, rows);
-    Tensor gw = want_w ? dots64(*y_in, plan[6], top_k, grad_out_in).to(weights->scalar_type())
+  if (rows < 0) rows = have_y && y_in->dim() >= 1 ? y_in->size(0) : pp.cap;
+  if (is_f64(grad_out_in)) {
+    Tensor gy = spread64(grad_out_in, pp.dest_rows(), top_k, weights, rows);
+    Tensor gw = want_w ? dots64(*y_in, pp.dest_rows(), top_k, grad_out_in).to(weights->scalar_type())
                        : no_grad_placeholder(grad_out_in, weights);
     return {gy, gw};
   }
@@ -417,9 +457,9 @@ std::tuple<Tensor, Tensor> combine_backward_kernel(const Tensor& grad_out_in, co
   const int64_t cols = grad_out.dim() == 2 ? grad_out.size(1) : 0;
   Tensor gy = at::empty({rows, cols}, have_y ? y_in->options() : grad_out.options());
   Tensor y = have_y ? rows_arg(*y_in) : gy;  // without the weight gradient y gives only its shape and dtype
-  Tensor gw = want_w ? wgrad_buffer(*weights, plan.size() == kPlanTensors ? plan[6].numel() : 0) : Tensor();
+  Tensor gw = want_w ? wgrad_buffer(*weights, pp.a) : Tensor();
   c10::OptionalDeviceGuard guard(grad_out.device());
-  const padmoe::PlanView pv = plan_view(plan, top_k, alignment, op);
+  const padmoe::PlanView pv = pp.view(op);
   const padmoe::Options o = options_for(grad_out, check, /*zero_tail=*/true);
   native([&] {
     padmoe::combine_backward_out(view(grad_out, op, "grad_out"), view(y, op, "y"), pv, opt_view(w, op, "weights"),
@@ -430,28 +470,28 @@ std::tuple<Tensor, Tensor> combine_backward_kernel(const Tensor& grad_out_in, co
 
 // x (dispatch's input) is needed only for the weight gradient; without it
 // (None) grad_x is [T, H] of grad_y's dtype.
-std::tuple<Tensor, Tensor> dispatch_backward_kernel(const Tensor& grad_y_in, const OptTensor& x_in, at::TensorList plan,
-                                                    const OptTensor& weights, int64_t top_k, int64_t alignment,
-                                                    bool need_wgrad, int64_t check) {
+std::tuple<Tensor, Tensor> dispatch_backward_kernel(const Tensor& grad_y_in, const OptTensor& x_in, const Tensor& plan,
+                                                    const OptTensor& weights, int64_t top_k, int64_t num_experts,
+                                                    int64_t alignment, bool need_wgrad, int64_t check) {
   const char* op = "dispatch_backward";
+  const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, op);
   const bool have_x = x_in && x_in->defined();
   const bool want_w = need_wgrad && weights && weights->defined();
   if (want_w && !have_x) value_error(op, "x", "needed for the weight gradient");
-  if (is_f64(grad_y_in) && plan.size() == kPlanTensors) {
-    Tensor gx = reduce64(grad_y_in, plan[6], top_k, weights);
-    Tensor gw = want_w ? dots64(grad_y_in, plan[6], top_k, *x_in).to(weights->scalar_type())
+  if (is_f64(grad_y_in)) {
+    Tensor gx = reduce64(grad_y_in, pp.dest_rows(), top_k, weights);
+    Tensor gw = want_w ? dots64(grad_y_in, pp.dest_rows(), top_k, *x_in).to(weights->scalar_type())
                        : no_grad_placeholder(grad_y_in, weights);
     return {gx, gw};
   }
   Tensor grad_y = rows_arg(grad_y_in);
   OptTensor w = scale_arg(weights);
-  const int64_t tokens = top_k >= 1 && plan.size() == kPlanTensors ? plan[6].numel() / top_k : 0;
   Tensor gx = have_x ? at::empty(x_in->sizes(), x_in->options())
-                     : at::empty({tokens, grad_y.dim() == 2 ? grad_y.size(1) : 0}, grad_y.options());
+                     : at::empty({pp.tokens, grad_y.dim() == 2 ? grad_y.size(1) : 0}, grad_y.options());
   Tensor x = have_x ? rows_arg(*x_in) : gx;  // without the weight gradient x gives only its shape and dtype
-  Tensor gw = want_w ? wgrad_buffer(*weights, plan.size() == kPlanTensors ? plan[6].numel() : 0) : Tensor();
+  Tensor gw = want_w ? wgrad_buffer(*weights, pp.a) : Tensor();
   c10::OptionalDeviceGuard guard(grad_y.device());
-  const padmoe::PlanView pv = plan_view(plan, top_k, alignment, op);
+  const padmoe::PlanView pv = pp.view(op);
   const padmoe::Options o = options_for(grad_y, check);
   native([&] {
     padmoe::dispatch_backward_out(view(grad_y, op, "grad_y"), view(x, op, "x"), pv, opt_view(w, op, "weights"),
@@ -755,11 +795,11 @@ Tensor shaped_as(const Tensor& g, c10::IntArrayRef shape) { return g.sizes() == 
 // Static path: dispatch / combine on a plan. Edges: (rows, weights).
 struct PlanOpBackward : Node {
   bool is_combine = false;
-  std::vector<Tensor> plan;  // int32 arrays of make_plan: never differentiable
-  Saved rows;                // dispatch's x / combine's y, saved only for the weight gradient
+  Tensor plan;  // the packed int32 plan of make_plan: never differentiable
+  Saved rows;   // dispatch's x / combine's y, saved only for the weight gradient
   Saved weights;
   std::vector<int64_t> weight_shape;
-  int64_t top_k = 1, alignment = 1, check = 0, row_count = 0;
+  int64_t top_k = 1, num_experts = 1, alignment = 1, check = 0, row_count = 0;
   bool need_w = false;
 
   variable_list apply(variable_list&& grads) override {
@@ -768,33 +808,34 @@ struct PlanOpBackward : Node {
     Tensor g_rows, g_w;
     if (is_combine) {
       static auto op = handle<decltype(combine_backward_kernel)>("padmoe::combine_backward");
-      std::tie(g_rows, g_w) = op.call(grads[0], optional_of(r), plan, optional_of(w), top_k, alignment, need_w, check,
-                                      row_count);
+      std::tie(g_rows, g_w) = op.call(grads[0], optional_of(r), plan, optional_of(w), top_k, num_experts, alignment,
+                                      need_w, check, row_count);
     } else {
       static auto op = handle<decltype(dispatch_backward_kernel)>("padmoe::dispatch_backward");
-      std::tie(g_rows, g_w) = op.call(grads[0], optional_of(r), plan, optional_of(w), top_k, alignment, need_w, check);
+      std::tie(g_rows, g_w) = op.call(grads[0], optional_of(r), plan, optional_of(w), top_k, num_experts, alignment,
+                                      need_w, check);
     }
     return {g_rows, need_w ? shaped_as(g_w, weight_shape) : Tensor()};
   }
   void release_variables() override {
     rows.release();
     weights.release();
-    plan.clear();
+    plan = Tensor();
   }
   std::string name() const override { return is_combine ? "padmoe::CombineBackward" : "padmoe::DispatchBackward"; }
 };
 
-Tensor plan_op_autograd(bool is_combine, const Tensor& rows, at::TensorList plan, const OptTensor& weights,
-                        int64_t top_k, int64_t alignment, int64_t check) {
+Tensor plan_op_autograd(bool is_combine, const Tensor& rows, const Tensor& plan, const OptTensor& weights,
+                        int64_t top_k, int64_t num_experts, int64_t alignment, int64_t check) {
   Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     if (is_combine) {
       static auto op = handle<decltype(combine_kernel)>("padmoe::combine");
-      out = op.call(rows, plan, weights, top_k, alignment, check);
+      out = op.call(rows, plan, weights, top_k, num_experts, alignment, check);
     } else {
       static auto op = handle<decltype(dispatch_kernel)>("padmoe::dispatch");
-      out = op.call(rows, plan, weights, top_k, alignment, check);
+      out = op.call(rows, plan, weights, top_k, num_experts, alignment, check);
     }
   }
   if (!recording(rows, weights)) return out;
@@ -802,7 +843,7 @@ Tensor plan_op_autograd(bool is_combine, const Tensor& rows, at::TensorList plan
   auto* n = static_cast<PlanOpBackward*>(node.get());
   n->set_next_edges(torch::autograd::collect_next_edges(rows, weights));
   n->is_combine = is_combine;
-  n->plan.assign(plan.begin(), plan.end());
+  n->plan = plan;
   n->need_w = wants_grad(weights);
   if (n->need_w) {
     n->rows.save(rows);
@@ -810,6 +851,7 @@ Tensor plan_op_autograd(bool is_combine, const Tensor& rows, at::TensorList plan
   }
   if (weights) n->weights.save(*weights);
   n->top_k = top_k;
+  n->num_experts = num_experts;
   n->alignment = alignment;
   n->check = backward_check(check);
   n->row_count = rows.dim() >= 1 ? rows.size(0) : 0;
@@ -817,13 +859,13 @@ Tensor plan_op_autograd(bool is_combine, const Tensor& rows, at::TensorList plan
   return out;
 }
 
-Tensor dispatch_autograd(const Tensor& x, at::TensorList plan, const OptTensor& weights, int64_t top_k,
-                         int64_t alignment, int64_t check) {
-  return plan_op_autograd(false, x, plan, weights, top_k, alignment, check);
+Tensor dispatch_autograd(const Tensor& x, const Tensor& plan, const OptTensor& weights, int64_t top_k,
+                         int64_t num_experts, int64_t alignment, int64_t check) {
+  return plan_op_autograd(false, x, plan, weights, top_k, num_experts, alignment, check);
 }
-Tensor combine_autograd(const Tensor& y, at::TensorList plan, const OptTensor& weights, int64_t top_k,
-                        int64_t alignment, int64_t check) {
-  return plan_op_autograd(true, y, plan, weights, top_k, alignment, check);
+Tensor combine_autograd(const Tensor& y, const Tensor& plan, const OptTensor& weights, int64_t top_k,
+                        int64_t num_experts, int64_t alignment, int64_t check) {
+  return plan_op_autograd(true, y, plan, weights, top_k, num_experts, alignment, check);
 }
 
 // MegaBlocks drop-ins: padded_gather (x, ..., weights) and padded_scatter (y, ..., weights). Edges: (rows, weights).
@@ -980,8 +1022,8 @@ Tensor unpad_autograd(const Tensor& padded, const Tensor& map, int64_t original_
 }
 
 // Integer outputs only: never differentiable.
-PlanTensors make_plan_autograd(const Tensor& top_experts, int64_t num_experts, int64_t alignment, int64_t check,
-                               const OptTensor& weights) {
+Tensor make_plan_autograd(const Tensor& top_experts, int64_t num_experts, int64_t alignment, int64_t check,
+                          const OptTensor& weights) {
   at::AutoDispatchBelowADInplaceOrView guard;
   static auto op = handle<decltype(make_plan_kernel)>("padmoe::make_plan");
   return op.call(top_experts, num_experts, alignment, check, weights);
@@ -992,14 +1034,15 @@ PlanTensors make_plan_autograd(const Tensor& top_experts, int64_t num_experts, i
 // --- registration ---------------------------------------------------------------------
 
 TORCH_LIBRARY(padmoe, m) {
-  m.def("make_plan(Tensor top_experts, int num_experts, int alignment, int check=2, Tensor? weights=None) -> "
-        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("dispatch(Tensor x, Tensor[] plan, Tensor? weights, int top_k, int alignment, int check=2) -> Tensor");
-  m.def("dispatch_backward(Tensor grad_y, Tensor? x, Tensor[] plan, Tensor? weights, int top_k, int alignment, "
-        "bool need_wgrad, int check=2) -> (Tensor, Tensor)");
-  m.def("combine(Tensor y, Tensor[] plan, Tensor? weights, int top_k, int alignment, int check=2) -> Tensor");
-  m.def("combine_backward(Tensor grad_out, Tensor? y, Tensor[] plan, Tensor? weights, int top_k, int alignment, "
-        "bool need_wgrad, int check=2, int rows=-1) -> (Tensor, Tensor)");
+  m.def("make_plan(Tensor top_experts, int num_experts, int alignment, int check=2, Tensor? weights=None) -> Tensor");
+  m.def("dispatch(Tensor x, Tensor plan, Tensor? weights, int top_k, int num_experts, int alignment, int check=2) "
+        "-> Tensor");
+  m.def("dispatch_backward(Tensor grad_y, Tensor? x, Tensor plan, Tensor? weights, int top_k, int num_experts, "
+        "int alignment, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
+  m.def("combine(Tensor y, Tensor plan, Tensor? weights, int top_k, int num_experts, int alignment, int check=2) "
+        "-> Tensor");
+  m.def("combine_backward(Tensor grad_out, Tensor? y, Tensor plan, Tensor? weights, int top_k, int num_experts, "
+        "int alignment, bool need_wgrad, int check=2, int rows=-1) -> (Tensor, Tensor)");
   m.def("padded_gather(Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, Tensor padded_bins, int top_k, "
         "Tensor? weights=None, int check=2) -> Tensor");
   m.def("padded_gather_backward(Tensor grad_y, Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, "
@@ -1100,15 +1143,6 @@ bool arg_int(PyObject* o, int64_t& out) {
   }
   return true;
 }
-bool arg_plan(PyObject* o, std::array<Tensor, kPlanTensors>& out) {
-  const bool list = PyList_CheckExact(o), tuple = PyTuple_CheckExact(o);
-  if (!list && !tuple) return false;
-  if ((list ? PyList_GET_SIZE(o) : PyTuple_GET_SIZE(o)) != kPlanTensors) return false;
-  for (int i = 0; i < kPlanTensors; ++i) {
-    if (!arg_tensor(list ? PyList_GET_ITEM(o, i) : PyTuple_GET_ITEM(o, i), out[i])) return false;
-  }
-  return true;
-}
 bool plain_call() { return !at::impl::torch_function_mode_enabled(); }
 
 PyObject* wrap(Tensor t) { return THPVariable_Wrap(std::move(t)); }
@@ -1134,7 +1168,7 @@ PyObject* wrap_all(std::initializer_list<Tensor> tensors, bool as_list) {
 #define PADMOE_TAKE(cond) \
   if (!(cond)) return fallback(kOp, args, nargs)
 
-// make_plan(top_experts, num_experts, alignment, check, weights) -> list of the 8 plan tensors
+// make_plan(top_experts, num_experts, alignment, check, weights) -> the packed plan
 PyObject* py_make_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   constexpr PyOp kOp = kPyMakePlan;
@@ -1143,32 +1177,31 @@ PyObject* py_make_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   OptTensor w;
   PADMOE_TAKE(nargs == 5 && plain_call() && arg_tensor(args[0], top) && arg_int(args[1], e) && arg_int(args[2], m) &&
               arg_int(args[3], check) && arg_opt_tensor(args[4], w));
-  PlanTensors out;
+  Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
     static auto op = handle<decltype(make_plan_kernel)>("padmoe::make_plan");
     out = op.call(top, e, m, check, w);
   }
-  auto& [a0, a1, a2, a3, a4, a5, a6, a7] = out;
-  return wrap_all({a0, a1, a2, a3, a4, a5, a6, a7}, /*as_list=*/true);
+  return wrap(std::move(out));
   END_HANDLE_TH_ERRORS
 }
 
-// dispatch / combine(rows, plan, weights, top_k, alignment, check) -> Tensor
+// dispatch / combine(rows, plan, weights, top_k, num_experts, alignment, check) -> Tensor
 template <PyOp kOp>
 PyObject* py_plan_op(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  Tensor rows;
-  std::array<Tensor, kPlanTensors> plan;
+  Tensor rows, plan;
   OptTensor w;
-  int64_t k = 0, m = 0, check = 0;
-  PADMOE_TAKE(nargs == 6 && plain_call() && arg_tensor(args[0], rows) && arg_plan(args[1], plan) &&
-              arg_opt_tensor(args[2], w) && arg_int(args[3], k) && arg_int(args[4], m) && arg_int(args[5], check));
+  int64_t k = 0, e = 0, m = 0, check = 0;
+  PADMOE_TAKE(nargs == 7 && plain_call() && arg_tensor(args[0], rows) && arg_tensor(args[1], plan) &&
+              arg_opt_tensor(args[2], w) && arg_int(args[3], k) && arg_int(args[4], e) && arg_int(args[5], m) &&
+              arg_int(args[6], check));
   Tensor out;
   {
     pybind11::gil_scoped_release no_gil;
     static auto op = handle<decltype(dispatch_kernel)>(kOp == kPyCombine ? "padmoe::combine" : "padmoe::dispatch");
-    out = op.call(rows, plan, w, k, m, check);
+    out = op.call(rows, plan, w, k, e, m, check);
   }
   return wrap(std::move(out));
   END_HANDLE_TH_ERRORS

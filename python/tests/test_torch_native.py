@@ -49,6 +49,10 @@ def test_one_plan_type():
     assert pe.Plan is padmoe.Plan and pt.Plan is padmoe.Plan
     p = pt.make_plan(top, 6, 4)
     assert p.arrays[6] is p.dest_rows and p.capacity == 19 * 2 + 6 * 3
+    # padmoe.torch's plan: the eight arrays are views of one packed int32 tensor
+    assert p.packed.dtype == torch.int32 and p.packed.numel() == 4 * 38 + 6 * (4 + 3)
+    assert torch.equal(torch.cat(p.arrays), p.packed)
+    assert p.row_sources.numel() == p.capacity
 
 
 # ---------------------------------------------------------------------------
@@ -210,8 +214,10 @@ def test_entry_points_fall_back_for_subclasses_and_modes(device):
     with torch.device(device):  # a torch function mode
         assert torch.equal(pt.dispatch(x, plan), want)
         assert torch.equal(pt.combine(want, plan, probs), pt.combine(want, plan, probs.reshape(-1)))
-    # bool where an int is expected, plan as a tuple: still right
-    assert torch.equal(pt._native.dispatch(x, tuple(plan.arrays), None, 2, 4, True), want)
+    # a bool where an int is expected (not taken by the entry point: the OpOverload's answer)
+    assert torch.equal(pt._native.dispatch(x, plan.packed, None, 2, 6, 4, True), want)
+    # a plan without the packed form (padmoe.eager's): packed on the way, same result
+    assert torch.equal(pt.dispatch(x, pe.make_plan(top, 6, 4)), want)
     with pytest.raises(TypeError, match="dispatch: x"):
         pt.dispatch(x.int(), plan)
 
@@ -235,9 +241,9 @@ def test_opcheck_static_ops(device):
     xr = x.clone().requires_grad_(True)
     w = probs.reshape(-1).clone().requires_grad_(True)
     torch.library.opcheck(torch.ops.padmoe.make_plan.default, (top, 6, 4, 1, None))
-    torch.library.opcheck(torch.ops.padmoe.dispatch.default, (xr, plan.arrays, None, 2, 4, 1))
+    torch.library.opcheck(torch.ops.padmoe.dispatch.default, (xr, plan.packed, None, 2, 6, 4, 1))
     y = pt.dispatch(x, plan).requires_grad_(True)
-    torch.library.opcheck(torch.ops.padmoe.combine.default, (y, plan.arrays, w, 2, 4, 1))
+    torch.library.opcheck(torch.ops.padmoe.combine.default, (y, plan.packed, w, 2, 6, 4, 1))
 
 
 # ---------------------------------------------------------------------------
