@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -282,24 +283,50 @@ PackedPlan packed_plan(const Tensor& plan, int64_t top_k, int64_t num_experts, i
   return p;
 }
 
-// A small device tensor's values on the host: a copy into pinned memory on the current
-// stream, then a wait for that stream (CPU tensors: as they are).
-Tensor to_host(const Tensor& t) {
-  if (!t.is_cuda()) return t.contiguous();
-  Tensor h = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
-  h.copy_(t, /*non_blocking=*/true);
-#ifdef PADMOE_TORCH_CUDA
-  c10::cuda::getCurrentCUDAStream(t.get_device()).synchronize();
-#endif
-  return h;
+// A small index tensor's values on the host as int64 (CUDA: padmoe::copy on the current
+// stream, which waits for it: the one synchronization of the drop-ins, as MegaBlocks and
+// Megatron have; no ATen copy machinery on that path).
+std::vector<int64_t> host_values(const Tensor& t_in, int64_t first, int64_t count) {
+  const Tensor t = t_in.is_contiguous() ? t_in : t_in.contiguous();
+  std::vector<int64_t> out(static_cast<size_t>(count));
+  const bool wide = t.scalar_type() == at::kLong;
+  const size_t es = wide ? 8 : 4;
+  if (!t.is_cuda()) {
+    for (int64_t i = 0; i < count; ++i) {
+      out[i] = wide ? t.data_ptr<int64_t>()[first + i] : t.data_ptr<int32_t>()[first + i];
+    }
+    return out;
+  }
+  std::vector<unsigned char> bytes(static_cast<size_t>(count) * es);
+  TensorView src = view(t, "host_values", "t");
+  src.data = static_cast<unsigned char*>(src.data) + first * es;
+  src.ndim = 1;
+  src.shape[0] = count;
+  src.strides[0] = 1;
+  TensorView dst = src;
+  dst.data = bytes.data();
+  dst.device = padmoe::Device::cpu();
+  padmoe::Options o = options_for(t, 0);
+  native([&] { padmoe::copy(src, dst, o); });
+  for (int64_t i = 0; i < count; ++i) {
+    if (wide) {
+      int64_t v;
+      std::memcpy(&v, bytes.data() + i * 8, 8);
+      out[i] = v;
+    } else {
+      int32_t v;
+      std::memcpy(&v, bytes.data() + i * 4, 4);
+      out[i] = v;
+    }
+  }
+  return out;
 }
 
 // P = padded_bins[-1] on the host (CUDA: one synchronization, as MegaBlocks does).
 int64_t host_last(const Tensor& t, const char* op, const char* arg) {
   if (t.dim() != 1 || t.numel() == 0) return 0;
   if (t.scalar_type() != at::kInt && t.scalar_type() != at::kLong) return 0;  // padmoe reports the dtype
-  Tensor last = to_host(t.narrow(0, t.numel() - 1, 1));
-  return std::max<int64_t>(t.scalar_type() == at::kInt ? last.data_ptr<int32_t>()[0] : last.data_ptr<int64_t>()[0], 0);
+  return std::max<int64_t>(host_values(t, t.numel() - 1, 1)[0], 0);
 }
 
 // --- float64 formulas (exact; for gradcheck) ---------------------------------------
@@ -631,10 +658,9 @@ Tensor padded_scatter_wgrad_kernel(const Tensor& y_in, const Tensor& grad_in, co
 int64_t padded_total(const Tensor& counts, int64_t alignment) {
   if (counts.dim() != 1 || alignment < 1) return 0;
   if (counts.scalar_type() != at::kInt && counts.scalar_type() != at::kLong) return 0;  // padmoe reports it
-  Tensor c = to_host(counts);
   int64_t total = 0;
-  for (int64_t i = 0; i < c.numel(); ++i) {
-    const int64_t v = std::max<int64_t>(c.scalar_type() == at::kInt ? c.data_ptr<int32_t>()[i] : c.data_ptr<int64_t>()[i], 0);
+  for (int64_t v : host_values(counts, 0, counts.numel())) {
+    v = std::max<int64_t>(v, 0);
     total += (v + alignment - 1) / alignment * alignment;
   }
   return total;
