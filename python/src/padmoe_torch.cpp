@@ -48,6 +48,8 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "padmoe/error.hpp"
@@ -1171,165 +1173,60 @@ bool arg_int(PyObject* o, int64_t& out) {
 }
 bool plain_call() { return !at::impl::torch_function_mode_enabled(); }
 
-PyObject* wrap(Tensor t) { return THPVariable_Wrap(std::move(t)); }
+bool read_arg(PyObject* o, Tensor& t) { return arg_tensor(o, t); }
+bool read_arg(PyObject* o, OptTensor& t) { return arg_opt_tensor(o, t); }
+bool read_arg(PyObject* o, int64_t& v) { return arg_int(o, v); }
 
-// A tuple (or list) of new references to the tensors.
-PyObject* wrap_all(std::initializer_list<Tensor> tensors, bool as_list) {
-  const Py_ssize_t n = static_cast<Py_ssize_t>(tensors.size());
-  PyObject* seq = as_list ? PyList_New(n) : PyTuple_New(n);
+PyObject* wrap_result(Tensor t) { return THPVariable_Wrap(std::move(t)); }
+PyObject* wrap_result(std::tuple<Tensor, Tensor, Tensor> t) {
+  PyObject* seq = PyTuple_New(3);
   if (seq == nullptr) return nullptr;
-  Py_ssize_t i = 0;
-  for (const Tensor& t : tensors) {
-    PyObject* v = THPVariable_Wrap(t);
+  Tensor parts[3] = {std::get<0>(t), std::get<1>(t), std::get<2>(t)};
+  for (Py_ssize_t i = 0; i < 3; ++i) {
+    PyObject* v = THPVariable_Wrap(std::move(parts[i]));
     if (v == nullptr) {
       Py_DECREF(seq);
       return nullptr;
     }
-    if (as_list) PyList_SET_ITEM(seq, i++, v);
-    else PyTuple_SET_ITEM(seq, i++, v);
+    PyTuple_SET_ITEM(seq, i, v);
   }
   return seq;
 }
 
-#define PADMOE_TAKE(cond) \
-  if (!(cond)) return fallback(kOp, args, nargs)
+// The operator each entry point calls ("padmoe::<name>"), by PyOp.
+constexpr const char* kPyOpNames[kPyOpCount] = {"make_plan", "dispatch", "combine", "padded_gather",
+                                                "padded_scatter", "padded_scatter_wgrad", "pad_to_alignment",
+                                                "unpad_from_alignment"};
 
-// make_plan(top_experts, num_experts, alignment, check, weights) -> the packed plan
-PyObject* py_make_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  constexpr PyOp kOp = kPyMakePlan;
-  Tensor top;
-  int64_t e = 0, m = 0, check = 0;
-  OptTensor w;
-  PADMOE_TAKE(nargs == 5 && plain_call() && arg_tensor(args[0], top) && arg_int(args[1], e) && arg_int(args[2], m) &&
-              arg_int(args[3], check) && arg_opt_tensor(args[4], w));
-  Tensor out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    static auto op = handle<decltype(make_plan_kernel)>("padmoe::make_plan");
-    out = op.call(top, e, m, check, w);
+// One entry point per operator, made from the kernel's signature: the
+// arguments positionally, each read as the kernel takes it (Tensor, optional
+// Tensor, int), the operator called through the dispatcher with the GIL released.
+template <PyOp kOp, typename Fn>
+struct PyEntry;
+template <PyOp kOp, typename R, typename... A>
+struct PyEntry<kOp, R(A...)> {
+  using Values = std::tuple<std::decay_t<A>...>;
+  template <size_t... I>
+  static bool read_all(Values& values, PyObject* const* args, std::index_sequence<I...>) {
+    return (read_arg(args[I], std::get<I>(values)) && ...);
   }
-  return wrap(std::move(out));
-  END_HANDLE_TH_ERRORS
-}
-
-// dispatch / combine(rows, plan, weights, top_k, num_experts, alignment, check) -> Tensor
-template <PyOp kOp>
-PyObject* py_plan_op(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  Tensor rows, plan;
-  OptTensor w;
-  int64_t k = 0, e = 0, m = 0, check = 0;
-  PADMOE_TAKE(nargs == 7 && plain_call() && arg_tensor(args[0], rows) && arg_tensor(args[1], plan) &&
-              arg_opt_tensor(args[2], w) && arg_int(args[3], k) && arg_int(args[4], e) && arg_int(args[5], m) &&
-              arg_int(args[6], check));
-  Tensor out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    static auto op = handle<decltype(dispatch_kernel)>(kOp == kPyCombine ? "padmoe::combine" : "padmoe::dispatch");
-    out = op.call(rows, plan, w, k, e, m, check);
+  static PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    HANDLE_TH_ERRORS
+    Values values;
+    if (nargs != static_cast<Py_ssize_t>(sizeof...(A)) || !plain_call() ||
+        !read_all(values, args, std::index_sequence_for<A...>{})) {
+      return fallback(kOp, args, nargs);
+    }
+    R out;
+    {
+      pybind11::gil_scoped_release no_gil;
+      static auto op = handle<R(A...)>((std::string("padmoe::") + kPyOpNames[kOp]).c_str());
+      out = std::apply([](const auto&... v) { return op.call(v...); }, values);
+    }
+    return wrap_result(std::move(out));
+    END_HANDLE_TH_ERRORS
   }
-  return wrap(std::move(out));
-  END_HANDLE_TH_ERRORS
-}
-
-// padded_gather(x, indices, bin_ids, bins, padded_bins, top_k, weights, check)
-PyObject* py_padded_gather(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  constexpr PyOp kOp = kPyPaddedGather;
-  Tensor x, idx, bid, bins, pb;
-  OptTensor w;
-  int64_t k = 0, check = 0;
-  PADMOE_TAKE(nargs == 8 && plain_call() && arg_tensor(args[0], x) && arg_tensor(args[1], idx) &&
-              arg_tensor(args[2], bid) && arg_tensor(args[3], bins) && arg_tensor(args[4], pb) &&
-              arg_int(args[5], k) && arg_opt_tensor(args[6], w) && arg_int(args[7], check));
-  Tensor out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    static auto op = handle<decltype(padded_gather_kernel)>("padmoe::padded_gather");
-    out = op.call(x, idx, bid, bins, pb, k, w, check);
-  }
-  return wrap(std::move(out));
-  END_HANDLE_TH_ERRORS
-}
-
-// padded_scatter(y, indices, bin_ids, weights, bins, padded_bins, top_k, check)
-PyObject* py_padded_scatter(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  constexpr PyOp kOp = kPyPaddedScatter;
-  Tensor y, idx, bid, bins, pb;
-  OptTensor w;
-  int64_t k = 0, check = 0;
-  PADMOE_TAKE(nargs == 8 && plain_call() && arg_tensor(args[0], y) && arg_tensor(args[1], idx) &&
-              arg_tensor(args[2], bid) && arg_opt_tensor(args[3], w) && arg_tensor(args[4], bins) &&
-              arg_tensor(args[5], pb) && arg_int(args[6], k) && arg_int(args[7], check));
-  Tensor out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    static auto op = handle<decltype(padded_scatter_kernel)>("padmoe::padded_scatter");
-    out = op.call(y, idx, bid, w, bins, pb, k, check);
-  }
-  return wrap(std::move(out));
-  END_HANDLE_TH_ERRORS
-}
-
-// padded_scatter_wgrad(y, grad, indices, bin_ids, bins, padded_bins, top_k, check)
-PyObject* py_padded_scatter_wgrad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  constexpr PyOp kOp = kPyPaddedScatterWgrad;
-  Tensor y, g, idx, bid, bins, pb;
-  int64_t k = 0, check = 0;
-  PADMOE_TAKE(nargs == 8 && plain_call() && arg_tensor(args[0], y) && arg_tensor(args[1], g) &&
-              arg_tensor(args[2], idx) && arg_tensor(args[3], bid) && arg_tensor(args[4], bins) &&
-              arg_tensor(args[5], pb) && arg_int(args[6], k) && arg_int(args[7], check));
-  Tensor out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    static auto op = handle<decltype(padded_scatter_wgrad_kernel)>("padmoe::padded_scatter_wgrad");
-    out = op.call(y, g, idx, bid, bins, pb, k, check);
-  }
-  return wrap(std::move(out));
-  END_HANDLE_TH_ERRORS
-}
-
-// pad_to_alignment(hidden_states, tokens_per_expert, alignment, check) -> (padded, map, offsets)
-PyObject* py_pad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  constexpr PyOp kOp = kPyPad;
-  Tensor h, tpe;
-  int64_t m = 0, check = 0;
-  PADMOE_TAKE(nargs == 4 && plain_call() && arg_tensor(args[0], h) && arg_tensor(args[1], tpe) &&
-              arg_int(args[2], m) && arg_int(args[3], check));
-  std::tuple<Tensor, Tensor, Tensor> out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    static auto op = handle<decltype(pad_kernel)>("padmoe::pad_to_alignment");
-    out = op.call(h, tpe, m, check);
-  }
-  return wrap_all({std::get<0>(out), std::get<1>(out), std::get<2>(out)}, /*as_list=*/false);
-  END_HANDLE_TH_ERRORS
-}
-
-// unpad_from_alignment(padded_output, permutation_map, original_size, probs, check)
-PyObject* py_unpad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  constexpr PyOp kOp = kPyUnpad;
-  Tensor p, map;
-  OptTensor pr;
-  int64_t n = 0, check = 0;
-  PADMOE_TAKE(nargs == 5 && plain_call() && arg_tensor(args[0], p) && arg_tensor(args[1], map) &&
-              arg_int(args[2], n) && arg_opt_tensor(args[3], pr) && arg_int(args[4], check));
-  Tensor out;
-  {
-    pybind11::gil_scoped_release no_gil;
-    static auto op = handle<decltype(unpad_kernel)>("padmoe::unpad_from_alignment");
-    out = op.call(p, map, n, pr, check);
-  }
-  return wrap(std::move(out));
-  END_HANDLE_TH_ERRORS
-}
-
-#undef PADMOE_TAKE
+};
 
 // _set_fallback(index, callable): the OpOverload an entry hands unusual calls to.
 PyObject* py_set_fallback(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -1351,14 +1248,15 @@ PyObject* py_set_fallback(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   { name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_FASTCALL, nullptr }
 
 PyMethodDef g_methods[] = {
-    PADMOE_PY_FN("make_plan", py_make_plan),
-    PADMOE_PY_FN("dispatch", py_plan_op<kPyDispatch>),
-    PADMOE_PY_FN("combine", py_plan_op<kPyCombine>),
-    PADMOE_PY_FN("padded_gather", py_padded_gather),
-    PADMOE_PY_FN("padded_scatter", py_padded_scatter),
-    PADMOE_PY_FN("padded_scatter_wgrad", py_padded_scatter_wgrad),
-    PADMOE_PY_FN("pad_to_alignment", py_pad),
-    PADMOE_PY_FN("unpad_from_alignment", py_unpad),
+    PADMOE_PY_FN("make_plan", (PyEntry<kPyMakePlan, decltype(make_plan_kernel)>::call)),
+    PADMOE_PY_FN("dispatch", (PyEntry<kPyDispatch, decltype(dispatch_kernel)>::call)),
+    PADMOE_PY_FN("combine", (PyEntry<kPyCombine, decltype(combine_kernel)>::call)),
+    PADMOE_PY_FN("padded_gather", (PyEntry<kPyPaddedGather, decltype(padded_gather_kernel)>::call)),
+    PADMOE_PY_FN("padded_scatter", (PyEntry<kPyPaddedScatter, decltype(padded_scatter_kernel)>::call)),
+    PADMOE_PY_FN("padded_scatter_wgrad",
+                 (PyEntry<kPyPaddedScatterWgrad, decltype(padded_scatter_wgrad_kernel)>::call)),
+    PADMOE_PY_FN("pad_to_alignment", (PyEntry<kPyPad, decltype(pad_kernel)>::call)),
+    PADMOE_PY_FN("unpad_from_alignment", (PyEntry<kPyUnpad, decltype(unpad_kernel)>::call)),
     PADMOE_PY_FN("_set_fallback", py_set_fallback),
     {nullptr, nullptr, 0, nullptr},
 };
@@ -1374,10 +1272,8 @@ PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "_torch_ops",
 PyMODINIT_FUNC PyInit__torch_ops() {
   PyObject* m = PyModule_Create(&g_module);
   if (m == nullptr) return nullptr;
-  static const char* names[kPyOpCount] = {"make_plan", "dispatch", "combine", "padded_gather", "padded_scatter",
-                                          "padded_scatter_wgrad", "pad_to_alignment", "unpad_from_alignment"};
   PyObject* order = PyTuple_New(kPyOpCount);
-  for (int i = 0; i < kPyOpCount; ++i) PyTuple_SET_ITEM(order, i, PyUnicode_FromString(names[i]));
+  for (int i = 0; i < kPyOpCount; ++i) PyTuple_SET_ITEM(order, i, PyUnicode_FromString(kPyOpNames[i]));
   PyModule_AddObject(m, "FALLBACK_ORDER", order);
   return m;
 }
