@@ -72,18 +72,6 @@ class Plan:
         self.alignment = alignment
 
     @classmethod
-    def _of(cls, arrays, num_tokens: int, top_k: int, num_experts: int, alignment: int) -> "Plan":
-        """A plan around a list of the eight arrays (no copies, no checks)."""
-        p = cls.__new__(cls)
-        p._arrays = arrays
-        p.packed = None
-        p.num_tokens = num_tokens
-        p.top_k = top_k
-        p.num_experts = num_experts
-        p.alignment = alignment
-        return p
-
-    @classmethod
     def _from_packed(cls, packed, num_tokens: int, top_k: int, num_experts: int, alignment: int) -> "Plan":
         """A plan around padmoe.torch's packed form: one int32 tensor holding the eight arrays back to
         back (``indices, bin_ids`` [A], the four [E] arrays, ``dest_rows`` [A], ``row_sources``

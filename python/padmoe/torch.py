@@ -429,13 +429,7 @@ class Routing:
     def dispatch(self, x: Tensor, weighted: bool = False) -> Tensor:
         if weighted and self.weights is None:
             raise ValueError("Routing.dispatch: weighted=True needs router weights (from_topk got None)")
-        op, default = _call("dispatch")
-        p = self.plan
-        return op(x, _packed(p), self.weights if weighted else None, p.top_k, p.num_experts, p.alignment,
-                  _mode(self.check, default))
+        return dispatch(x, self.plan, self.weights if weighted else None, check=self.check)
 
     def combine(self, y: Tensor, weighted: bool = True) -> Tensor:
-        op, default = _call("combine")
-        p = self.plan
-        return op(y, _packed(p), self.weights if weighted else None, p.top_k, p.num_experts, p.alignment,
-                  _mode(self.check, default))
+        return combine(y, self.plan, self.weights if weighted else None, check=self.check)
