@@ -48,7 +48,7 @@ struct Options {
   int num_threads = 0;
   // CUDA: caller-owned device scratch memory. An op that needs more than
   // workspace_bytes (see workspace_bound) takes stream-ordered memory
-  // (cudaMallocAsync) instead. Unused on the CPU.
+  // instead (scratch_alloc below, else padmoe's pool). Unused on the CPU.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   // Outputs of padded rows written by a spread (padded_gather, dispatch, and
@@ -61,7 +61,9 @@ struct Options {
   // scratch_alloc(bytes, stream, scratch_ctx) and goes back through
   // scratch_free(ptr, stream, scratch_ctx) once the op's work is queued (a
   // framework's stream-ordered caching allocator: padmoe.torch passes torch's).
-  // Unset: cudaMallocAsync / cudaFreeAsync on the stream.
+  // Unset: padmoe's own stream-ordered pool per device, which keeps freed
+  // memory for reuse (cudaMallocFromPoolAsync; cudaMallocAsync while the
+  // stream captures a graph).
   void* (*scratch_alloc)(size_t bytes, void* stream, void* ctx) = nullptr;
   void (*scratch_free)(void* ptr, void* stream, void* ctx) = nullptr;
   void* scratch_ctx = nullptr;

@@ -15,7 +15,7 @@ Common keyword-only options:
 ``workspace``
     A CUDA buffer (e.g. ``torch.empty(workspace_bound(T, K, E, m), dtype=torch.uint8,
     device="cuda")``) for scratch memory; without it CUDA scratch memory comes
-    from ``cudaMallocAsync`` on the stream.
+    from padmoe's stream-ordered memory pool on the stream.
 ``stream``
     A ``cudaStream_t`` as an int. Default: the current torch stream of the
     input's device for CUDA torch tensors, else 0 (the legacy default stream).
