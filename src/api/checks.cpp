@@ -73,6 +73,7 @@ void Checker::index_vector(const TensorView& t, const char* name, int64_t len) c
   if (!is_index(t.dtype)) {
     fail(ErrorKind::kType, name, std::string("expected int32 or int64, got ") + dtype_name(t.dtype));
   }
+  if (t.shape[0] < 0) value_error(name, "negative length " + str(t.shape[0]));
   if (len >= 0 && t.shape[0] != len) value_error(name, "expected " + str(len) + " entries, got " + str(t.shape[0]));
   if (t.shape[0] > 1 && t.strides[0] != 1) value_error(name, "expected a contiguous tensor, got stride " + str(t.strides[0]));
   if (t.data == nullptr && t.shape[0] > 0) value_error(name, "null data pointer");
@@ -81,6 +82,7 @@ void Checker::index_vector(const TensorView& t, const char* name, int64_t len) c
 void Checker::int32_output(const TensorView& t, const char* name, int64_t len, bool at_least) const {
   if (t.ndim != 1) value_error(name, "expected a 1-D tensor, got shape " + shape_str(t));
   if (t.dtype != DType::kInt32) fail(ErrorKind::kType, name, std::string("expected int32, got ") + dtype_name(t.dtype));
+  if (t.shape[0] < 0) value_error(name, "negative length " + str(t.shape[0]));
   if (at_least ? t.shape[0] < len : t.shape[0] != len) {
     value_error(name, std::string("output capacity: needs ") + (at_least ? "at least " : "") + str(len) +
                           " entries, got " + str(t.shape[0]));
@@ -299,17 +301,40 @@ RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, con
   return map;
 }
 
-int64_t check_plan(const Checker& c, const PlanView& plan, Device device) {
+int64_t plan_assignments(const Checker& c, const PlanView& plan) {
   if (plan.top_k < 1) c.value_error("plan.top_k", "must be >= 1, got " + str(plan.top_k));
-  if (plan.num_experts < 0) c.value_error("plan.num_experts", "must be >= 0");
+  if (plan.num_experts < 0) c.value_error("plan.num_experts", "must be >= 0, got " + str(plan.num_experts));
+  if (plan.num_tokens < 0) c.value_error("plan.num_tokens", "must be >= 0, got " + str(plan.num_tokens));
+  if (plan.num_tokens > std::numeric_limits<int32_t>::max() / plan.top_k) {  // before multiplying: no overflow
+    c.value_error("plan.num_tokens", "size overflow: num_tokens " + str(plan.num_tokens) + " x top_k " +
+                                         str(plan.top_k) + " does not fit the int32 index outputs");
+  }
+  return plan.num_tokens * plan.top_k;
+}
+
+void check_plan_fields(const Checker& c, const PlanView& plan, Device device) {
+  const int64_t a_count = plan_assignments(c, plan);
+  const int64_t experts = plan.num_experts;
+  c.int32_output(plan.indices, "plan.indices", a_count);
+  c.int32_output(plan.bin_ids, "plan.bin_ids", a_count);
+  c.int32_output(plan.tokens_per_expert, "plan.tokens_per_expert", experts);
+  c.int32_output(plan.bins, "plan.bins", experts);
+  c.int32_output(plan.padded_tokens_per_expert, "plan.padded_tokens_per_expert", experts);
+  c.int32_output(plan.padded_bins, "plan.padded_bins", experts);
+  c.int32_output(plan.dest_rows, "plan.dest_rows", a_count);
+  c.int32_output(plan.row_sources, "plan.row_sources", 0, /*at_least=*/true);
+  const std::pair<const TensorView*, const char*> all[] = {
+      {&plan.indices, "plan.indices"}, {&plan.bin_ids, "plan.bin_ids"},
+      {&plan.tokens_per_expert, "plan.tokens_per_expert"}, {&plan.bins, "plan.bins"},
+      {&plan.padded_tokens_per_expert, "plan.padded_tokens_per_expert"}, {&plan.padded_bins, "plan.padded_bins"},
+      {&plan.dest_rows, "plan.dest_rows"}, {&plan.row_sources, "plan.row_sources"}};
+  for (const auto& f : all) c.same_device(*f.first, f.second, device);
+}
+
+int64_t check_plan(const Checker& c, const PlanView& plan, Device device) {
+  check_plan_fields(c, plan, device);
   const int64_t a_count = plan.num_tokens * plan.top_k;
   const int64_t experts = plan.num_experts;
-  c.int32_output(plan.dest_rows, "plan.dest_rows", a_count);
-  c.int32_output(plan.padded_bins, "plan.padded_bins", experts);
-  c.int32_output(plan.row_sources, "plan.row_sources", 0, /*at_least=*/true);
-  c.same_device(plan.dest_rows, "plan.dest_rows", device);
-  c.same_device(plan.padded_bins, "plan.padded_bins", device);
-  c.same_device(plan.row_sources, "plan.row_sources", device);
   const int32_t* dest = plan.dest_rows.data_as<const int32_t>();
   const int32_t* src = plan.row_sources.data_as<const int32_t>();
   const int64_t padded = experts > 0 ? plan.padded_bins.data_as<const int32_t>()[experts - 1] : 0;

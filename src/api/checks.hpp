@@ -85,8 +85,13 @@ RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, con
 void check_sorted_shapes(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
                          const TensorView& bins, const TensorView& padded_bins, int top_k);
 
-// Checks a PlanView (shapes, int32, one device, and that dest_rows and
-// row_sources are inverse to each other within [0, P)); returns P.
+// A PlanView's A = num_tokens * top_k after checking num_tokens >= 0,
+// top_k >= 1, num_experts >= 0 and that A fits int32 (no overflow).
+int64_t plan_assignments(const Checker& c, const PlanView& plan);
+// Shapes (all eight arrays, as both backends require them), int32, one device.
+void check_plan_fields(const Checker& c, const PlanView& plan, Device device);
+// Checks a PlanView (check_plan_fields, and that dest_rows and row_sources
+// are inverse to each other within [0, P)); returns P.
 int64_t check_plan(const Checker& c, const PlanView& plan, Device device);
 
 // Every device-dependent op calls this: the CPU backend always exists; CUDA

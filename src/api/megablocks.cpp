@@ -82,18 +82,11 @@ Routed routed_from_plan(const Checker& c, const PlanView& plan, Device device) {
   Routed r;
   r.tokens = plan.num_tokens;
   r.top_k = plan.top_k;
-  r.assignments = plan.num_tokens * plan.top_k;
+  r.assignments = detail::plan_assignments(c, plan);  // sizes checked before any product is used
   r.dest_rows = plan.dest_rows.data_as<const int32_t>();
   r.row_sources = plan.row_sources.data_as<const int32_t>();
   if (device.is_cuda()) {
-    if (plan.top_k < 1) c.value_error("plan.top_k", "must be >= 1, got " + std::to_string(plan.top_k));
-    c.int32_output(plan.dest_rows, "plan.dest_rows", r.assignments);
-    c.int32_output(plan.bins, "plan.bins", plan.num_experts);
-    c.int32_output(plan.padded_bins, "plan.padded_bins", plan.num_experts);
-    c.int32_output(plan.row_sources, "plan.row_sources", 0, /*at_least=*/true);
-    c.same_device(plan.bins, "plan.bins", device);
-    c.same_device(plan.padded_bins, "plan.padded_bins", device);
-    c.same_device(plan.row_sources, "plan.row_sources", device);
+    detail::check_plan_fields(c, plan, device);  // the same fields as the CPU backend checks
     r.on_cuda = true;
     r.device_index = device.index;
     r.padded_rows = -1;

@@ -1,4 +1,5 @@
 // plan.cpp — make_plan: check, size, dispatch to the backend.
+#include <limits>
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -56,6 +57,7 @@ int64_t capacity_bound(int64_t num_tokens, int top_k, int num_experts, int align
 
 int64_t padded_rows(const PlanView& plan, const Options& options) {
   Checker c("padded_rows");
+  if (plan.num_experts < 0) c.value_error("plan.num_experts", "must be >= 0, got " + std::to_string(plan.num_experts));
   c.int32_output(plan.padded_bins, "plan.padded_bins", plan.num_experts);
   detail::require_backend(c, plan.padded_bins.device);
   if (plan.num_experts == 0) return 0;
@@ -101,7 +103,12 @@ PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int
   const int64_t k = top_experts.shape[1];
   if (tokens < 0) c.value_error("top_experts", "negative token count");
   if (k < 1 || k > (int64_t{1} << 30)) c.value_error("top_k", "top_experts must have top_k >= 1 columns, got " + std::to_string(k));
+  if (tokens > std::numeric_limits<int32_t>::max() / k) {  // before multiplying: no overflow
+    c.value_error("top_experts", "size overflow: " + std::to_string(tokens) + " x " + std::to_string(k) +
+                                     " assignments do not fit the int32 index outputs");
+  }
   const int64_t a_count = tokens * k;
+  if (top_experts.data == nullptr && a_count > 0) c.value_error("top_experts", "null data pointer");
   detail::check_int32_extent(c, "top_experts", a_count);
   detail::check_int32_extent(c, "capacity", index::capacity_bound(a_count, num_experts, alignment));
   detail::require_backend(c, top_experts.device);

@@ -125,6 +125,7 @@ void with_traits(DType dtype, F&& f) {
 enum class Store { kCached, kStream };
 
 void copy_row(char* dst, const char* src, int64_t bytes, Store mode) {
+  if (bytes <= 0) return;  // an empty row may come with null pointers: memcpy(dst, nullptr, 0) is undefined
 #if defined(__SSE2__)
   if (mode == Store::kStream && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
     int64_t i = 0;

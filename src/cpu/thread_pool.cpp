@@ -2,6 +2,10 @@
 // a condition variable between ops, so an op costs a wake-up, not a spawn.
 #include "cpu/thread_pool.hpp"
 
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -77,22 +81,49 @@ class Pool {
   bool stop_ = false;
 };
 
+// The process's pool. A forked child inherits the parent's Pool object but
+// none of its threads: the atfork child handler drops the pointer (the old
+// pool is leaked on purpose: its std::thread objects name threads that do
+// not exist in the child, and joining or destroying them would hang or
+// terminate), so the child's first parallel op starts a pool of its own.
+// The pool is never destroyed: parked workers need no teardown at exit.
+std::atomic<Pool*> g_pool{nullptr};
+std::mutex g_pool_mu;
+
+void pool_prepare_fork() { g_pool_mu.lock(); }
+void pool_parent_after_fork() { g_pool_mu.unlock(); }
+void pool_child_after_fork() {
+  g_pool.store(nullptr, std::memory_order_relaxed);
+  g_pool_mu.unlock();
+}
+
 Pool& pool() {
-  static Pool p;
-  return p;
+  Pool* p = g_pool.load(std::memory_order_acquire);
+  if (p != nullptr) return *p;
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  p = g_pool.load(std::memory_order_relaxed);
+  if (p == nullptr) {
+    static const bool registered =
+        pthread_atfork(pool_prepare_fork, pool_parent_after_fork, pool_child_after_fork) == 0;
+    (void)registered;
+    p = new Pool();
+    g_pool.store(p, std::memory_order_release);
+  }
+  return *p;
 }
 
 }  // namespace
 
 int resolve_threads(int requested) {
-  if (requested > 0) return requested;
   // Read once: glibc answers hardware_concurrency() by reading sysfs, several
   // syscalls that cost more than a whole op on a small workload.
   static const int hw = [] {
     const unsigned n = std::thread::hardware_concurrency();
     return n > 0 ? static_cast<int>(n) : 1;
   }();
-  return hw;
+  // Options::num_threads is capped at the hardware threads: more would only leave idle pool
+  // threads alive for the life of the process.
+  return requested > 0 ? std::min(requested, hw) : hw;
 }
 
 void parallel_run(int workers, const std::function<void(int)>& fn) { pool().run(workers, fn); }
