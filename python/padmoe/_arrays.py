@@ -121,7 +121,7 @@ def _torch_capsule_maker():
     return _capsule_export
 
 
-def native_args(args):
+def native_args(args, op="padmoe"):
     """Positional arguments for a padmoe._C call: torch tensors become DLPack
     capsules through torch's C export (same memory, no copy, no stream
     synchronization), a plan becomes a namespace of such capsules; everything
@@ -134,6 +134,8 @@ def native_args(args):
 
     def one(v):
         if isinstance(v, tensor):
+            if v.device.type not in ("cpu", "cuda"):  # meta, xla, ...: DLPack would raise BufferError
+                raise TypeError(f"{op}: expected tensors on the CPU or a CUDA device, got one on {v.device}")
             return to_dlpack(v.detach() if v.requires_grad else v)
         if hasattr(v, "dest_rows") and hasattr(v, "row_sources"):  # a plan
             return SimpleNamespace(**{f: one(getattr(v, f)) for f in _PLAN_ARRAYS},

@@ -39,7 +39,7 @@ from typing import Any, Optional, Tuple
 
 from . import _C as _native_module
 from ._arrays import arrays_of, last_entry, native_args, ndim, prepare
-from ._plan import Plan
+from ._plan import INT32_MAX, Plan
 
 Array = Any
 
@@ -53,10 +53,12 @@ class _Native:
         if not callable(fn):
             return fn
 
+        op = name[:-4] if name.endswith("_out") else name
+
         def call(*args, **kwargs):
             if kwargs.get("workspace") is not None:
-                kwargs["workspace"] = native_args((kwargs["workspace"],))[0]
-            return fn(*native_args(args), **kwargs)
+                kwargs["workspace"] = native_args((kwargs["workspace"],), op)[0]
+            return fn(*native_args(args, op), **kwargs)
 
         setattr(self, name, call)  # __getattr__ runs once per name
         return call
@@ -95,6 +97,9 @@ def _padded_out(arrays, op, like, rows, out, p_of):
     n = p_of() if rows is None else int(rows)
     if n < 0:
         raise ValueError(f"{op}: rows: must be >= 0, got {n}")
+    if n > INT32_MAX:  # before allocating: P (or rows) must fit the int32 index outputs
+        raise ValueError(f"{op}: {'padded rows' if rows is None else 'rows'}: size overflow: {n} does not fit the "
+                         "int32 index outputs")
     return arrays.empty((n, _cols(like)), like.dtype, like)
 
 

@@ -7,6 +7,8 @@ from typing import Any, Optional
 from . import _C
 from ._arrays import NUMPY, arrays_of
 
+INT32_MAX = 2**31 - 1
+
 PLAN_ARRAYS = (
     "indices",
     "bin_ids",
@@ -141,6 +143,15 @@ class Plan:
         a = max(num_tokens * top_k, 0)
         e = max(num_experts, 0)
         cap = max(_C.capacity_bound(num_tokens, top_k, num_experts, alignment), 0)
+        # Sizes are checked before anything is allocated (the library would reject them after a
+        # 32 GiB-32 TiB allocation had failed with MemoryError).
+        if a > INT32_MAX:
+            raise ValueError(f"make_plan: top_experts: size overflow: {num_tokens} x {top_k} assignments do not fit "
+                             "the int32 index outputs")
+        if cap > INT32_MAX:
+            raise ValueError(f"make_plan: capacity: size overflow: {cap} does not fit the int32 index outputs")
+        if e > INT32_MAX:
+            raise ValueError(f"make_plan: num_experts: size overflow: {e} does not fit the int32 index outputs")
 
         def empty(n):
             return arrays.empty((n,), arrays.int32, like)

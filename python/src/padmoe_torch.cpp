@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -331,9 +332,35 @@ int64_t host_last(const Tensor& t, const char* op, const char* arg) {
   return std::max<int64_t>(host_values(t, t.numel() - 1, 1)[0], 0);
 }
 
+// Rows of an output sized from data (P of the drop-ins): within int32, checked before allocating.
+void check_rows_fit(const char* op, const char* arg, int64_t rows) {
+  if (rows > std::numeric_limits<int32_t>::max()) {
+    value_error(op, arg, "size overflow: " + std::to_string(rows) + " padded rows do not fit the int32 index outputs");
+  }
+}
+
 // --- float64 formulas (exact; for gradcheck) ---------------------------------------
 
 bool is_f64(const Tensor& t) { return t.scalar_type() == at::kDouble; }
+
+// float64 rows get padmoe's checks too: the op runs on float32 stand-ins of the same shape with
+// no columns (nothing read or written, every index check made), then the float64 formula runs.
+TensorView shadow(const Tensor& t, int64_t rows = -1) {
+  TensorView v;
+  v.data = nullptr;
+  v.dtype = DType::kFloat32;
+  v.ndim = static_cast<int>(std::min<int64_t>(t.dim(), padmoe::kMaxDims));
+  for (int d = 0; d < v.ndim; ++d) v.shape[d] = t.size(d);
+  if (v.ndim == 2) {
+    if (rows >= 0) v.shape[0] = rows;
+    v.shape[1] = 0;
+    v.strides[0] = 0;
+    v.strides[1] = 1;
+  }
+  if (t.is_cuda()) v.device = padmoe::Device::cuda(t.get_device());
+  return v;
+}
+TensorView shadow_rows(int64_t rows, const Tensor& like) { return shadow(like.dim() == 2 ? like : like.reshape({-1, 1}), rows); }
 
 Tensor w64(const OptTensor& w, int64_t n, const Tensor& like) {
   if (!w || !w->defined()) return at::ones({n}, like.options());
@@ -402,9 +429,19 @@ Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64
   Tensor top = index_arg(top_experts_in);
   if (num_experts < 1) value_error(op, "num_experts", "must be >= 1, got " + std::to_string(num_experts));
   if (alignment < 1) value_error(op, "alignment", "must be >= 1, got " + std::to_string(alignment));
+  // sizes before any allocation (in 64 bits, no product that can overflow)
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  if (num_experts > kMax) value_error(op, "num_experts", "size overflow: " + std::to_string(num_experts) + " does not fit int32");
+  if (alignment > kMax) value_error(op, "alignment", "size overflow: " + std::to_string(alignment) + " does not fit int32");
+  if (k >= 1 && t > kMax / k) {
+    value_error(op, "top_experts", "size overflow: " + std::to_string(t) + " x " + std::to_string(k) +
+                                       " assignments do not fit the int32 index outputs");
+  }
   const int64_t a = std::max<int64_t>(t * k, 0), e = num_experts;
-  int64_t cap = 0;
-  native([&] { cap = padmoe::capacity_bound(t, static_cast<int>(k), static_cast<int>(num_experts), static_cast<int>(alignment)); });
+  const int64_t cap = a + e * (alignment - 1);  // capacity_bound, at most 2^31 * 2^31
+  if (cap > kMax) {
+    value_error(op, "capacity", "size overflow: " + std::to_string(cap) + " does not fit the int32 index outputs");
+  }
   c10::OptionalDeviceGuard guard(top.device());
   Tensor out = at::empty({packed_length(a, e, alignment)}, top.options().dtype(at::kInt));
   Tensor workspace;
@@ -438,7 +475,11 @@ Tensor dispatch_kernel(const Tensor& x_in, const Tensor& plan, const OptTensor& 
                        int64_t num_experts, int64_t alignment, int64_t check) {
   const char* op = "dispatch";
   const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, op);
-  if (is_f64(x_in)) return spread64(x_in, pp.dest_rows(), top_k, weights, pp.cap);
+  if (is_f64(x_in)) {
+    OptTensor w = scale_arg(weights);
+    native([&] { padmoe::dispatch_out(shadow(x_in), pp.view(op), opt_view(w, op, "weights"), shadow_rows(pp.cap, x_in), options_for(x_in, check)); });
+    return spread64(x_in, pp.dest_rows(), top_k, weights, pp.cap);
+  }
   Tensor x = rows_arg(x_in);
   OptTensor w = scale_arg(weights);
   Tensor y = at::empty({pp.cap, x.dim() == 2 ? x.size(1) : 0}, x.options());
@@ -453,7 +494,11 @@ Tensor combine_kernel(const Tensor& y_in, const Tensor& plan, const OptTensor& w
                       int64_t num_experts, int64_t alignment, int64_t check) {
   const char* op = "combine";
   const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, op);
-  if (is_f64(y_in)) return reduce64(y_in, pp.dest_rows(), top_k, weights);
+  if (is_f64(y_in)) {
+    OptTensor w = scale_arg(weights);
+    native([&] { padmoe::combine_out(shadow(y_in), pp.view(op), opt_view(w, op, "weights"), shadow_rows(pp.tokens, y_in), options_for(y_in, check)); });
+    return reduce64(y_in, pp.dest_rows(), top_k, weights);
+  }
   Tensor y = rows_arg(y_in);
   OptTensor w = scale_arg(weights);
   Tensor out = at::empty({pp.tokens, y.dim() == 2 ? y.size(1) : 0}, y.options());
@@ -476,6 +521,12 @@ std::tuple<Tensor, Tensor> combine_backward_kernel(const Tensor& grad_out_in, co
   if (want_w && !have_y) value_error(op, "y", "needed for the weight gradient");
   if (rows < 0) rows = have_y && y_in->dim() >= 1 ? y_in->size(0) : pp.cap;
   if (is_f64(grad_out_in)) {
+    OptTensor w = scale_arg(weights);
+    native([&] {
+      padmoe::combine_backward_out(shadow(grad_out_in), have_y ? shadow(*y_in) : shadow_rows(rows, grad_out_in), pp.view(op),
+                                   opt_view(w, op, "weights"), shadow_rows(rows, grad_out_in), TensorView{},
+                                   options_for(grad_out_in, check));
+    });
     Tensor gy = spread64(grad_out_in, pp.dest_rows(), top_k, weights, rows);
     Tensor gw = want_w ? dots64(*y_in, pp.dest_rows(), top_k, grad_out_in).to(weights->scalar_type())
                        : no_grad_placeholder(grad_out_in, weights);
@@ -508,6 +559,13 @@ std::tuple<Tensor, Tensor> dispatch_backward_kernel(const Tensor& grad_y_in, con
   const bool want_w = need_wgrad && weights && weights->defined();
   if (want_w && !have_x) value_error(op, "x", "needed for the weight gradient");
   if (is_f64(grad_y_in)) {
+    OptTensor w = scale_arg(weights);
+    native([&] {
+      padmoe::dispatch_backward_out(shadow(grad_y_in), have_x ? shadow(*x_in) : shadow_rows(pp.tokens, grad_y_in),
+                                    pp.view(op), opt_view(w, op, "weights"),
+                                    have_x ? shadow(*x_in) : shadow_rows(pp.tokens, grad_y_in), TensorView{},
+                                    options_for(grad_y_in, check));
+    });
     Tensor gx = reduce64(grad_y_in, pp.dest_rows(), top_k, weights);
     Tensor gw = want_w ? dots64(grad_y_in, pp.dest_rows(), top_k, *x_in).to(weights->scalar_type())
                        : no_grad_placeholder(grad_y_in, weights);
@@ -538,17 +596,20 @@ Tensor padded_gather_kernel(const Tensor& x_in, const Tensor& indices_in, const 
   Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
          padded_bins = index_arg(padded_bins_in);
   const int64_t p = host_last(padded_bins, op, "padded_bins");
-  if (is_f64(x_in)) return spread64(x_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, weights, p);
-  Tensor x = rows_arg(x_in);
+  check_rows_fit(op, "padded_bins", p);
+  const bool f64 = is_f64(x_in);
+  Tensor x = f64 ? x_in : rows_arg(x_in);
   OptTensor w = scale_arg(weights);
-  Tensor y = at::empty({p, x.dim() == 2 ? x.size(1) : 0}, x.options());
+  Tensor y = f64 ? Tensor() : at::empty({p, x.dim() == 2 ? x.size(1) : 0}, x.options());
   c10::OptionalDeviceGuard guard(x.device());
   const padmoe::Options o = options_for(x, check);
   native([&] {
-    padmoe::padded_gather_out(view(x, op, "x"), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
-                              view(bins, op, "bins"), view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
-                              opt_view(w, op, "weights"), view(y, op, "y"), o);
+    padmoe::padded_gather_out(f64 ? shadow(x) : view(x, op, "x"), view(indices, op, "indices"),
+                              view(bin_ids, op, "bin_ids"), view(bins, op, "bins"),
+                              view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+                              opt_view(w, op, "weights"), f64 ? shadow_rows(p, x) : view(y, op, "y"), o);
   });
+  if (f64) return spread64(x_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, weights, p);
   return y;
 }
 
@@ -562,6 +623,13 @@ std::tuple<Tensor, Tensor> padded_gather_backward_kernel(const Tensor& grad_y_in
   Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
          padded_bins = index_arg(padded_bins_in);
   if (is_f64(x_in)) {
+    OptTensor w = scale_arg(weights);
+    native([&] {
+      padmoe::padded_gather_backward_out(shadow(grad_y_in), shadow(x_in), view(indices, op, "indices"),
+                                         view(bin_ids, op, "bin_ids"), view(bins, op, "bins"),
+                                         view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+                                         opt_view(w, op, "weights"), shadow(x_in), TensorView{}, options_for(x_in, check));
+    });
     Tensor dest = dest_of(indices, bin_ids, bins, padded_bins);
     Tensor gx = reduce64(grad_y_in, dest, top_k, weights);
     Tensor gw = want_w ? dots64(grad_y_in, dest, top_k, x_in).to(weights->scalar_type()) : no_grad_placeholder(x_in, weights);
@@ -589,7 +657,16 @@ Tensor padded_scatter_kernel(const Tensor& y_in, const Tensor& indices_in, const
   const char* op = "padded_scatter";
   Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
          padded_bins = index_arg(padded_bins_in);
-  if (is_f64(y_in)) return reduce64(y_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, weights);
+  if (is_f64(y_in)) {
+    OptTensor w = scale_arg(weights);
+    native([&] {
+      padmoe::padded_scatter_out(shadow(y_in), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
+                                 opt_view(w, op, "weights"), view(bins, op, "bins"), view(padded_bins, op, "padded_bins"),
+                                 static_cast<int>(top_k), shadow_rows(top_k >= 1 ? indices.numel() / top_k : 0, y_in),
+                                 options_for(y_in, check));
+    });
+    return reduce64(y_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, weights);
+  }
   Tensor y = rows_arg(y_in);
   OptTensor w = scale_arg(weights);
   const int64_t tokens = top_k >= 1 ? indices.numel() / top_k : 0;
@@ -614,6 +691,13 @@ std::tuple<Tensor, Tensor> padded_scatter_backward_kernel(const Tensor& grad_out
   Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
          padded_bins = index_arg(padded_bins_in);
   if (is_f64(y_in)) {
+    OptTensor w = scale_arg(weights);
+    native([&] {
+      padmoe::padded_scatter_backward_out(shadow(grad_out_in), shadow(y_in), view(indices, op, "indices"),
+                                          view(bin_ids, op, "bin_ids"), opt_view(w, op, "weights"),
+                                          view(bins, op, "bins"), view(padded_bins, op, "padded_bins"),
+                                          static_cast<int>(top_k), shadow(y_in), TensorView{}, options_for(y_in, check));
+    });
     Tensor dest = dest_of(indices, bin_ids, bins, padded_bins);
     Tensor gy = spread64(grad_out_in, dest, top_k, weights, y_in.size(0));
     Tensor gw = want_w ? dots64(y_in, dest, top_k, grad_out_in).to(weights->scalar_type()) : no_grad_placeholder(y_in, weights);
@@ -640,7 +724,16 @@ Tensor padded_scatter_wgrad_kernel(const Tensor& y_in, const Tensor& grad_in, co
   const char* op = "padded_scatter_wgrad";
   Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
          padded_bins = index_arg(padded_bins_in);
-  if (is_f64(y_in)) return dots64(y_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, grad_in);
+  if (is_f64(y_in)) {
+    native([&] {
+      padmoe::padded_scatter_wgrad_out(shadow(y_in), shadow(grad_in), view(indices, op, "indices"),
+                                       view(bin_ids, op, "bin_ids"), view(bins, op, "bins"),
+                                       view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+                                       TensorView::contiguous(nullptr, DType::kFloat32, {indices.numel()}),
+                                       options_for(y_in, check));
+    });
+    return dots64(y_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, grad_in);
+  }
   Tensor y = rows_arg(y_in), grad = rows_arg(grad_in);
   Tensor out = at::empty({indices.numel()}, y.options());
   c10::OptionalDeviceGuard guard(y.device());
@@ -673,6 +766,7 @@ std::tuple<Tensor, Tensor, Tensor> pad_kernel(const Tensor& h_in, const Tensor& 
   const char* op = "pad_to_alignment";
   Tensor tpe = index_arg(tpe_in);
   const int64_t p = padded_total(tpe, alignment);
+  check_rows_fit(op, "tokens_per_expert", p);
   const int64_t e = tpe.dim() == 1 ? tpe.numel() : 0;
   Tensor h = is_f64(h_in) ? h_in : rows_arg(h_in);
   Tensor map = at::empty({p}, h.options().dtype(at::kInt));
@@ -708,6 +802,11 @@ Tensor unpad_kernel(const Tensor& padded_in, const Tensor& map_in, int64_t origi
   if (original_size < 0) value_error(op, "original_size", "must be >= 0, got " + std::to_string(original_size));
   Tensor map = index_arg(map_in);
   if (is_f64(padded_in)) {
+    OptTensor pr = scale_arg(probs);
+    native([&] {
+      padmoe::unpad_from_alignment_out(shadow(padded_in), view(map, op, "permutation_map"), opt_view(pr, op, "probs"),
+                                       shadow_rows(original_size, padded_in), options_for(padded_in, check));
+    });
     Tensor out = at::zeros({original_size, padded_in.size(1)}, padded_in.options());
     Tensor src = at::nonzero(map.ge(0)).squeeze(1);
     Tensor dst = map.to(at::kLong).index_select(0, src);
@@ -736,6 +835,12 @@ std::tuple<Tensor, Tensor> unpad_backward_kernel(const Tensor& grad_out_in, cons
   Tensor map = index_arg(map_in);
   const int64_t n = grad_out_in.dim() >= 1 ? grad_out_in.size(0) : 0;
   if (is_f64(padded_in)) {
+    OptTensor pr = scale_arg(probs);
+    native([&] {
+      padmoe::unpad_from_alignment_backward_out(shadow(grad_out_in), shadow(padded_in), view(map, op, "permutation_map"),
+                                                opt_view(pr, op, "probs"), shadow(padded_in), TensorView{},
+                                                options_for(padded_in, check));
+    });
     Tensor src = at::nonzero(map.ge(0)).squeeze(1);
     Tensor dst = map.to(at::kLong).index_select(0, src);
     Tensor g = grad_out_in.index_select(0, dst);

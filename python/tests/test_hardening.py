@@ -1,0 +1,99 @@
+"""Hardening of the Python layers (issue "Hardening"): sizes checked before anything is
+allocated, float64 rows in padmoe.torch checked like float32, tensors on devices padmoe has no
+backend for, negative sizes: each raises padmoe's ValueError / TypeError, never MemoryError,
+BufferError or torch's RuntimeError."""
+
+import numpy as np
+import pytest
+
+import padmoe
+
+torch = pytest.importorskip("torch")
+import padmoe.eager as pe  # noqa: E402
+import padmoe.torch as pt  # noqa: E402
+
+
+def test_make_plan_sizes_checked_before_allocating():
+    te = np.zeros((4, 2), dtype=np.int32)
+    with pytest.raises(ValueError, match=r"make_plan: capacity: size overflow"):
+        padmoe.make_plan(te, 4, 2**31 - 1)  # capacity 8 + 4*(2^31-2): 32 GiB of row_sources before the check
+    with pytest.raises(ValueError, match=r"make_plan: capacity: size overflow"):
+        pt.make_plan(torch.from_numpy(te), 4, 2**31 - 1)
+    with pytest.raises(ValueError, match=r"make_plan: (num_experts|capacity): size overflow"):
+        pt.make_plan(torch.from_numpy(te), 2**40, 2)
+
+
+def test_padded_rows_from_data_checked_before_allocating():
+    x = np.zeros((2, 4), dtype=np.float32)
+    indices = np.array([0, 1], dtype=np.int32)
+    bin_ids = np.array([0, 0], dtype=np.int32)
+    bins = np.array([2], dtype=np.int64)
+    padded_bins = np.array([2**40], dtype=np.int64)  # P = 2^40: 16 TiB of output rows
+    with pytest.raises(ValueError, match=r"padded_gather: .*size overflow"):
+        padmoe.padded_gather(x, indices, bin_ids, bins, padded_bins, 1)
+    tx = torch.from_numpy(x)
+    with pytest.raises(ValueError, match=r"padded_gather: padded_bins: size overflow"):
+        pt.padded_gather(tx, torch.from_numpy(indices), torch.from_numpy(bin_ids), torch.from_numpy(bins),
+                         torch.from_numpy(padded_bins), 1)
+    h = np.zeros((2, 4), dtype=np.float32)
+    counts = np.array([1, 1], dtype=np.int64)
+    with pytest.raises(ValueError, match=r"pad_to_alignment: .*size overflow"):
+        padmoe.pad_to_alignment(h, counts, 2**30 + 1)  # P = 2^31 + 2
+    with pytest.raises(ValueError, match=r"pad_to_alignment: tokens_per_expert: size overflow"):
+        pt.pad_to_alignment(torch.from_numpy(h), torch.from_numpy(counts), 2**30 + 1)
+
+
+def test_float64_rows_get_the_same_checks():
+    top = torch.tensor([[0, 1], [1, 2], [2, 0]], dtype=torch.int32)
+    p = pe.make_plan(top, 3, 2)
+    x = torch.rand(3, 4, dtype=torch.float64)
+    # a repeated assignment id in indices: the same ValueError as float32
+    bad = p.indices.clone()
+    bad[0] = bad[1]
+    for dt in (torch.float32, torch.float64):
+        with pytest.raises(ValueError, match="padded_gather: indices"):
+            pt.padded_gather(x.to(dt), bad, p.bin_ids, p.bins, p.padded_bins, 2)
+    # a permutation map naming one output row twice, or a row at or past N
+    padded, pmap, _ = pt.pad_to_alignment(x, torch.tensor([2, 1]), 2)
+    twice = pmap.clone()
+    twice[1] = twice[0]
+    past = pmap.clone()
+    past[0] = 3
+    neg = pmap.clone()
+    neg[0] = -2
+    for dt in (torch.float32, torch.float64):
+        for m, what in ((twice, "permutation_map"), (past, "permutation_map"), (neg, "permutation_map")):
+            with pytest.raises(ValueError, match=f"unpad_from_alignment: {what}"):
+                pt.unpad_from_alignment(padded.to(dt), m, 3)
+    # counts summing past the rows of hidden_states
+    for dt in (torch.float32, torch.float64):
+        with pytest.raises(ValueError, match="pad_to_alignment"):
+            pt.pad_to_alignment(x.to(dt), torch.tensor([3, 4]), 2)
+    # a plan whose dest_rows put two assignments on one row
+    plan = pt.make_plan(top, 3, 2)
+    broken = plan.packed.clone()
+    a = 6
+    dest_at = 2 * a + 4 * 3
+    broken[dest_at + 1] = broken[dest_at]
+    for dt in (torch.float32, torch.float64):
+        with pytest.raises(ValueError, match=r"dispatch: plan\."):
+            torch.ops.padmoe.dispatch(x.to(dt), broken, None, 2, 3, 2, 1)
+
+
+def test_negative_original_size_is_a_value_error():
+    padded = torch.zeros(4, 2)
+    pmap = torch.tensor([0, 1, -1, -1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="unpad_from_alignment: original_size"):
+        pt.unpad_from_alignment(padded, pmap, -1)
+    with pytest.raises(ValueError, match="unpad_from_alignment: original_size"):
+        padmoe.unpad_from_alignment(padded.numpy(), pmap.numpy(), -1)
+
+
+def test_meta_tensors_are_a_type_error_in_the_neutral_api():
+    padded = torch.zeros(4, 2, device="meta")
+    pmap = torch.zeros(4, dtype=torch.int32, device="meta")
+    with pytest.raises(TypeError, match="unpad_from_alignment: expected tensors on the CPU or a CUDA device"):
+        padmoe.unpad_from_alignment(padded, pmap, 2)
+    # padmoe.torch on meta tensors: the fake kernels give shapes (what torch.compile uses)
+    out = pt.unpad_from_alignment(padded, pmap, 2)
+    assert out.device.type == "meta" and tuple(out.shape) == (2, 2)
