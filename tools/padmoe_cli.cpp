@@ -125,6 +125,14 @@ struct Args {
     }
     return v;
   }
+  // An int flag: out of the int range is a usage error, not a silent truncation.
+  int get_int32(const std::string& name, int fallback) const {
+    const int64_t v = get_int(name, fallback);
+    if (v < std::numeric_limits<int>::min() || v > std::numeric_limits<int>::max()) {
+      throw UsageError("--" + name + " " + std::to_string(v) + " is out of range");
+    }
+    return static_cast<int>(v);
+  }
 };
 
 const std::set<std::string> kValueOptions = {"preset",    "tokens", "experts", "top-k", "hidden",
@@ -346,10 +354,10 @@ Workload parse_workload(const Args& args) {
   if (preset == nullptr) throw UsageError("unknown preset '" + preset_name + "' (see `padmoe presets`)");
   workload::Preset p = *preset;
   p.tokens = args.get_int("tokens", p.tokens);
-  p.experts = static_cast<int>(args.get_int("experts", p.experts));
-  p.top_k = static_cast<int>(args.get_int("top-k", p.top_k));
+  p.experts = args.get_int32("experts", p.experts);
+  p.top_k = args.get_int32("top-k", p.top_k);
   p.hidden = args.get_int("hidden", p.hidden);
-  p.alignment = static_cast<int>(args.get_int("alignment", p.alignment));
+  p.alignment = args.get_int32("alignment", p.alignment);
   const bool implied_small = !args.has("preset") && !sizes_given;
   const bool small = args.has("small") || implied_small;
   if (small) p = workload::small(p);
@@ -379,6 +387,22 @@ Workload parse_workload(const Args& args) {
   if (w.H < 0) throw UsageError("--hidden must be >= 0");
   if (w.m < 1) throw UsageError("--alignment must be >= 1");
   if (w.threads < 0) throw UsageError("--threads must be >= 0");
+  // Sizes the library would reject, rejected before anything is allocated, in its words
+  // (in 64 bits, no product that can overflow).
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  if (w.T > kMax / w.K) {
+    throw Error(ErrorKind::kValue, "make_plan: top_experts: size overflow: " + std::to_string(w.T) + " x " +
+                                       std::to_string(w.K) + " assignments do not fit the int32 index outputs");
+  }
+  const int64_t capacity = w.T * w.K + static_cast<int64_t>(w.E) * (w.m - 1);
+  if (capacity > kMax) {
+    throw Error(ErrorKind::kValue,
+                "make_plan: capacity: size overflow: " + std::to_string(capacity) + " does not fit the int32 index outputs");
+  }
+  if (w.H > 0 && capacity > std::numeric_limits<int64_t>::max() / 8 / w.H) {
+    throw Error(ErrorKind::kValue, "workload: hidden: size overflow: " + std::to_string(capacity) + " rows of " +
+                                       std::to_string(w.H) + " elements");
+  }
   return w;
 }
 
