@@ -2,6 +2,7 @@
 // null and negative-length views, sizes whose product overflows, empty rows with null pointers,
 // absurd thread counts, plan views with fields missing. Each case failed (hung, crashed, read out
 // of bounds or threw a non-padmoe exception) before its fix.
+#include <sys/resource.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -172,6 +173,46 @@ TEST(Hardening, PlanFieldsAreCheckedOnTheCpuAsOnCuda) {
         << names[f];
   }
   EXPECT_TRUE(all_bytes_are(out, kPoison));
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+#define PADMOE_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define PADMOE_TEST_ASAN 1
+#endif
+#endif
+
+TEST(Hardening, OutOfHostMemoryInTheChecksIsAPadmoeError) {
+#if defined(PADMOE_TEST_ASAN)
+  GTEST_SKIP() << "an address-space limit and AddressSanitizer's shadow memory do not mix";
+#else
+  // make_plan with E = 2^29 needs 4 GiB of counts on the host before it allocates any output:
+  // under a 1 GiB address-space limit (in a forked child) that is ErrorKind::kRuntime, not
+  // std::bad_alloc escaping the library.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    rlimit lim{};
+    lim.rlim_cur = lim.rlim_max = rlim_t{1} << 30;
+    if (setrlimit(RLIMIT_AS, &lim) != 0) _exit(3);
+    int32_t id = 0;
+    TensorView te = TensorView::contiguous(&id, DType::kInt32, {1, 1});
+    try {
+      padmoe::make_plan(te, 1 << 29, 1);
+    } catch (const padmoe::Error& e) {
+      const std::string msg = e.what();
+      _exit(e.kind() == padmoe::ErrorKind::kRuntime && msg.find("make_plan") != std::string::npos ? 0 : 1);
+    } catch (...) {
+      _exit(2);
+    }
+    _exit(4);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: wrong error kind, 2: a non-padmoe exception, 3: setrlimit, 4: no error";
+#endif
 }
 
 }  // namespace

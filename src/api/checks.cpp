@@ -257,7 +257,7 @@ RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, con
   map.assignments = a_count;
   map.padded_rows = padded;
   map.top_k = top_k;
-  std::vector<int32_t> first_pos(static_cast<size_t>(a_count), 0);
+  std::vector<int32_t> first_pos = host_vector<int32_t>(c, "indices", a_count, 0);
   for (int64_t i = 0; i < a_count; ++i) {
     const int64_t a = idx[i];
     if (a < 0 || a >= a_count) {
@@ -274,8 +274,8 @@ RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, con
   // Inverse map, SPEC section 6 partition: worker w owns sorted positions
   // [w*B, min((w+1)*B, A)) and writes their rows, and the padding rows of its
   // share of the experts. Every entry is written once.
-  map.dest_rows.resize(static_cast<size_t>(a_count));
-  map.row_sources.resize(static_cast<size_t>(padded));
+  map.dest_rows = host_vector<int32_t>(c, "indices", a_count);
+  map.row_sources = host_vector<int32_t>(c, "padded_bins", padded);
   const int workers = static_cast<int>(std::min<int64_t>(cpu::resolve_threads(num_threads),
                                                          std::max<int64_t>(1, a_count / 4096)));
   cpu::parallel_run(workers, [&](int w) {

@@ -7,7 +7,9 @@
 #pragma once
 
 #include <cstdint>
+#include <new>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -108,6 +110,18 @@ struct ViolationNames {
   int top_k = 0;  // > 0: ids is [T, top_k] and positions print as [t, k] (as the CPU's checks do)
 };
 void raise_violation(const Checker& c, const cuda::Violation& v, const ViolationNames& names);
+
+// Host memory for a check (maps, counts) of n entries: out of memory is a
+// padmoe::Error of kind kRuntime naming `what`, not a std::bad_alloc.
+template <class T>
+std::vector<T> host_vector(const Checker& c, const char* what, int64_t n, T init = T()) {
+  try {
+    return std::vector<T>(static_cast<size_t>(n > 0 ? n : 0), init);
+  } catch (const std::bad_alloc&) {
+  } catch (const std::length_error&) {
+  }
+  c.fail(ErrorKind::kRuntime, what, "out of host memory for " + std::to_string(n) + " entries");
+}
 
 // Size-overflow guard: padded rows and assignment ids must fit int32 outputs.
 void check_int32_extent(const Checker& c, const char* what, int64_t value);

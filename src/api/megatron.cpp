@@ -138,7 +138,7 @@ std::vector<int32_t> check_and_invert_map(const Checker& c, const TensorView& pe
                                           int64_t original_size) {
   c.index_vector(permutation_map, "permutation_map", rows);
   const detail::IndexReader map(permutation_map);
-  std::vector<int32_t> inverse(static_cast<size_t>(original_size), -1);
+  std::vector<int32_t> inverse = detail::host_vector<int32_t>(c, "original_size", original_size, -1);
   for (int64_t p = 0; p < rows; ++p) {
     const int64_t n = map[p];
     if (n < -1 || n >= original_size) {

@@ -117,7 +117,7 @@ PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int
   }
 
   const detail::IndexReader ids(top_experts);
-  std::vector<int64_t> counts(static_cast<size_t>(num_experts), 0);
+  std::vector<int64_t> counts = detail::host_vector<int64_t>(c, "num_experts", num_experts, 0);
   for (int64_t a = 0; a < a_count; ++a) {
     const int64_t e = ids[a];
     if (e < 0 || e >= num_experts) {

@@ -1,4 +1,5 @@
 // tensor.cpp — dtype facts, TensorView helpers and CPU allocation of Tensor.
+#include <limits>
 #include <cstdlib>
 #include <new>
 #include <string>
@@ -58,10 +59,12 @@ TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list
   v.ndim = static_cast<int>(shape.size());
   int d = 0;
   for (int64_t s : shape) v.shape[d++] = s;
-  int64_t stride = 1;
+  // Row-major strides, in wrapping arithmetic: a shape whose product overflows (which every op
+  // rejects by its sizes) must not be undefined behaviour here.
+  uint64_t stride = 1;
   for (d = v.ndim - 1; d >= 0; --d) {
-    v.strides[d] = stride;
-    stride *= v.shape[d];
+    v.strides[d] = static_cast<int64_t>(stride);
+    stride *= static_cast<uint64_t>(v.shape[d]);
   }
   return v;
 }
@@ -73,16 +76,21 @@ TensorView TensorView::matrix(void* data, DType dtype, int64_t rows, int64_t col
 }
 
 int64_t TensorView::numel() const {
+  // Saturates at INT64_MAX (no overflow, which would be undefined) for shapes no op accepts.
   int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  for (int d = 0; d < ndim; ++d) {
+    if (shape[d] <= 0) return shape[d] == 0 ? 0 : n * shape[d];
+    if (n > std::numeric_limits<int64_t>::max() / shape[d]) return std::numeric_limits<int64_t>::max();
+    n *= shape[d];
+  }
   return n;
 }
 
 bool TensorView::is_contiguous() const {
-  int64_t stride = 1;
+  uint64_t stride = 1;  // wrapping arithmetic: no undefined behaviour for absurd shapes
   for (int d = ndim - 1; d >= 0; --d) {
-    if (shape[d] != 1 && strides[d] != stride) return false;
-    stride *= shape[d];
+    if (shape[d] != 1 && strides[d] != static_cast<int64_t>(stride)) return false;
+    stride *= static_cast<uint64_t>(shape[d]);
   }
   return true;
 }
@@ -102,6 +110,9 @@ Tensor Tensor::empty(DType dtype, int ndim, const int64_t* shape, Device device)
   int64_t numel = 1;
   for (int d = 0; d < ndim; ++d) {
     if (shape[d] < 0) throw Error(ErrorKind::kValue, "Tensor::empty: negative size in dim " + std::to_string(d));
+    if (shape[d] > 0 && numel > std::numeric_limits<int64_t>::max() / 8 / shape[d]) {
+      throw Error(ErrorKind::kValue, "Tensor::empty: size overflow in dim " + std::to_string(d));
+    }
     numel *= shape[d];
   }
   const size_t bytes = static_cast<size_t>(numel) * element_size(dtype);

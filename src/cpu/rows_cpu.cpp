@@ -147,6 +147,7 @@ void copy_row(char* dst, const char* src, int64_t bytes, Store mode) {
 }
 
 void zero_row(char* dst, int64_t bytes, Store mode) {
+  if (bytes <= 0) return;  // memset(nullptr, 0, 0) of an empty row is undefined too
 #if defined(__SSE2__)
   if (mode == Store::kStream && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
     const __m128i z = _mm_setzero_si128();
