@@ -453,15 +453,8 @@ Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64
     });
     if (bytes > 0) workspace = at::empty({static_cast<int64_t>(bytes)}, top.options().dtype(at::kByte));
   }
-  PackedPlan packed;
-  packed.t = out;
-  packed.a = a;
-  packed.e = e;
-  packed.cap = cap;
-  packed.tokens = t;
-  packed.k = static_cast<int>(std::max<int64_t>(k, 1));
-  packed.m = static_cast<int>(alignment);
-  const padmoe::PlanView pv = packed.view(op);
+  // The eight arrays as views of `out` (k = 0 columns: padmoe's make_plan reports top_k itself).
+  const padmoe::PlanView pv = packed_plan(out, std::max<int64_t>(k, 1), e, alignment, op).view(op);
   padmoe::Options o = options_for(top, check);
   if (workspace.defined()) {
     o.workspace = workspace.data_ptr();
