@@ -97,3 +97,17 @@ def test_meta_tensors_are_a_type_error_in_the_neutral_api():
     # padmoe.torch on meta tensors: the fake kernels give shapes (what torch.compile uses)
     out = pt.unpad_from_alignment(padded, pmap, 2)
     assert out.device.type == "meta" and tuple(out.shape) == (2, 2)
+
+
+def test_plan_object_whose_sizes_overflow_is_a_value_error():
+    """num_tokens * top_k wrapping to 0 used to pass every check and read out of bounds (the
+    interpreter died); the library now rejects the sizes before any product is used."""
+    from types import SimpleNamespace
+    z = np.zeros(0, dtype=np.int32)
+    plan = SimpleNamespace(indices=z, bin_ids=z, tokens_per_expert=np.zeros(1, np.int32), bins=np.zeros(1, np.int32),
+                           padded_tokens_per_expert=np.zeros(1, np.int32), padded_bins=np.zeros(1, np.int32),
+                           dest_rows=z, row_sources=z, num_tokens=2**62, top_k=4, num_experts=1, alignment=1)
+    with pytest.raises(ValueError, match=r"combine: plan\.num_tokens: size overflow"):
+        padmoe.combine(np.zeros((0, 0), np.float32), plan, out=np.zeros((0, 0), np.float32))
+    with pytest.raises(ValueError, match=r"combine: plan\.num_tokens: size overflow"):
+        padmoe.combine(torch.zeros(0, 0), plan, out=torch.zeros(0, 0))
