@@ -113,7 +113,6 @@ def copy_bandwidth():
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     us = eager_time(lambda: y.copy_(x), 20)
-    del x, y
     return 2 * 2 * 1024**3 / (us * 1e-6)  # bytes/s, read + write
 
 

@@ -71,7 +71,6 @@ from typing import Optional, Tuple
 
 import torch
 
-import padmoe
 from padmoe._plan import Plan
 
 __all__ = [
