@@ -35,3 +35,8 @@ fi
 echo "padmoe: building and installing the Python package (nvcc: $(command -v nvcc || echo none))" >&2
 "$py" -m pip install -q --no-build-isolation .
 "$py" -m pytest python/tests -q "$@"
+# padmoe.triton in Triton's interpreter (CPU): TRITON_INTERPRET=1 must be set before triton is imported,
+# so in a process of its own.
+if "$py" -c "import triton" 2>/dev/null; then
+  TRITON_INTERPRET=1 "$py" -m pytest python/tests/test_triton.py -q "$@"
+fi

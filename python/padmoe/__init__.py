@@ -47,6 +47,8 @@ from ._ops import (
 )
 from ._plan import Plan
 
+plan_tiles = _C.plan_tiles  # the tile planner of SPEC section 6 (padmoe/tiling.hpp), as a dict
+
 __version__ = _C.__version__
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "padded_scatter",
     "padded_scatter_backward",
     "padded_scatter_wgrad",
+    "plan_tiles",
     "unpad_from_alignment",
     "unpad_from_alignment_backward",
     "workspace_bound",

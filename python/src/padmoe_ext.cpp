@@ -29,10 +29,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 
 #include "padmoe/error.hpp"
 #include "padmoe/ops.hpp"
 #include "padmoe/tensor.hpp"
+#include "padmoe/tiling.hpp"
 
 #ifndef PADMOE_VERSION
 #define PADMOE_VERSION "unknown"
@@ -264,6 +266,36 @@ NB_MODULE(_C, m) {
       nb::arg("num_tokens"), nb::arg("top_k"), nb::arg("num_experts"), nb::arg("alignment"),
       "Device scratch bytes that suffice for every op on this routing.");
 
+  m.def(
+      "plan_tiles",
+      [](const std::string& target, const std::string& op, int64_t hidden, const std::string& dtype, int cores) {
+        const char* name = "plan_tiles";
+        padmoe::TileTarget t = padmoe::TileTarget::kCpu;
+        if (target == "ascend-a2") t = padmoe::TileTarget::kAscendA2;
+        else if (target != "cpu") fail(ErrorKind::kValue, name, "target", "expected 'cpu' or 'ascend-a2', got '" + target + "'");
+        padmoe::TileOp o = padmoe::TileOp::kGather;
+        if (op == "scatter") o = padmoe::TileOp::kScatter;
+        else if (op == "wgrad") o = padmoe::TileOp::kWgrad;
+        else if (op != "gather") fail(ErrorKind::kValue, name, "op", "expected 'gather', 'scatter' or 'wgrad', got '" + op + "'");
+        DType d = DType::kFloat32;
+        if (dtype == "float16") d = DType::kFloat16;
+        else if (dtype == "bfloat16") d = DType::kBFloat16;
+        else if (dtype != "float32") fail(ErrorKind::kType, name, "dtype", "expected 'float32', 'float16' or 'bfloat16', got '" + dtype + "'");
+        if (hidden < 0) fail(ErrorKind::kValue, name, "hidden", "must be >= 0, got " + std::to_string(hidden));
+        if (cores < 0) fail(ErrorKind::kValue, name, "cores", "must be >= 0, got " + std::to_string(cores));
+        const padmoe::TileConfig c = padmoe::plan_tiles(padmoe::target_info(t, cores), o, hidden, d);
+        nb::dict r;
+        r["programs"] = c.programs;
+        r["sub_block_rows"] = c.sub_block_rows;
+        r["block_x"] = c.block_x;
+        r["buffer_bytes"] = c.buffer_bytes;
+        r["buffers"] = c.buffers;
+        r["describe"] = padmoe::describe_tile_config(o, c, hidden, d);
+        return r;
+      },
+      nb::arg("target"), nb::arg("op"), nb::arg("hidden"), nb::arg("dtype"), nb::arg("cores") = 0,
+      "The tile planner's TileConfig (SPEC section 6) as a dict, for target 'cpu' or 'ascend-a2', op 'gather' / "
+      "'scatter' / 'wgrad', hidden size and row dtype; cores = 0: the target's default (CPU threads; 48 vector cores).");
   m.def(
       "padded_rows",
       [](nb::handle plan, uintptr_t stream) {
