@@ -235,6 +235,11 @@ def _(grad_out, padded_output, permutation_map, probs, need_pgrad, check=2):
 # ---------------------------------------------------------------------------
 
 
+def _backend(backend: str, op: str) -> None:
+    if backend != "native":
+        raise ValueError(f"{op}: backend: expected 'native' or 'triton', got {backend!r}")
+
+
 def _packed(plan) -> Tensor:
     """The packed form of a plan: its own (plans of padmoe.torch.make_plan), else the eight arrays
     concatenated (one extra copy: plans from padmoe.make_plan or padmoe.eager)."""
@@ -283,32 +288,47 @@ def combine(y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: O
 
 
 def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, padded_bins: Tensor, top_k: int,
-                  weights: Optional[Tensor] = None, *, check: Optional[bool] = None) -> Tensor:
+                  weights: Optional[Tensor] = None, *, check: Optional[bool] = None, backend: str = "native") -> Tensor:
     """MegaBlocks ``padded_gather(x, indices, bin_ids, bins, padded_bins, top_k)``:
     ``y[padded_bins[-1], H]`` with sorted position i of expert e in row
     ``padded_start(e) + i - real_start(e)`` holding ``x[indices[i] // top_k]`` (times
     ``weights[indices[i]]`` when given); padding rows zero. P is read on the host (one
     synchronization on CUDA; not CUDA-graph capturable). Differentiable wrt ``x`` (and
-    ``weights``)."""
+    ``weights``). ``backend="triton"``: padmoe.triton's kernels (the seed's Ascend design; work in
+    progress, see docs/ascend.md), with the same backward rules."""
+    if backend == "triton":
+        from padmoe import triton as _triton
+        return _triton.gather_autograd(x, indices, bin_ids, bins, padded_bins, top_k, weights)
+    _backend(backend, "padded_gather")
     op, default = _call("padded_gather")
     return op(x, indices, bin_ids, bins, padded_bins, top_k, weights, _mode(check, default))
 
 
 def padded_scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optional[Tensor], bins: Tensor,
-                   padded_bins: Tensor, top_k: int, *, check: Optional[bool] = None) -> Tensor:
+                   padded_bins: Tensor, top_k: int, *, check: Optional[bool] = None, backend: str = "native") -> Tensor:
     """MegaBlocks ``padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k)``:
     ``out[T, H]``, ``out[t] = sum_k w(t*K+k) * x[dest_rows[t*K+k]]`` (``w`` = weights or 1;
     float32 accumulation in ascending k, cast once). ``x`` is the padded buffer (at least P
-    rows; padding rows never read). Differentiable wrt ``x`` and ``weights``."""
+    rows; padding rows never read). Differentiable wrt ``x`` and ``weights``. ``backend="triton"``:
+    padmoe.triton's kernels, with the same backward rules."""
+    if backend == "triton":
+        from padmoe import triton as _triton
+        return _triton.scatter_autograd(x, indices, bin_ids, weights, bins, padded_bins, top_k)
+    _backend(backend, "padded_scatter")
     op, default = _call("padded_scatter")
     return op(x, indices, bin_ids, weights, bins, padded_bins, top_k, _mode(check, default))
 
 
 def padded_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor,
-                         padded_bins: Tensor, top_k: int, *, check: Optional[bool] = None) -> Tensor:
+                         padded_bins: Tensor, top_k: int, *, check: Optional[bool] = None,
+                         backend: str = "native") -> Tensor:
     """MegaBlocks ``padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k)``:
     ``wgrad[a] = sum_h x[dest_rows[a], h] * grad[a // K, h]`` (float32 accumulation), in
-    x's dtype. Not differentiable."""
+    x's dtype. Not differentiable. ``backend="triton"``: padmoe.triton's kernel."""
+    if backend == "triton":
+        from padmoe import triton as _triton
+        return _triton.padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k)
+    _backend(backend, "padded_scatter_wgrad")
     op, default = _call("padded_scatter_wgrad")
     return op(x, grad, indices, bin_ids, bins, padded_bins, top_k, _mode(check, default))
 

@@ -273,3 +273,62 @@ def padded_scatter_wgrad(y: torch.Tensor, grad: torch.Tensor, indices: torch.Ten
                                       bins.to(i32).contiguous(), padded_bins.to(i32).contiguous(), A, H, int(top_k),
                                       -(-A // programs), SUB=c["sub_block_rows"], BLOCK_X=c["block_x"])
     return wgrad
+
+
+# ---------------------------------------------------------------------------
+# autograd (padmoe.torch's drop-ins with backend="triton"): SPEC section 2's backward rules
+# ---------------------------------------------------------------------------
+
+
+class _GatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, indices, bin_ids, bins, padded_bins, top_k, weights):
+        ctx.save_for_backward(x, indices, bin_ids, bins, padded_bins, weights)
+        ctx.top_k = top_k
+        return padded_gather(x, indices, bin_ids, bins, padded_bins, top_k, weights)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, indices, bin_ids, bins, padded_bins, weights = ctx.saved_tensors
+        k = ctx.top_k
+        # grad_x[t] = sum_k w * grad_y[row]; grad_w[a] = <grad_y[row(a)], x[a // K]>
+        gx = padded_scatter(grad_y, indices, bin_ids, weights, bins, padded_bins, k) if ctx.needs_input_grad[0] else None
+        gw = None
+        if weights is not None and ctx.needs_input_grad[6]:
+            gw = padded_scatter_wgrad(grad_y, x, indices, bin_ids, bins, padded_bins, k).to(weights.dtype)
+            gw = gw.view(weights.shape)
+        return gx, None, None, None, None, None, gw
+
+
+class _ScatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, indices, bin_ids, weights, bins, padded_bins, top_k):
+        ctx.save_for_backward(y, indices, bin_ids, weights, bins, padded_bins)
+        ctx.top_k = top_k
+        return padded_scatter(y, indices, bin_ids, weights, bins, padded_bins, top_k)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y, indices, bin_ids, weights, bins, padded_bins = ctx.saved_tensors
+        k = ctx.top_k
+        grad_out = grad_out.contiguous()
+        # grad_y = gather(grad_out, weights) into y's rows (padding rows zero); grad_w = wgrad(y, grad_out)
+        gy = None
+        if ctx.needs_input_grad[0]:
+            g = padded_gather(grad_out, indices, bin_ids, bins, padded_bins, k, weights)
+            gy = g if g.shape[0] == y.shape[0] else torch.cat([g, g.new_zeros(y.shape[0] - g.shape[0], g.shape[1])])
+        gw = None
+        if weights is not None and ctx.needs_input_grad[3]:
+            gw = padded_scatter_wgrad(y, grad_out, indices, bin_ids, bins, padded_bins, k).to(weights.dtype)
+            gw = gw.view(weights.shape)
+        return gy, None, None, gw, None, None, None
+
+
+def gather_autograd(x, indices, bin_ids, bins, padded_bins, top_k, weights=None):
+    """padded_gather through autograd (backward: padmoe.triton's scatter and wgrad)."""
+    return _GatherFn.apply(x, indices, bin_ids, bins, padded_bins, int(top_k), weights)
+
+
+def scatter_autograd(y, indices, bin_ids, weights, bins, padded_bins, top_k):
+    """padded_scatter through autograd (backward: padmoe.triton's gather and wgrad)."""
+    return _ScatterFn.apply(y, indices, bin_ids, weights, bins, padded_bins, int(top_k))

@@ -117,3 +117,25 @@ def test_bad_input_is_padmoes_error():
     bad[0] = bad[1]
     with pytest.raises(ValueError, match="padded_gather: indices"):
         ptr.padded_gather(torch.rand(6, 8), bad, p.bin_ids, p.bins, p.padded_bins, 2)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_torch_dropins_with_the_triton_backend_match_native_forward_and_backward(weighted):
+    import padmoe.torch as pt
+    top, p = routing(13, 2, 5, 4, seed=9)
+    g = torch.Generator().manual_seed(4)
+    x = torch.rand(13, 24, generator=g, dtype=torch.float32)
+    w = (torch.rand(26, generator=g) + 0.1) if weighted else None
+    results = {}
+    for backend in ("native", "triton"):
+        xr = x.clone().requires_grad_(True)
+        wr = None if w is None else w.clone().requires_grad_(True)
+        y = pt.padded_gather(xr, p.indices, p.bin_ids, p.bins, p.padded_bins, 2, wr, backend=backend)
+        out = pt.padded_scatter(y * 1.5, p.indices, p.bin_ids, wr, p.bins, p.padded_bins, 2, backend=backend)
+        out.backward(torch.rand(out.shape, generator=torch.Generator().manual_seed(7)))
+        results[backend] = (y.detach(), out.detach(), xr.grad, None if wr is None else wr.grad)
+    for a, b in zip(results["native"], results["triton"]):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="backend"):
+        pt.padded_gather(x, p.indices, p.bin_ids, p.bins, p.padded_bins, 2, backend="cuda")
