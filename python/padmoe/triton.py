@@ -41,6 +41,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@triton.jit
+def _sorted_rows(i, live, indices, bin_ids, bins, padded_bins):
+    """(padded row, assignment id) of sorted positions i: padded_start(e) + i - real_start(e)."""
+    e = tl.load(bin_ids + i, mask=live, other=0)
+    a = tl.load(indices + i, mask=live, other=0)
+    real_start = tl.load(bins + e - 1, mask=live & (e > 0), other=0)
+    pad_start = tl.load(padded_bins + e - 1, mask=live & (e > 0), other=0)
+    return pad_start + i - real_start, a
+
+
 def _gather_rows(x, y, w, indices, bin_ids, bins, padded_bins, A, H, K, B,
                  SUB: tl.constexpr, BLOCK_X: tl.constexpr, WEIGHTED: tl.constexpr):
     pid = tl.program_id(0)
@@ -51,11 +61,8 @@ def _gather_rows(x, y, w, indices, bin_ids, bins, padded_bins, A, H, K, B,
     for s in range(begin, end, SUB):
         i = s + rows
         live = i < end
-        e = tl.load(bin_ids + i, mask=live, other=0)
-        a = tl.load(indices + i, mask=live, other=0)
-        real_start = tl.load(bins + e - 1, mask=live & (e > 0), other=0)
-        pad_start = tl.load(padded_bins + e - 1, mask=live & (e > 0), other=0)
-        dst = (pad_start + i - real_start).to(tl.int64)
+        row, a = _sorted_rows(i, live, indices, bin_ids, bins, padded_bins)
+        dst = row.to(tl.int64)
         tok = (a // K).to(tl.int64)
         if WEIGHTED:
             wv = tl.load(w + a, mask=live, other=0.0).to(tl.float32)
@@ -94,11 +101,8 @@ def _dest_rows(dest, indices, bin_ids, bins, padded_bins, A, B, SUB: tl.constexp
     for s in range(begin, end, SUB):
         i = s + rows
         live = i < end
-        e = tl.load(bin_ids + i, mask=live, other=0)
-        a = tl.load(indices + i, mask=live, other=0)
-        real_start = tl.load(bins + e - 1, mask=live & (e > 0), other=0)
-        pad_start = tl.load(padded_bins + e - 1, mask=live & (e > 0), other=0)
-        tl.store(dest + a, (pad_start + i - real_start).to(tl.int32), mask=live)
+        row, a = _sorted_rows(i, live, indices, bin_ids, bins, padded_bins)
+        tl.store(dest + a, row.to(tl.int32), mask=live)
 
 
 def _scatter_rows(y, out, w, dest, T, H, K, BT, SUB: tl.constexpr, BLOCK_X: tl.constexpr,
@@ -137,11 +141,8 @@ def _wgrad_rows(y, g, wgrad, indices, bin_ids, bins, padded_bins, A, H, K, B,
     for s in range(begin, end, SUB):
         i = s + rows
         live = i < end
-        e = tl.load(bin_ids + i, mask=live, other=0)
-        a = tl.load(indices + i, mask=live, other=0)
-        real_start = tl.load(bins + e - 1, mask=live & (e > 0), other=0)
-        pad_start = tl.load(padded_bins + e - 1, mask=live & (e > 0), other=0)
-        src = (pad_start + i - real_start).to(tl.int64)
+        row, a = _sorted_rows(i, live, indices, bin_ids, bins, padded_bins)
+        src = row.to(tl.int64)
         tok = (a // K).to(tl.int64)
         acc = tl.zeros([SUB], dtype=tl.float32)
         for c in range(0, H, BLOCK_X):
