@@ -7,8 +7,9 @@
 # (pip install ., pytest on CUDA, bench/bench_python.py with its chart).
 # Logs go to $OUT (default: ./gpu-out), packed into $OUT/gpu-logs.tgz as well
 # (the device tool brings back only a few files).
-# Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench python, or all
-#        (default all)
+# Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench python triton, or
+#        all (default all). triton: padmoe.triton's tests natively and
+#        bench/bench_triton.py (PADMOE_TRITON_SWEEP=1 adds its launch sweep).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -26,11 +27,13 @@ run() {  # run a step, keep going, remember failures
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
-step build
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-  > "$out/build.log" 2>&1 && cmake --build "$build" -j "$(nproc)" >> "$out/build.log" 2>&1 \
-  || { echo "build FAILED"; tail -n 40 "$out/build.log"; exit 1; }
-echo "build: ok"
+if want tests || want checks || want bench; then
+  step build
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    > "$out/build.log" 2>&1 && cmake --build "$build" -j "$(nproc)" >> "$out/build.log" 2>&1 \
+    || { echo "build FAILED"; tail -n 40 "$out/build.log"; exit 1; }
+  echo "build: ok"
+fi
 
 if want tests; then
   run cpu-tests ctest --test-dir "$build" -j "$(nproc)" --output-on-failure
@@ -60,13 +63,26 @@ for o in d["ops"]:
 PY
   done
 fi
-if want python; then
+pyt=${PADMOE_GPU_PYTARGET:-/tmp/padmoe-pyt}
+if want python || want triton; then
   # The machine's own python3 with its torch / nanobind / scikit-build-core and
   # no network: an unisolated pip build into a target directory (a virtualenv
   # there does not see the system's torch), then PYTHONPATH.
-  pyt=${PADMOE_GPU_PYTARGET:-/tmp/padmoe-pyt}
-  run python-build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python3 -m pip install --no-build-isolation --no-deps \
-    --break-system-packages --upgrade --target "$pyt" .
+  # The build tree outside the working tree: a build/ left in the device's copy from an earlier run
+  # (its objects newer than the sources copied in) once linked stale objects into the extension.
+  run python-build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python3 -m pip install -v --no-build-isolation --no-deps \
+    --break-system-packages --upgrade --target "$pyt" -C build-dir="${PADMOE_GPU_SKBUILD:-/tmp/padmoe-skbuild}" .
+fi
+if want triton; then
+  run triton-tests env PYTHONPATH="$pyt" python3 -m pytest python/tests/test_triton.py -q -rs
+  tail -n 3 "$out/triton-tests.log"
+  sweep=()
+  [ "${PADMOE_TRITON_SWEEP:-0}" = "1" ] && sweep=(--sweep)
+  run triton-bench env PYTHONPATH="$pyt" PYTHONUNBUFFERED=1 python3 bench/bench_triton.py "${sweep[@]}" \
+    --out-md "$out/triton-bench.md" --out-json "$out/triton-bench.json" ${PADMOE_TRITONBENCH_ARGS:-}
+  cat "$out/triton-bench.log"
+fi
+if want python; then
   run pytest-cuda env PYTHONPATH="$pyt" python3 -m pytest python/tests -q -rs
   tail -n 5 "$out/pytest-cuda.log"
   # padmoe.torch as users see it: per op the kernels' GPU time (profiler), one eager call with the

@@ -30,6 +30,7 @@ int64_t formula_bytes(TileOp op, const TileConfig& c, DType dt) {
 
 int64_t max_block_x(TileTarget t, TileOp op) {
   if (t == TileTarget::kAscendA2) return op == TileOp::kGather ? 20000 : op == TileOp::kScatter ? 6144 : 5120;
+  if (t == TileTarget::kGpu) return op == TileOp::kGather ? 1024 : 2048;
   return op == TileOp::kGather ? 16384 : op == TileOp::kScatter ? 64 : 4096;
 }
 
@@ -47,6 +48,21 @@ TEST(Tiling, TargetInfo) {
   EXPECT_GT(c.buffer_total_bytes, 0);
   EXPECT_EQ(c.buffers, 1);
   EXPECT_EQ(padmoe::target_info(TileTarget::kCpu, 3).cores, 3);
+  const padmoe::TargetInfo g = padmoe::target_info(TileTarget::kGpu);
+  EXPECT_EQ(g.cores, 132);  // H200 SMs
+  EXPECT_EQ(g.programs_per_core, 32);
+  EXPECT_EQ(g.buffer_total_bytes, 24 * 1024);
+  EXPECT_EQ(g.buffers, 1);
+  EXPECT_EQ(padmoe::target_info(TileTarget::kGpu, 78).cores, 78);  // queried at run time
+  EXPECT_EQ(padmoe::target_info(TileTarget::kCpu).programs_per_core, 1);
+  EXPECT_EQ(a.programs_per_core, 1);
+  EXPECT_STREQ(padmoe::tile_target_name(TileTarget::kGpu), "gpu");
+  TileTarget parsed = TileTarget::kCpu;
+  EXPECT_TRUE(padmoe::parse_tile_target("gpu", &parsed));
+  EXPECT_EQ(parsed, TileTarget::kGpu);
+  EXPECT_TRUE(padmoe::parse_tile_target("ascend", &parsed));
+  EXPECT_EQ(parsed, TileTarget::kAscendA2);
+  EXPECT_FALSE(padmoe::parse_tile_target("tpu", &parsed));
   EXPECT_STREQ(padmoe::tile_target_name(TileTarget::kCpu), "cpu");
   EXPECT_STREQ(padmoe::tile_target_name(TileTarget::kAscendA2), "ascend-a2");
   EXPECT_STREQ(padmoe::tile_op_name(TileOp::kGather), "gather");
@@ -89,7 +105,7 @@ TEST_P(TilePlanner, SatisfiesRules) {
   const int64_t s = static_cast<int64_t>(esize(dt));
   const int64_t g = 32 / s;  // 32 bytes in elements
   EXPECT_NO_THROW(padmoe::validate_tile_config(op, c, H, dt));
-  EXPECT_EQ(c.programs, info.cores);
+  EXPECT_EQ(c.programs, info.cores * info.programs_per_core);
   EXPECT_EQ(c.buffers, info.buffers);
   EXPECT_GE(c.block_x, 1);
   EXPECT_GE(c.sub_block_rows, 1);
@@ -119,21 +135,23 @@ TEST_P(TilePlanner, SatisfiesRules) {
 }
 
 std::string planner_name(const ::testing::TestParamInfo<PlanParam>& i) {
-  return std::string(std::get<0>(i.param) == TileTarget::kCpu ? "cpu" : "ascend") + "_" +
+  return std::string(std::get<0>(i.param) == TileTarget::kCpu ? "cpu"
+                     : std::get<0>(i.param) == TileTarget::kGpu ? "gpu"
+                                                                 : "ascend") + "_" +
          padmoe::tile_op_name(std::get<1>(i.param)) + "_" + dname(std::get<2>(i.param)) + "_H" +
          std::to_string(std::get<3>(i.param));
 }
 const auto kHiddens = ::testing::Values<int64_t>(1, 3, 33, 768, 4097, 7168, 20000, 65536);
 
 INSTANTIATE_TEST_SUITE_P(All, TilePlanner,
-                         ::testing::Combine(::testing::Values(TileTarget::kCpu, TileTarget::kAscendA2),
+                         ::testing::Combine(::testing::Values(TileTarget::kCpu, TileTarget::kAscendA2, TileTarget::kGpu),
                                             ::testing::Values(TileOp::kGather, TileOp::kScatter, TileOp::kWgrad),
                                             ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                                             kHiddens),
                          planner_name);
 // float8 is move-only: gather tiles only.
 INSTANTIATE_TEST_SUITE_P(Float8, TilePlanner,
-                         ::testing::Combine(::testing::Values(TileTarget::kCpu, TileTarget::kAscendA2),
+                         ::testing::Combine(::testing::Values(TileTarget::kCpu, TileTarget::kAscendA2, TileTarget::kGpu),
                                             ::testing::Values(TileOp::kGather),
                                             ::testing::Values(DType::kFloat8E4M3, DType::kFloat8E5M2), kHiddens),
                          planner_name);
@@ -148,6 +166,24 @@ TEST(Tiling, AscendTutorialShapes) {
   EXPECT_LE(w.block_x, 5120);
   EXPECT_EQ(w.sub_block_rows, 1);
   EXPECT_EQ(padmoe::plan_tiles(a, TileOp::kGather, 1, DType::kFloat32).block_x, 8);  // 8 * 4 B = 32 B
+}
+
+TEST(Tiling, GpuTargetShapes) {
+  // The gpu target's constants were chosen from an H200 sweep of padmoe.triton (bench/bench_triton.py
+  // --sweep): 32 programs per SM; bf16 gather 9 rows (Triton: 8) x 1024 columns, scatter and wgrad 1 x 2048.
+  const padmoe::TargetInfo g = padmoe::target_info(TileTarget::kGpu, 132);
+  for (int64_t H : {2048, 4096, 7168}) {
+    const TileConfig ga = padmoe::plan_tiles(g, TileOp::kGather, H, DType::kBFloat16);
+    EXPECT_EQ(ga.programs, 132 * 32);
+    EXPECT_EQ(ga.block_x, 1024);
+    EXPECT_EQ(ga.sub_block_rows, 9);
+    const TileConfig sc = padmoe::plan_tiles(g, TileOp::kScatter, H, DType::kBFloat16);
+    EXPECT_EQ(sc.block_x, 2048);
+    EXPECT_EQ(sc.sub_block_rows, 1);
+    const TileConfig wg = padmoe::plan_tiles(g, TileOp::kWgrad, H, DType::kBFloat16);
+    EXPECT_EQ(wg.block_x, 2048);
+    EXPECT_EQ(wg.sub_block_rows, 1);
+  }
 }
 
 TEST(Tiling, BadConfigsRejected) {

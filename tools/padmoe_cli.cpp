@@ -96,7 +96,7 @@ bench:
   --json                 print one JSON object instead of the table
 
 plan:
-  --target cpu|ascend-a2 (default cpu)
+  --target cpu|ascend-a2|gpu (default cpu)
   --hidden H --dtype f32|f16|bf16 (default bf16)
   --op gather|scatter|wgrad (default: all three)
   --cores N              cores / programs (default: the target's)
@@ -1485,12 +1485,8 @@ int cmd_bench(const Args& args) {
 int cmd_plan(const Args& args) {
   const std::string target_name = args.get("target", "cpu");
   TileTarget target;
-  if (target_name == "cpu")
-    target = TileTarget::kCpu;
-  else if (target_name == "ascend-a2" || target_name == "ascend")
-    target = TileTarget::kAscendA2;
-  else
-    throw UsageError("--target expects cpu or ascend-a2, got '" + target_name + "'");
+  if (!parse_tile_target(target_name, &target))
+    throw UsageError("--target expects cpu, ascend-a2 or gpu, got '" + target_name + "'");
   if (!args.has("hidden")) throw UsageError("plan needs --hidden H");
   const int64_t hidden = args.get_int("hidden", 0);
   if (hidden < 1) throw UsageError("--hidden must be >= 1");
@@ -1512,8 +1508,10 @@ int cmd_plan(const Args& args) {
     throw UsageError("--op expects gather, scatter or wgrad, got '" + op_name + "'");
 
   const TargetInfo info = target_info(target, cores);
-  std::printf("target %s: %d cores, buffer %" PRId64 " B per core, %" PRId64 " B reserved, %d buffer(s)\n",
-              tile_target_name(info.target), info.cores, info.buffer_total_bytes, info.reserve_bytes, info.buffers);
+  std::printf("target %s: %d cores x %d program(s), buffer %" PRId64 " B per program, %" PRId64
+              " B reserved, %d buffer(s)\n",
+              tile_target_name(info.target), info.cores, info.programs_per_core, info.buffer_total_bytes,
+              info.reserve_bytes, info.buffers);
   int invalid = 0;
   for (TileOp op : tile_ops) {
     const TileConfig c = plan_tiles(info, op, hidden, dtype);

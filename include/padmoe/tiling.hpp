@@ -25,10 +25,12 @@
 
 namespace padmoe {
 
-enum class TileTarget { kCpu, kAscendA2 };
+enum class TileTarget { kCpu, kAscendA2, kGpu };
 enum class TileOp { kGather, kScatter, kWgrad };
 
-const char* tile_target_name(TileTarget target);  // "cpu", "ascend-a2"
+const char* tile_target_name(TileTarget target);  // "cpu", "ascend-a2", "gpu"
+// "cpu" / "ascend-a2" / "ascend" / "gpu" -> target; false when the name is none of them.
+bool parse_tile_target(const std::string& name, TileTarget* target);
 const char* tile_op_name(TileOp op);              // "gather", "scatter", "wgrad"
 
 struct TileConfig {
@@ -42,9 +44,14 @@ struct TileConfig {
 // What a target offers. Ascend A2: 48 vector cores (pass the count queried
 // at run time when it differs), 192 KiB UB with 16 KiB kept in reserve,
 // double-buffered. CPU: its hardware threads and per-core L2 size, single-buffered.
+// GPU (padmoe.triton's kernels on an NVIDIA GPU): its SMs (132 on an H200
+// unless the count queried at run time is passed), several programs resident
+// per SM, each with a register-file share as its buffer, single-buffered (the
+// other resident programs hide the latency).
 struct TargetInfo {
   TileTarget target = TileTarget::kCpu;
   int cores = 1;
+  int programs_per_core = 1;       // programs = cores * programs_per_core
   int64_t buffer_total_bytes = 0;  // UB / L2 per core
   int64_t reserve_bytes = 0;
   int buffers = 1;

@@ -22,6 +22,7 @@ imported: numpy, slow; for tests); CUDA tensors compile them with Triton.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -51,45 +52,62 @@ def _sorted_rows(i, live, indices, bin_ids, bins, padded_bins):
     return pad_start + i - real_start, a
 
 
-def _gather_rows(x, y, w, indices, bin_ids, bins, padded_bins, A, H, K, B,
-                 SUB: tl.constexpr, BLOCK_X: tl.constexpr, WEIGHTED: tl.constexpr):
-    pid = tl.program_id(0)
-    begin = pid * B
-    end = tl.minimum(begin + B, A)
+@triton.jit
+def _zero_padding(y, bins, padded_bins, E, NP, H, zpid, ZB, SUB: tl.constexpr, BLOCK_X: tl.constexpr,
+                  LOG_E: tl.constexpr):
+    """Zero padding rows j of [zpid*ZB, min((zpid+1)*ZB, NP)) (NP = P - A, all experts' padding rows in
+    expert order): expert e holds j in [cum_pad(e-1), cum_pad(e)), cum_pad(e) = padded_bins[e] - bins[e]
+    (a binary search over the E experts), and its padding row is bins[e] + j."""
+    begin = zpid * ZB
+    end = tl.minimum(begin + ZB, NP)
     rows = tl.arange(0, SUB)
     cols = tl.arange(0, BLOCK_X)
     for s in range(begin, end, SUB):
-        i = s + rows
-        live = i < end
-        row, a = _sorted_rows(i, live, indices, bin_ids, bins, padded_bins)
-        dst = row.to(tl.int64)
-        tok = (a // K).to(tl.int64)
-        if WEIGHTED:
-            wv = tl.load(w + a, mask=live, other=0.0).to(tl.float32)
+        j = s + rows
+        live = j < end
+        lo = tl.zeros([SUB], dtype=tl.int32)
+        hi = tl.zeros([SUB], dtype=tl.int32) + E
+        for _ in range(LOG_E):  # the first e with cum_pad(e) > j
+            active = live & (lo < hi)
+            mid = (lo + hi) // 2
+            cp = tl.load(padded_bins + mid, mask=active, other=0) - tl.load(bins + mid, mask=active, other=0)
+            right = cp <= j
+            lo = tl.where(active & right, mid + 1, lo)
+            hi = tl.where(active & (cp > j), mid, hi)
+        row = (tl.load(bins + lo, mask=live, other=0) + j).to(tl.int64)
         for c in range(0, H, BLOCK_X):
             cc = c + cols
             m = live[:, None] & (cc[None, :] < H)
-            v = tl.load(x + tok[:, None] * H + cc[None, :], mask=m, other=0.0)
+            tl.store(y + row[:, None] * H + cc[None, :], tl.zeros([SUB, BLOCK_X], dtype=y.dtype.element_ty), mask=m)
+
+
+def _gather_rows(x, y, w, indices, bin_ids, bins, padded_bins, A, H, K, B, E, NP, NMAIN, ZB,
+                 SUB: tl.constexpr, BLOCK_X: tl.constexpr, WEIGHTED: tl.constexpr, LOG_E: tl.constexpr):
+    """The seed's gather: programs [0, NMAIN) over sorted positions; programs [NMAIN, grid) zero the
+    padding rows (one launch writes every output row once)."""
+    pid = tl.program_id(0)
+    if pid >= NMAIN:
+        _zero_padding(y, bins, padded_bins, E, NP, H, pid - NMAIN, ZB, SUB, BLOCK_X, LOG_E)
+    else:
+        begin = pid * B
+        end = tl.minimum(begin + B, A)
+        rows = tl.arange(0, SUB)
+        cols = tl.arange(0, BLOCK_X)
+        for s in range(begin, end, SUB):
+            i = s + rows
+            live = i < end
+            row, a = _sorted_rows(i, live, indices, bin_ids, bins, padded_bins)
+            dst = row.to(tl.int64)
+            tok = (a // K).to(tl.int64)
             if WEIGHTED:
-                v = (v.to(tl.float32) * wv[:, None]).to(v.dtype)
-            tl.store(y + dst[:, None] * H + cc[None, :], v, mask=m)
-
-
-def _zero_padding(y, bins, padded_bins, H, BLOCK_ROWS: tl.constexpr, BLOCK_X: tl.constexpr):
-    e = tl.program_id(0)
-    real_end = tl.load(bins + e)
-    real_start = tl.load(bins + e - 1, mask=e > 0, other=0)
-    pad_end = tl.load(padded_bins + e).to(tl.int64)
-    pad_start = tl.load(padded_bins + e - 1, mask=e > 0, other=0).to(tl.int64)
-    first = pad_start + (real_end - real_start)  # the expert's tail: its padding rows
-    rows = tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_X)
-    for r0 in range(first, pad_end, BLOCK_ROWS):
-        r = r0 + rows
-        for c in range(0, H, BLOCK_X):
-            cc = c + cols
-            m = (r[:, None] < pad_end) & (cc[None, :] < H)
-            tl.store(y + r[:, None] * H + cc[None, :], tl.zeros([BLOCK_ROWS, BLOCK_X], dtype=y.dtype.element_ty), mask=m)
+                wv = tl.load(w + a, mask=live, other=0.0).to(tl.float32)
+            for c in range(0, H, BLOCK_X):
+                cc = c + cols
+                m = live[:, None] & (cc[None, :] < H)
+                v = tl.load(x + tok[:, None] * H + cc[None, :], mask=m, other=0.0)
+                if WEIGHTED:
+                    v = (v.to(tl.float32) * wv[:, None]).to(v.dtype)
+                tl.store(y + dst[:, None] * H + cc[None, :], v, mask=m)
 
 
 def _dest_rows(dest, indices, bin_ids, bins, padded_bins, A, B, SUB: tl.constexpr):
@@ -103,6 +121,37 @@ def _dest_rows(dest, indices, bin_ids, bins, padded_bins, A, B, SUB: tl.constexp
         live = i < end
         row, a = _sorted_rows(i, live, indices, bin_ids, bins, padded_bins)
         tl.store(dest + a, row.to(tl.int32), mask=live)
+
+
+def _gather_tokens(x, y, w, dest, bins, padded_bins, T, H, K, BT, E, NP, NMAIN, ZB, SUB: tl.constexpr,
+                   BLOCK_X: tl.constexpr, WEIGHTED: tl.constexpr, LOG_E: tl.constexpr):
+    """The token pass (SPEC section 7's one read per token): x[t] read once per column tile and
+    stored to its K rows dest[t*K+k] (times w[t*K+k] when weighted); programs [NMAIN, grid) zero the
+    padding rows."""
+    pid = tl.program_id(0)
+    if pid >= NMAIN:
+        _zero_padding(y, bins, padded_bins, E, NP, H, pid - NMAIN, ZB, SUB, BLOCK_X, LOG_E)
+    else:
+        begin = pid * BT
+        end = tl.minimum(begin + BT, T)
+        toks = tl.arange(0, SUB)
+        cols = tl.arange(0, BLOCK_X)
+        for s in range(begin, end, SUB):
+            t = s + toks
+            live = t < end
+            for c in range(0, H, BLOCK_X):
+                cc = c + cols
+                m = live[:, None] & (cc[None, :] < H)
+                v = tl.load(x + t.to(tl.int64)[:, None] * H + cc[None, :], mask=m, other=0.0)
+                for k in range(0, K):
+                    a = t * K + k
+                    r = tl.load(dest + a, mask=live, other=0).to(tl.int64)
+                    if WEIGHTED:
+                        wv = tl.load(w + a, mask=live, other=0.0).to(tl.float32)
+                        tl.store(y + r[:, None] * H + cc[None, :], (v.to(tl.float32) * wv[:, None]).to(v.dtype),
+                                 mask=m)
+                    else:
+                        tl.store(y + r[:, None] * H + cc[None, :], v, mask=m)
 
 
 def _scatter_rows(y, out, w, dest, T, H, K, BT, SUB: tl.constexpr, BLOCK_X: tl.constexpr,
@@ -132,7 +181,8 @@ def _scatter_rows(y, out, w, dest, T, H, K, BT, SUB: tl.constexpr, BLOCK_X: tl.c
 
 def _wgrad_rows(y, g, wgrad, indices, bin_ids, bins, padded_bins, A, H, K, B,
                 SUB: tl.constexpr, BLOCK_X: tl.constexpr):
-    """wgrad[indices[i]] = <y[row(i)], g[indices[i] // K]>, float32 over the column tiles."""
+    """The seed's wgrad over sorted positions: wgrad[indices[i]] = <y[row(i)], g[indices[i] // K]>,
+    float32 over the column tiles."""
     pid = tl.program_id(0)
     begin = pid * B
     end = tl.minimum(begin + B, A)
@@ -154,9 +204,36 @@ def _wgrad_rows(y, g, wgrad, indices, bin_ids, bins, padded_bins, A, H, K, B,
         tl.store(wgrad + a, acc.to(wgrad.dtype.element_ty), mask=live)
 
 
-_KERNELS = {name: triton.jit(fn) for name, fn in (("gather", _gather_rows), ("zero", _zero_padding),
-                                                    ("dest", _dest_rows), ("scatter", _scatter_rows),
-                                                    ("wgrad", _wgrad_rows))}
+def _wgrad_tokens(y, g, wgrad, dest, T, H, K, BT, SUB: tl.constexpr, BLOCK_X: tl.constexpr, KP: tl.constexpr):
+    """The token pass: g[t] read once per column tile, its K rows y[dest[t*K+k]] against it;
+    K float32 sums per token carried across the column tiles (KP = K rounded up to a power of two)."""
+    pid = tl.program_id(0)
+    begin = pid * BT
+    end = tl.minimum(begin + BT, T)
+    toks = tl.arange(0, SUB)
+    cols = tl.arange(0, BLOCK_X)
+    ks = tl.arange(0, KP)
+    for s in range(begin, end, SUB):
+        t = s + toks
+        live = t < end
+        acc = tl.zeros([SUB, KP], dtype=tl.float32)
+        for c in range(0, H, BLOCK_X):
+            cc = c + cols
+            m = live[:, None] & (cc[None, :] < H)
+            gv = tl.load(g + t.to(tl.int64)[:, None] * H + cc[None, :], mask=m, other=0.0).to(tl.float32)
+            for k in range(0, K):
+                r = tl.load(dest + t * K + k, mask=live, other=0).to(tl.int64)
+                yv = tl.load(y + r[:, None] * H + cc[None, :], mask=m, other=0.0).to(tl.float32)
+                part = tl.sum(yv * gv, axis=1)
+                acc = tl.where(ks[None, :] == k, acc + part[:, None], acc)
+        a2 = t[:, None] * K + ks[None, :]
+        tl.store(wgrad + a2, acc.to(wgrad.dtype.element_ty), mask=live[:, None] & (ks[None, :] < K))
+
+
+_KERNELS = {name: triton.jit(fn) for name, fn in (("gather", _gather_rows), ("gather_tokens", _gather_tokens),
+                                                    ("dest", _dest_rows),
+                                                    ("scatter", _scatter_rows), ("wgrad", _wgrad_rows),
+                                                    ("wgrad_tokens", _wgrad_tokens))}
 
 
 def _kernel(name, like):
@@ -167,6 +244,13 @@ def _kernel(name, like):
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_INDEX_ROWS = 256  # sorted positions a step of the index-only dest-rows pass (12 bytes a row of buffer)
+
+# The pass each target runs for gather and wgrad: "sorted" is the seed's (a program over sorted
+# positions, each row read once per copy), "tokens" reads each token row once and writes / reads its
+# K rows through dest_rows (SPEC section 7: the floor needs the inverse map). Scatter is always the
+# dest-rows pass then the token pass.
+_DEFAULT_PASS = {"ascend-a2": "sorted", "cpu": "sorted", "gpu": "tokens"}
 
 
 def _pow2_at_most(n: int) -> int:
@@ -176,18 +260,47 @@ def _pow2_at_most(n: int) -> int:
     return p
 
 
-def tile_config(op: str, hidden: int, dtype: torch.dtype, target: str = "ascend-a2", cores: int = 0) -> dict:
-    """padmoe's tile planner (``padmoe.plan_tiles``) for this op; Triton's block shapes must be powers of
-    two, so ``sub_block_rows`` and ``block_x`` are rounded down to one (``block_x`` at least 16: 32 bytes
-    of 16-bit rows), which keeps the planner's Unified Buffer budget."""
-    c = dict(padmoe.plan_tiles(target, op, hidden, _DTYPE_NAMES.get(dtype, "float32"), cores))
+@functools.lru_cache(maxsize=256)
+def _planned(op: str, hidden: int, dtype_name: str, target: str, cores: int) -> dict:
+    c = dict(padmoe.plan_tiles(target, op, hidden, dtype_name, cores))
     c["sub_block_rows"] = max(1, _pow2_at_most(int(c["sub_block_rows"])))
     c["block_x"] = max(16, _pow2_at_most(int(c["block_x"])))
+    c["target"] = target
+    c["pass"] = _DEFAULT_PASS.get(target, "sorted")
     return c
 
 
-def _config(op, hidden, dtype, config):
-    return tile_config(op, hidden, dtype) if config is None else config
+@functools.lru_cache(maxsize=16)
+def _device_cores(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def tile_config(op: str, hidden: int, dtype: torch.dtype, target: Optional[str] = None, cores: int = 0,
+                device: Optional[torch.device] = None) -> dict:
+    """padmoe's tile planner (``padmoe.plan_tiles``) for this op, as the kernels launch it.
+
+    ``target`` None: ``"gpu"`` for CUDA tensors (``cores`` = the device's SM count, queried at run
+    time), ``"ascend-a2"`` otherwise (the interpreter runs the NPU's configuration; 48 vector cores
+    unless ``cores`` is given). Triton's block shapes must be powers of two, so ``sub_block_rows`` and
+    ``block_x`` are rounded down to one (``block_x`` at least 16: 32 bytes of 16-bit rows), which keeps
+    the planner's buffer budget. ``pass`` says which pass gather and wgrad run (see ``_DEFAULT_PASS``)."""
+    dev = torch.device(device) if device is not None else None
+    if target is None:
+        target = "gpu" if dev is not None and dev.type == "cuda" else "ascend-a2"
+    if target == "gpu" and cores <= 0 and dev is not None and dev.type == "cuda":
+        cores = _device_cores(dev.index if dev.index is not None else torch.cuda.current_device())
+    return dict(_planned(op, int(hidden), _DTYPE_NAMES.get(dtype, "float32"), target, int(cores)))
+
+
+def _config(op, like, config):
+    if config is None:
+        return tile_config(op, like.shape[1], like.dtype, device=like.device)
+    return config
+
+
+def _opts(c, like):
+    # num_warps (a GPU launch option) only when the config names it
+    return {"num_warps": int(c["num_warps"])} if like.is_cuda and "num_warps" in c else {}
 
 
 def _check(op, x, indices, bin_ids, bins, padded_bins, top_k, weights):
@@ -201,78 +314,111 @@ def _check(op, x, indices, bin_ids, bins, padded_bins, top_k, weights):
         padmoe.padded_gather(stand_in, indices, bin_ids, bins, padded_bins, top_k, w)
 
 
+def _i32(t):
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _dest(c, A, idx, bid, b, pb, like):
+    """dest_rows[a] (the inverse map) from the sorted-position pass, int32 [A]."""
+    dest = torch.empty(A, dtype=torch.int32, device=like.device)
+    programs = max(1, min(int(c["programs"]), -(-A // _INDEX_ROWS)))
+    _kernel("dest", like)[(programs,)](dest, idx, bid, b, pb, A, -(-A // programs), SUB=_INDEX_ROWS)
+    return dest
+
+
 def padded_gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, bins: torch.Tensor,
                   padded_bins: torch.Tensor, top_k: int, weights: Optional[torch.Tensor] = None, *,
-                  config: Optional[dict] = None) -> torch.Tensor:
+                  config: Optional[dict] = None, check: bool = True,
+                  padded_rows: Optional[int] = None) -> torch.Tensor:
     """MegaBlocks ``padded_gather`` in the seed's design: ``y[P, H]`` (P = padded_bins[-1], read on the
-    host), real rows gathered (times ``weights[indices[i]]`` when given), padding rows zero."""
-    _check("gather", x, indices, bin_ids, bins, padded_bins, top_k, weights)
+    host unless ``padded_rows`` gives it), real rows gathered (times ``weights[indices[i]]`` when
+    given), padding rows zero. ``check=False`` skips padmoe's argument checks (a device
+    synchronization on CUDA); with ``check=False`` and ``padded_rows`` the call does not synchronize."""
+    if check:
+        _check("gather", x, indices, bin_ids, bins, padded_bins, top_k, weights)
     x = x.contiguous()
-    A, H = int(indices.shape[0]), int(x.shape[1])
+    A, H, K = int(indices.shape[0]), int(x.shape[1]), int(top_k)
     E = int(bins.shape[0])
-    P = int(padded_bins[-1]) if E > 0 else 0
+    if padded_rows is not None:
+        P = int(padded_rows)
+        if check and E > 0 and P != int(padded_bins[-1]):
+            raise ValueError(f"padded_gather: padded_rows: {P} is not padded_bins[-1] = {int(padded_bins[-1])}")
+    else:
+        P = int(padded_bins[-1]) if E > 0 else 0
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)
-    if A == 0 and P == 0:
+    if P == 0 or H == 0:
         return y
-    c = _config("gather", H, x.dtype, config)
-    programs = max(1, min(int(c["programs"]), A))
-    B = -(-A // programs) if A > 0 else 0
+    c = _config("gather", x, config)
     w = x if weights is None else weights.reshape(-1).contiguous()
-    i32 = torch.int32
-    idx, bid = indices.to(i32).contiguous(), bin_ids.to(i32).contiguous()
-    b, pb = bins.to(i32).contiguous(), padded_bins.to(i32).contiguous()
-    if A > 0 and H > 0:
-        _kernel("gather", x)[(programs,)](x, y, w, idx, bid, b, pb, A, H, int(top_k), B,
-                                           SUB=c["sub_block_rows"], BLOCK_X=c["block_x"],
-                                           WEIGHTED=weights is not None)
-    if E > 0 and H > 0:
-        _kernel("zero", x)[(E,)](y, b, pb, H, BLOCK_ROWS=c["sub_block_rows"], BLOCK_X=c["block_x"])
+    idx, bid, b, pb = _i32(indices), _i32(bin_ids), _i32(bins), _i32(padded_bins)
+    # programs [0, main) move the rows; programs [main, main + zero) zero the NP = P - A padding rows
+    NP = max(0, P - A)
+    sub = int(c["sub_block_rows"])
+    zero = min(int(c["programs"]), -(-NP // sub)) if NP > 0 else 0
+    ZB = -(-NP // zero) if zero else 0
+    pad = dict(E=E, NP=NP, ZB=ZB, SUB=sub, BLOCK_X=c["block_x"], WEIGHTED=weights is not None,
+               LOG_E=max(1, E.bit_length()), **_opts(c, x))
+    if c.get("pass", "sorted") == "tokens":
+        dest = _dest(c, A, idx, bid, b, pb, x) if A > 0 else idx
+        T = A // K
+        main = max(1, min(int(c["programs"]), T)) if T > 0 else 0
+        _kernel("gather_tokens", x)[(main + zero,)](x, y, w, dest, b, pb, T, H, K, -(-T // main) if main else 0,
+                                                    NMAIN=main, **pad)
+    else:
+        main = max(1, min(int(c["programs"]), A)) if A > 0 else 0
+        _kernel("gather", x)[(main + zero,)](x, y, w, idx, bid, b, pb, A, H, K, -(-A // main) if main else 0,
+                                             NMAIN=main, **pad)
     return y
 
 
 def padded_scatter(y: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weights: Optional[torch.Tensor],
                    bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int, *,
-                   config: Optional[dict] = None) -> torch.Tensor:
+                   config: Optional[dict] = None, check: bool = True) -> torch.Tensor:
     """MegaBlocks ``padded_scatter``: ``out[t] = sum_k w(t*K+k) * y[dest_rows[t*K+k]]`` in float32,
     ascending k, cast once; padding rows of ``y`` never read."""
-    _check("scatter", y, indices, bin_ids, bins, padded_bins, top_k, weights)
+    if check:
+        _check("scatter", y, indices, bin_ids, bins, padded_bins, top_k, weights)
     y = y.contiguous()
     A, H, K = int(indices.shape[0]), int(y.shape[1]), int(top_k)
     T = A // K
     out = torch.empty(T, H, dtype=y.dtype, device=y.device)
     if A == 0 or H == 0:
-        return out.zero_() if H > 0 else out
-    c = _config("scatter", H, y.dtype, config)
-    programs = max(1, min(int(c["programs"]), A))
-    i32 = torch.int32
-    idx, bid = indices.to(i32).contiguous(), bin_ids.to(i32).contiguous()
-    b, pb = bins.to(i32).contiguous(), padded_bins.to(i32).contiguous()
-    dest = torch.empty(A, dtype=i32, device=y.device)
-    _kernel("dest", y)[(programs,)](dest, idx, bid, b, pb, A, -(-A // programs), SUB=c["sub_block_rows"])
-    tprograms = max(1, min(programs, T))
+        return out
+    c = _config("scatter", y, config)
+    dest = _dest(c, A, _i32(indices), _i32(bin_ids), _i32(bins), _i32(padded_bins), y)
+    programs = max(1, min(int(c["programs"]), T))
     w = y if weights is None else weights.reshape(-1).contiguous()
-    _kernel("scatter", y)[(tprograms,)](y, out, w, dest, T, H, K, -(-T // tprograms), SUB=c["sub_block_rows"],
-                                         BLOCK_X=c["block_x"], WEIGHTED=weights is not None)
+    _kernel("scatter", y)[(programs,)](y, out, w, dest, T, H, K, -(-T // programs), SUB=c["sub_block_rows"],
+                                        BLOCK_X=c["block_x"], WEIGHTED=weights is not None, **_opts(c, y))
     return out
 
 
 def padded_scatter_wgrad(y: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
                          bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int, *,
-                         config: Optional[dict] = None) -> torch.Tensor:
+                         config: Optional[dict] = None, check: bool = True) -> torch.Tensor:
     """MegaBlocks ``padded_scatter_wgrad``: ``wgrad[a] = sum_h y[dest_rows[a], h] * grad[a // K, h]``,
-    float32 accumulation, in y's dtype. ``sub_block_rows`` is 1 when H > block_x (the planner's rule)."""
-    _check("gather", grad, indices, bin_ids, bins, padded_bins, top_k, None)
+    float32 accumulation, in y's dtype. The seed's pass (``sub_block_rows`` 1 when H > block_x, the
+    planner's rule) or the token pass (``grad`` rows read once), as the configuration says."""
+    if check:
+        _check("gather", grad, indices, bin_ids, bins, padded_bins, top_k, None)
     y, grad = y.contiguous(), grad.contiguous()
-    A, H = int(indices.shape[0]), int(y.shape[1])
+    A, H, K = int(indices.shape[0]), int(y.shape[1]), int(top_k)
     if A == 0 or H == 0:
         return torch.zeros(A, dtype=y.dtype, device=y.device)
     wgrad = torch.empty(A, dtype=y.dtype, device=y.device)  # every entry written once (indices: a permutation)
-    c = _config("wgrad", H, y.dtype, config)
-    programs = max(1, min(int(c["programs"]), A))
-    i32 = torch.int32
-    _kernel("wgrad", y)[(programs,)](y, grad, wgrad, indices.to(i32).contiguous(), bin_ids.to(i32).contiguous(),
-                                      bins.to(i32).contiguous(), padded_bins.to(i32).contiguous(), A, H, int(top_k),
-                                      -(-A // programs), SUB=c["sub_block_rows"], BLOCK_X=c["block_x"])
+    c = _config("wgrad", y, config)
+    idx, bid, b, pb = _i32(indices), _i32(bin_ids), _i32(bins), _i32(padded_bins)
+    if c.get("pass", "sorted") == "tokens":
+        dest = _dest(c, A, idx, bid, b, pb, y)
+        T = A // K
+        programs = max(1, min(int(c["programs"]), T))
+        _kernel("wgrad_tokens", y)[(programs,)](y, grad, wgrad, dest, T, H, K, -(-T // programs),
+                                                 SUB=c["sub_block_rows"], BLOCK_X=c["block_x"],
+                                                 KP=triton.next_power_of_2(K), **_opts(c, y))
+    else:
+        programs = max(1, min(int(c["programs"]), A))
+        _kernel("wgrad", y)[(programs,)](y, grad, wgrad, idx, bid, b, pb, A, H, K, -(-A // programs),
+                                          SUB=c["sub_block_rows"], BLOCK_X=c["block_x"], **_opts(c, y))
     return wgrad
 
 

@@ -271,8 +271,8 @@ NB_MODULE(_C, m) {
       [](const std::string& target, const std::string& op, int64_t hidden, const std::string& dtype, int cores) {
         const char* name = "plan_tiles";
         padmoe::TileTarget t = padmoe::TileTarget::kCpu;
-        if (target == "ascend-a2") t = padmoe::TileTarget::kAscendA2;
-        else if (target != "cpu") fail(ErrorKind::kValue, name, "target", "expected 'cpu' or 'ascend-a2', got '" + target + "'");
+        if (!padmoe::parse_tile_target(target, &t))
+          fail(ErrorKind::kValue, name, "target", "expected 'cpu', 'ascend-a2' or 'gpu', got '" + target + "'");
         padmoe::TileOp o = padmoe::TileOp::kGather;
         if (op == "scatter") o = padmoe::TileOp::kScatter;
         else if (op == "wgrad") o = padmoe::TileOp::kWgrad;
@@ -294,8 +294,9 @@ NB_MODULE(_C, m) {
         return r;
       },
       nb::arg("target"), nb::arg("op"), nb::arg("hidden"), nb::arg("dtype"), nb::arg("cores") = 0,
-      "The tile planner's TileConfig (SPEC section 6) as a dict, for target 'cpu' or 'ascend-a2', op 'gather' / "
-      "'scatter' / 'wgrad', hidden size and row dtype; cores = 0: the target's default (CPU threads; 48 vector cores).");
+      "The tile planner's TileConfig (SPEC section 6) as a dict, for target 'cpu', 'ascend-a2' or 'gpu', op "
+      "'gather' / 'scatter' / 'wgrad', hidden size and row dtype; cores = 0: the target's default (CPU threads; "
+      "48 vector cores; 132 SMs).");
   m.def(
       "padded_rows",
       [](nb::handle plan, uintptr_t stream) {

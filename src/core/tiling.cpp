@@ -2,8 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <iomanip>
-#include <sstream>
+#include <cstdio>
 #include <string>
 #include <thread>
 
@@ -17,6 +16,10 @@ namespace {
 constexpr int64_t kKiB = 1024;
 constexpr int64_t kTransferBytes = 32;  // DMA / vector granule the seed aligns BLOCK_X to
 constexpr int kMaxSubBlockRows = 256;
+// GPU target (measured on an H200 with padmoe.triton: bench/results/triton-h200-2026-12-01.md)
+constexpr int kGpuProgramsPerSm = 32;
+constexpr int64_t kGpuProgramBytes = 24 * kKiB;  // a program's register-file share for its tiles
+constexpr int64_t kGpuMaxBlockX[3] = {1024, 2048, 2048};  // gather, scatter, wgrad
 
 struct OpShape {
   int row_slices;   // row slices of block_x elements per sub-block row
@@ -39,6 +42,13 @@ int64_t max_block_x(TileTarget target, TileOp op) {
       case TileOp::kGather: return 20000;
       case TileOp::kScatter: return 6144;
       case TileOp::kWgrad: return 5120;
+    }
+  }
+  if (target == TileTarget::kGpu) {
+    switch (op) {
+      case TileOp::kGather: return kGpuMaxBlockX[0];
+      case TileOp::kScatter: return kGpuMaxBlockX[1];
+      case TileOp::kWgrad: return kGpuMaxBlockX[2];
     }
   }
   switch (op) {
@@ -65,7 +75,20 @@ int64_t cpu_l2_bytes() {
 }  // namespace
 
 const char* tile_target_name(TileTarget target) {
-  return target == TileTarget::kAscendA2 ? "ascend-a2" : "cpu";
+  switch (target) {
+    case TileTarget::kAscendA2: return "ascend-a2";
+    case TileTarget::kGpu: return "gpu";
+    case TileTarget::kCpu: return "cpu";
+  }
+  return "cpu";
+}
+
+bool parse_tile_target(const std::string& name, TileTarget* target) {
+  if (name == "cpu") *target = TileTarget::kCpu;
+  else if (name == "ascend-a2" || name == "ascend") *target = TileTarget::kAscendA2;
+  else if (name == "gpu") *target = TileTarget::kGpu;
+  else return false;
+  return true;
 }
 
 const char* tile_op_name(TileOp op) {
@@ -85,6 +108,12 @@ TargetInfo target_info(TileTarget target, int cores) {
     info.buffer_total_bytes = 192 * kKiB;
     info.reserve_bytes = 16 * kKiB;
     info.buffers = 2;
+  } else if (target == TileTarget::kGpu) {
+    info.cores = cores > 0 ? cores : 132;  // H200
+    info.programs_per_core = kGpuProgramsPerSm;
+    info.buffer_total_bytes = kGpuProgramBytes;
+    info.reserve_bytes = 0;
+    info.buffers = 1;
   } else {
     static const unsigned hw = std::thread::hardware_concurrency();  // sysfs reads: once
     info.cores = cores > 0 ? cores : static_cast<int>(hw > 0 ? hw : 1);
@@ -105,7 +134,7 @@ TileConfig plan_tiles(const TargetInfo& target, TileOp op, int64_t hidden, DType
   const int64_t elem = static_cast<int64_t>(element_size(dtype));
   const int64_t align = kTransferBytes / elem;  // elements per 32 bytes
   TileConfig c;
-  c.programs = std::max(1, target.cores);
+  c.programs = std::max(1, target.cores) * std::max(1, target.programs_per_core);
   c.buffers = std::max(1, target.buffers);
   c.buffer_bytes = target.buffer_total_bytes - target.reserve_bytes;
   const int64_t per_stage = c.buffer_bytes / c.buffers;
@@ -151,23 +180,26 @@ void validate_tile_config(TileOp op, const TileConfig& c, int64_t hidden, DType 
 }
 
 std::string describe_tile_config(TileOp op, const TileConfig& c, int64_t hidden, DType dtype) {
+  // snprintf, not iostreams: an ostringstream's integer insertion crashed inside padmoe._C on the
+  // H200 machine (Ubuntu 24.04, g++ 13, python3.12: a broken num_put facet in the extension).
   const int64_t elem = static_cast<int64_t>(element_size(dtype));
-  std::ostringstream os;
-  os << "op              " << tile_op_name(op) << "\n"
-     << "hidden (H)      " << hidden << " x " << dtype_name(dtype) << " (" << elem << " B)\n"
-     << "programs        " << c.programs << "  (each owns sorted positions [pid*B, min((pid+1)*B, A)), B = ceil(A/"
-     << c.programs << "))\n"
-     << "sub_block_rows  " << c.sub_block_rows << "\n"
-     << "block_x         " << c.block_x << " elements = " << c.block_x * elem << " B (multiple of 32 B), "
-     << index::num_column_tiles(hidden, c.block_x) << " column tile(s) per row\n"
-     << "buffers         " << c.buffers << (c.buffers > 1 ? " (multi-buffered)" : "") << "\n"
-     << "buffer budget   " << tile_buffer_bytes(op, c, dtype) << " of " << c.buffer_bytes << " bytes used ("
-     << std::fixed << std::setprecision(1)
-     << (c.buffer_bytes > 0 ? 100.0 * static_cast<double>(tile_buffer_bytes(op, c, dtype)) /
-                                  static_cast<double>(c.buffer_bytes)
-                            : 0.0)
-     << "%)\n";
-  return os.str();
+  const int64_t used = tile_buffer_bytes(op, c, dtype);
+  const double pct = c.buffer_bytes > 0 ? 100.0 * static_cast<double>(used) / static_cast<double>(c.buffer_bytes) : 0.0;
+  char buf[1024];
+  std::snprintf(buf, sizeof buf,
+                "op              %s\n"
+                "hidden (H)      %lld x %s (%lld B)\n"
+                "programs        %d  (each owns sorted positions [pid*B, min((pid+1)*B, A)), B = ceil(A/%d))\n"
+                "sub_block_rows  %d\n"
+                "block_x         %d elements = %lld B (multiple of 32 B), %lld column tile(s) per row\n"
+                "buffers         %d%s\n"
+                "buffer budget   %lld of %lld bytes used (%.1f%%)\n",
+                tile_op_name(op), static_cast<long long>(hidden), dtype_name(dtype), static_cast<long long>(elem),
+                c.programs, c.programs, c.sub_block_rows, c.block_x, static_cast<long long>(c.block_x * elem),
+                static_cast<long long>(index::num_column_tiles(hidden, c.block_x)), c.buffers,
+                c.buffers > 1 ? " (multi-buffered)" : "", static_cast<long long>(used),
+                static_cast<long long>(c.buffer_bytes), pct);
+  return std::string(buf);
 }
 
 }  // namespace padmoe
