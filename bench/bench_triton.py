@@ -89,6 +89,19 @@ def calls(ptr, pt, p, P, y, grad):
     }
 
 
+def host_time(fn, iters=30):
+    """µs of host time of one call (perf_counter around the call; the GPU drained before each)."""
+    fn()
+    ts = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
 def gpu_time(fn, reps=10):
     """µs per call of `reps` back-to-back calls (GPU time when the kernels outlast the host)."""
     fn()
@@ -185,11 +198,12 @@ def main():
             kus, launches, _ = kernel_time(lambda: tri(None, False, P), args.prof_iters)
             eus = eager_time(lambda: tri(), args.iters)
             cus = eager_time(lambda: tri(None, True), args.iters)
+            hus = host_time(lambda: tri())
             nk, nl, _ = kernel_time(native, args.prof_iters)
             nus = eager_time(native, args.iters)
             peer = mb.get((name, op))
             row = dict(preset=name, op=op, floor_us=floor_us, triton_kernels_us=kus, triton_launches=launches,
-                       triton_eager_us=eus, triton_eager_check_us=cus, native_kernels_us=nk, native_eager_us=nus,
+                       triton_eager_us=eus, triton_eager_check_us=cus, triton_host_us=hus, native_kernels_us=nk, native_eager_us=nus,
                        megablocks_us=peer["us"] if peer else None,
                        megablocks_x_floor=peer["us"] / peer["floor_us"] if peer and peer["floor_us"] else None,
                        bitwise_vs_native=bitwise, max_abs_diff_vs_native=err,
@@ -197,7 +211,7 @@ def main():
             rows.append(row)
             mbs = f"{row['megablocks_us']:8.1f} (x{row['megablocks_x_floor']:.2f})" if peer else "        -"
             print(f"{name:14} {op:8} floor {floor_us:7.1f}  triton eager {eus:8.1f} (x{eus / floor_us:.2f}) "
-                  f"+check {cus:8.1f}  kernels {kus:8.1f} ({launches:.0f})  cuda eager {nus:8.1f} (x{nus / floor_us:.2f})"
+                  f"+check {cus:8.1f}  host {hus:6.1f}  kernels {kus:8.1f} ({launches:.0f})  cuda eager {nus:8.1f} (x{nus / floor_us:.2f})"
                   f"  megablocks {mbs}  bitwise {bitwise} maxdiff {err:.3g}", flush=True)
         if args.sweep:
             sweeps += sweep(name, p, P, fns, sms, ptr, args.sweep_budget_s)
@@ -209,14 +223,14 @@ def main():
     if args.out_md:
         with open(args.out_md, "w") as f:
             f.write(f"# padmoe.triton on {props.name} ({datetime.date.today().isoformat()})\n\n{head}\n\n")
-            f.write("| preset | op | floor µs | triton eager µs (x floor) | +check µs | triton kernels µs (launches) | "
+            f.write("| preset | op | floor µs | triton eager µs (x floor) | +check µs | host µs | triton kernels µs (launches) | "
                     "CUDA drop-in eager µs (x floor) | MegaBlocks µs (x floor, recorded) | config (programs x sub x "
-                    "block_x, pass) | bitwise vs CUDA |\n|---|---|---|---|---|---|---|---|---|---|\n")
+                    "block_x, pass) | bitwise vs CUDA |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
             for r in rows:
                 c = r["config"]
                 mbs = f"{r['megablocks_us']:.1f} ({r['megablocks_x_floor']:.2f}x)" if r["megablocks_us"] else "-"
                 f.write(f"| {r['preset']} | {r['op']} | {r['floor_us']:.1f} | {r['triton_eager_us']:.1f} "
-                        f"({r['triton_eager_us'] / r['floor_us']:.2f}x) | {r['triton_eager_check_us']:.1f} | "
+                        f"({r['triton_eager_us'] / r['floor_us']:.2f}x) | {r['triton_eager_check_us']:.1f} | {r['triton_host_us']:.1f} | "
                         f"{r['triton_kernels_us']:.1f} ({r['triton_launches']:.0f}) | {r['native_eager_us']:.1f} "
                         f"({r['native_eager_us'] / r['floor_us']:.2f}x) | {mbs} | {c['programs']} x "
                         f"{c['sub_block_rows']} x {c['block_x']}, {c['pass']} | "

@@ -230,10 +230,77 @@ def _wgrad_tokens(y, g, wgrad, dest, T, H, K, BT, SUB: tl.constexpr, BLOCK_X: tl
         tl.store(wgrad + a2, acc.to(wgrad.dtype.element_ty), mask=live[:, None] & (ks[None, :] < K))
 
 
-_KERNELS = {name: triton.jit(fn) for name, fn in (("gather", _gather_rows), ("gather_tokens", _gather_tokens),
-                                                    ("dest", _dest_rows),
-                                                    ("scatter", _scatter_rows), ("wgrad", _wgrad_rows),
-                                                    ("wgrad_tokens", _wgrad_tokens))}
+def _raw_stream(index):
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):
+    _raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811 (what Triton's own launch asks)
+
+
+class _Launcher:
+    """``kernel[(grid,)](*args, **kwargs)`` with Triton's per-call Python work cached for CUDA tensors.
+
+    Triton's ``JITFunction.run`` re-derives the specialization of every argument, reads its knobs and
+    checks its globals on every call: tens of µs of host time per launch, more than the kernels of a
+    decode-sized op. The first call of each specialization goes through Triton and the compiled kernel
+    it returns is kept; later calls with the same specialization launch it directly, as ``run`` itself
+    does. The key is at least as fine as Triton's specialization: each tensor's dtype and 16-byte
+    alignment, each int's ``== 0`` / ``== 1`` / ``% 16 == 0`` / 32-bit range, constexprs and launch
+    options by value. Anything unexpected (another Triton, a launch hook) turns the cache off and
+    every launch goes through Triton."""
+
+    _OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.names = list(fn.arg_names)
+        self.constexpr = {self.names[i] for i in getattr(fn, "constexprs", [])}
+        self.cache = {}
+        self.fast = hasattr(triton, "knobs") and not getattr(fn, "pre_run_hooks", None)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    @staticmethod
+    def _spec(v):
+        if isinstance(v, torch.Tensor):
+            return (v.dtype, v.data_ptr() % 16 == 0)
+        if isinstance(v, bool) or not isinstance(v, int):
+            return (type(v), v)
+        return (v == 0, v == 1, v % 16 == 0, -(2 ** 31) <= v < 2 ** 31)
+
+    def launch(self, grid, args, kwargs):
+        like = args[0]
+        if not (self.fast and like.is_cuda):
+            return self.fn[grid](*args, **kwargs)
+        try:
+            opts = tuple((k, kwargs[k]) for k in self._OPTIONS if k in kwargs)
+            vals = list(args) + [kwargs[n] for n in self.names[len(args):]]
+            key = (like.device.index, opts, tuple(v if n in self.constexpr else self._spec(v)
+                                                  for n, v in zip(self.names, vals)))
+            knobs = triton.knobs.runtime
+            hooks = (knobs.launch_enter_hook, knobs.launch_exit_hook)
+        except Exception:  # noqa: BLE001 (an argument list or a Triton this path does not know)
+            self.fast = False
+            return self.fn[grid](*args, **kwargs)
+        k = self.cache.get(key)
+        if k is None or hooks[0] is not None:
+            k = self.fn[grid](*args, **kwargs)
+            if k is not None and hooks[0] is None:
+                self.cache[key] = k
+            return k
+        g = tuple(grid) + (1, 1)
+        stream = _raw_stream(like.device.index)
+        k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, k.launch_metadata(g[:3], stream, *vals),
+              hooks[0], hooks[1], *vals)
+        return k
+
+
+_KERNELS = {name: _Launcher(triton.jit(fn)) for name, fn in (("gather", _gather_rows), ("gather_tokens", _gather_tokens),
+                                                               ("dest", _dest_rows),
+                                                               ("scatter", _scatter_rows), ("wgrad", _wgrad_rows),
+                                                               ("wgrad_tokens", _wgrad_tokens))}
 
 
 def _kernel(name, like):
