@@ -247,8 +247,9 @@ class _Launcher:
     it returns is kept; later calls with the same specialization launch it directly, as ``run`` itself
     does. The key is at least as fine as Triton's specialization: each tensor's dtype and 16-byte
     alignment, each int's ``== 0`` / ``== 1`` / ``% 16 == 0`` / 32-bit range, constexprs and launch
-    options by value. Anything unexpected (another Triton, a launch hook) turns the cache off and
-    every launch goes through Triton."""
+    options by value. Triton's launch hooks are passed on as ``run`` passes them. Anything unexpected
+    (a Triton without ``knobs``, a pre-run hook, an argument list this does not know) turns the cache
+    off and every launch goes through Triton."""
 
     _OPTIONS = ("num_warps", "num_stages", "num_ctas")
 
@@ -285,9 +286,9 @@ class _Launcher:
             self.fast = False
             return self.fn[grid](*args, **kwargs)
         k = self.cache.get(key)
-        if k is None or hooks[0] is not None:
+        if k is None:
             k = self.fn[grid](*args, **kwargs)
-            if k is not None and hooks[0] is None:
+            if k is not None and not hasattr(k, "result"):  # a compiled kernel, not a compile still running
                 self.cache[key] = k
             return k
         g = tuple(grid) + (1, 1)
