@@ -115,6 +115,12 @@ def gpu_time(fn, reps=10):
     return a.elapsed_time(b) * 1e3 / reps
 
 
+ALTERNATIVES = [  # (op, config with programs per SM): the seed's sorted pass, one launch fewer
+    ("wgrad", {"programs": 32, "sub_block_rows": 1, "block_x": 2048, "pass": "sorted"}),
+    ("wgrad", {"programs": 16, "sub_block_rows": 16, "block_x": 256, "num_warps": 8, "pass": "sorted"}),
+    ("gather", {"programs": 32, "sub_block_rows": 8, "block_x": 1024, "pass": "sorted"}),
+    ("gather", {"programs": 32, "sub_block_rows": 32, "block_x": 128, "pass": "sorted"}),
+]
 SWEEP_TILES = [(1, 2048), (1, 4096), (2, 1024), (2, 2048), (2, 4096), (4, 512), (4, 1024), (4, 2048), (8, 256),
                (8, 512), (8, 1024), (16, 256), (16, 512), (32, 128)]
 SWEEP_PPS = (2, 4, 8, 16, 32)
@@ -161,6 +167,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-budget-s", type=float, default=150.0, help="per preset")
     ap.add_argument("--peers", default="")
+    ap.add_argument("--alternatives", action="store_true", help="eager times of the other passes too")
     ap.add_argument("--out-md", default="")
     ap.add_argument("--out-json", default="")
     args = ap.parse_args()
@@ -178,7 +185,7 @@ def main():
     head = (f"{props.name}, {sms} SMs, torch {torch.__version__}, triton {triton.__version__}; copy {bw / 1e12:.2f} "
             f"TB/s (read+write); MegaBlocks figures from {os.path.relpath(peer_path) if peer_path else '(none)'}")
     print(head, flush=True)
-    rows, sweeps = [], []
+    rows, sweeps, alts = [], [], []
     for name, (T, E, K, H, m) in SHAPES.items():
         if args.shapes and name not in args.shapes.split(","):
             continue
@@ -213,13 +220,23 @@ def main():
             print(f"{name:14} {op:8} floor {floor_us:7.1f}  triton eager {eus:8.1f} (x{eus / floor_us:.2f}) "
                   f"+check {cus:8.1f}  host {hus:6.1f}  kernels {kus:8.1f} ({launches:.0f})  cuda eager {nus:8.1f} (x{nus / floor_us:.2f})"
                   f"  megablocks {mbs}  bitwise {bitwise} maxdiff {err:.3g}", flush=True)
+        if args.alternatives:  # eager single calls of other passes / shapes, beside the planner's
+            for op, cfg in ALTERNATIVES:
+                c = dict(cfg, programs=cfg["programs"] * sms)
+                us = eager_time(lambda: fns[op][0](c), args.iters)
+                kus, _, _ = kernel_time(lambda: fns[op][0](c, False, P), args.prof_iters)
+                row = dict(preset=name, op=op, config=c, eager_us=us, kernels_us=kus)
+                alts.append(row)
+                print(f"  alternative {name:14} {op:8} {c}: eager {us:8.1f}  kernels {kus:8.1f}", flush=True)
+            print(f"  P read on the host (int(padded_bins[-1])): {host_time(lambda: int(p['padded_bins'][-1])):.1f} us",
+                  flush=True)
         if args.sweep:
             sweeps += sweep(name, p, P, fns, sms, ptr, args.sweep_budget_s)
         del p, y, grad, fns
         torch.cuda.empty_cache()
     if args.out_json:
         json.dump(dict(date=datetime.date.today().isoformat(), header=head, copy_bytes_per_s=bw, rows=rows,
-                       sweeps=sweeps), open(args.out_json, "w"), indent=1)
+                       sweeps=sweeps, alternatives=alts), open(args.out_json, "w"), indent=1)
     if args.out_md:
         with open(args.out_md, "w") as f:
             f.write(f"# padmoe.triton on {props.name} ({datetime.date.today().isoformat()})\n\n{head}\n\n")
