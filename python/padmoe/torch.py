@@ -134,6 +134,15 @@ def _mode(check: Optional[bool], default: int) -> int:
     return default if check is None else int(bool(check))
 
 
+def _triton_check(check: Optional[bool], like: Tensor) -> bool:
+    """check= of the backend="triton" drop-ins as the native ones read it: CPU always checks; on CUDA
+    None follows set_default_check (on, except while the stream captures)."""
+    if not like.is_cuda:
+        return True
+    m = _mode(check, _eager_check)
+    return (not torch.cuda.is_current_stream_capturing()) if m == 2 else bool(m)
+
+
 # ---------------------------------------------------------------------------
 # fake (meta) kernels: shapes for torch.compile
 # ---------------------------------------------------------------------------
@@ -294,11 +303,11 @@ def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, pad
     ``padded_start(e) + i - real_start(e)`` holding ``x[indices[i] // top_k]`` (times
     ``weights[indices[i]]`` when given); padding rows zero. P is read on the host (one
     synchronization on CUDA; not CUDA-graph capturable). Differentiable wrt ``x`` (and
-    ``weights``). ``backend="triton"``: padmoe.triton's kernels (the seed's Ascend design; work in
-    progress, see docs/ascend.md), with the same backward rules."""
+    ``weights``). ``backend="triton"``: padmoe.triton's kernels (the seed's Ascend design, see
+    docs/ascend.md), with the same backward rules and ``check``."""
     if backend == "triton":
         from padmoe import triton as _triton
-        return _triton.gather_autograd(x, indices, bin_ids, bins, padded_bins, top_k, weights)
+        return _triton.gather_autograd(x, indices, bin_ids, bins, padded_bins, top_k, weights, _triton_check(check, x))
     _backend(backend, "padded_gather")
     op, default = _call("padded_gather")
     return op(x, indices, bin_ids, bins, padded_bins, top_k, weights, _mode(check, default))
@@ -313,7 +322,7 @@ def padded_scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optiona
     padmoe.triton's kernels, with the same backward rules."""
     if backend == "triton":
         from padmoe import triton as _triton
-        return _triton.scatter_autograd(x, indices, bin_ids, weights, bins, padded_bins, top_k)
+        return _triton.scatter_autograd(x, indices, bin_ids, weights, bins, padded_bins, top_k, _triton_check(check, x))
     _backend(backend, "padded_scatter")
     op, default = _call("padded_scatter")
     return op(x, indices, bin_ids, weights, bins, padded_bins, top_k, _mode(check, default))
@@ -327,7 +336,8 @@ def padded_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tens
     x's dtype. Not differentiable. ``backend="triton"``: padmoe.triton's kernel."""
     if backend == "triton":
         from padmoe import triton as _triton
-        return _triton.padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k)
+        return _triton.padded_scatter_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k,
+                                            check=_triton_check(check, x))
     _backend(backend, "padded_scatter_wgrad")
     op, default = _call("padded_scatter_wgrad")
     return op(x, grad, indices, bin_ids, bins, padded_bins, top_k, _mode(check, default))

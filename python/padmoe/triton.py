@@ -1,23 +1,33 @@
 """padmoe.triton: the seed's Triton-Ascend design of padded_gather / padded_scatter / padded_scatter_wgrad
-(SPEC section 6), as Triton kernels. Work in progress (issue "The seed's own design as Triton kernels"):
-tested in Triton's interpreter on the CPU; not yet run natively on a GPU nor on an Ascend NPU.
+(SPEC section 6), as Triton kernels. Tested in Triton's interpreter on the CPU (CI) and natively on an
+H200; not run on an Ascend NPU (none reachable). docs/ascend.md says what ran where.
 
-The launch follows padmoe's tile planner (``padmoe.plan_tiles``; target ``ascend-a2`` by default):
-``programs`` programs, each over one contiguous range of sorted positions ``[pid*B, min((pid+1)*B, A))``
-with ``B = ceil(A / programs)``, stepping ``sub_block_rows`` rows at a time and ``block_x`` columns at a
-time. Each row of a sub-block goes to its own padded row (``padded_start(e) + i - real_start(e)``), so
-rows of several experts in one sub-block need no separate flush; padding rows are zeroed by a second
-launch over the experts' tails, so every output row is written exactly once. Weights are indexed by
-assignment id (``weights[indices[i]]``). Scatter accumulates in float32 over k in ascending order
-(token partition, no atomics) after one sorted-position pass that builds the inverse map; wgrad is a
-float32 dot product per assignment over the column tiles.
+The launch follows padmoe's tile planner (``padmoe.plan_tiles``; target ``gpu`` for CUDA tensors with
+the device's SM count, ``ascend-a2`` otherwise): ``programs`` programs, each over one contiguous range
+``[pid*B, min((pid+1)*B, N))``, ``B = ceil(N / programs)``, stepping ``sub_block_rows`` rows and
+``block_x`` columns at a time. Two passes:
 
-Only what Triton-Ascend documents is used: ``tl.program_id``, ``tl.arange``, masked ``tl.load`` /
-``tl.store``, integer and float arithmetic, ``tl.sum``, dtype casts; no atomics, no inline assembly, no
-warp-level operations.
+- ``sorted`` (the seed's; the default of ``ascend-a2``): ranges of sorted positions (N = A). Each row of
+  a step goes to its own padded row ``padded_start(e) + i - real_start(e)``, so rows of several experts
+  in one step need no separate flush. Gather reads a token's row once per copy.
+- ``tokens`` (the default of ``gpu``; SPEC section 7: the floor needs the inverse map): one index-only
+  pass over sorted positions writes ``dest_rows[indices[i]]`` (unique ids: no atomics), then ranges of
+  tokens (N = T) read each token row (gather, wgrad's grad row) once and write / read its K rows.
+
+Scatter is always the dest-rows pass then the token pass, float32 over k in ascending order, cast once.
+Gather's padding rows are zeroed by extra programs of the same launch (a binary search over the
+experts' cumulative padding), so every output row is written exactly once and no memset runs. Weights
+are indexed by assignment id (``weights[indices[i]]``); padding rows are never read.
+
+Triton features used (all in Triton-Ascend's documented language subset): ``tl.program_id``,
+``tl.arange``, masked ``tl.load`` / ``tl.store`` with computed offsets, ``range`` loops with run-time
+bounds, a scalar ``if`` on the program id, ``@triton.jit`` helpers called from kernels, integer and
+float arithmetic, ``tl.minimum``, ``tl.where``, ``tl.zeros``, ``tl.sum``, dtype casts, ``tl.constexpr``
+block sizes. No atomics, no inline assembly, no warp-level operations.
 
 CPU tensors run the kernels in Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first
-imported: numpy, slow; for tests); CUDA tensors compile them with Triton.
+imported: numpy, slow; for tests); CUDA tensors compile them with Triton, and later calls of a compiled
+specialization launch it directly (``_Launcher``).
 """
 
 from __future__ import annotations
@@ -497,30 +507,33 @@ def padded_scatter_wgrad(y: torch.Tensor, grad: torch.Tensor, indices: torch.Ten
 
 class _GatherFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, indices, bin_ids, bins, padded_bins, top_k, weights):
+    def forward(ctx, x, indices, bin_ids, bins, padded_bins, top_k, weights, check):
         ctx.save_for_backward(x, indices, bin_ids, bins, padded_bins, weights)
         ctx.top_k = top_k
-        return padded_gather(x, indices, bin_ids, bins, padded_bins, top_k, weights)
+        return padded_gather(x, indices, bin_ids, bins, padded_bins, top_k, weights, check=check)
 
     @staticmethod
     def backward(ctx, grad_y):
         x, indices, bin_ids, bins, padded_bins, weights = ctx.saved_tensors
         k = ctx.top_k
         # grad_x[t] = sum_k w * grad_y[row]; grad_w[a] = <grad_y[row(a)], x[a // K]>
-        gx = padded_scatter(grad_y, indices, bin_ids, weights, bins, padded_bins, k) if ctx.needs_input_grad[0] else None
+        # the forward checked the routing arrays (when asked): the backward does not again
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = padded_scatter(grad_y, indices, bin_ids, weights, bins, padded_bins, k, check=False)
         gw = None
         if weights is not None and ctx.needs_input_grad[6]:
-            gw = padded_scatter_wgrad(grad_y, x, indices, bin_ids, bins, padded_bins, k).to(weights.dtype)
+            gw = padded_scatter_wgrad(grad_y, x, indices, bin_ids, bins, padded_bins, k, check=False).to(weights.dtype)
             gw = gw.view(weights.shape)
-        return gx, None, None, None, None, None, gw
+        return gx, None, None, None, None, None, gw, None
 
 
 class _ScatterFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, indices, bin_ids, weights, bins, padded_bins, top_k):
+    def forward(ctx, y, indices, bin_ids, weights, bins, padded_bins, top_k, check):
         ctx.save_for_backward(y, indices, bin_ids, weights, bins, padded_bins)
         ctx.top_k = top_k
-        return padded_scatter(y, indices, bin_ids, weights, bins, padded_bins, top_k)
+        return padded_scatter(y, indices, bin_ids, weights, bins, padded_bins, top_k, check=check)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -530,20 +543,20 @@ class _ScatterFn(torch.autograd.Function):
         # grad_y = gather(grad_out, weights) into y's rows (padding rows zero); grad_w = wgrad(y, grad_out)
         gy = None
         if ctx.needs_input_grad[0]:
-            g = padded_gather(grad_out, indices, bin_ids, bins, padded_bins, k, weights)
+            g = padded_gather(grad_out, indices, bin_ids, bins, padded_bins, k, weights, check=False)
             gy = g if g.shape[0] == y.shape[0] else torch.cat([g, g.new_zeros(y.shape[0] - g.shape[0], g.shape[1])])
         gw = None
         if weights is not None and ctx.needs_input_grad[3]:
-            gw = padded_scatter_wgrad(y, grad_out, indices, bin_ids, bins, padded_bins, k).to(weights.dtype)
-            gw = gw.view(weights.shape)
-        return gy, None, None, gw, None, None, None
+            gw = padded_scatter_wgrad(y, grad_out, indices, bin_ids, bins, padded_bins, k, check=False)
+            gw = gw.to(weights.dtype).view(weights.shape)
+        return gy, None, None, gw, None, None, None, None
 
 
-def gather_autograd(x, indices, bin_ids, bins, padded_bins, top_k, weights=None):
+def gather_autograd(x, indices, bin_ids, bins, padded_bins, top_k, weights=None, check=True):
     """padded_gather through autograd (backward: padmoe.triton's scatter and wgrad)."""
-    return _GatherFn.apply(x, indices, bin_ids, bins, padded_bins, int(top_k), weights)
+    return _GatherFn.apply(x, indices, bin_ids, bins, padded_bins, int(top_k), weights, bool(check))
 
 
-def scatter_autograd(y, indices, bin_ids, weights, bins, padded_bins, top_k):
+def scatter_autograd(y, indices, bin_ids, weights, bins, padded_bins, top_k, check=True):
     """padded_scatter through autograd (backward: padmoe.triton's gather and wgrad)."""
-    return _ScatterFn.apply(y, indices, bin_ids, weights, bins, padded_bins, int(top_k))
+    return _ScatterFn.apply(y, indices, bin_ids, weights, bins, padded_bins, int(top_k), bool(check))
