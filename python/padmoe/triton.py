@@ -478,7 +478,15 @@ def padded_scatter_wgrad(y: torch.Tensor, grad: torch.Tensor, indices: torch.Ten
     float32 accumulation, in y's dtype. The seed's pass (``sub_block_rows`` 1 when H > block_x, the
     planner's rule) or the token pass (``grad`` rows read once), as the configuration says."""
     if check:
-        _check("gather", grad, indices, bin_ids, bins, padded_bins, top_k, None)
+        try:
+            _check("scatter", y, indices, bin_ids, bins, padded_bins, top_k, None)  # y: at least P rows
+        except (ValueError, TypeError) as e:  # the same checks, named for this op
+            raise type(e)(str(e).replace("padded_scatter:", "padded_scatter_wgrad:", 1)) from None
+        A, K = int(indices.shape[0]), int(top_k)
+        want = (A // K, int(y.shape[1]))
+        if grad.dim() != 2 or tuple(grad.shape) != want or grad.device != y.device:
+            raise ValueError(f"padded_scatter_wgrad: grad: expected shape {list(want)} on {y.device}, got "
+                             f"{list(grad.shape)} on {grad.device}")
     y, grad = y.contiguous(), grad.contiguous()
     A, H, K = int(indices.shape[0]), int(y.shape[1]), int(top_k)
     if A == 0 or H == 0:

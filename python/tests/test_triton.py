@@ -185,6 +185,14 @@ def test_bad_input_is_padmoes_error():
     y = ptr.padded_gather(torch.rand(6, 8, device=DEV), p.indices.to(DEV), p.bin_ids.to(DEV), p.bins.to(DEV),
                           p.padded_bins.to(DEV), 2, padded_rows=int(p.padded_bins[-1]), check=False)
     assert y.shape == (int(p.padded_bins[-1]), 8)
+    d = [t.to(DEV) for t in (p.indices, p.bin_ids, p.bins, p.padded_bins)]
+    P = int(p.padded_bins[-1])
+    with pytest.raises(ValueError, match="padded_scatter_wgrad: y: has"):  # wgrad's y: fewer rows than P
+        ptr.padded_scatter_wgrad(torch.rand(P - 1, 8, device=DEV), torch.rand(6, 8, device=DEV), d[0], d[1], d[2], d[3], 2)
+    with pytest.raises(ValueError, match="padded_scatter_wgrad: grad"):
+        ptr.padded_scatter_wgrad(torch.rand(P, 8, device=DEV), torch.rand(6, 7, device=DEV), d[0], d[1], d[2], d[3], 2)
+    with pytest.raises(ValueError, match="padded_scatter: y: has"):  # scatter's y: fewer rows than P
+        ptr.padded_scatter(torch.rand(P - 1, 8, device=DEV), d[0], d[1], None, d[2], d[3], 2)
 
 
 @pytest.mark.parametrize("weighted", [False, True])
