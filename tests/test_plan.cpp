@@ -76,6 +76,98 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(DType::kInt32, DType::kInt64),
                        ::testing::Values(static_cast<int>(Dist::kUniform), static_cast<int>(Dist::kSkewed))));
 
+// The layouts other kernels consume (PlanLayouts, moe_align_block_size) against references written
+// from DeepGEMM's and vLLM's definitions, on the same grid.
+class PlanLayoutsGrid : public ::testing::TestWithParam<PlanParam> {};
+
+TEST_P(PlanLayoutsGrid, MatchReference) {
+  int64_t T;
+  int K, E, m, d;
+  DType idx;
+  std::tie(T, K, E, m, idx, d) = GetParam();
+  if (static_cast<Dist>(d) == Dist::kDistinct && K > E) GTEST_SKIP() << "K > E cannot be distinct";
+  const std::vector<int64_t> te = make_routing(T, K, E, static_cast<Dist>(d), static_cast<uint64_t>(3 * T + K + E + m));
+  const Tensor tet = index_matrix(te, T, K, idx);
+  const int64_t A = T * K;
+  const int64_t tight = padmoe::aligned_rows_bound(A, E, m);
+  EXPECT_EQ(tight, A + std::min<int64_t>(A, E) * (m - 1));
+  const ref::Plan r = ref::make_plan(te, T, K, E, m);
+  for (int64_t R : {tight, r.capacity + 5}) {
+    SCOPED_TRACE("rows " + std::to_string(R));
+    Tensor b_ind = poison_index(A), b_bid = poison_index(A), b_tpe = poison_index(E), b_bins = poison_index(E),
+           b_ptpe = poison_index(E), b_pb = poison_index(E), b_dest = poison_index(A), b_rs = poison_index(R);
+    Tensor re = poison_index(R), be = poison_index((R + m - 1) / m), pt = poison_index(1);
+    padmoe::PlanView out;
+    out.indices = b_ind; out.bin_ids = b_bid; out.tokens_per_expert = b_tpe; out.bins = b_bins;
+    out.padded_tokens_per_expert = b_ptpe; out.padded_bins = b_pb; out.dest_rows = b_dest; out.row_sources = b_rs;
+    padmoe::PlanLayouts layouts;
+    layouts.row_experts = re;
+    layouts.block_experts = be;
+    layouts.padded_total = pt;
+    padmoe::make_plan_out(tet, E, m, out, layouts);
+    padmoe::PlanView got = out;
+    got.num_tokens = T; got.top_k = K; got.num_experts = E; got.alignment = m;
+    expect_plan_matches(got, r, R);  // the plan itself unchanged by the layouts
+    EXPECT_EQ(index_to_vec(re), ref::row_experts(te, E, m, R));
+    std::vector<int64_t> blocks((R + m - 1) / m, -1);  // DeepGEMM rows -> vLLM blocks: each block one expert
+    const std::vector<int64_t> rows = ref::row_experts(te, E, m, R);
+    for (int64_t e = 0, start = 0; e < E; ++e) {
+      const int64_t n = r.padded_tokens_per_expert[static_cast<size_t>(e)];
+      for (int64_t b = start / m; b < (start + n) / m; ++b) blocks[static_cast<size_t>(b)] = e;
+      start += n;
+    }
+    EXPECT_EQ(index_to_vec(be), blocks);
+    EXPECT_EQ(index_to_vec(pt), std::vector<int64_t>{r.padded_rows});
+  }
+  for (bool pad : {false, true}) {
+    SCOPED_TRACE(pad ? "pad_sorted_ids" : "unpadded");
+    const ref::AlignedBlocks want = ref::moe_align_block_size(te, m, E, pad);
+    const padmoe::AlignedBlocks got = padmoe::moe_align_block_size(tet, m, E, pad);
+    EXPECT_EQ(index_to_vec(got.sorted_token_ids), want.sorted_token_ids);
+    EXPECT_EQ(index_to_vec(got.expert_ids), want.expert_ids);
+    EXPECT_EQ(index_to_vec(got.num_tokens_post_padded), std::vector<int64_t>{want.num_tokens_post_padded});
+    EXPECT_EQ(got.sorted_token_ids.view().numel(), padmoe::aligned_rows_bound(A, E, m, pad));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Grid, PlanLayoutsGrid,
+    ::testing::Combine(::testing::Values<int64_t>(0, 7, 4096), ::testing::Values(1, 2, 8),
+                       ::testing::Values(1, 16, 128), ::testing::Values(1, 8, 128),
+                       ::testing::Values(DType::kInt32, DType::kInt64),
+                       ::testing::Values(static_cast<int>(Dist::kUniform), static_cast<int>(Dist::kSkewed))));
+
+TEST(PlanLayouts, HandExample) {
+  // top_experts [[1,0],[0,1],[1,0]], E = 3, block 4: expert 0 <- {1,2,5}, expert 1 <- {0,3,4}, expert 2 <- {}
+  const Tensor top = index_matrix({1, 0, 0, 1, 1, 0}, 3, 2, DType::kInt32);
+  const padmoe::AlignedBlocks r = padmoe::moe_align_block_size(top, 4, 3);
+  // R = 6 + min(6, 3) * 3 = 15; sentinel 6
+  EXPECT_EQ(index_to_vec(r.sorted_token_ids), (std::vector<int64_t>{1, 2, 5, 6, 0, 3, 4, 6, 6, 6, 6, 6, 6, 6, 6}));
+  EXPECT_EQ(index_to_vec(r.expert_ids), (std::vector<int64_t>{0, 1, -1, -1}));
+  EXPECT_EQ(index_to_vec(r.num_tokens_post_padded), std::vector<int64_t>{8});
+  const padmoe::AlignedBlocks p = padmoe::moe_align_block_size(top, 4, 3, /*pad_sorted_ids=*/true);
+  EXPECT_EQ(p.sorted_token_ids.view().numel(), 16);
+  EXPECT_EQ(p.expert_ids.view().numel(), 4);
+}
+
+TEST(PlanLayouts, BadInputNamesTheArgument) {
+  const Tensor top = index_matrix({1, 0, 0, 1, 1, 0}, 3, 2, DType::kInt32);
+  EXPECT_TRUE(throws_error([&] { padmoe::moe_align_block_size(top, 0, 3); }, {"moe_align_block_size", "block_size"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::moe_align_block_size(top, 4, 1); },
+                           {"moe_align_block_size", "top_experts", "outside [0, 1)"}));
+  padmoe::Plan plan = padmoe::Plan::empty(3, 2, 3, 4);
+  Tensor short_rows = poison_index(plan.capacity() - 1);
+  padmoe::PlanLayouts l;
+  l.row_experts = short_rows;
+  EXPECT_TRUE(throws_error([&] { padmoe::make_plan_out(top, 3, 4, plan.view(), l); },
+                           {"make_plan", "layouts.row_experts"}));
+  Tensor f32 = Tensor::empty(DType::kFloat32, {1});
+  padmoe::PlanLayouts l2;
+  l2.padded_total = f32;
+  EXPECT_TRUE(throws_error([&] { padmoe::make_plan_out(top, 3, 4, plan.view(), l2); },
+                           {"make_plan", "layouts.padded_total"}));
+}
+
 TEST(MakePlan, StableSortHandExample) {
   // top_experts [[1,0],[0,1],[1,0]] (K = 2): a -> expert: 0->1 1->0 2->0 3->1 4->1 5->0
   const std::vector<int64_t> te = {1, 0, 0, 1, 1, 0};

@@ -131,6 +131,42 @@ Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, co
 void make_plan_out(const TensorView& top_experts, int num_experts, int alignment, const PlanView& out,
                    const Options& options = {});
 
+// Layouts other kernels consume, written by make_plan_out in the same pass as
+// the plan (no pass over the rows). Each output is optional: an unset
+// TensorView (default-constructed: data == nullptr, ndim 0) is skipped. All int32, on the
+// plan's device. R = out.row_sources.shape[0].
+//   row_experts   [R]: the expert of each padded row, -1 on padding rows and
+//                 rows at or past P (DeepGEMM's contiguous grouped layout).
+//   block_experts [ceil(R / m)]: the expert of each block of m rows, -1 for
+//                 blocks at or past P / m (vLLM's expert_ids; m = alignment =
+//                 the block size).
+//   padded_total  [1]: P (vLLM's num_tokens_post_padded), on the device.
+// On CUDA make_plan_out accepts a row_sources of at least
+// A + min(A, E) * (m - 1) entries (aligned_rows_bound: vLLM's
+// max_num_tokens_padded), which bounds P.
+struct PlanLayouts {
+  TensorView row_experts;
+  TensorView block_experts;
+  TensorView padded_total;
+};
+void make_plan_out(const TensorView& top_experts, int num_experts, int alignment, const PlanView& out,
+                   const PlanLayouts& layouts, const Options& options = {});
+
+// vLLM / SGLang's moe_align_block_size(topk_ids, block_size, num_experts)
+// contract, from one make_plan: sorted_token_ids [R] (the assignment ids
+// t*K+k of each expert in stable order, each expert padded to a multiple of
+// block_size with the sentinel A), expert_ids [ceil(R / block_size)] (-1
+// past the last block), num_tokens_post_padded [1] = P, with
+// R = A + min(A, E) * (block_size - 1), rounded up to block_size when
+// pad_sorted_ids. padmoe keeps assignment order within an expert (vLLM's
+// atomic kernel does not promise an order).
+struct AlignedBlocks {
+  Tensor sorted_token_ids, expert_ids, num_tokens_post_padded;
+};
+int64_t aligned_rows_bound(int64_t assignments, int num_experts, int block_size, bool pad_sorted_ids = false);
+AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size, int num_experts,
+                                   bool pad_sorted_ids = false, const Options& options = {});
+
 // ---------------------------------------------------------------------------
 // 2. MegaBlocks family (input in token order)
 // ---------------------------------------------------------------------------

@@ -112,8 +112,8 @@ PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int
   detail::check_int32_extent(c, "top_experts", a_count);
   detail::check_int32_extent(c, "capacity", index::capacity_bound(a_count, num_experts, alignment));
   detail::require_backend(c, top_experts.device);
-  if (top_experts.device.is_cuda()) {  // P is known on the device only; ids are checked there
-    return PlanShape{tokens, static_cast<int>(k), index::capacity_bound(a_count, num_experts, alignment)};
+  if (top_experts.device.is_cuda()) {  // P is known on the device only; ids are checked there: its bound
+    return PlanShape{tokens, static_cast<int>(k), aligned_rows_bound(a_count, num_experts, alignment)};
   }
 
   const detail::IndexReader ids(top_experts);
@@ -147,12 +147,26 @@ void check_plan_outputs(const Checker& c, const PlanView& out, const PlanShape& 
 }
 
 
+void check_layouts(const Checker& c, const PlanLayouts& l, const PlanView& out, int alignment, Device device) {
+  const int64_t rows = out.row_sources.shape[0];
+  const TensorView* given[] = {&l.row_experts, &l.block_experts, &l.padded_total};
+  const char* names[] = {"layouts.row_experts", "layouts.block_experts", "layouts.padded_total"};
+  const int64_t lens[] = {rows, index::ceil_div(rows, alignment), 1};
+  for (int i = 0; i < 3; ++i) {
+    if (given[i]->data == nullptr && given[i]->ndim == 0) continue;  // unset
+    c.int32_output(*given[i], names[i], lens[i]);
+    c.same_device(*given[i], names[i], device);
+  }
+}
+
 // The backend's make_plan on checked arguments (CUDA: ids validated in checked mode).
 void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanShape& s, int num_experts,
-                   int alignment, const PlanView& out, const Options& options) {
+                   int alignment, const PlanView& out, const Options& options, const PlanLayouts& layouts = {},
+                   int32_t padding_source = -1) {
   const bool wide = top_experts.dtype == DType::kInt64;
   if (!top_experts.device.is_cuda()) {
-    cpu::make_plan(top_experts.data, wide, s.tokens, s.top_k, num_experts, alignment, out, options.num_threads);
+    cpu::make_plan(top_experts.data, wide, s.tokens, s.top_k, num_experts, alignment, out, layouts,
+                   padding_source, options.num_threads);
     return;
   }
   const int64_t a_count = s.tokens * s.top_k;
@@ -163,8 +177,8 @@ void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanSh
                             detail::ViolationNames{"top_experts", num_experts, "out.row_sources", s.top_k});
   }
   cuda::Scratch scratch(options, cuda::plan_workspace_bytes(a_count, num_experts), top_experts.device.index);
-  cuda::make_plan(ids, a_count, s.top_k, num_experts, alignment, out, out.row_sources.shape[0], scratch.get(),
-                  options.stream);
+  cuda::make_plan(ids, a_count, s.top_k, num_experts, alignment, out, layouts, padding_source,
+                  out.row_sources.shape[0], scratch.get(), options.stream);
 }
 
 }  // namespace
@@ -175,6 +189,45 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
   check_plan_outputs(c, out, s, num_experts, top_experts.device);
   run_make_plan(c, top_experts, s, num_experts, alignment, out, options);
+}
+
+void make_plan_out(const TensorView& top_experts, int num_experts, int alignment, const PlanView& out,
+                   const PlanLayouts& layouts, const Options& options) {
+  Checker c("make_plan");
+  const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
+  check_plan_outputs(c, out, s, num_experts, top_experts.device);
+  check_layouts(c, layouts, out, alignment, top_experts.device);
+  run_make_plan(c, top_experts, s, num_experts, alignment, out, options, layouts);
+}
+
+int64_t aligned_rows_bound(int64_t assignments, int num_experts, int block_size, bool pad_sorted_ids) {
+  const int64_t m = std::max(1, block_size);
+  const int64_t rows = assignments + std::min<int64_t>(assignments, std::max(0, num_experts)) * (m - 1);
+  return pad_sorted_ids ? index::round_up(rows, m) : rows;
+}
+
+AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size, int num_experts,
+                                   bool pad_sorted_ids, const Options& options) {
+  Checker c("moe_align_block_size");
+  if (block_size < 1) c.value_error("block_size", "must be >= 1, got " + std::to_string(block_size));
+  const PlanShape s = check_top_experts(c, top_experts, num_experts, block_size);
+  const int64_t a_count = s.tokens * s.top_k;
+  const int64_t rows = aligned_rows_bound(a_count, num_experts, block_size, pad_sorted_ids);
+  detail::check_int32_extent(c, "sorted_token_ids", rows);
+  const Device device = top_experts.device;
+  Plan plan = Plan::empty(s.tokens, s.top_k, num_experts, block_size, device);
+  AlignedBlocks r;
+  r.sorted_token_ids = Tensor::empty(DType::kInt32, {rows}, device);
+  r.expert_ids = Tensor::empty(DType::kInt32, {index::ceil_div(rows, block_size)}, device);
+  r.num_tokens_post_padded = Tensor::empty(DType::kInt32, {1}, device);
+  plan.row_sources = r.sorted_token_ids;  // the plan's row_sources are vLLM's sorted_token_ids
+  PlanLayouts layouts;
+  layouts.block_experts = r.expert_ids.view();
+  layouts.padded_total = r.num_tokens_post_padded.view();
+  // padding rows of sorted_token_ids hold the sentinel A (such a row_sources is not a plan's: internal)
+  run_make_plan(c, top_experts, s, num_experts, block_size, plan.view(), options, layouts,
+                static_cast<int32_t>(a_count));
+  return r;
 }
 
 Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, const Options& options) {

@@ -51,9 +51,10 @@ struct FloatOut {
 };
 
 // make_plan on validated top_experts ([A] int32 or int64 ids in [0, E)).
-// Fills every field of `out` (int32), row_sources up to its full length.
+// Fills every field of `out` (int32), row_sources up to its full length
+// (padding_source on padding rows and past P), and the given layouts.
 void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k, int num_experts, int alignment,
-               const PlanView& out, int threads);
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int threads);
 
 // Token-driven spread (dispatch / padded_gather / grad of combine):
 //   y[dest[t*K+k]] = x[t] * w(t*K+k) for every k with dest >= 0;

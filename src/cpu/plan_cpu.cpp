@@ -5,7 +5,9 @@
 //    sort stable: worker w's assignments of expert e follow every earlier
 //    worker's, and each worker visits its range in ascending order.
 // 3. Each worker scatters its range into indices / bin_ids / dest_rows /
-//    row_sources; padding rows and rows at or past P get -1 from the same pass.
+//    row_sources; padding rows and rows at or past P get -1 (padding_source)
+//    from the same pass, and the optional layouts (row_experts, block_experts,
+//    padded_total) are written beside them.
 #include <vector>
 
 #include "cpu/cpu_backend.hpp"
@@ -16,7 +18,7 @@ namespace padmoe {
 namespace cpu {
 
 void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k, int num_experts, int alignment,
-               const PlanView& out, int threads) {
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int threads) {
   const int64_t a_count = num_tokens * top_k;
   const int64_t experts = num_experts;
   auto expert_of = [&](int64_t a) -> int64_t {
@@ -61,6 +63,10 @@ void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k
   int32_t* dest_rows = out.dest_rows.data_as<int32_t>();
   int32_t* row_sources = out.row_sources.data_as<int32_t>();
   const int64_t row_capacity = out.row_sources.shape[0];
+  int32_t* row_experts = layouts.row_experts.data_as<int32_t>();      // optional
+  int32_t* block_experts = layouts.block_experts.data_as<int32_t>();  // optional
+  const int64_t blocks = layouts.block_experts.numel();
+  if (layouts.padded_total.data != nullptr) layouts.padded_total.data_as<int32_t>()[0] = static_cast<int32_t>(padded_total);
   parallel_run(workers, [&](int w) {
     int64_t* next = offsets.data() + w * experts;
     const index::Range r = index::work_range(w, workers, a_count);
@@ -72,15 +78,30 @@ void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k
       bin_ids[pos] = static_cast<int32_t>(e);
       dest_rows[a] = static_cast<int32_t>(row);
       row_sources[row] = static_cast<int32_t>(a);
+      if (row_experts != nullptr) row_experts[row] = static_cast<int32_t>(e);
     }
     const index::Range er = index::work_range(w, workers, experts);
     for (int64_t e = er.begin; e < er.end; ++e) {
       for (int64_t p = index::segment_start(padded_bins, e) + tokens_per_expert[e]; p < padded_bins[e]; ++p) {
-        row_sources[p] = -1;
+        row_sources[p] = padding_source;
+        if (row_experts != nullptr) row_experts[p] = -1;
+      }
+      if (block_experts != nullptr) {  // expert segments are whole blocks of `alignment` rows
+        for (int64_t b = index::segment_start(padded_bins, e) / alignment; b < padded_bins[e] / alignment; ++b) {
+          block_experts[b] = static_cast<int32_t>(e);
+        }
       }
     }
     const index::Range tail = index::work_range(w, workers, row_capacity - padded_total);
-    for (int64_t p = padded_total + tail.begin; p < padded_total + tail.end; ++p) row_sources[p] = -1;
+    for (int64_t p = padded_total + tail.begin; p < padded_total + tail.end; ++p) {
+      row_sources[p] = padding_source;
+      if (row_experts != nullptr) row_experts[p] = -1;
+    }
+    if (block_experts != nullptr) {
+      const int64_t first = padded_total / alignment;
+      const index::Range bt = index::work_range(w, workers, blocks - first);
+      for (int64_t b = first + bt.begin; b < first + bt.end; ++b) block_experts[b] = -1;
+    }
   });
 }
 

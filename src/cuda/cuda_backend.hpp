@@ -87,9 +87,11 @@ constexpr int kPlanChunk = 2048;  // assignments sorted per block
 size_t plan_workspace_bytes(int64_t assignments, int num_experts);
 // Stable counting sort by expert in three launches. Ids outside [0, E) (only
 // possible unchecked) are dropped: dest_rows -1, not counted.
-// out: int32 device arrays; row_sources has row_capacity entries.
+// out: int32 device arrays; row_sources has row_capacity entries (padding_source
+// on padding rows and past P); the given layouts are written in the same launch.
 void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
-               const PlanView& out, int64_t row_capacity, void* workspace, void* stream);
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int64_t row_capacity,
+               void* workspace, void* stream);
 
 // --- routing ------------------------------------------------------------------
 // dest_rows[indices[i]] = padded_start(e) + i - real_start(e), e = bin_ids[i].

@@ -23,7 +23,9 @@ int device_count() { return 0; }
 Scratch::Scratch(const Options&, size_t, int) { unavailable("scratch memory"); }
 Scratch::~Scratch() = default;
 
-void make_plan(IndexRef, int64_t, int, int, int, const PlanView&, int64_t, void*, void*) { unavailable("make_plan"); }
+void make_plan(IndexRef, int64_t, int, int, int, const PlanView&, const PlanLayouts&, int32_t, int64_t, void*, void*) {
+  unavailable("make_plan");
+}
 void build_dest_rows(IndexRef, IndexRef, IndexRef, IndexRef, int64_t, int, int32_t*, void*) {
   unavailable("build_dest_rows");
 }

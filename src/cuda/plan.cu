@@ -148,7 +148,9 @@ __global__ void __launch_bounds__(kPlaceThreads)
     plan_place_kernel(IndexRef ids, int64_t assignments, int chunks, int num_experts, int alignment,
                       const int32_t* chunk_counts, const int32_t* local_rank, int64_t row_capacity,
                       int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens, int32_t* padded_bins,
-                      int32_t* indices, int32_t* bin_ids, int32_t* dest_rows, int32_t* row_sources) {
+                      int32_t* indices, int32_t* bin_ids, int32_t* dest_rows, int32_t* row_sources,
+                      int32_t padding_source, int32_t* row_experts, int32_t* block_experts, int64_t blocks,
+                      int32_t* padded_total_out) {
   using Scan = cub::BlockScan<int, kPlaceThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int s_totals[2];  // real and padded totals
@@ -194,7 +196,15 @@ __global__ void __launch_bounds__(kPlaceThreads)
     // Padding rows of e: written by one block (e mod grid), one thread.
     if (e % gridDim.x == blockIdx.x) {
       const int64_t end = padded_excl + padded < row_capacity ? padded_excl + padded : row_capacity;
-      for (int64_t r = padded_excl + count; r < end; ++r) row_sources[r] = -1;
+      for (int64_t r = padded_excl + count; r < end; ++r) {
+        row_sources[r] = padding_source;
+        if (row_experts != nullptr) row_experts[r] = -1;
+      }
+      if (block_experts != nullptr) {  // expert segments are whole blocks of `alignment` rows
+        for (int64_t b = padded_excl / alignment; b < (padded_excl + padded) / alignment && b < blocks; ++b) {
+          block_experts[b] = e;
+        }
+      }
     }
     real_excl += count;
     padded_excl += padded;
@@ -208,6 +218,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
   if (threadIdx.x == kPlaceThreads - 1) {
     s_totals[0] = real_excl;
     s_totals[1] = padded_excl;
+    if (blockIdx.x == 0 && padded_total_out != nullptr) *padded_total_out = padded_excl;
   }
   __syncthreads();
   const int64_t real_total = s_totals[0];
@@ -237,6 +248,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
         bin_ids[pos] = e;
         dest_rows[i] = static_cast<int32_t>(row);
         row_sources[row] = static_cast<int32_t>(i);
+        if (row_experts != nullptr) row_experts[row] = e;
       }
       if (i >= real_total) {  // only when ids were dropped (unchecked)
         indices[i] = -1;
@@ -247,14 +259,22 @@ __global__ void __launch_bounds__(kPlaceThreads)
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kPlaceThreads;
   for (int64_t r = padded_total + static_cast<int64_t>(blockIdx.x) * kPlaceThreads + threadIdx.x; r < row_capacity;
        r += stride) {
-    row_sources[r] = -1;
+    row_sources[r] = padding_source;
+    if (row_experts != nullptr) row_experts[r] = -1;
+  }
+  if (block_experts != nullptr) {
+    for (int64_t b = padded_total / alignment + static_cast<int64_t>(blockIdx.x) * kPlaceThreads + threadIdx.x;
+         b < blocks; b += stride) {
+      block_experts[b] = -1;
+    }
   }
 }
 
 }  // namespace
 
 void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
-               const PlanView& out, int64_t row_capacity, void* workspace, void* stream) {
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int64_t row_capacity,
+               void* workspace, void* stream) {
   (void)top_k;
   const cudaStream_t s = as_stream(stream);
   const int chunks = static_cast<int>(index::ceil_div(assignments, kChunk));
@@ -287,7 +307,8 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
       out.tokens_per_expert.data_as<int32_t>(), out.bins.data_as<int32_t>(),
       out.padded_tokens_per_expert.data_as<int32_t>(), out.padded_bins.data_as<int32_t>(),
       out.indices.data_as<int32_t>(), out.bin_ids.data_as<int32_t>(), out.dest_rows.data_as<int32_t>(),
-      out.row_sources.data_as<int32_t>());
+      out.row_sources.data_as<int32_t>(), padding_source, layouts.row_experts.data_as<int32_t>(),
+      layouts.block_experts.data_as<int32_t>(), layouts.block_experts.numel(), layouts.padded_total.data_as<int32_t>());
   PADMOE_CUDA_LAUNCH_CHECK("plan_place_kernel");
 }
 

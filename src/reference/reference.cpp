@@ -216,5 +216,52 @@ UnpadGrads unpad_from_alignment_backward(const std::vector<float>& grad_out, con
   return g;
 }
 
+namespace {
+
+// Per expert: the assignments routed to it in ascending id order.
+std::vector<std::vector<int64_t>> by_expert(const std::vector<int64_t>& top_experts, int num_experts) {
+  std::vector<std::vector<int64_t>> lists(static_cast<size_t>(num_experts));
+  for (size_t a = 0; a < top_experts.size(); ++a) lists[static_cast<size_t>(top_experts[a])].push_back(static_cast<int64_t>(a));
+  return lists;
+}
+
+int64_t up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+}  // namespace
+
+std::vector<int64_t> row_experts(const std::vector<int64_t>& top_experts, int num_experts, int alignment,
+                                 int64_t rows) {
+  std::vector<int64_t> out(static_cast<size_t>(rows), -1);
+  int64_t start = 0;
+  const auto lists = by_expert(top_experts, num_experts);
+  for (int e = 0; e < num_experts; ++e) {
+    const int64_t n = static_cast<int64_t>(lists[static_cast<size_t>(e)].size());
+    for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(start + i)] = e;
+    start += up(n, alignment);
+  }
+  return out;
+}
+
+AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int block_size, int num_experts,
+                                   bool pad_sorted_ids) {
+  const int64_t a = static_cast<int64_t>(top_experts.size());
+  int64_t size = a + std::min<int64_t>(a, num_experts) * (block_size - 1);
+  if (pad_sorted_ids) size = up(size, block_size);
+  AlignedBlocks r;
+  r.sorted_token_ids.assign(static_cast<size_t>(size), a);
+  r.expert_ids.assign(static_cast<size_t>((size + block_size - 1) / block_size), -1);
+  const auto lists = by_expert(top_experts, num_experts);
+  int64_t start = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    const auto& l = lists[static_cast<size_t>(e)];
+    for (size_t i = 0; i < l.size(); ++i) r.sorted_token_ids[static_cast<size_t>(start) + i] = l[i];
+    const int64_t end = start + up(static_cast<int64_t>(l.size()), block_size);
+    for (int64_t b = start / block_size; b < end / block_size; ++b) r.expert_ids[static_cast<size_t>(b)] = e;
+    start = end;
+  }
+  r.num_tokens_post_padded = start;
+  return r;
+}
+
 }  // namespace ref
 }  // namespace padmoe

@@ -73,5 +73,21 @@ UnpadGrads unpad_from_alignment_backward(const std::vector<float>& grad_out, con
                                          int64_t hidden, const std::vector<int64_t>& permutation_map,
                                          const std::vector<float>* probs);
 
+// The layouts other kernels consume, written from their own definitions:
+// DeepGEMM's contiguous grouped layout (each expert's rows padded to a
+// multiple of m, one int per row: its expert, -1 on padding rows and past P)
+// and vLLM's moe_align_block_size contract (sorted_token_ids: per expert in
+// ascending id order, padded to a multiple of block_size with the sentinel A;
+// expert_ids per block, -1 past P; num_tokens_post_padded = P; buffer sizes
+// A + min(A, E)*(block-1), rounded up to block with pad_sorted_ids).
+std::vector<int64_t> row_experts(const std::vector<int64_t>& top_experts, int num_experts, int alignment,
+                                 int64_t rows);
+struct AlignedBlocks {
+  std::vector<int64_t> sorted_token_ids, expert_ids;
+  int64_t num_tokens_post_padded = 0;
+};
+AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int block_size, int num_experts,
+                                   bool pad_sorted_ids);
+
 }  // namespace ref
 }  // namespace padmoe
