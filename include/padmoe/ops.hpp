@@ -166,6 +166,14 @@ struct AlignedBlocks {
 int64_t aligned_rows_bound(int64_t assignments, int num_experts, int block_size, bool pad_sorted_ids = false);
 AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size, int num_experts,
                                    bool pad_sorted_ids = false, const Options& options = {});
+// _out: sorted_token_ids has at least aligned_rows_bound(A, E, block_size)
+// entries (R; every one written), expert_ids ceil(R / block_size), and
+// num_tokens_post_padded 1. On CUDA no host synchronization (unchecked);
+// the plan's other arrays come from scratch_alloc or padmoe's pool
+// (Options::workspace serves make_plan's own scratch).
+void moe_align_block_size_out(const TensorView& top_experts, int block_size, int num_experts,
+                              const TensorView& sorted_token_ids, const TensorView& expert_ids,
+                              const TensorView& num_tokens_post_padded, const Options& options = {});
 
 // ---------------------------------------------------------------------------
 // 2. MegaBlocks family (input in token order)

@@ -1,5 +1,6 @@
 // plan.cpp — make_plan: check, size, dispatch to the backend.
 #include <limits>
+#include <memory>
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -206,27 +207,73 @@ int64_t aligned_rows_bound(int64_t assignments, int num_experts, int block_size,
   return pad_sorted_ids ? index::round_up(rows, m) : rows;
 }
 
+void moe_align_block_size_out(const TensorView& top_experts, int block_size, int num_experts,
+                              const TensorView& sorted_token_ids, const TensorView& expert_ids,
+                              const TensorView& num_tokens_post_padded, const Options& options) {
+  Checker c("moe_align_block_size");
+  if (block_size < 1) c.value_error("block_size", "must be >= 1, got " + std::to_string(block_size));
+  const PlanShape s = check_top_experts(c, top_experts, num_experts, block_size);
+  const int64_t a_count = s.tokens * s.top_k;
+  const Device device = top_experts.device;
+  c.int32_output(sorted_token_ids, "sorted_token_ids", aligned_rows_bound(a_count, num_experts, block_size),
+                 /*at_least=*/true);
+  const int64_t rows = sorted_token_ids.shape[0];
+  c.int32_output(expert_ids, "expert_ids", index::ceil_div(rows, block_size));
+  c.int32_output(num_tokens_post_padded, "num_tokens_post_padded", 1);
+  c.same_device(sorted_token_ids, "sorted_token_ids", device);
+  c.same_device(expert_ids, "expert_ids", device);
+  c.same_device(num_tokens_post_padded, "num_tokens_post_padded", device);
+  // The plan's other arrays are scratch: 3 of A entries, 4 of E.
+  const int64_t ints = 3 * a_count + 4 * static_cast<int64_t>(num_experts);
+  std::vector<int32_t> host;
+  std::unique_ptr<cuda::Scratch> dev;
+  int32_t* base = nullptr;
+  if (device.is_cuda()) {
+    Options own = options;  // Options::workspace goes to make_plan's own scratch: these arrays live beside it
+    own.workspace = nullptr;
+    own.workspace_bytes = 0;
+    dev.reset(new cuda::Scratch(own, static_cast<size_t>(ints) * sizeof(int32_t), device.index));
+    base = static_cast<int32_t*>(dev->get());
+  } else {
+    host = detail::host_vector<int32_t>(c, "top_experts", ints, 0);
+    base = host.data();
+  }
+  auto slice = [&](int64_t offset, int64_t n) {
+    return TensorView::contiguous(base + offset, DType::kInt32, {n}, device);
+  };
+  PlanView plan;
+  plan.indices = slice(0, a_count);
+  plan.bin_ids = slice(a_count, a_count);
+  plan.dest_rows = slice(2 * a_count, a_count);
+  plan.tokens_per_expert = slice(3 * a_count, num_experts);
+  plan.bins = slice(3 * a_count + num_experts, num_experts);
+  plan.padded_tokens_per_expert = slice(3 * a_count + 2 * num_experts, num_experts);
+  plan.padded_bins = slice(3 * a_count + 3 * num_experts, num_experts);
+  plan.row_sources = sorted_token_ids;  // the plan's row_sources are vLLM's sorted_token_ids
+  plan.num_tokens = s.tokens;
+  plan.top_k = s.top_k;
+  plan.num_experts = num_experts;
+  plan.alignment = block_size;
+  PlanLayouts layouts;
+  layouts.block_experts = expert_ids;
+  layouts.padded_total = num_tokens_post_padded;
+  // padding rows of sorted_token_ids hold the sentinel A (such a row_sources is no plan's: kept internal)
+  run_make_plan(c, top_experts, s, num_experts, block_size, plan, options, layouts, static_cast<int32_t>(a_count));
+}
+
 AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size, int num_experts,
                                    bool pad_sorted_ids, const Options& options) {
   Checker c("moe_align_block_size");
   if (block_size < 1) c.value_error("block_size", "must be >= 1, got " + std::to_string(block_size));
   const PlanShape s = check_top_experts(c, top_experts, num_experts, block_size);
-  const int64_t a_count = s.tokens * s.top_k;
-  const int64_t rows = aligned_rows_bound(a_count, num_experts, block_size, pad_sorted_ids);
+  const int64_t rows = aligned_rows_bound(s.tokens * s.top_k, num_experts, block_size, pad_sorted_ids);
   detail::check_int32_extent(c, "sorted_token_ids", rows);
-  const Device device = top_experts.device;
-  Plan plan = Plan::empty(s.tokens, s.top_k, num_experts, block_size, device);
   AlignedBlocks r;
-  r.sorted_token_ids = Tensor::empty(DType::kInt32, {rows}, device);
-  r.expert_ids = Tensor::empty(DType::kInt32, {index::ceil_div(rows, block_size)}, device);
-  r.num_tokens_post_padded = Tensor::empty(DType::kInt32, {1}, device);
-  plan.row_sources = r.sorted_token_ids;  // the plan's row_sources are vLLM's sorted_token_ids
-  PlanLayouts layouts;
-  layouts.block_experts = r.expert_ids.view();
-  layouts.padded_total = r.num_tokens_post_padded.view();
-  // padding rows of sorted_token_ids hold the sentinel A (such a row_sources is not a plan's: internal)
-  run_make_plan(c, top_experts, s, num_experts, block_size, plan.view(), options, layouts,
-                static_cast<int32_t>(a_count));
+  r.sorted_token_ids = Tensor::empty(DType::kInt32, {rows}, top_experts.device);
+  r.expert_ids = Tensor::empty(DType::kInt32, {index::ceil_div(rows, block_size)}, top_experts.device);
+  r.num_tokens_post_padded = Tensor::empty(DType::kInt32, {1}, top_experts.device);
+  moe_align_block_size_out(top_experts, block_size, num_experts, r.sorted_token_ids.view(), r.expert_ids.view(),
+                           r.num_tokens_post_padded.view(), options);
   return r;
 }
 

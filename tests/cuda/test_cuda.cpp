@@ -543,6 +543,49 @@ TEST(CpuVsGpuEdge, Float8MoveOnly) {
   }
 }
 
+// The layouts of make_plan (DeepGEMM's rows, vLLM's blocks, P) and moe_align_block_size: the GPU
+// against the references, with few tokens (A < E: vLLM's smaller buffer) and many, both count kernels.
+TEST(CpuVsGpuEdge, PlanLayoutsAndAlignedBlocks) {
+  REQUIRE_GPU();
+  struct Case { int64_t T; int K, E, m; };
+  for (const Case c : {Case{3, 2, 64, 16}, Case{1000, 8, 256, 128}, Case{4096, 2, 8, 64}, Case{777, 4, 2048, 16},
+                       Case{0, 2, 8, 16}}) {
+    SCOPED_TRACE("T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " E=" + std::to_string(c.E) +
+                 " m=" + std::to_string(c.m));
+    const std::vector<int64_t> te = make_routing(c.T, c.K, c.E, Dist::kSkewed, 31);
+    const int64_t A = c.T * c.K;
+    const int64_t R = padmoe::aligned_rows_bound(A, c.E, c.m);
+    const ref::Plan p = ref::make_plan(te, c.T, c.K, c.E, c.m);
+    const Tensor dte = to_gpu(index_matrix(te, c.T, c.K, DType::kInt64));
+    Tensor ind = gpu_poison_index(A), bid = gpu_poison_index(A), tpe = gpu_poison_index(c.E),
+           bins = gpu_poison_index(c.E), ptpe = gpu_poison_index(c.E), pb = gpu_poison_index(c.E),
+           dest = gpu_poison_index(A), rs = gpu_poison_index(R);
+    Tensor re = gpu_poison_index(R), be = gpu_poison_index((R + c.m - 1) / c.m), tot = gpu_poison_index(1);
+    padmoe::PlanView out;
+    out.indices = ind; out.bin_ids = bid; out.tokens_per_expert = tpe; out.bins = bins;
+    out.padded_tokens_per_expert = ptpe; out.padded_bins = pb; out.dest_rows = dest; out.row_sources = rs;
+    padmoe::PlanLayouts l;
+    l.row_experts = re;
+    l.block_experts = be;
+    l.padded_total = tot;
+    padmoe::make_plan_out(dte, c.E, c.m, out, l);
+    EXPECT_EQ(index_to_vec(to_cpu(re)), ref::row_experts(te, c.E, c.m, R));
+    std::vector<int64_t> rows_src = p.row_sources;
+    rows_src.resize(static_cast<size_t>(R), -1);
+    EXPECT_EQ(index_to_vec(to_cpu(rs)), rows_src);
+    const ref::AlignedBlocks want = ref::moe_align_block_size(te, c.m, c.E, false);
+    EXPECT_EQ(index_to_vec(to_cpu(be)), want.expert_ids);
+    EXPECT_EQ(index_to_vec(to_cpu(tot)), std::vector<int64_t>{p.padded_rows});
+    for (bool pad : {false, true}) {
+      const ref::AlignedBlocks w = ref::moe_align_block_size(te, c.m, c.E, pad);
+      const padmoe::AlignedBlocks g = padmoe::moe_align_block_size(dte, c.m, c.E, pad);
+      EXPECT_EQ(index_to_vec(to_cpu(g.sorted_token_ids)), w.sorted_token_ids);
+      EXPECT_EQ(index_to_vec(to_cpu(g.expert_ids)), w.expert_ids);
+      EXPECT_EQ(index_to_vec(to_cpu(g.num_tokens_post_padded)), std::vector<int64_t>{w.num_tokens_post_padded});
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // 2. Determinism: every op twice on the GPU gives the same bytes.
 // ---------------------------------------------------------------------------
