@@ -19,7 +19,9 @@ Ops (arguments in the order of padmoe/ops.hpp): :func:`make_plan`,
 :func:`dispatch`, :func:`combine`, :func:`combine_backward`,
 :func:`dispatch_backward`, :func:`pad_to_alignment`,
 :func:`unpad_from_alignment`, :func:`unpad_from_alignment_backward`,
-:func:`copy`; sizes :func:`capacity_bound`, :func:`workspace_bound`;
+:func:`copy`; layouts other kernels consume :func:`make_plan_layouts`,
+:func:`moe_align_block_size`; sizes :func:`capacity_bound`, :func:`workspace_bound`,
+:func:`aligned_rows_bound`;
 :func:`has_cuda`. See the docstring of ``padmoe._ops`` for the options every
 op takes (``check``, ``num_threads``, ``workspace``, ``stream``, ``rows``,
 ``out``) and the error mapping.
@@ -27,6 +29,7 @@ op takes (``check``, ``num_threads``, ``workspace``, ``stream``, ``rows``,
 
 from . import _C
 from ._ops import (
+    aligned_rows_bound,
     capacity_bound,
     combine,
     combine_backward,
@@ -35,6 +38,8 @@ from ._ops import (
     dispatch_backward,
     has_cuda,
     make_plan,
+    make_plan_layouts,
+    moe_align_block_size,
     pad_to_alignment,
     padded_gather,
     padded_gather_backward,
@@ -53,6 +58,7 @@ __version__ = _C.__version__
 
 __all__ = [
     "Plan",
+    "aligned_rows_bound",
     "capacity_bound",
     "combine",
     "combine_backward",
@@ -61,6 +67,8 @@ __all__ = [
     "dispatch_backward",
     "has_cuda",
     "make_plan",
+    "make_plan_layouts",
+    "moe_align_block_size",
     "pad_to_alignment",
     "padded_gather",
     "padded_gather_backward",

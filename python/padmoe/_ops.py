@@ -178,6 +178,79 @@ def make_plan(top_experts: Array, num_experts: int, alignment: int, *, out: Opti
     return out
 
 
+def make_plan_layouts(top_experts: Array, num_experts: int, alignment: int, *, check: bool = True,
+                      num_threads: int = 0, workspace: Optional[Array] = None,
+                      stream: Optional[int] = None) -> Tuple[Plan, Array, Array, Array]:
+    """:func:`make_plan` and, from the same pass, the layouts other kernels consume:
+    ``(plan, row_experts, block_experts, padded_total)``, int32 on ``top_experts``' device.
+
+    ``row_experts[capacity]``: the expert of each padded row, -1 on padding rows and past P
+    (DeepGEMM's contiguous grouped layout: its ``m_indices``). ``block_experts[ceil(capacity /
+    alignment)]``: the expert of each block of ``alignment`` rows, -1 past P (vLLM's
+    ``expert_ids``). ``padded_total[1]``: P, on the device (no synchronization)."""
+    op = "make_plan"
+    arrays = arrays_of(top_experts, op, "top_experts")
+    (top_experts,) = prepare(arrays, top_experts)
+    t, k = (int(top_experts.shape[0]), int(top_experts.shape[1])) if ndim(top_experts) == 2 else (0, 1)
+    plan = Plan._allocate(t, k, num_experts, alignment, top_experts)
+    cap = int(plan.row_sources.shape[0])
+    m = max(int(alignment), 1)
+    row_experts = arrays.empty((cap,), arrays.int32, top_experts)
+    block_experts = arrays.empty((-(-cap // m),), arrays.int32, top_experts)
+    padded_total = arrays.empty((1,), arrays.int32, top_experts)
+    _C.make_plan_layouts_out(top_experts, num_experts, alignment, plan, row_experts, block_experts, padded_total,
+                             **_options(arrays, top_experts, check, num_threads, workspace, stream))
+    return plan, row_experts, block_experts, padded_total
+
+
+def aligned_rows_bound(assignments: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False) -> int:
+    """``A + min(A, E) * (block_size - 1)``, rounded up to ``block_size`` when ``pad_sorted_ids``: vLLM's
+    ``max_num_tokens_padded``, the length of :func:`moe_align_block_size`'s ``sorted_token_ids``."""
+    return int(_C.aligned_rows_bound(int(assignments), int(num_experts), int(block_size), bool(pad_sorted_ids)))
+
+
+def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int, expert_map: Optional[Array] = None,
+                         pad_sorted_ids: bool = False, *, check: bool = True, num_threads: int = 0,
+                         workspace: Optional[Array] = None, stream: Optional[int] = None) -> Tuple[Array, Array, Array]:
+    """vLLM's ``moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None)``:
+    ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``, int32 on ``topk_ids``' device.
+
+    ``sorted_token_ids[R]`` (R = :func:`aligned_rows_bound`): each expert's assignment ids
+    ``t*K + k`` in ascending order (stable; vLLM's atomic kernel promises no order), the expert's run
+    padded to a multiple of ``block_size`` with the sentinel ``T*K``, then the sentinel to the end.
+    ``expert_ids[ceil(R / block_size)]``: the expert of each block; -1 for blocks at or past P.
+    ``num_tokens_post_padded[1]``: P. ``expert_map`` (global id -> local id, -1 for experts of other
+    ranks): applied to ``expert_ids`` afterwards, as vLLM does (blocks past P stay -1)."""
+    op = "moe_align_block_size"
+    arrays = arrays_of(topk_ids, op, "topk_ids")
+    (topk_ids,) = prepare(arrays, topk_ids)
+    a = 1
+    for n in topk_ids.shape:
+        a *= int(n)
+    m = max(int(block_size), 1)
+    r = max(aligned_rows_bound(a, max(int(num_experts), 0), m, pad_sorted_ids), 0)
+    if r > INT32_MAX:
+        raise ValueError(f"{op}: sorted_token_ids: size overflow: {r} does not fit the int32 outputs")
+    sorted_ids = arrays.empty((r,), arrays.int32, topk_ids)
+    expert_ids = arrays.empty((-(-r // m),), arrays.int32, topk_ids)
+    post = arrays.empty((1,), arrays.int32, topk_ids)
+    _C.moe_align_block_size_out(topk_ids, block_size, num_experts, sorted_ids, expert_ids, post,
+                                **_options(arrays, topk_ids, check, num_threads, workspace, stream))
+    if expert_map is not None:
+        expert_ids = _map_experts(expert_ids, expert_map)
+    return sorted_ids, expert_ids, post
+
+
+def _map_experts(expert_ids, expert_map):
+    if hasattr(expert_ids, "new_full"):  # torch
+        import torch
+        mapped = expert_map.to(device=expert_ids.device, dtype=torch.int32)[expert_ids.clamp(min=0).long()]
+        return torch.where(expert_ids >= 0, mapped, expert_ids)
+    import numpy as np
+    emap = np.asarray(expert_map, dtype=np.int32)
+    return np.where(expert_ids >= 0, emap[np.maximum(expert_ids, 0)], expert_ids).astype(np.int32)
+
+
 # ---------------------------------------------------------------------------
 # 2. MegaBlocks family (input in token order)
 # ---------------------------------------------------------------------------

@@ -85,6 +85,7 @@ __all__ = [
     "padded_scatter_wgrad",
     "pad_to_alignment",
     "unpad_from_alignment",
+    "moe_align_block_size",
 ]
 
 Tensor = torch.Tensor
@@ -108,6 +109,7 @@ _OPS = {name: getattr(_ops, name).default for name in (
 # function modes, ...) to the OpOverloads.
 for _i, _name in enumerate(_native.FALLBACK_ORDER):
     _native._set_fallback(_i, _OPS[_name])
+_OPS_ALIGN = _ops.moe_align_block_size.default
 _compiling = torch.compiler.is_compiling
 _eager_check = 0 if os.environ.get("PADMOE_TORCH_CHECK", "1") == "0" else 2
 
@@ -227,6 +229,16 @@ def _(hidden_states, tokens_per_expert, alignment, check=2):
     return (hidden_states.new_empty(p, hidden_states.shape[1]),
             hidden_states.new_empty(p, dtype=torch.int32),
             hidden_states.new_empty(tokens_per_expert.shape[0], dtype=torch.int32))
+
+
+@torch.library.register_fake("padmoe::moe_align_block_size")
+def _(topk_ids, block_size, num_experts, pad_sorted_ids=False, check=2):
+    a = topk_ids.numel()
+    r = a + min(a, num_experts) * (block_size - 1)
+    if pad_sorted_ids:
+        r = -(-r // block_size) * block_size
+    return (topk_ids.new_empty(r, dtype=torch.int32), topk_ids.new_empty(-(-r // block_size), dtype=torch.int32),
+            topk_ids.new_empty(1, dtype=torch.int32))
 
 
 @torch.library.register_fake("padmoe::unpad_from_alignment")
@@ -368,6 +380,33 @@ def unpad_from_alignment(padded_output: Tensor, permutation_map: Tensor, origina
     Differentiable wrt ``padded_output`` and ``probs``."""
     op, default = _call("unpad_from_alignment")
     return op(padded_output, permutation_map, original_size, probs, _mode(check, default))
+
+
+# ---------------------------------------------------------------------------
+# 4. vLLM / SGLang fused-MoE input
+# ---------------------------------------------------------------------------
+
+
+def moe_align_block_size(topk_ids: Tensor, block_size: int, num_experts: int, expert_map: Optional[Tensor] = None,
+                         pad_sorted_ids: bool = False, *, check: Optional[bool] = None):
+    """vLLM / SGLang ``moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None)`` ->
+    ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``, int32 on ``topk_ids``' device, from
+    one make_plan (no host synchronization with ``check=False``; static shapes under torch.compile).
+
+    ``sorted_token_ids[R]``, ``R = T*K + min(T*K, E) * (block_size - 1)`` (rounded up to
+    ``block_size`` with ``pad_sorted_ids``): each expert's flattened assignment ids ``t*K + k`` in
+    ascending order (stable; vLLM's atomic kernel promises no order within an expert), padded to a
+    multiple of ``block_size`` with the sentinel ``T*K``, then the sentinel to the end.
+    ``expert_ids[ceil(R / block_size)]``: each block's expert, -1 for blocks at or past
+    ``num_tokens_post_padded``. ``expert_map`` (global -> local expert id, -1 not local) is
+    applied to ``expert_ids`` afterwards as vLLM does (blocks past P stay -1)."""
+    default = 0 if _compiling() else _eager_check
+    sorted_ids, expert_ids, post = _OPS_ALIGN(topk_ids, int(block_size), int(num_experts), bool(pad_sorted_ids),
+                                              _mode(check, default))
+    if expert_map is not None:
+        mapped = expert_map.to(device=expert_ids.device, dtype=torch.int32)[expert_ids.clamp(min=0).long()]
+        expert_ids = torch.where(expert_ids >= 0, mapped, expert_ids)
+    return sorted_ids, expert_ids, post
 
 
 # ---------------------------------------------------------------------------

@@ -323,6 +323,50 @@ NB_MODULE(_C, m) {
       },
       nb::arg("top_experts"), nb::arg("num_experts"), nb::arg("alignment"), nb::arg("out"), PADMOE_OPTIONS);
 
+  m.def(
+      "make_plan_layouts_out",
+      [](const In& top_experts, int num_experts, int alignment, nb::handle out, const Out& row_experts,
+         const Out& block_experts, const Out& padded_total, PADMOE_OPTION_PARAMS) {
+        const char* op = "make_plan";
+        const TensorView te = to_view(top_experts, op, "top_experts");
+        PlanArg<Out> p;
+        read_plan(out, op, "out", p);
+        padmoe::PlanLayouts l;
+        l.row_experts = to_view(row_experts, op, "layouts.row_experts");
+        l.block_experts = to_view(block_experts, op, "layouts.block_experts");
+        l.padded_total = to_view(padded_total, op, "layouts.padded_total");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::make_plan_out(te, num_experts, alignment, p.view, l, o);
+      },
+      nb::arg("top_experts"), nb::arg("num_experts"), nb::arg("alignment"), nb::arg("out"), nb::arg("row_experts"),
+      nb::arg("block_experts"), nb::arg("padded_total"), PADMOE_OPTIONS);
+
+  m.def(
+      "moe_align_block_size_out",
+      [](const In& top_experts, int block_size, int num_experts, const Out& sorted_token_ids, const Out& expert_ids,
+         const Out& num_tokens_post_padded, PADMOE_OPTION_PARAMS) {
+        const char* op = "moe_align_block_size";
+        const TensorView te = to_view(top_experts, op, "topk_ids");
+        const TensorView vs = to_view(sorted_token_ids, op, "sorted_token_ids"),
+                         ve = to_view(expert_ids, op, "expert_ids"),
+                         vn = to_view(num_tokens_post_padded, op, "num_tokens_post_padded");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::moe_align_block_size_out(te, block_size, num_experts, vs, ve, vn, o);
+      },
+      nb::arg("topk_ids"), nb::arg("block_size"), nb::arg("num_experts"), nb::arg("sorted_token_ids"),
+      nb::arg("expert_ids"), nb::arg("num_tokens_post_padded"), PADMOE_OPTIONS);
+
+  m.def(
+      "aligned_rows_bound",
+      [](int64_t assignments, int num_experts, int block_size, bool pad_sorted_ids) {
+        return padmoe::aligned_rows_bound(assignments, num_experts, block_size, pad_sorted_ids);
+      },
+      nb::arg("assignments"), nb::arg("num_experts"), nb::arg("block_size"), nb::arg("pad_sorted_ids") = false,
+      "A + min(A, E) * (block_size - 1) (rounded up to block_size when pad_sorted_ids): vLLM's "
+      "max_num_tokens_padded, a bound on P.");
+
   // --- MegaBlocks family -----------------------------------------------------
 
   m.def(

@@ -740,6 +740,34 @@ Tensor padded_scatter_wgrad_kernel(const Tensor& y_in, const Tensor& grad_in, co
   return out;
 }
 
+// vLLM's moe_align_block_size ---------------------------------------------------------
+
+std::tuple<Tensor, Tensor, Tensor> moe_align_kernel(const Tensor& ids_in, int64_t block_size, int64_t num_experts,
+                                                    bool pad_sorted_ids, int64_t check) {
+  const char* op = "moe_align_block_size";
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  if (block_size < 1 || block_size > kMax) value_error(op, "block_size", "must be in [1, 2^31), got " + std::to_string(block_size));
+  if (num_experts < 1 || num_experts > kMax) value_error(op, "num_experts", "must be in [1, 2^31), got " + std::to_string(num_experts));
+  if (ids_in.dim() != 2) value_error(op, "topk_ids", "expected [T, K], got shape " + shape_of(ids_in));
+  Tensor ids = index_arg(ids_in);
+  const int64_t a = ids.numel();
+  if (a > kMax) value_error(op, "topk_ids", "size overflow: " + std::to_string(a) + " assignments do not fit int32");
+  const int64_t r = padmoe::aligned_rows_bound(a, static_cast<int>(num_experts), static_cast<int>(block_size), pad_sorted_ids);
+  check_rows_fit(op, "sorted_token_ids", r);
+  const auto int32 = ids.options().dtype(at::kInt);
+  Tensor sorted = at::empty({r}, int32);
+  Tensor experts = at::empty({(r + block_size - 1) / block_size}, int32);
+  Tensor post = at::empty({1}, int32);
+  c10::OptionalDeviceGuard guard(ids.device());
+  const padmoe::Options o = options_for(ids, check);
+  native([&] {
+    padmoe::moe_align_block_size_out(view(ids, op, "topk_ids"), static_cast<int>(block_size), static_cast<int>(num_experts),
+                                     view(sorted, op, "sorted_token_ids"), view(experts, op, "expert_ids"),
+                                     view(post, op, "num_tokens_post_padded"), o);
+  });
+  return {sorted, experts, post};
+}
+
 // Megatron drop-ins ------------------------------------------------------------------
 
 // P = sum of round_up(max(count, 0), alignment) on the host (CUDA: reads the counts, one synchronization).
@@ -1185,6 +1213,8 @@ TORCH_LIBRARY(padmoe, m) {
         "int check=2) -> Tensor");
   m.def("unpad_from_alignment_backward(Tensor grad_out, Tensor padded_output, Tensor permutation_map, Tensor? probs, "
         "bool need_pgrad, int check=2) -> (Tensor, Tensor)");
+  m.def("moe_align_block_size(Tensor topk_ids, int block_size, int num_experts, bool pad_sorted_ids=False, "
+        "int check=2) -> (Tensor, Tensor, Tensor)");
 }
 
 #define PADMOE_TORCH_KERNELS(m)                                                   \
@@ -1200,7 +1230,8 @@ TORCH_LIBRARY(padmoe, m) {
   m.impl("padded_scatter_wgrad", padded_scatter_wgrad_kernel);                    \
   m.impl("pad_to_alignment", pad_kernel);                                         \
   m.impl("unpad_from_alignment", unpad_kernel);                                   \
-  m.impl("unpad_from_alignment_backward", unpad_backward_kernel)
+  m.impl("unpad_from_alignment_backward", unpad_backward_kernel);                 \
+  m.impl("moe_align_block_size", moe_align_kernel)
 
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) { PADMOE_TORCH_KERNELS(m); }
 #ifdef PADMOE_TORCH_CUDA

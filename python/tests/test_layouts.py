@@ -1,0 +1,135 @@
+"""The layouts other kernels consume (issue "Routing features ...", item 6), against references written
+here from their owners' definitions: DeepGEMM's contiguous grouped layout (one int per padded row: its
+expert, -1 on padding) and vLLM's moe_align_block_size contract (sorted_token_ids padded per expert to
+the block size with the sentinel T*K, expert_ids per block, num_tokens_post_padded)."""
+
+import numpy as np
+import pytest
+
+import padmoe
+
+torch = pytest.importorskip("torch")
+import padmoe.torch as pt  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and padmoe.has_cuda() else [])
+
+
+def ref_align(top, block, E, pad_sorted_ids=False, expert_map=None):
+    """vLLM's documented semantics, in plain loops."""
+    flat = [int(v) for v in np.asarray(top).reshape(-1)]
+    A = len(flat)
+    size = A + min(A, E) * (block - 1)
+    if pad_sorted_ids:
+        size = -(-size // block) * block
+    sorted_ids = [A] * size
+    expert_ids = [-1] * (-(-size // block))
+    start = 0
+    for e in range(E):
+        mine = [a for a in range(A) if flat[a] == e]
+        for i, a in enumerate(mine):
+            sorted_ids[start + i] = a
+        end = start + -(-len(mine) // block) * block
+        for b in range(start // block, end // block):
+            expert_ids[b] = e if expert_map is None else int(expert_map[e])
+        start = end
+    return sorted_ids, expert_ids, [start]
+
+
+def ref_rows(top, E, m, rows):
+    flat = [int(v) for v in np.asarray(top).reshape(-1)]
+    out = [-1] * rows
+    start = 0
+    for e in range(E):
+        n = sum(1 for v in flat if v == e)
+        out[start:start + n] = [e] * n
+        start += -(-n // m) * m
+    return out
+
+
+CASES = [  # (T, K, E, block)
+    (3, 2, 64, 16),     # A < E: vLLM's smaller buffer
+    (1, 8, 256, 16),    # decode: one token
+    (200, 2, 8, 64),
+    (333, 8, 128, 16),
+    (64, 4, 16, 1),
+    (0, 2, 8, 16),
+]
+
+
+def routing(T, K, E, seed):
+    rng = np.random.default_rng(seed)
+    if T == 0:
+        return np.zeros((0, K), dtype=np.int64)
+    return np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int64)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("idx", [np.int32, np.int64])
+def test_numpy_moe_align_block_size(case, pad, idx):
+    T, K, E, block = case
+    top = routing(T, K, E, T + E).astype(idx)
+    s, e, n = padmoe.moe_align_block_size(top, block, E, pad_sorted_ids=pad)
+    ws, we, wn = ref_align(top, block, E, pad)
+    assert s.dtype == np.int32 and e.dtype == np.int32 and n.dtype == np.int32
+    assert s.tolist() == ws and e.tolist() == we and n.tolist() == wn
+    assert s.shape[0] == padmoe.aligned_rows_bound(T * K, E, block, pad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES)
+def test_torch_moe_align_block_size_with_expert_map(device, case):
+    T, K, E, block = case
+    top = torch.from_numpy(routing(T, K, E, 7 * T + E)).to(device)
+    g = torch.Generator().manual_seed(E)
+    emap = torch.full((E,), -1, dtype=torch.int32)
+    local = torch.randperm(E, generator=g)[: max(1, E // 2)]
+    emap[local] = torch.arange(local.numel(), dtype=torch.int32)
+    for expert_map in (None, emap.to(device)):
+        for fn in (pt.moe_align_block_size, padmoe.moe_align_block_size):
+            s, e, n = fn(top, block, E, expert_map)
+            ws, we, wn = ref_align(top.cpu(), block, E, False, None if expert_map is None else emap.tolist())
+            assert s.device.type == device and e.device.type == device
+            assert s.cpu().tolist() == ws and e.cpu().tolist() == we and n.cpu().tolist() == wn
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_moe_align_block_size_compiles_and_opchecks(device):
+    top = torch.from_numpy(routing(50, 2, 16, 3)).to(device)
+    f = torch.compile(lambda t: pt.moe_align_block_size(t, 16, 16, check=False), fullgraph=True, backend="aot_eager")
+    for got, want in zip(f(top), pt.moe_align_block_size(top, 16, 16)):
+        assert torch.equal(got, want)
+    torch.library.opcheck(torch.ops.padmoe.moe_align_block_size.default, (top, 16, 16, False, 1),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_make_plan_layouts_match_deepgemm_and_vllm(case):
+    T, K, E, m = case
+    top = routing(T, K, E, 5 * T + 1)
+    plan, rows, blocks, total = padmoe.make_plan_layouts(top, E, m)
+    ref = padmoe.make_plan(top, E, m)
+    for name in ("indices", "bin_ids", "dest_rows", "row_sources", "padded_bins"):
+        assert np.array_equal(getattr(plan, name), getattr(ref, name)), name  # the plan itself as make_plan's
+    assert rows.tolist() == ref_rows(top, E, m, rows.shape[0])
+    P = int(ref.padded_bins[-1]) if E else 0
+    assert total.tolist() == [P]
+    want_blocks = [-1] * blocks.shape[0]
+    for b in range(P // m):
+        want_blocks[b] = rows[b * m] if rows[b * m] >= 0 else int(np.searchsorted(ref.padded_bins, b * m, "right"))
+    assert blocks.tolist() == want_blocks
+    # the torch Routing's DeepGEMM layout is the same
+    r = pt.Routing.from_topk(torch.from_numpy(top), None, E, m)
+    assert r.row_experts.tolist() == rows.tolist()
+
+
+def test_bad_input_names_the_argument():
+    top = np.array([[1, 0], [0, 1]], dtype=np.int32)
+    with pytest.raises(ValueError, match="moe_align_block_size: block_size"):
+        padmoe.moe_align_block_size(top, 0, 2)
+    with pytest.raises(ValueError, match="moe_align_block_size: top_experts: expert id 1"):
+        padmoe.moe_align_block_size(top, 4, 1)
+    with pytest.raises(ValueError, match="moe_align_block_size: block_size"):
+        pt.moe_align_block_size(torch.from_numpy(top), 0, 2)
+    with pytest.raises(ValueError, match="moe_align_block_size: topk_ids"):
+        pt.moe_align_block_size(torch.zeros(4, dtype=torch.int64), 4, 2)
