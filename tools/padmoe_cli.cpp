@@ -437,6 +437,8 @@ struct Data {
   Tensor out_f32_N;      // [N] float32: unpad backward grad_probs
   Tensor out_map_R;      // [R] int32
   Tensor out_offsets_E;  // [E] int32
+  Tensor out_row_experts_R, out_block_experts, out_total_1;  // make_plan's layouts: [R], [ceil(R/m)], [1]
+  Tensor out_sorted_V, out_block_ids_V, out_post_1;          // moe_align_block_size: [V], [ceil(V/m)], [1]
 
   // Host float copies for the reference loops (filled only when needed).
   bool have_reference = false;
@@ -505,7 +507,8 @@ std::vector<Tensor*> output_tensors(Data& d) {
   return {&p.indices,    &p.bin_ids,      &p.tokens_per_expert, &p.bins,       &p.padded_tokens_per_expert,
           &p.padded_bins, &p.dest_rows,    &p.row_sources,       &d.out_rows_R, &d.out_rows_R2,
           &d.out_rows_T, &d.out_rows_N,   &d.out_rows_P,        &d.out_f32_A,  &d.out_f32_N,
-          &d.out_map_R,  &d.out_offsets_E};
+          &d.out_map_R,  &d.out_offsets_E, &d.out_row_experts_R, &d.out_block_experts, &d.out_total_1,
+          &d.out_sorted_V, &d.out_block_ids_V, &d.out_post_1};
 }
 
 // Builds the workload, always on the host; with --device cuda every input is
@@ -599,6 +602,13 @@ Data build_data(const Workload& w, bool reference) {
   d.out_f32_N = Tensor::empty(DType::kFloat32, {N}, dev);
   d.out_map_R = Tensor::empty(DType::kInt32, {R}, dev);
   d.out_offsets_E = Tensor::empty(DType::kInt32, {w.E}, dev);
+  d.out_row_experts_R = Tensor::empty(DType::kInt32, {R}, dev);
+  d.out_block_experts = Tensor::empty(DType::kInt32, {(R + w.m - 1) / w.m}, dev);
+  d.out_total_1 = Tensor::empty(DType::kInt32, {1}, dev);
+  const int64_t V = aligned_rows_bound(A, w.E, w.m);
+  d.out_sorted_V = Tensor::empty(DType::kInt32, {V}, dev);
+  d.out_block_ids_V = Tensor::empty(DType::kInt32, {(V + w.m - 1) / w.m}, dev);
+  d.out_post_1 = Tensor::empty(DType::kInt32, {1}, dev);
 
   if (reference) {
     d.x_f = to_floats(d.x);
@@ -790,7 +800,7 @@ std::vector<float> abs_of(const std::vector<float>& v) {
 // ===========================================================================
 
 struct Dims {
-  double T, H, A, P, R, N, E, s;
+  double T, H, A, P, R, N, E, s, m;
 };
 
 struct OpCase {
@@ -859,6 +869,49 @@ std::vector<OpCase> op_table() {
              expect_index("padded_bins", o.padded_bins, rp.padded_bins),
              expect_index("dest_rows", o.dest_rows, rp.dest_rows),
              expect_index("row_sources", o.row_sources, rp.row_sources)};
+       }});
+
+  // The layouts other kernels consume, from make_plan's own pass (DeepGEMM rows, vLLM blocks, P), and vLLM's
+  // moe_align_block_size: the references are written from those projects' definitions.
+  ops.push_back(
+      {"make_plan+layouts", "make_plan + (R + R/m + 1)*4 (row_experts, block_experts, P written)",
+       [](const Dims& d) { return d.A * 4 + (3 * d.A + 4 * d.E + d.R) * 4 + (d.R + d.R / d.m + 1) * 4; },
+       [](Data& d) {
+         PlanLayouts l;
+         l.row_experts = d.out_row_experts_R;
+         l.block_experts = d.out_block_experts;
+         l.padded_total = d.out_total_1;
+         make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), l, d.opt);
+       },
+       [](Data& d) {
+         const std::vector<int64_t> te(d.routing.top_experts.begin(), d.routing.top_experts.end());
+         ref::Plan rp = ref::make_plan(te, d.w.T, d.w.K, d.w.E, d.w.m);
+         std::vector<int64_t> blocks(static_cast<size_t>((d.R + d.w.m - 1) / d.w.m), -1);
+         for (int64_t e = 0, start = 0; e < d.w.E; ++e) {
+           const int64_t n = rp.padded_tokens_per_expert[static_cast<size_t>(e)];
+           for (int64_t b = start / d.w.m; b < (start + n) / d.w.m; ++b) blocks[static_cast<size_t>(b)] = e;
+           start += n;
+         }
+         return std::vector<Expect>{expect_index("row_sources", d.plan_out.row_sources, rp.row_sources),
+                                    expect_index("row_experts", d.out_row_experts_R, ref::row_experts(te, d.w.E, d.w.m, d.R)),
+                                    expect_index("block_experts", d.out_block_experts, std::move(blocks)),
+                                    expect_index("padded_total", d.out_total_1, {rp.padded_rows})};
+       }});
+  ops.push_back(
+      {"moe_align_block_size", "A*4 + (3*A + 4*E)*4 + (V + V/m + 1)*4 (ids read; plan scratch and vLLM's outputs written; V = A + min(A,E)*(m-1))",
+       [](const Dims& d) {
+         const double v = d.A + std::min(d.A, d.E) * (d.m - 1);
+         return d.A * 4 + (3 * d.A + 4 * d.E) * 4 + (v + v / d.m + 1) * 4;
+       },
+       [](Data& d) {
+         moe_align_block_size_out(d.top_experts, d.w.m, d.w.E, d.out_sorted_V, d.out_block_ids_V, d.out_post_1, d.opt);
+       },
+       [](Data& d) {
+         const std::vector<int64_t> te(d.routing.top_experts.begin(), d.routing.top_experts.end());
+         ref::AlignedBlocks r = ref::moe_align_block_size(te, d.w.m, d.w.E, false);
+         return std::vector<Expect>{expect_index("sorted_token_ids", d.out_sorted_V, std::move(r.sorted_token_ids)),
+                                    expect_index("expert_ids", d.out_block_ids_V, std::move(r.expert_ids)),
+                                    expect_index("num_tokens_post_padded", d.out_post_1, {r.num_tokens_post_padded})};
        }});
 
   for (bool weighted : {false, true}) {
@@ -1026,7 +1079,8 @@ Dims dims_of(const Data& d) {
   return Dims{static_cast<double>(d.w.T), static_cast<double>(d.w.H),
               static_cast<double>(d.A),   static_cast<double>(d.P),
               static_cast<double>(d.R),   static_cast<double>(d.N),
-              static_cast<double>(d.w.E), static_cast<double>(element_size(d.w.dtype))};
+              static_cast<double>(d.w.E), static_cast<double>(element_size(d.w.dtype)),
+              static_cast<double>(d.w.m)};
 }
 
 int used_threads(const Workload& w) { return w.threads > 0 ? w.threads : hardware_threads(); }
