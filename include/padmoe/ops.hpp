@@ -57,6 +57,15 @@ struct Options {
   // capacity_bound() is fully defined (padmoe.torch uses this). Off by
   // default: those rows are left untouched.
   bool zero_tail = false;
+  // Forward spreads (padded_gather, dispatch, pad_to_alignment): false leaves
+  // padding rows (rows below P that hold no assignment) unwritten, for
+  // consumers that never read them (DeepGEMM with the -1 row layout, masked
+  // grouped GEMMs): P - A fewer rows written. Safe for an inference forward;
+  // never for a tensor whose padded rows enter a reduction (a weight gradient
+  // over all P rows, a GEMM that reads every row). Backward outputs
+  // (grad_y of combine_backward / padded_scatter_backward, unpad's
+  // grad_padded) always zero their padding rows.
+  bool zero_padding = true;
   // CUDA: scratch memory an op needs beyond `workspace` comes from
   // scratch_alloc(bytes, stream, scratch_ctx) and goes back through
   // scratch_free(ptr, stream, scratch_ctx) once the op's work is queued (a

@@ -67,13 +67,13 @@ class _Native:
 _C = _Native()
 
 
-def _options(arrays, like, check, num_threads, workspace, stream, zero_tail=False):
+def _options(arrays, like, check, num_threads, workspace, stream, zero_tail=False, zero_padding=True):
     if stream is None:
         stream = arrays.stream(like)
     if workspace is not None:
         workspace = arrays_of(workspace, "workspace", "workspace").prepare(workspace)
     return {"stream": int(stream), "check_data": bool(check), "num_threads": int(num_threads), "workspace": workspace,
-            "zero_tail": bool(zero_tail)}
+            "zero_tail": bool(zero_tail), "zero_padding": bool(zero_padding)}
 
 
 def _cols(a) -> int:
@@ -259,21 +259,23 @@ def _map_experts(expert_ids, expert_map):
 def padded_gather(x: Array, indices: Array, bin_ids: Array, bins: Array, padded_bins: Array, top_k: int,
                   weights: Optional[Array] = None, *, rows: Optional[int] = None, out: Optional[Array] = None,
                   check: bool = True, num_threads: int = 0, workspace: Optional[Array] = None,
-                  stream: Optional[int] = None, zero_tail: bool = False) -> Array:
+                  stream: Optional[int] = None, zero_tail: bool = False, zero_padding: bool = True) -> Array:
     """``y[P, H]``: sorted position ``i`` of expert ``e`` lands in padded row
     ``padded_start(e) + i - real_start(e)`` and holds ``x[indices[i] // top_k]``
     (times ``weights[indices[i]]`` when given); padding rows are zero.
 
     ``x[T, H]`` float32/float16/bfloat16 (float8 without weights), any row
     stride; ``weights[A]`` float32 or x's dtype. Returns x's dtype.
-    """
+    ``zero_padding=False`` leaves padding rows unwritten (for consumers that skip them: DeepGEMM with
+    the -1 row layout, masked grouped GEMMs; an inference forward only, never rows a weight gradient
+    reduces over)."""
     op = "padded_gather"
     arrays = arrays_of(x, op, "x")
     x, indices, bin_ids, bins, padded_bins, weights, out = prepare(
         arrays, x, indices, bin_ids, bins, padded_bins, weights, out)
     y = _padded_out(arrays, op, x, rows, out, lambda: last_entry(arrays, padded_bins))
     _C.padded_gather_out(x, indices, bin_ids, bins, padded_bins, top_k, weights, y,
-                         **_options(arrays, x, check, num_threads, workspace, stream, zero_tail))
+                         **_options(arrays, x, check, num_threads, workspace, stream, zero_tail, zero_padding))
     return y
 
 
@@ -379,15 +381,20 @@ def _plan_assignments(plan) -> int:
 
 def dispatch(x: Array, plan: Plan, weights: Optional[Array] = None, *, rows: Optional[int] = None,
              out: Optional[Array] = None, check: bool = True, num_threads: int = 0,
-             workspace: Optional[Array] = None, stream: Optional[int] = None, zero_tail: bool = False) -> Array:
+             workspace: Optional[Array] = None, stream: Optional[int] = None, zero_tail: bool = False,
+             zero_padding: bool = True) -> Array:
     """``y[P, H]`` = :func:`padded_gather` on a plan, reading each token row
     once and writing its K copies. ``rows=plan.capacity`` avoids reading P
-    (no synchronization on CUDA)."""
+    (no synchronization on CUDA).
+    ``zero_padding=False`` leaves padding rows unwritten (for consumers that skip them: DeepGEMM with
+    the -1 row layout, masked grouped GEMMs; an inference forward only, never rows a weight gradient
+    reduces over)."""
     op = "dispatch"
     arrays = arrays_of(x, op, "x")
     x, weights, out = prepare(arrays, x, weights, out)
     y = _padded_out(arrays, op, x, rows, out, _plan_rows(arrays, plan))
-    _C.dispatch_out(x, plan, weights, y, **_options(arrays, x, check, num_threads, workspace, stream, zero_tail))
+    _C.dispatch_out(x, plan, weights, y,
+                    **_options(arrays, x, check, num_threads, workspace, stream, zero_tail, zero_padding))
     return y
 
 
@@ -451,7 +458,7 @@ def dispatch_backward(grad_y: Array, x: Array, plan: Plan, weights: Optional[Arr
 def pad_to_alignment(hidden_states: Array, tokens_per_expert: Array, alignment: int, *, rows: Optional[int] = None,
                      out: Optional[Tuple[Array, Array, Array]] = None, check: bool = True, num_threads: int = 0,
                      workspace: Optional[Array] = None,
-                     stream: Optional[int] = None) -> Tuple[Array, Array, Array]:
+                     stream: Optional[int] = None, zero_padding: bool = True) -> Tuple[Array, Array, Array]:
     """``(padded[P, H], permutation_map[P] int32, inclusive_offsets[E] int32)``:
     expert e's rows of ``hidden_states[N, H]`` keep their order and move to its
     aligned segment; padding rows are zero and map to -1; ``inclusive_offsets``
@@ -483,7 +490,7 @@ def pad_to_alignment(hidden_states: Array, tokens_per_expert: Array, alignment: 
         e = int(tokens_per_expert.shape[0]) if ndim(tokens_per_expert) == 1 else 0
         out_o = arrays.empty((e,), arrays.int32, hidden_states)
     _C.pad_to_alignment_out(hidden_states, tokens_per_expert, alignment, padded, permutation_map, out_o,
-                            **_options(arrays, hidden_states, check, num_threads, workspace, stream))
+                            **_options(arrays, hidden_states, check, num_threads, workspace, stream, zero_padding=zero_padding))
     return padded, permutation_map, out_o
 
 

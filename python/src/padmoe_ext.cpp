@@ -134,8 +134,9 @@ TensorView to_out_view(const OptOut& a, const char* op, const char* arg) {
 }
 
 padmoe::Options make_options(uintptr_t stream, bool check_data, int num_threads, const OptOut& workspace,
-                             bool zero_tail, const char* op) {
+                             bool zero_tail, bool zero_padding, const char* op) {
   padmoe::Options o;
+  o.zero_padding = zero_padding;
   o.stream = reinterpret_cast<void*>(stream);
   o.check_data = check_data;
   o.num_threads = num_threads;
@@ -238,10 +239,10 @@ bool has_cuda() {
 // The keyword-only options every op takes, in this order.
 #define PADMOE_OPTIONS                                                                                 \
   nb::kw_only(), nb::arg("stream") = 0, nb::arg("check_data") = true, nb::arg("num_threads") = 0, \
-      nb::arg("workspace").none() = nb::none(), nb::arg("zero_tail") = false
+      nb::arg("workspace").none() = nb::none(), nb::arg("zero_tail") = false, nb::arg("zero_padding") = true
 #define PADMOE_OPTION_PARAMS \
-  uintptr_t stream, bool check_data, int num_threads, const OptOut &workspace, bool zero_tail
-#define PADMOE_OPTS(op) make_options(stream, check_data, num_threads, workspace, zero_tail, op)
+  uintptr_t stream, bool check_data, int num_threads, const OptOut &workspace, bool zero_tail, bool zero_padding
+#define PADMOE_OPTS(op) make_options(stream, check_data, num_threads, workspace, zero_tail, zero_padding, op)
 
 NB_MODULE(_C, m) {
   m.doc() =

@@ -133,3 +133,44 @@ def test_bad_input_names_the_argument():
         pt.moe_align_block_size(torch.from_numpy(top), 0, 2)
     with pytest.raises(ValueError, match="moe_align_block_size: topk_ids"):
         pt.moe_align_block_size(torch.zeros(4, dtype=torch.int64), 4, 2)
+
+
+@pytest.mark.parametrize("device", ["numpy"] + DEVICES)
+def test_zero_padding_false_leaves_padding_rows_unwritten(device):
+    """Options::zero_padding (item 7): dispatch, padded_gather and pad_to_alignment leave padding rows
+    as they were; real rows as with the default."""
+    T, K, E, m, H = 40, 2, 6, 8, 5
+    top = routing(T, K, E, 11)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    if device != "numpy":
+        top, x = torch.from_numpy(top).to(device), torch.from_numpy(x).to(device)
+    plan = padmoe.make_plan(top, E, m)
+    rs = np.asarray(plan.row_sources.cpu() if device != "numpy" else plan.row_sources)
+    P = int(np.asarray(plan.padded_bins.cpu() if device != "numpy" else plan.padded_bins)[-1])
+    pad_rows = [r for r in range(P) if rs[r] < 0]
+    assert pad_rows, "the case needs padding rows"
+
+    def nan_rows(n):
+        a = np.full((n, H), np.nan, dtype=np.float32)
+        return a if device == "numpy" else torch.from_numpy(a).to(device)
+
+    def host(a):
+        return np.asarray(a.cpu() if device != "numpy" else a)
+
+    want = host(padmoe.dispatch(x, plan))
+    y = padmoe.dispatch(x, plan, out=nan_rows(plan.capacity), zero_padding=False)
+    got = host(y)
+    real = [r for r in range(P) if rs[r] >= 0]
+    assert np.array_equal(got[real], want[real]) and np.isnan(got[pad_rows]).all()
+    g = padmoe.padded_gather(x, plan.indices, plan.bin_ids, plan.bins, plan.padded_bins, K, out=nan_rows(P),
+                             zero_padding=False)
+    assert np.array_equal(host(g)[real], want[real]) and np.isnan(host(g)[pad_rows]).all()
+    h = x[(plan.indices // K).long()] if device != "numpy" else x[plan.indices // K]
+    # pad_to_alignment allocates its output: with zero_padding=False its padding rows are whatever the
+    # allocation held, so only the real rows are compared; the default zeroes the rest
+    padded, pmap, _ = padmoe.pad_to_alignment(h, plan.tokens_per_expert, m, zero_padding=False)
+    mp = host(pmap)
+    assert np.array_equal(host(padded)[mp >= 0], want[:P][mp >= 0])
+    default = host(padmoe.pad_to_alignment(h, plan.tokens_per_expert, m)[0])
+    assert np.array_equal(default, np.where((mp >= 0)[:, None], want[:P], 0.0))

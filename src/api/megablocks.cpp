@@ -162,17 +162,17 @@ cuda::ScaleArg scale_arg(const std::optional<TensorView>& w) {
 
 // y[dest[a]] = x[a/K] * w(a); padding rows zero.
 void run_spread(const Routed& r, const TensorView& x, const std::optional<TensorView>& w, const TensorView& y,
-                const TensorView* dots_with, const TensorView* dots, const Options& o) {
+                const TensorView* dots_with, const TensorView* dots, const Options& o, bool zero_padding = true) {
   if (r.on_cuda) {
     const cuda::RowsArg with = dots_with ? rows_arg(*dots_with) : cuda::RowsArg{};
-    cuda::spread_rows(rows_arg(x), r.top_k, r.dest_rows, scale_arg(w), rows_arg(y), r.padding,
+    cuda::spread_rows(rows_arg(x), r.top_k, r.dest_rows, scale_arg(w), rows_arg(y), r.padding, zero_padding,
                       o.zero_tail, dots_with ? &with : nullptr,
                       dots ? cuda::FloatOutArg{dots->data, dots->dtype} : cuda::FloatOutArg{}, o.stream);
     return;
   }
   const cpu::RowsRef with = dots_with ? cpu::RowsRef::of(*dots_with) : cpu::RowsRef{};
   cpu::spread_rows(cpu::RowsRef::of(x), r.top_k, r.dest_rows, cpu::Scale::of(w), cpu::RowsRef::of(y),
-                   r.row_sources, r.padded_rows, o.zero_tail, dots_with ? &with : nullptr,
+                   r.row_sources, r.padded_rows, zero_padding, o.zero_tail, dots_with ? &with : nullptr,
                    dots ? float_out(*dots) : cpu::FloatOut{}, o.num_threads);
 }
 
@@ -325,7 +325,7 @@ void padded_gather_out(const TensorView& x, const TensorView& indices, const Ten
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
   check_padded_out(c, y, "y", r, x);
   prepare(c, r, options);
-  run_spread(r, x, weights, y, nullptr, nullptr, options);
+  run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
 }
 
 Tensor padded_gather(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
@@ -336,7 +336,7 @@ Tensor padded_gather(const TensorView& x, const TensorView& indices, const Tenso
   prepare(c, r, options);
   read_padded_rows(r, options);
   Tensor y = alloc_padded(r, x);
-  run_spread(r, x, weights, y, nullptr, nullptr, options);
+  run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
   return y;
 }
 
@@ -472,7 +472,7 @@ void dispatch_out(const TensorView& x, const PlanView& plan, const std::optional
   Routed r = dispatch_inputs(c, x, plan, weights);
   check_padded_out(c, y, "y", r, x);
   prepare(c, r, options);
-  run_spread(r, x, weights, y, nullptr, nullptr, options);
+  run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
 }
 
 Tensor dispatch(const TensorView& x, const PlanView& plan, const std::optional<TensorView>& weights,
@@ -482,7 +482,7 @@ Tensor dispatch(const TensorView& x, const PlanView& plan, const std::optional<T
   prepare(c, r, options);
   read_padded_rows(r, options);
   Tensor y = alloc_padded(r, x);
-  run_spread(r, x, weights, y, nullptr, nullptr, options);
+  run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
   return y;
 }
 

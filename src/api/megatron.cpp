@@ -105,7 +105,8 @@ void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const Ten
                   options.stream);
     if (experts > 0) {  // no experts: P = 0, no row of `padded` is touched
       cuda::gather_rows(cuda::RowsArg::of(h), cuda::IndexRef{map, false}, cuda::ScaleArg{}, false,
-                        cuda::RowsArg::of(padded), padded.shape[0], offs + experts - 1, options.stream);
+                        cuda::RowsArg::of(padded), padded.shape[0], offs + experts - 1, options.stream,
+                        /*skip_unmapped=*/!options.zero_padding);
     }
     return;
   }
@@ -130,7 +131,7 @@ void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const Ten
     }
   });
   cpu::gather_rows(cpu::RowsRef::of(h), map, cpu::Scale{}, false, cpu::RowsRef::of(padded), s.padded_rows,
-                   options.num_threads);
+                   options.num_threads, /*skip_unmapped=*/!options.zero_padding);
 }
 
 // permutation_map checked (entries in [-1, N), distinct) and inverted.

@@ -62,7 +62,8 @@ void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k
 // When dots_with is given, dots[a] = <dots_with[dest[a]], x[t]> (0 where
 // dest < 0) from the same read of x[t] (combine_backward's weight grad).
 void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, const RowsRef& y,
-                 const int32_t* row_sources, int64_t padded_rows, bool zero_past_end, const RowsRef* dots_with,
+                 const int32_t* row_sources, int64_t padded_rows, bool zero_padding, bool zero_past_end,
+                 const RowsRef* dots_with,
                  FloatOut dots, int threads);
 
 // Token-driven weighted reduction (combine / padded_scatter):
@@ -78,8 +79,9 @@ void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest
 // Output-row-driven move (pad, unpad, grad of unpad):
 //   out[r] = src[map[r]] * s(scale_index) for map[r] >= 0, else zero;
 //   scale_index = map[r] when scale_by_source, else r.
+// skip_unmapped: rows with map < 0 are left unwritten instead of zeroed.
 void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_source, const RowsRef& out,
-                 int64_t rows, int threads);
+                 int64_t rows, int threads, bool skip_unmapped = false);
 
 // dst = src for `bytes` bytes, split into contiguous per-worker chunks;
 // large copies use streaming stores.

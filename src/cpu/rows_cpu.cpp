@@ -250,11 +250,12 @@ void copy_bytes(void* dst, const void* src, int64_t bytes, int threads) {
 }
 
 void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, const RowsRef& y,
-                 const int32_t* row_sources, int64_t padded_rows, bool zero_past_end, const RowsRef* dots_with,
-                 FloatOut dots, int threads) {
+                 const int32_t* row_sources, int64_t padded_rows, bool zero_padding, bool zero_past_end,
+                 const RowsRef* dots_with, FloatOut dots, int threads) {
   const int64_t tokens = x.rows;
   const int64_t row_bytes = y.row_bytes();
   const int64_t zero_end = zero_past_end && y.rows > padded_rows ? y.rows : padded_rows;
+  const int64_t zero_begin = zero_padding ? 0 : padded_rows;  // rows below P left alone when not zero_padding
   const int workers = workers_for(threads, tokens * top_k + zero_end, row_bytes);
   const Store mode = store_mode(zero_end * row_bytes);
   with_traits(x.dtype, [&](auto traits) {
@@ -274,8 +275,8 @@ void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, cons
         if (dots_with != nullptr) token_dots<T>(*dots_with, dest, t, top_k, src, x.cols, dots);
       }
       // Padding rows: this worker's share of [0, P) (and of [P, rows) with zero_past_end).
-      const index::Range pr = index::work_range(wid, workers, zero_end);
-      for (int64_t r = pr.begin; r < pr.end; ++r) {
+      const index::Range pr = index::work_range(wid, workers, zero_end - zero_begin);
+      for (int64_t r = zero_begin + pr.begin; r < zero_begin + pr.end; ++r) {
         if (r >= padded_rows || row_sources[r] < 0) zero_row(y.row(r), row_bytes, mode);
       }
       store_fence();
@@ -331,7 +332,7 @@ void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest
 }
 
 void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_source, const RowsRef& out,
-                 int64_t rows, int threads) {
+                 int64_t rows, int threads, bool skip_unmapped) {
   const int64_t row_bytes = out.row_bytes();
   const int workers = workers_for(threads, rows, 2 * row_bytes);
   const Store mode = store_mode(rows * row_bytes);
@@ -341,7 +342,9 @@ void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_
       const index::Range rr = index::work_range(wid, workers, rows);
       for (int64_t r = rr.begin; r < rr.end; ++r) {
         const int64_t from = map[r];
-        if (from < 0) zero_row(out.row(r), row_bytes, mode);
+        if (from < 0) {
+          if (!skip_unmapped) zero_row(out.row(r), row_bytes, mode);
+        }
         else if (!s.present()) copy_row(out.row(r), src.row(from), row_bytes, mode);
         else scale_row_to<T>(out.row(r), src.row(from), out.cols, s.at(scale_by_source ? from : r), mode);
       }

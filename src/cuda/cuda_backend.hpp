@@ -110,9 +110,10 @@ struct PaddingRef {
 // y[dest[a]] = x[a/K] * w(a) for dest >= 0; rows < P that are padding are zeroed,
 // and rows in [P, y.rows) too when zero_past_end (allocating forms). When
 // dots_with is given: dots[a] = <dots_with[dest[a]], x[a/K]> from the same read.
+// zero_padding false: padding rows below P are left unwritten.
 void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
-                 const PaddingRef& padding, bool zero_past_end, const RowsArg* dots_with, FloatOutArg dots,
-                 void* stream);
+                 const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
+                 FloatOutArg dots, void* stream);
 
 // out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]], float32, dest < 0 skipped.
 // When dots_with is given: dots[a] = <y[dest[a]], dots_with[a/K]> from the same reads of y.
@@ -125,8 +126,9 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
 
 // out[r] = src[map[r]] * s(scale index) or zero for map[r] < 0, r < rows;
 // rows at or past *row_limit (a device int32, e.g. P) are left untouched.
+// skip_unmapped: rows with map < 0 are left unwritten instead of zeroed.
 void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
-                 const int32_t* row_limit, void* stream);
+                 const int32_t* row_limit, void* stream, bool skip_unmapped = false);
 
 // --- Megatron maps ----------------------------------------------------------------
 // From counts[E]: inclusive_offsets[E] (padded inclusive cumsum) and

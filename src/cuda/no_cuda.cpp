@@ -29,7 +29,7 @@ void make_plan(IndexRef, int64_t, int, int, int, const PlanView&, const PlanLayo
 void build_dest_rows(IndexRef, IndexRef, IndexRef, IndexRef, int64_t, int, int32_t*, void*) {
   unavailable("build_dest_rows");
 }
-void spread_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, const PaddingRef&, bool,
+void spread_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, const PaddingRef&, bool, bool,
                  const RowsArg*, FloatOutArg, void*) {
   unavailable("spread_rows");
 }
@@ -39,7 +39,7 @@ void reduce_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, 
 void row_dots(const RowsArg&, const RowsArg&, int, const int32_t*, int64_t, FloatOutArg, void*) {
   unavailable("row_dots");
 }
-void gather_rows(const RowsArg&, IndexRef, ScaleArg, bool, const RowsArg&, int64_t, const int32_t*, void*) {
+void gather_rows(const RowsArg&, IndexRef, ScaleArg, bool, const RowsArg&, int64_t, const int32_t*, void*, bool) {
   unavailable("gather_rows");
 }
 void pad_map(IndexRef, int, int, int64_t, int32_t*, int32_t*, void*, void*) { unavailable("pad_map"); }

@@ -124,7 +124,8 @@ __device__ void finish_dots(int64_t t, int k0, int nk, int top_k, const int64_t*
 // or, when zero_past_end, at or past P. One search per block, then the
 // experts whose padded segments meet the range are walked in order.
 template <typename U>
-__device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool zero_past_end, int64_t first) {
+__device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool zero_padding, bool zero_past_end,
+                                  int64_t first) {
   const int64_t last = first + kZeroRows < y.rows ? first + kZeroRows : y.rows;
   const int64_t units = units_of<U>(y);
   const int64_t padded = padded_total(pad);
@@ -133,6 +134,7 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
     for (int64_t i = threadIdx.x; i < n; i += kThreads) U::store(row_ptr(y, r0 + i / units), i % units, U::zero());
   };
   if (zero_past_end && last > padded) zero_range(first > padded ? first : padded, last);
+  if (!zero_padding) return;
   const int64_t end = last < padded ? last : padded;
   if (first >= end) return;
   int64_t lo = 0, hi = pad.num_experts;  // first expert whose padded segment ends past `first`
@@ -154,11 +156,12 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
-                  bool zero_past_end, RowsArg dots_with, FloatOutArg dots) {
+                  bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots) {
   using U = Unit<T, kVec>;
   const int64_t tokens = x.rows;
   if (blockIdx.x >= tokens) {
-    zero_padding_rows<U>(y, pad, zero_past_end, (static_cast<int64_t>(blockIdx.x) - tokens) * kZeroRows);
+    zero_padding_rows<U>(y, pad, zero_padding, zero_past_end,
+                         (static_cast<int64_t>(blockIdx.x) - tokens) * kZeroRows);
     return;
   }
   __shared__ int64_t s_dest[kGroupK];
@@ -330,7 +333,7 @@ constexpr int kMaxMapRows = 8;
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     gather_kernel(RowsArg src, IndexRef map, ScaleArg s, bool scale_by_source, RowsArg out,
-                  const int32_t* row_limit, int rows_per_block) {
+                  const int32_t* row_limit, int rows_per_block, bool skip_unmapped) {
   using U = Unit<T, kVec>;
   __shared__ int64_t s_from[kMaxMapRows];
   __shared__ float s_scale[kMaxMapRows];
@@ -365,6 +368,7 @@ __global__ void __launch_bounds__(kThreads)
       if (i < n) {
         const int row = i / units;
         const bool plain = s.data == nullptr || s_from[row] < 0;
+        if (skip_unmapped && s_from[row] < 0) continue;
         U::store(row_ptr(out, r0 + row), i - row * units, plain ? v[j] : U::scale(v[j], s_scale[row]));
       }
     }
@@ -427,10 +431,10 @@ void pick(DType dtype, bool vec, Launch&& launch) {
 }  // namespace
 
 void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
-                 const PaddingRef& padding, bool zero_past_end, const RowsArg* dots_with, FloatOutArg dots,
-                 void* stream) {
+                 const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
+                 FloatOutArg dots, void* stream) {
   const int64_t tokens = x.rows;
-  const int64_t zero_blocks = index::ceil_div(y.rows, kZeroRows);
+  const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, kZeroRows) : 0;
   const int64_t blocks = tokens + zero_blocks;
   if (blocks == 0 || (y.cols == 0 && dots.data == nullptr)) return;  // H = 0 still writes zero dots
   const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
@@ -438,7 +442,7 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   pick<SpreadTag>(x.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
     Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(x, top_k, dest, w, y, padding,
-                                                                               zero_past_end, with, dots);
+                                                                               zero_padding, zero_past_end, with, dots);
   });
   PADMOE_CUDA_LAUNCH_CHECK("spread_kernel");
 }
@@ -476,7 +480,7 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
 }
 
 void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
-                 const int32_t* row_limit, void* stream) {
+                 const int32_t* row_limit, void* stream, bool skip_unmapped) {
   if (rows == 0 || out.cols == 0) return;
   const bool vec = rows_vectorizable(src) && rows_vectorizable(out);
   RowsArg limited = out;
@@ -488,7 +492,7 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
   pick<GatherTag>(out.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
     Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(
-        src, map, s, scale_by_source, limited, row_limit, static_cast<int>(per_block));
+        src, map, s, scale_by_source, limited, row_limit, static_cast<int>(per_block), skip_unmapped);
   });
   PADMOE_CUDA_LAUNCH_CHECK("gather_kernel");
 }

@@ -586,6 +586,66 @@ TEST(CpuVsGpuEdge, PlanLayoutsAndAlignedBlocks) {
   }
 }
 
+// Options::zero_padding = false: the GPU's forward spreads leave padding rows unwritten (poison stays)
+// and write the real rows as the CPU does; backward grad_y still zeroes them.
+TEST(CpuVsGpuEdge, ZeroPaddingOff) {
+  REQUIRE_GPU();
+  const int64_t T = 300, H = 40;
+  const int K = 2, E = 7, m = 16;
+  const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 41);
+  const ref::Plan p = ref::make_plan(te, T, K, E, m);
+  Rng rng(9);
+  for (DType dt : {DType::kBFloat16, DType::kFloat8E5M2}) {
+    SCOPED_TRACE(dname(dt));
+    const std::vector<float> xf = random_values(T * H, dt, rng);
+    const Tensor hx = rows_from_float(xf, dt, T, H);
+    const padmoe::Plan gplan = padmoe::make_plan(to_gpu(index_matrix(te, T, K, DType::kInt32)), E, m);
+    padmoe::Options o;
+    o.zero_padding = false;
+    Tensor gy = gpu_poison_rows(dt, p.capacity, H);
+    padmoe::dispatch_out(to_gpu(hx), gplan.view(), std::nullopt, gy, o);
+    const Tensor hy = to_cpu(gy);
+    const std::vector<float> want = ref::padded_gather(xf, H, p, nullptr);
+    for (int64_t r = 0; r < p.capacity; ++r) {
+      if (r < p.padded_rows && p.row_sources[static_cast<size_t>(r)] >= 0) {
+        std::vector<float> one(want.begin() + r * H, want.begin() + (r + 1) * H);
+        ASSERT_TRUE(rows_bitwise(hy, one, 1, 0, H, r)) << "real row " << r;
+      } else {
+        ASSERT_TRUE(bytes_are(hy, r, r + 1, kPoison)) << "row " << r << " (padding or past P) was written";
+      }
+    }
+    std::vector<float> hf;
+    for (int64_t i = 0; i < T * K; ++i) {
+      const int64_t t = p.indices[static_cast<size_t>(i)] / K;
+      hf.insert(hf.end(), xf.begin() + t * H, xf.begin() + (t + 1) * H);
+    }
+    Tensor gpad = gpu_poison_rows(dt, p.padded_rows, H), gmap = gpu_poison_index(p.padded_rows),
+           goff = gpu_poison_index(E);
+    padmoe::pad_to_alignment_out(to_gpu(rows_from_float(hf, dt, T * K, H)),
+                                 to_gpu(index_tensor(p.tokens_per_expert, DType::kInt32)), m, gpad, gmap, goff, o);
+    const Tensor hp = to_cpu(gpad);
+    for (int64_t r = 0; r < p.padded_rows; ++r) {
+      if (p.row_sources[static_cast<size_t>(r)] >= 0) {
+        std::vector<float> one(want.begin() + r * H, want.begin() + (r + 1) * H);
+        ASSERT_TRUE(rows_bitwise(hp, one, 1, 0, H, r)) << "pad: real row " << r;
+      } else {
+        ASSERT_TRUE(bytes_are(hp, r, r + 1, kPoison)) << "pad: padding row " << r << " was written";
+      }
+    }
+  }
+  // backward: padding rows of grad_y zeroed whatever the option
+  const std::vector<float> gf = random_values(T * H, DType::kFloat32, rng);
+  const padmoe::Plan gplan = padmoe::make_plan(to_gpu(index_matrix(te, T, K, DType::kInt32)), E, m);
+  padmoe::Options o;
+  o.zero_padding = false;
+  Tensor ggy = gpu_poison_rows(DType::kFloat32, p.capacity, H);
+  const Tensor y1 = to_gpu(rows_from_float(std::vector<float>(static_cast<size_t>(p.capacity * H), 1.0f),
+                                           DType::kFloat32, p.capacity, H));
+  padmoe::combine_backward_out(to_gpu(rows_from_float(gf, DType::kFloat32, T, H)), y1, gplan.view(), std::nullopt,
+                               ggy, TensorView{}, o);
+  EXPECT_TRUE(rows_bitwise(to_cpu(ggy), ref::padded_gather(gf, H, p, nullptr), p.padded_rows));
+}
+
 // ---------------------------------------------------------------------------
 // 2. Determinism: every op twice on the GPU gives the same bytes.
 // ---------------------------------------------------------------------------
