@@ -984,6 +984,34 @@ std::vector<OpCase> op_table() {
          [weighted](Data& d) { dispatch_out(d.x, d.plan.view(), weighted ? W(d.weights) : W(), d.out_rows_R, d.opt); },
          [=](Data& d) { return std::vector<Expect>{rows_P(d, "y", d.out_rows_R, gather_ref(d, d.x_f, weighted))}; }});
   }
+  // dispatch with Options::zero_padding = false: padding rows left unwritten (item 7); real rows checked
+  // against the reference, padding rows compared to what the buffer held before the call.
+  ops.push_back(
+      {"dispatch(no-pad)", "(T*H + A*H)*s (padding rows not written)",
+       [](const Dims& d) { return (d.T * d.H + d.A * d.H) * d.s; },
+       [](Data& d) {
+         Options o = d.opt;
+         o.zero_padding = false;
+         dispatch_out(d.x, d.plan.view(), W(), d.out_rows_R, o);
+       },
+       [=](Data& d) {
+         // Again into a buffer filled with 3.0 (exact in every row format): real rows as the reference,
+         // padding rows and rows past P still 3.0.
+         const int64_t H = d.w.H, R = d.out_rows_R.view().shape[0];
+         Tensor fill = Tensor::empty(d.w.dtype, {R, H});
+         for (int64_t i = 0; i < R * H; ++i) numeric::store_from_float(fill.data(), d.w.dtype, i, 3.0f);
+         padmoe::copy(fill, d.out_rows_R, d.opt);
+         Options o = d.opt;
+         o.zero_padding = false;
+         dispatch_out(d.x, d.plan.view(), W(), d.out_rows_R, o);
+         std::vector<float> ref = gather_ref(d, d.x_f, false);
+         ref.resize(static_cast<size_t>(R * H), 3.0f);
+         for (int64_t r = 0; r < d.P; ++r) {
+           if (d.ref_plan.row_sources[static_cast<size_t>(r)] >= 0) continue;
+           std::fill(ref.begin() + r * H, ref.begin() + (r + 1) * H, 3.0f);
+         }
+         return std::vector<Expect>{expect_move("y", d.out_rows_R, R, H, std::move(ref))};
+       }});
   ops.push_back({"combine(w)", kScatterRule, scatter_bytes,
                  [](Data& d) { combine_out(d.y, d.plan.view(), W(d.weights), d.out_rows_T, d.opt); },
                  [=](Data& d) { return std::vector<Expect>{scatter_expect(d, "out", d.out_rows_T, &d.y_f, true)}; }});
