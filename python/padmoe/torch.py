@@ -170,7 +170,7 @@ def _(top_experts, num_experts, alignment, check=2, weights=None):
 
 
 @torch.library.register_fake("padmoe::dispatch")
-def _(x, plan, weights, top_k, num_experts, alignment, check=2):
+def _(x, plan, weights, top_k, num_experts, alignment, check=2, zero_padding=True):
     _, _, cap = _plan_sizes(plan, top_k, num_experts, alignment)
     return x.new_empty(cap, x.shape[1])
 
@@ -198,7 +198,7 @@ def _(grad_out, y, plan, weights, top_k, num_experts, alignment, need_wgrad, che
 
 
 @torch.library.register_fake("padmoe::padded_gather")
-def _(x, indices, bin_ids, bins, padded_bins, top_k, weights=None, check=2):
+def _(x, indices, bin_ids, bins, padded_bins, top_k, weights=None, check=2, zero_padding=True):
     p = torch.library.get_ctx().new_dynamic_size()
     return x.new_empty(p, x.shape[1])
 
@@ -224,7 +224,7 @@ def _(y, grad, indices, bin_ids, bins, padded_bins, top_k, check=2):
 
 
 @torch.library.register_fake("padmoe::pad_to_alignment")
-def _(hidden_states, tokens_per_expert, alignment, check=2):
+def _(hidden_states, tokens_per_expert, alignment, check=2, zero_padding=True):
     p = torch.library.get_ctx().new_dynamic_size()
     return (hidden_states.new_empty(p, hidden_states.shape[1]),
             hidden_states.new_empty(p, dtype=torch.int32),
@@ -286,12 +286,15 @@ def make_plan(top_experts: Tensor, num_experts: int, alignment: int, *, check: O
     return Plan._from_packed(packed, t, k, num_experts, alignment)
 
 
-def dispatch(x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None) -> Tensor:
+def dispatch(x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None,
+             zero_padding: bool = True) -> Tensor:
     """``y[plan.capacity, H]``: ``y[dest_rows[t*K+k]] = x[t]`` (times ``weights[t*K+k]`` when
-    given); padding rows and rows at or past P are zero. Differentiable wrt ``x`` and
-    ``weights`` (backward: the ``dispatch_backward`` operator)."""
+    given); padding rows and rows at or past P are zero (``zero_padding=False``: left unwritten, for
+    consumers that never read them; see Routing.dispatch). Differentiable wrt ``x`` and ``weights``
+    (backward: the ``dispatch_backward`` operator)."""
     op, default = _call("dispatch")
-    return op(x, _packed(plan), weights, plan.top_k, plan.num_experts, plan.alignment, _mode(check, default))
+    return op(x, _packed(plan), weights, plan.top_k, plan.num_experts, plan.alignment, _mode(check, default),
+              bool(zero_padding))
 
 
 def combine(y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None) -> Tensor:
@@ -309,7 +312,8 @@ def combine(y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: O
 
 
 def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, padded_bins: Tensor, top_k: int,
-                  weights: Optional[Tensor] = None, *, check: Optional[bool] = None, backend: str = "native") -> Tensor:
+                  weights: Optional[Tensor] = None, *, check: Optional[bool] = None, backend: str = "native",
+                  zero_padding: bool = True) -> Tensor:
     """MegaBlocks ``padded_gather(x, indices, bin_ids, bins, padded_bins, top_k)``:
     ``y[padded_bins[-1], H]`` with sorted position i of expert e in row
     ``padded_start(e) + i - real_start(e)`` holding ``x[indices[i] // top_k]`` (times
@@ -322,7 +326,7 @@ def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, pad
         return _triton.gather_autograd(x, indices, bin_ids, bins, padded_bins, top_k, weights, _triton_check(check, x))
     _backend(backend, "padded_gather")
     op, default = _call("padded_gather")
-    return op(x, indices, bin_ids, bins, padded_bins, top_k, weights, _mode(check, default))
+    return op(x, indices, bin_ids, bins, padded_bins, top_k, weights, _mode(check, default), bool(zero_padding))
 
 
 def padded_scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Optional[Tensor], bins: Tensor,
@@ -361,7 +365,7 @@ def padded_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tens
 
 
 def pad_to_alignment(hidden_states: Tensor, tokens_per_expert: Tensor, alignment: int, *,
-                     check: Optional[bool] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                     check: Optional[bool] = None, zero_padding: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     """Megatron ``pad_to_alignment(hidden_states, tokens_per_expert, alignment)`` ->
     ``(padded_hidden[P, H], permutation_map[P] int32, inclusive_offsets[E] int32)``: expert
     e's rows keep their order and move to its aligned segment; padding rows are zero and
@@ -369,7 +373,7 @@ def pad_to_alignment(hidden_states: Tensor, tokens_per_expert: Tensor, alignment
     ``sum(tokens_per_expert)`` are ignored (zero gradient). P is read on the host.
     Differentiable wrt ``hidden_states``."""
     op, default = _call("pad_to_alignment")
-    return op(hidden_states, tokens_per_expert, alignment, _mode(check, default))
+    return op(hidden_states, tokens_per_expert, alignment, _mode(check, default), bool(zero_padding))
 
 
 def unpad_from_alignment(padded_output: Tensor, permutation_map: Tensor, original_size: int,
@@ -494,10 +498,13 @@ class Routing:
             self._row_experts = torch.where(p.row_sources >= 0, expert, -1)
         return self._row_experts
 
-    def dispatch(self, x: Tensor, weighted: bool = False) -> Tensor:
+    def dispatch(self, x: Tensor, weighted: bool = False, zero_padding: bool = True) -> Tensor:
+        """``zero_padding=False`` leaves the padding rows (and the rows past P) unwritten: for a
+        consumer that never reads them (DeepGEMM with ``row_experts``, a masked grouped GEMM) in an
+        inference forward; never when an expert weight gradient reduces over every row."""
         if weighted and self.weights is None:
             raise ValueError("Routing.dispatch: weighted=True needs router weights (from_topk got None)")
-        return dispatch(x, self.plan, self.weights if weighted else None, check=self.check)
+        return dispatch(x, self.plan, self.weights if weighted else None, check=self.check, zero_padding=zero_padding)
 
     def combine(self, y: Tensor, weighted: bool = True) -> Tensor:
         return combine(y, self.plan, self.weights if weighted else None, check=self.check)

@@ -465,7 +465,7 @@ Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64
 }
 
 Tensor dispatch_kernel(const Tensor& x_in, const Tensor& plan, const OptTensor& weights, int64_t top_k,
-                       int64_t num_experts, int64_t alignment, int64_t check) {
+                       int64_t num_experts, int64_t alignment, int64_t check, bool zero_padding) {
   const char* op = "dispatch";
   const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, op);
   if (is_f64(x_in)) {
@@ -478,7 +478,8 @@ Tensor dispatch_kernel(const Tensor& x_in, const Tensor& plan, const OptTensor& 
   Tensor y = at::empty({pp.cap, x.dim() == 2 ? x.size(1) : 0}, x.options());
   c10::OptionalDeviceGuard guard(x.device());
   const padmoe::PlanView pv = pp.view(op);
-  const padmoe::Options o = options_for(x, check, /*zero_tail=*/true);
+  padmoe::Options o = options_for(x, check, /*zero_tail=*/zero_padding);
+  o.zero_padding = zero_padding;  // false: padding rows (and the rows past P) left unwritten
   native([&] { padmoe::dispatch_out(view(x, op, "x"), pv, opt_view(w, op, "weights"), view(y, op, "y"), o); });
   return y;
 }
@@ -584,7 +585,7 @@ std::tuple<Tensor, Tensor> dispatch_backward_kernel(const Tensor& grad_y_in, con
 
 Tensor padded_gather_kernel(const Tensor& x_in, const Tensor& indices_in, const Tensor& bin_ids_in,
                             const Tensor& bins_in, const Tensor& padded_bins_in, int64_t top_k,
-                            const OptTensor& weights, int64_t check) {
+                            const OptTensor& weights, int64_t check, bool zero_padding) {
   const char* op = "padded_gather";
   Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
          padded_bins = index_arg(padded_bins_in);
@@ -595,7 +596,8 @@ Tensor padded_gather_kernel(const Tensor& x_in, const Tensor& indices_in, const 
   OptTensor w = scale_arg(weights);
   Tensor y = f64 ? Tensor() : at::empty({p, x.dim() == 2 ? x.size(1) : 0}, x.options());
   c10::OptionalDeviceGuard guard(x.device());
-  const padmoe::Options o = options_for(x, check);
+  padmoe::Options o = options_for(x, check);
+  o.zero_padding = zero_padding || f64;  // float64 rows are moved by torch below (padding zero)
   native([&] {
     padmoe::padded_gather_out(f64 ? shadow(x) : view(x, op, "x"), view(indices, op, "indices"),
                               view(bin_ids, op, "bin_ids"), view(bins, op, "bins"),
@@ -783,7 +785,7 @@ int64_t padded_total(const Tensor& counts, int64_t alignment) {
 }
 
 std::tuple<Tensor, Tensor, Tensor> pad_kernel(const Tensor& h_in, const Tensor& tpe_in, int64_t alignment,
-                                              int64_t check) {
+                                              int64_t check, bool zero_padding) {
   const char* op = "pad_to_alignment";
   Tensor tpe = index_arg(tpe_in);
   const int64_t p = padded_total(tpe, alignment);
@@ -808,7 +810,8 @@ std::tuple<Tensor, Tensor, Tensor> pad_kernel(const Tensor& h_in, const Tensor& 
   }
   Tensor padded = at::empty({p, h.dim() == 2 ? h.size(1) : 0}, h.options());
   c10::OptionalDeviceGuard guard(h.device());
-  const padmoe::Options o = options_for(h, check);
+  padmoe::Options o = options_for(h, check);
+  o.zero_padding = zero_padding;
   native([&] {
     padmoe::pad_to_alignment_out(view(h, op, "hidden_states"), view(tpe, op, "tokens_per_expert"),
                                  static_cast<int>(alignment), view(padded, op, "padded"),
@@ -980,7 +983,8 @@ struct PlanOpBackward : Node {
 };
 
 Tensor plan_op_autograd(bool is_combine, const Tensor& rows, const Tensor& plan, const OptTensor& weights,
-                        int64_t top_k, int64_t num_experts, int64_t alignment, int64_t check) {
+                        int64_t top_k, int64_t num_experts, int64_t alignment, int64_t check,
+                        bool zero_padding = true) {
   Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -989,7 +993,7 @@ Tensor plan_op_autograd(bool is_combine, const Tensor& rows, const Tensor& plan,
       out = op.call(rows, plan, weights, top_k, num_experts, alignment, check);
     } else {
       static auto op = handle<decltype(dispatch_kernel)>("padmoe::dispatch");
-      out = op.call(rows, plan, weights, top_k, num_experts, alignment, check);
+      out = op.call(rows, plan, weights, top_k, num_experts, alignment, check, zero_padding);
     }
   }
   if (!recording(rows, weights)) return out;
@@ -1014,8 +1018,8 @@ Tensor plan_op_autograd(bool is_combine, const Tensor& rows, const Tensor& plan,
 }
 
 Tensor dispatch_autograd(const Tensor& x, const Tensor& plan, const OptTensor& weights, int64_t top_k,
-                         int64_t num_experts, int64_t alignment, int64_t check) {
-  return plan_op_autograd(false, x, plan, weights, top_k, num_experts, alignment, check);
+                         int64_t num_experts, int64_t alignment, int64_t check, bool zero_padding) {
+  return plan_op_autograd(false, x, plan, weights, top_k, num_experts, alignment, check, zero_padding);
 }
 Tensor combine_autograd(const Tensor& y, const Tensor& plan, const OptTensor& weights, int64_t top_k,
                         int64_t num_experts, int64_t alignment, int64_t check) {
@@ -1076,12 +1080,13 @@ void attach_sorted(bool is_scatter, const Tensor& out, const Tensor& rows, const
 }
 
 Tensor padded_gather_autograd(const Tensor& x, const Tensor& indices, const Tensor& bin_ids, const Tensor& bins,
-                              const Tensor& padded_bins, int64_t top_k, const OptTensor& weights, int64_t check) {
+                              const Tensor& padded_bins, int64_t top_k, const OptTensor& weights, int64_t check,
+                              bool zero_padding) {
   Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto op = handle<decltype(padded_gather_kernel)>("padmoe::padded_gather");
-    out = op.call(x, indices, bin_ids, bins, padded_bins, top_k, weights, check);
+    out = op.call(x, indices, bin_ids, bins, padded_bins, top_k, weights, check, zero_padding);
   }
   if (recording(x, weights)) attach_sorted(false, out, x, indices, bin_ids, bins, padded_bins, weights, top_k, check);
   return out;
@@ -1111,12 +1116,13 @@ struct PadBackward : Node {
   std::string name() const override { return "padmoe::PadToAlignmentBackward"; }
 };
 
-std::tuple<Tensor, Tensor, Tensor> pad_autograd(const Tensor& h, const Tensor& tpe, int64_t alignment, int64_t check) {
+std::tuple<Tensor, Tensor, Tensor> pad_autograd(const Tensor& h, const Tensor& tpe, int64_t alignment, int64_t check,
+                                                bool zero_padding) {
   std::tuple<Tensor, Tensor, Tensor> out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto op = handle<decltype(pad_kernel)>("padmoe::pad_to_alignment");
-    out = op.call(h, tpe, alignment, check);
+    out = op.call(h, tpe, alignment, check, zero_padding);
   }
   if (recording(h, std::nullopt)) {
     NodePtr node = new_node<PadBackward>();
@@ -1189,7 +1195,8 @@ Tensor make_plan_autograd(const Tensor& top_experts, int64_t num_experts, int64_
 
 TORCH_LIBRARY(padmoe, m) {
   m.def("make_plan(Tensor top_experts, int num_experts, int alignment, int check=2, Tensor? weights=None) -> Tensor");
-  m.def("dispatch(Tensor x, Tensor plan, Tensor? weights, int top_k, int num_experts, int alignment, int check=2) "
+  m.def("dispatch(Tensor x, Tensor plan, Tensor? weights, int top_k, int num_experts, int alignment, int check=2, "
+        "bool zero_padding=True) "
         "-> Tensor");
   m.def("dispatch_backward(Tensor grad_y, Tensor? x, Tensor plan, Tensor? weights, int top_k, int num_experts, "
         "int alignment, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
@@ -1198,7 +1205,7 @@ TORCH_LIBRARY(padmoe, m) {
   m.def("combine_backward(Tensor grad_out, Tensor? y, Tensor plan, Tensor? weights, int top_k, int num_experts, "
         "int alignment, bool need_wgrad, int check=2, int rows=-1) -> (Tensor, Tensor)");
   m.def("padded_gather(Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, Tensor padded_bins, int top_k, "
-        "Tensor? weights=None, int check=2) -> Tensor");
+        "Tensor? weights=None, int check=2, bool zero_padding=True) -> Tensor");
   m.def("padded_gather_backward(Tensor grad_y, Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, "
         "Tensor padded_bins, int top_k, Tensor? weights, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
   m.def("padded_scatter(Tensor y, Tensor indices, Tensor bin_ids, Tensor? weights, Tensor bins, Tensor padded_bins, "
@@ -1207,8 +1214,8 @@ TORCH_LIBRARY(padmoe, m) {
         "Tensor bins, Tensor padded_bins, int top_k, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
   m.def("padded_scatter_wgrad(Tensor y, Tensor grad, Tensor indices, Tensor bin_ids, Tensor bins, "
         "Tensor padded_bins, int top_k, int check=2) -> Tensor");
-  m.def("pad_to_alignment(Tensor hidden_states, Tensor tokens_per_expert, int alignment, int check=2) -> "
-        "(Tensor, Tensor, Tensor)");
+  m.def("pad_to_alignment(Tensor hidden_states, Tensor tokens_per_expert, int alignment, int check=2, "
+        "bool zero_padding=True) -> (Tensor, Tensor, Tensor)");
   m.def("unpad_from_alignment(Tensor padded_output, Tensor permutation_map, int original_size, Tensor? probs=None, "
         "int check=2) -> Tensor");
   m.def("unpad_from_alignment_backward(Tensor grad_out, Tensor padded_output, Tensor permutation_map, Tensor? probs, "
@@ -1305,6 +1312,11 @@ bool plain_call() { return !at::impl::torch_function_mode_enabled(); }
 bool read_arg(PyObject* o, Tensor& t) { return arg_tensor(o, t); }
 bool read_arg(PyObject* o, OptTensor& t) { return arg_opt_tensor(o, t); }
 bool read_arg(PyObject* o, int64_t& v) { return arg_int(o, v); }
+bool read_arg(PyObject* o, bool& v) {
+  if (o != Py_True && o != Py_False) return false;
+  v = o == Py_True;
+  return true;
+}
 
 PyObject* wrap_result(Tensor t) { return THPVariable_Wrap(std::move(t)); }
 PyObject* wrap_result(std::tuple<Tensor, Tensor, Tensor> t) {

@@ -174,3 +174,41 @@ def test_zero_padding_false_leaves_padding_rows_unwritten(device):
     assert np.array_equal(host(padded)[mp >= 0], want[:P][mp >= 0])
     default = host(padmoe.pad_to_alignment(h, plan.tokens_per_expert, m)[0])
     assert np.array_equal(default, np.where((mp >= 0)[:, None], want[:P], 0.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_zero_padding_false_real_rows_and_gradients(device):
+    """padmoe.torch's dispatch / padded_gather / pad_to_alignment with zero_padding=False: real rows as the
+    default, gradients as the default (the backward never reads padding rows), compiles, opchecks."""
+    T, K, E, m, H = 40, 2, 6, 8, 5
+    top = torch.from_numpy(routing(T, K, E, 13)).to(device)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(T, H, generator=g).to(device)
+    w = torch.rand(T, K, generator=g).to(device)
+    r = pt.Routing.from_topk(top, w, E, m)
+    real = (r.plan.row_sources >= 0)
+    want = r.dispatch(x)
+    got = r.dispatch(x, zero_padding=False)
+    assert torch.equal(got[real], want[real])
+    grads = []
+    for zp in (True, False):
+        xr = x.clone().requires_grad_(True)
+        wr = w.clone().requires_grad_(True)
+        rr = pt.Routing.from_topk(top, wr, E, m)
+        out = rr.combine(rr.dispatch(xr, zero_padding=zp) * 2.0)
+        out.backward(torch.ones_like(out))
+        grads.append((out.detach(), xr.grad, wr.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    p = r.plan
+    y = pt.padded_gather(x, p.indices, p.bin_ids, p.bins, p.padded_bins, K, zero_padding=False)
+    P = int(p.padded_bins[-1])
+    assert torch.equal(y[real[:P]], want[:P][real[:P]])
+    h = x[(p.indices // K).long()]
+    padded, pmap, _ = pt.pad_to_alignment(h, p.tokens_per_expert, m, zero_padding=False)
+    assert torch.equal(padded[pmap >= 0], want[:P][pmap >= 0])
+    f = torch.compile(lambda a: pt.dispatch(a, p, check=False, zero_padding=False), fullgraph=True,
+                      backend="aot_eager")
+    assert torch.equal(f(x)[real], want[real])
+    torch.library.opcheck(torch.ops.padmoe.dispatch.default, (x, p.packed, None, K, E, m, 1, False),
+                          test_utils=("test_schema", "test_faketensor"))
