@@ -30,6 +30,23 @@ void expect_plan_matches(const padmoe::PlanView& lib, const ref::Plan& r, int64_
   EXPECT_EQ(padmoe::padded_rows(lib), r.padded_rows);
 }
 
+// Caller buffers for make_plan_out, every entry poisoned; row_sources has `rows` entries.
+struct PoisonedPlan {
+  Tensor ind, bid, tpe, bins, ptpe, pb, dest, rs;
+  padmoe::PlanView out;
+  PoisonedPlan(int64_t A, int E, int64_t rows)
+      : ind(poison_index(A)), bid(poison_index(A)), tpe(poison_index(E)), bins(poison_index(E)),
+        ptpe(poison_index(E)), pb(poison_index(E)), dest(poison_index(A)), rs(poison_index(rows)) {
+    out.indices = ind; out.bin_ids = bid; out.tokens_per_expert = tpe; out.bins = bins;
+    out.padded_tokens_per_expert = ptpe; out.padded_bins = pb; out.dest_rows = dest; out.row_sources = rs;
+  }
+  padmoe::PlanView filled(int64_t T, int K, int E, int m) const {
+    padmoe::PlanView v = out;
+    v.num_tokens = T; v.top_k = K; v.num_experts = E; v.alignment = m;
+    return v;
+  }
+};
+
 using PlanParam = std::tuple<int64_t, int, int, int, DType, int>;  // T, K, E, m, idx dtype, dist
 class MakePlan : public ::testing::TestWithParam<PlanParam> {};
 
@@ -57,30 +74,14 @@ TEST_P(MakePlan, MatchesReference) {
 
   // make_plan_out into poisoned caller buffers, row_sources larger than capacity.
   const int64_t A = T * K, extra = 13;
-  Tensor b_ind = poison_index(A), b_bid = poison_index(A), b_tpe = poison_index(E), b_bins = poison_index(E),
-         b_ptpe = poison_index(E), b_pb = poison_index(E), b_dest = poison_index(A),
-         b_rs = poison_index(r.capacity + extra);
-  padmoe::PlanView out;
-  out.indices = b_ind; out.bin_ids = b_bid; out.tokens_per_expert = b_tpe; out.bins = b_bins;
-  out.padded_tokens_per_expert = b_ptpe; out.padded_bins = b_pb; out.dest_rows = b_dest; out.row_sources = b_rs;
-  padmoe::make_plan_out(tet, E, m, out);
-  padmoe::PlanView got = out;
-  got.num_tokens = T; got.top_k = K; got.num_experts = E; got.alignment = m;
-  expect_plan_matches(got, r, r.capacity + extra);
+  const PoisonedPlan buf(A, E, r.capacity + extra);
+  padmoe::make_plan_out(tet, E, m, buf.out);
+  expect_plan_matches(buf.filled(T, K, E, m), r, r.capacity + extra);
 }
-
-INSTANTIATE_TEST_SUITE_P(
-    Grid, MakePlan,
-    ::testing::Combine(::testing::Values<int64_t>(0, 7, 4096), ::testing::Values(1, 2, 8),
-                       ::testing::Values(1, 16, 128), ::testing::Values(1, 8, 128),
-                       ::testing::Values(DType::kInt32, DType::kInt64),
-                       ::testing::Values(static_cast<int>(Dist::kUniform), static_cast<int>(Dist::kSkewed))));
 
 // The layouts other kernels consume (PlanLayouts, moe_align_block_size) against references written
 // from DeepGEMM's and vLLM's definitions, on the same grid.
-class PlanLayoutsGrid : public ::testing::TestWithParam<PlanParam> {};
-
-TEST_P(PlanLayoutsGrid, MatchReference) {
+TEST_P(MakePlan, LayoutsMatchReference) {
   int64_t T;
   int K, E, m, d;
   DType idx;
@@ -94,23 +95,16 @@ TEST_P(PlanLayoutsGrid, MatchReference) {
   const ref::Plan r = ref::make_plan(te, T, K, E, m);
   for (int64_t R : {tight, r.capacity + 5}) {
     SCOPED_TRACE("rows " + std::to_string(R));
-    Tensor b_ind = poison_index(A), b_bid = poison_index(A), b_tpe = poison_index(E), b_bins = poison_index(E),
-           b_ptpe = poison_index(E), b_pb = poison_index(E), b_dest = poison_index(A), b_rs = poison_index(R);
+    const PoisonedPlan buf(A, E, R);
     Tensor re = poison_index(R), be = poison_index((R + m - 1) / m), pt = poison_index(1);
-    padmoe::PlanView out;
-    out.indices = b_ind; out.bin_ids = b_bid; out.tokens_per_expert = b_tpe; out.bins = b_bins;
-    out.padded_tokens_per_expert = b_ptpe; out.padded_bins = b_pb; out.dest_rows = b_dest; out.row_sources = b_rs;
     padmoe::PlanLayouts layouts;
     layouts.row_experts = re;
     layouts.block_experts = be;
     layouts.padded_total = pt;
-    padmoe::make_plan_out(tet, E, m, out, layouts);
-    padmoe::PlanView got = out;
-    got.num_tokens = T; got.top_k = K; got.num_experts = E; got.alignment = m;
-    expect_plan_matches(got, r, R);  // the plan itself unchanged by the layouts
+    padmoe::make_plan_out(tet, E, m, buf.out, layouts);
+    expect_plan_matches(buf.filled(T, K, E, m), r, R);  // the plan itself unchanged by the layouts
     EXPECT_EQ(index_to_vec(re), ref::row_experts(te, E, m, R));
     std::vector<int64_t> blocks((R + m - 1) / m, -1);  // DeepGEMM rows -> vLLM blocks: each block one expert
-    const std::vector<int64_t> rows = ref::row_experts(te, E, m, R);
     for (int64_t e = 0, start = 0; e < E; ++e) {
       const int64_t n = r.padded_tokens_per_expert[static_cast<size_t>(e)];
       for (int64_t b = start / m; b < (start + n) / m; ++b) blocks[static_cast<size_t>(b)] = e;
@@ -131,7 +125,7 @@ TEST_P(PlanLayoutsGrid, MatchReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Grid, PlanLayoutsGrid,
+    Grid, MakePlan,
     ::testing::Combine(::testing::Values<int64_t>(0, 7, 4096), ::testing::Values(1, 2, 8),
                        ::testing::Values(1, 16, 128), ::testing::Values(1, 8, 128),
                        ::testing::Values(DType::kInt32, DType::kInt64),
