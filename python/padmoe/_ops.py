@@ -198,8 +198,8 @@ def make_plan_layouts(top_experts: Array, num_experts: int, alignment: int, *, c
     row_experts = arrays.empty((cap,), arrays.int32, top_experts)
     block_experts = arrays.empty((-(-cap // m),), arrays.int32, top_experts)
     padded_total = arrays.empty((1,), arrays.int32, top_experts)
-    _C.make_plan_layouts_out(top_experts, num_experts, alignment, plan, row_experts, block_experts, padded_total,
-                             **_options(arrays, top_experts, check, num_threads, workspace, stream))
+    _C.make_plan_out(top_experts, num_experts, alignment, plan, row_experts, block_experts, padded_total,
+                     **_options(arrays, top_experts, check, num_threads, workspace, stream))
     return plan, row_experts, block_experts, padded_total
 
 

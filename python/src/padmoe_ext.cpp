@@ -313,35 +313,23 @@ NB_MODULE(_C, m) {
 
   m.def(
       "make_plan_out",
-      [](const In& top_experts, int num_experts, int alignment, nb::handle out, PADMOE_OPTION_PARAMS) {
+      [](const In& top_experts, int num_experts, int alignment, nb::handle out, const OptOut& row_experts,
+         const OptOut& block_experts, const OptOut& padded_total, PADMOE_OPTION_PARAMS) {
         const char* op = "make_plan";
         const TensorView te = to_view(top_experts, op, "top_experts");
         PlanArg<Out> p;
         read_plan(out, op, "out", p);
-        const padmoe::Options o = PADMOE_OPTS(op);
-        nb::gil_scoped_release release;
-        padmoe::make_plan_out(te, num_experts, alignment, p.view, o);
-      },
-      nb::arg("top_experts"), nb::arg("num_experts"), nb::arg("alignment"), nb::arg("out"), PADMOE_OPTIONS);
-
-  m.def(
-      "make_plan_layouts_out",
-      [](const In& top_experts, int num_experts, int alignment, nb::handle out, const Out& row_experts,
-         const Out& block_experts, const Out& padded_total, PADMOE_OPTION_PARAMS) {
-        const char* op = "make_plan";
-        const TensorView te = to_view(top_experts, op, "top_experts");
-        PlanArg<Out> p;
-        read_plan(out, op, "out", p);
-        padmoe::PlanLayouts l;
-        l.row_experts = to_view(row_experts, op, "layouts.row_experts");
-        l.block_experts = to_view(block_experts, op, "layouts.block_experts");
-        l.padded_total = to_view(padded_total, op, "layouts.padded_total");
+        padmoe::PlanLayouts l;  // the layouts other kernels consume, each optional (None: not written)
+        l.row_experts = to_out_view(row_experts, op, "layouts.row_experts");
+        l.block_experts = to_out_view(block_experts, op, "layouts.block_experts");
+        l.padded_total = to_out_view(padded_total, op, "layouts.padded_total");
         const padmoe::Options o = PADMOE_OPTS(op);
         nb::gil_scoped_release release;
         padmoe::make_plan_out(te, num_experts, alignment, p.view, l, o);
       },
-      nb::arg("top_experts"), nb::arg("num_experts"), nb::arg("alignment"), nb::arg("out"), nb::arg("row_experts"),
-      nb::arg("block_experts"), nb::arg("padded_total"), PADMOE_OPTIONS);
+      nb::arg("top_experts"), nb::arg("num_experts"), nb::arg("alignment"), nb::arg("out"),
+      nb::arg("row_experts").none() = nb::none(), nb::arg("block_experts").none() = nb::none(),
+      nb::arg("padded_total").none() = nb::none(), PADMOE_OPTIONS);
 
   m.def(
       "moe_align_block_size_out",
