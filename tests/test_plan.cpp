@@ -104,13 +104,7 @@ TEST_P(MakePlan, LayoutsMatchReference) {
     padmoe::make_plan_out(tet, E, m, buf.out, layouts);
     expect_plan_matches(buf.filled(T, K, E, m), r, R);  // the plan itself unchanged by the layouts
     EXPECT_EQ(index_to_vec(re), ref::row_experts(te, E, m, R));
-    std::vector<int64_t> blocks((R + m - 1) / m, -1);  // DeepGEMM rows -> vLLM blocks: each block one expert
-    for (int64_t e = 0, start = 0; e < E; ++e) {
-      const int64_t n = r.padded_tokens_per_expert[static_cast<size_t>(e)];
-      for (int64_t b = start / m; b < (start + n) / m; ++b) blocks[static_cast<size_t>(b)] = e;
-      start += n;
-    }
-    EXPECT_EQ(index_to_vec(be), blocks);
+    EXPECT_EQ(index_to_vec(be), ref::block_experts(te, E, m, R));
     EXPECT_EQ(index_to_vec(pt), std::vector<int64_t>{r.padded_rows});
   }
   for (bool pad : {false, true}) {

@@ -242,6 +242,19 @@ std::vector<int64_t> row_experts(const std::vector<int64_t>& top_experts, int nu
   return out;
 }
 
+std::vector<int64_t> block_experts(const std::vector<int64_t>& top_experts, int num_experts, int alignment,
+                                   int64_t rows) {
+  std::vector<int64_t> out(static_cast<size_t>((rows + alignment - 1) / alignment), -1);
+  const auto lists = by_expert(top_experts, num_experts);
+  int64_t start = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    const int64_t end = start + up(static_cast<int64_t>(lists[static_cast<size_t>(e)].size()), alignment);
+    for (int64_t b = start / alignment; b < end / alignment; ++b) out[static_cast<size_t>(b)] = e;
+    start = end;
+  }
+  return out;
+}
+
 AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int block_size, int num_experts,
                                    bool pad_sorted_ids) {
   const int64_t a = static_cast<int64_t>(top_experts.size());
@@ -249,15 +262,13 @@ AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int 
   if (pad_sorted_ids) size = up(size, block_size);
   AlignedBlocks r;
   r.sorted_token_ids.assign(static_cast<size_t>(size), a);
-  r.expert_ids.assign(static_cast<size_t>((size + block_size - 1) / block_size), -1);
+  r.expert_ids = block_experts(top_experts, num_experts, block_size, size);
   const auto lists = by_expert(top_experts, num_experts);
   int64_t start = 0;
   for (int e = 0; e < num_experts; ++e) {
     const auto& l = lists[static_cast<size_t>(e)];
     for (size_t i = 0; i < l.size(); ++i) r.sorted_token_ids[static_cast<size_t>(start) + i] = l[i];
-    const int64_t end = start + up(static_cast<int64_t>(l.size()), block_size);
-    for (int64_t b = start / block_size; b < end / block_size; ++b) r.expert_ids[static_cast<size_t>(b)] = e;
-    start = end;
+    start += up(static_cast<int64_t>(l.size()), block_size);
   }
   r.num_tokens_post_padded = start;
   return r;

@@ -82,6 +82,10 @@ UnpadGrads unpad_from_alignment_backward(const std::vector<float>& grad_out, con
 // A + min(A, E)*(block-1), rounded up to block with pad_sorted_ids).
 std::vector<int64_t> row_experts(const std::vector<int64_t>& top_experts, int num_experts, int alignment,
                                  int64_t rows);
+// vLLM's expert_ids for a buffer of `rows` rows: ceil(rows / m) entries, the expert of each block of
+// m rows (every expert's run is padded to whole blocks), -1 for blocks at or past P.
+std::vector<int64_t> block_experts(const std::vector<int64_t>& top_experts, int num_experts, int alignment,
+                                   int64_t rows);
 struct AlignedBlocks {
   std::vector<int64_t> sorted_token_ids, expert_ids;
   int64_t num_tokens_post_padded = 0;
