@@ -91,8 +91,8 @@ struct PlanShape {
   int64_t padded_rows;
 };
 
-// Shapes, dtypes, and every expert id in [0, E); returns P.
-PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int num_experts, int alignment) {
+// Shapes, dtypes and sizes (no pass over the ids); padded_rows is the bound on P.
+PlanShape check_top_experts_shape(const Checker& c, const TensorView& top_experts, int num_experts, int alignment) {
   if (top_experts.ndim != 2) c.value_error("top_experts", "expected a 2-D [tokens, top_k] tensor");
   if (!is_index(top_experts.dtype)) {
     c.fail(ErrorKind::kType, "top_experts", std::string("expected int32 or int64, got ") + dtype_name(top_experts.dtype));
@@ -113,10 +113,15 @@ PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int
   detail::check_int32_extent(c, "top_experts", a_count);
   detail::check_int32_extent(c, "capacity", index::capacity_bound(a_count, num_experts, alignment));
   detail::require_backend(c, top_experts.device);
-  if (top_experts.device.is_cuda()) {  // P is known on the device only; ids are checked there: its bound
-    return PlanShape{tokens, static_cast<int>(k), aligned_rows_bound(a_count, num_experts, alignment)};
-  }
+  return PlanShape{tokens, static_cast<int>(k), aligned_rows_bound(a_count, num_experts, alignment)};
+}
 
+// Shapes, dtypes, and every expert id in [0, E); returns P (CUDA: its bound; the ids are checked on
+// the device).
+PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int num_experts, int alignment) {
+  const PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, alignment);
+  if (top_experts.device.is_cuda()) return shape;
+  const int64_t k = shape.top_k, a_count = shape.tokens * k;
   const detail::IndexReader ids(top_experts);
   std::vector<int64_t> counts = detail::host_vector<int64_t>(c, "num_experts", num_experts, 0);
   for (int64_t a = 0; a < a_count; ++a) {
@@ -129,7 +134,7 @@ PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int
   }
   int64_t padded = 0;
   for (int64_t n : counts) padded += index::round_up(n, alignment);
-  return PlanShape{tokens, static_cast<int>(k), padded};
+  return PlanShape{shape.tokens, shape.top_k, padded};
 }
 
 void check_plan_outputs(const Checker& c, const PlanView& out, const PlanShape& s, int num_experts, Device device) {
@@ -265,7 +270,8 @@ AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size
                                    bool pad_sorted_ids, const Options& options) {
   Checker c("moe_align_block_size");
   if (block_size < 1) c.value_error("block_size", "must be >= 1, got " + std::to_string(block_size));
-  const PlanShape s = check_top_experts(c, top_experts, num_experts, block_size);
+  // sizes only: moe_align_block_size_out checks the ids
+  const PlanShape s = check_top_experts_shape(c, top_experts, num_experts, block_size);
   const int64_t rows = aligned_rows_bound(s.tokens * s.top_k, num_experts, block_size, pad_sorted_ids);
   detail::check_int32_extent(c, "sorted_token_ids", rows);
   AlignedBlocks r;
