@@ -362,18 +362,21 @@ def tile_config(op: str, hidden: int, dtype: torch.dtype, target: Optional[str] 
     unless ``cores`` is given). Triton's block shapes must be powers of two, so ``sub_block_rows`` and
     ``block_x`` are rounded down to one (``block_x`` at least 16: 32 bytes of 16-bit rows), which keeps
     the planner's buffer budget. ``pass`` says which pass gather and wgrad run (see ``_DEFAULT_PASS``)."""
+    return dict(_tile_config(op, hidden, dtype, target, cores, device))  # a copy: the cached one stays as planned
+
+
+def _tile_config(op, hidden, dtype, target, cores, device) -> dict:
     dev = torch.device(device) if device is not None else None
     if target is None:
         target = "gpu" if dev is not None and dev.type == "cuda" else "ascend-a2"
     if target == "gpu" and cores <= 0 and dev is not None and dev.type == "cuda":
         cores = _device_cores(dev.index if dev.index is not None else torch.cuda.current_device())
-    return dict(_planned(op, int(hidden), _DTYPE_NAMES.get(dtype, "float32"), target, int(cores)))
+    return _planned(op, int(hidden), _DTYPE_NAMES.get(dtype, "float32"), target, int(cores))
 
 
 def _config(op, like, config):
-    if config is None:
-        return tile_config(op, like.shape[1], like.dtype, device=like.device)
-    return config
+    # the kernels only read the configuration: the cached dict, no copy per call
+    return _tile_config(op, like.shape[1], like.dtype, None, 0, like.device) if config is None else config
 
 
 def _opts(c, like):
@@ -419,8 +422,10 @@ def padded_gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
     E = int(bins.shape[0])
     if padded_rows is not None:
         P = int(padded_rows)
-        if check and E > 0 and P != int(padded_bins[-1]):
-            raise ValueError(f"padded_gather: padded_rows: {P} is not padded_bins[-1] = {int(padded_bins[-1])}")
+        if check and E > 0:
+            actual = int(padded_bins[-1])
+            if P != actual:
+                raise ValueError(f"padded_gather: padded_rows: {P} is not padded_bins[-1] = {actual}")
     else:
         P = int(padded_bins[-1]) if E > 0 else 0
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)
