@@ -94,6 +94,7 @@ inline const char* dname(DType d) {
     case DType::kFloat8E5M2: return "e5m2";
     case DType::kInt32: return "i32";
     case DType::kInt64: return "i64";
+    case DType::kUInt8: return "u8";
   }
   return "?";
 }

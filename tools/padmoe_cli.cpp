@@ -425,6 +425,12 @@ struct Data {
   Tensor h, grad_unpadded;   // [N, H]: h = x rows in expert-sorted order
   Tensor padded, perm_map;   // [P, H] (padding NaN), [P] int32: h padded as pad_to_alignment does
   Tensor probs;              // [N] float32: probs[i] = weights[indices[i]]
+  // sort_chunks: h read as an all-to-all's rank-major receive buffer of ep_ranks ranks
+  // (8 when E divides by 8, else 1), chunk (r, e) = global expert r*(E/ep_ranks) + e.
+  int ep_ranks = 1;
+  int64_t Pc = 0;            // sort_chunks' padded rows (E/ep_ranks local experts)
+  Tensor split_sizes;        // [ep_ranks, E/ep_ranks] int32: tokens_per_expert as chunks
+  Tensor x8, x8_scales;      // [T, H] float8 e4m3 (x rounded) and [T, ceil(H/128)] float32 scales
 
   // Outputs, reused by every op (no allocation inside a timed run).
   Plan plan_out;         // row_sources has R entries
@@ -439,12 +445,20 @@ struct Data {
   Tensor out_offsets_E;  // [E] int32
   Tensor out_row_experts_R, out_block_experts, out_total_1;  // make_plan's layouts: [R], [ceil(R/m)], [1]
   Tensor out_sorted_V, out_block_ids_V, out_post_1;          // moe_align_block_size: [V], [ceil(V/m)], [1]
+  Tensor out_rows8_R, out_scales_R;  // [R, H] e4m3 and [R, ceil(H/128)] float32: dispatch(fp8+scales)
+  // make_plan with PlanOptions: rank 1's local experts of ep_ranks ([E/ep_ranks] plan), and an expert
+  // capacity C = round_down(A / E, m) (capacity factor 1) with the probs drop policy (E*C <= R rows).
+  Plan plan_ep;
+  Tensor out_dropped_1;
+  int64_t expert_capacity = 0;
 
   // Host float copies for the reference loops (filled only when needed).
   bool have_reference = false;
   ref::Plan ref_plan;
   std::vector<float> x_f, grad_out_f, y_f, grad_y_f, h_f, grad_unpadded_f, padded_f, probs_f;
+  std::vector<float> x8_f, x8_scales_f;
   std::vector<int64_t> perm_map_ref, tokens_per_expert_ref;
+  std::vector<int64_t> split_sizes_ref;
   std::vector<float> composite_f;  // the plan+dispatch+combine reference's intermediate rows
 
   // --device cuda: host copies of device outputs, made on demand by on_host().
@@ -498,7 +512,7 @@ std::vector<Tensor*> input_tensors(Data& d) {
   return {&d.top_experts, &d.weights,     &p.indices,  &p.bin_ids,     &p.tokens_per_expert, &p.bins,
           &p.padded_tokens_per_expert,    &p.padded_bins, &p.dest_rows, &p.row_sources,       &d.x,
           &d.grad_out,    &d.y,          &d.grad_y,   &d.h,           &d.grad_unpadded,     &d.padded,
-          &d.perm_map,    &d.probs};
+          &d.perm_map,    &d.probs,      &d.x8,       &d.x8_scales, &d.split_sizes};
 }
 
 // The output tensors of Data (what the ops write).
@@ -508,7 +522,10 @@ std::vector<Tensor*> output_tensors(Data& d) {
           &p.padded_bins, &p.dest_rows,    &p.row_sources,       &d.out_rows_R, &d.out_rows_R2,
           &d.out_rows_T, &d.out_rows_N,   &d.out_rows_P,        &d.out_f32_A,  &d.out_f32_N,
           &d.out_map_R,  &d.out_offsets_E, &d.out_row_experts_R, &d.out_block_experts, &d.out_total_1,
-          &d.out_sorted_V, &d.out_block_ids_V, &d.out_post_1};
+          &d.out_sorted_V, &d.out_block_ids_V, &d.out_post_1, &d.out_rows8_R, &d.out_scales_R,
+          &d.plan_ep.indices, &d.plan_ep.bin_ids, &d.plan_ep.tokens_per_expert, &d.plan_ep.bins,
+          &d.plan_ep.padded_tokens_per_expert, &d.plan_ep.padded_bins, &d.plan_ep.dest_rows, &d.plan_ep.row_sources,
+          &d.out_dropped_1};
 }
 
 // Builds the workload, always on the host; with --device cuda every input is
@@ -572,6 +589,17 @@ Data build_data(const Workload& w, bool reference) {
   // Megatron inputs: h is what a dispatch without padding produces (x rows in
   // expert-sorted order); `padded` is h padded per the plan's segments.
   d.tokens_per_expert = d.plan.tokens_per_expert;
+  d.ep_ranks = w.E % 8 == 0 ? 8 : 1;
+  {
+    const int64_t local = w.E / d.ep_ranks;
+    d.split_sizes = Tensor::empty(DType::kInt32, {d.ep_ranks, local});
+    std::copy(i32(d.tokens_per_expert), i32(d.tokens_per_expert) + w.E, i32(d.split_sizes));
+    for (int64_t e = 0; e < local; ++e) {
+      int64_t rows = 0;
+      for (int64_t r = 0; r < d.ep_ranks; ++r) rows += i32(d.split_sizes)[r * local + e];
+      d.Pc += (rows + w.m - 1) / w.m * w.m;
+    }
+  }
   const size_t es = element_size(w.dtype);
   d.h = Tensor::empty(w.dtype, {N, H});
   d.probs = Tensor::empty(DType::kFloat32, {N});
@@ -590,6 +618,16 @@ Data build_data(const Workload& w, bool reference) {
   }
   fill_nan_rows(d.padded, row_sources, P, H);
   d.grad_unpadded = random_rows(N, H, w.dtype, stream_seed(w.seed, 5));
+  // float8 e4m3 rows (x rounded) with DeepSeek-V3 blockwise scales [T, ceil(H/128)] in [0.5, 4).
+  const int64_t blocks = (H + 127) / 128;
+  d.x8 = Tensor::empty(DType::kFloat8E4M3, {T, H});
+  for (int64_t i = 0; i < T * H; ++i)
+    numeric::store_from_float(d.x8.data(), DType::kFloat8E4M3, i, numeric::load_as_float(d.x.data(), w.dtype, i));
+  d.x8_scales = random_rows(T, blocks, DType::kFloat32, stream_seed(w.seed, 6));
+  for (int64_t i = 0; i < T * blocks; ++i) {
+    float& v = d.x8_scales.data_as<float>()[i];
+    v = 0.5f + 1.75f * (v + 1.0f);
+  }
 
   const Device dev = w.device;
   d.plan_out = Plan::empty(T, w.K, w.E, w.m, dev);
@@ -609,6 +647,11 @@ Data build_data(const Workload& w, bool reference) {
   d.out_sorted_V = Tensor::empty(DType::kInt32, {V}, dev);
   d.out_block_ids_V = Tensor::empty(DType::kInt32, {(V + w.m - 1) / w.m}, dev);
   d.out_post_1 = Tensor::empty(DType::kInt32, {1}, dev);
+  d.out_rows8_R = Tensor::empty(DType::kFloat8E4M3, {R, H}, dev);
+  d.out_scales_R = Tensor::empty(DType::kFloat32, {R, blocks}, dev);
+  d.plan_ep = Plan::empty(T, w.K, w.E / d.ep_ranks, w.m, dev);
+  d.out_dropped_1 = Tensor::empty(DType::kInt32, {1}, dev);
+  d.expert_capacity = A / w.E / w.m * w.m;
 
   if (reference) {
     d.x_f = to_floats(d.x);
@@ -619,8 +662,11 @@ Data build_data(const Workload& w, bool reference) {
     d.padded_f = to_floats(d.padded);
     d.grad_unpadded_f = to_floats(d.grad_unpadded);
     d.probs_f = to_floats(d.probs);
+    d.x8_f = to_floats(d.x8);
+    d.x8_scales_f = to_floats(d.x8_scales);
     d.perm_map_ref.assign(i32(d.perm_map), i32(d.perm_map) + P);
     d.tokens_per_expert_ref = d.ref_plan.tokens_per_expert;
+    d.split_sizes_ref.assign(i32(d.split_sizes), i32(d.split_sizes) + w.E);
   }
   if (dev.is_cuda()) {  // stage every input (the host copies are dropped)
     for (Tensor* t : input_tensors(d)) *t = to_device(*t, dev, d.opt);
@@ -801,6 +847,7 @@ std::vector<float> abs_of(const std::vector<float>& v) {
 
 struct Dims {
   double T, H, A, P, R, N, E, s, m;
+  double Pc;  // sort_chunks' padded rows
 };
 
 struct OpCase {
@@ -908,6 +955,67 @@ std::vector<OpCase> op_table() {
                                     expect_index("num_tokens_post_padded", d.out_post_1, {r.num_tokens_post_padded})};
        }});
 
+  // make_plan with PlanOptions (expert parallelism; a capacity with the probs drop policy), against
+  // ref::make_plan(..., RoutingOptions).
+  auto ep_options = [](const Data& d) {
+    PlanOptions po;
+    po.global_experts = d.w.E;
+    po.first_expert = d.ep_ranks > 1 ? d.w.E / d.ep_ranks : 0;  // rank 1's experts (rank 0's with one rank)
+    return po;
+  };
+  ops.push_back(
+      {"make_plan(ep)", "A*4 + (3*A + 4*E/r + R)*4 (ids read, rank 1's plan of E/r local experts written; r = 8 ranks)",
+       [](const Dims& d) { return d.A * 4 + (3 * d.A + 4 * d.E / 8 + d.R) * 4; },
+       [ep_options](Data& d) {
+         make_plan_out(d.top_experts, d.w.E / d.ep_ranks, d.w.m, d.plan_ep.view(), PlanLayouts{}, ep_options(d), d.opt);
+       },
+       [ep_options](Data& d) {
+         ref::RoutingOptions r;
+         r.global_experts = d.w.E;
+         r.first_expert = ep_options(d).first_expert;
+         const ref::RoutedPlan rp = ref::make_plan(
+             std::vector<int64_t>(d.routing.top_experts.begin(), d.routing.top_experts.end()), d.w.T, d.w.K,
+             d.w.E / d.ep_ranks, d.w.m, r);
+         std::vector<int64_t> rows = rp.plan.row_sources;
+         rows.resize(static_cast<size_t>(d.plan_ep.row_sources.numel()), -1);
+         const Plan& o = d.plan_ep;
+         return std::vector<Expect>{expect_index("indices", o.indices, rp.plan.indices),
+                                    expect_index("bins", o.bins, rp.plan.bins),
+                                    expect_index("padded_bins", o.padded_bins, rp.plan.padded_bins),
+                                    expect_index("dest_rows", o.dest_rows, rp.plan.dest_rows),
+                                    expect_index("row_sources", o.row_sources, std::move(rows))};
+       }});
+  ops.push_back(
+      {"make_plan(capacity)",
+       "A*4 + A*4 + (3*A + 4*E + E*C)*4 (ids and probs read, plan written; C = round_down(A/E, m), largest probs kept)",
+       [](const Dims& d) { return 8 * d.A + (3 * d.A + 4 * d.E + d.E * std::floor(d.A / d.E / d.m) * d.m) * 4; },
+       [](Data& d) {
+         PlanOptions po;
+         po.expert_capacity = d.expert_capacity;
+         po.drop_policy = DropPolicy::kProbs;
+         po.probs = d.weights;
+         po.dropped = d.out_dropped_1;
+         make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), PlanLayouts{}, po, d.opt);
+       },
+       [](Data& d) {
+         ref::RoutingOptions r;
+         r.expert_capacity = d.expert_capacity;
+         r.by_probs = true;
+         r.probs = d.routing.weights;
+         const ref::RoutedPlan rp = ref::make_plan(
+             std::vector<int64_t>(d.routing.top_experts.begin(), d.routing.top_experts.end()), d.w.T, d.w.K, d.w.E,
+             d.w.m, r);
+         std::vector<int64_t> rows = rp.plan.row_sources;
+         rows.resize(static_cast<size_t>(d.plan_out.row_sources.numel()), -1);
+         const Plan& o = d.plan_out;
+         return std::vector<Expect>{expect_index("indices", o.indices, rp.plan.indices),
+                                    expect_index("bins", o.bins, rp.plan.bins),
+                                    expect_index("padded_bins", o.padded_bins, rp.plan.padded_bins),
+                                    expect_index("dest_rows", o.dest_rows, rp.plan.dest_rows),
+                                    expect_index("row_sources", o.row_sources, std::move(rows)),
+                                    expect_index("dropped", d.out_dropped_1, {rp.dropped})};
+       }});
+
   for (bool weighted : {false, true}) {
     ops.push_back(
         {weighted ? "padded_gather(w)" : "padded_gather", kGatherRule, gather_bytes,
@@ -1006,6 +1114,24 @@ std::vector<OpCase> op_table() {
          }
          return std::vector<Expect>{expect_move("y", d.out_rows_R, R, H, std::move(ref))};
        }});
+  // float8 e4m3 rows moved with their [T, ceil(H/128)] float32 scales in the same pass (issue 11 item 1):
+  // rows and scale rows both checked against the reference (padding rows: zero data, scale 1.0).
+  ops.push_back(
+      {"dispatch(fp8+scales)", "(T*H + P*H)*1 + (T + P)*ceil(H/128)*4 (e4m3 rows, float32 scales)",
+       [](const Dims& d) { return (d.T * d.H + d.P * d.H) * 1.0 + (d.T + d.P) * std::ceil(d.H / 128.0) * 4.0; },
+       [](Data& d) { dispatch_scaled_out(d.x8, d.plan.view(), d.x8_scales, d.out_rows8_R, d.out_scales_R, d.opt); },
+       [=](Data& d) {
+         const int64_t blocks = d.x8_scales.size(1);
+         const std::vector<int64_t> sources = ref::spread_sources(d.ref_plan);
+         std::vector<float> scales(static_cast<size_t>(d.P * blocks), 1.0f);
+         for (int64_t r = 0; r < d.P; ++r) {
+           const int64_t t = sources[static_cast<size_t>(r)];
+           for (int64_t c = 0; c < blocks && t >= 0; ++c) scales[r * blocks + c] = d.x8_scales_f[t * blocks + c];
+         }
+         Expect s = expect_move("y_scales", d.out_scales_R, d.P, blocks, std::move(scales));
+         s.untouched_rows = std::max<int64_t>(0, d.R - d.P);
+         return std::vector<Expect>{rows_P(d, "y", d.out_rows8_R, gather_ref(d, d.x8_f, false)), std::move(s)};
+       }});
   ops.push_back({"combine(w)", kScatterRule, scatter_bytes,
                  [](Data& d) { combine_out(d.y, d.plan.view(), W(d.weights), d.out_rows_T, d.opt); },
                  [=](Data& d) { return std::vector<Expect>{scatter_expect(d, "out", d.out_rows_T, &d.y_f, true)}; }});
@@ -1073,6 +1199,31 @@ std::vector<OpCase> op_table() {
                        })};
                  }});
 
+  // The chunk sort after an expert-parallel all-to-all (ops.hpp section 5): h as the rank-major
+  // receive buffer of ep_ranks ranks, into the expert-major padded layout of E/ep_ranks experts.
+  auto local_offsets = [](Data& d) {
+    TensorView v = d.out_offsets_E.view();
+    v.shape[0] = d.w.E / d.ep_ranks;
+    return v;
+  };
+  ops.push_back(
+      {"sort_chunks", "(N*H + Pc*H)*s (N = A rank-major rows of 8 ranks, Pc = its padded rows)",
+       [](const Dims& d) { return (d.N * d.H + d.Pc * d.H) * d.s; },
+       [=](Data& d) {
+         sort_chunks_out(d.h, d.split_sizes, d.ep_ranks, d.w.m, std::nullopt, d.out_rows_R, d.out_map_R,
+                         local_offsets(d), d.opt);
+       },
+       [=](Data& d) {
+         ref::PadResult r = ref::sort_chunks(d.h_f, d.w.H, d.split_sizes_ref, d.ep_ranks, d.w.m, nullptr);
+         std::vector<int64_t> map = r.permutation_map;
+         map.resize(static_cast<size_t>(d.R), -1);  // entries past P are set to -1
+         Expect rows = expect_move("padded", d.out_rows_R, r.padded_rows, d.w.H, std::move(r.padded));
+         rows.untouched_rows = std::max<int64_t>(0, d.out_rows_R.view().shape[0] - r.padded_rows);
+         return std::vector<Expect>{std::move(rows), expect_index("permutation_map", d.out_map_R, std::move(map)),
+                                    expect_index("inclusive_offsets", local_offsets(d),
+                                                 std::move(r.inclusive_offsets))};
+       }});
+
   // The decode question: route and move a small batch end to end. make_plan
   // into the output plan, an unweighted dispatch on it, then the weighted
   // combine of the dispatched rows (standing in for the expert outputs), back
@@ -1102,7 +1253,7 @@ Dims dims_of(const Data& d) {
               static_cast<double>(d.A),   static_cast<double>(d.P),
               static_cast<double>(d.R),   static_cast<double>(d.N),
               static_cast<double>(d.w.E), static_cast<double>(element_size(d.w.dtype)),
-              static_cast<double>(d.w.m)};
+              static_cast<double>(d.w.m), static_cast<double>(d.Pc)};
 }
 
 int used_threads(const Workload& w) { return w.threads > 0 ? w.threads : hardware_threads(); }

@@ -68,6 +68,27 @@ PADMOE_HD int64_t find_segment(const I* cumsum, int64_t n, int64_t pos) {
   return lo;
 }
 
+// Global expert id -> the plan's local expert, or -1 (dropped): SPEC section
+// 1's expert parallelism. Ids outside [0, global) are dropped (the API layer
+// rejects them first unless the caller asked to drop them). With a map:
+// local = map[e] (an entry outside [0, local_experts) drops); without one the
+// local range: local = e - first inside [first, first + local_experts).
+// Default-constructed with global = local_experts = E: the identity on [0, E).
+struct ExpertRemap {
+  const void* map = nullptr;  // [global] int32 or int64, or null
+  bool map_wide = false;
+  int64_t global = 0;
+  int64_t first = 0;
+  int64_t local_experts = 0;
+  PADMOE_HD int64_t local(int64_t e) const {
+    if (e < 0 || e >= global) return -1;
+    const int64_t l = map == nullptr ? e - first
+                      : map_wide     ? static_cast<const int64_t*>(map)[e]
+                                     : static_cast<int64_t>(static_cast<const int32_t*>(map)[e]);
+    return l >= 0 && l < local_experts ? l : -1;
+  }
+};
+
 // A half-open range [begin, end).
 struct Range {
   int64_t begin;

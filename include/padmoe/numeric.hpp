@@ -128,6 +128,7 @@ inline float load_as_float(const void* data, DType dtype, int64_t i) {
     case DType::kFloat8E5M2: return fp8e5m2_to_float(static_cast<const uint8_t*>(data)[i]);
     case DType::kInt32: return static_cast<float>(static_cast<const int32_t*>(data)[i]);
     case DType::kInt64: return static_cast<float>(static_cast<const int64_t*>(data)[i]);
+    case DType::kUInt8: return static_cast<float>(static_cast<const uint8_t*>(data)[i]);
   }
   return 0.0f;
 }
@@ -140,6 +141,7 @@ inline void store_from_float(void* data, DType dtype, int64_t i, float v) {
     case DType::kFloat8E5M2: static_cast<uint8_t*>(data)[i] = float_to_fp8e5m2(v); break;
     case DType::kInt32: static_cast<int32_t*>(data)[i] = static_cast<int32_t>(v); break;
     case DType::kInt64: static_cast<int64_t*>(data)[i] = static_cast<int64_t>(v); break;
+    case DType::kUInt8: static_cast<uint8_t*>(data)[i] = static_cast<uint8_t>(v); break;
   }
 }
 // Round a float to the nearest value representable in dtype.

@@ -10,7 +10,8 @@
 //
 // Row tensors: float32, float16, bfloat16 ([rows, H], unit column stride,
 // any row stride >= H); float8 e4m3/e5m2 are accepted by the move-only ops
-// (gather/dispatch without weights, pad, unpad without probs). Index inputs:
+// (gather/dispatch without weights, pad, unpad without probs), whose `_scaled`
+// forms (section 4 below) move a scale tensor with the rows. Index inputs:
 // int32 or int64, contiguous. Index outputs: int32. Router weights / probs:
 // float32 or the row dtype. Arithmetic is float32; sums run in ascending k and
 // are cast once, so results are bitwise deterministic on a backend and do not
@@ -121,7 +122,8 @@ struct Plan {
 
   PlanView view() const;
   int64_t num_assignments() const { return num_tokens * top_k; }
-  // Host-side bound on P: A + E*(alignment-1) (the size of row_sources).
+  // Host-side bound on P: the size of row_sources, A + E*(alignment-1) (E * C for
+  // a plan made with a capacity).
   int64_t capacity() const;
 };
 
@@ -160,6 +162,59 @@ struct PlanLayouts {
 };
 void make_plan_out(const TensorView& top_experts, int num_experts, int alignment, const PlanView& out,
                    const PlanLayouts& layouts, const Options& options = {});
+
+// Routing choices of make_plan beyond the plain sort: expert parallelism
+// (local experts), dropping of invalid ids, and a fixed per-expert capacity.
+// Every one drops assignments the same way on both backends: a dropped
+// assignment a has dest_rows[a] = -1 and no sorted position; the kept ones
+// fill sorted positions [0, bins[E-1]) in the usual stable order and
+// positions [bins[E-1], A) hold indices = bin_ids = -1; counts, bins and
+// padding cover kept assignments only. The row ops treat a dropped
+// assignment as absent: dispatch writes no row for it, combine adds nothing
+// for it, and its weight gradient is zero.
+enum class DropPolicy {
+  kPosition,  // an expert keeps its first C assignments in the stable (assignment id) order
+  kProbs,     // the C with the largest router weight (Megatron's "probs"); ties: lower id first
+};
+struct PlanOptions {
+  // Expert parallelism: ids in top_experts are global, in [0, global_experts)
+  // (0: global_experts = num_experts), and the plan's num_experts experts are
+  // local. With expert_map ([global_experts] int32/int64 on top_experts'
+  // device: local id in [0, num_experts), or -1 = not local): local =
+  // expert_map[e]. Without: the range [first_expert, first_expert +
+  // num_experts), local = e - first_expert. Other experts' assignments are
+  // dropped.
+  int global_experts = 0;
+  int first_expert = 0;
+  TensorView expert_map;  // unset (data == nullptr): the range
+  // Ids outside [0, global_experts) (negative ids, transformers' id E for
+  // tokens routed to no local expert): an error naming the first one (false,
+  // the default), or dropped (true).
+  bool drop_invalid = false;
+  // Fixed capacity C >= 0 (-1: none). Every expert's padded segment is exactly
+  // C rows (layout [E, C, H]: P = E * C, known on the host); an expert keeps C
+  // of its assignments by drop_policy, the rest are dropped. alignment must
+  // divide C.
+  int64_t expert_capacity = -1;
+  DropPolicy drop_policy = DropPolicy::kPosition;
+  TensorView probs;  // kProbs: router weights [T, K] (float32/float16/bfloat16), on the device
+  // Optional [1] int32 output on the device: the number of assignments to local
+  // experts dropped because their expert was full (no host read; assert on it
+  // asynchronously). Written whenever given (0 without a capacity).
+  TensorView dropped;
+};
+
+// Rows of row_sources (and of padded outputs) a plan with these options can
+// need: E * C with an expert_capacity, else capacity_bound(). Host-side, no data read.
+int64_t plan_rows_bound(int64_t num_tokens, int top_k, int num_experts, int alignment, const PlanOptions& plan_options);
+
+// make_plan with PlanOptions. The allocating form sizes row_sources with
+// plan_rows_bound. On CUDA with check_data, the ids (and expert_map entries,
+// which must be in [-1, num_experts)) are validated on the device first.
+Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, const PlanOptions& plan_options,
+               const Options& options = {});
+void make_plan_out(const TensorView& top_experts, int num_experts, int alignment, const PlanView& out,
+                   const PlanLayouts& layouts, const PlanOptions& plan_options, const Options& options = {});
 
 // vLLM / SGLang's moe_align_block_size(topk_ids, block_size, num_experts)
 // contract, from one make_plan: sorted_token_ids [R] (the assignment ids
@@ -339,6 +394,152 @@ void unpad_from_alignment_backward_out(const TensorView& grad_out, const TensorV
                                        const TensorView& permutation_map, const std::optional<TensorView>& probs,
                                        const TensorView& grad_padded, const TensorView& grad_probs,
                                        const Options& options = {});
+
+// ---------------------------------------------------------------------------
+// 4. Rows moved with their scales (float8 + scales; SPEC section 4)
+// ---------------------------------------------------------------------------
+//
+// The move-only ops (dispatch and padded_gather without weights,
+// pad_to_alignment, unpad_from_alignment without probs) in `_scaled` forms
+// that move a scale tensor alongside the rows: the scale row of a source row
+// goes wherever the row goes, written by the same work item in the same pass
+// (one CPU loop, one CUDA launch). The `_scaled` forms take the scales where
+// the plain forms take weights / probs (there are no weights: a weighted
+// move of quantized rows would need a requantization), and the output scales
+// right after the output rows. Scale layouts, inferred from dtype and shape
+// for rows of H columns (row-major, contiguous, rows matching their rows):
+//   per row       float32 [rows] or [rows, 1]
+//   per 128 cols  float32 [rows, ceil(H/128)]        (DeepSeek-V3 blockwise)
+//   MXFP8 E8M0    uint8   [rows, ceil(H/32)]         (OCP MX v1.0 shared exponents)
+// (for H <= 128 the first two coincide). The output scales have the input's
+// layout (same dtype and column count). Rows may be of any row dtype (float8
+// e4m3/e5m2 is the intended use; 16-bit or float32 rows only move their
+// metadata). Output padding rows get zero data and a scale that decodes to 1
+// (float32 1.0f, E8M0 byte 127): both left unwritten with
+// Options::zero_padding = false. Rows at or past P are untouched, or zeroed
+// with scale 1 when Options::zero_tail asks a spread (dispatch, gather) to.
+// unpad: output rows no map entry names get zero data and scale 1.
+
+enum class ScaleLayout { kPerRow, kBlock128, kMxE8M0 };
+
+// The layout of `scales` for rows of `hidden` columns; throws padmoe::Error
+// (naming `name`) for a dtype / shape that is none of the three.
+ScaleLayout scale_layout(const TensorView& scales, int64_t hidden, const char* name = "scales");
+// Scale columns of a layout for rows of `hidden` columns (1, ceil(H/128), ceil(H/32)).
+int64_t scale_columns(ScaleLayout layout, int64_t hidden);
+
+// Rows and their scales (allocating `_scaled` forms).
+struct ScaledRows {
+  Tensor rows;    // [P, H] (dispatch, gather) or [N, H] (unpad)
+  Tensor scales;  // the input scales' layout, as many rows as `rows`
+};
+struct PadScaledResult {
+  Tensor padded, padded_scales, permutation_map, inclusive_offsets;
+};
+
+// dispatch (no weights) moving x_scales [T, ...] to y_scales [rows of y, ...].
+ScaledRows dispatch_scaled(const TensorView& x, const PlanView& plan, const TensorView& x_scales,
+                           const Options& options = {});
+void dispatch_scaled_out(const TensorView& x, const PlanView& plan, const TensorView& x_scales, const TensorView& y,
+                         const TensorView& y_scales, const Options& options = {});
+
+// padded_gather (no weights) moving x_scales [T, ...] to y_scales [rows of y, ...].
+ScaledRows padded_gather_scaled(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
+                                const TensorView& bins, const TensorView& padded_bins, int top_k,
+                                const TensorView& x_scales, const Options& options = {});
+void padded_gather_scaled_out(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
+                              const TensorView& bins, const TensorView& padded_bins, int top_k,
+                              const TensorView& x_scales, const TensorView& y, const TensorView& y_scales,
+                              const Options& options = {});
+
+// pad_to_alignment moving hidden_scales [N, ...] to padded_scales [rows of padded, ...].
+PadScaledResult pad_to_alignment_scaled(const TensorView& hidden_states, const TensorView& tokens_per_expert,
+                                        int alignment, const TensorView& hidden_scales, const Options& options = {});
+void pad_to_alignment_scaled_out(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
+                                 const TensorView& hidden_scales, const TensorView& padded,
+                                 const TensorView& padded_scales, const TensorView& permutation_map,
+                                 const TensorView& inclusive_offsets, const Options& options = {});
+
+// unpad_from_alignment (no probs) moving padded_scales [rows of padded, ...] to out_scales [N, ...].
+ScaledRows unpad_from_alignment_scaled(const TensorView& padded, const TensorView& permutation_map,
+                                       int64_t original_size, const TensorView& padded_scales,
+                                       const Options& options = {});
+void unpad_from_alignment_scaled_out(const TensorView& padded, const TensorView& permutation_map,
+                                     const TensorView& padded_scales, const TensorView& out,
+                                     const TensorView& out_scales, const Options& options = {});
+
+// ---------------------------------------------------------------------------
+// 5. Expert parallelism: chunk sort after an all-to-all
+// ---------------------------------------------------------------------------
+//
+// After an expert-parallel all-to-all a rank holds a rank-major buffer
+// received[N, H]: C = R*E chunks, chunk c = r*E + e holding split_sizes[c]
+// rows (the rows from source rank r for local expert e), in the order
+// c = 0..C-1. sort_chunks moves it, in one pass over the rows, to
+// pad_to_alignment's expert-major padded layout:
+//   output chunk positions j = 0..C-1 hold the source chunks
+//     src(j) = sorted_index[j]                       (given: TE's order), or
+//     src(j) = (j % R) * E + j / R                    (default: expert-major,
+//              i.e. position e*R + r holds chunk r*E + e, Megatron's
+//              sort_input_by_local_experts);
+//   the positions form E = C / R groups of R consecutive positions (group g =
+//   positions [g*R, (g+1)*R): local expert g by default); each group's rows
+//   are padded to a multiple of `alignment` with zero rows.
+// Outputs are pad_to_alignment's (PadResult): padded[P, H] with
+// P = sum_g round_up(sum_{j in g} split_sizes[src(j)], alignment),
+// permutation_map[P] int32 (source row in `received`, -1 for padding) and
+// inclusive_offsets[E] int32 (padded inclusive cumsum per group: grouped-GEMM
+// offs). Rows of `received` at or past sum(split_sizes) are ignored.
+// TE's moe_sort_chunks_by_index(inp, split_sizes, sorted_index) is
+// sort_chunks(inp, split_sizes, R, 1, sorted_index).padded for any R that
+// divides C (alignment 1 adds no padding; R only groups the offsets).
+//
+// split_sizes: int32 or int64, contiguous, [C] or [R, E] (row-major; a 2-D
+// tensor must have num_ranks rows). sorted_index: int32 or int64 [C], a
+// permutation of [0, C). Checked (always on the CPU; on CUDA in checked
+// mode, on the device): num_ranks >= 1 divides C, alignment >= 1, split sizes
+// nonnegative (first offending [r, e]), their sum <= N, sorted_index a
+// permutation (first out-of-range position, else the smallest repeated
+// chunk), P within int32, output capacity.
+//
+// The way back (expert-major padded -> rank-major, padding dropped, each row
+// optionally times probs[n] of its rank-major row n) is exactly
+// unpad_from_alignment(padded, permutation_map, N, probs): the map names each
+// source row once, so unpad is the inverse move, also one pass (rows of the
+// rank-major output that no map entry names, i.e. rows at or past
+// sum(split_sizes), are zero). unsort_chunks below is that call under this
+// section's name; its errors name unpad_from_alignment. For autograd: the
+// backward of sort_chunks is unsort_chunks(grad, map, N) and the backward of
+// unsort_chunks is unpad_from_alignment_backward.
+PadResult sort_chunks(const TensorView& received, const TensorView& split_sizes, int num_ranks, int alignment,
+                      const std::optional<TensorView>& sorted_index = std::nullopt, const Options& options = {});
+// _out: padded has >= P rows (rows past P untouched, or zeroed when
+// Options::zero_tail); permutation_map has as many entries as padded has rows
+// (entries past P are -1); inclusive_offsets has E = C / num_ranks entries.
+// Size padded with sort_chunks_capacity() to avoid reading P. On CUDA with
+// check_data = false: no host synchronization (capturable); device scratch
+// of sort_chunks_workspace_bytes(C) bytes (Options::workspace or the pool).
+// Options::zero_padding = false leaves padding rows (and rows past P)
+// unwritten, as for pad_to_alignment.
+void sort_chunks_out(const TensorView& received, const TensorView& split_sizes, int num_ranks, int alignment,
+                     const std::optional<TensorView>& sorted_index, const TensorView& padded,
+                     const TensorView& permutation_map, const TensorView& inclusive_offsets,
+                     const Options& options = {});
+// Host-side bound on P: received_rows + (num_chunks / num_ranks) * (alignment - 1).
+int64_t sort_chunks_capacity(int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment);
+// CUDA scratch bytes sort_chunks_out needs for num_chunks chunks (0 on the CPU).
+size_t sort_chunks_workspace_bytes(int64_t num_chunks);
+
+// The inverse of sort_chunks: unpad_from_alignment under this section's name.
+inline Tensor unsort_chunks(const TensorView& padded, const TensorView& permutation_map, int64_t received_rows,
+                            const std::optional<TensorView>& probs = std::nullopt, const Options& options = {}) {
+  return unpad_from_alignment(padded, permutation_map, received_rows, probs, options);
+}
+inline void unsort_chunks_out(const TensorView& padded, const TensorView& permutation_map,
+                              const std::optional<TensorView>& probs, const TensorView& out,
+                              const Options& options = {}) {
+  unpad_from_alignment_out(padded, permutation_map, probs, out, options);
+}
 
 // ---------------------------------------------------------------------------
 // Utilities

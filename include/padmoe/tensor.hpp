@@ -23,6 +23,7 @@ enum class DType : int8_t {
   kFloat8E5M2,  // move-only ops
   kInt32,
   kInt64,
+  kUInt8,       // scale bytes only (MXFP8 E8M0 shared exponents), never rows
 };
 
 size_t element_size(DType dtype);

@@ -19,7 +19,8 @@ Ops (arguments in the order of padmoe/ops.hpp): :func:`make_plan`,
 :func:`dispatch`, :func:`combine`, :func:`combine_backward`,
 :func:`dispatch_backward`, :func:`pad_to_alignment`,
 :func:`unpad_from_alignment`, :func:`unpad_from_alignment_backward`,
-:func:`copy`; layouts other kernels consume :func:`make_plan_layouts`,
+:func:`copy`; the expert-parallel chunk sort :func:`sort_chunks` / :func:`unsort_chunks`
+(:func:`sort_chunks_capacity`); layouts other kernels consume :func:`make_plan_layouts`,
 :func:`moe_align_block_size`; sizes :func:`capacity_bound`, :func:`workspace_bound`,
 :func:`aligned_rows_bound`;
 :func:`has_cuda`. See the docstring of ``padmoe._ops`` for the options every
@@ -46,8 +47,11 @@ from ._ops import (
     padded_scatter,
     padded_scatter_backward,
     padded_scatter_wgrad,
+    sort_chunks,
+    sort_chunks_capacity,
     unpad_from_alignment,
     unpad_from_alignment_backward,
+    unsort_chunks,
     workspace_bound,
 )
 from ._plan import Plan
@@ -76,8 +80,11 @@ __all__ = [
     "padded_scatter_backward",
     "padded_scatter_wgrad",
     "plan_tiles",
+    "sort_chunks",
+    "sort_chunks_capacity",
     "unpad_from_alignment",
     "unpad_from_alignment_backward",
+    "unsort_chunks",
     "workspace_bound",
     "__version__",
 ]

@@ -124,6 +124,29 @@ def _weight_grad(arrays, like, weights, given, count):
 _UNSET = object()
 
 
+# --- rows moved with their scales (ops.hpp section 4) ---------------------------
+
+
+def _native_scales(arrays, s):
+    """Scales as padmoe._C takes them: a torch float8_e8m0fnu tensor as its uint8 bytes (same memory)."""
+    if s is not None and arrays.name == "torch" and str(s.dtype) == "torch.float8_e8m0fnu":
+        return s.view(arrays.torch.uint8)
+    return s
+
+
+def _scales_out(arrays, scales, rows, like, given):
+    """The output scales: `given`, or a new array of `rows` rows shaped like the input scales."""
+    if given is not None:
+        return given
+    return arrays.empty((int(rows),) + tuple(int(d) for d in scales.shape[1:]), scales.dtype, like)
+
+
+def _no_weights_with_scales(op, arg, value):
+    if value is not None:
+        raise ValueError(f"{op}: scales: not with {arg} (rows move with their scales only in the move-only ops; "
+                         f"a weighted move of quantized rows would need requantizing)")
+
+
 # ---------------------------------------------------------------------------
 # Sizes and capabilities
 # ---------------------------------------------------------------------------
@@ -150,39 +173,74 @@ def has_cuda() -> bool:
 # ---------------------------------------------------------------------------
 
 
+def _routing(arrays, like, expert_map, first_expert, global_experts, drop_invalid, expert_capacity, drop_policy,
+             probs, dropped):
+    """make_plan's routing keywords for _C.make_plan_out."""
+    if drop_policy not in ("position", "probs"):
+        raise ValueError(f"make_plan: drop_policy: expected 'position' or 'probs', got {drop_policy!r}")
+    cap = -1 if expert_capacity is None else int(expert_capacity)
+    kw = dict(first_expert=int(first_expert), global_experts=int(global_experts), drop_invalid=bool(drop_invalid),
+              expert_capacity=cap, drop_policy=drop_policy, dropped=dropped)
+    if expert_map is not None:
+        (kw["expert_map"],) = prepare(arrays, expert_map)
+    if probs is not None:
+        (kw["probs"],) = prepare(arrays, probs)  # [T, K] or [A]: read by assignment id
+    return kw
+
+
 def make_plan(top_experts: Array, num_experts: int, alignment: int, *, out: Optional[Plan] = None,
-              check: bool = True, num_threads: int = 0, workspace: Optional[Array] = None,
-              stream: Optional[int] = None) -> Plan:
+              expert_map: Optional[Array] = None, first_expert: int = 0, global_experts: int = 0,
+              drop_invalid: bool = False, expert_capacity: Optional[int] = None, drop_policy: str = "position",
+              probs: Optional[Array] = None, check: bool = True, num_threads: int = 0,
+              workspace: Optional[Array] = None, stream: Optional[int] = None) -> Plan:
     """Route ``top_experts[T, K]`` (int32 or int64) to ``num_experts`` experts with
     segments padded to multiples of ``alignment``; returns a :class:`Plan` of
     int32 arrays on ``top_experts``' device.
 
     ``out``: a plan from ``Plan.empty(T, K, E, alignment, like=...)`` to fill
-    instead (no allocation; on CUDA with ``check=False`` no synchronization,
-    and an expert id outside ``[0, E)`` is dropped: ``dest_rows`` -1).
+    instead (no allocation; on CUDA with ``check=False`` no synchronization).
+
+    Routing options (docs/design.md, "Dropped assignments"); every one drops assignments
+    (``dest_rows`` -1, no sorted position), which the row ops then treat as absent:
+
+    - expert parallelism: ids are global in ``[0, global_experts)`` (0: ``num_experts``); the
+      plan's experts are the local range ``[first_expert, first_expert + num_experts)``, or
+      ``expert_map[global_experts]`` (global id -> local id, -1 = not local);
+    - ``drop_invalid``: ids outside ``[0, global_experts)`` (negative ids, transformers' id E)
+      are dropped instead of rejected;
+    - ``expert_capacity`` C: every segment exactly C rows (``alignment`` must divide C); an
+      expert keeps its first C assignments (``drop_policy="position"``) or the C largest
+      ``probs[T, K]`` (``"probs"``, ties to the lower assignment id); ``plan.dropped`` is the
+      number dropped, a [1] int32 array on the device.
     """
     op = "make_plan"
     arrays = arrays_of(top_experts, op, "top_experts")
     (top_experts,) = prepare(arrays, top_experts)
     t, k = (int(top_experts.shape[0]), int(top_experts.shape[1])) if ndim(top_experts) == 2 else (0, 1)
     if out is None:
-        out = Plan._allocate(t, k, num_experts, alignment, top_experts)
+        out = Plan._allocate(t, k, num_experts, alignment, top_experts, expert_capacity)
     elif ndim(top_experts) == 2 and (out.num_tokens, out.top_k, out.num_experts, out.alignment) != (
             t, k, num_experts, alignment):
         raise ValueError(
             f"{op}: out: the plan buffers are for num_tokens={out.num_tokens}, top_k={out.top_k}, "
             f"num_experts={out.num_experts}, alignment={out.alignment}; this call needs "
             f"num_tokens={t}, top_k={k}, num_experts={num_experts}, alignment={alignment}")
-    _C.make_plan_out(top_experts, num_experts, alignment, out,
+    routing = _routing(arrays, top_experts, expert_map, first_expert, global_experts, drop_invalid, expert_capacity,
+                       drop_policy, probs, getattr(out, "dropped", None))
+    _C.make_plan_out(top_experts, num_experts, alignment, out, **routing,
                      **_options(arrays, top_experts, check, num_threads, workspace, stream))
     return out
 
 
-def make_plan_layouts(top_experts: Array, num_experts: int, alignment: int, *, check: bool = True,
+def make_plan_layouts(top_experts: Array, num_experts: int, alignment: int, *, expert_map: Optional[Array] = None,
+                      first_expert: int = 0, global_experts: int = 0, drop_invalid: bool = False,
+                      expert_capacity: Optional[int] = None, drop_policy: str = "position",
+                      probs: Optional[Array] = None, check: bool = True,
                       num_threads: int = 0, workspace: Optional[Array] = None,
                       stream: Optional[int] = None) -> Tuple[Plan, Array, Array, Array]:
     """:func:`make_plan` and, from the same pass, the layouts other kernels consume:
     ``(plan, row_experts, block_experts, padded_total)``, int32 on ``top_experts``' device.
+    The routing options are :func:`make_plan`'s.
 
     ``row_experts[capacity]``: the expert of each padded row, -1 on padding rows and past P
     (DeepGEMM's contiguous grouped layout: its ``m_indices``). ``block_experts[ceil(capacity /
@@ -192,13 +250,15 @@ def make_plan_layouts(top_experts: Array, num_experts: int, alignment: int, *, c
     arrays = arrays_of(top_experts, op, "top_experts")
     (top_experts,) = prepare(arrays, top_experts)
     t, k = (int(top_experts.shape[0]), int(top_experts.shape[1])) if ndim(top_experts) == 2 else (0, 1)
-    plan = Plan._allocate(t, k, num_experts, alignment, top_experts)
+    plan = Plan._allocate(t, k, num_experts, alignment, top_experts, expert_capacity)
     cap = int(plan.row_sources.shape[0])
     m = max(int(alignment), 1)
     row_experts = arrays.empty((cap,), arrays.int32, top_experts)
     block_experts = arrays.empty((-(-cap // m),), arrays.int32, top_experts)
     padded_total = arrays.empty((1,), arrays.int32, top_experts)
-    _C.make_plan_out(top_experts, num_experts, alignment, plan, row_experts, block_experts, padded_total,
+    routing = _routing(arrays, top_experts, expert_map, first_expert, global_experts, drop_invalid, expert_capacity,
+                       drop_policy, probs, plan.dropped)
+    _C.make_plan_out(top_experts, num_experts, alignment, plan, row_experts, block_experts, padded_total, **routing,
                      **_options(arrays, top_experts, check, num_threads, workspace, stream))
     return plan, row_experts, block_experts, padded_total
 
@@ -259,7 +319,8 @@ def _map_experts(expert_ids, expert_map):
 def padded_gather(x: Array, indices: Array, bin_ids: Array, bins: Array, padded_bins: Array, top_k: int,
                   weights: Optional[Array] = None, *, rows: Optional[int] = None, out: Optional[Array] = None,
                   check: bool = True, num_threads: int = 0, workspace: Optional[Array] = None,
-                  stream: Optional[int] = None, zero_tail: bool = False, zero_padding: bool = True) -> Array:
+                  stream: Optional[int] = None, zero_tail: bool = False, zero_padding: bool = True,
+                  scales: Optional[Array] = None) -> Array:
     """``y[P, H]``: sorted position ``i`` of expert ``e`` lands in padded row
     ``padded_start(e) + i - real_start(e)`` and holds ``x[indices[i] // top_k]``
     (times ``weights[indices[i]]`` when given); padding rows are zero.
@@ -268,9 +329,26 @@ def padded_gather(x: Array, indices: Array, bin_ids: Array, bins: Array, padded_
     stride; ``weights[A]`` float32 or x's dtype. Returns x's dtype.
     ``zero_padding=False`` leaves padding rows unwritten (for consumers that skip them: DeepGEMM with
     the -1 row layout, masked grouped GEMMs; an inference forward only, never rows a weight gradient
-    reduces over)."""
+    reduces over).
+
+    ``scales=x_scales`` moves a scale tensor with the rows in the same pass (no weights) and returns
+    ``(y, y_scales)``: per-row float32 ``[T]`` / ``[T, 1]``, per-128-column float32
+    ``[T, ceil(H/128)]`` or MXFP8 E8M0 uint8 ``[T, ceil(H/32)]``; padding rows get scale 1
+    (``out=(y, y_scales)``)."""
     op = "padded_gather"
     arrays = arrays_of(x, op, "x")
+    if scales is not None:
+        _no_weights_with_scales(op, "weights", weights)
+        out_y, out_s = _split_out(op, out, 2)
+        x, indices, bin_ids, bins, padded_bins, scales, out_y, out_s = prepare(
+            arrays, x, indices, bin_ids, bins, padded_bins, scales, out_y, out_s)
+        y = _padded_out(arrays, op, x, rows, out_y, lambda: last_entry(arrays, padded_bins))
+        ys = _scales_out(arrays, scales, y.shape[0], x, out_s)
+        _C.padded_gather_scaled_out(x, indices, bin_ids, bins, padded_bins, top_k, _native_scales(arrays, scales), y,
+                                    _native_scales(arrays, ys),
+                                    **_options(arrays, x, check, num_threads, workspace, stream, zero_tail,
+                                               zero_padding))
+        return y, ys
     x, indices, bin_ids, bins, padded_bins, weights, out = prepare(
         arrays, x, indices, bin_ids, bins, padded_bins, weights, out)
     y = _padded_out(arrays, op, x, rows, out, lambda: last_entry(arrays, padded_bins))
@@ -382,15 +460,26 @@ def _plan_assignments(plan) -> int:
 def dispatch(x: Array, plan: Plan, weights: Optional[Array] = None, *, rows: Optional[int] = None,
              out: Optional[Array] = None, check: bool = True, num_threads: int = 0,
              workspace: Optional[Array] = None, stream: Optional[int] = None, zero_tail: bool = False,
-             zero_padding: bool = True) -> Array:
+             zero_padding: bool = True, scales: Optional[Array] = None) -> Array:
     """``y[P, H]`` = :func:`padded_gather` on a plan, reading each token row
     once and writing its K copies. ``rows=plan.capacity`` avoids reading P
     (no synchronization on CUDA).
     ``zero_padding=False`` leaves padding rows unwritten (for consumers that skip them: DeepGEMM with
     the -1 row layout, masked grouped GEMMs; an inference forward only, never rows a weight gradient
-    reduces over)."""
+    reduces over).
+    ``scales=x_scales`` moves a scale tensor with the rows (as :func:`padded_gather`) and returns
+    ``(y, y_scales)``."""
     op = "dispatch"
     arrays = arrays_of(x, op, "x")
+    if scales is not None:
+        _no_weights_with_scales(op, "weights", weights)
+        out_y, out_s = _split_out(op, out, 2)
+        x, scales, out_y, out_s = prepare(arrays, x, scales, out_y, out_s)
+        y = _padded_out(arrays, op, x, rows, out_y, _plan_rows(arrays, plan))
+        ys = _scales_out(arrays, scales, y.shape[0], x, out_s)
+        _C.dispatch_scaled_out(x, plan, _native_scales(arrays, scales), y, _native_scales(arrays, ys),
+                               **_options(arrays, x, check, num_threads, workspace, stream, zero_tail, zero_padding))
+        return y, ys
     x, weights, out = prepare(arrays, x, weights, out)
     y = _padded_out(arrays, op, x, rows, out, _plan_rows(arrays, plan))
     _C.dispatch_out(x, plan, weights, y,
@@ -458,7 +547,8 @@ def dispatch_backward(grad_y: Array, x: Array, plan: Plan, weights: Optional[Arr
 def pad_to_alignment(hidden_states: Array, tokens_per_expert: Array, alignment: int, *, rows: Optional[int] = None,
                      out: Optional[Tuple[Array, Array, Array]] = None, check: bool = True, num_threads: int = 0,
                      workspace: Optional[Array] = None,
-                     stream: Optional[int] = None, zero_padding: bool = True) -> Tuple[Array, Array, Array]:
+                     stream: Optional[int] = None, zero_padding: bool = True,
+                     scales: Optional[Array] = None) -> Tuple[Array, Array, Array]:
     """``(padded[P, H], permutation_map[P] int32, inclusive_offsets[E] int32)``:
     expert e's rows of ``hidden_states[N, H]`` keep their order and move to its
     aligned segment; padding rows are zero and map to -1; ``inclusive_offsets``
@@ -468,10 +558,19 @@ def pad_to_alignment(hidden_states: Array, tokens_per_expert: Array, alignment: 
     P is computed from ``tokens_per_expert`` (on CUDA: one synchronization);
     ``rows=n`` allocates n rows instead (``permutation_map`` entries past P are
     -1, padded rows past P are left uninitialized).
+
+    ``scales=hidden_scales`` moves a scale tensor with the rows (layouts as :func:`padded_gather`) and
+    returns ``(padded, padded_scales, permutation_map, inclusive_offsets)``; padding rows get scale 1
+    (``out=`` then takes the four).
     """
     op = "pad_to_alignment"
     arrays = arrays_of(hidden_states, op, "hidden_states")
-    out_p, out_m, out_o = _split_out(op, out, 3)
+    out_s = None
+    if scales is not None:
+        out_p, out_s, out_m, out_o = _split_out(op, out, 4)
+        scales, out_s = prepare(arrays, scales, out_s)
+    else:
+        out_p, out_m, out_o = _split_out(op, out, 3)
     hidden_states, tokens_per_expert, out_p, out_m, out_o = prepare(
         arrays, hidden_states, tokens_per_expert, out_p, out_m, out_o)
     counts_ok = ndim(tokens_per_expert) == 1 and int(alignment) >= 1
@@ -489,6 +588,13 @@ def pad_to_alignment(hidden_states: Array, tokens_per_expert: Array, alignment: 
     if out_o is None:
         e = int(tokens_per_expert.shape[0]) if ndim(tokens_per_expert) == 1 else 0
         out_o = arrays.empty((e,), arrays.int32, hidden_states)
+    if scales is not None:
+        padded_scales = _scales_out(arrays, scales, padded.shape[0], hidden_states, out_s)
+        _C.pad_to_alignment_scaled_out(hidden_states, tokens_per_expert, alignment, _native_scales(arrays, scales),
+                                       padded, _native_scales(arrays, padded_scales), permutation_map, out_o,
+                                       **_options(arrays, hidden_states, check, num_threads, workspace, stream,
+                                                  zero_padding=zero_padding))
+        return padded, padded_scales, permutation_map, out_o
     _C.pad_to_alignment_out(hidden_states, tokens_per_expert, alignment, padded, permutation_map, out_o,
                             **_options(arrays, hidden_states, check, num_threads, workspace, stream, zero_padding=zero_padding))
     return padded, permutation_map, out_o
@@ -496,13 +602,34 @@ def pad_to_alignment(hidden_states: Array, tokens_per_expert: Array, alignment: 
 
 def unpad_from_alignment(padded: Array, permutation_map: Array, original_size: int, probs: Optional[Array] = None,
                          *, out: Optional[Array] = None, check: bool = True, num_threads: int = 0,
-                         workspace: Optional[Array] = None, stream: Optional[int] = None) -> Array:
+                         workspace: Optional[Array] = None, stream: Optional[int] = None,
+                         scales: Optional[Array] = None) -> Array:
     """``out[N, H]`` with ``N = original_size``: ``out[map[p]] = padded[p]``
     (times ``probs[map[p]]`` when given) for every ``map[p] >= 0``; rows no
     entry names are zero. The backward of :func:`pad_to_alignment` is
-    ``unpad_from_alignment(grad, permutation_map, N)``."""
+    ``unpad_from_alignment(grad, permutation_map, N)``.
+
+    ``scales=padded_scales`` moves a scale tensor with the rows (no probs; layouts as
+    :func:`padded_gather`) and returns ``(out, out_scales)``: rows no entry names get zero data and
+    scale 1 (``out=(out, out_scales)``)."""
     op = "unpad_from_alignment"
     arrays = arrays_of(padded, op, "padded")
+    if scales is not None:
+        _no_weights_with_scales(op, "probs", probs)
+        out_r, out_s = _split_out(op, out, 2)
+        padded, permutation_map, scales, out_r, out_s = prepare(arrays, padded, permutation_map, scales, out_r, out_s)
+        n = int(original_size)
+        if out_r is None:
+            if n < 0:
+                raise ValueError(f"{op}: original_size: must be >= 0, got {n}")
+            out_r = arrays.empty((n, _cols(padded)), padded.dtype, padded)
+        elif ndim(out_r) >= 1 and int(out_r.shape[0]) != n:
+            raise ValueError(f"{op}: out: expected original_size = {n} rows, got {int(out_r.shape[0])}")
+        out_s = _scales_out(arrays, scales, n, padded, out_s)
+        _C.unpad_from_alignment_scaled_out(padded, permutation_map, _native_scales(arrays, scales), out_r,
+                                           _native_scales(arrays, out_s),
+                                           **_options(arrays, padded, check, num_threads, workspace, stream))
+        return out_r, out_s
     padded, permutation_map, probs, out = prepare(arrays, padded, permutation_map, probs, out)
     n = int(original_size)
     if out is None:
@@ -537,6 +664,96 @@ def unpad_from_alignment_backward(grad_out: Array, padded: Array, permutation_ma
     _C.unpad_from_alignment_backward_out(grad_out, padded, permutation_map, probs, grad_padded, grad_probs,
                                          **_options(arrays, padded, check, num_threads, workspace, stream))
     return grad_padded, grad_probs
+
+
+# ---------------------------------------------------------------------------
+# Expert parallelism: chunk sort after an all-to-all
+# ---------------------------------------------------------------------------
+
+
+def sort_chunks_capacity(received_rows: int, num_chunks: int, num_ranks: int, alignment: int) -> int:
+    """Host-side bound on :func:`sort_chunks`' padded rows P:
+    ``received_rows + (num_chunks // num_ranks) * (alignment - 1)``."""
+    return _C.sort_chunks_capacity(received_rows, num_chunks, num_ranks, alignment)
+
+
+def _host_ints(a):
+    """An index array's values as a flat int64 numpy array (CUDA tensors: one copy to the host)."""
+    import numpy as np
+
+    if hasattr(a, "detach"):
+        a = a.detach().to("cpu").numpy()
+    return np.asarray(a).astype(np.int64).reshape(-1)
+
+
+def _chunk_total(split_sizes, num_ranks: int, alignment: int, sorted_index) -> int:
+    """sort_chunks' P on the host (0 on bad input: the native op then reports it)."""
+    try:
+        sizes = _host_ints(split_sizes).clip(min=0)
+        c, r, m = sizes.shape[0], int(num_ranks), int(alignment)
+        if r < 1 or m < 1 or c % r != 0:
+            return 0
+        if sorted_index is not None:
+            order = _host_ints(sorted_index)
+            if order.shape[0] != c or (c and (order.min() < 0 or order.max() >= c)):
+                return 0
+        else:
+            order = (lambda j: (j % r) * (c // r) + j // r)(__import__("numpy").arange(c))
+        groups = sizes[order].reshape(c // r, r).sum(axis=1)
+        return int(((groups + m - 1) // m * m).sum())
+    except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
+        return 0
+
+
+def sort_chunks(received: Array, split_sizes: Array, num_ranks: int, alignment: int,
+                sorted_index: Optional[Array] = None, *, rows: Optional[int] = None,
+                out: Optional[Tuple[Array, Array, Array]] = None, check: bool = True, num_threads: int = 0,
+                workspace: Optional[Array] = None, stream: Optional[int] = None, zero_padding: bool = True,
+                zero_tail: bool = False) -> Tuple[Array, Array, Array]:
+    """The chunk sort after an expert-parallel all-to-all:
+    ``(padded[P, H], permutation_map[P] int32, inclusive_offsets[E] int32)``.
+
+    ``received[N, H]`` is rank-major: chunk ``c = r*E + e`` holds ``split_sizes[c]`` rows
+    (``split_sizes`` int32/int64 ``[R*E]`` or ``[R, E]``, ``R = num_ranks``). Output position
+    ``j`` holds chunk ``sorted_index[j]`` when given (TransformerEngine's
+    ``moe_sort_chunks_by_index``), else ``(j % R)*E + j // R`` (expert-major: local expert e's
+    chunks from ranks 0..R-1); every group of R consecutive positions (a local expert) is padded to
+    a multiple of ``alignment`` with zero rows (-1 in the map): pad_to_alignment's layout, with
+    ``inclusive_offsets`` the grouped-GEMM offsets. Rows past ``sum(split_sizes)`` are ignored.
+    The way back is :func:`unsort_chunks`.
+
+    P is computed from ``split_sizes`` on the host (CUDA: one synchronization); ``rows=n``
+    allocates n rows instead (e.g. ``sort_chunks_capacity(N, R*E, R, alignment)``: no
+    synchronization with ``check=False``); map entries past P are -1, padded rows past P are
+    left uninitialized (zero with ``zero_tail=True``).
+    """
+    op = "sort_chunks"
+    arrays = arrays_of(received, op, "received")
+    out_p, out_m, out_o = _split_out(op, out, 3)
+    received, split_sizes, sorted_index, out_p, out_m, out_o = prepare(
+        arrays, received, split_sizes, sorted_index, out_p, out_m, out_o)
+    padded = _padded_out(arrays, op, received, rows, out_p,
+                         lambda: _chunk_total(split_sizes, num_ranks, alignment, sorted_index))
+    permutation_map = out_m if out_m is not None else arrays.empty((int(padded.shape[0]),), arrays.int32, received)
+    if out_o is None:
+        c = 1
+        for d in split_sizes.shape:
+            c *= int(d)
+        e = c // int(num_ranks) if int(num_ranks) >= 1 else 0
+        out_o = arrays.empty((max(e, 0),), arrays.int32, received)
+    _C.sort_chunks_out(received, split_sizes, num_ranks, alignment, sorted_index, padded, permutation_map, out_o,
+                       **_options(arrays, received, check, num_threads, workspace, stream, zero_tail=zero_tail,
+                                  zero_padding=zero_padding))
+    return padded, permutation_map, out_o
+
+
+def unsort_chunks(padded: Array, permutation_map: Array, received_rows: int, probs: Optional[Array] = None,
+                  **kwargs) -> Array:
+    """The inverse of :func:`sort_chunks`: ``out[received_rows, H]`` rank-major again,
+    ``out[map[p]] = padded[p]`` (times ``probs[map[p]]``, probs by rank-major row); padding
+    dropped, rows no entry names (past ``sum(split_sizes)``) zero. This is exactly
+    :func:`unpad_from_alignment` (same options, same errors), one pass."""
+    return unpad_from_alignment(padded, permutation_map, received_rows, probs, **kwargs)
 
 
 # ---------------------------------------------------------------------------

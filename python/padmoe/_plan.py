@@ -53,18 +53,24 @@ class Plan:
         the assignment stored in each padded row, -1 for padding rows and rows
         at or past P.
 
+    A plan made with routing options (``padmoe.make_plan(..., expert_map=..., expert_capacity=...)``)
+    may have dropped assignments: ``dest_rows`` -1, no sorted position (positions past ``bins[-1]``
+    hold -1), counts and padding over kept assignments only. With ``expert_capacity`` C every
+    segment is exactly C rows (P = E*C, ``capacity`` = E*C) and ``dropped`` is a [1] int32 array on
+    the plan's device: the number of assignments the capacity dropped (no synchronization).
+
     ``arrays`` is the list of the eight, in that order. A plan made by
     ``padmoe.torch`` also holds ``packed``: the eight back to back in one int32
     tensor (what padmoe's torch operators take; the arrays are views of it).
     Any object with these attributes can be passed where a plan is expected.
     """
 
-    __slots__ = ("_arrays", "packed", "num_tokens", "top_k", "num_experts", "alignment")
+    __slots__ = ("_arrays", "packed", "num_tokens", "top_k", "num_experts", "alignment", "expert_capacity", "dropped")
     _fields = PLAN_ARRAYS + ("num_tokens", "top_k", "num_experts", "alignment")
 
     def __init__(self, indices: Any, bin_ids: Any, tokens_per_expert: Any, bins: Any, padded_tokens_per_expert: Any,
                  padded_bins: Any, dest_rows: Any, row_sources: Any, num_tokens: int, top_k: int, num_experts: int,
-                 alignment: int):
+                 alignment: int, expert_capacity: Optional[int] = None, dropped: Any = None):
         self._arrays = [indices, bin_ids, tokens_per_expert, bins, padded_tokens_per_expert, padded_bins, dest_rows,
                         row_sources]
         self.packed = None
@@ -72,9 +78,12 @@ class Plan:
         self.top_k = top_k
         self.num_experts = num_experts
         self.alignment = alignment
+        self.expert_capacity = expert_capacity
+        self.dropped = dropped
 
     @classmethod
-    def _from_packed(cls, packed, num_tokens: int, top_k: int, num_experts: int, alignment: int) -> "Plan":
+    def _from_packed(cls, packed, num_tokens: int, top_k: int, num_experts: int, alignment: int,
+                     expert_capacity: Optional[int] = None, dropped: Any = None) -> "Plan":
         """A plan around padmoe.torch's packed form: one int32 tensor holding the eight arrays back to
         back (``indices, bin_ids`` [A], the four [E] arrays, ``dest_rows`` [A], ``row_sources``
         [capacity]); the arrays are views of it, made on first use."""
@@ -85,6 +94,8 @@ class Plan:
         p.top_k = top_k
         p.num_experts = num_experts
         p.alignment = alignment
+        p.expert_capacity = expert_capacity
+        p.dropped = dropped
         return p
 
     @property
@@ -111,8 +122,11 @@ class Plan:
 
     @property
     def capacity(self) -> int:
-        """Host-side bound on P: ``A + E*(alignment-1)`` (no synchronization).
-        Allocate padded outputs with ``rows=plan.capacity`` to avoid reading P."""
+        """Host-side bound on P: ``A + E*(alignment-1)`` (no synchronization); ``E*C`` for a plan
+        made with ``expert_capacity`` C (then exactly P). Allocate padded outputs with
+        ``rows=plan.capacity`` to avoid reading P."""
+        if getattr(self, "expert_capacity", None) is not None:
+            return self.num_experts * self.expert_capacity
         return self.num_tokens * self.top_k + self.num_experts * (self.alignment - 1)  # = _C.capacity_bound
 
     def padded_rows(self) -> int:
@@ -136,13 +150,15 @@ class Plan:
         return cls._allocate(num_tokens, top_k, num_experts, alignment, like)
 
     @classmethod
-    def _allocate(cls, num_tokens, top_k, num_experts, alignment, like) -> "Plan":
+    def _allocate(cls, num_tokens, top_k, num_experts, alignment, like, expert_capacity=None) -> "Plan":
         # Sizes clamped at 0 so that make_plan's own checks report bad arguments.
         arrays = NUMPY if like is None else arrays_of(like, "Plan.empty", "like")
         num_tokens, top_k, num_experts, alignment = int(num_tokens), int(top_k), int(num_experts), int(alignment)
         a = max(num_tokens * top_k, 0)
         e = max(num_experts, 0)
         cap = max(_C.capacity_bound(num_tokens, top_k, num_experts, alignment), 0)
+        if expert_capacity is not None and int(expert_capacity) >= 0:
+            cap = e * int(expert_capacity)
         # Sizes are checked before anything is allocated (the library would reject them after a
         # 32 GiB-32 TiB allocation had failed with MemoryError).
         if a > INT32_MAX:
@@ -169,10 +185,14 @@ class Plan:
             top_k=top_k,
             num_experts=num_experts,
             alignment=alignment,
+            expert_capacity=None if expert_capacity is None or int(expert_capacity) < 0 else int(expert_capacity),
+            dropped=None if expert_capacity is None or int(expert_capacity) < 0 else empty(1),
         )
 
     def __repr__(self) -> str:
         dev = getattr(self.indices, "device", "cpu")
+        cap = getattr(self, "expert_capacity", None)
         return (f"Plan(num_tokens={self.num_tokens}, top_k={self.top_k}, num_experts={self.num_experts}, "
                 f"alignment={self.alignment}, capacity={self.capacity}, "
-                f"arrays={type(self.indices).__module__.split('.')[0]}:{dev})")
+                + (f"expert_capacity={cap}, " if cap is not None else "")
+                + f"arrays={type(self.indices).__module__.split('.')[0]}:{dev})")

@@ -31,8 +31,9 @@ one call of the matching backward operator, and the fake (meta) kernels below fo
 every check runs once, in C++. Operators: ``make_plan``, ``dispatch``, ``dispatch_backward``,
 ``combine``, ``combine_backward``, ``padded_gather``, ``padded_gather_backward``,
 ``padded_scatter``, ``padded_scatter_backward``, ``padded_scatter_wgrad``,
-``pad_to_alignment``, ``unpad_from_alignment``, ``unpad_from_alignment_backward``. Double
-backward is not supported.
+``pad_to_alignment``, ``unpad_from_alignment``, ``unpad_from_alignment_backward``,
+``sort_chunks`` (the expert-parallel chunk sort; its inverse :func:`unsort_chunks` is
+``unpad_from_alignment``). Double backward is not supported.
 
 Two paths:
 
@@ -86,6 +87,8 @@ __all__ = [
     "pad_to_alignment",
     "unpad_from_alignment",
     "moe_align_block_size",
+    "sort_chunks",
+    "unsort_chunks",
 ]
 
 Tensor = torch.Tensor
@@ -110,6 +113,10 @@ _OPS = {name: getattr(_ops, name).default for name in (
 for _i, _name in enumerate(_native.FALLBACK_ORDER):
     _native._set_fallback(_i, _OPS[_name])
 _OPS_ALIGN = _ops.moe_align_block_size.default
+_OPS_SORT = _ops.sort_chunks.default
+# Rows moved with their scales (the `_scaled` operators; not differentiable): the OpOverloads.
+_OPS_SCALED = {name: getattr(_ops, name + "_scaled").default
+               for name in ("dispatch", "padded_gather", "pad_to_alignment", "unpad_from_alignment")}
 _compiling = torch.compiler.is_compiling
 _eager_check = 0 if os.environ.get("PADMOE_TORCH_CHECK", "1") == "0" else 2
 
@@ -158,9 +165,23 @@ def _wgrad_fake(like: Tensor, weights: Optional[Tensor], n, need: bool) -> Tenso
 
 
 def _plan_sizes(plan, top_k, num_experts, alignment):
-    """(T, A, capacity) of a packed plan of 4*A + E*(alignment+3) entries."""
+    """(T, A, capacity) of a packed plan of 4*A + E*(alignment+3) entries, or with alignment = -C
+    (a plan with an expert capacity C) of 3*A + E*(C+4)."""
+    if alignment <= 0:
+        a = (plan.shape[0] - num_experts * (4 - alignment)) // 3
+        return a // top_k, a, -alignment * num_experts
     a = (plan.shape[0] - num_experts * (alignment + 3)) // 4
     return a // top_k, a, a + num_experts * (alignment - 1)
+
+
+@torch.library.register_fake("padmoe::make_plan_routed")
+def _(top_experts, num_experts, alignment, expert_map, first_expert, global_experts, drop_invalid, expert_capacity,
+      by_probs, probs, check=2):
+    t, k = top_experts.shape
+    a = t * k
+    rows = num_experts * expert_capacity if expert_capacity >= 0 else a + num_experts * (alignment - 1)
+    return (top_experts.new_empty(3 * a + 4 * num_experts + rows, dtype=torch.int32),
+            top_experts.new_empty(1, dtype=torch.int32))
 
 
 @torch.library.register_fake("padmoe::make_plan")
@@ -241,6 +262,14 @@ def _(topk_ids, block_size, num_experts, pad_sorted_ids=False, check=2):
             topk_ids.new_empty(1, dtype=torch.int32))
 
 
+@torch.library.register_fake("padmoe::sort_chunks")
+def _(received, split_sizes, num_ranks, alignment, sorted_index=None, check=2, zero_padding=True, rows=-1):
+    p = rows if rows >= 0 else torch.library.get_ctx().new_dynamic_size()
+    e = split_sizes.numel() // num_ranks
+    return (received.new_empty(p, received.shape[1]), received.new_empty(p, dtype=torch.int32),
+            received.new_empty(e, dtype=torch.int32))
+
+
 @torch.library.register_fake("padmoe::unpad_from_alignment")
 def _(padded_output, permutation_map, original_size, probs=None, check=2):
     return padded_output.new_empty(original_size, padded_output.shape[1])
@@ -249,6 +278,45 @@ def _(padded_output, permutation_map, original_size, probs=None, check=2):
 @torch.library.register_fake("padmoe::unpad_from_alignment_backward")
 def _(grad_out, padded_output, permutation_map, probs, need_pgrad, check=2):
     return torch.empty_like(padded_output), _wgrad_fake(padded_output, probs, grad_out.shape[0], need_pgrad)
+
+
+def _scales_fake(scales: Tensor, rows) -> Tensor:
+    return scales.new_empty((rows,) + tuple(scales.shape[1:]))
+
+
+@torch.library.register_fake("padmoe::dispatch_scaled")
+def _(x, plan, x_scales, top_k, num_experts, alignment, check=2, zero_padding=True):
+    _, _, cap = _plan_sizes(plan, top_k, num_experts, alignment)
+    return x.new_empty(cap, x.shape[1]), _scales_fake(x_scales, cap)
+
+
+@torch.library.register_fake("padmoe::padded_gather_scaled")
+def _(x, indices, bin_ids, bins, padded_bins, top_k, x_scales, check=2, zero_padding=True):
+    p = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty(p, x.shape[1]), _scales_fake(x_scales, p)
+
+
+@torch.library.register_fake("padmoe::pad_to_alignment_scaled")
+def _(hidden_states, tokens_per_expert, alignment, hidden_scales, check=2, zero_padding=True):
+    p = torch.library.get_ctx().new_dynamic_size()
+    return (hidden_states.new_empty(p, hidden_states.shape[1]), _scales_fake(hidden_scales, p),
+            hidden_states.new_empty(p, dtype=torch.int32),
+            hidden_states.new_empty(tokens_per_expert.shape[0], dtype=torch.int32))
+
+
+@torch.library.register_fake("padmoe::unpad_from_alignment_scaled")
+def _(padded_output, permutation_map, original_size, padded_scales, check=2):
+    return padded_output.new_empty(original_size, padded_output.shape[1]), _scales_fake(padded_scales, original_size)
+
+
+def _scaled_mode(check: Optional[bool]) -> int:
+    return _mode(check, 0 if _compiling() else _eager_check)
+
+
+def _no_weights(op: str, arg: str, value) -> None:
+    if value is not None:
+        raise ValueError(f"{op}: scales: not with {arg} (rows move with their scales only in the move-only ops; "
+                         "a weighted move of quantized rows would need requantizing)")
 
 
 # ---------------------------------------------------------------------------
@@ -274,12 +342,54 @@ _PLAN_FIELDS = ("indices", "bin_ids", "tokens_per_expert", "bins", "padded_token
                 "dest_rows", "row_sources")
 
 
-def make_plan(top_experts: Tensor, num_experts: int, alignment: int, *, check: Optional[bool] = None) -> Plan:
+def _align(plan) -> int:
+    """The alignment argument of the plan operators: the plan's alignment, or -C for a plan with an
+    expert capacity C (its row_sources then has E*C entries)."""
+    c = getattr(plan, "expert_capacity", None)
+    return plan.alignment if c is None else -int(c)
+
+
+def _routed(top_experts, weights, num_experts, alignment, check, expert_map, first_expert, global_experts,
+            drop_invalid, expert_capacity, drop_policy, probs):
+    """make_plan with routing options: the Plan (with ``expert_capacity`` and ``dropped``)."""
+    if drop_policy not in ("position", "probs"):
+        raise ValueError(f"make_plan: drop_policy: expected 'position' or 'probs', got {drop_policy!r}")
+    if drop_policy == "probs" and probs is None:
+        probs = weights  # Routing.from_topk: the router weights
+    cap = -1 if expert_capacity is None else int(expert_capacity)
+    op = _ops.make_plan_routed.default
+    check_mode = 0 if _compiling() else _mode(check, _eager_check)  # 2: checked unless the stream captures
+    if probs is not None and probs.requires_grad:
+        probs = probs.detach()
+    packed, dropped = op(top_experts, num_experts, alignment, expert_map, int(first_expert), int(global_experts),
+                         bool(drop_invalid), cap, drop_policy == "probs", probs, check_mode)
+    t, k = top_experts.shape
+    return Plan._from_packed(packed, t, k, num_experts, alignment, None if cap < 0 else cap,
+                             dropped if cap >= 0 else None)
+
+
+def make_plan(top_experts: Tensor, num_experts: int, alignment: int, *, check: Optional[bool] = None,
+              expert_map: Optional[Tensor] = None, first_expert: int = 0, global_experts: int = 0,
+              drop_invalid: bool = False, expert_capacity: Optional[int] = None, drop_policy: str = "position",
+              probs: Optional[Tensor] = None) -> Plan:
     """Routing plan of ``top_experts[T, K]`` (int32/int64, any stride) over ``num_experts``
     experts, segments padded to multiples of ``alignment``: a :class:`padmoe.Plan` of int32
     tensors on top_experts' device, ``row_sources`` with ``capacity`` entries (-1 past P).
     No host synchronization with ``check=False`` (the default under torch.compile and
-    CUDA-graph capture)."""
+    CUDA-graph capture).
+
+    Routing options (as :func:`padmoe.make_plan`; docs/design.md "Dropped assignments"): local
+    experts ``[first_expert, first_expert + num_experts)`` of ``global_experts``, or
+    ``expert_map[global_experts]`` (global id -> local id, -1 = not local); ``drop_invalid`` drops
+    ids outside ``[0, global_experts)``; ``expert_capacity`` C makes every segment exactly C rows,
+    each expert keeping its first C assignments (``drop_policy="position"``) or the C largest
+    ``probs`` (``"probs"``), and ``plan.dropped`` ([1] int32, on the device) counts the dropped.
+    The row ops (dispatch, combine and their backward) treat a dropped assignment as absent: no
+    row, zero contribution, zero weight gradient."""
+    if (expert_map is not None or first_expert or global_experts or drop_invalid or expert_capacity is not None
+            or drop_policy != "position" or probs is not None):
+        return _routed(top_experts, None, num_experts, alignment, check, expert_map, first_expert, global_experts,
+                       drop_invalid, expert_capacity, drop_policy, probs)
     op, default = _call("make_plan")
     packed = op(top_experts, num_experts, alignment, _mode(check, default), None)
     t, k = top_experts.shape
@@ -287,13 +397,23 @@ def make_plan(top_experts: Tensor, num_experts: int, alignment: int, *, check: O
 
 
 def dispatch(x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None,
-             zero_padding: bool = True) -> Tensor:
+             zero_padding: bool = True, scales: Optional[Tensor] = None) -> Tensor:
     """``y[plan.capacity, H]``: ``y[dest_rows[t*K+k]] = x[t]`` (times ``weights[t*K+k]`` when
     given); padding rows and rows at or past P are zero (``zero_padding=False``: left unwritten, for
     consumers that never read them; see Routing.dispatch). Differentiable wrt ``x`` and ``weights``
-    (backward: the ``dispatch_backward`` operator)."""
+    (backward: the ``dispatch_backward`` operator).
+
+    ``scales=x_scales`` (no weights) moves a scale tensor with the rows in the same kernel and
+    returns ``(y, y_scales)``, both with ``plan.capacity`` rows: per-row float32 ``[T]`` / ``[T, 1]``,
+    per-128-column float32 ``[T, ceil(H/128)]``, or MXFP8 E8M0 ``[T, ceil(H/32)]`` as uint8 or
+    ``torch.float8_e8m0fnu``; padding rows (and rows past P) get zero data and scale 1. Not
+    differentiable (float8 rows)."""
+    if scales is not None:
+        _no_weights("dispatch", "weights", weights)
+        return _OPS_SCALED["dispatch"](x, _packed(plan), scales, plan.top_k, plan.num_experts, _align(plan),
+                                       _scaled_mode(check), bool(zero_padding))
     op, default = _call("dispatch")
-    return op(x, _packed(plan), weights, plan.top_k, plan.num_experts, plan.alignment, _mode(check, default),
+    return op(x, _packed(plan), weights, plan.top_k, plan.num_experts, _align(plan), _mode(check, default),
               bool(zero_padding))
 
 
@@ -303,7 +423,7 @@ def combine(y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: O
     Differentiable wrt ``y`` and ``weights`` (backward: ``combine_backward``, one read of the
     output gradient)."""
     op, default = _call("combine")
-    return op(y, _packed(plan), weights, plan.top_k, plan.num_experts, plan.alignment, _mode(check, default))
+    return op(y, _packed(plan), weights, plan.top_k, plan.num_experts, _align(plan), _mode(check, default))
 
 
 # ---------------------------------------------------------------------------
@@ -313,14 +433,20 @@ def combine(y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: O
 
 def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, padded_bins: Tensor, top_k: int,
                   weights: Optional[Tensor] = None, *, check: Optional[bool] = None, backend: str = "native",
-                  zero_padding: bool = True) -> Tensor:
+                  zero_padding: bool = True, scales: Optional[Tensor] = None) -> Tensor:
     """MegaBlocks ``padded_gather(x, indices, bin_ids, bins, padded_bins, top_k)``:
     ``y[padded_bins[-1], H]`` with sorted position i of expert e in row
     ``padded_start(e) + i - real_start(e)`` holding ``x[indices[i] // top_k]`` (times
     ``weights[indices[i]]`` when given); padding rows zero. P is read on the host (one
     synchronization on CUDA; not CUDA-graph capturable). Differentiable wrt ``x`` (and
     ``weights``). ``backend="triton"``: padmoe.triton's kernels (the seed's Ascend design, see
-    docs/ascend.md), with the same backward rules and ``check``."""
+    docs/ascend.md), with the same backward rules and ``check``. ``scales=x_scales`` (native
+    backend, no weights): ``(y, y_scales)`` as :func:`dispatch` with P rows."""
+    if scales is not None:
+        _no_weights("padded_gather", "weights", weights)
+        _backend(backend, "padded_gather")
+        return _OPS_SCALED["padded_gather"](x, indices, bin_ids, bins, padded_bins, top_k, scales,
+                                            _scaled_mode(check), bool(zero_padding))
     if backend == "triton":
         from padmoe import triton as _triton
         return _triton.gather_autograd(x, indices, bin_ids, bins, padded_bins, top_k, weights, _triton_check(check, x))
@@ -365,25 +491,73 @@ def padded_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tens
 
 
 def pad_to_alignment(hidden_states: Tensor, tokens_per_expert: Tensor, alignment: int, *,
-                     check: Optional[bool] = None, zero_padding: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+                     check: Optional[bool] = None, zero_padding: bool = True,
+                     scales: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Megatron ``pad_to_alignment(hidden_states, tokens_per_expert, alignment)`` ->
     ``(padded_hidden[P, H], permutation_map[P] int32, inclusive_offsets[E] int32)``: expert
     e's rows keep their order and move to its aligned segment; padding rows are zero and
     map to -1; ``inclusive_offsets`` are the grouped-GEMM ``offs``. Rows past
     ``sum(tokens_per_expert)`` are ignored (zero gradient). P is read on the host.
-    Differentiable wrt ``hidden_states``."""
+    Differentiable wrt ``hidden_states``. ``scales=hidden_scales`` (layouts as :func:`dispatch`):
+    ``(padded, padded_scales, permutation_map, inclusive_offsets)``, padding rows scale 1; not
+    differentiable."""
+    if scales is not None:
+        return _OPS_SCALED["pad_to_alignment"](hidden_states, tokens_per_expert, alignment, scales,
+                                               _scaled_mode(check), bool(zero_padding))
     op, default = _call("pad_to_alignment")
     return op(hidden_states, tokens_per_expert, alignment, _mode(check, default), bool(zero_padding))
 
 
 def unpad_from_alignment(padded_output: Tensor, permutation_map: Tensor, original_size: int,
-                         probs: Optional[Tensor] = None, *, check: Optional[bool] = None) -> Tensor:
+                         probs: Optional[Tensor] = None, *, check: Optional[bool] = None,
+                         scales: Optional[Tensor] = None) -> Tensor:
     """Megatron ``unpad_from_alignment(padded_output, permutation_map, original_size, probs=None)``
     -> ``out[original_size, H]``: ``out[map[p]] = padded_output[p]`` (times ``probs[map[p]]``)
     for every ``map[p] >= 0``; rows no entry names are zero. No host synchronization.
-    Differentiable wrt ``padded_output`` and ``probs``."""
+    Differentiable wrt ``padded_output`` and ``probs``. ``scales=padded_scales`` (no probs):
+    ``(out, out_scales)``, rows no entry names get zero data and scale 1; not differentiable."""
+    if scales is not None:
+        _no_weights("unpad_from_alignment", "probs", probs)
+        return _OPS_SCALED["unpad_from_alignment"](padded_output, permutation_map, original_size, scales,
+                                                   _scaled_mode(check))
     op, default = _call("unpad_from_alignment")
     return op(padded_output, permutation_map, original_size, probs, _mode(check, default))
+
+
+# ---------------------------------------------------------------------------
+# Expert parallelism: chunk sort after an all-to-all
+# ---------------------------------------------------------------------------
+
+
+def sort_chunks(received: Tensor, split_sizes: Tensor, num_ranks: int, alignment: int,
+                sorted_index: Optional[Tensor] = None, *, rows: Optional[int] = None, check: Optional[bool] = None,
+                zero_padding: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+    """The chunk sort after an expert-parallel all-to-all -> ``(padded[P, H],
+    permutation_map[P] int32, inclusive_offsets[E] int32)``: ``received[N, H]`` is rank-major
+    (chunk ``r*E + e`` holds ``split_sizes[r, e]`` rows, ``split_sizes`` ``[R, E]`` or ``[R*E]``);
+    output position ``j`` holds chunk ``sorted_index[j]`` (TransformerEngine's
+    ``moe_sort_chunks_by_index``) or, by default, ``(j % R)*E + j // R`` (expert-major); each group
+    of R consecutive positions (a local expert) padded to a multiple of ``alignment`` (zero rows, -1
+    in the map); ``inclusive_offsets`` are the grouped-GEMM ``offs``. Rows past
+    ``sum(split_sizes)`` are ignored (zero gradient).
+
+    ``rows=None`` gives exactly P rows (read on the host: one synchronization on CUDA);
+    ``rows=n`` (e.g. ``padmoe.sort_chunks_capacity(N, R*E, R, alignment)``) gives n rows with the
+    rows past P zero: static shapes, no synchronization with ``check=False`` (the default under
+    torch.compile). Differentiable wrt ``received`` (backward: :func:`unsort_chunks` of the
+    gradient)."""
+    default = 0 if _compiling() else _eager_check
+    return _OPS_SORT(received, split_sizes, int(num_ranks), int(alignment), sorted_index, _mode(check, default),
+                     bool(zero_padding), -1 if rows is None else int(rows))
+
+
+def unsort_chunks(padded: Tensor, permutation_map: Tensor, received_rows: int, probs: Optional[Tensor] = None, *,
+                  check: Optional[bool] = None) -> Tensor:
+    """The inverse of :func:`sort_chunks` -> ``out[received_rows, H]`` rank-major again:
+    ``out[map[p]] = padded[p]`` (times ``probs[map[p]]``, probs by rank-major row), padding
+    dropped, rows no entry names zero. Exactly :func:`unpad_from_alignment` (the same operator
+    and autograd: the backward of the rows is the sort's move again). No host synchronization."""
+    return unpad_from_alignment(padded, permutation_map, received_rows, probs, check=check)
 
 
 # ---------------------------------------------------------------------------
@@ -447,12 +621,23 @@ class Routing:
 
     @classmethod
     def from_topk(cls, top_experts: Tensor, weights: Optional[Tensor], num_experts: int, alignment: int, *,
-                  check: Optional[bool] = None) -> "Routing":
-        op, default = _call("make_plan")
-        packed = op(top_experts, num_experts, alignment, _mode(check, default), weights)
-        t, k = top_experts.shape
+                  check: Optional[bool] = None, expert_map: Optional[Tensor] = None, first_expert: int = 0,
+                  global_experts: int = 0, drop_invalid: bool = False, expert_capacity: Optional[int] = None,
+                  drop_policy: str = "position") -> "Routing":
+        """The routing options are :func:`make_plan`'s; ``drop_policy="probs"`` ranks by ``weights``.
+        Dropped assignments (other ranks' experts, invalid ids, past the capacity) get no row,
+        contribute zero to ``combine`` and get a zero weight gradient."""
+        if (expert_map is not None or first_expert or global_experts or drop_invalid or expert_capacity is not None
+                or drop_policy != "position"):
+            plan = _routed(top_experts, weights, num_experts, alignment, check, expert_map, first_expert,
+                           global_experts, drop_invalid, expert_capacity, drop_policy, None)
+        else:
+            op, default = _call("make_plan")
+            packed = op(top_experts, num_experts, alignment, _mode(check, default), weights)
+            t, k = top_experts.shape
+            plan = Plan._from_packed(packed, t, k, num_experts, alignment)
         r = cls.__new__(cls)
-        r.plan = Plan._from_packed(packed, t, k, num_experts, alignment)
+        r.plan = plan
         r.weights = weights
         r.check = check
         r._row_experts = None

@@ -62,6 +62,7 @@ using OptOut = std::optional<Out>;   // optional output: None = empty TensorView
 // module also builds with nanobind releases whose dtype_code enum predates them.
 constexpr uint8_t kDLFloat8E4M3FN = 10;
 constexpr uint8_t kDLFloat8E5M2 = 12;
+constexpr uint8_t kDLFloat8E8M0FNU = 14;  // MXFP8 scales: read as their uint8 bytes
 
 DType to_dtype(const nb::dlpack::dtype& dt, const char* op, const std::string& arg) {
   const auto code = dt.code;
@@ -79,12 +80,14 @@ DType to_dtype(const nb::dlpack::dtype& dt, const char* op, const std::string& a
       return DType::kFloat8E4M3;
     } else if (code == kDLFloat8E5M2 && bits == 8) {
       return DType::kFloat8E5M2;
+    } else if ((code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) || code == kDLFloat8E8M0FNU) && bits == 8) {
+      return DType::kUInt8;  // E8M0 scale bytes (uint8, or float8_e8m0fnu)
     }
   }
   fail(ErrorKind::kType, op, arg,
        "unsupported dtype (DLPack code " + std::to_string(code) + ", " + std::to_string(bits) + " bits, " +
            std::to_string(dt.lanes) +
-           " lanes); expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32 or int64");
+           " lanes); expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32, int64 or uint8 (scales)");
 }
 
 padmoe::Device to_device(int type, int id, const char* op, const std::string& arg) {
@@ -314,7 +317,9 @@ NB_MODULE(_C, m) {
   m.def(
       "make_plan_out",
       [](const In& top_experts, int num_experts, int alignment, nb::handle out, const OptOut& row_experts,
-         const OptOut& block_experts, const OptOut& padded_total, PADMOE_OPTION_PARAMS) {
+         const OptOut& block_experts, const OptOut& padded_total, const OptIn& expert_map, int first_expert,
+         int global_experts, bool drop_invalid, int64_t expert_capacity, const std::string& drop_policy,
+         const OptIn& probs, const OptOut& dropped, PADMOE_OPTION_PARAMS) {
         const char* op = "make_plan";
         const TensorView te = to_view(top_experts, op, "top_experts");
         PlanArg<Out> p;
@@ -323,13 +328,40 @@ NB_MODULE(_C, m) {
         l.row_experts = to_out_view(row_experts, op, "layouts.row_experts");
         l.block_experts = to_out_view(block_experts, op, "layouts.block_experts");
         l.padded_total = to_out_view(padded_total, op, "layouts.padded_total");
+        padmoe::PlanOptions po;  // expert parallelism, invalid ids, capacity (ops.hpp)
+        if (expert_map) po.expert_map = to_view(*expert_map, op, "expert_map");
+        po.first_expert = first_expert;
+        po.global_experts = global_experts;
+        po.drop_invalid = drop_invalid;
+        po.expert_capacity = expert_capacity;
+        if (drop_policy == "probs") {
+          po.drop_policy = padmoe::DropPolicy::kProbs;
+        } else if (drop_policy != "position") {
+          throw padmoe::Error(padmoe::ErrorKind::kValue, std::string(op) + ": drop_policy: expected 'position' or "
+                                                         "'probs', got '" + drop_policy + "'");
+        }
+        if (probs) po.probs = to_view(*probs, op, "probs");
+        po.dropped = to_out_view(dropped, op, "dropped");
         const padmoe::Options o = PADMOE_OPTS(op);
         nb::gil_scoped_release release;
-        padmoe::make_plan_out(te, num_experts, alignment, p.view, l, o);
+        padmoe::make_plan_out(te, num_experts, alignment, p.view, l, po, o);
       },
       nb::arg("top_experts"), nb::arg("num_experts"), nb::arg("alignment"), nb::arg("out"),
       nb::arg("row_experts").none() = nb::none(), nb::arg("block_experts").none() = nb::none(),
-      nb::arg("padded_total").none() = nb::none(), PADMOE_OPTIONS);
+      nb::arg("padded_total").none() = nb::none(), nb::arg("expert_map").none() = nb::none(),
+      nb::arg("first_expert") = 0, nb::arg("global_experts") = 0, nb::arg("drop_invalid") = false,
+      nb::arg("expert_capacity") = -1, nb::arg("drop_policy") = "position", nb::arg("probs").none() = nb::none(),
+      nb::arg("dropped").none() = nb::none(), PADMOE_OPTIONS);
+  m.def(
+      "plan_rows_bound",
+      [](int64_t num_tokens, int top_k, int num_experts, int alignment, int64_t expert_capacity) {
+        padmoe::PlanOptions po;
+        po.expert_capacity = expert_capacity;
+        return padmoe::plan_rows_bound(num_tokens, top_k, num_experts, alignment, po);
+      },
+      nb::arg("num_tokens"), nb::arg("top_k"), nb::arg("num_experts"), nb::arg("alignment"),
+      nb::arg("expert_capacity") = -1,
+      "Rows of row_sources a plan needs: num_experts * expert_capacity with a capacity, else capacity_bound.");
 
   m.def(
       "moe_align_block_size_out",
@@ -552,6 +584,99 @@ NB_MODULE(_C, m) {
       },
       nb::arg("grad_out"), nb::arg("padded"), nb::arg("permutation_map"), nb::arg("probs").none(),
       nb::arg("grad_padded"), nb::arg("grad_probs").none(), PADMOE_OPTIONS);
+
+  // --- expert parallelism: chunk sort --------------------------------------------
+
+  m.def(
+      "sort_chunks_out",
+      [](const In& received, const In& split_sizes, int num_ranks, int alignment, const OptIn& sorted_index,
+         const Out& padded, const Out& permutation_map, const Out& inclusive_offsets, PADMOE_OPTION_PARAMS) {
+        const char* op = "sort_chunks";
+        const TensorView vr = to_view(received, op, "received"), vs = to_view(split_sizes, op, "split_sizes"),
+                         vp = to_view(padded, op, "padded"), vm = to_view(permutation_map, op, "permutation_map"),
+                         vo = to_view(inclusive_offsets, op, "inclusive_offsets");
+        const auto vsi = opt_view(sorted_index, op, "sorted_index");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::sort_chunks_out(vr, vs, num_ranks, alignment, vsi, vp, vm, vo, o);
+      },
+      nb::arg("received"), nb::arg("split_sizes"), nb::arg("num_ranks"), nb::arg("alignment"),
+      nb::arg("sorted_index").none(), nb::arg("padded"), nb::arg("permutation_map"), nb::arg("inclusive_offsets"),
+      PADMOE_OPTIONS);
+  m.def(
+      "sort_chunks_capacity",
+      [](int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment) {
+        return padmoe::sort_chunks_capacity(received_rows, num_chunks, num_ranks, alignment);
+      },
+      nb::arg("received_rows"), nb::arg("num_chunks"), nb::arg("num_ranks"), nb::arg("alignment"),
+      "Host-side bound on sort_chunks' P: received_rows + (num_chunks / num_ranks) * (alignment - 1).");
+
+  // --- rows moved with their scales (ops.hpp section 4) -----------------------
+
+  m.def(
+      "dispatch_scaled_out",
+      [](const In& x, nb::handle plan, const In& x_scales, const Out& y, const Out& y_scales, PADMOE_OPTION_PARAMS) {
+        const char* op = "dispatch";
+        const TensorView vx = to_view(x, op, "x"), vxs = to_view(x_scales, op, "x_scales"), vy = to_view(y, op, "y"),
+                         vys = to_view(y_scales, op, "y_scales");
+        PlanArg<In> p;
+        read_plan(plan, op, "plan", p);
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::dispatch_scaled_out(vx, p.view, vxs, vy, vys, o);
+      },
+      nb::arg("x"), nb::arg("plan"), nb::arg("x_scales"), nb::arg("y"), nb::arg("y_scales"), PADMOE_OPTIONS);
+
+  m.def(
+      "padded_gather_scaled_out",
+      [](const In& x, const In& indices, const In& bin_ids, const In& bins, const In& padded_bins, int top_k,
+         const In& x_scales, const Out& y, const Out& y_scales, PADMOE_OPTION_PARAMS) {
+        const char* op = "padded_gather";
+        const TensorView vx = to_view(x, op, "x"), vi = to_view(indices, op, "indices"),
+                         vb = to_view(bin_ids, op, "bin_ids"), vbins = to_view(bins, op, "bins"),
+                         vp = to_view(padded_bins, op, "padded_bins"), vxs = to_view(x_scales, op, "x_scales"),
+                         vy = to_view(y, op, "y"), vys = to_view(y_scales, op, "y_scales");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::padded_gather_scaled_out(vx, vi, vb, vbins, vp, top_k, vxs, vy, vys, o);
+      },
+      nb::arg("x"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"), nb::arg("padded_bins"),
+      nb::arg("top_k"), nb::arg("x_scales"), nb::arg("y"), nb::arg("y_scales"), PADMOE_OPTIONS);
+
+  m.def(
+      "pad_to_alignment_scaled_out",
+      [](const In& hidden_states, const In& tokens_per_expert, int alignment, const In& hidden_scales,
+         const Out& padded, const Out& padded_scales, const Out& permutation_map, const Out& inclusive_offsets,
+         PADMOE_OPTION_PARAMS) {
+        const char* op = "pad_to_alignment";
+        const TensorView vh = to_view(hidden_states, op, "hidden_states"),
+                         vt = to_view(tokens_per_expert, op, "tokens_per_expert"),
+                         vhs = to_view(hidden_scales, op, "hidden_scales"), vp = to_view(padded, op, "padded"),
+                         vps = to_view(padded_scales, op, "padded_scales"),
+                         vm = to_view(permutation_map, op, "permutation_map"),
+                         vo = to_view(inclusive_offsets, op, "inclusive_offsets");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::pad_to_alignment_scaled_out(vh, vt, alignment, vhs, vp, vps, vm, vo, o);
+      },
+      nb::arg("hidden_states"), nb::arg("tokens_per_expert"), nb::arg("alignment"), nb::arg("hidden_scales"),
+      nb::arg("padded"), nb::arg("padded_scales"), nb::arg("permutation_map"), nb::arg("inclusive_offsets"),
+      PADMOE_OPTIONS);
+
+  m.def(
+      "unpad_from_alignment_scaled_out",
+      [](const In& padded, const In& permutation_map, const In& padded_scales, const Out& out, const Out& out_scales,
+         PADMOE_OPTION_PARAMS) {
+        const char* op = "unpad_from_alignment";
+        const TensorView vp = to_view(padded, op, "padded_output"), vm = to_view(permutation_map, op, "permutation_map"),
+                         vps = to_view(padded_scales, op, "padded_scales"), vo = to_view(out, op, "out"),
+                         vos = to_view(out_scales, op, "out_scales");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::unpad_from_alignment_scaled_out(vp, vm, vps, vo, vos, o);
+      },
+      nb::arg("padded"), nb::arg("permutation_map"), nb::arg("padded_scales"), nb::arg("out"), nb::arg("out_scales"),
+      PADMOE_OPTIONS);
 
   // --- utilities ---------------------------------------------------------------
 

@@ -111,6 +111,7 @@ DType dtype_of(const Tensor& t, const char* op, const char* arg) {
     case at::kFloat8_e5m2: return DType::kFloat8E5M2;
     case at::kInt: return DType::kInt32;
     case at::kLong: return DType::kInt64;
+    case at::kByte: return DType::kUInt8;  // E8M0 scale bytes (the `_scaled` ops)
     default:
       type_error(op, arg, std::string("unsupported dtype ") + c10::toString(t.scalar_type()) +
                               "; expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32 or int64");
@@ -264,10 +265,27 @@ struct PackedPlan {
 PackedPlan packed_plan(const Tensor& plan, int64_t top_k, int64_t num_experts, int64_t alignment, const char* op) {
   if (top_k < 1) value_error(op, "top_k", "must be >= 1, got " + std::to_string(top_k));
   if (num_experts < 1) value_error(op, "num_experts", "must be >= 1, got " + std::to_string(num_experts));
-  if (alignment < 1) value_error(op, "alignment", "must be >= 1, got " + std::to_string(alignment));
   if (plan.scalar_type() != at::kInt || plan.dim() != 1 || !plan.is_contiguous()) {
     type_error(op, "plan", std::string("expected the packed plan of make_plan (a contiguous 1-D int32 tensor), got ") +
                                c10::toString(plan.scalar_type()) + " of shape " + shape_of(plan));
+  }
+  PackedPlan p;
+  p.t = plan;
+  p.k = static_cast<int>(top_k);
+  p.e = num_experts;
+  if (alignment <= 0) {  // a plan with an expert capacity C = -alignment: row_sources of E*C rows
+    const int64_t c = -alignment;
+    const int64_t rest = plan.numel() - num_experts * (c + 4);
+    if (rest < 0 || rest % (3 * top_k) != 0) {
+      value_error(op, "plan", std::to_string(plan.numel()) + " entries is no packed plan for top_k=" +
+                                  std::to_string(top_k) + ", num_experts=" + std::to_string(num_experts) +
+                                  ", expert_capacity=" + std::to_string(c) + " (expected 3*T*K + E*(capacity+4))");
+    }
+    p.m = 1;  // the row ops do not read it
+    p.a = rest / 3;
+    p.tokens = p.a / top_k;
+    p.cap = num_experts * c;
+    return p;
   }
   const int64_t rest = plan.numel() - num_experts * (alignment + 3);
   if (rest < 0 || rest % (4 * top_k) != 0) {
@@ -275,11 +293,7 @@ PackedPlan packed_plan(const Tensor& plan, int64_t top_k, int64_t num_experts, i
                                 std::to_string(top_k) + ", num_experts=" + std::to_string(num_experts) +
                                 ", alignment=" + std::to_string(alignment) + " (expected 4*T*K + E*(alignment+3))");
   }
-  PackedPlan p;
-  p.t = plan;
-  p.k = static_cast<int>(top_k);
   p.m = static_cast<int>(alignment);
-  p.e = num_experts;
   p.a = rest / 4;
   p.tokens = p.a / top_k;
   p.cap = p.a + num_experts * (alignment - 1);
@@ -462,6 +476,79 @@ Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64
   }
   native([&] { padmoe::make_plan_out(view(top, op, "top_experts"), static_cast<int>(num_experts), static_cast<int>(alignment), pv, o); });
   return out;
+}
+
+// make_plan with PlanOptions (expert parallelism, invalid ids, an expert capacity): the packed plan
+// and the [1] int32 dropped count. With a capacity C the packed plan holds E*C row_sources and the
+// row ops take alignment = -C for it (packed_plan above).
+std::tuple<Tensor, Tensor> make_plan_routed_kernel(const Tensor& top_experts_in, int64_t num_experts, int64_t alignment,
+                                                   const OptTensor& expert_map, int64_t first_expert,
+                                                   int64_t global_experts, bool drop_invalid, int64_t expert_capacity,
+                                                   bool by_probs, const OptTensor& probs, int64_t check) {
+  const char* op = "make_plan";
+  if (top_experts_in.dim() != 2) value_error(op, "top_experts", "expected [T, K], got shape " + shape_of(top_experts_in));
+  const int64_t t = top_experts_in.size(0), k = top_experts_in.size(1);
+  Tensor top = index_arg(top_experts_in);
+  if (num_experts < 1) value_error(op, "num_experts", "must be >= 1, got " + std::to_string(num_experts));
+  if (alignment < 1) value_error(op, "alignment", "must be >= 1, got " + std::to_string(alignment));
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  if (num_experts > kMax) value_error(op, "num_experts", "size overflow: " + std::to_string(num_experts) + " does not fit int32");
+  if (alignment > kMax) value_error(op, "alignment", "size overflow: " + std::to_string(alignment) + " does not fit int32");
+  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"first_expert", first_expert}, {"global_experts", global_experts}}) {
+    if (v < std::numeric_limits<int32_t>::min() || v > kMax) value_error(op, name, "does not fit int32: " + std::to_string(v));
+  }
+  if (k >= 1 && t > kMax / k) {
+    value_error(op, "top_experts", "size overflow: " + std::to_string(t) + " x " + std::to_string(k) +
+                                       " assignments do not fit the int32 index outputs");
+  }
+  if (expert_capacity < -1) value_error(op, "expert_capacity", "must be >= 0 (or None), got " + std::to_string(expert_capacity));
+  const int64_t a = std::max<int64_t>(t * k, 0), e = num_experts;
+  if (expert_capacity >= 0 && expert_capacity > kMax / e) {
+    value_error(op, "expert_capacity", "size overflow: " + std::to_string(e) + " experts x capacity " +
+                                           std::to_string(expert_capacity) + " rows do not fit the int32 index outputs");
+  }
+  const int64_t cap = expert_capacity >= 0 ? e * expert_capacity : a + e * (alignment - 1);
+  if (cap > kMax) value_error(op, "capacity", "size overflow: " + std::to_string(cap) + " does not fit the int32 index outputs");
+  c10::OptionalDeviceGuard guard(top.device());
+  Tensor out = at::empty({3 * a + 4 * e + cap}, top.options().dtype(at::kInt));
+  Tensor dropped = at::empty({1}, top.options().dtype(at::kInt));
+  Tensor workspace;
+  if (top.is_cuda()) {
+    size_t bytes = 0;
+    native([&] {
+      bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e),
+                                      static_cast<int>(alignment));
+    });
+    if (bytes > 0) workspace = at::empty({static_cast<int64_t>(bytes)}, top.options().dtype(at::kByte));
+  }
+  const padmoe::PlanView pv =
+      packed_plan(out, std::max<int64_t>(k, 1), e, expert_capacity >= 0 ? -expert_capacity : alignment, op).view(op);
+  padmoe::PlanView pvm = pv;
+  pvm.alignment = static_cast<int>(alignment);
+  padmoe::Options o = options_for(top, check);
+  if (workspace.defined()) {
+    o.workspace = workspace.data_ptr();
+    o.workspace_bytes = static_cast<size_t>(workspace.numel());
+  }
+  Tensor map = expert_map && expert_map->defined() ? index_arg(*expert_map) : Tensor();
+  OptTensor pr;  // ranked as float32 (float64 router weights are rounded once)
+  if (probs && probs->defined()) {
+    pr = probs->scalar_type() == at::kDouble ? probs->to(at::kFloat) : probs->contiguous();
+  }
+  padmoe::PlanOptions po;
+  if (map.defined()) po.expert_map = view(map, op, "expert_map");
+  po.first_expert = static_cast<int>(first_expert);
+  po.global_experts = static_cast<int>(global_experts);
+  po.drop_invalid = drop_invalid;
+  po.expert_capacity = expert_capacity;
+  po.drop_policy = by_probs ? padmoe::DropPolicy::kProbs : padmoe::DropPolicy::kPosition;
+  if (pr) po.probs = view(*pr, op, "probs");
+  po.dropped = view(dropped, op, "dropped");
+  native([&] {
+    padmoe::make_plan_out(view(top, op, "top_experts"), static_cast<int>(num_experts), static_cast<int>(alignment), pvm,
+                          padmoe::PlanLayouts{}, po, o);
+  });
+  return {out, dropped};
 }
 
 Tensor dispatch_kernel(const Tensor& x_in, const Tensor& plan, const OptTensor& weights, int64_t top_k,
@@ -1181,6 +1268,114 @@ Tensor unpad_autograd(const Tensor& padded, const Tensor& map, int64_t original_
   return out;
 }
 
+// Expert-parallel chunk sort (ops.hpp section 5) ------------------------------------------
+//
+// sort_chunks(received, split_sizes, num_ranks, alignment, sorted_index, check, zero_padding, rows):
+// rows < 0 allocates exactly P rows (read on the host: one synchronization on CUDA, like the
+// Megatron drop-ins); rows >= 0 allocates that many (>= P, e.g. sort_chunks_capacity) with the rows
+// past P zeroed (zero_tail): static shapes, no synchronization with check=0. Its backward is
+// unpad_from_alignment(grad, permutation_map, N) (the unsort), the inverse move.
+
+// P on the host from split_sizes (and sorted_index); 0 on bad input (padmoe then reports it).
+int64_t chunk_total(const Tensor& sizes, int64_t num_ranks, int64_t alignment, const OptTensor& sorted) {
+  auto is_index = [](const Tensor& t) { return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong; };
+  if (num_ranks < 1 || alignment < 1 || !is_index(sizes) || sizes.dim() < 1 || sizes.dim() > 2) return 0;
+  const int64_t c = sizes.numel();
+  if (c % num_ranks != 0) return 0;
+  const std::vector<int64_t> n = host_values(sizes.reshape({-1}), 0, c);
+  std::vector<int64_t> order(static_cast<size_t>(c));
+  if (sorted && sorted->defined()) {
+    if (!is_index(*sorted) || sorted->dim() != 1 || sorted->numel() != c) return 0;
+    order = host_values(*sorted, 0, c);
+  } else {
+    for (int64_t j = 0; j < c; ++j) order[j] = (j % num_ranks) * (c / num_ranks) + j / num_ranks;
+  }
+  int64_t total = 0;
+  for (int64_t g = 0; g < c / num_ranks; ++g) {
+    int64_t rows = 0;
+    for (int64_t j = g * num_ranks; j < (g + 1) * num_ranks; ++j) {
+      if (order[j] < 0 || order[j] >= c) return 0;
+      rows += std::max<int64_t>(n[order[j]], 0);
+    }
+    total += (rows + alignment - 1) / alignment * alignment;
+  }
+  return total;
+}
+
+std::tuple<Tensor, Tensor, Tensor> sort_chunks_kernel(const Tensor& received_in, const Tensor& sizes_in,
+                                                      int64_t num_ranks, int64_t alignment,
+                                                      const OptTensor& sorted_in, int64_t check, bool zero_padding,
+                                                      int64_t rows) {
+  const char* op = "sort_chunks";
+  Tensor sizes = index_arg(sizes_in);
+  OptTensor sorted = sorted_in && sorted_in->defined() ? OptTensor(index_arg(*sorted_in)) : std::nullopt;
+  if (num_ranks < 1) value_error(op, "num_ranks", "must be >= 1, got " + std::to_string(num_ranks));
+  const int64_t p = rows >= 0 ? rows : chunk_total(sizes, num_ranks, alignment, sorted);
+  check_rows_fit(op, rows >= 0 ? "rows" : "split_sizes", p);
+  const int64_t e = sizes.numel() / num_ranks;
+  Tensor h = is_f64(received_in) ? received_in : rows_arg(received_in);
+  Tensor map = at::empty({p}, h.options().dtype(at::kInt));
+  Tensor offs = at::empty({e}, h.options().dtype(at::kInt));
+  c10::OptionalDeviceGuard guard(h.device());
+  padmoe::Options o = options_for(h, check, /*zero_tail=*/rows >= 0);
+  if (is_f64(h)) {  // the map and offsets from padmoe on float32 rows of no columns, then an exact move
+    Tensor none = at::empty({h.size(0), 0}, h.options().dtype(at::kFloat));
+    Tensor pn = at::empty({p, 0}, none.options());
+    native([&] {
+      padmoe::sort_chunks_out(view(none, op, "received"), view(sizes, op, "split_sizes"), static_cast<int>(num_ranks),
+                              static_cast<int>(alignment), opt_view(sorted, op, "sorted_index"), view(pn, op, "padded"),
+                              view(map, op, "permutation_map"), view(offs, op, "inclusive_offsets"), o);
+    });
+    Tensor keep = map.ge(0).to(h.scalar_type()).unsqueeze(1);
+    Tensor padded = h.index_select(0, map.clamp_min(0).to(at::kLong)) * keep;
+    return {padded, map, offs};
+  }
+  Tensor padded = at::empty({p, h.dim() == 2 ? h.size(1) : 0}, h.options());
+  o.zero_padding = zero_padding;
+  native([&] {
+    padmoe::sort_chunks_out(view(h, op, "received"), view(sizes, op, "split_sizes"), static_cast<int>(num_ranks),
+                            static_cast<int>(alignment), opt_view(sorted, op, "sorted_index"), view(padded, op, "padded"),
+                            view(map, op, "permutation_map"), view(offs, op, "inclusive_offsets"), o);
+  });
+  return {padded, map, offs};
+}
+
+// Edge (received); the backward is the unsort of the gradient (PadBackward's formula).
+struct SortChunksBackward : PadBackward {
+  std::string name() const override { return "padmoe::SortChunksBackward"; }
+};
+
+std::tuple<Tensor, Tensor, Tensor> sort_chunks_autograd(const Tensor& received, const Tensor& sizes, int64_t num_ranks,
+                                                        int64_t alignment, const OptTensor& sorted, int64_t check,
+                                                        bool zero_padding, int64_t rows) {
+  std::tuple<Tensor, Tensor, Tensor> out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = handle<decltype(sort_chunks_kernel)>("padmoe::sort_chunks");
+    out = op.call(received, sizes, num_ranks, alignment, sorted, check, zero_padding, rows);
+  }
+  if (recording(received, std::nullopt)) {
+    NodePtr node = new_node<SortChunksBackward>();
+    auto* n = static_cast<SortChunksBackward*>(node.get());
+    n->set_next_edges(torch::autograd::collect_next_edges(received));
+    n->permutation_map = std::get<1>(out);
+    n->rows = received.dim() >= 1 ? received.size(0) : 0;
+    n->check = backward_check(check);
+    torch::autograd::set_history(std::get<0>(out), node);
+  }
+  return out;
+}
+
+std::tuple<Tensor, Tensor> make_plan_routed_autograd(const Tensor& top_experts, int64_t num_experts, int64_t alignment,
+                                                     const OptTensor& expert_map, int64_t first_expert,
+                                                     int64_t global_experts, bool drop_invalid, int64_t expert_capacity,
+                                                     bool by_probs, const OptTensor& probs, int64_t check) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = handle<decltype(make_plan_routed_kernel)>("padmoe::make_plan_routed");
+  return op.call(top_experts, num_experts, alignment, expert_map, first_expert, global_experts, drop_invalid,
+                 expert_capacity, by_probs, probs, check);
+}
+
 // Integer outputs only: never differentiable.
 Tensor make_plan_autograd(const Tensor& top_experts, int64_t num_experts, int64_t alignment, int64_t check,
                           const OptTensor& weights) {
@@ -1195,6 +1390,9 @@ Tensor make_plan_autograd(const Tensor& top_experts, int64_t num_experts, int64_
 
 TORCH_LIBRARY(padmoe, m) {
   m.def("make_plan(Tensor top_experts, int num_experts, int alignment, int check=2, Tensor? weights=None) -> Tensor");
+  m.def("make_plan_routed(Tensor top_experts, int num_experts, int alignment, Tensor? expert_map, int first_expert, "
+        "int global_experts, bool drop_invalid, int expert_capacity, bool by_probs, Tensor? probs, int check=2) "
+        "-> (Tensor, Tensor)");
   m.def("dispatch(Tensor x, Tensor plan, Tensor? weights, int top_k, int num_experts, int alignment, int check=2, "
         "bool zero_padding=True) "
         "-> Tensor");
@@ -1222,10 +1420,13 @@ TORCH_LIBRARY(padmoe, m) {
         "bool need_pgrad, int check=2) -> (Tensor, Tensor)");
   m.def("moe_align_block_size(Tensor topk_ids, int block_size, int num_experts, bool pad_sorted_ids=False, "
         "int check=2) -> (Tensor, Tensor, Tensor)");
+  m.def("sort_chunks(Tensor received, Tensor split_sizes, int num_ranks, int alignment, Tensor? sorted_index=None, "
+        "int check=2, bool zero_padding=True, int rows=-1) -> (Tensor, Tensor, Tensor)");
 }
 
 #define PADMOE_TORCH_KERNELS(m)                                                   \
   m.impl("make_plan", make_plan_kernel);                                          \
+  m.impl("make_plan_routed", make_plan_routed_kernel);                            \
   m.impl("dispatch", dispatch_kernel);                                            \
   m.impl("dispatch_backward", dispatch_backward_kernel);                          \
   m.impl("combine", combine_kernel);                                              \
@@ -1238,7 +1439,8 @@ TORCH_LIBRARY(padmoe, m) {
   m.impl("pad_to_alignment", pad_kernel);                                         \
   m.impl("unpad_from_alignment", unpad_kernel);                                   \
   m.impl("unpad_from_alignment_backward", unpad_backward_kernel);                 \
-  m.impl("moe_align_block_size", moe_align_kernel)
+  m.impl("moe_align_block_size", moe_align_kernel);                               \
+  m.impl("sort_chunks", sort_chunks_kernel)
 
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) { PADMOE_TORCH_KERNELS(m); }
 #ifdef PADMOE_TORCH_CUDA
@@ -1247,12 +1449,14 @@ TORCH_LIBRARY_IMPL(padmoe, CUDA, m) { PADMOE_TORCH_KERNELS(m); }
 
 TORCH_LIBRARY_IMPL(padmoe, Autograd, m) {
   m.impl("make_plan", make_plan_autograd);
+  m.impl("make_plan_routed", make_plan_routed_autograd);
   m.impl("dispatch", dispatch_autograd);
   m.impl("combine", combine_autograd);
   m.impl("padded_gather", padded_gather_autograd);
   m.impl("padded_scatter", padded_scatter_autograd);
   m.impl("pad_to_alignment", pad_autograd);
   m.impl("unpad_from_alignment", unpad_autograd);
+  m.impl("sort_chunks", sort_chunks_autograd);
 }
 
 // --- Python entry points ------------------------------------------------------------
@@ -1418,3 +1622,190 @@ PyMODINIT_FUNC PyInit__torch_ops() {
   PyModule_AddObject(m, "FALLBACK_ORDER", order);
   return m;
 }
+
+// --- rows moved with their scales (ops.hpp section 4) -----------------------------------
+//
+// dispatch_scaled / padded_gather_scaled / pad_to_alignment_scaled / unpad_from_alignment_scaled:
+// the move-only ops with a scale tensor moved alongside in the same pass (float32 per row or per
+// 128 columns, MXFP8 E8M0 as uint8 or float8_e8m0fnu). Not differentiable: quantized rows and
+// their scales carry no gradient (an input that requires one is a clear error, not a silent
+// detach). Registered in their own fragment; padmoe.torch calls the OpOverloads.
+
+namespace {
+
+bool is_e8m0(const Tensor& t) { return std::strcmp(c10::toString(t.scalar_type()), "Float8_e8m0fnu") == 0; }
+
+// A scale tensor as padmoe takes it: float8_e8m0fnu as its uint8 bytes (same memory).
+TensorView scales_view(const Tensor& t, const char* op, const char* arg) {
+  return view(is_e8m0(t) ? t.view(at::kByte) : t, op, arg);
+}
+
+// Scale inputs: any stride (one copy when not contiguous; padmoe wants them row-major).
+Tensor scales_arg(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+// Output scales shaped like `s` (its dims after the first) with `rows` rows.
+Tensor scales_like(const Tensor& s, int64_t rows) {
+  std::vector<int64_t> sizes = s.sizes().vec();
+  if (sizes.empty()) sizes.push_back(rows);
+  else sizes[0] = rows;
+  return at::empty(sizes, s.options());
+}
+
+std::tuple<Tensor, Tensor> dispatch_scaled_kernel(const Tensor& x_in, const Tensor& plan, const Tensor& x_scales,
+                                                  int64_t top_k, int64_t num_experts, int64_t alignment,
+                                                  int64_t check, bool zero_padding) {
+  const char* op = "dispatch";
+  const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, op);
+  Tensor x = rows_arg(x_in), xs = scales_arg(x_scales);
+  Tensor y = at::empty({pp.cap, x.dim() == 2 ? x.size(1) : 0}, x.options());
+  Tensor ys = scales_like(xs, pp.cap);
+  c10::OptionalDeviceGuard guard(x.device());
+  const padmoe::PlanView pv = pp.view(op);
+  padmoe::Options o = options_for(x, check, /*zero_tail=*/zero_padding);
+  o.zero_padding = zero_padding;  // false: padding rows (and the rows past P) left unwritten
+  native([&] {
+    padmoe::dispatch_scaled_out(view(x, op, "x"), pv, scales_view(xs, op, "x_scales"), view(y, op, "y"),
+                                scales_view(ys, op, "y_scales"), o);
+  });
+  return {y, ys};
+}
+
+std::tuple<Tensor, Tensor> padded_gather_scaled_kernel(const Tensor& x_in, const Tensor& indices_in,
+                                                       const Tensor& bin_ids_in, const Tensor& bins_in,
+                                                       const Tensor& padded_bins_in, int64_t top_k,
+                                                       const Tensor& x_scales, int64_t check, bool zero_padding) {
+  const char* op = "padded_gather";
+  Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
+         padded_bins = index_arg(padded_bins_in);
+  const int64_t p = host_last(padded_bins, op, "padded_bins");
+  check_rows_fit(op, "padded_bins", p);
+  Tensor x = rows_arg(x_in), xs = scales_arg(x_scales);
+  Tensor y = at::empty({p, x.dim() == 2 ? x.size(1) : 0}, x.options());
+  Tensor ys = scales_like(xs, p);
+  c10::OptionalDeviceGuard guard(x.device());
+  padmoe::Options o = options_for(x, check);
+  o.zero_padding = zero_padding;
+  native([&] {
+    padmoe::padded_gather_scaled_out(view(x, op, "x"), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
+                                     view(bins, op, "bins"), view(padded_bins, op, "padded_bins"),
+                                     static_cast<int>(top_k), scales_view(xs, op, "x_scales"), view(y, op, "y"),
+                                     scales_view(ys, op, "y_scales"), o);
+  });
+  return {y, ys};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> pad_scaled_kernel(const Tensor& h_in, const Tensor& tpe_in,
+                                                             int64_t alignment, const Tensor& h_scales,
+                                                             int64_t check, bool zero_padding) {
+  const char* op = "pad_to_alignment";
+  Tensor tpe = index_arg(tpe_in);
+  const int64_t p = padded_total(tpe, alignment);
+  check_rows_fit(op, "tokens_per_expert", p);
+  const int64_t e = tpe.dim() == 1 ? tpe.numel() : 0;
+  Tensor h = rows_arg(h_in), hs = scales_arg(h_scales);
+  Tensor padded = at::empty({p, h.dim() == 2 ? h.size(1) : 0}, h.options());
+  Tensor ps = scales_like(hs, p);
+  Tensor map = at::empty({p}, h.options().dtype(at::kInt));
+  Tensor offs = at::empty({e}, h.options().dtype(at::kInt));
+  c10::OptionalDeviceGuard guard(h.device());
+  padmoe::Options o = options_for(h, check);
+  o.zero_padding = zero_padding;
+  native([&] {
+    padmoe::pad_to_alignment_scaled_out(view(h, op, "hidden_states"), view(tpe, op, "tokens_per_expert"),
+                                        static_cast<int>(alignment), scales_view(hs, op, "hidden_scales"),
+                                        view(padded, op, "padded"), scales_view(ps, op, "padded_scales"),
+                                        view(map, op, "permutation_map"), view(offs, op, "inclusive_offsets"), o);
+  });
+  return {padded, ps, map, offs};
+}
+
+std::tuple<Tensor, Tensor> unpad_scaled_kernel(const Tensor& padded_in, const Tensor& map_in, int64_t original_size,
+                                               const Tensor& padded_scales, int64_t check) {
+  const char* op = "unpad_from_alignment";
+  if (original_size < 0) value_error(op, "original_size", "must be >= 0, got " + std::to_string(original_size));
+  Tensor map = index_arg(map_in);
+  Tensor padded = rows_arg(padded_in), ps = scales_arg(padded_scales);
+  Tensor out = at::empty({original_size, padded.dim() == 2 ? padded.size(1) : 0}, padded.options());
+  Tensor os = scales_like(ps, original_size);
+  c10::OptionalDeviceGuard guard(padded.device());
+  const padmoe::Options o = options_for(padded, check);
+  native([&] {
+    padmoe::unpad_from_alignment_scaled_out(view(padded, op, "padded"), view(map, op, "permutation_map"),
+                                            scales_view(ps, op, "padded_scales"), view(out, op, "out"),
+                                            scales_view(os, op, "out_scales"), o);
+  });
+  return {out, os};
+}
+
+// Autograd key: no graph node; an input that needs a gradient is an error.
+void no_grad_for_scaled(const char* op, const Tensor& rows, const Tensor& scales) {
+  if (at::GradMode::is_enabled() && (rows.requires_grad() || scales.requires_grad())) {
+    throw c10::NotImplementedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                   std::string(op) + ": rows moved with their scales are not differentiable "
+                                                     "(quantized rows carry no gradient); detach the inputs or "
+                                                     "use the op without scales");
+  }
+}
+
+std::tuple<Tensor, Tensor> dispatch_scaled_autograd(const Tensor& x, const Tensor& plan, const Tensor& x_scales,
+                                                    int64_t top_k, int64_t num_experts, int64_t alignment,
+                                                    int64_t check, bool zero_padding) {
+  no_grad_for_scaled("dispatch", x, x_scales);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = handle<decltype(dispatch_scaled_kernel)>("padmoe::dispatch_scaled");
+  return op.call(x, plan, x_scales, top_k, num_experts, alignment, check, zero_padding);
+}
+std::tuple<Tensor, Tensor> padded_gather_scaled_autograd(const Tensor& x, const Tensor& indices, const Tensor& bin_ids,
+                                                         const Tensor& bins, const Tensor& padded_bins, int64_t top_k,
+                                                         const Tensor& x_scales, int64_t check, bool zero_padding) {
+  no_grad_for_scaled("padded_gather", x, x_scales);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = handle<decltype(padded_gather_scaled_kernel)>("padmoe::padded_gather_scaled");
+  return op.call(x, indices, bin_ids, bins, padded_bins, top_k, x_scales, check, zero_padding);
+}
+std::tuple<Tensor, Tensor, Tensor, Tensor> pad_scaled_autograd(const Tensor& h, const Tensor& tpe, int64_t alignment,
+                                                               const Tensor& h_scales, int64_t check,
+                                                               bool zero_padding) {
+  no_grad_for_scaled("pad_to_alignment", h, h_scales);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = handle<decltype(pad_scaled_kernel)>("padmoe::pad_to_alignment_scaled");
+  return op.call(h, tpe, alignment, h_scales, check, zero_padding);
+}
+std::tuple<Tensor, Tensor> unpad_scaled_autograd(const Tensor& padded, const Tensor& map, int64_t original_size,
+                                                 const Tensor& padded_scales, int64_t check) {
+  no_grad_for_scaled("unpad_from_alignment", padded, padded_scales);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = handle<decltype(unpad_scaled_kernel)>("padmoe::unpad_from_alignment_scaled");
+  return op.call(padded, map, original_size, padded_scales, check);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(padmoe, m) {
+  m.def("dispatch_scaled(Tensor x, Tensor plan, Tensor x_scales, int top_k, int num_experts, int alignment, "
+        "int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
+  m.def("padded_gather_scaled(Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, Tensor padded_bins, int top_k, "
+        "Tensor x_scales, int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
+  m.def("pad_to_alignment_scaled(Tensor hidden_states, Tensor tokens_per_expert, int alignment, "
+        "Tensor hidden_scales, int check=2, bool zero_padding=True) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("unpad_from_alignment_scaled(Tensor padded_output, Tensor permutation_map, int original_size, "
+        "Tensor padded_scales, int check=2) -> (Tensor, Tensor)");
+}
+
+#define PADMOE_TORCH_SCALED_KERNELS(m)                            \
+  m.impl("dispatch_scaled", dispatch_scaled_kernel);              \
+  m.impl("padded_gather_scaled", padded_gather_scaled_kernel);    \
+  m.impl("pad_to_alignment_scaled", pad_scaled_kernel);           \
+  m.impl("unpad_from_alignment_scaled", unpad_scaled_kernel)
+
+TORCH_LIBRARY_IMPL(padmoe, CPU, m) { PADMOE_TORCH_SCALED_KERNELS(m); }
+#ifdef PADMOE_TORCH_CUDA
+TORCH_LIBRARY_IMPL(padmoe, CUDA, m) { PADMOE_TORCH_SCALED_KERNELS(m); }
+#endif
+TORCH_LIBRARY_IMPL(padmoe, Autograd, m) {
+  m.impl("dispatch_scaled", dispatch_scaled_autograd);
+  m.impl("padded_gather_scaled", padded_gather_scaled_autograd);
+  m.impl("pad_to_alignment_scaled", pad_scaled_autograd);
+  m.impl("unpad_from_alignment_scaled", unpad_scaled_autograd);
+}
+#undef PADMOE_TORCH_SCALED_KERNELS

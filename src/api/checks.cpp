@@ -189,6 +189,8 @@ void raise_violation(const Checker& c, const cuda::Violation& v, const Violation
     case kPlanRowSources:
       c.value_error("plan.row_sources", "row " + str(v.pos) + " names assignment " + str(v.v1) +
                                             " whose dest_rows entry does not point back to it");
+    case kExpertMapOutOfRange:
+      c.value_error(names.ids, "entry " + str(v.pos) + " is " + str(v.v1) + ", outside [-1, " + str(names.limit) + ")");
     default:
       c.value_error("input", "failed validation (code " + str(v.code) + ")");
   }

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "api/checks.hpp"
+#include "api/scales.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "padmoe/ops.hpp"
@@ -160,20 +161,28 @@ cuda::ScaleArg scale_arg(const std::optional<TensorView>& w) {
   return w ? cuda::ScaleArg{w->data, w->dtype} : cuda::ScaleArg{};
 }
 
-// y[dest[a]] = x[a/K] * w(a); padding rows zero.
+using detail::ScalePair;
+
+// y[dest[a]] = x[a/K] * w(a); padding rows zero. With scales, each row's
+// scale row moves with it (padding rows: scale 1).
 void run_spread(const Routed& r, const TensorView& x, const std::optional<TensorView>& w, const TensorView& y,
-                const TensorView* dots_with, const TensorView* dots, const Options& o, bool zero_padding = true) {
+                const TensorView* dots_with, const TensorView* dots, const Options& o, bool zero_padding = true,
+                const ScalePair* scales = nullptr) {
   if (r.on_cuda) {
     const cuda::RowsArg with = dots_with ? rows_arg(*dots_with) : cuda::RowsArg{};
+    const cuda::ScaleRowsArg sc =
+        scales ? detail::cuda_scale_rows(scales->src, scales->dst, scales->spec) : cuda::ScaleRowsArg{};
     cuda::spread_rows(rows_arg(x), r.top_k, r.dest_rows, scale_arg(w), rows_arg(y), r.padding, zero_padding,
                       o.zero_tail, dots_with ? &with : nullptr,
-                      dots ? cuda::FloatOutArg{dots->data, dots->dtype} : cuda::FloatOutArg{}, o.stream);
+                      dots ? cuda::FloatOutArg{dots->data, dots->dtype} : cuda::FloatOutArg{}, o.stream,
+                      scales ? &sc : nullptr);
     return;
   }
   const cpu::RowsRef with = dots_with ? cpu::RowsRef::of(*dots_with) : cpu::RowsRef{};
+  const cpu::ScaleRows sc = scales ? detail::cpu_scale_rows(scales->src, scales->dst, scales->spec) : cpu::ScaleRows{};
   cpu::spread_rows(cpu::RowsRef::of(x), r.top_k, r.dest_rows, cpu::Scale::of(w), cpu::RowsRef::of(y),
                    r.row_sources, r.padded_rows, zero_padding, o.zero_tail, dots_with ? &with : nullptr,
-                   dots ? float_out(*dots) : cpu::FloatOut{}, o.num_threads);
+                   dots ? float_out(*dots) : cpu::FloatOut{}, o.num_threads, scales ? &sc : nullptr);
 }
 
 void run_reduce(const Routed& r, const TensorView& y, const std::optional<TensorView>& w, const TensorView& out,
@@ -551,6 +560,63 @@ RowGrads dispatch_backward(const TensorView& grad_y, const TensorView& x, const 
   RowGrads g{alloc_tokens(r, x), alloc_weight_grad(r, weights, x)};
   run_spread_backward(r, grad_y, x, weights, g.grad_rows, weights ? &g.grad_weights.view() : nullptr, options);
   return g;
+}
+
+// ---------------------------------------------------------------------------
+// Rows moved with their scales (ops.hpp section 4)
+// ---------------------------------------------------------------------------
+
+void padded_gather_scaled_out(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
+                              const TensorView& bins, const TensorView& padded_bins, int top_k,
+                              const TensorView& x_scales, const TensorView& y, const TensorView& y_scales,
+                              const Options& options) {
+  Checker c("padded_gather");
+  Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
+  check_padded_out(c, y, "y", r, x);
+  detail::check_scales_out(c, y_scales, "y_scales", y.shape[0], spec, x.device);
+  prepare(c, r, options);
+  const ScalePair sp{x_scales, y_scales, spec};
+  run_spread(r, x, std::nullopt, y, nullptr, nullptr, options, options.zero_padding, &sp);
+}
+
+ScaledRows padded_gather_scaled(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
+                                const TensorView& bins, const TensorView& padded_bins, int top_k,
+                                const TensorView& x_scales, const Options& options) {
+  Checker c("padded_gather");
+  Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
+  const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
+  prepare(c, r, options);
+  read_padded_rows(r, options);
+  ScaledRows out{alloc_padded(r, x), detail::alloc_scales_like(x_scales, r.padded_rows, x.device)};
+  const ScalePair sp{x_scales, out.scales, spec};
+  run_spread(r, x, std::nullopt, out.rows, nullptr, nullptr, options, options.zero_padding, &sp);
+  return out;
+}
+
+void dispatch_scaled_out(const TensorView& x, const PlanView& plan, const TensorView& x_scales, const TensorView& y,
+                         const TensorView& y_scales, const Options& options) {
+  Checker c("dispatch");
+  Routed r = dispatch_inputs(c, x, plan, std::nullopt);
+  const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
+  check_padded_out(c, y, "y", r, x);
+  detail::check_scales_out(c, y_scales, "y_scales", y.shape[0], spec, x.device);
+  prepare(c, r, options);
+  const ScalePair sp{x_scales, y_scales, spec};
+  run_spread(r, x, std::nullopt, y, nullptr, nullptr, options, options.zero_padding, &sp);
+}
+
+ScaledRows dispatch_scaled(const TensorView& x, const PlanView& plan, const TensorView& x_scales,
+                           const Options& options) {
+  Checker c("dispatch");
+  Routed r = dispatch_inputs(c, x, plan, std::nullopt);
+  const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
+  prepare(c, r, options);
+  read_padded_rows(r, options);
+  ScaledRows out{alloc_padded(r, x), detail::alloc_scales_like(x_scales, r.padded_rows, x.device)};
+  const ScalePair sp{x_scales, out.scales, spec};
+  run_spread(r, x, std::nullopt, out.rows, nullptr, nullptr, options, options.zero_padding, &sp);
+  return out;
 }
 
 }  // namespace padmoe

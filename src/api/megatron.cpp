@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "api/checks.hpp"
+#include "api/scales.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cpu/thread_pool.hpp"
@@ -21,6 +22,7 @@ namespace padmoe {
 namespace {
 
 using detail::Checker;
+using detail::ScalePair;
 
 struct PadShape {
   std::vector<int64_t> counts;        // [E]
@@ -88,7 +90,7 @@ PadShape check_pad_inputs(const Checker& c, const TensorView& h, const TensorVie
 
 void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const TensorView& tokens_per_expert,
              int alignment, const TensorView& padded, const TensorView& permutation_map,
-             const TensorView& inclusive_offsets, const Options& options) {
+             const TensorView& inclusive_offsets, const Options& options, const ScalePair* scales = nullptr) {
   const int64_t experts = static_cast<int64_t>(s.counts.size());
   if (h.device.is_cuda()) {
     const cuda::IndexRef counts = cuda::IndexRef::of(tokens_per_expert);
@@ -104,9 +106,11 @@ void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const Ten
     cuda::pad_map(counts, static_cast<int>(experts), alignment, permutation_map.shape[0], map, offs, scratch.get(),
                   options.stream);
     if (experts > 0) {  // no experts: P = 0, no row of `padded` is touched
+      const cuda::ScaleRowsArg sc =
+          scales ? detail::cuda_scale_rows(scales->src, scales->dst, scales->spec) : cuda::ScaleRowsArg{};
       cuda::gather_rows(cuda::RowsArg::of(h), cuda::IndexRef{map, false}, cuda::ScaleArg{}, false,
                         cuda::RowsArg::of(padded), padded.shape[0], offs + experts - 1, options.stream,
-                        /*skip_unmapped=*/!options.zero_padding);
+                        /*skip_unmapped=*/!options.zero_padding, scales ? &sc : nullptr);
     }
     return;
   }
@@ -130,8 +134,9 @@ void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const Ten
       map[p] = local < s.counts[e] ? static_cast<int32_t>(excl[e] + local) : -1;
     }
   });
+  const cpu::ScaleRows sc = scales ? detail::cpu_scale_rows(scales->src, scales->dst, scales->spec) : cpu::ScaleRows{};
   cpu::gather_rows(cpu::RowsRef::of(h), map, cpu::Scale{}, false, cpu::RowsRef::of(padded), s.padded_rows,
-                   options.num_threads, /*skip_unmapped=*/!options.zero_padding);
+                   options.num_threads, /*skip_unmapped=*/!options.zero_padding, scales ? &sc : nullptr);
 }
 
 // permutation_map checked (entries in [-1, N), distinct) and inverted.
@@ -188,16 +193,21 @@ Inverse inverse_map(const Checker& c, const TensorView& permutation_map, int64_t
 }
 
 // out[r] = src[map[r]] (* scale) or zero, r < rows, on the tensors' backend.
+// With scales, each row's scale row moves with it (zeroed rows: scale 1).
 void run_gather(const TensorView& src, const int32_t* map, const std::optional<TensorView>& scale,
-                bool scale_by_source, const TensorView& out, int64_t rows, const Options& options) {
+                bool scale_by_source, const TensorView& out, int64_t rows, const Options& options,
+                const ScalePair* scales = nullptr) {
   if (src.device.is_cuda()) {
+    const cuda::ScaleRowsArg sc =
+        scales ? detail::cuda_scale_rows(scales->src, scales->dst, scales->spec) : cuda::ScaleRowsArg{};
     cuda::gather_rows(cuda::RowsArg::of(src), cuda::IndexRef{map, false},
                       scale ? cuda::ScaleArg{scale->data, scale->dtype} : cuda::ScaleArg{}, scale_by_source,
-                      cuda::RowsArg::of(out), rows, nullptr, options.stream);
+                      cuda::RowsArg::of(out), rows, nullptr, options.stream, false, scales ? &sc : nullptr);
     return;
   }
+  const cpu::ScaleRows sc = scales ? detail::cpu_scale_rows(scales->src, scales->dst, scales->spec) : cpu::ScaleRows{};
   cpu::gather_rows(cpu::RowsRef::of(src), map, cpu::Scale::of(scale), scale_by_source, cpu::RowsRef::of(out), rows,
-                   options.num_threads);
+                   options.num_threads, false, scales ? &sc : nullptr);
 }
 
 void check_unpad_inputs(const Checker& c, const TensorView& padded, const TensorView& permutation_map,
@@ -264,6 +274,80 @@ Tensor unpad_from_alignment(const TensorView& padded, const TensorView& permutat
   Tensor out = Tensor::empty(padded.dtype, {original_size, padded.shape[1]}, padded.device);
   run_gather(padded, inverse.data, probs, false, out, original_size, options);
   return out;
+}
+
+// --- rows moved with their scales (ops.hpp section 4) ---------------------------
+
+void pad_to_alignment_scaled_out(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
+                                 const TensorView& hidden_scales, const TensorView& padded,
+                                 const TensorView& padded_scales, const TensorView& permutation_map,
+                                 const TensorView& inclusive_offsets, const Options& options) {
+  Checker c("pad_to_alignment");
+  check_pad_shapes(c, hidden_states, tokens_per_expert, alignment);
+  const detail::ScaleSpec spec = detail::check_scales(c, hidden_scales, "hidden_scales", hidden_states.shape[0],
+                                                      hidden_states.shape[1], hidden_states.device);
+  const PadShape s = check_pad_inputs(c, hidden_states, tokens_per_expert, alignment, options, false);
+  c.row_output(padded, "padded", std::max<int64_t>(s.padded_rows, 0), /*at_least=*/true, hidden_states.shape[1],
+               hidden_states.dtype);
+  detail::check_scales_out(c, padded_scales, "padded_scales", padded.shape[0], spec, hidden_states.device);
+  c.int32_output(permutation_map, "permutation_map", padded.shape[0]);
+  c.int32_output(inclusive_offsets, "inclusive_offsets", static_cast<int64_t>(s.counts.size()));
+  c.same_device(padded, "padded", hidden_states.device);
+  c.same_device(permutation_map, "permutation_map", hidden_states.device);
+  c.same_device(inclusive_offsets, "inclusive_offsets", hidden_states.device);
+  const ScalePair sp{hidden_scales, padded_scales, spec};
+  run_pad(c, s, hidden_states, tokens_per_expert, alignment, padded, permutation_map, inclusive_offsets, options, &sp);
+}
+
+PadScaledResult pad_to_alignment_scaled(const TensorView& hidden_states, const TensorView& tokens_per_expert,
+                                        int alignment, const TensorView& hidden_scales, const Options& options) {
+  Checker c("pad_to_alignment");
+  check_pad_shapes(c, hidden_states, tokens_per_expert, alignment);
+  const detail::ScaleSpec spec = detail::check_scales(c, hidden_scales, "hidden_scales", hidden_states.shape[0],
+                                                      hidden_states.shape[1], hidden_states.device);
+  const PadShape s = check_pad_inputs(c, hidden_states, tokens_per_expert, alignment, options, true);
+  const Device dev = hidden_states.device;
+  PadScaledResult r;
+  r.padded = Tensor::empty(hidden_states.dtype, {s.padded_rows, hidden_states.shape[1]}, dev);
+  r.padded_scales = detail::alloc_scales_like(hidden_scales, s.padded_rows, dev);
+  r.permutation_map = Tensor::empty(DType::kInt32, {s.padded_rows}, dev);
+  r.inclusive_offsets = Tensor::empty(DType::kInt32, {static_cast<int64_t>(s.counts.size())}, dev);
+  const ScalePair sp{hidden_scales, r.padded_scales, spec};
+  run_pad(c, s, hidden_states, tokens_per_expert, alignment, r.padded, r.permutation_map, r.inclusive_offsets,
+          options, &sp);
+  return r;
+}
+
+void unpad_from_alignment_scaled_out(const TensorView& padded, const TensorView& permutation_map,
+                                     const TensorView& padded_scales, const TensorView& out,
+                                     const TensorView& out_scales, const Options& options) {
+  Checker c("unpad_from_alignment");
+  c.row_tensor(out, "out", -1, -1, /*allow_fp8=*/true);
+  const int64_t original_size = out.shape[0];
+  check_unpad_inputs(c, padded, permutation_map, std::nullopt, original_size);
+  const detail::ScaleSpec spec =
+      detail::check_scales(c, padded_scales, "padded_scales", padded.shape[0], padded.shape[1], padded.device);
+  c.row_output(out, "out", original_size, /*at_least=*/false, padded.shape[1], padded.dtype);
+  c.same_device(out, "out", padded.device);
+  detail::check_scales_out(c, out_scales, "out_scales", original_size, spec, padded.device);
+  const Inverse inverse = inverse_map(c, permutation_map, padded.shape[0], original_size, padded.device, options);
+  const ScalePair sp{padded_scales, out_scales, spec};
+  run_gather(padded, inverse.data, std::nullopt, false, out, original_size, options, &sp);
+}
+
+ScaledRows unpad_from_alignment_scaled(const TensorView& padded, const TensorView& permutation_map,
+                                       int64_t original_size, const TensorView& padded_scales,
+                                       const Options& options) {
+  Checker c("unpad_from_alignment");
+  check_unpad_inputs(c, padded, permutation_map, std::nullopt, original_size);
+  const detail::ScaleSpec spec =
+      detail::check_scales(c, padded_scales, "padded_scales", padded.shape[0], padded.shape[1], padded.device);
+  const Inverse inverse = inverse_map(c, permutation_map, padded.shape[0], original_size, padded.device, options);
+  ScaledRows r{Tensor::empty(padded.dtype, {original_size, padded.shape[1]}, padded.device),
+               detail::alloc_scales_like(padded_scales, original_size, padded.device)};
+  const ScalePair sp{padded_scales, r.scales, spec};
+  run_gather(padded, inverse.data, std::nullopt, false, r.rows, original_size, options, &sp);
+  return r;
 }
 
 namespace {

@@ -50,7 +50,10 @@ Plan Plan::empty(int64_t num_tokens, int top_k, int num_experts, int alignment, 
   return plan;
 }
 
-int64_t Plan::capacity() const { return capacity_bound(num_tokens, top_k, num_experts, alignment); }
+int64_t Plan::capacity() const {
+  // a plan of make_plan holds row_sources of the bound it was made for (E * C with a capacity)
+  return row_sources.defined() ? row_sources.numel() : capacity_bound(num_tokens, top_k, num_experts, alignment);
+}
 
 int64_t capacity_bound(int64_t num_tokens, int top_k, int num_experts, int alignment) {
   return index::capacity_bound(num_tokens * top_k, num_experts, alignment);
@@ -116,25 +119,123 @@ PlanShape check_top_experts_shape(const Checker& c, const TensorView& top_expert
   return PlanShape{tokens, static_cast<int>(k), aligned_rows_bound(a_count, num_experts, alignment)};
 }
 
-// Shapes, dtypes, and every expert id in [0, E); returns P (CUDA: its bound; the ids are checked on
-// the device).
-PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int num_experts, int alignment) {
-  const PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, alignment);
+// PlanOptions resolved after checking: the id map, and the drop rules.
+struct Routing {
+  index::ExpertRemap remap;
+  bool drop_invalid = false;
+  int64_t capacity = -1;
+  DropPolicy policy = DropPolicy::kPosition;
+  TensorView probs;    // kProbs only
+  TensorView dropped;  // optional output
+  bool dropping() const { return drop_invalid || capacity >= 0 || remap.map != nullptr || remap.first != 0 ||
+                                 remap.global != remap.local_experts; }
+};
+
+bool is_set(const TensorView& t) { return !(t.data == nullptr && t.ndim == 0); }
+
+// PlanOptions' shapes, dtypes, devices and sizes (no pass over data), for A assignments.
+Routing check_plan_options(const Checker& c, const PlanOptions& po, int64_t a_count, int num_experts, int alignment,
+                           Device device) {
+  Routing r;
+  const int64_t global = po.global_experts == 0 ? num_experts : po.global_experts;
+  if (po.global_experts < 0) c.value_error("plan_options.global_experts", "must be >= 0, got " + std::to_string(po.global_experts));
+  r.remap.global = global;
+  r.remap.local_experts = num_experts;
+  if (is_set(po.expert_map)) {
+    c.index_vector(po.expert_map, "plan_options.expert_map", global);
+    c.same_device(po.expert_map, "plan_options.expert_map", device);
+    if (po.first_expert != 0) {
+      c.value_error("plan_options.first_expert", "must be 0 with an expert_map, got " + std::to_string(po.first_expert));
+    }
+    r.remap.map = po.expert_map.data;
+    r.remap.map_wide = po.expert_map.dtype == DType::kInt64;
+  } else {
+    if (po.first_expert < 0 || po.first_expert + static_cast<int64_t>(num_experts) > global) {
+      c.value_error("plan_options.first_expert",
+                    "the local experts [" + std::to_string(po.first_expert) + ", " +
+                        std::to_string(po.first_expert + static_cast<int64_t>(num_experts)) +
+                        ") must lie inside [0, global_experts = " + std::to_string(global) + ")");
+    }
+    r.remap.first = po.first_expert;
+  }
+  r.drop_invalid = po.drop_invalid;
+  if (po.expert_capacity < -1) c.value_error("plan_options.expert_capacity", "must be >= 0 (or -1: none), got " + std::to_string(po.expert_capacity));
+  r.capacity = po.expert_capacity;
+  if (r.capacity >= 0) {
+    if (r.capacity % alignment != 0) {
+      c.value_error("plan_options.expert_capacity", "alignment " + std::to_string(alignment) + " must divide the capacity " +
+                                                 std::to_string(r.capacity));
+    }
+    if (r.capacity > std::numeric_limits<int32_t>::max() / num_experts) {
+      c.value_error("plan_options.expert_capacity", "size overflow: " + std::to_string(num_experts) + " experts x capacity " +
+                                                 std::to_string(r.capacity) + " rows do not fit the int32 index outputs");
+    }
+  }
+  r.policy = po.drop_policy;
+  if (r.policy == DropPolicy::kProbs) {
+    if (r.capacity < 0) c.value_error("plan_options.drop_policy", "the probs drop policy needs a capacity");
+    if (!is_set(po.probs)) c.value_error("plan_options.probs", "the probs drop policy needs the router weights [T, K]");
+  }
+  if (is_set(po.probs)) {
+    if (r.policy != DropPolicy::kProbs) c.value_error("plan_options.probs", "are read only by the probs drop policy");
+    c.scale_vector(po.probs, "plan_options.probs", a_count, DType::kFloat32);
+    c.same_device(po.probs, "plan_options.probs", device);
+    r.probs = po.probs;
+  }
+  if (is_set(po.dropped)) {
+    c.int32_output(po.dropped, "plan_options.dropped", 1);
+    c.same_device(po.dropped, "plan_options.dropped", device);
+    r.dropped = po.dropped;
+  }
+  return r;
+}
+
+Routing plain_routing(int num_experts) {
+  Routing r;
+  r.remap.global = num_experts;
+  r.remap.local_experts = num_experts;
+  return r;
+}
+
+// Shapes, dtypes, and every expert id valid (in [0, global) unless dropped; expert_map entries in
+// [-1, E)); returns P (CUDA: its bound; the ids are checked on the device).
+PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int num_experts, int alignment,
+                            const Routing& r) {
+  PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, alignment);
+  if (r.capacity >= 0) shape.padded_rows = r.capacity * num_experts;
   if (top_experts.device.is_cuda()) return shape;
   const int64_t k = shape.top_k, a_count = shape.tokens * k;
   const detail::IndexReader ids(top_experts);
   std::vector<int64_t> counts = detail::host_vector<int64_t>(c, "num_experts", num_experts, 0);
   for (int64_t a = 0; a < a_count; ++a) {
     const int64_t e = ids[a];
-    if (e < 0 || e >= num_experts) {
+    if ((e < 0 || e >= r.remap.global) && !r.drop_invalid) {
       c.value_error("top_experts", "expert id " + std::to_string(e) + " at [" + std::to_string(a / k) + ", " +
-                                       std::to_string(a % k) + "] is outside [0, " + std::to_string(num_experts) + ")");
+                                       std::to_string(a % k) + "] is outside [0, " + std::to_string(r.remap.global) + ")");
     }
-    ++counts[e];
+    const int64_t l = r.remap.local(e);
+    if (l >= 0) ++counts[l];
   }
+  // after the ids, in the order of CUDA's checked mode (lower violation code first)
+  if (r.remap.map != nullptr) {
+    const detail::IndexReader map(TensorView::contiguous(const_cast<void*>(r.remap.map),
+                                                         r.remap.map_wide ? DType::kInt64 : DType::kInt32,
+                                                         {r.remap.global}, top_experts.device));
+    for (int64_t g = 0; g < r.remap.global; ++g) {
+      if (map[g] < -1 || map[g] >= num_experts) {
+        c.value_error("plan_options.expert_map", "entry " + std::to_string(g) + " is " + std::to_string(map[g]) +
+                                                     ", outside [-1, " + std::to_string(num_experts) + ")");
+      }
+    }
+  }
+  if (r.capacity >= 0) return shape;
   int64_t padded = 0;
   for (int64_t n : counts) padded += index::round_up(n, alignment);
   return PlanShape{shape.tokens, shape.top_k, padded};
+}
+
+PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int num_experts, int alignment) {
+  return check_top_experts(c, top_experts, num_experts, alignment, plain_routing(num_experts));
 }
 
 void check_plan_outputs(const Checker& c, const PlanView& out, const PlanShape& s, int num_experts, Device device) {
@@ -168,23 +269,82 @@ void check_layouts(const Checker& c, const PlanLayouts& l, const PlanView& out, 
 // The backend's make_plan on checked arguments (CUDA: ids validated in checked mode).
 void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanShape& s, int num_experts,
                    int alignment, const PlanView& out, const Options& options, const PlanLayouts& layouts = {},
-                   int32_t padding_source = -1) {
+                   int32_t padding_source = -1, const Routing* routing = nullptr) {
+  const Routing plain = plain_routing(num_experts);
+  const Routing& r = routing != nullptr ? *routing : plain;
   const bool wide = top_experts.dtype == DType::kInt64;
-  if (!top_experts.device.is_cuda()) {
-    cpu::make_plan(top_experts.data, wide, s.tokens, s.top_k, num_experts, alignment, out, layouts,
-                   padding_source, options.num_threads);
+  const int64_t a_count = s.tokens * s.top_k;
+  const bool cuda_dev = top_experts.device.is_cuda();
+  if (cuda_dev && options.check_data && (r.remap.map != nullptr || !r.drop_invalid)) {
+    cuda::Scratch scratch(options, cuda::validate_workspace_bytes(0), top_experts.device.index);
+    const cuda::IndexRef map{r.remap.map, r.remap.map_wide};
+    const cuda::Violation v = cuda::validate_routing_ids(cuda::IndexRef{top_experts.data, wide}, a_count, r.remap.global,
+                                                         !r.drop_invalid, map, num_experts, scratch.get(),
+                                                         options.stream);
+    if (v.code == cuda::kExpertMapOutOfRange) {
+      detail::raise_violation(c, v, detail::ViolationNames{"plan_options.expert_map", num_experts});
+    }
+    detail::raise_violation(c, v, detail::ViolationNames{"top_experts", r.remap.global, "out.row_sources", s.top_k});
+  }
+  // With a capacity: the plain plan (alignment 1, every kept assignment) into scratch, then the
+  // capacity pass writes `out` from it.
+  const bool capped = r.capacity >= 0;
+  std::vector<int32_t> host;
+  std::unique_ptr<cuda::Scratch> dev;
+  PlanView full = out;
+  if (capped) {
+    const int64_t ints = 4 * a_count + 4 * static_cast<int64_t>(num_experts);
+    int32_t* base = nullptr;
+    if (cuda_dev) {
+      Options own = options;  // Options::workspace serves make_plan's own scratch
+      own.workspace = nullptr;
+      own.workspace_bytes = 0;
+      dev.reset(new cuda::Scratch(own, static_cast<size_t>(ints) * sizeof(int32_t), top_experts.device.index));
+      base = static_cast<int32_t*>(dev->get());
+    } else {
+      host = detail::host_vector<int32_t>(c, "plan_options.expert_capacity", ints, 0);
+      base = host.data();
+    }
+    auto slice = [&](int64_t offset, int64_t n) {
+      return TensorView::contiguous(base + offset, DType::kInt32, {n}, top_experts.device);
+    };
+    full.indices = slice(0, a_count);
+    full.bin_ids = slice(a_count, a_count);
+    full.dest_rows = slice(2 * a_count, a_count);
+    full.row_sources = slice(3 * a_count, a_count);
+    full.tokens_per_expert = slice(4 * a_count, num_experts);
+    full.bins = slice(4 * a_count + num_experts, num_experts);
+    full.padded_tokens_per_expert = slice(4 * a_count + 2 * num_experts, num_experts);
+    full.padded_bins = slice(4 * a_count + 3 * num_experts, num_experts);
+    full.alignment = 1;
+  }
+  const int plan_alignment = capped ? 1 : alignment;
+  const PlanLayouts plan_layouts = capped ? PlanLayouts{} : layouts;
+  int32_t* dropped = r.dropped.data_as<int32_t>();
+  if (!cuda_dev) {
+    cpu::make_plan(top_experts.data, wide, s.tokens, s.top_k, num_experts, plan_alignment, full, plan_layouts,
+                   capped ? -1 : padding_source, r.remap, options.num_threads);
+    if (capped) {
+      cpu::apply_capacity(full, cpu::Scale{r.probs.data, r.probs.dtype}, r.capacity, r.policy == DropPolicy::kProbs,
+                          alignment, out, layouts, padding_source, dropped, options.num_threads);
+    } else if (dropped != nullptr) {
+      *dropped = 0;
+    }
     return;
   }
-  const int64_t a_count = s.tokens * s.top_k;
   const cuda::IndexRef ids{top_experts.data, wide};
-  if (options.check_data) {
-    cuda::Scratch scratch(options, cuda::validate_workspace_bytes(0), top_experts.device.index);
-    detail::raise_violation(c, cuda::validate_top_experts(ids, a_count, num_experts, scratch.get(), options.stream),
-                            detail::ViolationNames{"top_experts", num_experts, "out.row_sources", s.top_k});
+  {
+    cuda::Scratch scratch(options, cuda::plan_workspace_bytes(a_count, num_experts), top_experts.device.index);
+    cuda::make_plan(ids, a_count, s.top_k, num_experts, plan_alignment, full, plan_layouts,
+                    capped ? -1 : padding_source, r.remap, full.row_sources.shape[0], scratch.get(), options.stream);
   }
-  cuda::Scratch scratch(options, cuda::plan_workspace_bytes(a_count, num_experts), top_experts.device.index);
-  cuda::make_plan(ids, a_count, s.top_k, num_experts, alignment, out, layouts, padding_source,
-                  out.row_sources.shape[0], scratch.get(), options.stream);
+  if (capped) {
+    cuda::apply_capacity(full, a_count, cuda::ScaleArg{r.probs.data, r.probs.dtype}, r.capacity,
+                         r.policy == DropPolicy::kProbs, alignment, out, layouts, padding_source,
+                         out.row_sources.shape[0], dropped, options.stream);
+  } else if (dropped != nullptr) {
+    cuda::memset_async(dropped, 0, sizeof(int32_t), options.stream);
+  }
 }
 
 }  // namespace
@@ -204,6 +364,38 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
   check_plan_outputs(c, out, s, num_experts, top_experts.device);
   check_layouts(c, layouts, out, alignment, top_experts.device);
   run_make_plan(c, top_experts, s, num_experts, alignment, out, options, layouts);
+}
+
+int64_t plan_rows_bound(int64_t num_tokens, int top_k, int num_experts, int alignment, const PlanOptions& po) {
+  if (po.expert_capacity >= 0) return po.expert_capacity * std::max(0, num_experts);
+  return capacity_bound(num_tokens, top_k, num_experts, alignment);
+}
+
+void make_plan_out(const TensorView& top_experts, int num_experts, int alignment, const PlanView& out,
+                   const PlanLayouts& layouts, const PlanOptions& plan_options, const Options& options) {
+  Checker c("make_plan");
+  const PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, alignment);
+  const Routing r = check_plan_options(c, plan_options, shape.tokens * shape.top_k, num_experts, alignment,
+                                       top_experts.device);
+  const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment, r);
+  check_plan_outputs(c, out, s, num_experts, top_experts.device);
+  check_layouts(c, layouts, out, alignment, top_experts.device);
+  run_make_plan(c, top_experts, s, num_experts, alignment, out, options, layouts, -1, &r);
+}
+
+Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, const PlanOptions& plan_options,
+               const Options& options) {
+  Checker c("make_plan");
+  const PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, alignment);
+  const Routing r = check_plan_options(c, plan_options, shape.tokens * shape.top_k, num_experts, alignment,
+                                       top_experts.device);
+  const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment, r);
+  Plan plan = Plan::empty(s.tokens, s.top_k, num_experts, alignment, top_experts.device);
+  if (r.capacity >= 0) {
+    plan.row_sources = Tensor::empty(DType::kInt32, {r.capacity * num_experts}, top_experts.device);
+  }
+  run_make_plan(c, top_experts, s, num_experts, alignment, plan.view(), options, {}, -1, &r);
+  return plan;
 }
 
 int64_t aligned_rows_bound(int64_t assignments, int num_experts, int block_size, bool pad_sorted_ids) {

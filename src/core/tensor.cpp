@@ -23,6 +23,7 @@ size_t element_size(DType dtype) {
     case DType::kFloat8E5M2: return 1;
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
+    case DType::kUInt8: return 1;
   }
   return 0;
 }
@@ -36,6 +37,7 @@ const char* dtype_name(DType dtype) {
     case DType::kFloat8E5M2: return "float8_e5m2";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kUInt8: return "uint8";
   }
   return "unknown";
 }

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "padmoe/index_math.hpp"
 #include "padmoe/ops.hpp"
 #include "padmoe/tensor.hpp"
 
@@ -50,21 +51,50 @@ struct FloatOut {
   void store(int64_t i, float v) const;
 };
 
-// make_plan on validated top_experts ([A] int32 or int64 ids in [0, E)).
+// Optional scale rows moved with the data rows (the `_scaled` ops): src has
+// one contiguous row of `cols` entries per source row, dst one per output row;
+// `elem` bytes per entry (4: float32 scales, 1: E8M0 bytes). Output rows that
+// get zero data get `one` (the bits of a scale 1: 0x3f800000, or 127) in
+// every entry of their scale row.
+struct ScaleRows {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  int64_t cols = 0;
+  int elem = 4;
+  uint32_t one = 0;
+  void copy(int64_t to, int64_t from) const;  // dst row `to` = src row `from`
+  void fill_one(int64_t to) const;            // dst row `to` = scale 1
+};
+
+// make_plan on validated top_experts ([A] int32 or int64 ids), mapped to the
+// plan's experts by `remap` (an id it maps to -1 is dropped: dest_rows -1, no
+// sorted position; positions past the kept count get indices = bin_ids = -1).
 // Fills every field of `out` (int32), row_sources up to its full length
 // (padding_source on padding rows and past P), and the given layouts.
 void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k, int num_experts, int alignment,
-               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int threads);
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
+               const index::ExpertRemap& remap, int threads);
+
+// Fixed capacity C: `out` (segments exactly C rows, P = E * C) and the given
+// layouts from `full`, a plan of the same routing at alignment 1 (every kept
+// assignment). Each expert keeps its first C sorted assignments, or with
+// by_probs the C with the largest probs (ties: lower assignment id), in
+// assignment order; *dropped (when not null) = the number it dropped.
+void apply_capacity(const PlanView& full, Scale probs, int64_t capacity, bool by_probs, int alignment,
+                    const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int32_t* dropped,
+                    int threads);
 
 // Token-driven spread (dispatch / padded_gather / grad of combine):
 //   y[dest[t*K+k]] = x[t] * w(t*K+k) for every k with dest >= 0;
 //   rows r < padded_rows with row_sources[r] < 0 are zeroed.
 // When dots_with is given, dots[a] = <dots_with[dest[a]], x[t]> (0 where
 // dest < 0) from the same read of x[t] (combine_backward's weight grad).
+// When scales are given, each row's scale row moves with it (padding rows
+// and zeroed rows past P get scale 1).
 void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, const RowsRef& y,
                  const int32_t* row_sources, int64_t padded_rows, bool zero_padding, bool zero_past_end,
                  const RowsRef* dots_with,
-                 FloatOut dots, int threads);
+                 FloatOut dots, int threads, const ScaleRows* scales = nullptr);
 
 // Token-driven weighted reduction (combine / padded_scatter):
 //   out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]]  (float32, dest < 0 skipped).
@@ -80,8 +110,17 @@ void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest
 //   out[r] = src[map[r]] * s(scale_index) for map[r] >= 0, else zero;
 //   scale_index = map[r] when scale_by_source, else r.
 // skip_unmapped: rows with map < 0 are left unwritten instead of zeroed.
+// scales: each row's scale row moves with it (zeroed rows get scale 1).
 void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_source, const RowsRef& out,
-                 int64_t rows, int threads, bool skip_unmapped = false);
+                 int64_t rows, int threads, bool skip_unmapped = false, const ScaleRows* scales = nullptr);
+
+// sort_chunks' row map (chunks_cpu.cpp): output positions j = 0..C-1 with
+// first padded row row_begin[j] (nondecreasing), first source row
+// src_begin[j] and size[j]. For p < padded_rows, with j the last position
+// whose row_begin[j] <= p: map[p] = src_begin[j] + p - row_begin[j] while
+// p - row_begin[j] < size[j], else -1 (padding); map[p] = -1 for p >= padded_rows.
+void chunk_map(const int64_t* row_begin, const int64_t* src_begin, const int64_t* size, int64_t num_chunks,
+               int64_t padded_rows, int32_t* map, int64_t map_len, int threads);
 
 // dst = src for `bytes` bytes, split into contiguous per-worker chunks;
 // large copies use streaming stores.

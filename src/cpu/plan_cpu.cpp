@@ -8,6 +8,9 @@
 //    row_sources; padding rows and rows at or past P get -1 (padding_source)
 //    from the same pass, and the optional layouts (row_experts, block_experts,
 //    padded_total) are written beside them.
+#include <algorithm>
+#include <cstring>
+#include <functional>
 #include <vector>
 
 #include "cpu/cpu_backend.hpp"
@@ -18,11 +21,12 @@ namespace padmoe {
 namespace cpu {
 
 void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k, int num_experts, int alignment,
-               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int threads) {
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
+               const index::ExpertRemap& remap, int threads) {
   const int64_t a_count = num_tokens * top_k;
   const int64_t experts = num_experts;
-  auto expert_of = [&](int64_t a) -> int64_t {
-    return wide ? static_cast<const int64_t*>(top_experts)[a] : static_cast<const int32_t*>(top_experts)[a];
+  auto expert_of = [&](int64_t a) -> int64_t {  // the plan's expert, or -1: dropped
+    return remap.local(wide ? static_cast<const int64_t*>(top_experts)[a] : static_cast<const int32_t*>(top_experts)[a]);
   };
   const int workers = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(resolve_threads(threads), a_count / 16384)));
@@ -32,7 +36,10 @@ void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k
   parallel_run(workers, [&](int w) {
     int64_t* mine = counts.data() + w * experts;
     const index::Range r = index::work_range(w, workers, a_count);
-    for (int64_t a = r.begin; a < r.end; ++a) ++mine[expert_of(a)];
+    for (int64_t a = r.begin; a < r.end; ++a) {
+      const int64_t e = expert_of(a);
+      if (e >= 0) ++mine[e];
+    }
   });
 
   // 2. Counts, cumulative sums and per-(worker, expert) write offsets.
@@ -72,6 +79,10 @@ void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k
     const index::Range r = index::work_range(w, workers, a_count);
     for (int64_t a = r.begin; a < r.end; ++a) {
       const int64_t e = expert_of(a);
+      if (e < 0) {
+        dest_rows[a] = -1;
+        continue;
+      }
       const int64_t pos = next[e]++;
       const int64_t row = index::padded_row(pos, index::segment_start(bins, e), index::segment_start(padded_bins, e));
       indices[pos] = static_cast<int32_t>(a);
@@ -91,6 +102,139 @@ void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k
           block_experts[b] = static_cast<int32_t>(e);
         }
       }
+    }
+    const index::Range dropped = index::work_range(w, workers, a_count - real_total);  // positions no kept id fills
+    for (int64_t i = real_total + dropped.begin; i < real_total + dropped.end; ++i) {
+      indices[i] = -1;
+      bin_ids[i] = -1;
+    }
+    const index::Range tail = index::work_range(w, workers, row_capacity - padded_total);
+    for (int64_t p = padded_total + tail.begin; p < padded_total + tail.end; ++p) {
+      row_sources[p] = padding_source;
+      if (row_experts != nullptr) row_experts[p] = -1;
+    }
+    if (block_experts != nullptr) {
+      const int64_t first = padded_total / alignment;
+      const index::Range bt = index::work_range(w, workers, blocks - first);
+      for (int64_t b = first + bt.begin; b < first + bt.end; ++b) block_experts[b] = -1;
+    }
+  });
+}
+
+namespace {
+
+// Orderable key of a float: larger float, larger key (IEEE totalOrder: -NaN < -inf < -0 < +0 < +inf < +NaN).
+uint32_t order_key(float f) {
+  uint32_t u = 0;
+  std::memcpy(&u, &f, sizeof(u));
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+}  // namespace
+
+void apply_capacity(const PlanView& full, Scale probs, int64_t capacity, bool by_probs, int alignment,
+                    const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int32_t* dropped,
+                    int threads) {
+  const int64_t a_count = full.num_tokens * full.top_k;
+  const int64_t experts = full.num_experts;
+  const int64_t cap = capacity;
+  const int32_t* f_indices = full.indices.data_as<const int32_t>();
+  const int32_t* f_counts = full.tokens_per_expert.data_as<const int32_t>();
+  const int32_t* f_dest = full.dest_rows.data_as<const int32_t>();
+  int32_t* tokens_per_expert = out.tokens_per_expert.data_as<int32_t>();
+  int32_t* bins = out.bins.data_as<int32_t>();
+  int32_t* padded_tokens = out.padded_tokens_per_expert.data_as<int32_t>();
+  int32_t* padded_bins = out.padded_bins.data_as<int32_t>();
+  int32_t* indices = out.indices.data_as<int32_t>();
+  int32_t* bin_ids = out.bin_ids.data_as<int32_t>();
+  int32_t* dest_rows = out.dest_rows.data_as<int32_t>();
+  int32_t* row_sources = out.row_sources.data_as<int32_t>();
+  int32_t* row_experts = layouts.row_experts.data_as<int32_t>();      // optional
+  int32_t* block_experts = layouts.block_experts.data_as<int32_t>();  // optional
+  const int64_t row_capacity = out.row_sources.shape[0];
+  const int64_t blocks = layouts.block_experts.numel();
+
+  std::vector<int64_t> full_start(static_cast<size_t>(experts)), kept_start(static_cast<size_t>(experts));
+  int64_t full_total = 0, kept_total = 0, drops = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t n = f_counts[e], kept = std::min(n, cap);
+    full_start[e] = full_total;
+    kept_start[e] = kept_total;
+    full_total += n;
+    kept_total += kept;
+    drops += n - kept;
+    tokens_per_expert[e] = static_cast<int32_t>(kept);
+    bins[e] = static_cast<int32_t>(kept_total);
+    padded_tokens[e] = static_cast<int32_t>(cap);
+    padded_bins[e] = static_cast<int32_t>((e + 1) * cap);
+  }
+  const int64_t padded_total = experts * cap;
+  if (dropped != nullptr) *dropped = static_cast<int32_t>(drops);
+  if (layouts.padded_total.data != nullptr) layouts.padded_total.data_as<int32_t>()[0] = static_cast<int32_t>(padded_total);
+
+  const int workers = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(resolve_threads(threads), std::max<int64_t>(experts, a_count / 16384))));
+  parallel_run(workers, [&](int w) {
+    std::vector<uint32_t> keys;
+    const index::Range er = index::work_range(w, workers, experts);
+    for (int64_t e = er.begin; e < er.end; ++e) {
+      const int32_t* seg = f_indices + full_start[e];
+      const int64_t n = f_counts[e];
+      // Kept: key above the threshold, or equal to it and among the first `equal_kept` equal ones.
+      uint32_t threshold = 0;
+      int64_t equal_kept = n;
+      const bool select = by_probs && n > cap;
+      if (select) {
+        keys.resize(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) keys[i] = order_key(probs.at(seg[i]));
+        if (cap == 0) {
+          equal_kept = 0;
+          threshold = 0xffffffffu;
+        } else {
+          std::vector<uint32_t> sorted(keys);
+          std::nth_element(sorted.begin(), sorted.begin() + (cap - 1), sorted.end(), std::greater<uint32_t>());
+          threshold = sorted[cap - 1];
+          int64_t above = 0;
+          for (uint32_t k : keys) above += k > threshold;
+          equal_kept = cap - above;
+        }
+      }
+      int64_t r = 0, equal_seen = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t a = seg[i];
+        bool keep = select ? false : i < cap;
+        if (select) {
+          if (keys[i] > threshold) keep = true;
+          else if (keys[i] == threshold) keep = equal_seen++ < equal_kept;
+        }
+        if (!keep) {
+          dest_rows[a] = -1;
+          continue;
+        }
+        const int64_t pos = kept_start[e] + r, row = e * cap + r;
+        indices[pos] = a;
+        bin_ids[pos] = static_cast<int32_t>(e);
+        dest_rows[a] = static_cast<int32_t>(row);
+        row_sources[row] = a;
+        if (row_experts != nullptr) row_experts[row] = static_cast<int32_t>(e);
+        ++r;
+      }
+      for (int64_t row = e * cap + r; row < (e + 1) * cap; ++row) {
+        row_sources[row] = padding_source;
+        if (row_experts != nullptr) row_experts[row] = -1;
+      }
+      if (block_experts != nullptr) {  // segments are whole blocks: alignment divides C
+        for (int64_t b = e * cap / alignment; b < (e + 1) * cap / alignment; ++b) block_experts[b] = static_cast<int32_t>(e);
+      }
+    }
+    const index::Range ar = index::work_range(w, workers, a_count);
+    for (int64_t a = ar.begin; a < ar.end; ++a) {
+      if (f_dest[a] < 0) dest_rows[a] = -1;  // dropped before the capacity (not a local expert's)
+    }
+    const index::Range pr = index::work_range(w, workers, a_count - kept_total);
+    for (int64_t i = kept_total + pr.begin; i < kept_total + pr.end; ++i) {
+      indices[i] = -1;
+      bin_ids[i] = -1;
     }
     const index::Range tail = index::work_range(w, workers, row_capacity - padded_total);
     for (int64_t p = padded_total + tail.begin; p < padded_total + tail.end; ++p) {

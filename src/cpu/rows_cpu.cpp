@@ -205,6 +205,21 @@ float Scale::at(int64_t i) const {
 
 void FloatOut::store(int64_t i, float v) const { numeric::store_from_float(data, dtype, i, v); }
 
+void ScaleRows::copy(int64_t to, int64_t from) const {
+  const int64_t bytes = cols * elem;
+  if (bytes > 0) std::memcpy(static_cast<char*>(dst) + to * bytes, static_cast<const char*>(src) + from * bytes,
+                             static_cast<size_t>(bytes));
+}
+
+void ScaleRows::fill_one(int64_t to) const {
+  char* row = static_cast<char*>(dst) + to * cols * elem;
+  if (elem == 1) {
+    if (cols > 0) std::memset(row, static_cast<int>(one), static_cast<size_t>(cols));
+    return;
+  }
+  for (int64_t c = 0; c < cols; ++c) std::memcpy(row + c * 4, &one, 4);
+}
+
 int workers_for(int threads, int64_t items, int64_t bytes_per_item) {
   constexpr int64_t kMinBytesPerWorker = 256 * 1024;
   const int64_t total = items * std::max<int64_t>(1, bytes_per_item);
@@ -251,7 +266,7 @@ void copy_bytes(void* dst, const void* src, int64_t bytes, int threads) {
 
 void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, const RowsRef& y,
                  const int32_t* row_sources, int64_t padded_rows, bool zero_padding, bool zero_past_end,
-                 const RowsRef* dots_with, FloatOut dots, int threads) {
+                 const RowsRef* dots_with, FloatOut dots, int threads, const ScaleRows* scales) {
   const int64_t tokens = x.rows;
   const int64_t row_bytes = y.row_bytes();
   const int64_t zero_end = zero_past_end && y.rows > padded_rows ? y.rows : padded_rows;
@@ -271,13 +286,17 @@ void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, cons
           if (r < 0) continue;
           if (w.present()) scale_row_to<T>(y.row(r), src, x.cols, w.at(a), mode);
           else copy_row(y.row(r), src, row_bytes, mode);
+          if (scales != nullptr) scales->copy(r, t);  // the row's scales, by the same worker
         }
         if (dots_with != nullptr) token_dots<T>(*dots_with, dest, t, top_k, src, x.cols, dots);
       }
       // Padding rows: this worker's share of [0, P) (and of [P, rows) with zero_past_end).
       const index::Range pr = index::work_range(wid, workers, zero_end - zero_begin);
       for (int64_t r = zero_begin + pr.begin; r < zero_begin + pr.end; ++r) {
-        if (r >= padded_rows || row_sources[r] < 0) zero_row(y.row(r), row_bytes, mode);
+        if (r >= padded_rows || row_sources[r] < 0) {
+          zero_row(y.row(r), row_bytes, mode);
+          if (scales != nullptr) scales->fill_one(r);
+        }
       }
       store_fence();
     });
@@ -332,7 +351,7 @@ void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest
 }
 
 void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_source, const RowsRef& out,
-                 int64_t rows, int threads, bool skip_unmapped) {
+                 int64_t rows, int threads, bool skip_unmapped, const ScaleRows* scales) {
   const int64_t row_bytes = out.row_bytes();
   const int workers = workers_for(threads, rows, 2 * row_bytes);
   const Store mode = store_mode(rows * row_bytes);
@@ -347,6 +366,10 @@ void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_
         }
         else if (!s.present()) copy_row(out.row(r), src.row(from), row_bytes, mode);
         else scale_row_to<T>(out.row(r), src.row(from), out.cols, s.at(scale_by_source ? from : r), mode);
+        if (scales != nullptr) {  // the row's scales, by the same worker
+          if (from >= 0) scales->copy(r, from);
+          else if (!skip_unmapped) scales->fill_one(r);
+        }
       }
       store_fence();
     });

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "padmoe/index_math.hpp"
 #include "padmoe/ops.hpp"
 #include "padmoe/tensor.hpp"
 
@@ -44,6 +45,18 @@ struct RowsArg {
 struct ScaleArg {
   const void* data = nullptr;
   DType dtype = DType::kFloat32;
+};
+
+// Optional scale rows moved with the data rows (the `_scaled` ops): src one
+// contiguous row of `cols` entries per source row, dst one per output row,
+// `elem` bytes an entry (4: float32, 1: E8M0); rows that get zero data get
+// `one` (the bits of a scale 1) in every entry.
+struct ScaleRowsArg {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  int64_t cols = 0;
+  int elem = 4;
+  uint32_t one = 0;
 };
 
 // Optional per-assignment float output: float32 or a row dtype; data null = skip.
@@ -85,13 +98,24 @@ class Scratch {
 constexpr int kPlanChunk = 2048;  // assignments sorted per block
 // Workspace bytes make_plan needs for A assignments over E experts.
 size_t plan_workspace_bytes(int64_t assignments, int num_experts);
-// Stable counting sort by expert in three launches. Ids outside [0, E) (only
-// possible unchecked) are dropped: dest_rows -1, not counted.
+// Stable counting sort by expert in two launches. Ids are mapped to the plan's
+// experts by `remap`; one it maps to -1 (another rank's expert, an invalid id
+// the caller drops, or any id outside [0, E) unchecked) is dropped: dest_rows
+// -1, not counted, and positions past the kept count get indices = bin_ids = -1.
 // out: int32 device arrays; row_sources has row_capacity entries (padding_source
 // on padding rows and past P); the given layouts are written in the same launch.
 void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
-               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int64_t row_capacity,
-               void* workspace, void* stream);
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
+               const index::ExpertRemap& remap, int64_t row_capacity, void* workspace, void* stream);
+// Fixed capacity C (one launch): `out` (segments exactly C rows, P = E * C) and
+// the given layouts from `full`, a plan of the same routing at alignment 1
+// holding every kept assignment. Each expert keeps its first C sorted
+// assignments, or with by_probs the C with the largest probs (ties: lower
+// assignment id), in assignment order; *dropped (device, when not null) = the
+// number dropped.
+void apply_capacity(const PlanView& full, int64_t assignments, ScaleArg probs, int64_t capacity, bool by_probs,
+                    int alignment, const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
+                    int64_t row_capacity, int32_t* dropped, void* stream);
 
 // --- routing ------------------------------------------------------------------
 // dest_rows[indices[i]] = padded_start(e) + i - real_start(e), e = bin_ids[i].
@@ -111,9 +135,11 @@ struct PaddingRef {
 // and rows in [P, y.rows) too when zero_past_end (allocating forms). When
 // dots_with is given: dots[a] = <dots_with[dest[a]], x[a/K]> from the same read.
 // zero_padding false: padding rows below P are left unwritten.
+// scales: each row's scale row moves with it in the same block (zeroed rows
+// get scale 1); without scales the kernels are the plain ones.
 void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
-                 FloatOutArg dots, void* stream);
+                 FloatOutArg dots, void* stream, const ScaleRowsArg* scales = nullptr);
 
 // out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]], float32, dest < 0 skipped.
 // When dots_with is given: dots[a] = <y[dest[a]], dots_with[a/K]> from the same reads of y.
@@ -127,8 +153,10 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
 // out[r] = src[map[r]] * s(scale index) or zero for map[r] < 0, r < rows;
 // rows at or past *row_limit (a device int32, e.g. P) are left untouched.
 // skip_unmapped: rows with map < 0 are left unwritten instead of zeroed.
+// scales: as for spread_rows.
 void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
-                 const int32_t* row_limit, void* stream, bool skip_unmapped = false);
+                 const int32_t* row_limit, void* stream, bool skip_unmapped = false,
+                 const ScaleRowsArg* scales = nullptr);
 
 // --- Megatron maps ----------------------------------------------------------------
 // From counts[E]: inclusive_offsets[E] (padded inclusive cumsum) and
@@ -161,6 +189,7 @@ enum ValidateCode : int {
   kMapRepeated = 13,           // v1: the (smallest) repeated row
   kPlanDestRows = 14,          // pos: a, v1: dest row
   kPlanRowSources = 15,        // pos: row, v1: value
+  kExpertMapOutOfRange = 16,   // pos: global id, v1: entry
 };
 struct Violation {
   int code = kOk;
@@ -168,6 +197,10 @@ struct Violation {
 };
 size_t validate_workspace_bytes(int64_t entries);
 Violation validate_top_experts(IndexRef ids, int64_t assignments, int num_experts, void* workspace, void* stream);
+// make_plan's ids with PlanOptions in one launch: ids in [0, global) when check_ids; expert_map
+// entries (map.data set: [global]) in [-1, num_experts).
+Violation validate_routing_ids(IndexRef ids, int64_t assignments, int64_t global, bool check_ids, IndexRef map,
+                               int num_experts, void* workspace, void* stream);
 // bins/padded_bins/bin_ids/indices of A assignments, E experts; output_rows < 0 skips the capacity check.
 Violation validate_sorted_routing(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins,
                                   int64_t assignments, int num_experts, int64_t output_rows, void* workspace,
@@ -176,6 +209,37 @@ Violation validate_plan(const PlanView& plan, int64_t output_rows, void* workspa
 Violation validate_counts(IndexRef counts, int num_experts, int alignment, int64_t rows, int64_t output_rows,
                           void* workspace, void* stream);
 Violation validate_map(IndexRef map, int64_t map_len, int64_t original_size, void* workspace, void* stream);
+
+// --- chunk sort (sort_chunks) ------------------------------------------------------
+// The layout of C = num_chunks chunks (src/cuda/chunks.cu): a single-block
+// device scan of split_sizes (and sorted_index; data null = the expert-major
+// order) into `workspace`, then the row map. Nothing but workspace is written
+// before chunk_map. workspace: chunk_workspace_bytes(C), shared by the three.
+inline size_t chunk_workspace_bytes(int64_t num_chunks) {
+  return 256 + 56 * static_cast<size_t>(num_chunks > 0 ? num_chunks : 0);
+}
+// Sizes are clamped to [0, rows + 1] and out-of-range sorted_index entries read
+// as empty chunks, so an unchecked bad input cannot overflow or read out of bounds.
+void chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks, int alignment,
+                  int64_t rows, void* workspace, void* stream);
+// Checked mode, after chunk_layout: split sizes in [0, rows], sorted_index a
+// permutation, sum <= rows, P <= INT32_MAX, P <= output_rows (< 0: skipped).
+// The lowest code, then the lowest position, is reported. Synchronizes.
+enum ChunkValidateCode : int {
+  kChunkCountNegative = 1,    // pos: chunk, v1: size
+  kChunkCountTooLarge = 2,    // pos: chunk, v1: size (> rows)
+  kChunkIndexOutOfRange = 3,  // pos: position, v1: value
+  kChunkIndexRepeated = 4,    // pos = v1: the smallest repeated chunk
+  kChunkCountTotal = 5,       // v1: sum, v2: rows
+  kChunkOverflow = 6,         // v1: P
+  kChunkCapacity = 7,         // v1: P, v2: output rows
+};
+Violation validate_chunks(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int64_t rows,
+                          int64_t output_rows, void* workspace, void* stream);
+// From the layout: inclusive_offsets[C / num_ranks] and map[p] for p < map_len
+// (source row, -1 for padding, for p >= P and for rows >= rows).
+void chunk_map(const void* workspace, int64_t num_chunks, int num_ranks, int64_t rows, int64_t map_len, int32_t* map,
+               int32_t* inclusive_offsets, void* stream);
 
 }  // namespace cuda
 }  // namespace padmoe

@@ -23,14 +23,19 @@ int device_count() { return 0; }
 Scratch::Scratch(const Options&, size_t, int) { unavailable("scratch memory"); }
 Scratch::~Scratch() = default;
 
-void make_plan(IndexRef, int64_t, int, int, int, const PlanView&, const PlanLayouts&, int32_t, int64_t, void*, void*) {
+void make_plan(IndexRef, int64_t, int, int, int, const PlanView&, const PlanLayouts&, int32_t, const index::ExpertRemap&,
+               int64_t, void*, void*) {
+  unavailable("make_plan");
+}
+void apply_capacity(const PlanView&, int64_t, ScaleArg, int64_t, bool, int, const PlanView&, const PlanLayouts&, int32_t,
+                    int64_t, int32_t*, void*) {
   unavailable("make_plan");
 }
 void build_dest_rows(IndexRef, IndexRef, IndexRef, IndexRef, int64_t, int, int32_t*, void*) {
   unavailable("build_dest_rows");
 }
 void spread_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, const PaddingRef&, bool, bool,
-                 const RowsArg*, FloatOutArg, void*) {
+                 const RowsArg*, FloatOutArg, void*, const ScaleRowsArg*) {
   unavailable("spread_rows");
 }
 void reduce_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, const RowsArg*, FloatOutArg, void*) {
@@ -39,18 +44,23 @@ void reduce_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, 
 void row_dots(const RowsArg&, const RowsArg&, int, const int32_t*, int64_t, FloatOutArg, void*) {
   unavailable("row_dots");
 }
-void gather_rows(const RowsArg&, IndexRef, ScaleArg, bool, const RowsArg&, int64_t, const int32_t*, void*, bool) {
+void gather_rows(const RowsArg&, IndexRef, ScaleArg, bool, const RowsArg&, int64_t, const int32_t*, void*, bool,
+                 const ScaleRowsArg*) {
   unavailable("gather_rows");
 }
 void pad_map(IndexRef, int, int, int64_t, int32_t*, int32_t*, void*, void*) { unavailable("pad_map"); }
 void invert_map(IndexRef, int64_t, int64_t, int32_t*, void*) { unavailable("invert_map"); }
 Violation validate_top_experts(IndexRef, int64_t, int, void*, void*) { unavailable("validate"); }
+Violation validate_routing_ids(IndexRef, int64_t, int64_t, bool, IndexRef, int, void*, void*) { unavailable("validate"); }
 Violation validate_sorted_routing(IndexRef, IndexRef, IndexRef, IndexRef, int64_t, int, int64_t, void*, void*) {
   unavailable("validate");
 }
 Violation validate_plan(const PlanView&, int64_t, void*, void*) { unavailable("validate"); }
 Violation validate_counts(IndexRef, int, int, int64_t, int64_t, void*, void*) { unavailable("validate"); }
 Violation validate_map(IndexRef, int64_t, int64_t, void*, void*) { unavailable("validate"); }
+void chunk_layout(IndexRef, IndexRef, int64_t, int, int, int64_t, void*, void*) { unavailable("chunk_layout"); }
+Violation validate_chunks(IndexRef, IndexRef, int64_t, int64_t, int64_t, void*, void*) { unavailable("validate"); }
+void chunk_map(const void*, int64_t, int, int64_t, int64_t, int32_t*, int32_t*, void*) { unavailable("chunk_map"); }
 
 }  // namespace cuda
 }  // namespace padmoe

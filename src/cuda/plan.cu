@@ -16,6 +16,7 @@
 // Stability: chunks are in assignment order and ranks inside a chunk follow
 // assignment order.
 #include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/common.cuh"
@@ -39,8 +40,8 @@ int key_bits(int num_experts) {
 }
 
 __global__ void __launch_bounds__(kCountThreads)
-    plan_count_kernel(IndexRef ids, int64_t assignments, int num_experts, int bits, int32_t* chunk_counts,
-                      int32_t* local_rank) {
+    plan_count_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int num_experts, int bits,
+                      int32_t* chunk_counts, int32_t* local_rank) {
   using Sort = cub::BlockRadixSort<int, kCountThreads, kItems, int>;
   __shared__ typename Sort::TempStorage sort_storage;
   __shared__ int s_keys[kChunk];
@@ -51,11 +52,11 @@ __global__ void __launch_bounds__(kCountThreads)
   int vals[kItems];
   for (int j = 0; j < kItems; ++j) {
     const int64_t a = base + threadIdx.x * kItems + j;
-    int key = num_experts;  // sentinel: past the end, or an id outside [0, E)
+    int key = num_experts;  // sentinel: past the end, or a dropped id
     if (a < assignments) {
-      const int64_t e = load_index(ids, a);
-      if (e >= 0 && e < num_experts) key = static_cast<int>(e);
-      else local_rank[a] = -1;  // dropped (possible only unchecked)
+      const int64_t e = remap.local(load_index(ids, a));
+      if (e >= 0) key = static_cast<int>(e);
+      else local_rank[a] = -1;  // dropped
     }
     keys[j] = key;
     vals[j] = static_cast<int>(a < assignments ? a - base : -1);
@@ -87,8 +88,8 @@ __global__ void __launch_bounds__(kCountThreads)
 // 32 at a time in assignment order against its own counters s_wc[w][E];
 // the counters then become each warp's offset among the chunk.
 __global__ void __launch_bounds__(kCountThreads)
-    plan_count_match_kernel(IndexRef ids, int64_t assignments, int num_experts, int32_t* chunk_counts,
-                            int32_t* local_rank) {
+    plan_count_match_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int num_experts,
+                            int32_t* chunk_counts, int32_t* local_rank) {
   constexpr int kWarps = kCountThreads / 32;
   constexpr int kPerWarp = kChunk / kWarps;
   constexpr int kIters = kPerWarp / 32;
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(kCountThreads)
 #pragma unroll
   for (int j = 0; j < kIters; ++j) {  // all loads first
     const int64_t a = base + j * 32 + lane;
-    keys[j] = a < assignments ? static_cast<int>(load_index(ids, a)) : num_experts;
+    keys[j] = a < assignments ? static_cast<int>(remap.local(load_index(ids, a))) : num_experts;
   }
   for (int i = threadIdx.x; i < kWarps * num_experts; i += kCountThreads) s_wc[i] = 0;
   __syncthreads();
@@ -110,7 +111,7 @@ __global__ void __launch_bounds__(kCountThreads)
   for (int j = 0; j < kIters; ++j) {
     int key = keys[j];
     const int64_t a = base + j * 32 + lane;
-    if (key < 0 || key >= num_experts) {  // dropped (unchecked) or past the end
+    if (key < 0 || key >= num_experts) {  // dropped or past the end
       if (a < assignments) local_rank[a] = -1;
       key = num_experts;
     }
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(kCountThreads)
 }
 
 __global__ void __launch_bounds__(kPlaceThreads)
-    plan_place_kernel(IndexRef ids, int64_t assignments, int chunks, int num_experts, int alignment,
+    plan_place_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int num_experts, int alignment,
                       const int32_t* chunk_counts, const int32_t* local_rank, int64_t row_capacity,
                       int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens, int32_t* padded_bins,
                       int32_t* indices, int32_t* bin_ids, int32_t* dest_rows, int32_t* row_sources,
@@ -231,7 +232,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
     for (int j = 0; j < kItems; ++j) {  // every load first, then the stores
       const int64_t i = base + j * kPlaceThreads + threadIdx.x;
       ranks[j] = i < assignments ? local_rank[i] : -1;
-      experts[j] = i < assignments ? static_cast<int>(load_index(ids, i)) : 0;
+      experts[j] = i < assignments ? static_cast<int>(remap.local(load_index(ids, i))) : 0;
     }
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
         row_sources[row] = static_cast<int32_t>(i);
         if (row_experts != nullptr) row_experts[row] = e;
       }
-      if (i >= real_total) {  // only when ids were dropped (unchecked)
+      if (i >= real_total) {  // only when ids were dropped
         indices[i] = -1;
         bin_ids[i] = -1;
       }
@@ -270,11 +271,169 @@ __global__ void __launch_bounds__(kPlaceThreads)
   }
 }
 
+// Fixed capacity: block e < E takes expert e's sorted assignments of the full
+// plan (alignment 1, every kept id) and keeps C of them, in order: the first
+// C, or (by_probs) the C largest probs, found by an 8-bit radix select of the
+// C-th largest key, ties to the lower assignment id. Every block also shares
+// the grid-wide fills (dropped assignments of other experts, positions past
+// the kept total, rows and blocks past P = E * C).
+constexpr int kCapThreads = 256;
+
+__device__ __forceinline__ uint32_t order_key(float f) {  // larger float, larger key (IEEE totalOrder)
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__global__ void __launch_bounds__(kCapThreads)
+    plan_capacity_kernel(const int32_t* f_indices, const int32_t* f_counts, const int32_t* f_dest, int64_t assignments,
+                         int num_experts, ScaleArg probs, int64_t cap, bool by_probs, int alignment,
+                         int64_t row_capacity, int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens,
+                         int32_t* padded_bins, int32_t* indices, int32_t* bin_ids, int32_t* dest_rows,
+                         int32_t* row_sources, int32_t padding_source, int32_t* row_experts, int32_t* block_experts,
+                         int64_t blocks, int32_t* padded_total_out, int32_t* dropped) {
+  using Scan = cub::BlockScan<int, kCapThreads>;
+  using Reduce = cub::BlockReduce<long long, kCapThreads>;
+  __shared__ union {
+    typename Scan::TempStorage scan;
+    typename Reduce::TempStorage reduce;
+  } storage;
+  __shared__ int s_hist[256];
+  __shared__ long long s_sums[4];  // full start, kept start, kept total, dropped total
+  __shared__ uint32_t s_select[2];  // digit found, still needed
+  const int e = blockIdx.x;
+  // Starts of this expert's segments (full and kept) and the kept / dropped totals.
+  long long f_before = 0, k_before = 0, k_all = 0, d_all = 0;
+  for (int x = threadIdx.x; x < num_experts; x += kCapThreads) {
+    const long long n = f_counts[x], kept = n < cap ? n : cap;
+    if (x < e) {
+      f_before += n;
+      k_before += kept;
+    }
+    k_all += kept;
+    d_all += n - kept;
+  }
+  long long sums[4] = {f_before, k_before, k_all, d_all};
+  for (int q = 0; q < 4; ++q) {
+    const long long v = Reduce(storage.reduce).Sum(sums[q]);
+    if (threadIdx.x == 0) s_sums[q] = v;
+    __syncthreads();
+  }
+  const int64_t full_start = s_sums[0], kept_start = s_sums[1], kept_total = s_sums[2];
+  const int64_t padded_total = static_cast<int64_t>(num_experts) * cap;
+
+  if (e < num_experts) {
+    const int32_t* seg = f_indices + full_start;
+    const int64_t n = f_counts[e];
+    const int64_t kept = n < cap ? n : cap;
+    if (threadIdx.x == 0) {
+      tokens_per_expert[e] = static_cast<int32_t>(kept);
+      bins[e] = static_cast<int32_t>(kept_start + kept);
+      padded_tokens[e] = static_cast<int32_t>(cap);
+      padded_bins[e] = static_cast<int32_t>((e + 1) * cap);
+    }
+    const bool select = by_probs && n > cap;
+    uint32_t threshold = 0, equal_kept = 0;
+    if (select) {
+      uint32_t prefix = 0, mask = 0, need = static_cast<uint32_t>(cap);
+      for (int shift = 24; shift >= 0 && need > 0; shift -= 8) {
+        for (int d = threadIdx.x; d < 256; d += kCapThreads) s_hist[d] = 0;
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < n; i += kCapThreads) {
+          const uint32_t k = order_key(load_scale(probs, seg[i]));
+          if ((k & mask) == prefix) atomicAdd(&s_hist[(k >> shift) & 255u], 1);  // integer counts: exact
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          uint32_t above = 0;
+          int d = 255;
+          for (; d > 0; --d) {
+            if (above + static_cast<uint32_t>(s_hist[d]) >= need) break;
+            above += static_cast<uint32_t>(s_hist[d]);
+          }
+          s_select[0] = static_cast<uint32_t>(d);
+          s_select[1] = need - above;
+        }
+        __syncthreads();
+        prefix |= s_select[0] << shift;
+        mask |= 255u << shift;
+        need = s_select[1];
+        __syncthreads();
+      }
+      threshold = prefix;
+      equal_kept = need;  // cap == 0: need 0 from the start, nothing kept
+      if (cap == 0) threshold = 0xffffffffu;
+    }
+    // Keep pass in assignment order: rank among the kept by two block scans a round.
+    int64_t kept_run = 0, equal_run = 0;
+    for (int64_t base = 0; base < n; base += kCapThreads) {
+      const int64_t i = base + threadIdx.x;
+      const bool in = i < n;
+      const int32_t a = in ? seg[i] : -1;
+      bool keep = in && i < cap;
+      if (select) {
+        const uint32_t k = in ? order_key(load_scale(probs, a)) : 0;
+        const int eq = in && k == threshold && cap > 0;
+        int eq_excl = 0, eq_total = 0;
+        Scan(storage.scan).ExclusiveSum(eq, eq_excl, eq_total);
+        __syncthreads();
+        keep = in && cap > 0 && (k > threshold || (eq && equal_run + eq_excl < static_cast<int64_t>(equal_kept)));
+        equal_run += eq_total;
+      }
+      int r_excl = 0, r_total = 0;
+      Scan(storage.scan).ExclusiveSum(keep ? 1 : 0, r_excl, r_total);
+      __syncthreads();
+      if (in) {
+        if (keep) {
+          const int64_t r = kept_run + r_excl;
+          const int64_t pos = kept_start + r, row = e * cap + r;
+          indices[pos] = a;
+          bin_ids[pos] = e;
+          dest_rows[a] = static_cast<int32_t>(row);
+          row_sources[row] = a;
+          if (row_experts != nullptr) row_experts[row] = e;
+        } else {
+          dest_rows[a] = -1;
+        }
+      }
+      kept_run += r_total;
+    }
+    for (int64_t row = e * cap + kept + threadIdx.x; row < (e + 1) * cap; row += kCapThreads) {
+      row_sources[row] = padding_source;
+      if (row_experts != nullptr) row_experts[row] = -1;
+    }
+    if (block_experts != nullptr) {  // segments are whole blocks: alignment divides C
+      for (int64_t b = e * cap / alignment + threadIdx.x; b < (e + 1) * cap / alignment; b += kCapThreads) {
+        block_experts[b] = e;
+      }
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (padded_total_out != nullptr) *padded_total_out = static_cast<int32_t>(padded_total);
+    if (dropped != nullptr) *dropped = static_cast<int32_t>(s_sums[3]);
+  }
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kCapThreads;
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * kCapThreads + threadIdx.x;
+  for (int64_t a = start; a < assignments; a += stride) {
+    if (f_dest[a] < 0) dest_rows[a] = -1;  // dropped before the capacity (not a local expert's)
+    if (a >= kept_total) {
+      indices[a] = -1;
+      bin_ids[a] = -1;
+    }
+  }
+  for (int64_t r = padded_total + start; r < row_capacity; r += stride) {
+    row_sources[r] = padding_source;
+    if (row_experts != nullptr) row_experts[r] = -1;
+  }
+  if (block_experts != nullptr) {
+    for (int64_t b = padded_total / alignment + start; b < blocks; b += stride) block_experts[b] = -1;
+  }
+}
+
 }  // namespace
 
 void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
-               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int64_t row_capacity,
-               void* workspace, void* stream) {
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
+               const index::ExpertRemap& remap, int64_t row_capacity, void* workspace, void* stream) {
   (void)top_k;
   const cudaStream_t s = as_stream(stream);
   const int chunks = static_cast<int>(index::ceil_div(assignments, kChunk));
@@ -283,7 +442,7 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
   if (chunks > 0) {
     if (num_experts <= kMatchMaxExperts) {
       const size_t smem = static_cast<size_t>(kCountThreads / 32) * num_experts * sizeof(int);
-      plan_count_match_kernel<<<chunks, kCountThreads, smem, s>>>(top_experts, assignments, num_experts,
+      plan_count_match_kernel<<<chunks, kCountThreads, smem, s>>>(top_experts, remap, assignments, num_experts,
                                                                  chunk_counts, local_rank);
       PADMOE_CUDA_LAUNCH_CHECK("plan_count_match_kernel");
     } else {
@@ -292,7 +451,7 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
         PADMOE_CUDA_CHECK(cudaFuncSetAttribute(plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem)));
       }
-      plan_count_kernel<<<chunks, kCountThreads, smem, s>>>(top_experts, assignments, num_experts,
+      plan_count_kernel<<<chunks, kCountThreads, smem, s>>>(top_experts, remap, assignments, num_experts,
                                                            key_bits(num_experts), chunk_counts, local_rank);
       PADMOE_CUDA_LAUNCH_CHECK("plan_count_kernel");
     }
@@ -303,13 +462,29 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
                                            static_cast<int>(smem)));
   }
   plan_place_kernel<<<chunks > 0 ? chunks : 1, kPlaceThreads, smem, s>>>(
-      top_experts, assignments, chunks, num_experts, alignment, chunk_counts, local_rank, row_capacity,
+      top_experts, remap, assignments, chunks, num_experts, alignment, chunk_counts, local_rank, row_capacity,
       out.tokens_per_expert.data_as<int32_t>(), out.bins.data_as<int32_t>(),
       out.padded_tokens_per_expert.data_as<int32_t>(), out.padded_bins.data_as<int32_t>(),
       out.indices.data_as<int32_t>(), out.bin_ids.data_as<int32_t>(), out.dest_rows.data_as<int32_t>(),
       out.row_sources.data_as<int32_t>(), padding_source, layouts.row_experts.data_as<int32_t>(),
       layouts.block_experts.data_as<int32_t>(), layouts.block_experts.numel(), layouts.padded_total.data_as<int32_t>());
   PADMOE_CUDA_LAUNCH_CHECK("plan_place_kernel");
+}
+
+void apply_capacity(const PlanView& full, int64_t assignments, ScaleArg probs, int64_t capacity, bool by_probs,
+                    int alignment, const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
+                    int64_t row_capacity, int32_t* dropped, void* stream) {
+  const int grid = full.num_experts > 0 ? full.num_experts : 1;
+  plan_capacity_kernel<<<grid, kCapThreads, 0, as_stream(stream)>>>(
+      full.indices.data_as<const int32_t>(), full.tokens_per_expert.data_as<const int32_t>(),
+      full.dest_rows.data_as<const int32_t>(), assignments, full.num_experts, probs, capacity, by_probs, alignment,
+      row_capacity, out.tokens_per_expert.data_as<int32_t>(), out.bins.data_as<int32_t>(),
+      out.padded_tokens_per_expert.data_as<int32_t>(), out.padded_bins.data_as<int32_t>(),
+      out.indices.data_as<int32_t>(), out.bin_ids.data_as<int32_t>(), out.dest_rows.data_as<int32_t>(),
+      out.row_sources.data_as<int32_t>(), padding_source, layouts.row_experts.data_as<int32_t>(),
+      layouts.block_experts.data_as<int32_t>(), layouts.block_experts.numel(), layouts.padded_total.data_as<int32_t>(),
+      dropped);
+  PADMOE_CUDA_LAUNCH_CHECK("plan_capacity_kernel");
 }
 
 }  // namespace cuda

@@ -120,18 +120,48 @@ __device__ void finish_dots(int64_t t, int k0, int nk, int top_k, const int64_t*
   }
 }
 
+// --- scale rows (the `_scaled` ops) -------------------------------------------
+// Scale rows are short (ceil(H/32) bytes or ceil(H/128) floats): the block
+// that writes a data row copies its scale row too, flattened over the block's
+// threads; zeroed rows get the bits of a scale 1.
+
+// dst scale rows [r0, r1) = 1, by all threads of the block.
+__device__ void fill_scale_one(const ScaleRowsArg& sc, int64_t r0, int64_t r1) {
+  const int64_t n = (r1 - r0) * sc.cols;
+  if (sc.elem == 4) {
+    uint32_t* d = static_cast<uint32_t*>(sc.dst) + r0 * sc.cols;
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) d[i] = sc.one;
+  } else {
+    uint8_t* d = static_cast<uint8_t*>(sc.dst) + r0 * sc.cols;
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) d[i] = static_cast<uint8_t>(sc.one);
+  }
+}
+
+// dst scale row `to` = src scale row `from` (from < 0: 1), entry i of the row.
+__device__ __forceinline__ void move_scale_entry(const ScaleRowsArg& sc, int64_t to, int64_t from, int64_t i) {
+  if (sc.elem == 4) {
+    static_cast<uint32_t*>(sc.dst)[to * sc.cols + i] =
+        from < 0 ? sc.one : static_cast<const uint32_t*>(sc.src)[from * sc.cols + i];
+  } else {
+    static_cast<uint8_t*>(sc.dst)[to * sc.cols + i] =
+        from < 0 ? static_cast<uint8_t>(sc.one) : static_cast<const uint8_t*>(sc.src)[from * sc.cols + i];
+  }
+}
+
 // Zero block: rows [first, first + kZeroRows) of y that are padding (below P)
 // or, when zero_past_end, at or past P. One search per block, then the
-// experts whose padded segments meet the range are walked in order.
-template <typename U>
+// experts whose padded segments meet the range are walked in order. kScales:
+// their scale rows are set to 1 by the same block.
+template <typename U, bool kScales>
 __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool zero_padding, bool zero_past_end,
-                                  int64_t first) {
+                                  int64_t first, const ScaleRowsArg& sc) {
   const int64_t last = first + kZeroRows < y.rows ? first + kZeroRows : y.rows;
   const int64_t units = units_of<U>(y);
   const int64_t padded = padded_total(pad);
   auto zero_range = [&](int64_t r0, int64_t r1) {  // all threads, flattened over (row, unit)
     const int64_t n = (r1 - r0) * units;
     for (int64_t i = threadIdx.x; i < n; i += kThreads) U::store(row_ptr(y, r0 + i / units), i % units, U::zero());
+    if (kScales) fill_scale_one(sc, r0, r1);
   };
   if (zero_past_end && last > padded) zero_range(first > padded ? first : padded, last);
   if (!zero_padding) return;
@@ -153,15 +183,17 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
   }
 }
 
-template <typename T, bool kVec>
+// kScales: the token's scale row is copied to its K destinations by the same
+// block (the plain instantiation has none of it).
+template <typename T, bool kVec, bool kScales>
 __global__ void __launch_bounds__(kThreads)
     spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
-                  bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots) {
+                  bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots, ScaleRowsArg sc) {
   using U = Unit<T, kVec>;
   const int64_t tokens = x.rows;
   if (blockIdx.x >= tokens) {
-    zero_padding_rows<U>(y, pad, zero_padding, zero_past_end,
-                         (static_cast<int64_t>(blockIdx.x) - tokens) * kZeroRows);
+    zero_padding_rows<U, kScales>(y, pad, zero_padding, zero_past_end,
+                                  (static_cast<int64_t>(blockIdx.x) - tokens) * kZeroRows, sc);
     return;
   }
   __shared__ int64_t s_dest[kGroupK];
@@ -184,6 +216,12 @@ __global__ void __launch_bounds__(kThreads)
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
     const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
     stage_group(t, k0, nk, top_k, dest, w, y.rows, want_dots, s_dest, s_w, s_part);
+    if (kScales) {  // this group's scale rows, flattened over (assignment, entry)
+      for (int64_t i = threadIdx.x; i < nk * sc.cols; i += kThreads) {
+        const int64_t r = s_dest[i / sc.cols];
+        if (r >= 0) move_scale_entry(sc, r, t, i % sc.cols);
+      }
+    }
     for (int64_t c = 0; c < units; c += kChunkUnits) {
       if (c > 0 || k0 > 0) load_chunk(c);
       for (int q = 0; q < nk; ++q) {
@@ -330,10 +368,11 @@ __global__ void __launch_bounds__(kThreads)
 // entries are staged first, then the rows move flattened over (row, unit).
 constexpr int kMaxMapRows = 8;
 
-template <typename T, bool kVec>
+// kScales: the rows' scale rows move with them, by the same block.
+template <typename T, bool kVec, bool kScales>
 __global__ void __launch_bounds__(kThreads)
     gather_kernel(RowsArg src, IndexRef map, ScaleArg s, bool scale_by_source, RowsArg out,
-                  const int32_t* row_limit, int rows_per_block, bool skip_unmapped) {
+                  const int32_t* row_limit, int rows_per_block, bool skip_unmapped, ScaleRowsArg sc) {
   using U = Unit<T, kVec>;
   __shared__ int64_t s_from[kMaxMapRows];
   __shared__ float s_scale[kMaxMapRows];
@@ -349,6 +388,13 @@ __global__ void __launch_bounds__(kThreads)
     s_scale[threadIdx.x] = from < 0 ? 0.0f : load_scale(s, scale_by_source ? from : r);
   }
   __syncthreads();
+  if (kScales) {  // the block's scale rows, flattened over (row, entry)
+    for (int64_t i = threadIdx.x; i < nrows * sc.cols; i += kThreads) {
+      const int row = static_cast<int>(i / sc.cols);
+      const int64_t from = s_from[row];
+      if (from >= 0 || !skip_unmapped) move_scale_entry(sc, r0 + row, from, i % sc.cols);
+    }
+  }
   const int units = static_cast<int>(units_of<U>(out));
   const int n = nrows * units;
   for (int base = 0; base < n; base += kChunkUnits) {
@@ -390,7 +436,11 @@ bool is_move_only(DType dtype) { return is_float8(dtype); }
 // Kernel tags: functors carrying the template so dispatch_kernel can pick them.
 template <typename T, bool kVec>
 struct SpreadTag {
-  static constexpr auto fn = spread_kernel<T, kVec>;
+  static constexpr auto fn = spread_kernel<T, kVec, false>;
+};
+template <typename T, bool kVec>
+struct ScaledSpreadTag {
+  static constexpr auto fn = spread_kernel<T, kVec, true>;
 };
 // Reduce: kUnits 16-byte units per thread and chunk, kBatch source rows
 // loaded before the first add. Measured on the H200 (bf16, combine): top-2
@@ -410,7 +460,11 @@ struct DotsTag {
 };
 template <typename T, bool kVec>
 struct GatherTag {
-  static constexpr auto fn = gather_kernel<T, kVec>;
+  static constexpr auto fn = gather_kernel<T, kVec, false>;
+};
+template <typename T, bool kVec>
+struct ScaledGatherTag {
+  static constexpr auto fn = gather_kernel<T, kVec, true>;
 };
 
 namespace {
@@ -432,18 +486,22 @@ void pick(DType dtype, bool vec, Launch&& launch) {
 
 void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
-                 FloatOutArg dots, void* stream) {
+                 FloatOutArg dots, void* stream, const ScaleRowsArg* scales) {
   const int64_t tokens = x.rows;
   const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, kZeroRows) : 0;
   const int64_t blocks = tokens + zero_blocks;
-  if (blocks == 0 || (y.cols == 0 && dots.data == nullptr)) return;  // H = 0 still writes zero dots
+  const bool scale_cols = scales != nullptr && scales->cols > 0;  // per-row scales move even when H = 0
+  if (blocks == 0 || (y.cols == 0 && dots.data == nullptr && !scale_cols)) return;  // H = 0 still writes zero dots
   const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
+  const ScaleRowsArg sc = scales != nullptr ? *scales : ScaleRowsArg{};
   const bool vec = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(with));
-  pick<SpreadTag>(x.dtype, vec, [&](auto tag) {
+  auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(x, top_k, dest, w, y, padding,
-                                                                               zero_padding, zero_past_end, with, dots);
-  });
+    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(
+        x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc);
+  };
+  if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);
+  else pick<SpreadTag>(x.dtype, vec, launch);
   PADMOE_CUDA_LAUNCH_CHECK("spread_kernel");
 }
 
@@ -480,8 +538,9 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
 }
 
 void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
-                 const int32_t* row_limit, void* stream, bool skip_unmapped) {
-  if (rows == 0 || out.cols == 0) return;
+                 const int32_t* row_limit, void* stream, bool skip_unmapped, const ScaleRowsArg* scales) {
+  const bool scale_cols = scales != nullptr && scales->cols > 0;  // per-row scales move even when H = 0
+  if (rows == 0 || (out.cols == 0 && !scale_cols)) return;
   const bool vec = rows_vectorizable(src) && rows_vectorizable(out);
   RowsArg limited = out;
   limited.rows = rows;
@@ -489,11 +548,14 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
   int64_t per_block = kChunkUnits / (units > 0 ? units : 1);
   per_block = per_block < 1 ? 1 : (per_block > kMaxMapRows ? kMaxMapRows : per_block);
   const int64_t blocks = index::ceil_div(rows, per_block);
-  pick<GatherTag>(out.dtype, vec, [&](auto tag) {
+  const ScaleRowsArg sc = scales != nullptr ? *scales : ScaleRowsArg{};
+  auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(
-        src, map, s, scale_by_source, limited, row_limit, static_cast<int>(per_block), skip_unmapped);
-  });
+        src, map, s, scale_by_source, limited, row_limit, static_cast<int>(per_block), skip_unmapped, sc);
+  };
+  if (scales != nullptr) pick<ScaledGatherTag>(out.dtype, vec, launch);
+  else pick<GatherTag>(out.dtype, vec, launch);
   PADMOE_CUDA_LAUNCH_CHECK("gather_kernel");
 }
 

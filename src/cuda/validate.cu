@@ -33,6 +33,21 @@ __global__ void top_experts_kernel(IndexRef ids, int64_t n, int num_experts, Key
   });
 }
 
+// Ids in [0, global) (when check_ids) and expert_map entries in [-1, num_experts) (when given).
+__global__ void routing_ids_kernel(IndexRef ids, int64_t n, int64_t global, bool check_ids, IndexRef map,
+                                   int num_experts, Key* key) {
+  grid_loop(n > global ? n : global, [&](int64_t i) {
+    if (check_ids && i < n) {
+      const int64_t e = load_index(ids, i);
+      if (e < 0 || e >= global) report(key, kExpertOutOfRange, i);
+    }
+    if (map.data != nullptr && i < global) {
+      const int64_t l = load_index(map, i);
+      if (l < -1 || l >= num_experts) report(key, kExpertMapOutOfRange, i);
+    }
+  });
+}
+
 __global__ void bins_kernel(IndexRef bins, IndexRef padded_bins, int num_experts, int64_t assignments,
                             int64_t output_rows, Key* key) {
   grid_loop(num_experts, [&](int64_t e) {
@@ -192,6 +207,22 @@ Violation validate_sorted_routing(IndexRef indices, IndexRef bin_ids, IndexRef b
     case kIndexOutOfRange: v.v1 = read_index(indices, v.pos, s); break;
     default: break;
   }
+  return v;
+}
+
+Violation validate_routing_ids(IndexRef ids, int64_t assignments, int64_t global, bool check_ids, IndexRef map,
+                               int num_experts, void* workspace, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  const Layout l = layout(workspace);
+  begin(l, 0, s);
+  const int64_t work = map.data != nullptr && global > assignments ? global : assignments;
+  if (work > 0) {
+    routing_ids_kernel<<<blocks_for(work), 256, 0, s>>>(ids, assignments, global, check_ids, map, num_experts, l.key);
+    PADMOE_CUDA_LAUNCH_CHECK("validate top_experts");
+  }
+  Violation v = finish(l, s);
+  if (v.code == kExpertOutOfRange) v.v1 = read_index(ids, v.pos, s);
+  if (v.code == kExpertMapOutOfRange) v.v1 = read_index(map, v.pos, s);
   return v;
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstring>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -88,6 +89,80 @@ Plan make_plan(const std::vector<int64_t>& top_experts, int64_t num_tokens, int 
   return p;
 }
 
+RoutedPlan make_plan(const std::vector<int64_t>& top_experts, int64_t num_tokens, int top_k, int num_experts,
+                     int alignment, const RoutingOptions& o) {
+  const int64_t A = num_tokens * top_k, E = num_experts;
+  const int64_t G = o.global_experts == 0 ? E : o.global_experts;
+  require(static_cast<int64_t>(top_experts.size()) == A, "top_experts must hold T*K entries");
+  require(o.expert_map.empty() || static_cast<int64_t>(o.expert_map.size()) == G, "expert_map must hold G entries");
+  require(!o.by_probs || static_cast<int64_t>(o.probs.size()) == A, "probs must hold A entries");
+  require(o.expert_capacity < 0 || o.expert_capacity % alignment == 0, "alignment must divide the capacity");
+  // Each local expert's assignments in ascending id order.
+  std::vector<std::vector<int64_t>> lists(static_cast<size_t>(E));
+  for (int64_t a = 0; a < A; ++a) {
+    const int64_t id = top_experts[a];
+    if (id < 0 || id >= G) {
+      require(o.drop_invalid, "expert id out of range at position " + std::to_string(a));
+      continue;
+    }
+    int64_t local = -1;
+    if (!o.expert_map.empty()) local = o.expert_map[id];
+    else if (id >= o.first_expert && id < o.first_expert + E) local = id - o.first_expert;
+    if (local >= 0) lists[local].push_back(a);
+  }
+  RoutedPlan out;
+  if (o.expert_capacity >= 0) {
+    for (auto& list : lists) {
+      const int64_t n = static_cast<int64_t>(list.size());
+      if (n <= o.expert_capacity) continue;
+      out.dropped += n - o.expert_capacity;
+      if (o.by_probs) {
+        std::vector<int64_t> best = list;
+        std::stable_sort(best.begin(), best.end(),
+                         [&](int64_t l, int64_t r) { return o.probs[l] > o.probs[r]; });  // ties keep id order
+        best.resize(o.expert_capacity);
+        std::sort(best.begin(), best.end());
+        list = best;
+      } else {
+        list.resize(o.expert_capacity);
+      }
+    }
+  }
+  Plan& p = out.plan;
+  p.num_tokens = num_tokens;
+  p.top_k = top_k;
+  p.num_experts = num_experts;
+  p.alignment = alignment;
+  p.indices.assign(A, -1);
+  p.bin_ids.assign(A, -1);
+  p.dest_rows.assign(A, -1);
+  p.tokens_per_expert.assign(E, 0);
+  p.bins.assign(E, 0);
+  p.padded_tokens_per_expert.assign(E, 0);
+  p.padded_bins.assign(E, 0);
+  p.capacity = o.expert_capacity >= 0 ? E * o.expert_capacity : A + E * (static_cast<int64_t>(alignment) - 1);
+  p.row_sources.assign(static_cast<size_t>(p.capacity), -1);
+  int64_t pos = 0, row = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = static_cast<int64_t>(lists[e].size());
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t a = lists[e][j];
+      p.indices[pos + j] = a;
+      p.bin_ids[pos + j] = e;
+      p.dest_rows[a] = row + j;
+      p.row_sources[row + j] = a;
+    }
+    pos += n;
+    row += o.expert_capacity >= 0 ? o.expert_capacity : round_up_multiple(n, alignment);
+    p.tokens_per_expert[e] = n;
+    p.bins[e] = pos;
+    p.padded_tokens_per_expert[e] = row - (e == 0 ? 0 : p.padded_bins[e - 1]);
+    p.padded_bins[e] = row;
+  }
+  p.padded_rows = row;
+  return out;
+}
+
 std::vector<float> padded_gather(const std::vector<float>& x, int64_t hidden, const Plan& plan,
                                  const std::vector<float>* weights) {
   const int64_t H = hidden, K = plan.top_k, A = plan.num_tokens * K;
@@ -116,6 +191,7 @@ std::vector<double> padded_scatter(const std::vector<float>& y, int64_t hidden, 
     for (int64_t k = 0; k < K; ++k) {
       const int64_t a = t * K + k;
       const int64_t row = plan.dest_rows[a];
+      if (row < 0) continue;  // a dropped assignment contributes zero
       const double w = weights ? static_cast<double>((*weights)[a]) : 1.0;
       for (int64_t h = 0; h < H; ++h) out[t * H + h] += w * static_cast<double>(y[row * H + h]);
     }
@@ -131,6 +207,7 @@ std::vector<double> padded_scatter_wgrad(const std::vector<float>& y, const std:
   std::vector<double> wgrad(static_cast<size_t>(A), 0.0);
   for (int64_t a = 0; a < A; ++a) {
     const int64_t row = plan.dest_rows[a];
+    if (row < 0) continue;  // dropped: zero
     const int64_t t = a / K;
     double s = 0.0;
     for (int64_t h = 0; h < H; ++h) s += static_cast<double>(y[row * H + h]) * static_cast<double>(grad[t * H + h]);
@@ -188,6 +265,60 @@ std::vector<float> unpad_from_alignment(const std::vector<float>& padded, int64_
       out[n * H + x] = probs ? weighted(v, (*probs)[n]) : v;
     }
   }
+  return out;
+}
+
+PadResult sort_chunks(const std::vector<float>& received, int64_t hidden, const std::vector<int64_t>& split_sizes,
+                      int num_ranks, int alignment, const std::vector<int64_t>* sorted_index) {
+  require(num_ranks >= 1, "num_ranks must be >= 1");
+  require(alignment >= 1, "alignment must be >= 1");
+  const int64_t H = hidden, C = static_cast<int64_t>(split_sizes.size()), R = num_ranks;
+  require(C % R == 0, "split_sizes must hold num_ranks * E entries");
+  const int64_t E = C / R;
+  // First row of every source chunk in the received buffer.
+  std::vector<int64_t> first(static_cast<size_t>(C), 0);
+  int64_t total = 0;
+  for (int64_t c = 0; c < C; ++c) {
+    require(split_sizes[c] >= 0, "negative split size");
+    first[c] = total;
+    total += split_sizes[c];
+  }
+  require(static_cast<int64_t>(received.size()) >= total * H, "received holds fewer rows than sum(split_sizes)");
+  // The chunk at each output position.
+  std::vector<int64_t> chunk_at(static_cast<size_t>(C));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = 0; r < R; ++r) chunk_at[e * R + r] = r * E + e;
+  if (sorted_index != nullptr) {
+    require(static_cast<int64_t>(sorted_index->size()) == C, "sorted_index must hold C entries");
+    std::vector<int> uses(static_cast<size_t>(C), 0);
+    for (int64_t j = 0; j < C; ++j) {
+      const int64_t s = (*sorted_index)[j];
+      require(s >= 0 && s < C && uses[s]++ == 0, "sorted_index must be a permutation");
+      chunk_at[j] = s;
+    }
+  }
+  PadResult out;
+  out.inclusive_offsets.assign(static_cast<size_t>(E), 0);
+  std::vector<float> rows;
+  int64_t p = 0;
+  for (int64_t g = 0; g < E; ++g) {
+    const int64_t start = p;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t c = chunk_at[g * R + r];
+      for (int64_t i = 0; i < split_sizes[c]; ++i, ++p) {
+        out.permutation_map.push_back(first[c] + i);
+        for (int64_t x = 0; x < H; ++x) rows.push_back(received[(first[c] + i) * H + x]);
+      }
+    }
+    const int64_t end = start + round_up_multiple(p - start, alignment);
+    for (; p < end; ++p) {
+      out.permutation_map.push_back(-1);
+      for (int64_t x = 0; x < H; ++x) rows.push_back(0.0f);
+    }
+    out.inclusive_offsets[g] = p;
+  }
+  out.padded_rows = p;
+  out.padded = std::move(rows);
   return out;
 }
 
@@ -272,6 +403,55 @@ AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int 
   }
   r.num_tokens_post_padded = start;
   return r;
+}
+
+std::vector<uint8_t> move_scale_rows(const std::vector<uint8_t>& src, int64_t row_bytes,
+                                     const std::vector<int64_t>& sources, const std::vector<uint8_t>& one) {
+  require(static_cast<int64_t>(one.size()) == row_bytes, "one must hold one scale row");
+  const int64_t rows = static_cast<int64_t>(sources.size());
+  std::vector<uint8_t> out(static_cast<size_t>(rows * row_bytes));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t from = sources[static_cast<size_t>(r)];
+    for (int64_t b = 0; b < row_bytes; ++b) {
+      uint8_t v = one[static_cast<size_t>(b)];
+      if (from >= 0) {
+        require((from + 1) * row_bytes <= static_cast<int64_t>(src.size()), "scale source row out of range");
+        v = src[static_cast<size_t>(from * row_bytes + b)];
+      }
+      out[static_cast<size_t>(r * row_bytes + b)] = v;
+    }
+  }
+  return out;
+}
+
+std::vector<uint8_t> scale_one_row(bool e8m0, int64_t cols) {
+  if (e8m0) return std::vector<uint8_t>(static_cast<size_t>(cols), uint8_t{127});  // 2^(127-127)
+  std::vector<uint8_t> row;
+  const float one = 1.0f;
+  unsigned char bytes[sizeof(float)];
+  std::memcpy(bytes, &one, sizeof(float));
+  for (int64_t c = 0; c < cols; ++c) row.insert(row.end(), bytes, bytes + sizeof(float));
+  return row;
+}
+
+std::vector<int64_t> spread_sources(const Plan& plan) {
+  std::vector<int64_t> out(static_cast<size_t>(plan.padded_rows), -1);
+  for (int64_t r = 0; r < plan.padded_rows; ++r) {
+    const int64_t a = plan.row_sources[static_cast<size_t>(r)];
+    if (a >= 0) out[static_cast<size_t>(r)] = a / plan.top_k;
+  }
+  return out;
+}
+
+std::vector<int64_t> unpad_sources(const std::vector<int64_t>& permutation_map, int64_t original_size) {
+  std::vector<int64_t> out(static_cast<size_t>(original_size), -1);
+  for (size_t p = 0; p < permutation_map.size(); ++p) {
+    const int64_t n = permutation_map[p];
+    if (n < 0) continue;
+    require(n < original_size && out[static_cast<size_t>(n)] < 0, "permutation_map entry out of range or repeated");
+    out[static_cast<size_t>(n)] = static_cast<int64_t>(p);
+  }
+  return out;
 }
 
 }  // namespace ref

@@ -35,6 +35,31 @@ struct Plan {
 Plan make_plan(const std::vector<int64_t>& top_experts, int64_t num_tokens, int top_k, int num_experts,
                int alignment);
 
+// make_plan with the routing options of ops.hpp's PlanOptions, from SPEC
+// section 1's words: ids are global (in [0, global_experts)); local id =
+// expert_map[id] when the map is given, else id - first_expert inside the
+// local range; other ids are dropped (an invalid id only with drop_invalid,
+// else the reference throws). capacity >= 0: each expert keeps its first C
+// assignments (by_probs: the C largest probs, ties to the lower id, then in id
+// order), segments are exactly C rows. Dropped assignments: dest_rows -1,
+// sorted positions past the kept count hold -1. `dropped` counts the
+// assignments the capacity dropped.
+struct RoutingOptions {
+  int global_experts = 0;  // 0: num_experts
+  int first_expert = 0;
+  std::vector<int64_t> expert_map;  // empty: the range
+  bool drop_invalid = false;
+  int64_t expert_capacity = -1;
+  bool by_probs = false;
+  std::vector<float> probs;  // [A], by_probs only
+};
+struct RoutedPlan {
+  Plan plan;
+  int64_t dropped = 0;
+};
+RoutedPlan make_plan(const std::vector<int64_t>& top_experts, int64_t num_tokens, int top_k, int num_experts,
+                     int alignment, const RoutingOptions& options);
+
 // SPEC 2, padded_gather: returns [P*H]; padding rows zero. weights (if not
 // null) has A entries, indexed by assignment id.
 std::vector<float> padded_gather(const std::vector<float>& x, int64_t hidden, const Plan& plan,
@@ -62,6 +87,14 @@ PadResult pad_to_alignment(const std::vector<float>& h, int64_t hidden, const st
 std::vector<float> unpad_from_alignment(const std::vector<float>& padded, int64_t hidden,
                                         const std::vector<int64_t>& permutation_map, int64_t original_size,
                                         const std::vector<float>* probs);
+
+// ops.hpp section 5, sort_chunks on received[N*H] with split_sizes[C] (chunk
+// c = r*E + e, E = C / num_ranks): output positions j hold chunk
+// sorted_index[j] (given) or (j % R)*E + j / R (expert-major); each group of R
+// consecutive positions padded to a multiple of alignment. The inverse is
+// unpad_from_alignment over the returned map.
+PadResult sort_chunks(const std::vector<float>& received, int64_t hidden, const std::vector<int64_t>& split_sizes,
+                      int num_ranks, int alignment, const std::vector<int64_t>* sorted_index);
 
 // Backward of unpad: grad_padded [P*H] (float, a move times probs) and
 // grad_probs [N] (double; zeros for rows no entry names).
@@ -92,6 +125,20 @@ struct AlignedBlocks {
 };
 AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int block_size, int num_experts,
                                    bool pad_sorted_ids);
+
+// Scales moved with the rows (ops.hpp section 4), on raw bytes: scale row r
+// of the output (row_bytes bytes) is source row sources[r] of `src`, or the
+// bytes of a scale 1 (`one`, one row's worth) where sources[r] < 0.
+std::vector<uint8_t> move_scale_rows(const std::vector<uint8_t>& src, int64_t row_bytes,
+                                     const std::vector<int64_t>& sources, const std::vector<uint8_t>& one);
+// One scale row of `cols` entries that decodes to 1: float32 1.0f, or the E8M0 byte 127.
+std::vector<uint8_t> scale_one_row(bool e8m0, int64_t cols);
+// The source row of each of the P padded rows of dispatch / padded_gather:
+// the token of the assignment stored there, -1 for padding rows.
+std::vector<int64_t> spread_sources(const Plan& plan);
+// The source row of each of the N output rows of unpad: the p with
+// permutation_map[p] == n, -1 for rows no entry names.
+std::vector<int64_t> unpad_sources(const std::vector<int64_t>& permutation_map, int64_t original_size);
 
 }  // namespace ref
 }  // namespace padmoe

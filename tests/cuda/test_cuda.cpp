@@ -649,6 +649,182 @@ TEST(CpuVsGpuEdge, ZeroPaddingOff) {
 // ---------------------------------------------------------------------------
 // 2. Determinism: every op twice on the GPU gives the same bytes.
 // ---------------------------------------------------------------------------
+// make_plan's PlanOptions on the GPU (local range, expert map, dropped invalid ids, capacity with both
+// drop policies): every field, the layouts and the dropped count bitwise equal to the CPU's and the
+// reference; checked and unchecked; the row ops on the dropped plan as the CPU's; and checked-mode
+// errors worded as the CPU's, nothing written.
+TEST(RoutingOptionsGpu, MatchesCpuAndReference) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t T;
+    int K, E, m, G, first;
+    bool map, drop_invalid;
+    int64_t C;
+    bool by_probs, ties;
+  };
+  const Case cases[] = {
+      {301, 3, 4, 4, 16, 5, false, false, -1, false, false},   // local range
+      {4096, 8, 32, 16, 256, 0, true, false, -1, false, false},  // expert map, many experts
+      {777, 2, 6, 1, 0, 0, false, true, -1, false, false},     // invalid ids dropped
+      {333, 2, 7, 8, 0, 0, false, false, 40, false, false},    // capacity, first C
+      {333, 2, 7, 1, 0, 0, false, false, 0, false, false},     // capacity 0
+      {16384, 8, 64, 1, 0, 0, false, false, 1536, true, false},  // capacity, largest probs (radix select)
+      {5000, 4, 8, 8, 0, 0, false, false, 1000, true, true},   // probs with ties
+      {4000, 4, 3, 4, 9, 0, true, true, 64, true, false},      // all together
+      {0, 2, 4, 4, 8, 2, false, false, 16, false, false},      // no tokens
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE("T=" + std::to_string(c.T) + " E=" + std::to_string(c.E) + " C=" + std::to_string(c.C) +
+                 " probs=" + std::to_string(c.by_probs));
+    const int64_t A = c.T * c.K;
+    const int G = c.G == 0 ? c.E : c.G;
+    Rng rng(static_cast<uint64_t>(c.T + c.E));
+    std::vector<int64_t> te(static_cast<size_t>(A));
+    for (auto& x : te) x = c.drop_invalid ? rng.below(G + 3) - 1 : rng.below(G);
+    ref::RoutingOptions r;
+    r.global_experts = c.G;
+    r.first_expert = c.first;
+    if (c.map) {
+      r.expert_map.assign(static_cast<size_t>(G), -1);
+      for (int e = 0; e < c.E; ++e) r.expert_map[static_cast<size_t>((e * 7 + 3) % G)] = e;
+    }
+    r.drop_invalid = c.drop_invalid;
+    r.expert_capacity = c.C;
+    r.by_probs = c.by_probs;
+    if (c.by_probs) {
+      r.probs.resize(static_cast<size_t>(A));
+      for (auto& p : r.probs) p = c.ties ? static_cast<float>(rng.below(5)) / 4.0f : static_cast<float>(rng.uniform(0, 1));
+    }
+    const Tensor hte = index_matrix(te, c.T, c.K, DType::kInt64);
+    const Tensor hmap = index_tensor(r.expert_map.empty() ? std::vector<int64_t>{0} : r.expert_map, DType::kInt32);
+    const Tensor hprobs = vec_from_float(r.probs.empty() ? std::vector<float>{0.0f} : r.probs, DType::kBFloat16);
+    auto options_on = [&](bool gpu, Tensor& map, Tensor& probs, Tensor& dropped) {
+      padmoe::PlanOptions o;
+      o.global_experts = c.G;
+      o.first_expert = c.first;
+      if (c.map) {
+        map = gpu ? to_gpu(hmap) : hmap;
+        o.expert_map = map;
+      }
+      o.drop_invalid = c.drop_invalid;
+      o.expert_capacity = c.C;
+      if (c.by_probs) {
+        o.drop_policy = padmoe::DropPolicy::kProbs;
+        probs = gpu ? to_gpu(hprobs) : hprobs;
+        o.probs = probs;
+      }
+      dropped = gpu ? gpu_poison_index(1) : poison_index(1);
+      o.dropped = dropped;
+      return o;
+    };
+    // the reference with the bf16-rounded probs the backends read
+    if (c.by_probs) {
+      for (auto& p : r.probs) p = num::round_to(DType::kBFloat16, p);
+    }
+    const ref::RoutedPlan want16 = ref::make_plan(te, c.T, c.K, c.E, c.m, r);
+    Tensor cm, cp, cd;
+    const padmoe::PlanOptions co = options_on(false, cm, cp, cd);
+    const padmoe::Plan cpu = padmoe::make_plan(hte, c.E, c.m, co);
+    ASSERT_EQ(index_to_vec(cpu.dest_rows), want16.plan.dest_rows);
+    EXPECT_EQ(index_to_vec(cd)[0], want16.dropped);
+    const Tensor dte = to_gpu(hte);
+    for (bool checked : {true, false}) {
+      SCOPED_TRACE(checked ? "checked" : "unchecked");
+      Tensor gm, gp, gd;
+      const padmoe::PlanOptions go = options_on(true, gm, gp, gd);
+      padmoe::Options o;
+      o.check_data = checked;
+      const int64_t R = cpu.capacity();
+      GpuPlan g = gpu_plan_buffers(c.T, c.K, c.E, c.m);
+      g.row_sources = gpu_poison_index(R);
+      g.view.row_sources = g.row_sources;
+      Tensor re = gpu_poison_index(R), be = gpu_poison_index((R + c.m - 1) / c.m), tot = gpu_poison_index(1);
+      padmoe::PlanLayouts l;
+      l.row_experts = re;
+      l.block_experts = be;
+      l.padded_total = tot;
+      padmoe::make_plan_out(dte, c.E, c.m, g.view, l, go, o);
+      expect_plan_equal(g.view, cpu, want16.plan, "plan with options");
+      EXPECT_EQ(index_to_vec(to_cpu(gd))[0], want16.dropped);
+      Tensor cre = poison_index(R), cbe = poison_index((R + c.m - 1) / c.m), ctot = poison_index(1);
+      padmoe::PlanLayouts cl;
+      cl.row_experts = cre;
+      cl.block_experts = cbe;
+      cl.padded_total = ctot;
+      padmoe::Plan cpu_out = padmoe::Plan::empty(c.T, c.K, c.E, c.m);
+      cpu_out.row_sources = poison_index(R);
+      padmoe::make_plan_out(hte, c.E, c.m, cpu_out.view(), cl, co);
+      EXPECT_TRUE(all_same(to_cpu(re), cre)) << "row_experts";
+      EXPECT_TRUE(all_same(to_cpu(be), cbe)) << "block_experts";
+      EXPECT_TRUE(all_same(to_cpu(tot), ctot)) << "padded_total";
+      // the row ops on the dropped plan
+      if (c.T > 0 && c.T <= 5000) {
+        const int64_t H = 72, P = want16.plan.padded_rows;
+        const std::vector<float> xf = random_values(c.T * H, DType::kBFloat16, rng);
+        const std::vector<float> wf = random_values(A, DType::kFloat32, rng, 0, 1);
+        const Tensor hx = rows_from_float(xf, DType::kBFloat16, c.T, H), hw = vec_from_float(wf, DType::kFloat32);
+        Tensor gy = gpu_poison_rows(DType::kBFloat16, P, H), cy = poison_rows(DType::kBFloat16, P, H);
+        padmoe::dispatch_out(to_gpu(hx), g.view, TensorView(to_gpu(hw)), gy, o);
+        padmoe::dispatch_out(hx, cpu.view(), TensorView(hw), cy);
+        EXPECT_TRUE(all_same(to_cpu(gy), cy)) << "dispatch";
+        const Tensor gout = padmoe::combine(gy, g.view, TensorView(to_gpu(hw)), o);
+        const Tensor cout = padmoe::combine(cy, cpu.view(), TensorView(hw));
+        EXPECT_TRUE(all_same(to_cpu(gout), cout)) << "combine";
+        const padmoe::RowGrads gg = padmoe::combine_backward(gout, gy, g.view, TensorView(to_gpu(hw)), o);
+        const padmoe::RowGrads cg = padmoe::combine_backward(cout, cy, cpu.view(), TensorView(hw));
+        // dot products: the backends sum in different orders (close, not bitwise); dropped: exactly 0
+        const std::vector<float> gw = vec_to_float(to_cpu(gg.grad_weights)), cw = vec_to_float(cg.grad_weights);
+        const std::vector<int64_t> dest = index_to_vec(cpu.dest_rows);
+        for (int64_t a = 0; a < A; ++a) {
+          if (dest[a] < 0) ASSERT_EQ(gw[a], 0.0f) << "dropped assignment " << a;
+          else ASSERT_NEAR(gw[a], cw[a], 1e-5 * (1.0 + std::fabs(cw[a]))) << "assignment " << a;
+        }
+        EXPECT_TRUE(all_same(to_cpu(gg.grad_rows), cg.grad_rows)) << "combine_backward grad_y";
+      }
+    }
+  }
+}
+
+std::string plan_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const padmoe::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(RoutingOptionsGpu, CheckedErrorsAsCpuNothingWritten) {
+  REQUIRE_GPU();
+  const int64_t T = 50;
+  const int K = 2, E = 4;
+  std::vector<int64_t> te(static_cast<size_t>(T * K));
+  Rng rng(3);
+  for (auto& x : te) x = rng.below(8);
+  te[37] = 8;  // outside [0, 8)
+  const Tensor hte = index_matrix(te, T, K, DType::kInt32);
+  const Tensor dte = to_gpu(hte);
+  const Tensor hmap = index_tensor({-1, 0, 1, 2, 3, 4, -1, -1}, DType::kInt32);  // entry 5 is bad
+  const Tensor dmap = to_gpu(hmap);
+  for (int which = 0; which < 2; ++which) {
+    padmoe::PlanOptions ho, go;
+    ho.global_experts = go.global_experts = 8;
+    if (which == 1) {
+      ho.expert_map = hmap;
+      go.expert_map = dmap;
+      ho.drop_invalid = go.drop_invalid = true;  // only the map is wrong
+    }
+    padmoe::Plan cpu = padmoe::Plan::empty(T, K, E, 4);
+    const std::string want = plan_error([&] { padmoe::make_plan_out(hte, E, 4, cpu.view(), {}, ho); });
+    GpuPlan g = gpu_plan_buffers(T, K, E, 4);
+    const std::string got = plan_error([&] { padmoe::make_plan_out(dte, E, 4, g.view, {}, go); });
+    EXPECT_EQ(got, want);
+    EXPECT_NE(want.find(which == 0 ? "expert id 8 at [18, 1]" : "plan_options.expert_map: entry 5 is 4"),
+              std::string::npos) << want;
+    EXPECT_TRUE(all_bytes_are(to_cpu(g.dest_rows), kIndexPoison)) << "written before the error";
+  }
+}
+
 TEST(Determinism, EveryOpTwiceBitwise) {
   REQUIRE_GPU();
   struct Case {
@@ -1177,5 +1353,340 @@ TEST(ZeroTail, DispatchOnGpuMatchesCpu) {
     EXPECT_TRUE(bytes_are(hy, P, cap, zero_tail ? 0x00 : kPoison)) << "zero_tail=" << zero_tail;
   }
 }
+}  // namespace
+}  // namespace pt
+
+// sort_chunks (ops.hpp section 5) on the GPU: bitwise equal to the CPU backend
+// (and the reference), checked-mode errors in the CPU's words with nothing
+// written, and an unchecked _out captured in a CUDA graph.
+namespace pt {
+namespace {
+
+std::string sort_chunks_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const padmoe::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+std::vector<int64_t> sort_chunks_sizes(int64_t C, int m, Rng& rng) {
+  std::vector<int64_t> s(static_cast<size_t>(C));
+  for (auto& n : s) n = rng.below(4) == 0 ? 0 : rng.below(3 * m + 7);
+  return s;
+}
+
+TEST(SortChunksGpu, MatchesCpuBitwise) {
+  REQUIRE_GPU();
+  struct Cfg {
+    int R, E, m;
+    DType dt, sdt;
+    bool sorted, two_d;
+  };
+  const std::vector<Cfg> cfgs = {
+      {8, 4, 16, DType::kBFloat16, DType::kInt32, false, true},  {8, 32, 128, DType::kBFloat16, DType::kInt64, false, false},
+      {1, 6, 4, DType::kFloat32, DType::kInt64, false, false},   {5, 1, 8, DType::kFloat16, DType::kInt32, false, true},
+      {4, 8, 1, DType::kFloat32, DType::kInt32, true, false},    {3, 5, 16, DType::kFloat8E4M3, DType::kInt64, true, true},
+      {64, 16, 16, DType::kBFloat16, DType::kInt32, false, true}, {2, 3, 4, DType::kFloat8E5M2, DType::kInt32, false, false},
+      {16, 70, 8, DType::kFloat32, DType::kInt64, true, false}};  // C = 1120 > the scan's 1024 threads
+  for (const Cfg& cf : cfgs) {
+    SCOPED_TRACE("R=" + std::to_string(cf.R) + " E=" + std::to_string(cf.E) + " m=" + std::to_string(cf.m) + " " +
+                 dname(cf.dt) + (cf.sorted ? " sorted" : ""));
+    Rng rng(static_cast<uint64_t>(cf.R * 1000 + cf.E * 10 + cf.m));
+    const int64_t C = static_cast<int64_t>(cf.R) * cf.E, H = cf.dt == DType::kFloat32 ? 66 : 256;
+    const std::vector<int64_t> sizes = sort_chunks_sizes(C, cf.m, rng);
+    const int64_t sum = std::accumulate(sizes.begin(), sizes.end(), int64_t{0}), N = sum + 3;
+    std::vector<int64_t> perm(static_cast<size_t>(C));
+    std::iota(perm.begin(), perm.end(), int64_t{0});
+    for (int64_t i = C - 1; i > 0; --i) std::swap(perm[static_cast<size_t>(i)], perm[static_cast<size_t>(rng.below(i + 1))]);
+    const std::vector<float> hf = random_values(N * H, cf.dt, rng);
+    const Tensor hh = rows_from_float(hf, cf.dt, N, H);
+    const Tensor hs = cf.two_d ? index_matrix(sizes, cf.R, cf.E, cf.sdt) : index_tensor(sizes, cf.sdt);
+    const Tensor hp = index_tensor(perm, DType::kInt64);
+    const Tensor dh = to_gpu(hh), ds = to_gpu(hs), dp = to_gpu(hp);
+    const std::optional<TensorView> hsi = cf.sorted ? std::optional<TensorView>(hp.view()) : std::nullopt;
+    const std::optional<TensorView> dsi = cf.sorted ? std::optional<TensorView>(dp.view()) : std::nullopt;
+
+    const ref::PadResult want = ref::sort_chunks(hf, H, sizes, cf.R, cf.m, cf.sorted ? &perm : nullptr);
+    const int64_t P = want.padded_rows, cap = padmoe::sort_chunks_capacity(N, C, cf.R, cf.m);
+    const padmoe::PadResult cpu = padmoe::sort_chunks(hh, hs, cf.R, cf.m, hsi);
+    ASSERT_EQ(cpu.padded.size(0), P);
+    EXPECT_TRUE(rows_bitwise(cpu.padded, want.padded, P));
+    for (bool checked : {true, false}) {
+      for (bool zero_tail : {false, true}) {
+        padmoe::Options o;
+        o.check_data = checked;
+        o.zero_tail = zero_tail;
+        Tensor gpad = gpu_poison_rows(cf.dt, cap, H), gmap = gpu_poison_index(cap), goff = gpu_poison_index(cf.E);
+        padmoe::sort_chunks_out(dh, ds, cf.R, cf.m, dsi, gpad, gmap, goff, o);
+        Tensor cpad = poison_rows(cf.dt, cap, H), cmap = poison_index(cap), coff = poison_index(cf.E);
+        padmoe::sort_chunks_out(hh, hs, cf.R, cf.m, hsi, cpad, cmap, coff, o);
+        const Tensor hpad = to_cpu(gpad);
+        EXPECT_TRUE(all_same(hpad, cpad)) << "padded, checked=" << checked << " zero_tail=" << zero_tail;
+        EXPECT_TRUE(all_same(to_cpu(gmap), cmap)) << "permutation_map";
+        EXPECT_TRUE(all_same(to_cpu(goff), coff)) << "inclusive_offsets";
+        EXPECT_TRUE(rows_bitwise(hpad, want.padded, P));
+        EXPECT_TRUE(bytes_are(hpad, P, cap, zero_tail ? 0x00 : kPoison)) << "rows past P";
+        EXPECT_EQ(index_to_vec(to_cpu(goff)), want.inclusive_offsets);
+      }
+    }
+    const padmoe::PadResult gpu = padmoe::sort_chunks(dh, ds, cf.R, cf.m, dsi);
+    EXPECT_TRUE(all_same(to_cpu(gpu.padded), cpu.padded)) << "allocating form";
+    EXPECT_TRUE(all_same(to_cpu(gpu.permutation_map), cpu.permutation_map));
+    // The way back on the GPU (unsort_chunks = unpad_from_alignment), with probs for 16/32-bit rows.
+    const Tensor cb = padmoe::unsort_chunks(cpu.padded, cpu.permutation_map, N);
+    EXPECT_TRUE(all_same(to_cpu(padmoe::unsort_chunks(gpu.padded, gpu.permutation_map, N)), cb)) << "unsort";
+    if (!padmoe::is_float8(cf.dt)) {
+      const Tensor pr = vec_from_float(random_values(N, DType::kFloat32, rng, 0.0, 1.0), DType::kFloat32);
+      const Tensor dpr = to_gpu(pr);
+      EXPECT_TRUE(all_same(to_cpu(padmoe::unsort_chunks(gpu.padded, gpu.permutation_map, N, dpr.view())),
+                           padmoe::unsort_chunks(cpu.padded, cpu.permutation_map, N, pr.view())))
+          << "unsort with probs";
+    }
+  }
+}
+
+TEST(SortChunksGpu, CheckedModeErrorsAsCpuNothingWritten) {
+  REQUIRE_GPU();
+  const int64_t N = 10, H = 8;
+  Rng rng(1);
+  const Tensor hh = rows_from_float(random_values(N * H, DType::kFloat32, rng), DType::kFloat32, N, H);
+  const Tensor dh = to_gpu(hh);
+  struct Case {
+    std::vector<int64_t> sizes;
+    std::vector<int64_t> perm;  // empty: none
+    int64_t rows;               // output rows
+  };
+  const std::vector<Case> cases = {
+      {{1, -1, 0, -2, 1, 1}, {}, 64},           // negative: first [0, 1]
+      {{1, 2, 11, 3, 1, 1}, {}, 64},            // entry past the rows
+      {{1, 2, 4, 3, 1, 1}, {}, 64},             // sum past the rows
+      {{1, 2, 0, 3, 1, 1}, {0, 1, 9, 3, -1, 5}, 64},  // sorted_index out of range
+      {{1, 2, 0, 3, 1, 1}, {0, 4, 2, 4, 1, 2}, 64},   // repeated chunks 2 and 4
+      {{1, 2, 0, 3, 1, 1}, {}, 11},             // P = 12 > 11 rows
+      {{-1, 20, 0, 3, 1, 1}, {0, 0, 0, 0, 0, 0}, 64},  // several: the lowest code first
+  };
+  for (const Case& k : cases) {
+    for (DType sdt : {DType::kInt32, DType::kInt64}) {
+      const Tensor hs = index_matrix(k.sizes, 2, 3, sdt), ds = to_gpu(hs);
+      const Tensor hp = index_tensor(k.perm, DType::kInt32);
+      const Tensor dp = k.perm.empty() ? Tensor() : to_gpu(hp);
+      const std::optional<TensorView> hsi = k.perm.empty() ? std::nullopt : std::optional<TensorView>(hp.view());
+      const std::optional<TensorView> dsi = k.perm.empty() ? std::nullopt : std::optional<TensorView>(dp.view());
+      Tensor cpad = poison_rows(DType::kFloat32, k.rows, H), cmap = poison_index(k.rows), coff = poison_index(3);
+      Tensor gpad = gpu_poison_rows(DType::kFloat32, k.rows, H), gmap = gpu_poison_index(k.rows),
+             goff = gpu_poison_index(3);
+      const std::string cpu_msg =
+          sort_chunks_error([&] { padmoe::sort_chunks_out(hh, hs, 2, 4, hsi, cpad, cmap, coff); });
+      const std::string gpu_msg =
+          sort_chunks_error([&] { padmoe::sort_chunks_out(dh, ds, 2, 4, dsi, gpad, gmap, goff); });
+      EXPECT_NE(cpu_msg, "(no error)");
+      EXPECT_EQ(gpu_msg, cpu_msg);
+      EXPECT_TRUE(all_bytes_are(to_cpu(gpad), kPoison)) << gpu_msg;
+      EXPECT_TRUE(all_bytes_are(to_cpu(gmap), kIndexPoison)) << gpu_msg;
+      EXPECT_TRUE(all_bytes_are(to_cpu(goff), kIndexPoison)) << gpu_msg;
+      if (k.rows == 64) {  // the allocating form reads the sizes on the host: the same words
+        EXPECT_EQ(sort_chunks_error([&] { padmoe::sort_chunks(dh, ds, 2, 4, dsi); }), cpu_msg);
+      }
+    }
+  }
+}
+
+TEST(SortChunksGpu, UncheckedCapturedInCudaGraph) {
+  REQUIRE_GPU();
+  const int R = 8, E = 4, m = 16;
+  const int64_t C = R * E, N = 2048, H = 512;
+  const DType dt = DType::kBFloat16;
+  const int64_t cap = padmoe::sort_chunks_capacity(N, C, R, m);
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const size_t ws_bytes = padmoe::sort_chunks_workspace_bytes(C);
+  void* ws = nullptr;
+  CUDA_OK(cudaMalloc(&ws, ws_bytes));
+  const Tensor d_h = gpu_filled(dt, {N, H}, 0), d_s = gpu_filled(DType::kInt32, {R, E}, 0);
+  const Tensor d_pad = gpu_poison_rows(dt, cap, H), d_map = gpu_poison_index(cap), d_off = gpu_poison_index(E);
+  padmoe::Options o;
+  o.stream = stream;
+  o.check_data = false;
+  o.workspace = ws;
+  o.workspace_bytes = ws_bytes;
+  CUDA_OK(cudaDeviceSynchronize());
+  cudaGraph_t graph = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  std::string error;
+  try {
+    padmoe::sort_chunks_out(d_h, d_s, R, m, std::nullopt, d_pad, d_map, d_off, o);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  ASSERT_EQ(error, "") << "sort_chunks_out failed during capture (a host synchronization?)";
+  ASSERT_EQ(end, cudaSuccess) << cudaGetErrorString(end);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    Rng rng(77 + round);
+    std::vector<int64_t> sizes(static_cast<size_t>(C));
+    for (auto& n : sizes) n = rng.below(N / C + 20);
+    if (round == 2) std::fill(sizes.begin(), sizes.end(), 0);
+    const int64_t sum = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+    ASSERT_LE(sum, N);
+    const std::vector<int32_t> s32(sizes.begin(), sizes.end());
+    const std::vector<float> hf = random_values(N * H, dt, rng);
+    const Tensor hh = rows_from_float(hf, dt, N, H);
+    CUDA_OK(cudaMemcpyAsync(d_s.data(), s32.data(), s32.size() * 4, cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaMemcpyAsync(d_h.data(), hh.data(), nbytes(hh), cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const ref::PadResult want = ref::sort_chunks(hf, H, sizes, R, m, nullptr);
+    const Tensor gpad = to_cpu(d_pad);
+    EXPECT_TRUE(rows_bitwise(gpad, want.padded, want.padded_rows));
+    std::vector<int64_t> map = want.permutation_map;
+    map.resize(static_cast<size_t>(cap), -1);
+    EXPECT_EQ(index_to_vec(to_cpu(d_map)), map);
+    EXPECT_EQ(index_to_vec(to_cpu(d_off)), want.inclusive_offsets);
+    if (round == 0) EXPECT_TRUE(bytes_are(gpad, want.padded_rows, cap, kPoison)) << "wrote past P";
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaFree(ws));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+}  // namespace
+}  // namespace pt
+
+// Rows moved with their scales (ops.hpp section 4) on the GPU: every `_scaled` op, every scale layout,
+// float8 e4m3 / e5m2 and bf16 rows, bitwise equal to the CPU backend (rows and scale rows, including the
+// poison past P), under zero_padding / zero_tail / unchecked mode; shape errors leave the outputs unwritten.
+namespace pt {
+namespace {
+
+enum class Fp8Layout { kPerRow1D, kPerRow2D, kBlock128, kMx };
+
+int64_t fp8_cols(Fp8Layout l, int64_t H) {
+  return l == Fp8Layout::kBlock128 ? (H + 127) / 128 : l == Fp8Layout::kMx ? (H + 31) / 32 : 1;
+}
+Tensor fp8_poison_scales(Fp8Layout l, int64_t rows, int64_t H) {
+  if (l == Fp8Layout::kPerRow1D) return filled(DType::kFloat32, {rows}, kPoison);
+  return filled(l == Fp8Layout::kMx ? DType::kUInt8 : DType::kFloat32, {rows, fp8_cols(l, H)}, kPoison);
+}
+Tensor fp8_random_scales(Fp8Layout l, int64_t rows, int64_t H, Rng& rng) {
+  Tensor t = fp8_poison_scales(l, rows, H);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (l == Fp8Layout::kMx) t.data_as<uint8_t>()[i] = static_cast<uint8_t>(100 + rng.below(51));
+    else t.data_as<float>()[i] = static_cast<float>(rng.uniform(0.01, 4.0));
+  }
+  return t;
+}
+
+TEST(Fp8ScalesGpu, EveryScaledOpMatchesCpuBitwise) {
+  REQUIRE_GPU();
+  const Fp8Layout layouts[] = {Fp8Layout::kPerRow1D, Fp8Layout::kPerRow2D, Fp8Layout::kBlock128, Fp8Layout::kMx};
+  for (DType dt : {DType::kFloat8E4M3, DType::kFloat8E5M2, DType::kBFloat16}) {
+    for (Fp8Layout l : layouts) {
+      for (int64_t H : {int64_t{200}, int64_t{7168}, int64_t{0}}) {
+        SCOPED_TRACE(std::string(dname(dt)) + " layout " + std::to_string(static_cast<int>(l)) + " H=" +
+                     std::to_string(H));
+        const int64_t T = 333;
+        const int K = 4, E = 9, m = 32;
+        const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 71 + H);
+        const ref::Plan p = ref::make_plan(te, T, K, E, m);
+        const int64_t rows = p.capacity + 3;
+        Rng rng(5 + H);
+        const Tensor hx = rows_from_float(random_values(T * H, dt, rng, -300.0, 300.0), dt, T, H);
+        const Tensor hs = fp8_random_scales(l, T, H, rng);
+        const Tensor dx = to_gpu(hx), ds = to_gpu(hs);
+        const Tensor hte = index_matrix(te, T, K, DType::kInt32);
+        const padmoe::Plan cplan = padmoe::make_plan(hte, E, m);
+        GpuPlan gp = gpu_plan_buffers(T, K, E, m);
+        padmoe::make_plan_out(to_gpu(hte), E, m, gp.view);
+        const IndexInputs hi = index_inputs(p, DType::kInt64);
+        const Tensor di = to_gpu(hi.indices), db = to_gpu(hi.bin_ids), dbins = to_gpu(hi.bins),
+                     dpb = to_gpu(hi.padded_bins);
+        for (int variant = 0; variant < 4; ++variant) {
+          padmoe::Options o;
+          o.zero_padding = variant != 1;
+          o.zero_tail = variant == 2;
+          o.check_data = variant != 3;
+          SCOPED_TRACE("variant " + std::to_string(variant));
+          Tensor cy = poison_rows(dt, rows, H), cs = fp8_poison_scales(l, rows, H);
+          padmoe::dispatch_scaled_out(hx, cplan.view(), hs, cy, cs, o);
+          Tensor gy = gpu_poison_rows(dt, rows, H), gs = to_gpu(fp8_poison_scales(l, rows, H));
+          padmoe::dispatch_scaled_out(dx, gp.view, ds, gy, gs, o);
+          EXPECT_TRUE(all_same(to_cpu(gy), cy)) << "dispatch rows";
+          EXPECT_TRUE(all_same(to_cpu(gs), cs)) << "dispatch scales";
+          Tensor ggy = gpu_poison_rows(dt, rows, H), ggs = to_gpu(fp8_poison_scales(l, rows, H));
+          padmoe::padded_gather_scaled_out(dx, di, db, dbins, dpb, K, ds, ggy, ggs, o);
+          EXPECT_TRUE(all_same(to_cpu(ggy), cy)) << "padded_gather rows";
+          EXPECT_TRUE(all_same(to_cpu(ggs), cs)) << "padded_gather scales";
+
+          // pad the expert-grouped rows, then unpad them (every other map entry dropped: unnamed rows)
+          std::vector<float> hf;
+          const std::vector<float> xf = rows_to_float(hx);
+          Tensor grouped_s = fp8_poison_scales(l, T * K, H);
+          const int64_t srow = static_cast<int64_t>(grouped_s.numel() / std::max<int64_t>(T * K, 1)) * esize(grouped_s.dtype());
+          for (int64_t i = 0; i < T * K; ++i) {
+            const int64_t t = p.indices[static_cast<size_t>(i)] / K;
+            hf.insert(hf.end(), xf.begin() + t * H, xf.begin() + (t + 1) * H);
+            std::memcpy(static_cast<char*>(grouped_s.data()) + i * srow, static_cast<const char*>(hs.data()) + t * srow,
+                        static_cast<size_t>(srow));
+          }
+          const Tensor hh = rows_from_float(hf, dt, T * K, H);
+          const Tensor tpe = index_tensor(p.tokens_per_expert, DType::kInt32);
+          const int64_t prow = p.padded_rows + 5;
+          Tensor cp = poison_rows(dt, prow, H), cps = fp8_poison_scales(l, prow, H), cm = poison_index(prow),
+                 co = poison_index(E);
+          padmoe::pad_to_alignment_scaled_out(hh, tpe, m, grouped_s, cp, cps, cm, co, o);
+          Tensor gpd = gpu_poison_rows(dt, prow, H), gps = to_gpu(fp8_poison_scales(l, prow, H)),
+                 gm = gpu_poison_index(prow), go = gpu_poison_index(E);
+          padmoe::pad_to_alignment_scaled_out(to_gpu(hh), to_gpu(tpe), m, to_gpu(grouped_s), gpd, gps, gm, go, o);
+          EXPECT_TRUE(all_same(to_cpu(gpd), cp)) << "pad rows";
+          EXPECT_TRUE(all_same(to_cpu(gps), cps)) << "pad scales";
+          EXPECT_TRUE(all_same(to_cpu(gm), cm)) << "pad map";
+          std::vector<int64_t> map = index_to_vec(cm);
+          for (size_t i = 0; i < map.size(); i += 2) map[i] = -1;
+          const Tensor hmap = index_tensor(map, DType::kInt32);
+          const Tensor src_rows = rows_from_float(random_values(prow * H, dt, rng), dt, prow, H);
+          const Tensor src_scales = fp8_random_scales(l, prow, H, rng);
+          Tensor cu = poison_rows(dt, T * K, H), cus = fp8_poison_scales(l, T * K, H);
+          padmoe::unpad_from_alignment_scaled_out(src_rows, hmap, src_scales, cu, cus, o);
+          Tensor gu = gpu_poison_rows(dt, T * K, H), gus = to_gpu(fp8_poison_scales(l, T * K, H));
+          padmoe::unpad_from_alignment_scaled_out(to_gpu(src_rows), to_gpu(hmap), to_gpu(src_scales), gu, gus, o);
+          EXPECT_TRUE(all_same(to_cpu(gu), cu)) << "unpad rows";
+          EXPECT_TRUE(all_same(to_cpu(gus), cus)) << "unpad scales";
+        }
+        // allocating forms (P rows)
+        const padmoe::ScaledRows c = padmoe::dispatch_scaled(hx, cplan.view(), hs);
+        const padmoe::ScaledRows g = padmoe::dispatch_scaled(dx, gp.view, ds);
+        EXPECT_TRUE(all_same(to_cpu(g.rows), c.rows));
+        EXPECT_TRUE(all_same(to_cpu(g.scales), c.scales));
+      }
+    }
+  }
+}
+
+TEST(Fp8ScalesGpu, ShapeErrorsWriteNothing) {
+  REQUIRE_GPU();
+  const int64_t T = 40, H = 200;
+  const int K = 2, E = 4, m = 8;
+  const std::vector<int64_t> te = make_routing(T, K, E, Dist::kUniform, 81);
+  const ref::Plan p = ref::make_plan(te, T, K, E, m);
+  const padmoe::Plan gplan = padmoe::make_plan(to_gpu(index_matrix(te, T, K, DType::kInt32)), E, m);
+  const Tensor dx = gpu_poison_rows(DType::kFloat8E4M3, T, H);
+  Tensor gy = gpu_poison_rows(DType::kFloat8E4M3, p.capacity, H);
+  Tensor gs = to_gpu(fp8_poison_scales(Fp8Layout::kMx, p.capacity, H));
+  const Tensor bad_cols = to_gpu(fp8_poison_scales(Fp8Layout::kMx, T, 100));  // ceil(100/32) = 4 columns, H needs 7
+  EXPECT_TRUE(throws_error([&] { padmoe::dispatch_scaled_out(dx, gplan.view(), bad_cols, gy, gs); },
+                           {"dispatch", "x_scales", "ceil(H/32)"}));
+  const Tensor host_scales = fp8_poison_scales(Fp8Layout::kMx, T, H);  // on the CPU
+  EXPECT_TRUE(throws_error([&] { padmoe::dispatch_scaled_out(dx, gplan.view(), host_scales, gy, gs); },
+                           {"dispatch", "x_scales", "cuda:0"}));
+  EXPECT_TRUE(all_bytes_are(to_cpu(gy), kPoison));
+  EXPECT_TRUE(bytes_are(to_cpu(gs), 0, p.capacity, kPoison));
+}
+
 }  // namespace
 }  // namespace pt

@@ -1,0 +1,242 @@
+// chunks.cu — sort_chunks on the GPU: the chunk layout (one block scanning
+// the R*E split sizes on the device), its checked-mode validation and the
+// row map. The rows themselves move with gather_rows (rows.cu), over the map,
+// so the whole op is three small launches plus one row pass, with no host
+// synchronization unless checked mode reports.
+//
+// Workspace layout (chunk_workspace_bytes(C)): a 64-byte header
+//   [Key key | int64 real total | int64 P | ...]
+// then int64 arrays src_excl[C] (by source chunk), pos_src[C], pos_size[C],
+// pos_row[C] (by output position), group_incl[C], group_real[C] (by group;
+// E <= C entries used) and int32 seen[C] (validation).
+#include <cub/block/block_scan.cuh>
+
+#include "cuda/common.cuh"
+
+namespace padmoe {
+namespace cuda {
+namespace {
+
+using Key = unsigned long long;
+constexpr int kPosBits = 40;
+constexpr Key kNone = ~Key{0};
+constexpr int kScanThreads = 1024;
+
+struct Layout {
+  Key* key;
+  int64_t* real_total;
+  int64_t* padded_total;
+  int64_t* src_excl;
+  int64_t* pos_src;
+  int64_t* pos_size;
+  int64_t* pos_row;
+  int64_t* group_incl;
+  int64_t* group_real;
+  int* seen;
+};
+
+__host__ __device__ Layout layout_of(void* workspace, int64_t c) {
+  char* base = static_cast<char*>(workspace);
+  Layout l;
+  l.key = reinterpret_cast<Key*>(base);
+  l.real_total = reinterpret_cast<int64_t*>(base + 8);
+  l.padded_total = reinterpret_cast<int64_t*>(base + 16);
+  int64_t* arrays = reinterpret_cast<int64_t*>(base + 64);
+  l.src_excl = arrays;
+  l.pos_src = arrays + c;
+  l.pos_size = arrays + 2 * c;
+  l.pos_row = arrays + 3 * c;
+  l.group_incl = arrays + 4 * c;
+  l.group_real = arrays + 5 * c;
+  l.seen = reinterpret_cast<int*>(arrays + 6 * c);
+  return l;
+}
+
+// The source chunk at output position j (-1: an out-of-range sorted_index entry).
+__device__ __forceinline__ int64_t source_chunk(const IndexRef& sorted, int64_t j, int64_t c, int64_t ranks,
+                                               int64_t groups) {
+  if (sorted.data == nullptr) return (j % ranks) * groups + j / ranks;
+  const int64_t s = load_index(sorted, j);
+  return s >= 0 && s < c ? s : -1;
+}
+
+__device__ __forceinline__ int64_t clamped_size(const IndexRef& sizes, int64_t i, int64_t rows) {
+  const int64_t n = load_index(sizes, i);
+  return n < 0 ? 0 : (n > rows ? rows + 1 : n);
+}
+
+// One block, each thread over a contiguous range of chunks / positions / groups:
+// (1) exclusive scan of the sizes in source order; (2) in output order, with
+// each position's source start and size; (3) over groups, padded; (4) each
+// position's first padded row.
+__global__ void __launch_bounds__(kScanThreads)
+    layout_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int64_t ranks, int64_t alignment, int64_t rows,
+                  Layout l) {
+  using Scan = cub::BlockScan<long long, kScanThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  const int64_t groups = c / ranks;
+  const int64_t per = (c + kScanThreads - 1) / kScanThreads;
+  const int64_t i0 = min(c, static_cast<int64_t>(threadIdx.x) * per), i1 = min(c, i0 + per);
+
+  long long mine = 0, run = 0, total = 0;
+  for (int64_t i = i0; i < i1; ++i) mine += clamped_size(sizes, i, rows);
+  Scan(storage).ExclusiveSum(mine, run, total);
+  for (int64_t i = i0; i < i1; ++i) {
+    l.src_excl[i] = run;
+    run += clamped_size(sizes, i, rows);
+  }
+  if (threadIdx.x == 0) *l.real_total = total;
+  __syncthreads();
+
+  mine = 0;
+  for (int64_t j = i0; j < i1; ++j) {
+    const int64_t s = source_chunk(sorted, j, c, ranks, groups);
+    const int64_t n = s < 0 ? 0 : clamped_size(sizes, s, rows);
+    l.pos_src[j] = s < 0 ? 0 : l.src_excl[s];
+    l.pos_size[j] = n;
+    mine += n;
+  }
+  Scan(storage).ExclusiveSum(mine, run);
+  for (int64_t j = i0; j < i1; ++j) {
+    l.pos_row[j] = run;  // exclusive real offset for now
+    run += l.pos_size[j];
+  }
+  __syncthreads();
+
+  const int64_t gper = (groups + kScanThreads - 1) / kScanThreads;
+  const int64_t g0 = min(groups, static_cast<int64_t>(threadIdx.x) * gper), g1 = min(groups, g0 + gper);
+  mine = 0;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t last = (g + 1) * ranks - 1;
+    mine += index::round_up(l.pos_row[last] + l.pos_size[last] - l.pos_row[g * ranks], alignment);
+  }
+  long long padded = 0;
+  Scan(storage).ExclusiveSum(mine, padded, total);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t last = (g + 1) * ranks - 1;
+    const int64_t real_start = l.pos_row[g * ranks];
+    padded += index::round_up(l.pos_row[last] + l.pos_size[last] - real_start, alignment);
+    l.group_incl[g] = padded;
+    l.group_real[g] = real_start;
+  }
+  if (threadIdx.x == 0) *l.padded_total = total;
+  __syncthreads();
+
+  for (int64_t j = i0; j < i1; ++j) {
+    const int64_t g = j / ranks;
+    const int64_t pstart = g == 0 ? 0 : l.group_incl[g - 1];
+    l.pos_row[j] = pstart + l.pos_row[j] - l.group_real[g];
+  }
+}
+
+__device__ __forceinline__ void report(Key* key, int code, int64_t pos) {
+  atomicMin(key, (static_cast<Key>(code) << kPosBits) | static_cast<Key>(pos));
+}
+
+__global__ void validate_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int64_t rows, Layout l) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < c;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = load_index(sizes, i);
+    if (n < 0) report(l.key, kChunkCountNegative, i);
+    else if (n > rows) report(l.key, kChunkCountTooLarge, i);
+    if (sorted.data != nullptr) {
+      const int64_t s = load_index(sorted, i);
+      if (s < 0 || s >= c) report(l.key, kChunkIndexOutOfRange, i);
+      else if (atomicExch(l.seen + s, 1) != 0) report(l.key, kChunkIndexRepeated, s);
+    }
+  }
+}
+
+// map[p]: the last position whose first row is <= p holds p when p is inside
+// its size, else p is padding; -1 at or past P. Also inclusive_offsets.
+__global__ void map_kernel(Layout l, int64_t c, int64_t groups, int64_t rows, int64_t map_len, int32_t* map,
+                           int32_t* inclusive_offsets) {
+  const int64_t padded = *l.padded_total;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < map_len || p < groups;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (p < groups) inclusive_offsets[p] = static_cast<int32_t>(l.group_incl[p]);
+    if (p >= map_len) continue;
+    int32_t v = -1;
+    if (p < padded) {
+      int64_t lo = 0, hi = c;  // first position with pos_row > p
+      while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (l.pos_row[mid] > p) hi = mid; else lo = mid + 1;
+      }
+      if (lo > 0) {
+        const int64_t j = lo - 1, local = p - l.pos_row[j];
+        const int64_t src = l.pos_src[j] + local;
+        if (local < l.pos_size[j] && src < rows) v = static_cast<int32_t>(src);
+      }
+    }
+    map[p] = v;
+  }
+}
+
+int64_t read_index(IndexRef r, int64_t i, cudaStream_t s) {
+  int64_t v = 0;
+  int32_t n = 0;
+  if (r.wide) PADMOE_CUDA_CHECK(cudaMemcpyAsync(&v, static_cast<const int64_t*>(r.data) + i, 8, cudaMemcpyDeviceToHost, s));
+  else PADMOE_CUDA_CHECK(cudaMemcpyAsync(&n, static_cast<const int32_t*>(r.data) + i, 4, cudaMemcpyDeviceToHost, s));
+  PADMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  return r.wide ? v : n;
+}
+
+}  // namespace
+
+void chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks, int alignment,
+                  int64_t rows, void* workspace, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  const Layout l = layout_of(workspace, num_chunks);
+  if (num_chunks == 0) {  // no chunks: P = 0
+    PADMOE_CUDA_CHECK(cudaMemsetAsync(workspace, 0, 64, s));
+    return;
+  }
+  layout_kernel<<<1, kScanThreads, 0, s>>>(split_sizes, sorted_index, num_chunks, num_ranks, alignment, rows, l);
+  PADMOE_CUDA_LAUNCH_CHECK("chunk layout_kernel");
+}
+
+Violation validate_chunks(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int64_t rows,
+                          int64_t output_rows, void* workspace, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  const Layout l = layout_of(workspace, num_chunks);
+  PADMOE_CUDA_CHECK(cudaMemsetAsync(l.key, 0xff, sizeof(Key), s));
+  if (num_chunks > 0) {
+    PADMOE_CUDA_CHECK(cudaMemsetAsync(l.seen, 0, static_cast<size_t>(num_chunks) * 4, s));
+    validate_kernel<<<grid_for(num_chunks, 256, 1024), 256, 0, s>>>(split_sizes, sorted_index, num_chunks, rows, l);
+    PADMOE_CUDA_LAUNCH_CHECK("chunk validate_kernel");
+  }
+  int64_t header[3] = {0, 0, 0};
+  PADMOE_CUDA_CHECK(cudaMemcpyAsync(header, workspace, sizeof(header), cudaMemcpyDeviceToHost, s));
+  PADMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  Key key = static_cast<Key>(header[0]);
+  Violation v;
+  if (key != kNone) {
+    v.code = static_cast<int>(key >> kPosBits);
+    v.pos = static_cast<int64_t>(key & ((Key{1} << kPosBits) - 1));
+    if (v.code == kChunkCountNegative || v.code == kChunkCountTooLarge) v.v1 = read_index(split_sizes, v.pos, s);
+    if (v.code == kChunkCountTooLarge) v.v2 = rows;
+    if (v.code == kChunkIndexOutOfRange) v.v1 = read_index(sorted_index, v.pos, s);
+    if (v.code == kChunkIndexRepeated) v.v1 = v.pos;
+    return v;
+  }
+  const int64_t real = header[1], padded = header[2];
+  if (real > rows) return Violation{kChunkCountTotal, 0, real, rows};
+  if (padded > 2147483647LL) return Violation{kChunkOverflow, 0, padded, 0};
+  if (output_rows >= 0 && padded > output_rows) return Violation{kChunkCapacity, 0, padded, output_rows};
+  return v;
+}
+
+void chunk_map(const void* workspace, int64_t num_chunks, int num_ranks, int64_t rows, int64_t map_len, int32_t* map,
+               int32_t* inclusive_offsets, void* stream) {
+  const int64_t groups = num_ranks > 0 ? num_chunks / num_ranks : 0;
+  const int64_t work = map_len > groups ? map_len : groups;
+  if (work == 0) return;
+  const Layout l = layout_of(const_cast<void*>(workspace), num_chunks);
+  map_kernel<<<grid_for(work, 256, 4096), 256, 0, as_stream(stream)>>>(l, num_chunks, groups, rows, map_len, map,
+                                                                       inclusive_offsets);
+  PADMOE_CUDA_LAUNCH_CHECK("chunk map_kernel");
+}
+
+}  // namespace cuda
+}  // namespace padmoe
