@@ -13,13 +13,13 @@ namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
 
+}  // namespace
+
 std::string shape_str(const TensorView& t) {
   std::string s = "[";
   for (int d = 0; d < t.ndim; ++d) s += (d ? ", " : "") + str(t.shape[d]);
   return s + "]";
 }
-
-}  // namespace
 
 void Checker::fail(ErrorKind kind, const std::string& arg, const std::string& what) const {
   throw Error(kind, std::string(op_) + ": " + arg + ": " + what);

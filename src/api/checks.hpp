@@ -32,6 +32,9 @@ struct IndexReader {
   }
 };
 
+// "[d0, d1, ...]" of a view's shape, for messages.
+std::string shape_str(const TensorView& t);
+
 class Checker {
  public:
   explicit Checker(const char* op) : op_(op) {}

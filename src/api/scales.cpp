@@ -3,19 +3,14 @@
 
 #include <string>
 
+#include "padmoe/index_math.hpp"
+
 namespace padmoe {
 namespace detail {
 namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-std::string shape_str(const TensorView& t) {
-  std::string s = "[";
-  for (int d = 0; d < t.ndim; ++d) s += (d ? ", " : "") + str(t.shape[d]);
-  return s + "]";
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 constexpr uint32_t kFloatOne = 0x3f800000u;  // float32 1.0f
 constexpr uint32_t kE8M0One = 127u;          // E8M0: 2^(127 - 127)
@@ -36,7 +31,7 @@ ScaleSpec infer(const Checker& c, const TensorView& s, const char* name, int64_t
   ScaleSpec spec;
   spec.dtype = s.dtype;
   if (s.dtype == DType::kUInt8) {
-    const int64_t want = ceil_div(hidden, 32);
+    const int64_t want = index::ceil_div(hidden, 32);
     if (s.ndim != 2 || s.shape[1] != want) {
       c.value_error(name, "uint8 (E8M0) scales must be [rows, ceil(H/32)] = [rows, " + str(want) + "] for H = " +
                               str(hidden) + ", got shape " + shape_str(s));
@@ -45,7 +40,7 @@ ScaleSpec infer(const Checker& c, const TensorView& s, const char* name, int64_t
     spec.cols = want;
     return spec;
   }
-  const int64_t blocks = ceil_div(hidden, 128);
+  const int64_t blocks = index::ceil_div(hidden, 128);
   if (s.ndim == 1 || s.shape[1] == 1) {
     spec.layout = ScaleLayout::kPerRow;
     spec.cols = 1;
@@ -134,8 +129,8 @@ ScaleLayout scale_layout(const TensorView& scales, int64_t hidden, const char* n
 int64_t scale_columns(ScaleLayout layout, int64_t hidden) {
   switch (layout) {
     case ScaleLayout::kPerRow: return 1;
-    case ScaleLayout::kBlock128: return detail::ceil_div(hidden, 128);
-    case ScaleLayout::kMxE8M0: return detail::ceil_div(hidden, 32);
+    case ScaleLayout::kBlock128: return index::ceil_div(hidden, 128);
+    case ScaleLayout::kMxE8M0: return index::ceil_div(hidden, 32);
   }
   return 1;
 }

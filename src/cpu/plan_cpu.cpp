@@ -20,6 +20,32 @@
 namespace padmoe {
 namespace cpu {
 
+namespace {
+
+// Worker w's share of the entries no kept assignment fills: sorted positions [kept, A) get -1,
+// row_sources / row_experts at or past P the padding source / -1, blocks at or past P / m -1.
+void fill_plan_tails(int w, int workers, int64_t kept, int64_t a_count, int32_t* indices, int32_t* bin_ids,
+                     int64_t padded_total, int64_t row_capacity, int32_t* row_sources, int32_t padding_source,
+                     int32_t* row_experts, int32_t* block_experts, int64_t blocks, int alignment) {
+  const index::Range pr = index::work_range(w, workers, a_count - kept);
+  for (int64_t i = kept + pr.begin; i < kept + pr.end; ++i) {
+    indices[i] = -1;
+    bin_ids[i] = -1;
+  }
+  const index::Range tail = index::work_range(w, workers, row_capacity - padded_total);
+  for (int64_t p = padded_total + tail.begin; p < padded_total + tail.end; ++p) {
+    row_sources[p] = padding_source;
+    if (row_experts != nullptr) row_experts[p] = -1;
+  }
+  if (block_experts != nullptr) {
+    const int64_t first = padded_total / alignment;
+    const index::Range bt = index::work_range(w, workers, blocks - first);
+    for (int64_t b = first + bt.begin; b < first + bt.end; ++b) block_experts[b] = -1;
+  }
+}
+
+}  // namespace
+
 void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k, int num_experts, int alignment,
                const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
                const index::ExpertRemap& remap, int threads) {
@@ -103,21 +129,8 @@ void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k
         }
       }
     }
-    const index::Range dropped = index::work_range(w, workers, a_count - real_total);  // positions no kept id fills
-    for (int64_t i = real_total + dropped.begin; i < real_total + dropped.end; ++i) {
-      indices[i] = -1;
-      bin_ids[i] = -1;
-    }
-    const index::Range tail = index::work_range(w, workers, row_capacity - padded_total);
-    for (int64_t p = padded_total + tail.begin; p < padded_total + tail.end; ++p) {
-      row_sources[p] = padding_source;
-      if (row_experts != nullptr) row_experts[p] = -1;
-    }
-    if (block_experts != nullptr) {
-      const int64_t first = padded_total / alignment;
-      const index::Range bt = index::work_range(w, workers, blocks - first);
-      for (int64_t b = first + bt.begin; b < first + bt.end; ++b) block_experts[b] = -1;
-    }
+    fill_plan_tails(w, workers, real_total, a_count, indices, bin_ids, padded_total, row_capacity, row_sources,
+                    padding_source, row_experts, block_experts, blocks, alignment);
   });
 }
 
@@ -231,21 +244,8 @@ void apply_capacity(const PlanView& full, Scale probs, int64_t capacity, bool by
     for (int64_t a = ar.begin; a < ar.end; ++a) {
       if (f_dest[a] < 0) dest_rows[a] = -1;  // dropped before the capacity (not a local expert's)
     }
-    const index::Range pr = index::work_range(w, workers, a_count - kept_total);
-    for (int64_t i = kept_total + pr.begin; i < kept_total + pr.end; ++i) {
-      indices[i] = -1;
-      bin_ids[i] = -1;
-    }
-    const index::Range tail = index::work_range(w, workers, row_capacity - padded_total);
-    for (int64_t p = padded_total + tail.begin; p < padded_total + tail.end; ++p) {
-      row_sources[p] = padding_source;
-      if (row_experts != nullptr) row_experts[p] = -1;
-    }
-    if (block_experts != nullptr) {
-      const int64_t first = padded_total / alignment;
-      const index::Range bt = index::work_range(w, workers, blocks - first);
-      for (int64_t b = first + bt.begin; b < first + bt.end; ++b) block_experts[b] = -1;
-    }
+    fill_plan_tails(w, workers, kept_total, a_count, indices, bin_ids, padded_total, row_capacity, row_sources,
+                    padding_source, row_experts, block_experts, blocks, alignment);
   });
 }
 

@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
 // C-th largest key, ties to the lower assignment id. Every block also shares
 // the grid-wide fills (dropped assignments of other experts, positions past
 // the kept total, rows and blocks past P = E * C).
-constexpr int kCapThreads = 256;
+constexpr int kCapThreads = 1024;  // one block per expert: the whole block walks its segment
 
 __device__ __forceinline__ uint32_t order_key(float f) {  // larger float, larger key (IEEE totalOrder)
   const uint32_t u = __float_as_uint(f);
