@@ -26,6 +26,8 @@ need=()
 "$py" -c "import nanobind" 2>/dev/null || need+=("nanobind>=2.0")
 if [ "${PADMOE_PY_TORCH:-1}" = "1" ]; then
   "$py" -c "import torch" 2>/dev/null || need+=(torch)
+  # python/tests/test_transformers.py (padmoe.integrations.transformers; tiny random configs, no downloads)
+  "$py" -c "import transformers" 2>/dev/null || need+=("transformers>=5")
 fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "padmoe: pip installing ${need[*]} into $venv" >&2

@@ -446,6 +446,7 @@ struct Data {
   Tensor out_row_experts_R, out_block_experts, out_total_1;  // make_plan's layouts: [R], [ceil(R/m)], [1]
   Tensor out_sorted_V, out_block_ids_V, out_post_1;          // moe_align_block_size: [V], [ceil(V/m)], [1]
   Tensor out_rows8_R, out_scales_R;  // [R, H] e4m3 and [R, ceil(H/128)] float32: dispatch(fp8+scales)
+  Tensor out_e8m0_R;                 // [R, ceil(H/32)] uint8 E8M0: dispatch(quant-mxfp8)
   // make_plan with PlanOptions: rank 1's local experts of ep_ranks ([E/ep_ranks] plan), and an expert
   // capacity C = round_down(A / E, m) (capacity factor 1) with the probs drop policy (E*C <= R rows).
   Plan plan_ep;
@@ -522,7 +523,7 @@ std::vector<Tensor*> output_tensors(Data& d) {
           &p.padded_bins, &p.dest_rows,    &p.row_sources,       &d.out_rows_R, &d.out_rows_R2,
           &d.out_rows_T, &d.out_rows_N,   &d.out_rows_P,        &d.out_f32_A,  &d.out_f32_N,
           &d.out_map_R,  &d.out_offsets_E, &d.out_row_experts_R, &d.out_block_experts, &d.out_total_1,
-          &d.out_sorted_V, &d.out_block_ids_V, &d.out_post_1, &d.out_rows8_R, &d.out_scales_R,
+          &d.out_sorted_V, &d.out_block_ids_V, &d.out_post_1, &d.out_rows8_R, &d.out_scales_R, &d.out_e8m0_R,
           &d.plan_ep.indices, &d.plan_ep.bin_ids, &d.plan_ep.tokens_per_expert, &d.plan_ep.bins,
           &d.plan_ep.padded_tokens_per_expert, &d.plan_ep.padded_bins, &d.plan_ep.dest_rows, &d.plan_ep.row_sources,
           &d.out_dropped_1};
@@ -649,6 +650,7 @@ Data build_data(const Workload& w, bool reference) {
   d.out_post_1 = Tensor::empty(DType::kInt32, {1}, dev);
   d.out_rows8_R = Tensor::empty(DType::kFloat8E4M3, {R, H}, dev);
   d.out_scales_R = Tensor::empty(DType::kFloat32, {R, blocks}, dev);
+  d.out_e8m0_R = Tensor::empty(DType::kUInt8, {R, (H + 31) / 32}, dev);
   d.plan_ep = Plan::empty(T, w.K, w.E / d.ep_ranks, w.m, dev);
   d.out_dropped_1 = Tensor::empty(DType::kInt32, {1}, dev);
   d.expert_capacity = A / w.E / w.m * w.m;
@@ -1132,6 +1134,34 @@ std::vector<OpCase> op_table() {
          s.untouched_rows = std::max<int64_t>(0, d.R - d.P);
          return std::vector<Expect>{rows_P(d, "y", d.out_rows8_R, gather_ref(d, d.x8_f, false)), std::move(s)};
        }});
+  // The fused quantizing dispatch (issue 11 item 2): x (the workload's dtype) quantized once per token to
+  // e4m3 with DeepSeek-V3 1x128 float32 scales or MXFP8 E8M0 scales, written to its K rows; codes and
+  // scales both checked bitwise against the reference quantizer (padding rows: zero codes, scale 1).
+  for (bool mx : {false, true}) {
+    ops.push_back(
+        {mx ? "dispatch(quant-mxfp8)" : "dispatch(quant-128)",
+         mx ? "T*H*s + P*H*1 + P*ceil(H/32)*1 (e4m3 codes, E8M0 scales written)"
+            : "T*H*s + P*H*1 + P*ceil(H/128)*4 (e4m3 codes, float32 scales written)",
+         [mx](const Dims& d) {
+           return d.T * d.H * d.s + d.P * d.H * 1.0 + d.P * (mx ? std::ceil(d.H / 32.0) : std::ceil(d.H / 128.0) * 4.0);
+         },
+         [mx](Data& d) {
+           dispatch_quantized_out(d.x, d.plan.view(), d.out_rows8_R, mx ? d.out_e8m0_R : d.out_scales_R, d.opt);
+         },
+         [=](Data& d) {
+           const ref::QuantRows q = ref::dispatch_quantized(
+               d.x_f, d.w.H, d.ref_plan, mx ? ref::QuantLayout::kMxE8M0 : ref::QuantLayout::kBlock128, false);
+           std::vector<float> codes(q.rows.size()), scales(static_cast<size_t>(d.P * q.cols));
+           for (size_t i = 0; i < codes.size(); ++i) codes[i] = ref::fp8_value(q.rows[i], false);
+           for (size_t i = 0; i < scales.size(); ++i) {
+             if (mx) scales[i] = static_cast<float>(q.scales[i]);
+             else std::memcpy(&scales[i], q.scales.data() + 4 * i, 4);
+           }
+           Expect s = expect_move("y_scales", mx ? d.out_e8m0_R : d.out_scales_R, d.P, q.cols, std::move(scales));
+           s.untouched_rows = std::max<int64_t>(0, d.R - d.P);
+           return std::vector<Expect>{rows_P(d, "y", d.out_rows8_R, std::move(codes)), std::move(s)};
+         }});
+  }
   ops.push_back({"combine(w)", kScatterRule, scatter_bytes,
                  [](Data& d) { combine_out(d.y, d.plan.view(), W(d.weights), d.out_rows_T, d.opt); },
                  [=](Data& d) { return std::vector<Expect>{scatter_expect(d, "out", d.out_rows_T, &d.y_f, true)}; }});

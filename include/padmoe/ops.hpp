@@ -443,6 +443,40 @@ ScaledRows dispatch_scaled(const TensorView& x, const PlanView& plan, const Tens
 void dispatch_scaled_out(const TensorView& x, const PlanView& plan, const TensorView& x_scales, const TensorView& y,
                          const TensorView& y_scales, const Options& options = {});
 
+// Fused quantizing dispatch (issue 11, item 2): x [T, H] float32 / float16 /
+// bfloat16 in, float8 rows (e4m3, or e5m2) plus scales out, in one read of
+// each token row: the row is quantized once (per block: amax -> scale ->
+// codes) and its codes and scale row are written to each of its K
+// destination rows. The layout is y_scales' (inferred as above, rows = y's
+// rows): float32 [rows, ceil(H/128)] DeepSeek-V3 1x128 blockwise, uint8
+// [rows, ceil(H/32)] MXFP8 E8M0 (OCP MX v1.0), float32 [rows] / [rows, 1]
+// per row. The quantizers (docs/design.md, "Fused quantizing dispatch"):
+//   blockwise / per row: scale = amax / fp8_max (float32 division; 448 for
+//     e4m3, 57344 for e5m2; amax == 0 -> scale 1), q = sat(x / scale);
+//   MXFP8: X = floor(log2(amax)) - emax_elem (8 e4m3, 15 e5m2), clamped to
+//     [-127, 127], byte X + 127 (amax == 0 -> 127), q = sat(x / 2^X);
+//   sat: round to nearest even, saturating to +-fp8_max; a block holding a
+//     NaN or infinity gets scale NaN (0x7fc00000 / byte 0xff) and NaN codes.
+// Padding rows: zero codes and scale 1 (both unwritten with
+// Options::zero_padding = false); rows at or past P untouched, or zeroed with
+// scale 1 under Options::zero_tail. Unweighted only: applying router weights
+// before quantizing is another op (the scales would be per assignment, not
+// per token). Bitwise the same on the CPU and CUDA, and the same as quantize()
+// followed by dispatch_scaled (the two-pass way).
+// Allocating form: P rows of `dtype` (float8) and scales of `layout` ([P] for
+// per row).
+ScaledRows dispatch_quantized(const TensorView& x, const PlanView& plan, ScaleLayout layout,
+                              DType dtype = DType::kFloat8E4M3, const Options& options = {});
+void dispatch_quantized_out(const TensorView& x, const PlanView& plan, const TensorView& y,
+                            const TensorView& y_scales, const Options& options = {});
+
+// The quantizer alone (no routing): x [N, H] -> y [N, H] float8 and y_scales
+// [N, ...] (the layout inferred from y_scales), the same bits as
+// dispatch_quantized gives each token.
+ScaledRows quantize(const TensorView& x, ScaleLayout layout, DType dtype = DType::kFloat8E4M3,
+                    const Options& options = {});
+void quantize_out(const TensorView& x, const TensorView& y, const TensorView& y_scales, const Options& options = {});
+
 // padded_gather (no weights) moving x_scales [T, ...] to y_scales [rows of y, ...].
 ScaledRows padded_gather_scaled(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
                                 const TensorView& bins, const TensorView& padded_bins, int top_k,

@@ -80,6 +80,7 @@ __all__ = [
     "make_plan",
     "set_default_check",
     "dispatch",
+    "dispatch_quantized",
     "combine",
     "padded_gather",
     "padded_scatter",
@@ -309,6 +310,23 @@ def _(padded_output, permutation_map, original_size, padded_scales, check=2):
     return padded_output.new_empty(original_size, padded_output.shape[1]), _scales_fake(padded_scales, original_size)
 
 
+# The fused quantizing dispatch (not differentiable): its OpOverload and fake kernel.
+_OPS_QUANT = _ops.dispatch_quantized.default
+
+
+@torch.library.register_fake("padmoe::dispatch_quantized")
+def _(x, plan, top_k, num_experts, alignment, scale_layout, dtype, check=2, zero_padding=True):
+    _, _, cap = _plan_sizes(plan, top_k, num_experts, alignment)
+    h = x.shape[1]
+    if scale_layout == "row":
+        scales = x.new_empty(cap, dtype=torch.float32)
+    elif scale_layout == "mxfp8":
+        scales = x.new_empty(cap, (h + 31) // 32, dtype=torch.uint8)
+    else:
+        scales = x.new_empty(cap, (h + 127) // 128, dtype=torch.float32)
+    return x.new_empty(cap, h, dtype=dtype), scales
+
+
 def _scaled_mode(check: Optional[bool]) -> int:
     return _mode(check, 0 if _compiling() else _eager_check)
 
@@ -415,6 +433,21 @@ def dispatch(x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: 
     op, default = _call("dispatch")
     return op(x, _packed(plan), weights, plan.top_k, plan.num_experts, _align(plan), _mode(check, default),
               bool(zero_padding))
+
+
+def dispatch_quantized(x: Tensor, plan: Plan, *, scale_layout: str = "block128", dtype: Optional[torch.dtype] = None,
+                       check: Optional[bool] = None, zero_padding: bool = True) -> Tuple[Tensor, Tensor]:
+    """Fused quantizing dispatch: ``(y, y_scales)`` with ``plan.capacity`` rows from bfloat16 /
+    float16 / float32 rows ``x[T, H]``, each token row read once, quantized once and written to its
+    K padded rows. ``dtype``: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+    ``scale_layout``: ``"block128"`` (DeepSeek-V3 1x128: float32 ``[cap, ceil(H/128)]``),
+    ``"mxfp8"`` (OCP MX v1.0 E8M0 bytes: uint8 ``[cap, ceil(H/32)]``; ``.view(torch.float8_e8m0fnu)``
+    decodes them to 2^X) or ``"row"`` (float32 ``[cap]``). Padding rows and rows past P: zero codes,
+    scale 1 (``zero_padding=False``: left unwritten). Not differentiable (an ``x`` that requires a
+    gradient under grad mode raises NotImplementedError); unweighted."""
+    dtype = torch.float8_e4m3fn if dtype is None else dtype
+    return _OPS_QUANT(x, _packed(plan), plan.top_k, plan.num_experts, _align(plan), scale_layout, dtype,
+                      _scaled_mode(check), bool(zero_padding))
 
 
 def combine(y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None) -> Tensor:
@@ -693,3 +726,9 @@ class Routing:
 
     def combine(self, y: Tensor, weighted: bool = True) -> Tensor:
         return combine(y, self.plan, self.weights if weighted else None, check=self.check)
+
+
+# Expert MLPs on this routing (grouped GEMMs; the transformers integration's code path): padmoe/_grouped.py.
+from padmoe._grouped import GroupedExperts  # noqa: E402
+
+__all__.append("GroupedExperts")

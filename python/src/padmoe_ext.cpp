@@ -125,6 +125,19 @@ TensorView to_view(const Array& a, const char* op, const std::string& arg) {
   return v;
 }
 
+// A uint8 array of float8 codes read as the float8 format `fp8` ("e4m3" /
+// "e5m2"); "" keeps the view's dtype (dispatch_quantized / quantize outputs).
+TensorView fp8_codes(TensorView v, const std::string& fp8, const char* op) {
+  if (fp8.empty()) return v;
+  if (fp8 != "e4m3" && fp8 != "e5m2") fail(ErrorKind::kValue, op, "fp8", "expected 'e4m3' or 'e5m2', got '" + fp8 + "'");
+  if (v.dtype != DType::kUInt8) {
+    fail(ErrorKind::kType, op, "y",
+         std::string("fp8='") + fp8 + "' reads uint8 code bytes, got " + padmoe::dtype_name(v.dtype));
+  }
+  v.dtype = fp8 == "e4m3" ? DType::kFloat8E4M3 : DType::kFloat8E5M2;
+  return v;
+}
+
 std::optional<TensorView> opt_view(const OptIn& a, const char* op, const char* arg) {
   if (!a) return std::nullopt;
   return to_view(*a, op, arg);
@@ -677,6 +690,36 @@ NB_MODULE(_C, m) {
       },
       nb::arg("padded"), nb::arg("permutation_map"), nb::arg("padded_scales"), nb::arg("out"), nb::arg("out_scales"),
       PADMOE_OPTIONS);
+
+  // --- fused quantizing dispatch (ops.hpp section 4) ----------------------------
+  // `fp8` ("e4m3" / "e5m2") reads a uint8 y as float8 codes of that format
+  // (numpy has no float8 dtype); "" takes y's own dtype (torch float8 tensors).
+  m.def(
+      "dispatch_quantized_out",
+      [](const In& x, nb::handle plan, const Out& y, const Out& y_scales, const std::string& fp8,
+         PADMOE_OPTION_PARAMS) {
+        const char* op = "dispatch_quantized";
+        const TensorView vx = to_view(x, op, "x"), vy = fp8_codes(to_view(y, op, "y"), fp8, op),
+                         vys = to_view(y_scales, op, "y_scales");
+        PlanArg<In> p;
+        read_plan(plan, op, "plan", p);
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::dispatch_quantized_out(vx, p.view, vy, vys, o);
+      },
+      nb::arg("x"), nb::arg("plan"), nb::arg("y"), nb::arg("y_scales"), nb::arg("fp8") = "", PADMOE_OPTIONS);
+
+  m.def(
+      "quantize_out",
+      [](const In& x, const Out& y, const Out& y_scales, const std::string& fp8, PADMOE_OPTION_PARAMS) {
+        const char* op = "quantize";
+        const TensorView vx = to_view(x, op, "x"), vy = fp8_codes(to_view(y, op, "y"), fp8, op),
+                         vys = to_view(y_scales, op, "y_scales");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::quantize_out(vx, vy, vys, o);
+      },
+      nb::arg("x"), nb::arg("y"), nb::arg("y_scales"), nb::arg("fp8") = "", PADMOE_OPTIONS);
 
   // --- utilities ---------------------------------------------------------------
 

@@ -1809,3 +1809,75 @@ TORCH_LIBRARY_IMPL(padmoe, Autograd, m) {
   m.impl("unpad_from_alignment_scaled", unpad_scaled_autograd);
 }
 #undef PADMOE_TORCH_SCALED_KERNELS
+
+// --- fused quantizing dispatch (ops.hpp section 4) ----------------------------------------
+//
+// dispatch_quantized: bfloat16 / float16 / float32 rows in, float8 rows (dtype) plus scales out
+// (scale_layout "block128": float32 [cap, ceil(H/128)]; "mxfp8": uint8 E8M0 [cap, ceil(H/32)],
+// view as torch.float8_e8m0fnu for the decoded 2^X; "row": float32 [cap]), capacity rows like
+// dispatch_scaled (padding rows and rows past P: zero codes, scale 1, unless zero_padding=False).
+// Not differentiable: an x that requires a gradient under grad mode is an error.
+
+namespace {
+
+padmoe::ScaleLayout quant_layout(const std::string& s, const char* op) {
+  if (s == "block128") return padmoe::ScaleLayout::kBlock128;
+  if (s == "mxfp8") return padmoe::ScaleLayout::kMxE8M0;
+  if (s == "row") return padmoe::ScaleLayout::kPerRow;
+  value_error(op, "scale_layout", "expected 'block128', 'mxfp8' or 'row', got '" + s + "'");
+}
+
+Tensor quant_scales_out(padmoe::ScaleLayout l, int64_t rows, int64_t hidden, const Tensor& like) {
+  const int64_t cols = padmoe::scale_columns(l, hidden);
+  if (l == padmoe::ScaleLayout::kPerRow) return at::empty({rows}, like.options().dtype(at::kFloat));
+  if (l == padmoe::ScaleLayout::kMxE8M0) return at::empty({rows, cols}, like.options().dtype(at::kByte));
+  return at::empty({rows, cols}, like.options().dtype(at::kFloat));
+}
+
+std::tuple<Tensor, Tensor> dispatch_quantized_kernel(const Tensor& x_in, const Tensor& plan, int64_t top_k,
+                                                     int64_t num_experts, int64_t alignment,
+                                                     c10::string_view scale_layout, at::ScalarType dtype,
+                                                     int64_t check, bool zero_padding) {
+  const char* op = "dispatch_quantized";
+  const padmoe::ScaleLayout l = quant_layout(std::string(scale_layout), op);
+  if (dtype != at::kFloat8_e4m3fn && dtype != at::kFloat8_e5m2) {
+    type_error(op, "dtype", std::string("expected torch.float8_e4m3fn or torch.float8_e5m2, got ") + c10::toString(dtype));
+  }
+  const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, op);
+  Tensor x = rows_arg(x_in);
+  const int64_t hidden = x.dim() == 2 ? x.size(1) : 0;
+  Tensor y = at::empty({pp.cap, hidden}, x.options().dtype(dtype));
+  Tensor ys = quant_scales_out(l, pp.cap, hidden, x);
+  c10::OptionalDeviceGuard guard(x.device());
+  const padmoe::PlanView pv = pp.view(op);
+  padmoe::Options o = options_for(x, check, /*zero_tail=*/zero_padding);
+  o.zero_padding = zero_padding;
+  native([&] { padmoe::dispatch_quantized_out(view(x, op, "x"), pv, view(y, op, "y"), view(ys, op, "y_scales"), o); });
+  return {y, ys};
+}
+
+std::tuple<Tensor, Tensor> dispatch_quantized_autograd(const Tensor& x, const Tensor& plan, int64_t top_k,
+                                                       int64_t num_experts, int64_t alignment,
+                                                       c10::string_view scale_layout, at::ScalarType dtype,
+                                                       int64_t check, bool zero_padding) {
+  if (at::GradMode::is_enabled() && x.requires_grad()) {
+    throw c10::NotImplementedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                   "dispatch_quantized: not differentiable (float8 rows carry no gradient); "
+                                   "detach x, or dispatch the 16-bit rows and quantize in the expert");
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = handle<decltype(dispatch_quantized_kernel)>("padmoe::dispatch_quantized");
+  return op.call(x, plan, top_k, num_experts, alignment, scale_layout, dtype, check, zero_padding);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(padmoe, m) {
+  m.def("dispatch_quantized(Tensor x, Tensor plan, int top_k, int num_experts, int alignment, str scale_layout, "
+        "ScalarType dtype, int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(padmoe, CPU, m) { m.impl("dispatch_quantized", dispatch_quantized_kernel); }
+#ifdef PADMOE_TORCH_CUDA
+TORCH_LIBRARY_IMPL(padmoe, CUDA, m) { m.impl("dispatch_quantized", dispatch_quantized_kernel); }
+#endif
+TORCH_LIBRARY_IMPL(padmoe, Autograd, m) { m.impl("dispatch_quantized", dispatch_quantized_autograd); }

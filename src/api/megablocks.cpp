@@ -12,6 +12,7 @@
 #include <string>
 
 #include "api/checks.hpp"
+#include "api/quant.hpp"
 #include "api/scales.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -616,6 +617,61 @@ ScaledRows dispatch_scaled(const TensorView& x, const PlanView& plan, const Tens
   ScaledRows out{alloc_padded(r, x), detail::alloc_scales_like(x_scales, r.padded_rows, x.device)};
   const ScalePair sp{x_scales, out.scales, spec};
   run_spread(r, x, std::nullopt, out.rows, nullptr, nullptr, options, options.zero_padding, &sp);
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Fused quantizing dispatch (ops.hpp section 4; issue 11, item 2)
+// ---------------------------------------------------------------------------
+
+namespace {
+
+// x [T, H] float32/16/bf16 on the plan's device (the dtype named first: a
+// float8 x is already quantized).
+Routed quantized_inputs(const Checker& c, const TensorView& x, const PlanView& plan) {
+  detail::check_quant_input(c, x, "x");
+  return dispatch_inputs(c, x, plan, std::nullopt);
+}
+
+void run_quant_spread(const Routed& r, const TensorView& x, const TensorView& y, const TensorView& ys,
+                      const detail::ScaleSpec& spec, bool e5m2, const Options& o) {
+  if (r.on_cuda) {
+    cuda::quantize_spread_rows(rows_arg(x), r.top_k, r.dest_rows, rows_arg(y), detail::cuda_quant_scales(ys, spec, e5m2),
+                               r.padding, o.zero_padding, o.zero_tail, o.stream);
+    return;
+  }
+  cpu::quantize_spread_rows(cpu::RowsRef::of(x), r.top_k, r.dest_rows, cpu::RowsRef::of(y),
+                            detail::cpu_quant_scales(ys, spec, e5m2), r.row_sources, r.padded_rows, o.zero_padding,
+                            o.zero_tail, o.num_threads);
+}
+
+}  // namespace
+
+void dispatch_quantized_out(const TensorView& x, const PlanView& plan, const TensorView& y,
+                            const TensorView& y_scales, const Options& options) {
+  Checker c("dispatch_quantized");
+  Routed r = quantized_inputs(c, x, plan);
+  const bool e5m2 = detail::check_fp8_dtype(c, y.dtype, "y");
+  TensorView like = x;  // y: x's columns in the float8 dtype
+  like.dtype = y.dtype;
+  check_padded_out(c, y, "y", r, like);
+  const detail::ScaleSpec spec = detail::check_scales(c, y_scales, "y_scales", y.shape[0], x.shape[1], x.device);
+  prepare(c, r, options);
+  run_quant_spread(r, x, y, y_scales, spec, e5m2, options);
+}
+
+ScaledRows dispatch_quantized(const TensorView& x, const PlanView& plan, ScaleLayout layout, DType dtype,
+                              const Options& options) {
+  Checker c("dispatch_quantized");
+  Routed r = quantized_inputs(c, x, plan);
+  const bool e5m2 = detail::check_fp8_dtype(c, dtype, "dtype");
+  prepare(c, r, options);
+  read_padded_rows(r, options);
+  ScaledRows out{Tensor::empty(dtype, {r.padded_rows, x.shape[1]}, x.device),
+                 detail::alloc_quant_scales(layout, r.padded_rows, x.shape[1], x.device)};
+  Options o = options;
+  o.zero_tail = false;  // exactly P rows
+  run_quant_spread(r, x, out.rows, out.scales, detail::quant_spec(layout, x.shape[1]), e5m2, o);
   return out;
 }
 

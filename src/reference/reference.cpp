@@ -5,6 +5,7 @@
 #include "reference/reference.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstring>
 #include <numeric>
@@ -451,6 +452,124 @@ std::vector<int64_t> unpad_sources(const std::vector<int64_t>& permutation_map, 
     require(n < original_size && out[static_cast<size_t>(n)] < 0, "permutation_map entry out of range or repeated");
     out[static_cast<size_t>(n)] = static_cast<int64_t>(p);
   }
+  return out;
+}
+
+// --- quantizers (dispatch_quantized) -------------------------------------------
+
+namespace {
+
+int fp8_man_bits(bool e5m2) { return e5m2 ? 2 : 3; }
+int fp8_bias(bool e5m2) { return e5m2 ? 15 : 7; }
+uint8_t fp8_max_code(bool e5m2) { return e5m2 ? 0x7b : 0x7e; }
+
+// Magnitude of the non-negative code c (no sign bit), in double, from the
+// format's definition: subnormal man * 2^(1 - bias - man_bits), normal
+// (1 + man / 2^man_bits) * 2^(exp - bias).
+double code_magnitude(int c, bool e5m2) {
+  const int mb = fp8_man_bits(e5m2), bias = fp8_bias(e5m2);
+  const int exp = c >> mb, man = c & ((1 << mb) - 1);
+  if (exp == 0) return std::ldexp(static_cast<double>(man), 1 - bias - mb);
+  return std::ldexp(1.0 + static_cast<double>(man) / static_cast<double>(1 << mb), exp - bias);
+}
+
+}  // namespace
+
+float fp8_value(uint8_t code, bool e5m2) {
+  const int c = code & 0x7f;
+  const bool neg = (code & 0x80) != 0;
+  if (c > fp8_max_code(e5m2)) {
+    if (e5m2 && c == 0x7c) return neg ? -INFINITY : INFINITY;
+    return NAN;
+  }
+  const float v = static_cast<float>(code_magnitude(c, e5m2));
+  return neg ? -v : v;
+}
+
+uint8_t fp8_saturate(float v, bool e5m2) {
+  if (std::isnan(v)) return 0x7f;
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0x00;
+  const double a = std::fabs(static_cast<double>(v));
+  const int top = fp8_max_code(e5m2);
+  if (a >= code_magnitude(top, e5m2)) return static_cast<uint8_t>(sign | top);  // saturate (infinities too)
+  // The codes bracketing a: lo <= a < hi; the midpoint of two fp8 values is exact in double.
+  int lo = 0;
+  while (code_magnitude(lo + 1, e5m2) <= a) ++lo;
+  const int hi = lo + 1;
+  const double mid = 0.5 * (code_magnitude(lo, e5m2) + code_magnitude(hi, e5m2));
+  int c;
+  if (a < mid) c = lo;
+  else if (a > mid) c = hi;
+  else c = (lo % 2 == 0) ? lo : hi;  // a tie: the even code (even mantissa)
+  return static_cast<uint8_t>(sign | c);
+}
+
+QuantRows quantize_rows(const std::vector<float>& x, int64_t rows, int64_t hidden, QuantLayout layout, bool e5m2) {
+  require(static_cast<int64_t>(x.size()) == rows * hidden, "x must hold rows * hidden values");
+  const int64_t block = layout == QuantLayout::kMxE8M0 ? 32 : layout == QuantLayout::kBlock128 ? 128 : hidden;
+  QuantRows q;
+  q.cols = layout == QuantLayout::kPerRow ? 1 : (hidden + block - 1) / block;
+  const bool mx = layout == QuantLayout::kMxE8M0;
+  q.row_bytes = q.cols * (mx ? 1 : 4);
+  q.rows.assign(static_cast<size_t>(rows * hidden), 0);
+  q.scales.assign(static_cast<size_t>(rows * q.row_bytes), 0);
+  const float fp8_max = e5m2 ? 57344.0f : 448.0f;
+  const int emax_elem = e5m2 ? 15 : 8;  // OCP MX v1.0: exponent of the element format's largest normal
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < q.cols; ++b) {
+      const int64_t c0 = b * block, c1 = std::min(hidden, c0 + block);
+      const float* v = x.data() + r * hidden;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int64_t c = c0; c < c1; ++c) {
+        if (!std::isfinite(v[c])) finite = false;
+        else amax = std::max(amax, std::fabs(v[c]));
+      }
+      float divisor = 1.0f;
+      unsigned char* srow = q.scales.data() + r * q.row_bytes;
+      if (mx) {
+        uint8_t byte = 0xff;  // E8M0 NaN for a block with a NaN or infinity
+        if (finite) {
+          int x_exp = 0;  // amax == 0: X = 0 (scale byte 127)
+          if (amax > 0.0f) {
+            int e = 0;
+            std::frexp(amax, &e);  // amax = f * 2^e, f in [0.5, 1): floor(log2(amax)) = e - 1
+            x_exp = std::min(127, std::max(-127, (e - 1) - emax_elem));
+          }
+          byte = static_cast<uint8_t>(x_exp + 127);
+          divisor = std::ldexp(1.0f, x_exp);
+        }
+        srow[b] = byte;
+      } else {
+        float scale;
+        if (finite) {
+          scale = amax / fp8_max;          // float32 division (an empty per-row block: amax 0)
+          if (scale == 0.0f) scale = 1.0f;  // amax == 0 (or an underflowing float32 amax)
+        } else {
+          const uint32_t nan_bits = 0x7fc00000u;  // the canonical quiet NaN
+          std::memcpy(&scale, &nan_bits, 4);
+        }
+        std::memcpy(srow + b * 4, &scale, 4);
+        divisor = scale;
+      }
+      for (int64_t c = c0; c < c1; ++c) {
+        q.rows[static_cast<size_t>(r * hidden + c)] = finite ? fp8_saturate(v[c] / divisor, e5m2) : uint8_t{0x7f};
+      }
+    }
+  }
+  return q;
+}
+
+QuantRows dispatch_quantized(const std::vector<float>& x, int64_t hidden, const Plan& plan, QuantLayout layout,
+                             bool e5m2) {
+  const QuantRows tok = quantize_rows(x, plan.num_tokens, hidden, layout, e5m2);
+  const std::vector<int64_t> sources = spread_sources(plan);
+  QuantRows out;
+  out.cols = tok.cols;
+  out.row_bytes = tok.row_bytes;
+  out.rows = move_scale_rows(tok.rows, hidden, sources, std::vector<uint8_t>(static_cast<size_t>(hidden), 0));
+  out.scales = move_scale_rows(tok.scales, tok.row_bytes, sources,
+                               scale_one_row(layout == QuantLayout::kMxE8M0, tok.cols));
   return out;
 }
 

@@ -140,5 +140,27 @@ std::vector<int64_t> spread_sources(const Plan& plan);
 // permutation_map[p] == n, -1 for rows no entry names.
 std::vector<int64_t> unpad_sources(const std::vector<int64_t>& permutation_map, int64_t original_size);
 
+// The quantizers of dispatch_quantized (ops.hpp section 4; docs/design.md,
+// "Fused quantizing dispatch"), written from the OCP MX v1.0 and DeepSeek-V3
+// definitions as plain float32 loops (no bit tricks: std::frexp for
+// floor(log2), a search of the fp8 code table for the rounding).
+enum class QuantLayout { kPerRow, kBlock128, kMxE8M0 };
+// fp8 code of v: round to nearest, ties to even, |v| >= max -> +-max; NaN -> 0x7f.
+uint8_t fp8_saturate(float v, bool e5m2);
+// The value of an fp8 code (the inverse; NaN for the NaN codes).
+float fp8_value(uint8_t code, bool e5m2);
+struct QuantRows {
+  std::vector<uint8_t> rows;    // [rows * H] fp8 codes
+  std::vector<uint8_t> scales;  // [rows * cols] scale entries as raw bytes (float32 or E8M0)
+  int64_t cols = 0;             // scale entries per row
+  int64_t row_bytes = 0;        // bytes of one scale row
+};
+// x: [rows * H] values (exact in float; the caller's 16-bit or float32 rows).
+QuantRows quantize_rows(const std::vector<float>& x, int64_t rows, int64_t hidden, QuantLayout layout, bool e5m2);
+// dispatch_quantized: the quantized token rows moved to the P padded rows
+// (padding rows: zero codes and a scale row that decodes to 1).
+QuantRows dispatch_quantized(const std::vector<float>& x, int64_t hidden, const Plan& plan, QuantLayout layout,
+                             bool e5m2);
+
 }  // namespace ref
 }  // namespace padmoe

@@ -1,0 +1,385 @@
+"""Expert MLPs on padmoe's padded routing: :func:`experts_forward` and :class:`GroupedExperts`.
+
+One code path for two users: :class:`GroupedExperts` (``padmoe.torch.GroupedExperts``), a module
+for people who build their own MoE layer, and the transformers integration
+(``padmoe.integrations.transformers``), which calls :func:`experts_forward` with the weights of a
+transformers experts module. Data flow (T tokens, K top-k, E experts, H hidden, I intermediate)::
+
+    r   = Routing.from_topk(top_k_index, top_k_weights, E, alignment)
+    xs  = r.dispatch(x)                      # [capacity, H] expert-grouped, padded (weighted=True: weights first)
+    h   = grouped_mm(xs, W_up, offs=r.offsets) (+ up_bias[r.row_experts])     # [capacity, 2I] or [capacity, I]
+    a   = gate(h)  or  act(h)                # SwiGLU-style gate (or a custom one), or a plain activation
+    ys  = grouped_mm(a, W_down, offs=r.offsets) (+ down_bias[r.row_experts])   # [capacity, H]
+    ys  = post(ys)                           # optional per-row post-expert norm
+    out = r.combine(ys)                      # [T, H], weighted (after the experts) or a plain sum
+
+Expert weights are 3D, either in ``nn.Linear`` layout (``[E, out, in]``, transformers' default) or
+transposed (``[E, in, out]``, GPT-OSS); both go to ``grouped_mm`` without a copy (a transposed view is
+the column-major operand the kernel takes). Biases are per expert (``[E, out]``) and are added per
+padded row through ``row_experts`` (padding rows: a zero row appended to the table). Rows at or past P
+(``padded_bins[-1]``) may hold garbage after a ``grouped_mm`` (the kernel leaves them unwritten); nothing
+reads them: ``combine`` reads only real rows, its backward gives them a zero gradient, and the GEMMs'
+weight gradients stop at P.
+
+GEMMs: ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) with ``offs = padded_bins`` where
+torch has a kernel for the inputs (see :func:`grouped_mm_usable`), else a loop of one matmul per
+segment (the custom operator ``padmoe_experts::segment_mm``: opaque to torch.compile, so a compiled
+graph has no break; it reads the offsets on the host, one synchronization on a GPU).
+
+Autocast: ``grouped_mm`` is not autocast-aware, so under ``torch.autocast`` the rows, weights and
+biases are cast to the autocast dtype here (what autocast does for ``F.linear``), and the expert
+outputs are widened back to the input's dtype before ``combine`` (as transformers' eager loop
+accumulates into an output of the input's dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Tensor = torch.Tensor
+
+__all__ = ["GroupedExperts", "experts_forward", "grouped_mm_usable", "ACTIVATIONS"]
+
+
+# ---------------------------------------------------------------------------
+# GEMM over padded segments
+# ---------------------------------------------------------------------------
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _torch_version() -> tuple:
+    parts = []
+    for p in torch.__version__.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+_TORCH = _torch_version()
+_CUDA_CAPABLE = {}  # device index -> bool (compute capability >= 8.0)
+
+
+def _cuda_ok(device: torch.device) -> bool:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _CUDA_CAPABLE.get(idx)
+    if ok is None:
+        ok = _CUDA_CAPABLE[idx] = torch.cuda.get_device_capability(idx) >= (8, 0)
+    return ok
+
+
+def grouped_mm_usable(a: Tensor, b: Tensor) -> bool:
+    """Whether ``grouped_mm(a[rows, K], b[E, K, N], offs=...)`` has a kernel for these inputs:
+    torch has the function; float32 / bfloat16 / float16 (one dtype); on CUDA compute capability
+    8.0 or newer, on the CPU torch 2.9 or newer (earlier CPU builds have no kernel; up to 2.10 the
+    CPU kernel also wants 16-byte aligned data pointers); K and N a multiple of 16 bytes (the
+    kernel's stride rule). Under torch.compile only bfloat16 (what inductor lowers)."""
+    if _GROUPED_MM is None or a.dtype != b.dtype or a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    size = a.element_size()
+    if (a.shape[-1] * size) % 16 or (b.shape[-1] * size) % 16:
+        return False
+    compiling = torch.compiler.is_compiling()
+    if compiling and a.dtype != torch.bfloat16:
+        return False
+    if a.device.type == "cuda":
+        return _cuda_ok(a.device)
+    if a.device.type == "cpu":
+        if _TORCH < (2, 9):
+            return False
+        if _TORCH < (2, 11) and not compiling and (a.data_ptr() % 16 or b.data_ptr() % 16):
+            return False
+        return True
+    return False
+
+
+@torch.library.custom_op("padmoe_experts::segment_mm", mutates_args=())
+def _segment_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """out[s:e] = a[s:e] @ b[g] for each segment g = [offs[g-1], offs[g]); rows at or past offs[-1] zero."""
+    out = a.new_zeros(a.shape[0], b.shape[-1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):  # one host read of the offsets
+        if end > start:
+            out[start:end] = a[start:end] @ b[g]
+        start = end
+    return out
+
+
+@_segment_mm.register_fake
+def _(a, b, offs):
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+@torch.library.custom_op("padmoe_experts::segment_mm_backward", mutates_args=())
+def _segment_mm_backward(grad: Tensor, a: Tensor, b: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    grad_a = torch.zeros_like(a)
+    grad_b = a.new_zeros(b.shape)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            grad_a[start:end] = grad[start:end] @ b[g].transpose(0, 1)
+            grad_b[g] = a[start:end].transpose(0, 1) @ grad[start:end]
+        start = end
+    return grad_a, grad_b
+
+
+@_segment_mm_backward.register_fake
+def _(grad, a, b, offs):
+    return torch.empty_like(a), a.new_empty(b.shape)
+
+
+def _segment_mm_setup(ctx, inputs, output):
+    a, b, offs = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _segment_mm_bwd(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    grad_a, grad_b = torch.ops.padmoe_experts.segment_mm_backward(grad.contiguous(), a, b, offs)
+    return grad_a, grad_b, None
+
+
+_segment_mm.register_autograd(_segment_mm_bwd, setup_context=_segment_mm_setup)
+
+
+def _gemm(a: Tensor, w: Tensor, offs: Tensor, transposed: bool, gemm: str) -> Tensor:
+    """``a[rows, in] x w`` per padded segment; ``w`` is ``[E, out, in]`` (nn.Linear layout) or, with
+    ``transposed``, ``[E, in, out]``."""
+    b = w if transposed else w.transpose(-2, -1)  # [E, in, out]; a view, no copy
+    if gemm == "grouped_mm" or (gemm == "auto" and grouped_mm_usable(a, b)):
+        if _GROUPED_MM is None:
+            raise RuntimeError("padmoe experts: gemm='grouped_mm' but this torch has no "
+                               "torch.nn.functional.grouped_mm / torch._grouped_mm")
+        return _GROUPED_MM(a, b, offs=offs)
+    return torch.ops.padmoe_experts.segment_mm(a, b, offs)
+
+
+class _RowBias(torch.autograd.Function):
+    """``bias[row_experts]`` per padded row, zero on padding rows (row_experts -1). Backward: the
+    per-expert sum of the row gradients as one GEMM (one-hot ``[E, rows]`` times the gradient), so a
+    bfloat16 bias gradient is accumulated in float32 and rounded once (an indexed accumulate would
+    round after every row)."""
+
+    @staticmethod
+    def forward(ctx, bias, row_experts):
+        table = torch.cat([bias, bias.new_zeros(1, bias.shape[-1])])
+        idx = torch.where(row_experts >= 0, row_experts, bias.shape[0]).long()
+        ctx.save_for_backward(idx)
+        ctx.num_experts = bias.shape[0]
+        return table[idx]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (idx,) = ctx.saved_tensors
+        # Rows past P may hold garbage (grouped_mm leaves them unwritten, and 0 * NaN is NaN): select, not multiply.
+        grad = torch.where((idx < ctx.num_experts).unsqueeze(1), grad, 0)
+        experts = torch.arange(ctx.num_experts, device=idx.device)
+        onehot = (idx.unsqueeze(0) == experts.unsqueeze(1)).to(grad.dtype)  # [E, rows]; padding rows match none
+        return onehot @ grad, None
+
+
+def _row_bias(bias: Tensor, row_experts: Tensor) -> Tensor:
+    return _RowBias.apply(bias, row_experts)
+
+
+# ---------------------------------------------------------------------------
+# The shared forward
+# ---------------------------------------------------------------------------
+
+
+def _cast(t: Optional[Tensor], dtype) -> Optional[Tensor]:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def default_alignment(device: torch.device) -> int:
+    """16 rows on CUDA (grouped-GEMM tiles like aligned segment starts), 1 elsewhere (no padding)."""
+    return 16 if torch.device(device).type == "cuda" else 1
+
+
+def experts_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Optional[Tensor], up: Tensor,
+                    down: Tensor, *, up_bias: Optional[Tensor] = None, down_bias: Optional[Tensor] = None,
+                    transposed: bool = False, gate: Optional[Callable[[Tensor], Tensor]] = None,
+                    activation: Optional[Callable[[Tensor], Tensor]] = None,
+                    post: Optional[Callable[[Tensor], Tensor]] = None, weighting: str = "after",
+                    alignment: Optional[int] = None, gemm: str = "auto", drop_invalid: bool = False,
+                    check: Optional[bool] = None) -> Tensor:
+    """The experts of a MoE layer on padmoe's routing: ``out[t] = sum_k w[t,k] * expert_{e[t,k]}(x[t])``.
+
+    ``hidden_states`` ``[..., H]``; ``top_k_index`` / ``top_k_weights`` ``[T, K]`` (the router's ids
+    and weights; weights may be None with ``weighting="none"``). ``up`` ``[E, N1, H]`` (``[E, H, N1]``
+    with ``transposed``), N1 = 2I for a gated MLP (``gate`` maps ``[rows, 2I] -> [rows, I]``) or I
+    for an ungated one (``activation``); ``down`` ``[E, H, I]`` (``[E, I, H]``); biases ``[E, N1]`` and
+    ``[E, H]``. ``post``: a per-row function of the expert output (post-expert norm). ``weighting``:
+    ``"after"`` (combine weighted by the router weights), ``"before"`` (the weights scale each
+    token copy before the experts; combine sums) or ``"none"``. ``alignment``: rows per segment
+    multiple (default 16 on CUDA, 1 elsewhere). ``gemm``: ``"auto"`` (grouped_mm where usable),
+    ``"grouped_mm"`` or ``"loop"``. ``drop_invalid``: ids outside ``[0, E)`` (expert-parallel
+    sentinels) contribute nothing, instead of raising. Differentiable in everything float."""
+    if weighting not in ("after", "before", "none"):
+        raise ValueError(f"padmoe experts: weighting: expected 'after', 'before' or 'none', got {weighting!r}")
+    if gemm not in ("auto", "grouped_mm", "loop"):
+        raise ValueError(f"padmoe experts: gemm: expected 'auto', 'grouped_mm' or 'loop', got {gemm!r}")
+    if (gate is None) == (activation is None):
+        raise ValueError("padmoe experts: give exactly one of gate= (gated MLP) and activation= (ungated)")
+    if weighting != "none" and top_k_weights is None:
+        raise ValueError(f"padmoe experts: weighting={weighting!r} needs the router weights (got None)")
+    from padmoe import torch as pt  # noqa: WPS433 (padmoe.torch imports this module)
+
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    out_dtype = x.dtype
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        cdt = torch.get_autocast_dtype(dev)
+        x, up, down = _cast(x, cdt), _cast(up, cdt), _cast(down, cdt)
+        up_bias, down_bias = _cast(up_bias, cdt), _cast(down_bias, cdt)
+    elif up.dtype != x.dtype:
+        x = x.to(up.dtype)  # like transformers' grouped_mm path: rows follow the weights
+    num_experts = up.shape[0]
+    if alignment is None:
+        alignment = default_alignment(x.device)
+    weights = top_k_weights if weighting != "none" else None
+    r = pt.Routing.from_topk(top_k_index, weights, num_experts, alignment, check=check, drop_invalid=drop_invalid)
+    offs = r.offsets
+    rows = r.dispatch(x, weighted=(weighting == "before"))
+    h = _gemm(rows, up, offs, transposed, gemm)
+    if up_bias is not None:
+        h = h + _row_bias(up_bias, r.row_experts)
+    h = gate(h) if gate is not None else activation(h)
+    ys = _gemm(h, down, offs, transposed, gemm)
+    if down_bias is not None:
+        ys = ys + _row_bias(down_bias, r.row_experts)
+    if post is not None:
+        ys = post(ys)
+    if ys.dtype != out_dtype and torch.finfo(out_dtype).bits > torch.finfo(ys.dtype).bits:
+        ys = ys.to(out_dtype)  # autocast: sum the expert outputs in the caller's (wider) dtype
+    out = r.combine(ys, weighted=(weighting == "after"))
+    return out.to(out_dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------------------
+# GroupedExperts: the module
+# ---------------------------------------------------------------------------
+
+
+def _gelu_tanh(t: Tensor) -> Tensor:
+    return F.gelu(t, approximate="tanh")
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "relu": F.relu,
+    "relu2": lambda t: F.relu(t).square(),
+    "sigmoid": torch.sigmoid,
+    "identity": lambda t: t,
+}
+
+
+class GroupedExperts(nn.Module):
+    """E expert MLPs with 3D weights, run on padmoe's padded routing with grouped GEMMs.
+
+    ``GroupedExperts(num_experts, hidden_size, intermediate_size, activation="silu", gated=True)``
+    holds (the parameter names and layouts of transformers' experts modules, so their state dicts
+    load as they are):
+
+    - gated: ``gate_up_proj`` ``[E, 2I, H]`` (gate rows first, then up; ``interleaved=True``:
+      gate and up alternate, GPT-OSS's layout), ungated: ``up_proj`` ``[E, I, H]``;
+    - ``down_proj`` ``[E, H, I]``;
+    - with ``bias=True``: ``gate_up_proj_bias`` / ``up_proj_bias`` ``[E, 2I]`` / ``[E, I]`` and
+      ``down_proj_bias`` ``[E, H]``;
+    - ``transposed=True`` stores every weight as ``[E, in, out]`` instead.
+
+    ``forward(hidden_states[..., H], top_k_index[T, K], top_k_weights[T, K])`` -> ``[..., H]``:
+    the combined output ``sum_k w[t,k] * expert(x[t])`` (``weighting="before"``: the weights scale
+    the expert inputs instead, as routers that weight before the experts do; ``"none"``: no
+    weights). ``activation``: a name in :data:`ACTIVATIONS` or a callable; ``gate_fn``: a callable
+    ``[rows, 2I] -> [rows, I]`` replacing the default ``act(gate) * up`` (e.g. a clamped SwiGLU).
+    ``alignment`` (default 16 on CUDA, 1 elsewhere), ``gemm`` ("auto", "grouped_mm", "loop") and
+    ``check`` go to :func:`experts_forward`, the function the transformers integration runs too.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 activation: Union[str, Callable[[Tensor], Tensor]] = "silu", gated: bool = True, bias: bool = False,
+                 transposed: bool = False, interleaved: bool = False,
+                 gate_fn: Optional[Callable[[Tensor], Tensor]] = None, weighting: str = "after",
+                 alignment: Optional[int] = None, gemm: str = "auto", check: Optional[bool] = None,
+                 device=None, dtype=None):
+        super().__init__()
+        if isinstance(activation, str):
+            if activation not in ACTIVATIONS:
+                raise ValueError(f"GroupedExperts: activation: unknown name {activation!r} "
+                                 f"(known: {', '.join(sorted(ACTIVATIONS))}; or pass a callable)")
+            self.activation_name = activation
+            activation = ACTIVATIONS[activation]
+        else:
+            self.activation_name = getattr(activation, "__name__", type(activation).__name__)
+        if weighting not in ("after", "before", "none"):
+            raise ValueError(f"GroupedExperts: weighting: expected 'after', 'before' or 'none', got {weighting!r}")
+        if gemm not in ("auto", "grouped_mm", "loop"):
+            raise ValueError(f"GroupedExperts: gemm: expected 'auto', 'grouped_mm' or 'loop', got {gemm!r}")
+        if (interleaved or gate_fn is not None) and not gated:
+            raise ValueError("GroupedExperts: interleaved= and gate_fn= are for gated experts (gated=True)")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.act_fn = activation
+        self.gated, self.has_bias, self.transposed, self.interleaved = gated, bias, transposed, interleaved
+        self.gate_fn, self.weighting, self.alignment, self.gemm, self.check = gate_fn, weighting, alignment, gemm, check
+        kw = dict(device=device, dtype=dtype)
+        n1 = 2 * intermediate_size if gated else intermediate_size
+        up_shape = (num_experts, hidden_size, n1) if transposed else (num_experts, n1, hidden_size)
+        down_shape = (num_experts, intermediate_size, hidden_size) if transposed else (num_experts, hidden_size,
+                                                                                        intermediate_size)
+        up_name = "gate_up_proj" if gated else "up_proj"
+        setattr(self, up_name, nn.Parameter(torch.empty(up_shape, **kw)))
+        self.down_proj = nn.Parameter(torch.empty(down_shape, **kw))
+        if bias:
+            setattr(self, up_name + "_bias", nn.Parameter(torch.empty(num_experts, n1, **kw)))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
+        self._up_name = up_name
+        self.reset_parameters()
+
+    @property
+    def up_weight(self) -> Tensor:
+        return getattr(self, self._up_name)
+
+    @property
+    def up_bias(self) -> Optional[Tensor]:
+        return getattr(self, self._up_name + "_bias", None)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization, per expert: uniform in +-1/sqrt(fan_in)."""
+        for w, fan_in in ((self.up_weight, self.hidden_size), (self.down_proj, self.intermediate_size)):
+            nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        if self.has_bias:
+            nn.init.uniform_(self.up_bias, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
+            b = 1 / math.sqrt(self.intermediate_size)
+            nn.init.uniform_(self.down_proj_bias, -b, b)
+
+    def _gate(self, h: Tensor) -> Tensor:
+        if self.gate_fn is not None:
+            return self.gate_fn(h)
+        if self.interleaved:
+            g, u = h[..., 0::2], h[..., 1::2]
+        else:
+            g, u = h.chunk(2, dim=-1)
+        return self.act_fn(g) * u
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Optional[Tensor] = None) -> Tensor:
+        return experts_forward(
+            hidden_states, top_k_index, top_k_weights, self.up_weight, self.down_proj, up_bias=self.up_bias,
+            down_bias=getattr(self, "down_proj_bias", None), transposed=self.transposed,
+            gate=self._gate if self.gated else None, activation=None if self.gated else self.act_fn,
+            weighting=self.weighting, alignment=self.alignment, gemm=self.gemm, check=self.check)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, activation={self.activation_name}, gated={self.gated}, "
+                f"bias={self.has_bias}, transposed={self.transposed}, weighting={self.weighting!r}")

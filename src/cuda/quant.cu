@@ -1,0 +1,240 @@
+// quant.cu — the CUDA quantizing spread (dispatch_quantized, quantize).
+//
+// One block of 256 threads per token row; each thread owns 8 consecutive
+// columns per step of 2048 (so a warp covers 256 columns: whole 32- and
+// 128-column scale blocks). The row is read once and quantized once per step
+// (src/core/quant_math.hpp: the CPU backend computes the same bits): the
+// amax of a scale block is an integer max over the bit patterns of |x|,
+// reduced over the 4 (MXFP8) or 16 (per 128 columns) lanes that hold the
+// block by xor shuffles (order-free: no atomics), then each lane's 8 codes
+// and the block's scale (by the block's first lane) are stored to the
+// token's K destination rows from registers. Per-row scales reduce the whole
+// row first (a block reduction) and re-read it for the codes (L1/L2 hits).
+// Extra blocks of the same launch zero the padding rows (scale 1).
+#include "core/quant_math.hpp"
+#include "cuda/common.cuh"
+#include "cuda/quant_backend.hpp"
+
+namespace padmoe {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kCols = 8;                     // columns per thread and step
+constexpr int kStepCols = kThreads * kCols;  // columns per step
+constexpr int kGroupK = 64;                  // destinations staged at a time
+constexpr int kZeroRows = 32;                // rows per zero block
+
+enum Mode : int { kPerRowMode = 0, kBlock128Mode = 1, kMxMode = 2 };
+
+template <int kMode>
+struct ModeTraits {
+  static constexpr int kBlockCols = kMode == kMxMode ? 32 : 128;
+  static constexpr int kLanes = kBlockCols / kCols;  // lanes holding one scale block
+};
+
+// Columns [c0, c0 + 8) of a row as float (0 past `hidden`).
+template <typename T>
+__device__ __forceinline__ void load_cols(const char* row, int64_t c0, int64_t hidden, bool vec, float (&f)[kCols]) {
+  using S = typename T::S;
+  const S* s = reinterpret_cast<const S*>(row);
+  if (vec && c0 + kCols <= hidden) {
+    constexpr int kPer = 16 / static_cast<int>(sizeof(S));
+#pragma unroll
+    for (int v = 0; v < kCols / kPer; ++v) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(s + c0 + v * kPer);
+      const S* e = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) f[v * kPer + i] = T::ld(e[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) f[i] = c0 + i < hidden ? T::ld(s[c0 + i]) : 0.0f;
+  }
+}
+
+__device__ __forceinline__ void store_codes(char* row, int64_t c0, int64_t hidden, bool vec, uint32_t lo, uint32_t hi) {
+  if (vec && c0 + kCols <= hidden) {
+    *reinterpret_cast<uint2*>(row + c0) = make_uint2(lo, hi);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) {
+    const uint32_t word = i < 4 ? lo : hi;
+    if (c0 + i < hidden) row[c0 + i] = static_cast<char>((word >> (8 * (i % 4))) & 0xffu);
+  }
+}
+
+template <int kLanes>
+__device__ __forceinline__ uint32_t lanes_max(uint32_t v) {
+#pragma unroll
+  for (int off = 1; off < kLanes; off <<= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+__device__ __forceinline__ void store_scale_one(const QuantScalesArg& sc, int64_t r) {
+  if (sc.layout == ScaleLayout::kMxE8M0) {
+    uint8_t* d = static_cast<uint8_t*>(sc.data) + r * sc.cols;
+    for (int64_t c = 0; c < sc.cols; ++c) d[c] = quant::kE8M0One;
+  } else {
+    uint32_t* d = static_cast<uint32_t*>(sc.data) + r * sc.cols;
+    for (int64_t c = 0; c < sc.cols; ++c) d[c] = quant::kFloatOneBits;
+  }
+}
+
+// Zero block: rows [first, first + kZeroRows) of y that are padding (below
+// P, with zero_padding) or at or past P (zero_past_end): zero codes, scale 1.
+__device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const PaddingRef& pad, bool zero_padding,
+                          bool zero_past_end, int64_t first) {
+  __shared__ bool s_zero[kZeroRows];
+  const int64_t padded = padded_total(pad);
+  if (threadIdx.x < kZeroRows) {
+    const int64_t r = first + threadIdx.x;
+    bool z = false;
+    if (r < y.rows) z = r >= padded ? zero_past_end : (zero_padding && is_padding_row(pad, r));
+    s_zero[threadIdx.x] = z;
+  }
+  __syncthreads();
+  const int64_t hidden = y.cols;
+  const bool vec = reinterpret_cast<uintptr_t>(y.data) % 16 == 0 && y.stride_bytes % 16 == 0 && hidden % 16 == 0;
+  const int64_t units = vec ? hidden / 16 : hidden;
+  const int64_t n = kZeroRows * units;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const int row = static_cast<int>(i / units);
+    if (!s_zero[row]) continue;
+    char* p = row_ptr(y, first + row);
+    if (vec) reinterpret_cast<uint4*>(p)[i % units] = make_uint4(0, 0, 0, 0);
+    else p[i % units] = 0;
+  }
+  if (threadIdx.x < kZeroRows && s_zero[threadIdx.x]) store_scale_one(sc, first + threadIdx.x);
+}
+
+template <typename T, int kMode>
+__global__ void __launch_bounds__(kThreads)
+    quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
+                        PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out) {
+  const int64_t tokens = x.rows;
+  if (blockIdx.x >= tokens) {
+    zero_rows(y, sc, pad, zero_padding, zero_past_end, (static_cast<int64_t>(blockIdx.x) - tokens) * kZeroRows);
+    return;
+  }
+  using M = ModeTraits<kMode>;
+  __shared__ int64_t s_dest[kGroupK];
+  __shared__ uint32_t s_warp[kThreads / 32];
+  const quant::Fp8Format fmt = quant::fp8_format(sc.e5m2);
+  const int64_t t = blockIdx.x, hidden = x.cols;
+  const char* src = row_ptr(x, t);
+  const int lane = threadIdx.x % 32;
+
+  float row_div = 1.0f;  // per-row mode: the row's scale
+  bool row_bad = false;
+  if (kMode == kPerRowMode) {
+    uint32_t m = 0;
+    for (int64_t base = 0; base < hidden; base += kStepCols) {
+      float f[kCols];
+      load_cols<T>(src, base + threadIdx.x * kCols, hidden, vec_in, f);
+#pragma unroll
+      for (int i = 0; i < kCols; ++i) m = max(m, quant::abs_bits(f[i]));
+    }
+    m = lanes_max<32>(m);
+    if (lane == 0) s_warp[threadIdx.x / 32] = m;
+    __syncthreads();
+    m = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) m = max(m, s_warp[w]);
+    row_bad = quant::non_finite(m);
+    row_div = quant::block_scale(m, fmt);
+  }
+
+  for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
+    const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
+    __syncthreads();  // the previous group is done with s_dest
+    for (int q = threadIdx.x; q < nk; q += kThreads) {
+      int64_t r = dest == nullptr ? t : static_cast<int64_t>(dest[index::assignment_id(t, k0 + q, top_k)]);
+      s_dest[q] = (r < 0 || r >= y.rows) ? -1 : r;  // outside y: only with unchecked bad input
+    }
+    __syncthreads();
+    if (kMode == kPerRowMode && threadIdx.x < nk && s_dest[threadIdx.x] >= 0) {
+      static_cast<float*>(sc.data)[s_dest[threadIdx.x]] = row_div;
+    }
+    for (int64_t base = 0; base < hidden; base += kStepCols) {
+      const int64_t c0 = base + threadIdx.x * kCols;
+      float f[kCols];
+      load_cols<T>(src, c0, hidden, vec_in, f);
+      float divisor = row_div;
+      bool bad = row_bad;
+      uint32_t scale_bits = 0;
+      if (kMode != kPerRowMode) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int i = 0; i < kCols; ++i) m = max(m, quant::abs_bits(f[i]));
+        m = lanes_max<M::kLanes>(m);
+        bad = quant::non_finite(m);
+        if (kMode == kMxMode) {
+          const int e = bad ? 0 : quant::mx_exponent(m, fmt);
+          divisor = quant::pow2(e);
+          scale_bits = bad ? quant::kE8M0NaN : static_cast<uint32_t>(e + 127);
+        } else {
+          divisor = quant::block_scale(m, fmt);
+          scale_bits = quant::bits_of(divisor);
+        }
+      }
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int i = 0; i < kCols; ++i) {
+        const uint32_t code = quant::quantize_element(f[i], divisor, bad, fmt);
+        if (i < 4) lo |= code << (8 * i);
+        else hi |= code << (8 * (i - 4));
+      }
+      if (c0 >= hidden) continue;  // no shuffles below: idle lanes may leave
+      const bool leader = kMode != kPerRowMode && lane % M::kLanes == 0;
+      const int64_t scol = c0 / M::kBlockCols;
+      for (int q = 0; q < nk; ++q) {
+        const int64_t r = s_dest[q];
+        if (r < 0) continue;
+        store_codes(row_ptr(y, r), c0, hidden, vec_out, lo, hi);
+        if (leader) {
+          if (kMode == kMxMode) static_cast<uint8_t*>(sc.data)[r * sc.cols + scol] = static_cast<uint8_t>(scale_bits);
+          else static_cast<uint32_t*>(sc.data)[r * sc.cols + scol] = scale_bits;
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int kMode>
+struct QuantTag {
+  static constexpr auto fn = quant_spread_kernel<T, kMode>;
+};
+
+}  // namespace
+
+void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, const RowsArg& y,
+                          const QuantScalesArg& scales, const PaddingRef& padding, bool zero_padding,
+                          bool zero_past_end, void* stream) {
+  const int64_t tokens = x.rows;
+  const bool identity = dest == nullptr;
+  const int64_t zero_blocks = !identity && (zero_padding || zero_past_end) ? index::ceil_div(y.rows, kZeroRows) : 0;
+  const int64_t blocks = tokens + zero_blocks;
+  if (blocks == 0) return;
+  if (x.cols == 0 && scales.layout != ScaleLayout::kPerRow) return;  // no columns, no scale columns: nothing to write
+  const bool vec_in = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.stride_bytes % 16 == 0;
+  const bool vec_out = reinterpret_cast<uintptr_t>(y.data) % 8 == 0 && y.stride_bytes % 8 == 0;
+  auto launch = [&](auto tag) {
+    using Tag = decltype(tag);
+    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(
+        x, top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out);
+  };
+  with_traits(x.dtype, [&](auto traits) {
+    using T = decltype(traits);
+    switch (scales.layout) {
+      case ScaleLayout::kPerRow: launch(QuantTag<T, kPerRowMode>{}); break;
+      case ScaleLayout::kBlock128: launch(QuantTag<T, kBlock128Mode>{}); break;
+      case ScaleLayout::kMxE8M0: launch(QuantTag<T, kMxMode>{}); break;
+    }
+  });
+  PADMOE_CUDA_LAUNCH_CHECK("quant_spread_kernel");
+}
+
+}  // namespace cuda
+}  // namespace padmoe
