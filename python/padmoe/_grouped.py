@@ -66,10 +66,11 @@ _CUDA_CAPABLE = {}  # device index -> bool (compute capability >= 8.0)
 
 
 def _cuda_ok(device: torch.device) -> bool:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _CUDA_CAPABLE.get(idx)
+    ok = _CUDA_CAPABLE.get(device.index)
     if ok is None:
-        ok = _CUDA_CAPABLE[idx] = torch.cuda.get_device_capability(idx) >= (8, 0)
+        if torch.compiler.is_compiling():
+            return True  # while tracing, before any eager call filled the cache: sm80+ assumed
+        ok = _CUDA_CAPABLE[device.index] = torch.cuda.get_device_capability(device) >= (8, 0)
     return ok
 
 
