@@ -3,10 +3,20 @@
 // without a scale is moved with memcpy, bit for bit.
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#endif
+#include <cstdlib>
+
+// The sums' token loop has a hand-written AVX2 form on x86-64 with GCC or
+// Clang, picked at run time (CPUID; PADMOE_CPU_NO_AVX2=1 forces the portable
+// loops, so both can be tested on one machine).
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define PADMOE_AVX2_SUMS 1
+#include <immintrin.h>
 #endif
 
 #include "cpu/cpu_backend.hpp"
@@ -108,6 +118,104 @@ void dot_rows(const char* const* a, int n, const char* b, int64_t cols, float* o
   }
   for (int k = 0; k < n; ++k) out[k] = reduce_lanes(lanes[k]);
 }
+
+// --- the sums of one token: out = sum_q w[q] * rows[q] -------------------
+// Per element: acc = 0.0f, then acc = acc + w[q] * x[q] for q ascending (in
+// float32), then one cast: the same operations on every path.
+
+// Portable form over columns [begin, end) in tiles of `tile` columns.
+template <typename T>
+void reduce_token_generic(char* out, const char* const* rows, const float* weights, int n, int64_t begin,
+                          int64_t end, int64_t tile, float* acc) {
+  const int64_t es = static_cast<int64_t>(sizeof(typename T::S));
+  for (int64_t c0 = begin; c0 < end; c0 += tile) {
+    const int64_t len = std::min(tile, end - c0);
+    std::fill(acc, acc + len, 0.0f);
+    for (int q = 0; q < n; ++q) accumulate_row<T>(acc, rows[q] + c0 * es, len, weights[q]);
+    store_row<T>(out + c0 * es, acc, len);
+  }
+}
+
+#if defined(PADMOE_AVX2_SUMS)
+bool use_avx2_sums() {
+  static const bool use = [] {
+    const char* off = std::getenv("PADMOE_CPU_NO_AVX2");
+    if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return use;
+}
+
+// 16 bf16 at p -> two vectors of 8 floats (exact: the bits shifted up).
+__attribute__((target("avx2"))) inline void load_bf16x16(const char* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+}
+
+// BF16::st on 8 lanes: round to nearest even, NaN -> (bits >> 16) | 0x40. Results in the low 16 bits.
+__attribute__((target("avx2"))) inline __m256i round_bf16x8(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+// Two vectors of 8 rounded lanes -> 16 bf16 at p.
+__attribute__((target("avx2"))) inline void store_bf16x16(char* p, __m256 lo, __m256 hi) {
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bf16x8(lo), round_bf16x8(hi)), 0xd8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+}
+
+// 64 columns at a time, the 64 float32 sums held in 8 registers while the n
+// rows stream by; the rest of the row by the portable form.
+__attribute__((target("avx2"))) void reduce_token_bf16_avx2(char* out, const char* const* rows, const float* weights,
+                                                            int n, int64_t cols, int64_t tile, float* acc) {
+  constexpr int64_t kBlock = 64;
+  // The rows sit at random places, and the hardware prefetchers start each
+  // row (and each 4 KiB page of it) cold: ask for the first kPrefetch bytes of
+  // every row at once, then stay kPrefetch bytes ahead (measured: 512 B best of
+  // 256-2048, about 20% less time than no prefetch; bench/results/cpu-sums-2026-12-01.md).
+  constexpr int64_t kPrefetch = 512;
+  for (int q = 0; q < n; ++q) {
+    for (int64_t b = 0; b < kPrefetch && b < cols * 2; b += 64) _mm_prefetch(rows[q] + b, _MM_HINT_T0);
+  }
+  int64_t c = 0;
+  for (; c + kBlock <= cols; c += kBlock) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+    for (int q = 0; q < n; ++q) {
+      const char* r = rows[q] + c * 2;
+      if (c * 2 + kPrefetch < cols * 2) {  // two lines, kPrefetch bytes ahead in the row
+        _mm_prefetch(r + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(r + kPrefetch + 64, _MM_HINT_T0);
+      }
+      const __m256 w = _mm256_set1_ps(weights[q]);
+      __m256 a, b;
+      load_bf16x16(r, a, b);
+      s0 = _mm256_add_ps(s0, _mm256_mul_ps(w, a));
+      s1 = _mm256_add_ps(s1, _mm256_mul_ps(w, b));
+      load_bf16x16(r + 32, a, b);
+      s2 = _mm256_add_ps(s2, _mm256_mul_ps(w, a));
+      s3 = _mm256_add_ps(s3, _mm256_mul_ps(w, b));
+      load_bf16x16(r + 64, a, b);
+      s4 = _mm256_add_ps(s4, _mm256_mul_ps(w, a));
+      s5 = _mm256_add_ps(s5, _mm256_mul_ps(w, b));
+      load_bf16x16(r + 96, a, b);
+      s6 = _mm256_add_ps(s6, _mm256_mul_ps(w, a));
+      s7 = _mm256_add_ps(s7, _mm256_mul_ps(w, b));
+    }
+    char* o = out + c * 2;
+    store_bf16x16(o, s0, s1);
+    store_bf16x16(o + 32, s2, s3);
+    store_bf16x16(o + 64, s4, s5);
+    store_bf16x16(o + 96, s6, s7);
+  }
+  if (c < cols) reduce_token_generic<BF16>(out, rows, weights, n, c, cols, tile, acc);
+}
+#endif
 
 // Calls f.template operator()<Traits>() for a float32/16/bf16 dtype.
 template <typename F>
@@ -315,7 +423,9 @@ void reduce_rows(const RowsRef& y, int top_k, const int32_t* dest, Scale w, cons
       std::vector<float> acc(static_cast<size_t>(tile));
       std::vector<const char*> rows(static_cast<size_t>(top_k));
       std::vector<float> weights(static_cast<size_t>(top_k));
-      const int64_t es = static_cast<int64_t>(element_size(y.dtype));
+#if defined(PADMOE_AVX2_SUMS)
+      const bool avx2 = use_avx2_sums();
+#endif
       const index::Range tr = index::work_range(wid, workers, tokens);
       for (int64_t t = tr.begin; t < tr.end; ++t) {
         int n = 0;  // this token's live assignments, ascending k
@@ -326,12 +436,13 @@ void reduce_rows(const RowsRef& y, int top_k, const int32_t* dest, Scale w, cons
           weights[n++] = w.at(a);
         }
         // Small column tiles keep the K source rows streaming side by side.
-        for (int64_t c = 0; c < index::num_column_tiles(hidden, tile); ++c) {
-          const index::Range cols = index::column_tile(c, tile, hidden);
-          std::fill(acc.begin(), acc.begin() + cols.size(), 0.0f);
-          for (int q = 0; q < n; ++q) accumulate_row<T>(acc.data(), rows[q] + cols.begin * es, cols.size(), weights[q]);
-          store_row<T>(out.row(t) + cols.begin * es, acc.data(), cols.size());
+#if defined(PADMOE_AVX2_SUMS)
+        if (std::is_same<T, BF16>::value && avx2) {
+          reduce_token_bf16_avx2(out.row(t), rows.data(), weights.data(), n, hidden, tile, acc.data());
+          continue;
         }
+#endif
+        reduce_token_generic<T>(out.row(t), rows.data(), weights.data(), n, 0, hidden, tile, acc.data());
       }
     });
   });
