@@ -127,10 +127,9 @@ struct Routing {
   DropPolicy policy = DropPolicy::kPosition;
   TensorView probs;    // kProbs only
   TensorView dropped;  // optional output
-  bool dropping() const { return drop_invalid || capacity >= 0 || remap.map != nullptr || remap.first != 0 ||
-                                 remap.global != remap.local_experts; }
 };
 
+// An optional argument is unset when default-constructed (no data, 0-D).
 bool is_set(const TensorView& t) { return !(t.data == nullptr && t.ndim == 0); }
 
 // PlanOptions' shapes, dtypes, devices and sizes (no pass over data), for A assignments.
@@ -260,7 +259,7 @@ void check_layouts(const Checker& c, const PlanLayouts& l, const PlanView& out, 
   const char* names[] = {"layouts.row_experts", "layouts.block_experts", "layouts.padded_total"};
   const int64_t lens[] = {rows, index::ceil_div(rows, alignment), 1};
   for (int i = 0; i < 3; ++i) {
-    if (given[i]->data == nullptr && given[i]->ndim == 0) continue;  // unset
+    if (!is_set(*given[i])) continue;
     c.int32_output(*given[i], names[i], lens[i]);
     c.same_device(*given[i], names[i], device);
   }
