@@ -92,8 +92,12 @@ void check_scales_out(const Checker& c, const TensorView& s, const char* name, i
   check_common(c, s, name, rows, device);
 }
 
-cpu::ScaleRows cpu_scale_rows(const TensorView& src, const TensorView& dst, const ScaleSpec& spec) {
-  cpu::ScaleRows r;
+namespace {
+
+// The backends' scale-row arguments have the same fields (cpu::ScaleRows, cuda::ScaleRowsArg).
+template <class R>
+R scale_rows_of(const TensorView& src, const TensorView& dst, const ScaleSpec& spec) {
+  R r;
   r.src = src.data;
   r.dst = dst.data;
   r.cols = spec.cols;
@@ -102,14 +106,14 @@ cpu::ScaleRows cpu_scale_rows(const TensorView& src, const TensorView& dst, cons
   return r;
 }
 
+}  // namespace
+
+cpu::ScaleRows cpu_scale_rows(const TensorView& src, const TensorView& dst, const ScaleSpec& spec) {
+  return scale_rows_of<cpu::ScaleRows>(src, dst, spec);
+}
+
 cuda::ScaleRowsArg cuda_scale_rows(const TensorView& src, const TensorView& dst, const ScaleSpec& spec) {
-  cuda::ScaleRowsArg r;
-  r.src = src.data;
-  r.dst = dst.data;
-  r.cols = spec.cols;
-  r.elem = spec.dtype == DType::kUInt8 ? 1 : 4;
-  r.one = spec.dtype == DType::kUInt8 ? kE8M0One : kFloatOne;
-  return r;
+  return scale_rows_of<cuda::ScaleRowsArg>(src, dst, spec);
 }
 
 Tensor alloc_scales_like(const TensorView& like, int64_t rows, Device device) {

@@ -107,6 +107,21 @@ std::vector<OpCase> op_table() {
 
   // make_plan with PlanOptions (expert parallelism; a capacity with the probs drop policy), against
   // ref::make_plan(..., RoutingOptions).
+  // A plan with PlanOptions against ref::make_plan(..., RoutingOptions) (row_sources to o's length).
+  auto routed_expects = [](Data& d, const Plan& o, int experts, const ref::RoutingOptions& r, bool with_dropped = false) {
+    const ref::RoutedPlan rp = ref::make_plan(
+        std::vector<int64_t>(d.routing.top_experts.begin(), d.routing.top_experts.end()), d.w.T, d.w.K, experts,
+        d.w.m, r);
+    std::vector<int64_t> rows = rp.plan.row_sources;
+    rows.resize(static_cast<size_t>(o.row_sources.numel()), -1);
+    std::vector<Expect> e{expect_index("indices", o.indices, rp.plan.indices),
+                          expect_index("bins", o.bins, rp.plan.bins),
+                          expect_index("padded_bins", o.padded_bins, rp.plan.padded_bins),
+                          expect_index("dest_rows", o.dest_rows, rp.plan.dest_rows),
+                          expect_index("row_sources", o.row_sources, std::move(rows))};
+    if (with_dropped) e.push_back(expect_index("dropped", d.out_dropped_1, {rp.dropped}));
+    return e;
+  };
   auto ep_options = [](const Data& d) {
     PlanOptions po;
     po.global_experts = d.w.E;
@@ -119,21 +134,11 @@ std::vector<OpCase> op_table() {
        [ep_options](Data& d) {
          make_plan_out(d.top_experts, d.w.E / d.ep_ranks, d.w.m, d.plan_ep.view(), PlanLayouts{}, ep_options(d), d.opt);
        },
-       [ep_options](Data& d) {
+       [ep_options, routed_expects](Data& d) {
          ref::RoutingOptions r;
          r.global_experts = d.w.E;
          r.first_expert = ep_options(d).first_expert;
-         const ref::RoutedPlan rp = ref::make_plan(
-             std::vector<int64_t>(d.routing.top_experts.begin(), d.routing.top_experts.end()), d.w.T, d.w.K,
-             d.w.E / d.ep_ranks, d.w.m, r);
-         std::vector<int64_t> rows = rp.plan.row_sources;
-         rows.resize(static_cast<size_t>(d.plan_ep.row_sources.numel()), -1);
-         const Plan& o = d.plan_ep;
-         return std::vector<Expect>{expect_index("indices", o.indices, rp.plan.indices),
-                                    expect_index("bins", o.bins, rp.plan.bins),
-                                    expect_index("padded_bins", o.padded_bins, rp.plan.padded_bins),
-                                    expect_index("dest_rows", o.dest_rows, rp.plan.dest_rows),
-                                    expect_index("row_sources", o.row_sources, std::move(rows))};
+         return routed_expects(d, d.plan_ep, d.w.E / d.ep_ranks, r);
        }});
   ops.push_back(
       {"make_plan(capacity)",
@@ -147,23 +152,12 @@ std::vector<OpCase> op_table() {
          po.dropped = d.out_dropped_1;
          make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), PlanLayouts{}, po, d.opt);
        },
-       [](Data& d) {
+       [routed_expects](Data& d) {
          ref::RoutingOptions r;
          r.expert_capacity = d.expert_capacity;
          r.by_probs = true;
          r.probs = d.routing.weights;
-         const ref::RoutedPlan rp = ref::make_plan(
-             std::vector<int64_t>(d.routing.top_experts.begin(), d.routing.top_experts.end()), d.w.T, d.w.K, d.w.E,
-             d.w.m, r);
-         std::vector<int64_t> rows = rp.plan.row_sources;
-         rows.resize(static_cast<size_t>(d.plan_out.row_sources.numel()), -1);
-         const Plan& o = d.plan_out;
-         return std::vector<Expect>{expect_index("indices", o.indices, rp.plan.indices),
-                                    expect_index("bins", o.bins, rp.plan.bins),
-                                    expect_index("padded_bins", o.padded_bins, rp.plan.padded_bins),
-                                    expect_index("dest_rows", o.dest_rows, rp.plan.dest_rows),
-                                    expect_index("row_sources", o.row_sources, std::move(rows)),
-                                    expect_index("dropped", d.out_dropped_1, {rp.dropped})};
+         return routed_expects(d, d.plan_out, d.w.E, r, /*with_dropped=*/true);
        }});
 
   for (bool weighted : {false, true}) {
