@@ -31,11 +31,13 @@ if [ "${PADMOE_PY_TORCH:-1}" = "1" ]; then
 fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "padmoe: pip installing ${need[*]} into $venv" >&2
-  "$py" -m pip install -q "${need[@]}"
+  # No pip cache: torch from PyPI brings ~4 GB of CUDA wheels, and a cached second copy
+  # has filled a CI machine's disk before.
+  "$py" -m pip install -q --no-cache-dir "${need[@]}"
 fi
 
 echo "padmoe: building and installing the Python package (nvcc: $(command -v nvcc || echo none))" >&2
-"$py" -m pip install -q --no-build-isolation .
+"$py" -m pip install -q --no-cache-dir --no-build-isolation .
 "$py" -m pytest python/tests -q "$@"
 # padmoe.triton in Triton's interpreter (CPU): TRITON_INTERPRET=1 must be set before triton is imported,
 # so in a process of its own.
