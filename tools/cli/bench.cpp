@@ -1,11 +1,14 @@
 // bench.cpp — `padmoe bench`: every op of the op table timed against the copy
 // floor (memcpy on the CPU; padmoe::copy device->device with --device cuda).
+// With --device cuda each op is also captured once into a CUDA graph and its
+// warm back-to-back replays timed (the `graph us` column; --no-graph skips it).
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -97,6 +100,9 @@ struct BenchRecord {
   std::string name;
   double us = 0, min_bytes = 0, gbps = 0, floor_us = 0, copy_us = 0, ref_us = -1;
   std::string error;
+  double graph_us = -1;     // --device cuda: per graph replay; -1 when not captured
+  size_t graph_nodes = 0;   // nodes of its graph
+  std::string graph_error;  // why not (the capture's error)
 };
 
 // --device cuda: the floor. padmoe::copy of a 1 GiB buffer device->device on
@@ -105,6 +111,12 @@ struct BenchRecord {
 constexpr int64_t kGpuCopyBytes = int64_t{1} << 30;
 constexpr int kGpuCopyReps = 10;
 constexpr int64_t kL2FlushBytes = int64_t{256} << 20;
+
+// --device cuda, `graph us`: each op captured once into a CUDA graph; a timed
+// sample is CUDA events around kGraphReplays back-to-back cudaGraphLaunch
+// calls, divided by kGraphReplays; median of --iters samples after --warmup
+// replays. No L2 flush: a serving loop replays its decode step with warm caches.
+constexpr int kGraphReplays = 10;
 
 // Cold L2 without dirty lines: a read-only pass over 256 MiB of scratch rows
 // (padmoe's own wgrad: 1024 rows x 128 KiB of y and of grad, 1024 floats
@@ -162,6 +174,7 @@ int cmd_bench(const Args& args) {
   const int iters = static_cast<int>(args.get_int("iters", on_gpu ? 50 : 10));
   const bool with_reference = !args.has("no-reference");
   const bool json = args.has("json");
+  const bool with_graph = on_gpu && !args.has("no-graph");  // the graph column exists on a GPU only
   if (warmup < 0 || iters < 1) throw UsageError("--warmup must be >= 0 and --iters >= 1");
 
   Data d = build_data(w, with_reference);
@@ -226,6 +239,21 @@ int cmd_bench(const Args& args) {
     } catch (const Error& e) {
       r.error = e.what();
     }
+    // The same call captured once and replayed; a capture that fails is this
+    // column's `-` and its reason, never the op's error.
+    if (with_graph && r.error.empty()) {
+      try {
+        const std::unique_ptr<GpuGraph> graph = gpu_capture_graph(*d.gpu, [&] { op.run(d); });
+        r.graph_nodes = graph->nodes;
+        if (graph->exec != nullptr) {
+          r.graph_us = median(gpu_graph_replay_us(*d.gpu, *graph, warmup, iters, kGraphReplays));
+        } else {
+          r.graph_error = graph->error;
+        }
+      } catch (const Error& e) {
+        r.graph_error = e.what();
+      }
+    }
     records.push_back(r);
   }
 
@@ -237,6 +265,11 @@ int cmd_bench(const Args& args) {
                "run, outside the timed region, leaving no dirty lines); check_data=false (the sync-free fast path); caller workspace "
                "(padmoe::workspace_bound)"
              : "steady_clock wall time";
+  const std::string graph_words =
+      "each op captured once into a CUDA graph (cudaStreamCaptureModeGlobal; plan+dispatch+combine: one graph of its "
+      "three launches); per replay: CUDA events around " + std::to_string(kGraphReplays) +
+      " back-to-back cudaGraphLaunch calls / " + std::to_string(kGraphReplays) +
+      ", median of iters samples after warmup replays; warm L2 (no flush), as a serving loop replays a decode step";
   if (json) {
     std::printf("{\"command\": \"bench\", \"date\": \"%s\", \"device\": \"%s\", \"card\": %s,\n"
                 " \"workload\": {\"label\": \"%s\", \"tokens\": %" PRId64
@@ -253,10 +286,14 @@ int cmd_bench(const Args& args) {
           " \"timing\": \"%s\", \"cold_l2\": true, \"l2_flush_bytes\": %" PRId64
           ", \"check_data\": false, \"workspace_bytes\": %zu, \"warmup\": %d, \"iters\": %d,\n"
           " \"floor\": \"padmoe::copy device->device\", \"copy_bytes\": %" PRId64
-          ", \"copy_reps\": %d, \"copy_gbps\": %s, \"copy_tbps\": %s, \"memcpy_gbps\": null,\n"
-          " \"ops\": [\n",
+          ", \"copy_reps\": %d, \"copy_gbps\": %s, \"copy_tbps\": %s, \"memcpy_gbps\": null,\n",
           json_escape(timing_words).c_str(), kL2FlushBytes, workspace_bytes, warmup, iters, kGpuCopyBytes,
           kGpuCopyReps, json_num(copy_gbps).c_str(), json_num(copy_gbps / 1e3).c_str());
+      if (with_graph) {
+        std::printf(" \"graph_timing\": \"%s\", \"graph_replays\": %d,\n", json_escape(graph_words).c_str(),
+                    kGraphReplays);
+      }
+      std::printf(" \"ops\": [\n");
     } else {
       std::printf(
           " \"timing\": \"%s\", \"threads\": %d, \"hardware_threads\": %d, \"warmup\": %d, \"iters\": %d,"
@@ -268,16 +305,27 @@ int cmd_bench(const Args& args) {
     for (size_t i = 0; i < records.size(); ++i) {
       const BenchRecord& r = records[i];
       const bool ok = r.error.empty();
+      const bool graphed = r.graph_us >= 0;
+      // --device cuda without --no-graph only (else nothing: the output as before the column).
+      const std::string graph_json =
+          with_graph ? "\"graph_us\": " + (graphed ? json_num(r.graph_us) : std::string("null")) +
+                           ", \"graph_over_floor\": " +
+                           (graphed ? json_num(r.graph_us / r.floor_us) : std::string("null")) +
+                           ", \"graph_nodes\": " + (graphed ? std::to_string(r.graph_nodes) : std::string("null")) +
+                           ", \"graph_error\": " +
+                           (r.graph_error.empty() ? std::string("null") : "\"" + json_escape(r.graph_error) + "\"") +
+                           ", "
+                     : std::string();
       std::printf(
           "  {\"name\": \"%s\", \"us\": %s, \"gbps\": %s, \"tbps\": %s, \"min_bytes\": %.0f, \"floor_us\": %s, "
           "\"time_over_floor\": %s, \"pct_memcpy\": %s, \"pct_copy\": %s, \"reference_us\": %s, "
-          "\"error\": %s}%s\n",
+          "%s\"error\": %s}%s\n",
           r.name.c_str(), ok ? json_num(r.us).c_str() : "null", ok ? json_num(r.gbps).c_str() : "null",
           ok ? json_num(r.gbps / 1e3).c_str() : "null", r.min_bytes, json_num(r.floor_us).c_str(),
           ok ? json_num(r.us / r.floor_us).c_str() : "null",
           ok && !on_gpu ? json_num(100.0 * r.floor_us / r.us).c_str() : "null",
           ok ? json_num(100.0 * r.copy_us / r.us).c_str() : "null",
-          r.ref_us >= 0 ? json_num(r.ref_us).c_str() : "null",
+          r.ref_us >= 0 ? json_num(r.ref_us).c_str() : "null", graph_json.c_str(),
           ok ? "null" : ("\"" + json_escape(r.error) + "\"").c_str(), i + 1 < records.size() ? "," : "");
     }
     std::printf(" ]}\n");
@@ -294,22 +342,61 @@ int cmd_bench(const Args& args) {
         "  cold L2: a read-only pass over 256 MiB of scratch (padmoe wgrad) before each timed run, outside the "
         "timed region, so L2 holds clean lines;\n"
         "  check_data=false (the sync-free fast path); caller workspace of %zu bytes (padmoe::workspace_bound), so "
-        "no allocation is timed\n\n",
+        "no allocation is timed\n",
         iters, warmup, workspace_bytes);
-    std::printf("%-38s %10s %8s %10s %10s %9s %12s\n", "op", "us", "TB/s", "floor us", "time/floor", "%copy",
-                with_reference ? "reference us" : "");
+    if (with_graph) {
+      std::printf(
+          "graph: each op captured once into a CUDA graph; per replay = CUDA events around %d back-to-back "
+          "cudaGraphLaunch calls / %d,\n"
+          "  median of %d such samples after %d warm-up replays; warm L2 (no flush), as a serving loop replays a "
+          "decode step\n",
+          kGraphReplays, kGraphReplays, iters, warmup);
+    }
+    std::printf("\n");
+    if (with_graph) {
+      std::printf("%-38s %10s %8s %10s %10s %9s %10s %11s %12s\n", "op", "us", "TB/s", "floor us", "time/floor",
+                  "%copy", "graph us", "graph/floor", with_reference ? "reference us" : "");
+    } else {
+      std::printf("%-38s %10s %8s %10s %10s %9s %12s\n", "op", "us", "TB/s", "floor us", "time/floor", "%copy",
+                  with_reference ? "reference us" : "");
+    }
     for (const BenchRecord& r : records) {
       if (!r.error.empty()) {
         std::printf("%-38s error: %s\n", r.name.c_str(), r.error.c_str());
         continue;
       }
-      std::printf("%-38s %10.1f %8.3f %10.1f %10.2f %8.1f%% %12s\n", r.name.c_str(), r.us, r.gbps / 1e3, r.floor_us,
-                  r.us / r.floor_us, 100.0 * r.copy_us / r.us, r.ref_us >= 0 ? fmt("%.0f", r.ref_us).c_str() : "");
+      std::printf("%-38s %10.1f %8.3f %10.1f %10.2f %8.1f%% ", r.name.c_str(), r.us, r.gbps / 1e3, r.floor_us,
+                  r.us / r.floor_us, 100.0 * r.copy_us / r.us);
+      if (with_graph) {
+        const bool graphed = r.graph_us >= 0;
+        std::printf("%10s %11s ", graphed ? fmt("%.1f", r.graph_us).c_str() : "-",
+                    graphed ? fmt("%.2f", r.graph_us / r.floor_us).c_str() : "-");
+      }
+      std::printf("%12s\n", r.ref_us >= 0 ? fmt("%.0f", r.ref_us).c_str() : "");
     }
-    std::printf(
-        "\nfloor us = min_bytes / device copy bandwidth; %%copy = floor / time; TB/s = min_bytes / time.\n"
-        "min_bytes (s = %zu bytes per element; A = T*K, P = padded rows, N = A, R = capacity):\n",
-        element_size(w.dtype));
+    std::printf("\nfloor us = min_bytes / device copy bandwidth; %%copy = floor / time; TB/s = min_bytes / time.\n");
+    if (with_graph) {
+      std::printf(
+          "graph us = time per replay of the op captured once in a CUDA graph (cudaStreamCaptureModeGlobal), %d "
+          "replays back to back per\n"
+          "  sample, warm L2 (no flush): a serving loop's step, one cudaGraphLaunch and none of padmoe's host code; "
+          "plan+dispatch+combine\n"
+          "  is one graph of its three launches (the decode step's routing). graph/floor = graph us / floor us "
+          "(below 1 where the bytes\n"
+          "  stay in L2).\n"
+          "  - = not capturable (the op synchronizes the host, allocates or reads back to the host): the capture's "
+          "error below.\n",
+          kGraphReplays);
+      bool header = false;
+      for (const BenchRecord& r : records) {
+        if (!r.error.empty() || r.graph_error.empty()) continue;
+        if (!header) std::printf("not captured (graph us -), the capture's error:\n");
+        header = true;
+        std::printf("  %-36s %s\n", r.name.c_str(), r.graph_error.c_str());
+      }
+    }
+    std::printf("min_bytes (s = %zu bytes per element; A = T*K, P = padded rows, N = A, R = capacity):\n",
+                element_size(w.dtype));
   } else {
     std::printf("memcpy: %.1f GB/s (512 MiB, %d threads, read + write bytes, median of 7)\n", memcpy_gbps, threads);
     std::printf(

@@ -9,7 +9,9 @@
 //                  and each op's share of it (%copy). With --device cuda: CUDA
 //                  events on one stream, cold L2, check_data=false, a caller
 //                  workspace, and the floor is padmoe::copy's device->device
-//                  bandwidth measured in the same run.
+//                  bandwidth measured in the same run; each op is also
+//                  captured once into a CUDA graph and its warm back-to-back
+//                  replays timed (`graph us`, `graph/floor`; --no-graph skips).
 //   padmoe plan    print and validate the tile plan of SPEC section 6.
 //   padmoe presets list the workload presets (src/workload).
 //
@@ -67,6 +69,7 @@ bench:
   --iters N              timed runs per op; the median is reported (default 10;
                          50 on cuda, timed with CUDA events, cold L2)
   --no-reference         skip timing the single-threaded CPU reference loops
+  --no-graph             cuda: skip the CUDA-graph replay column (graph us)
   --ops A,B,...          only these ops (names as printed, e.g. combine(w),make_plan)
   --json                 print one JSON object instead of the table
 
@@ -83,7 +86,7 @@ const std::set<std::string> kValueOptions = {"preset",    "tokens", "experts", "
                                              "alignment", "dtype",  "device",  "seed",  "threads",
                                              "warmup",    "iters",  "target",  "op",    "cores",
                                              "ops"};
-const std::set<std::string> kFlagOptions = {"small", "json", "no-reference", "help"};
+const std::set<std::string> kFlagOptions = {"small", "json", "no-reference", "no-graph", "help"};
 
 Args parse_args(int argc, char** argv) {
   Args args;
