@@ -7,9 +7,11 @@
 # (pip install ., pytest on CUDA, bench/bench_python.py with its chart).
 # Logs go to $OUT (default: ./gpu-out), packed into $OUT/gpu-logs.tgz as well
 # (the device tool brings back only a few files).
-# Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench python triton, or
+# Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench python triton ep, or
 #        all (default all). triton: padmoe.triton's tests natively and
 #        bench/bench_triton.py (PADMOE_TRITON_SWEEP=1 adds its launch sweep).
+#        ep: padmoe.torch.distributed over NCCL (needs 2+ GPUs): its tests on
+#        every GPU count they need, bench/bench_ep.py on 2, 4 and 8 GPUs (those present).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -64,7 +66,7 @@ PY
   done
 fi
 pyt=${PADMOE_GPU_PYTARGET:-/tmp/padmoe-pyt}
-if want python || want triton; then
+if want python || want triton || want ep; then
   # The machine's own python3 with its torch / nanobind / scikit-build-core and
   # no network: an unisolated pip build into a target directory (a virtualenv
   # there does not see the system's torch), then PYTHONPATH.
@@ -107,6 +109,21 @@ if want python; then
     cat "$out/user-bench.log"
     run host-overhead env PYTHONPATH="$pyt" python3 .ubench/host_overhead.py
     cat "$out/host-overhead.log"
+  fi
+fi
+if want ep; then
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [ "$gpus" -lt 2 ]; then
+    step ep; echo "ep: skipped ($gpus GPU: expert parallelism over NCCL needs 2 or more)"
+  else
+    run ep-tests env PYTHONPATH="$pyt" PADMOE_EP_BACKEND=nccl python3 -m pytest python/tests/test_distributed.py -q -rs
+    tail -n 3 "$out/ep-tests.log"
+    for r in 2 4 8; do
+      [ "$r" -le "$gpus" ] || continue
+      run "ep-bench-$r" env PYTHONPATH="$pyt" python3 bench/bench_ep.py --ranks "$r" --backend nccl \
+        --out-md "$out/ep-bench.md" ${PADMOE_EPBENCH_ARGS:-}
+      cat "$out/ep-bench-$r.log"
+    done
   fi
 fi
 step summary

@@ -4,7 +4,7 @@
 // shared library padmoe/_torch_ops.so (loaded by padmoe.torch through
 // torch.ops.load_library). It registers, with the torch dispatcher:
 //   - every op's schema (TORCH_LIBRARY), so torch.compile traces them as
-//     single graph nodes (their fake kernels are in padmoe/torch.py);
+//     single graph nodes (their fake kernels are in padmoe/torch/__init__.py);
 //   - one kernel per op for the CPU and CUDA keys: argument conversion to
 //     padmoe::TensorView, outputs from torch's allocator, padmoe's `_out`
 //     form on the current CUDA stream, scratch memory from torch's caching
