@@ -392,6 +392,11 @@ def test_matches_single_device(tmp_path, world, placement):
     run(tmp_path, world, "w_matches_single_device", "float32", placement)
 
 
+def test_one_rank(tmp_path):
+    """A group of one: every expert local, the exchanges copies."""
+    run(tmp_path, 1, "w_matches_single_device", "float32", "default")
+
+
 def test_matches_single_device_bf16(tmp_path):
     run(tmp_path, 2, "w_matches_single_device", "bfloat16", "default")
 

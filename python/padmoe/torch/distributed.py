@@ -74,9 +74,7 @@ def _round_up(n: int, m: int) -> int:
 def _wire(t: Tensor) -> Tensor:
     """A row-major tensor as bytes per row: the exchange is a bitwise move, and every backend
     (gloo lacks some float types) moves uint8."""
-    if t.dtype == torch.uint8:
-        return t
-    return t.view(torch.uint8) if t.dim() > 0 and t.shape[-1] > 0 else t.reshape(t.shape[0], 0).to(torch.uint8)
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
 def _exchange(x: Tensor, out_splits: List[int], in_splits: List[int], out_rows: int, group) -> Tensor:
@@ -89,7 +87,7 @@ def _exchange(x: Tensor, out_splits: List[int], in_splits: List[int], out_rows: 
     send = x[:n_in]
     if not send.is_contiguous():
         send = send.contiguous()
-    if x.shape[1:].numel() == 0:
+    if x.shape[1:].numel() == 0:  # rows of zero bytes (every rank: the hidden sizes were compared)
         return out
     dist.all_to_all_single(_wire(out[:n_out]), _wire(send), out_splits, in_splits, group=group)
     return out
