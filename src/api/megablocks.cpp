@@ -413,8 +413,11 @@ void run_spread_backward(const Routed& r, const TensorView& grad_y, const Tensor
                       o.stream);
     return;
   }
-  run_reduce(r, grad_y, weights, grad_x, o);
-  if (grad_weights != nullptr) run_dots(r, grad_y, x, *grad_weights, o);
+  // CPU: one pass over grad_y too (each token's dots while its K rows are in cache).
+  const cpu::RowsRef xr = cpu::RowsRef::of(x);
+  cpu::reduce_rows(cpu::RowsRef::of(grad_y), r.top_k, r.dest_rows, cpu::Scale::of(weights), cpu::RowsRef::of(grad_x),
+                   scatter_block_x(grad_y), o.num_threads, grad_weights ? &xr : nullptr,
+                   grad_weights ? float_out(*grad_weights) : cpu::FloatOut{});
 }
 
 }  // namespace

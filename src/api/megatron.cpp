@@ -386,12 +386,12 @@ void run_unpad_backward(const TensorView& grad_out, const TensorView& padded, co
   const detail::IndexReader map_in(permutation_map);
   std::vector<int32_t> map(static_cast<size_t>(rows));  // int32 for the row kernel (the input may be int64)
   for (int64_t p = 0; p < rows; ++p) map[p] = static_cast<int32_t>(map_in[p]);
+  // grad_probs[n] = <padded[p], grad_out[n]> (p = inverse[n]) from the same read of grad_out[n].
+  const cpu::GatherDots dots{cpu::RowsRef::of(padded), inverse.data, grad_out.shape[0],
+                             grad_probs ? cpu::FloatOut{grad_probs->data, grad_probs->dtype} : cpu::FloatOut{}};
   cpu::gather_rows(cpu::RowsRef::of(grad_out), map.data(), cpu::Scale::of(probs), /*scale_by_source=*/true,
-                   cpu::RowsRef::of(grad_padded), rows, options.num_threads);
-  if (grad_probs != nullptr) {
-    cpu::row_dots(cpu::RowsRef::of(padded), cpu::RowsRef::of(grad_out), 1, inverse.data, grad_out.shape[0],
-                  cpu::FloatOut{grad_probs->data, grad_probs->dtype}, options.num_threads);
-  }
+                   cpu::RowsRef::of(grad_padded), rows, options.num_threads, false, nullptr,
+                   grad_probs != nullptr ? &dots : nullptr);
 }
 
 }  // namespace

@@ -98,21 +98,37 @@ void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, cons
 
 // Token-driven weighted reduction (combine / padded_scatter):
 //   out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]]  (float32, dest < 0 skipped).
+// When dots_with ([T, H] token rows) is given, dots[a] = <y[dest[a]], dots_with[t]>
+// (0 where dest < 0) from the same read of the K rows (the backward of gather /
+// dispatch: grad_x and grad_weights in one pass over grad_y).
 void reduce_rows(const RowsRef& y, int top_k, const int32_t* dest, Scale w, const RowsRef& out, int block_x,
-                 int threads);
+                 int threads, const RowsRef* dots_with = nullptr, FloatOut dots = {});
 
 // Per-assignment dot products (padded_scatter_wgrad, unpad's grad_probs):
 //   out[a] = <y[dest[a]], g[a / K]> (float32; 0 where dest < 0), a in [0, A).
 void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest, int64_t assignments,
               FloatOut out, int threads);
 
+// Optional dot products from gather_rows' read of each source row (unpad's
+// grad_probs): out[map[r]] = <with[r], src[map[r]]> for every r with
+// map[r] >= 0, and out[n] = 0 for the n < count that no row names
+// (inverse[n] < 0; inverse is map's inverse, every entry of map distinct).
+struct GatherDots {
+  RowsRef with;
+  const int32_t* inverse = nullptr;
+  int64_t count = 0;
+  FloatOut out;
+};
+
 // Output-row-driven move (pad, unpad, grad of unpad):
 //   out[r] = src[map[r]] * s(scale_index) for map[r] >= 0, else zero;
 //   scale_index = map[r] when scale_by_source, else r.
 // skip_unmapped: rows with map < 0 are left unwritten instead of zeroed.
 // scales: each row's scale row moves with it (zeroed rows get scale 1).
+// dots: see GatherDots.
 void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_source, const RowsRef& out,
-                 int64_t rows, int threads, bool skip_unmapped = false, const ScaleRows* scales = nullptr);
+                 int64_t rows, int threads, bool skip_unmapped = false, const ScaleRows* scales = nullptr,
+                 const GatherDots* dots = nullptr);
 
 // sort_chunks' row map (chunks_cpu.cpp): output positions j = 0..C-1 with
 // first padded row row_begin[j] (nondecreasing), first source row

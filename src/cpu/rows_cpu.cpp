@@ -2,6 +2,7 @@
 // dots (wgrad) and gather-by-map (pad / unpad). Float math is float32; a row
 // without a scale is moved with memcpy, bit for bit.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -11,9 +12,14 @@
 #endif
 #include <cstdlib>
 
-// The sums' token loop has a hand-written AVX2 form on x86-64 with GCC or
-// Clang, picked at run time (CPUID; PADMOE_CPU_NO_AVX2=1 forces the portable
-// loops, so both can be tested on one machine).
+// The bf16 kernels (the sums, the scaled moves, the dots, and the fused sums
+// + dots) have hand-written AVX2 forms on x86-64 with GCC or Clang, picked at
+// run time (CPUID; PADMOE_CPU_NO_AVX2=1 forces the portable loops, so both can
+// be tested on one machine). Each gives the bits of the code it replaced on
+// this path (GCC 12's builds of the target_clones loops, and the first AVX2
+// sums), NaN payloads included: see the pinned operand orders below. (Where
+// two NaNs meet, the AVX2 sums and the portable sums can pick different
+// payloads, as before.)
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define PADMOE_AVX2_SUMS 1
 #include <immintrin.h>
@@ -101,6 +107,16 @@ PADMOE_CPU_CLONES void dot_chunk(float* lanes, const char* a_bytes, const char* 
   for (; i < end; ++i) lanes[i % kLanes] += T::ld(a[i]) * T::ld(b[i]);
 }
 
+// dot_chunk called through its load-time dispatch, never inlined: the AVX2
+// kernels below finish their rows' last columns with it, and inlined into an
+// AVX2 function GCC would compile it anew, with other operand orders (which
+// decide the payload where two NaNs meet) than the dot_rows loops use.
+template <typename T>
+__attribute__((noinline)) void dot_chunk_call(float* lanes, const char* a, const char* b, int64_t begin,
+                                              int64_t end) {
+  dot_chunk<T>(lanes, a, b, begin, end);
+}
+
 inline float reduce_lanes(float* lanes) {
   for (int width = kLanes / 2; width >= 1; width /= 2) {
     for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
@@ -136,8 +152,15 @@ void reduce_token_generic(char* out, const char* const* rows, const float* weigh
   }
 }
 
+// The rows sit at random places, and the hardware prefetchers start each row
+// (and each 4 KiB page of it) cold: the AVX2 loops ask for the first
+// kPrefetch bytes of every row of a token at once, then stay kPrefetch bytes
+// ahead (measured: 512 B best of 256-2048, about 20% less time than no
+// prefetch; bench/results/cpu-sums-2026-12-01.md).
+constexpr int64_t kPrefetch = 512;
+
 #if defined(PADMOE_AVX2_SUMS)
-bool use_avx2_sums() {
+bool use_avx2() {
   static const bool use = [] {
     const char* off = std::getenv("PADMOE_CPU_NO_AVX2");
     if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
@@ -147,27 +170,186 @@ bool use_avx2_sums() {
   return use;
 }
 
-// 16 bf16 at p -> two vectors of 8 floats (exact: the bits shifted up).
-__attribute__((target("avx2"))) inline void load_bf16x16(const char* p, __m256& lo, __m256& hi) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
-  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+
+__attribute__((target("avx2"))) inline void prefetch_row_starts(const char* const* rows, int n, int64_t bytes) {
+  for (int q = 0; q < n; ++q) {
+    for (int64_t b = 0; b < kPrefetch && b < bytes; b += 64) _mm_prefetch(rows[q] + b, _MM_HINT_T0);
+  }
 }
 
-// BF16::st on 8 lanes: round to nearest even, NaN -> (bits >> 16) | 0x40. Results in the low 16 bits.
-__attribute__((target("avx2"))) inline __m256i round_bf16x8(__m256 f) {
+// a + b and a * b with `a` as the instruction's first source. Where both
+// operands of a lane are NaN, x86 returns the first source's payload, so the
+// order is part of the result's bits; the compiler may swap the operands of
+// _mm256_add_ps / _mm256_mul_ps (they are commutative), so these pin the order
+// the loops had before: acc + w * x, lane + b * a (the dot loops as GCC
+// vectorized them), w * x.
+__attribute__((target("avx2"))) inline __m256 add_ps_first(__m256 a, __m256 b) {
+  __m256 r;
+  __asm__("vaddps %2, %1, %0" : "=x"(r) : "x"(a), "xm"(b));
+  return r;
+}
+__attribute__((target("avx2"))) inline __m256 mul_ps_first(__m256 a, __m256 b) {
+  __m256 r;
+  __asm__("vmulps %2, %1, %0" : "=x"(r) : "x"(a), "xm"(b));
+  return r;
+}
+
+// The bf16 vectors keep each 32-bit lane's two elements where they are: of the
+// 16 bf16 at p, `even` holds elements 0, 2, ..., 14 as float32 (the low halves
+// shifted up) and `odd` elements 1, 3, ..., 15 (the high halves, masked).
+// Exact, and no shuffles (the cvtepu16 / packus / permute form they replace
+// kept the shuffle port busy: bench/results/cpu-sums-2026-12-01.md).
+__attribute__((target("avx2"))) inline void load_bf16_eo(const char* p, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// BF16::st before its final shift: the bf16 is the high 16 bits of
+// u + 0x7fff + ((u >> 16) & 1) (round to nearest even), or of u | 0x400000 for
+// a NaN (BF16::st's (u >> 16) | 0x40).
+__attribute__((target("avx2"))) inline __m256i round_bf16_high(__m256 f) {
   const __m256i u = _mm256_castps_si256(f);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-  return _mm256_blendv_epi8(rounded, quiet, nan);
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
 }
 
-// Two vectors of 8 rounded lanes -> 16 bf16 at p.
-__attribute__((target("avx2"))) inline void store_bf16x16(char* p, __m256 lo, __m256 hi) {
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bf16x8(lo), round_bf16x8(hi)), 0xd8);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+__attribute__((target("avx2"))) inline __m256i quiet_nans(__m256 f, __m256i rounded) {
+  const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);  // BF16::st's (u & 0x7fffffff) > 0x7f800000
+  const __m256i quiet = _mm256_or_si256(_mm256_castps_si256(f), _mm256_set1_epi32(0x400000));
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), nan));
+}
+
+// The rounded even / odd lanes -> 16 bf16 in memory order: the even results
+// shifted down into the low halves, the odd ones kept in the high halves.
+__attribute__((target("avx2"))) inline __m256i merge_bf16_eo(__m256i even_high, __m256i odd_high) {
+  return _mm256_blend_epi16(_mm256_srli_epi32(even_high, 16), odd_high, 0xaa);
+}
+
+// The even / odd float32 lanes of 16 elements -> their 16 bf16 (BF16::st each),
+// in memory order. NaNs are rare: one test per 16 lanes, the select only then.
+__attribute__((target("avx2"))) inline __m256i pack_bf16_eo(__m256 even, __m256 odd) {
+  __m256i re = round_bf16_high(even);
+  __m256i ro = round_bf16_high(odd);
+  const __m256 nan = _mm256_or_ps(_mm256_cmp_ps(even, even, _CMP_UNORD_Q), _mm256_cmp_ps(odd, odd, _CMP_UNORD_Q));
+  if (!_mm256_testz_ps(nan, nan)) {
+    re = quiet_nans(even, re);
+    ro = quiet_nans(odd, ro);
+  }
+  return merge_bf16_eo(re, ro);
+}
+
+// True when none of the n bf16 at p is an Inf or a NaN (exponent bits all ones).
+__attribute__((target("avx2"))) bool bf16_finite_avx2(const char* p, int64_t n) {
+  const __m256i e = _mm256_set1_epi16(0x7f80);
+  __m256i any = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {  // 64 bytes: a line, and one kPrefetch bytes ahead
+    if ((i + 32) * 2 + kPrefetch <= n * 2) _mm_prefetch(p + i * 2 + kPrefetch, _MM_HINT_T0);
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 2));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 2 + 32));
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi16(_mm256_and_si256(v0, e), e));
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi16(_mm256_and_si256(v1, e), e));
+  }
+  for (; i + 16 <= n; i += 16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 2));
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi16(_mm256_and_si256(v, e), e));
+  }
+  if (!_mm256_testz_si256(any, any)) return false;
+  const auto* s = reinterpret_cast<const uint16_t*>(p);
+  for (; i < n; ++i) {
+    if ((s[i] & 0x7f80u) == 0x7f80u) return false;
+  }
+  return true;
+}
+
+template <bool kStream>
+__attribute__((target("avx2"))) inline void store_bf16x16(char* p, __m256i v) {
+  if (kStream) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+}
+
+// dst = src * w for n bf16 (BF16::st(BF16::ld(s) * w) per element). kStream:
+// dst is 32-byte aligned and written with non-temporal stores (the tail of
+// n mod 16 elements with ordinary ones). src_finite: src holds no Inf / NaN
+// (bf16_finite_avx2); with a finite w no product is then a NaN, and the loop
+// drops the NaN tests (a third of its instructions: the loop is bound by
+// instructions, not memory, when K copies of an L1-resident row are written).
+template <bool kStream>
+__attribute__((target("avx2"))) void scale_row_bf16_avx2(char* dst, const char* src, int64_t n, float w,
+                                                         bool src_finite) {
+  const __m256 wv = _mm256_set1_ps(w);
+  int64_t i = 0;
+  if (src_finite && std::isfinite(w)) {
+    for (; i + 16 <= n; i += 16) {
+      __m256 e, o;
+      load_bf16_eo(src + i * 2, e, o);
+      store_bf16x16<kStream>(dst + i * 2,
+                             merge_bf16_eo(round_bf16_high(mul_ps_first(wv, e)), round_bf16_high(mul_ps_first(wv, o))));
+    }
+  } else {
+    for (; i + 16 <= n; i += 16) {
+      __m256 e, o;
+      load_bf16_eo(src + i * 2, e, o);
+      store_bf16x16<kStream>(dst + i * 2, pack_bf16_eo(mul_ps_first(wv, e), mul_ps_first(wv, o)));
+    }
+  }
+  auto* d = reinterpret_cast<uint16_t*>(dst);
+  const auto* s = reinterpret_cast<const uint16_t*>(src);
+  for (; i < n; ++i) d[i] = BF16::st(BF16::ld(s[i]) * w);
+}
+
+// dot_rows for bf16 over columns [0, cols64) (cols rounded down to 64), by
+// the 16-lane rule of dot_chunk (element i into lane i % 16, ascending i):
+// 64 columns of b at a time in 8 registers (even / odd halves of each 16),
+// the n rows streaming by side by side as in the sums, each row's lanes
+// (even lanes, then odd lanes) kept in L1 between blocks. Row q's lanes in
+// lane order end in lanes[q]; finish_dots adds the last columns.
+__attribute__((target("avx2"))) void dot_rows_bf16_avx2(const char* const* a, int n, const char* b, int64_t cols,
+                                                        int64_t cols64, float (*lanes)[kLanes]) {
+  alignas(32) float eo[kMaxDotRows][kLanes] = {};
+  prefetch_row_starts(a, n, cols * 2);
+  prefetch_row_starts(&b, 1, cols * 2);
+  for (int64_t c = 0; c < cols64; c += 64) {
+    if (c * 2 + kPrefetch < cols * 2) {  // b too may come from memory (wgrad's grad rows)
+      _mm_prefetch(b + c * 2 + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(b + c * 2 + kPrefetch + 64, _MM_HINT_T0);
+    }
+    __m256 b0, b1, b2, b3, b4, b5, b6, b7;
+    load_bf16_eo(b + c * 2, b0, b1);
+    load_bf16_eo(b + c * 2 + 32, b2, b3);
+    load_bf16_eo(b + c * 2 + 64, b4, b5);
+    load_bf16_eo(b + c * 2 + 96, b6, b7);
+    for (int q = 0; q < n; ++q) {
+      const char* r = a[q] + c * 2;
+      if (c * 2 + kPrefetch < cols * 2) {  // two lines, kPrefetch bytes ahead in the row
+        _mm_prefetch(r + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(r + kPrefetch + 64, _MM_HINT_T0);
+      }
+      __m256 se = _mm256_load_ps(eo[q]), so = _mm256_load_ps(eo[q] + 8);
+      __m256 ae, ao;
+      load_bf16_eo(r, ae, ao);
+      se = add_ps_first(se, mul_ps_first(b0, ae));
+      so = add_ps_first(so, mul_ps_first(b1, ao));
+      load_bf16_eo(r + 32, ae, ao);
+      se = add_ps_first(se, mul_ps_first(b2, ae));
+      so = add_ps_first(so, mul_ps_first(b3, ao));
+      load_bf16_eo(r + 64, ae, ao);
+      se = add_ps_first(se, mul_ps_first(b4, ae));
+      so = add_ps_first(so, mul_ps_first(b5, ao));
+      load_bf16_eo(r + 96, ae, ao);
+      se = add_ps_first(se, mul_ps_first(b6, ae));
+      so = add_ps_first(so, mul_ps_first(b7, ao));
+      _mm256_store_ps(eo[q], se);
+      _mm256_store_ps(eo[q] + 8, so);
+    }
+  }
+  for (int q = 0; q < n; ++q) {
+    for (int j = 0; j < 8; ++j) {
+      lanes[q][2 * j] = eo[q][j];
+      lanes[q][2 * j + 1] = eo[q][8 + j];
+    }
+  }
 }
 
 // 64 columns at a time, the 64 float32 sums held in 8 registers while the n
@@ -175,14 +357,7 @@ __attribute__((target("avx2"))) inline void store_bf16x16(char* p, __m256 lo, __
 __attribute__((target("avx2"))) void reduce_token_bf16_avx2(char* out, const char* const* rows, const float* weights,
                                                             int n, int64_t cols, int64_t tile, float* acc) {
   constexpr int64_t kBlock = 64;
-  // The rows sit at random places, and the hardware prefetchers start each
-  // row (and each 4 KiB page of it) cold: ask for the first kPrefetch bytes of
-  // every row at once, then stay kPrefetch bytes ahead (measured: 512 B best of
-  // 256-2048, about 20% less time than no prefetch; bench/results/cpu-sums-2026-12-01.md).
-  constexpr int64_t kPrefetch = 512;
-  for (int q = 0; q < n; ++q) {
-    for (int64_t b = 0; b < kPrefetch && b < cols * 2; b += 64) _mm_prefetch(rows[q] + b, _MM_HINT_T0);
-  }
+  prefetch_row_starts(rows, n, cols * 2);
   int64_t c = 0;
   for (; c + kBlock <= cols; c += kBlock) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
@@ -193,29 +368,184 @@ __attribute__((target("avx2"))) void reduce_token_bf16_avx2(char* out, const cha
         _mm_prefetch(r + kPrefetch + 64, _MM_HINT_T0);
       }
       const __m256 w = _mm256_set1_ps(weights[q]);
-      __m256 a, b;
-      load_bf16x16(r, a, b);
-      s0 = _mm256_add_ps(s0, _mm256_mul_ps(w, a));
-      s1 = _mm256_add_ps(s1, _mm256_mul_ps(w, b));
-      load_bf16x16(r + 32, a, b);
-      s2 = _mm256_add_ps(s2, _mm256_mul_ps(w, a));
-      s3 = _mm256_add_ps(s3, _mm256_mul_ps(w, b));
-      load_bf16x16(r + 64, a, b);
-      s4 = _mm256_add_ps(s4, _mm256_mul_ps(w, a));
-      s5 = _mm256_add_ps(s5, _mm256_mul_ps(w, b));
-      load_bf16x16(r + 96, a, b);
-      s6 = _mm256_add_ps(s6, _mm256_mul_ps(w, a));
-      s7 = _mm256_add_ps(s7, _mm256_mul_ps(w, b));
+      __m256 a, b;  // s(2j) holds the even columns of 16, s(2j+1) the odd ones
+      load_bf16_eo(r, a, b);
+      s0 = add_ps_first(s0, mul_ps_first(w, a));
+      s1 = add_ps_first(s1, mul_ps_first(w, b));
+      load_bf16_eo(r + 32, a, b);
+      s2 = add_ps_first(s2, mul_ps_first(w, a));
+      s3 = add_ps_first(s3, mul_ps_first(w, b));
+      load_bf16_eo(r + 64, a, b);
+      s4 = add_ps_first(s4, mul_ps_first(w, a));
+      s5 = add_ps_first(s5, mul_ps_first(w, b));
+      load_bf16_eo(r + 96, a, b);
+      s6 = add_ps_first(s6, mul_ps_first(w, a));
+      s7 = add_ps_first(s7, mul_ps_first(w, b));
     }
-    char* o = out + c * 2;
-    store_bf16x16(o, s0, s1);
-    store_bf16x16(o + 32, s2, s3);
-    store_bf16x16(o + 64, s4, s5);
-    store_bf16x16(o + 96, s6, s7);
+    __m256i* o = reinterpret_cast<__m256i*>(out + c * 2);
+    _mm256_storeu_si256(o, pack_bf16_eo(s0, s1));
+    _mm256_storeu_si256(o + 1, pack_bf16_eo(s2, s3));
+    _mm256_storeu_si256(o + 2, pack_bf16_eo(s4, s5));
+    _mm256_storeu_si256(o + 3, pack_bf16_eo(s6, s7));
   }
   if (c < cols) reduce_token_generic<BF16>(out, rows, weights, n, c, cols, tile, acc);
 }
+
+// reduce_token_bf16_avx2 plus the n dot products of the same rows with x (the
+// backward of gather / dispatch: grad_x and grad_weights) in one pass over
+// the rows. Each 64-column block of x is converted to float32 once for the n
+// rows (into xb, L1); the dots' lanes (by dot_chunk's rule:
+// even lanes then odd lanes of row q at lanes + 16 q) stay in L1 between the
+// 64-column blocks, as the 64 sums need 8 of the 16 registers. The last
+// cols mod 64 columns of the sums go by the portable form; dots + 16 q gets
+// row q's lanes over the first cols64 columns (finish_dots adds the rest).
+__attribute__((target("avx2"))) void reduce_dots_token_bf16_avx2(char* out, const char* const* rows,
+                                                                 const float* weights, int n, int64_t cols,
+                                                                 int64_t tile, float* acc, const char* x, float* lanes,
+                                                                 float* dots) {
+  constexpr int64_t kBlock = 64;
+  const int64_t cols64 = cols & ~(kBlock - 1);
+  prefetch_row_starts(rows, n, cols * 2);
+  prefetch_row_starts(&x, 1, cols * 2);
+  for (int q = 0; q < n; ++q) std::fill(lanes + q * kLanes, lanes + (q + 1) * kLanes, 0.0f);
+  alignas(32) float xb[kBlock];
+  for (int64_t c = 0; c < cols64; c += kBlock) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+    // This block of x as float32 (even / odd halves of each 16), for the n dots.
+    if (c * 2 + kPrefetch < cols * 2) {
+      _mm_prefetch(x + c * 2 + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(x + c * 2 + kPrefetch + 64, _MM_HINT_T0);
+    }
+    for (int i = 0; i < kBlock; i += 16) {
+      __m256 e, o;
+      load_bf16_eo(x + (c + i) * 2, e, o);
+      _mm256_store_ps(xb + i, e);
+      _mm256_store_ps(xb + i + 8, o);
+    }
+    for (int q = 0; q < n; ++q) {
+      const char* r = rows[q] + c * 2;
+      if (c * 2 + kPrefetch < cols * 2) {
+        _mm_prefetch(r + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(r + kPrefetch + 64, _MM_HINT_T0);
+      }
+      const __m256 w = _mm256_set1_ps(weights[q]);
+      float* lq = lanes + q * kLanes;
+      __m256 de = _mm256_loadu_ps(lq), dd = _mm256_loadu_ps(lq + 8);
+      __m256 a, b;
+      load_bf16_eo(r, a, b);
+      s0 = add_ps_first(s0, mul_ps_first(w, a));
+      s1 = add_ps_first(s1, mul_ps_first(w, b));
+      de = add_ps_first(de, mul_ps_first(_mm256_load_ps(xb), a));
+      dd = add_ps_first(dd, mul_ps_first(_mm256_load_ps(xb + 8), b));
+      load_bf16_eo(r + 32, a, b);
+      s2 = add_ps_first(s2, mul_ps_first(w, a));
+      s3 = add_ps_first(s3, mul_ps_first(w, b));
+      de = add_ps_first(de, mul_ps_first(_mm256_load_ps(xb + 16), a));
+      dd = add_ps_first(dd, mul_ps_first(_mm256_load_ps(xb + 24), b));
+      load_bf16_eo(r + 64, a, b);
+      s4 = add_ps_first(s4, mul_ps_first(w, a));
+      s5 = add_ps_first(s5, mul_ps_first(w, b));
+      de = add_ps_first(de, mul_ps_first(_mm256_load_ps(xb + 32), a));
+      dd = add_ps_first(dd, mul_ps_first(_mm256_load_ps(xb + 40), b));
+      load_bf16_eo(r + 96, a, b);
+      s6 = add_ps_first(s6, mul_ps_first(w, a));
+      s7 = add_ps_first(s7, mul_ps_first(w, b));
+      de = add_ps_first(de, mul_ps_first(_mm256_load_ps(xb + 48), a));
+      dd = add_ps_first(dd, mul_ps_first(_mm256_load_ps(xb + 56), b));
+      _mm256_storeu_ps(lq, de);
+      _mm256_storeu_ps(lq + 8, dd);
+    }
+    __m256i* o = reinterpret_cast<__m256i*>(out + c * 2);
+    _mm256_storeu_si256(o, pack_bf16_eo(s0, s1));
+    _mm256_storeu_si256(o + 1, pack_bf16_eo(s2, s3));
+    _mm256_storeu_si256(o + 2, pack_bf16_eo(s4, s5));
+    _mm256_storeu_si256(o + 3, pack_bf16_eo(s6, s7));
+  }
+  if (cols64 < cols) reduce_token_generic<BF16>(out, rows, weights, n, cols64, cols, tile, acc);
+  for (int q = 0; q < n; ++q) {  // even / odd -> lane order, for finish_dots
+    float* l = dots + q * kLanes;
+    for (int j = 0; j < 8; ++j) {
+      l[2 * j] = lanes[q * kLanes + j];
+      l[2 * j + 1] = lanes[q * kLanes + 8 + j];
+    }
+  }
+}
 #endif
+
+// (__builtin_prefetch: GCC and Clang on every target; a no-op where there is none.)
+inline void prefetch_bytes(const char* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+// The first kPrefetch bytes of the rows of token t's live assignments: the
+// token loops ask for the next token's rows while this one runs, so that each
+// token's K rows start warm.
+inline void prefetch_token_rows(const RowsRef& y, const int32_t* dest, int64_t t, int top_k) {
+  const int64_t bytes = std::min(kPrefetch, y.row_bytes());
+  for (int k = 0; k < top_k; ++k) {
+    const int64_t r = dest[index::assignment_id(t, k, top_k)];
+    if (r < 0) continue;
+    prefetch_bytes(y.row(r), bytes);
+  }
+}
+
+// The row kernels' entry points: the AVX2 bf16 forms where they run, else
+// the portable loops (the same bits either way).
+// src_finite (bf16 with AVX2): 1 when src holds no Inf / NaN, 0 when it may,
+// -1 when not known (then tested here).
+template <typename T>
+void scale_row_any(char* dst, const char* src, int64_t n, float w, int src_finite = -1) {
+#if defined(PADMOE_AVX2_SUMS)
+  if (std::is_same<T, BF16>::value && use_avx2()) {
+    scale_row_bf16_avx2<false>(dst, src, n, w, src_finite < 0 ? bf16_finite_avx2(src, n) : src_finite != 0);
+    return;
+  }
+#endif
+  (void)src_finite;  // the AVX2 bf16 form's hint
+  scale_row<T>(dst, src, n, w);
+}
+
+#if defined(PADMOE_AVX2_SUMS)
+// reduce_lanes with each add's first operand pinned (the first operand's
+// payload wins where two NaNs meet; a plain + may be compiled either way):
+// the order GCC 12 compiled dot_rows' tree to, lanes[j + width] + lanes[j] for
+// the widths 8 and 4 (vectorized), lanes[j] + lanes[j + width] for 2 and 1.
+inline float reduce_lanes_pinned(float* lanes) {
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int j = 0; j < width; ++j) {
+      float a = width >= 4 ? lanes[j + width] : lanes[j];
+      const float b = width >= 4 ? lanes[j] : lanes[j + width];
+      __asm__("addss %1, %0" : "+x"(a) : "xm"(b));
+      lanes[j] = a;
+    }
+  }
+  return lanes[0];
+}
+
+// out[q] from lanes over columns [0, done): the columns [done, cols) added
+// with dot_chunk (its load-time clone, as dot_rows runs it), the lanes reduced.
+inline void finish_dots(float (*lanes)[kLanes], int n, const char* const* a, const char* b, int64_t done,
+                        int64_t cols, float* out) {
+  for (int q = 0; q < n; ++q) {
+    if (done < cols) dot_chunk_call<BF16>(lanes[q], a[q], b, done, cols);
+    out[q] = reduce_lanes_pinned(lanes[q]);
+  }
+}
+#endif  // PADMOE_AVX2_SUMS
+
+template <typename T>
+void dot_rows_any(const char* const* a, int n, const char* b, int64_t cols, float* out) {
+#if defined(PADMOE_AVX2_SUMS)
+  if (std::is_same<T, BF16>::value && use_avx2()) {
+    float lanes[kMaxDotRows][kLanes];
+    const int64_t cols64 = cols & ~int64_t{63};
+    dot_rows_bf16_avx2(a, n, b, cols, cols64, lanes);
+    finish_dots(lanes, n, a, b, cols64, cols, out);
+    return;
+  }
+#endif
+  dot_rows<T>(a, n, b, cols, out);
+}
 
 // Calls f.template operator()<Traits>() for a float32/16/bf16 dtype.
 template <typename F>
@@ -282,19 +612,27 @@ void store_fence() {
 
 // dst = src * w. Streamed outputs are scaled into an L1-resident tile first
 // and then streamed out (chunks of 4 KiB keep dst's 16-byte alignment).
+// src_finite: as for scale_row_any.
 template <typename T>
-void scale_row_to(char* dst, const char* src, int64_t n, float w, Store mode) {
+void scale_row_to(char* dst, const char* src, int64_t n, float w, Store mode, int src_finite = -1) {
   if (mode == Store::kCached) {
-    scale_row<T>(dst, src, n, w);
+    scale_row_any<T>(dst, src, n, w, src_finite);
     return;
   }
+#if defined(PADMOE_AVX2_SUMS)
+  // bf16 with AVX2 and a 32-byte aligned row: scaled straight into streaming stores.
+  if (std::is_same<T, BF16>::value && use_avx2() && (reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
+    scale_row_bf16_avx2<true>(dst, src, n, w, src_finite < 0 ? bf16_finite_avx2(src, n) : src_finite != 0);
+    return;
+  }
+#endif
   constexpr int64_t kChunkBytes = 4096;
   alignas(64) char tile[kChunkBytes];
   const int64_t es = static_cast<int64_t>(sizeof(typename T::S));
   const int64_t per = kChunkBytes / es;
   for (int64_t c = 0; c < n; c += per) {
     const int64_t len = std::min(per, n - c);
-    scale_row<T>(tile, src + c * es, len, w);
+    scale_row_any<T>(tile, src + c * es, len, w, src_finite);
     copy_row(dst + c * es, tile, len * es, mode);
   }
 }
@@ -354,7 +692,7 @@ void token_dots(const RowsRef& with, const int32_t* dest, int64_t t, int top_k, 
       rows[n] = with.row(dest[a]);
       ids[n++] = a;
     }
-    dot_rows<T>(rows, n, b, cols, vals);
+    dot_rows_any<T>(rows, n, b, cols, vals);
     for (int q = 0; q < n; ++q) dots.store(ids[q], vals[q]);
   }
 }
@@ -388,15 +726,27 @@ void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, cons
       const index::Range tr = index::work_range(wid, workers, tokens);
       for (int64_t t = tr.begin; t < tr.end; ++t) {
         const char* src = x.row(t);
+        // bf16 with AVX2: x[t] tested for Inf / NaN once for its K scaled copies.
+        int finite = -1;
+#if defined(PADMOE_AVX2_SUMS)
+        if (std::is_same<T, BF16>::value && w.present() && use_avx2()) finite = bf16_finite_avx2(src, x.cols);
+#endif
         for (int k = 0; k < top_k; ++k) {
           const int64_t a = index::assignment_id(t, k, top_k);
           const int64_t r = dest[a];
           if (r < 0) continue;
-          if (w.present()) scale_row_to<T>(y.row(r), src, x.cols, w.at(a), mode);
+          if (w.present()) scale_row_to<T>(y.row(r), src, x.cols, w.at(a), mode, finite);
           else copy_row(y.row(r), src, row_bytes, mode);
           if (scales != nullptr) scales->copy(r, t);  // the row's scales, by the same worker
         }
-        if (dots_with != nullptr) token_dots<T>(*dots_with, dest, t, top_k, src, x.cols, dots);
+        if (dots_with != nullptr) {
+#if defined(PADMOE_AVX2_SUMS)
+          if (std::is_same<T, BF16>::value && use_avx2() && t + 1 < tr.end) {
+            prefetch_token_rows(*dots_with, dest, t + 1, top_k);
+          }
+#endif
+          token_dots<T>(*dots_with, dest, t, top_k, src, x.cols, dots);
+        }
       }
       // Padding rows: this worker's share of [0, P) (and of [P, rows) with zero_past_end).
       const index::Range pr = index::work_range(wid, workers, zero_end - zero_begin);
@@ -412,7 +762,7 @@ void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, cons
 }
 
 void reduce_rows(const RowsRef& y, int top_k, const int32_t* dest, Scale w, const RowsRef& out, int block_x,
-                 int threads) {
+                 int threads, const RowsRef* dots_with, FloatOut dots) {
   const int64_t tokens = out.rows;
   const int64_t hidden = out.cols;
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(block_x, std::max<int64_t>(hidden, 1)));
@@ -424,10 +774,19 @@ void reduce_rows(const RowsRef& y, int top_k, const int32_t* dest, Scale w, cons
       std::vector<const char*> rows(static_cast<size_t>(top_k));
       std::vector<float> weights(static_cast<size_t>(top_k));
 #if defined(PADMOE_AVX2_SUMS)
-      const bool avx2 = use_avx2_sums();
+      const bool avx2 = use_avx2();
+      const bool fused = std::is_same<T, BF16>::value && avx2 && dots_with != nullptr;
+      // the fused kernel's buffers
+      std::vector<float> lanes(fused ? static_cast<size_t>(top_k) * kLanes : 0);
+      std::vector<float> dot_lanes(fused ? static_cast<size_t>(top_k) * kLanes : 0);
+      std::vector<float> vals(fused ? static_cast<size_t>(top_k) : 0);
+      std::vector<int64_t> ids(fused ? static_cast<size_t>(top_k) : 0);
 #endif
       const index::Range tr = index::work_range(wid, workers, tokens);
       for (int64_t t = tr.begin; t < tr.end; ++t) {
+#if defined(PADMOE_AVX2_SUMS)
+        if (avx2 && t + 1 < tr.end) prefetch_token_rows(y, dest, t + 1, top_k);
+#endif
         int n = 0;  // this token's live assignments, ascending k
         for (int k = 0; k < top_k; ++k) {
           const int64_t a = index::assignment_id(t, k, top_k);
@@ -437,12 +796,29 @@ void reduce_rows(const RowsRef& y, int top_k, const int32_t* dest, Scale w, cons
         }
         // Small column tiles keep the K source rows streaming side by side.
 #if defined(PADMOE_AVX2_SUMS)
-        if (std::is_same<T, BF16>::value && avx2) {
-          reduce_token_bf16_avx2(out.row(t), rows.data(), weights.data(), n, hidden, tile, acc.data());
+        if (fused) {  // the sums and the dots in one pass over the K rows
+          int q = 0;
+          for (int k = 0; k < top_k; ++k) {
+            const int64_t a = index::assignment_id(t, k, top_k);
+            if (dest[a] < 0) dots.store(a, 0.0f);
+            else ids[q++] = a;
+          }
+          auto* dl = reinterpret_cast<float(*)[kLanes]>(dot_lanes.data());
+          reduce_dots_token_bf16_avx2(out.row(t), rows.data(), weights.data(), n, hidden, tile, acc.data(),
+                                      dots_with->row(t), lanes.data(), dot_lanes.data());
+          finish_dots(dl, n, rows.data(), dots_with->row(t), hidden & ~int64_t{63}, hidden, vals.data());
+          for (q = 0; q < n; ++q) dots.store(ids[q], vals[q]);
           continue;
         }
+        if (std::is_same<T, BF16>::value && avx2) {
+          reduce_token_bf16_avx2(out.row(t), rows.data(), weights.data(), n, hidden, tile, acc.data());
+        } else
 #endif
-        reduce_token_generic<T>(out.row(t), rows.data(), weights.data(), n, 0, hidden, tile, acc.data());
+        {
+          reduce_token_generic<T>(out.row(t), rows.data(), weights.data(), n, 0, hidden, tile, acc.data());
+        }
+        // The weight gradients of the same token while its K rows are still in cache.
+        if (dots_with != nullptr) token_dots<T>(y, dest, t, top_k, dots_with->row(t), hidden, dots);
       }
     });
   });
@@ -455,23 +831,41 @@ void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest
   with_traits(y.dtype, [&](auto traits) {
     using T = decltype(traits);
     parallel_run(workers, [&](int wid) {
+#if defined(PADMOE_AVX2_SUMS)
+      const bool avx2 = std::is_same<T, BF16>::value && use_avx2();
+#endif
       const index::Range tr = index::work_range(wid, workers, tokens);
-      for (int64_t t = tr.begin; t < tr.end; ++t) token_dots<T>(y, dest, t, top_k, g.row(t), g.cols, out);
+      for (int64_t t = tr.begin; t < tr.end; ++t) {
+#if defined(PADMOE_AVX2_SUMS)
+        if (avx2 && t + 1 < tr.end) prefetch_token_rows(y, dest, t + 1, top_k);
+#endif
+        token_dots<T>(y, dest, t, top_k, g.row(t), g.cols, out);
+      }
     });
   });
 }
 
 void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_source, const RowsRef& out,
-                 int64_t rows, int threads, bool skip_unmapped, const ScaleRows* scales) {
+                 int64_t rows, int threads, bool skip_unmapped, const ScaleRows* scales, const GatherDots* dots) {
   const int64_t row_bytes = out.row_bytes();
   const int workers = workers_for(threads, rows, 2 * row_bytes);
   const Store mode = store_mode(rows * row_bytes);
   auto run = [&](auto traits) {
     using T = decltype(traits);
     parallel_run(workers, [&](int wid) {
+#if defined(PADMOE_AVX2_SUMS)
+      const bool warm = std::is_same<T, BF16>::value && use_avx2();
+      const int64_t head = std::min(kPrefetch, row_bytes);
+#endif
       const index::Range rr = index::work_range(wid, workers, rows);
       for (int64_t r = rr.begin; r < rr.end; ++r) {
         const int64_t from = map[r];
+#if defined(PADMOE_AVX2_SUMS)
+        if (warm) {  // the next row's source, and this row's dot partner, start warm
+          if (r + 1 < rr.end && map[r + 1] >= 0) prefetch_bytes(src.row(map[r + 1]), head);
+          if (dots != nullptr && from >= 0) prefetch_bytes(dots->with.row(r), head);
+        }
+#endif
         if (from < 0) {
           if (!skip_unmapped) zero_row(out.row(r), row_bytes, mode);
         }
@@ -481,11 +875,23 @@ void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_
           if (from >= 0) scales->copy(r, from);
           else if (!skip_unmapped) scales->fill_one(r);
         }
+        if (dots != nullptr && from >= 0) {  // the source row was just read: still in cache
+          float v = 0.0f;
+          const char* a = dots->with.row(r);
+          dot_rows_any<T>(&a, 1, src.row(from), src.cols, &v);
+          dots->out.store(from, v);
+        }
+      }
+      if (dots != nullptr) {  // this worker's share of the rows no map entry names
+        const index::Range nr = index::work_range(wid, workers, dots->count);
+        for (int64_t n = nr.begin; n < nr.end; ++n) {
+          if (dots->inverse[n] < 0) dots->out.store(n, 0.0f);
+        }
       }
       store_fence();
     });
   };
-  if (s.present()) with_traits(src.dtype, run);
+  if (s.present() || dots != nullptr) with_traits(src.dtype, run);
   else run(F32{});  // moves only: the traits are unused
 }
 
