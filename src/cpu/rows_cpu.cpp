@@ -177,6 +177,15 @@ __attribute__((target("avx2"))) inline void prefetch_row_starts(const char* cons
   }
 }
 
+// The two lines kPrefetch bytes ahead of byte `at` of a row of `bytes` bytes
+// (the 64-column blocks' step: 128 bytes of bf16 per block).
+__attribute__((target("avx2"), always_inline)) inline void prefetch_ahead(const char* row, int64_t at, int64_t bytes) {
+  if (at + kPrefetch < bytes) {
+    _mm_prefetch(row + at + kPrefetch, _MM_HINT_T0);
+    _mm_prefetch(row + at + kPrefetch + 64, _MM_HINT_T0);
+  }
+}
+
 // a + b and a * b with `a` as the instruction's first source. Where both
 // operands of a lane are NaN, x86 returns the first source's payload, so the
 // order is part of the result's bits; the compiler may swap the operands of
@@ -311,10 +320,7 @@ __attribute__((target("avx2"))) void dot_rows_bf16_avx2(const char* const* a, in
   prefetch_row_starts(a, n, cols * 2);
   prefetch_row_starts(&b, 1, cols * 2);
   for (int64_t c = 0; c < cols64; c += 64) {
-    if (c * 2 + kPrefetch < cols * 2) {  // b too may come from memory (wgrad's grad rows)
-      _mm_prefetch(b + c * 2 + kPrefetch, _MM_HINT_T0);
-      _mm_prefetch(b + c * 2 + kPrefetch + 64, _MM_HINT_T0);
-    }
+    prefetch_ahead(b, c * 2, cols * 2);  // b too may come from memory (wgrad's grad rows)
     __m256 b0, b1, b2, b3, b4, b5, b6, b7;
     load_bf16_eo(b + c * 2, b0, b1);
     load_bf16_eo(b + c * 2 + 32, b2, b3);
@@ -322,10 +328,7 @@ __attribute__((target("avx2"))) void dot_rows_bf16_avx2(const char* const* a, in
     load_bf16_eo(b + c * 2 + 96, b6, b7);
     for (int q = 0; q < n; ++q) {
       const char* r = a[q] + c * 2;
-      if (c * 2 + kPrefetch < cols * 2) {  // two lines, kPrefetch bytes ahead in the row
-        _mm_prefetch(r + kPrefetch, _MM_HINT_T0);
-        _mm_prefetch(r + kPrefetch + 64, _MM_HINT_T0);
-      }
+      prefetch_ahead(a[q], c * 2, cols * 2);
       __m256 se = _mm256_load_ps(eo[q]), so = _mm256_load_ps(eo[q] + 8);
       __m256 ae, ao;
       load_bf16_eo(r, ae, ao);
@@ -363,10 +366,7 @@ __attribute__((target("avx2"))) void reduce_token_bf16_avx2(char* out, const cha
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
     for (int q = 0; q < n; ++q) {
       const char* r = rows[q] + c * 2;
-      if (c * 2 + kPrefetch < cols * 2) {  // two lines, kPrefetch bytes ahead in the row
-        _mm_prefetch(r + kPrefetch, _MM_HINT_T0);
-        _mm_prefetch(r + kPrefetch + 64, _MM_HINT_T0);
-      }
+      prefetch_ahead(rows[q], c * 2, cols * 2);
       const __m256 w = _mm256_set1_ps(weights[q]);
       __m256 a, b;  // s(2j) holds the even columns of 16, s(2j+1) the odd ones
       load_bf16_eo(r, a, b);
@@ -412,10 +412,7 @@ __attribute__((target("avx2"))) void reduce_dots_token_bf16_avx2(char* out, cons
   for (int64_t c = 0; c < cols64; c += kBlock) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
     // This block of x as float32 (even / odd halves of each 16), for the n dots.
-    if (c * 2 + kPrefetch < cols * 2) {
-      _mm_prefetch(x + c * 2 + kPrefetch, _MM_HINT_T0);
-      _mm_prefetch(x + c * 2 + kPrefetch + 64, _MM_HINT_T0);
-    }
+    prefetch_ahead(x, c * 2, cols * 2);
     for (int i = 0; i < kBlock; i += 16) {
       __m256 e, o;
       load_bf16_eo(x + (c + i) * 2, e, o);
@@ -424,10 +421,7 @@ __attribute__((target("avx2"))) void reduce_dots_token_bf16_avx2(char* out, cons
     }
     for (int q = 0; q < n; ++q) {
       const char* r = rows[q] + c * 2;
-      if (c * 2 + kPrefetch < cols * 2) {
-        _mm_prefetch(r + kPrefetch, _MM_HINT_T0);
-        _mm_prefetch(r + kPrefetch + 64, _MM_HINT_T0);
-      }
+      prefetch_ahead(rows[q], c * 2, cols * 2);
       const __m256 w = _mm256_set1_ps(weights[q]);
       float* lq = lanes + q * kLanes;
       __m256 de = _mm256_loadu_ps(lq), dd = _mm256_loadu_ps(lq + 8);
