@@ -7,8 +7,11 @@
 # (pip install ., pytest on CUDA, bench/bench_python.py with its chart).
 # Logs go to $OUT (default: ./gpu-out), packed into $OUT/gpu-logs.tgz as well
 # (the device tool brings back only a few files).
-# Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench python triton ep, or
-#        all (default all). triton: padmoe.triton's tests natively and
+# Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench profile python triton ep, or
+#        all (default all; profile is never in all). PADMOE_SANITIZE=0 skips the
+#        sanitizer runs of the tests stage. profile: ncu (clocks left alone) on
+#        the kernels of make_plan, dispatch and combine_backward at deepseek-v3
+#        and decode, one launch each, its sections to profile-*.log. triton: padmoe.triton's tests natively and
 #        bench/bench_triton.py (PADMOE_TRITON_SWEEP=1 adds its launch sweep).
 #        ep: padmoe.torch.distributed over NCCL (needs 2+ GPUs): its tests on
 #        every GPU count they need, bench/bench_ep.py on 2, 4 and 8 GPUs (those present).
@@ -18,7 +21,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 build=${BUILD_DIR:-build-gpu}
 stages=" ${*:-all} "
-want() { [[ "$stages" == *" all "* || "$stages" == *" $1 "* ]]; }
+want() { [[ ( "$stages" == *" all "* && "$1" != profile ) || "$stages" == *" $1 "* ]]; }
 status=0
 step() { echo; echo "=== $*"; }
 run() {  # run a step, keep going, remember failures
@@ -29,7 +32,7 @@ run() {  # run a step, keep going, remember failures
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
-if want tests || want checks || want bench; then
+if want tests || want checks || want bench || want profile; then
   step build
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     > "$out/build.log" 2>&1 && cmake --build "$build" -j "$(nproc)" >> "$out/build.log" 2>&1 \
@@ -41,8 +44,8 @@ if want tests; then
   run cpu-tests ctest --test-dir "$build" -j "$(nproc)" --output-on-failure
   run gpu-tests "$build/padmoe_cuda_tests"
   subset='Determinism*:CheckedMode*:CudaGraph*:CpuVsGpuEdge*'
-  run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
-  run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
+  [ "${PADMOE_SANITIZE:-1}" = "1" ] && run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
+  [ "${PADMOE_SANITIZE:-1}" = "1" ] && run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
 fi
 if want checks; then
   for p in mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode awkward; do
@@ -63,6 +66,17 @@ for o in d["ops"]:
     us, r = o.get("us"), o.get("time_over_floor")
     print(f"  {o['name']:<40} {us if us is None else round(us, 1):>10}  x{r if r is None else round(r, 2)}")
 PY
+  done
+fi
+if want profile; then
+  sections=(--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
+            --section MemoryWorkloadAnalysis --section SchedulerStats)
+  for spec in ${PADMOE_PROFILE_SPECS:-decode:make_plan deepseek-v3:make_plan decode:dispatch(w) deepseek-v3:dispatch(w) decode:combine_backward(w)}; do
+    p=${spec%%:*}; o=${spec#*:}; tag=$(echo "$p-$o" | tr -c 'a-zA-Z0-9\n-' _)
+    run "profile-$tag" ncu --clock-control none "${sections[@]}" --kernel-name regex:'plan_|spread_|reduce_' \
+      --launch-count 8 "$build/padmoe" bench --device cuda --preset "$p" --ops "$o" --warmup 0 --iters 1 --no-reference --no-graph
+    grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Block Size|Grid Size|Waves Per SM|Warp Cycles Per Issued|Issued Ipc|No Eligible|Theoretical Occ" \
+      "$out/profile-$tag.log" | head -n 80
   done
 fi
 pyt=${PADMOE_GPU_PYTARGET:-/tmp/padmoe-pyt}

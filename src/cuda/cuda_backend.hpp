@@ -98,7 +98,9 @@ class Scratch {
 constexpr int kPlanChunk = 2048;  // assignments sorted per block
 // Workspace bytes make_plan needs for A assignments over E experts.
 size_t plan_workspace_bytes(int64_t assignments, int num_experts);
-// Stable counting sort by expert in two launches. Ids are mapped to the plan's
+// Stable counting sort by expert: one launch for E <= 512 (cooperative when
+// it takes more than one block), two launches above or with
+// PADMOE_CUDA_PLAN=split. Ids are mapped to the plan's
 // experts by `remap`; one it maps to -1 (another rank's expert, an invalid id
 // the caller drops, or any id outside [0, E) unchecked) is dropped: dest_rows
 // -1, not counted, and positions past the kept count get indices = bin_ids = -1.
@@ -107,6 +109,10 @@ size_t plan_workspace_bytes(int64_t assignments, int num_experts);
 void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
                const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
                const index::ExpertRemap& remap, int64_t row_capacity, void* workspace, void* stream);
+// Which make_plan kernels run (tests, benchmarks; overrides PADMOE_CUDA_PLAN): -1 the
+// two-launch split path, 0 the fused launch (default), N > 0 the fused launch on at
+// most N blocks (several chunks a block).
+void set_plan_kernel(int mode);
 // Fixed capacity C (one launch): `out` (segments exactly C rows, P = E * C) and
 // the given layouts from `full`, a plan of the same routing at alignment 1
 // holding every kept assignment. Each expert keeps its first C sorted

@@ -1,6 +1,18 @@
-// plan.cu — make_plan on the GPU: a stable counting sort by expert in two
-// launches, no host synchronization.
+// plan.cu — make_plan on the GPU: a stable counting sort by expert, no host
+// synchronization.
 //
+// Fused (the default for E <= 512): one launch of 512-thread blocks; block b
+// owns a contiguous run of 2048-assignment chunks. It ranks its assignments by
+// warp matching (four per thread a chunk), publishes its per-expert counts,
+// and, when the grid has more than one block, waits at a grid barrier (a
+// cooperative launch, so every block is resident); then every block reads
+// the [blocks, E] counts (L2), scans the expert totals (one block scan of
+// packed real / padded counts) and places its assignments from registers
+// (one chunk a block) or from the ranks it left in the workspace (more). At
+// decode size the grid is one block and nothing goes through global memory
+// between the phases.
+//
+// Split (E > 512, or PADMOE_CUDA_PLAN=split): two launches,
 //   1. count: each block takes a chunk of kChunk assignment ids and writes
 //             every assignment's rank among its expert inside the chunk and
 //             the chunk's per-expert counts. Up to kMatchMaxExperts experts a
@@ -18,6 +30,13 @@
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <string>
 
 #include "cuda/common.cuh"
 
@@ -271,6 +290,263 @@ __global__ void __launch_bounds__(kPlaceThreads)
   }
 }
 
+
+// --- fused: one launch -----------------------------------------------------------
+constexpr int kFusedThreads = 512;
+constexpr int kFusedWarps = kFusedThreads / 32;
+constexpr int kFusedItems = kChunk / kFusedThreads;        // assignments a thread ranks per chunk
+constexpr int kFusedPerWarp = kChunk / kFusedWarps;        // a warp's contiguous slice of a chunk
+constexpr int kFusedMaxExperts = kFusedThreads;            // one expert per thread in the scan
+static_assert(kFusedItems * 32 == kFusedPerWarp, "fused plan: a warp's slice is kFusedItems rounds of 32");
+
+size_t fused_smem_bytes(int num_experts) { return static_cast<size_t>(kFusedWarps + 3) * num_experts * sizeof(int); }
+
+__global__ void __launch_bounds__(kFusedThreads)
+    plan_fused_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int chunks_per_block,
+                      int num_experts, int alignment, int32_t* block_counts, int32_t* local_rank,
+                      int64_t row_capacity, int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens,
+                      int32_t* padded_bins, int32_t* indices, int32_t* bin_ids, int32_t* dest_rows,
+                      int32_t* row_sources, int32_t padding_source, int32_t* row_experts, int32_t* block_experts,
+                      int64_t blocks, int32_t* padded_total_out) {
+  using Scan = cub::BlockScan<unsigned long long, kFusedThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ long long s_totals[2];  // real and padded totals
+  extern __shared__ int s_fused[];
+  const int E = num_experts;
+  int* s_wc = s_fused;                       // [warps][E] per-warp counts, then offsets; later [2][E] fills
+  int* s_run = s_fused + kFusedWarps * E;    // [E] this block's running count per expert
+  int* s_pos = s_run + E;                    // [E] sorted position of the block's first of e
+  int* s_row = s_pos + E;                    // [E] padded row of the block's first of e
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned lower = (1u << lane) - 1u;
+  const int c_begin = static_cast<int>(blockIdx.x) * chunks_per_block;
+  const int c_end = min(chunks, c_begin + chunks_per_block);
+  const bool in_registers = chunks_per_block == 1;  // else the ranks go through local_rank
+  int keys[kFusedItems], ranks[kFusedItems];
+#pragma unroll
+  for (int j = 0; j < kFusedItems; ++j) keys[j] = ranks[j] = -1;
+
+  // 1. rank every assignment of the block's chunks among its expert (assignment order)
+  for (int e = threadIdx.x; e < E; e += kFusedThreads) s_run[e] = 0;
+  for (int c = c_begin; c < c_end; ++c) {
+    const int64_t base = static_cast<int64_t>(c) * kChunk + warp * kFusedPerWarp;
+    int k[kFusedItems];
+#pragma unroll
+    for (int j = 0; j < kFusedItems; ++j) {  // loads first
+      const int64_t a = base + j * 32 + lane;
+      k[j] = a < assignments ? static_cast<int>(remap.local(load_index(ids, a))) : -1;
+    }
+    for (int i = threadIdx.x; i < kFusedWarps * E; i += kFusedThreads) s_wc[i] = 0;
+    __syncthreads();
+    int* my = s_wc + warp * E;
+    int r[kFusedItems];
+#pragma unroll
+    for (int j = 0; j < kFusedItems; ++j) {
+      const bool valid = k[j] >= 0 && k[j] < E;
+      const int key = valid ? k[j] : E;
+      if (!valid) k[j] = -1;
+      const unsigned same = __match_any_sync(0xffffffffu, key);
+      const int leader = __ffs(same) - 1;
+      int count = 0;
+      if (lane == leader && valid) count = my[key];
+      count = __shfl_sync(0xffffffffu, count, leader);
+      r[j] = count + __popc(same & lower);
+      if (lane == leader && valid) my[key] = count + __popc(same);
+      __syncwarp();
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += kFusedThreads) {  // warp offsets on top of the block's run
+      int run = s_run[e];
+#pragma unroll 8
+      for (int w = 0; w < kFusedWarps; ++w) {
+        const int n = s_wc[w * E + e];
+        s_wc[w * E + e] = run;
+        run += n;
+      }
+      s_run[e] = run;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kFusedItems; ++j) {
+      const int64_t a = base + j * 32 + lane;
+      const int rank = k[j] >= 0 ? my[k[j]] + r[j] : -1;
+      if (in_registers) {
+        keys[j] = k[j];
+        ranks[j] = rank;
+      } else if (a < assignments) {
+        local_rank[a] = rank;
+      }
+    }
+    __syncthreads();  // s_wc is cleared for the next chunk
+  }
+
+  // 2. expert totals and this block's offsets
+  const int G = static_cast<int>(gridDim.x);
+  if (G > 1) {
+    for (int e = threadIdx.x; e < E; e += kFusedThreads) block_counts[static_cast<int64_t>(blockIdx.x) * E + e] = s_run[e];
+    cooperative_groups::this_grid().sync();
+  }
+  const int e = threadIdx.x;
+  int count = 0, before = 0;
+  if (e < E) {
+    if (G == 1) {
+      count = s_run[e];
+    } else {
+      constexpr int kBatch = 16;  // loads in flight a thread
+      for (int b0 = 0; b0 < G; b0 += kBatch) {
+        int n[kBatch];
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q) {
+          n[q] = b0 + q < G ? __ldcg(block_counts + static_cast<int64_t>(b0 + q) * E + e) : 0;
+        }
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q) {
+          count += n[q];
+          if (b0 + q < static_cast<int>(blockIdx.x)) before += n[q];
+        }
+      }
+    }
+  }
+  const int padded = static_cast<int>(index::round_up(count, alignment));
+  // real counts in the low word, padded in the high word: totals stay below 2^31, no carry
+  const unsigned long long packed = (static_cast<unsigned long long>(padded) << 32) | static_cast<unsigned>(count);
+  unsigned long long excl = 0, total = 0;
+  Scan(scan_storage).ExclusiveSum(packed, excl, total);
+  const int real_excl = static_cast<int>(excl & 0xffffffffull), padded_excl = static_cast<int>(excl >> 32);
+  int* s_pstart = s_wc;      // [E] padded start of e
+  int* s_count = s_wc + E;   // [E] count of e
+  if (e < E) {
+    s_pos[e] = real_excl + before;
+    s_row[e] = padded_excl + before;
+    s_pstart[e] = padded_excl;
+    s_count[e] = count;
+    if (blockIdx.x == 0) {
+      tokens_per_expert[e] = count;
+      bins[e] = real_excl + count;
+      padded_tokens[e] = padded;
+      padded_bins[e] = padded_excl + padded;
+    }
+  }
+  if (threadIdx.x == 0) {
+    s_totals[0] = static_cast<long long>(total & 0xffffffffull);
+    s_totals[1] = static_cast<long long>(total >> 32);
+    if (blockIdx.x == 0 && padded_total_out != nullptr) *padded_total_out = static_cast<int32_t>(total >> 32);
+  }
+  __syncthreads();
+  const int64_t real_total = s_totals[0];
+  const int64_t padded_total = s_totals[1];
+
+  // 3. place the block's assignments
+  for (int c = c_begin; c < c_end; ++c) {
+    const int64_t base = static_cast<int64_t>(c) * kChunk + warp * kFusedPerWarp;
+#pragma unroll
+    for (int j = 0; j < kFusedItems; ++j) {
+      const int64_t a = base + j * 32 + lane;
+      if (a >= assignments) break;
+      int key = keys[j], rank = ranks[j];
+      if (!in_registers) {
+        rank = local_rank[a];
+        key = rank >= 0 ? static_cast<int>(remap.local(load_index(ids, a))) : -1;
+      }
+      if (rank < 0) {
+        dest_rows[a] = -1;
+      } else {
+        const int64_t pos = s_pos[key] + rank;
+        const int64_t row = s_row[key] + rank;
+        indices[pos] = static_cast<int32_t>(a);
+        bin_ids[pos] = key;
+        dest_rows[a] = static_cast<int32_t>(row);
+        row_sources[row] = static_cast<int32_t>(a);
+        if (row_experts != nullptr) row_experts[row] = key;
+      }
+      if (a >= real_total) {  // only when ids were dropped
+        indices[a] = -1;
+        bin_ids[a] = -1;
+      }
+    }
+  }
+  // 4. fills: expert e's padding rows and blocks by block e mod G, a warp an expert;
+  //    rows and blocks at or past P strided over the grid
+  for (int x = static_cast<int>(blockIdx.x) + G * warp; x < E; x += G * kFusedWarps) {
+    const int64_t pstart = s_pstart[x], n = s_count[x];
+    const int64_t pend = pstart + index::round_up(n, static_cast<int64_t>(alignment));
+    const int64_t end = pend < row_capacity ? pend : row_capacity;
+    for (int64_t r = pstart + n + lane; r < end; r += 32) {
+      row_sources[r] = padding_source;
+      if (row_experts != nullptr) row_experts[r] = -1;
+    }
+    if (block_experts != nullptr) {
+      for (int64_t b = pstart / alignment + lane; b < pend / alignment && b < blocks; b += 32) block_experts[b] = x;
+    }
+  }
+  const int64_t stride = static_cast<int64_t>(G) * kFusedThreads;
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * kFusedThreads + threadIdx.x;
+  for (int64_t r = padded_total + start; r < row_capacity; r += stride) {
+    row_sources[r] = padding_source;
+    if (row_experts != nullptr) row_experts[r] = -1;
+  }
+  if (block_experts != nullptr) {
+    for (int64_t b = padded_total / alignment + start; b < blocks; b += stride) block_experts[b] = -1;
+  }
+}
+
+// Per device: whether cooperative launches work, and how many fused blocks fit at once
+// (for the smem of E rounded up to a power of two), found once.
+constexpr int kMaxDevices = 64;
+constexpr int kSmemBuckets = 5;  // E <= 32, 64, ..., 512
+struct FusedLimits {
+  std::atomic<int> resident[kSmemBuckets];  // 0: not asked yet; -1: no cooperative launch
+  std::once_flag attr_once;
+};
+FusedLimits g_fused[kMaxDevices];
+
+int fused_bucket(int num_experts) {
+  int b = 0;
+  while (b + 1 < kSmemBuckets && (32 << b) < num_experts) ++b;
+  return b;
+}
+
+// Blocks of the fused kernel resident at once on the current device (0: use the split path).
+int fused_resident_blocks(int num_experts) {
+  int dev = 0;
+  PADMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices) return 0;
+  FusedLimits& f = g_fused[dev];
+  std::call_once(f.attr_once, [] {
+    PADMOE_CUDA_CHECK(cudaFuncSetAttribute(plan_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(fused_smem_bytes(kFusedMaxExperts))));
+  });
+  const int bucket = fused_bucket(num_experts);
+  int n = f.resident[bucket].load(std::memory_order_relaxed);
+  if (n == 0) {
+    int coop = 0, sms = 0, per_sm = 0;
+    PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
+    PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    PADMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_fused_kernel, kFusedThreads,
+                                                                    fused_smem_bytes(32 << bucket)));
+    n = coop != 0 && per_sm > 0 ? per_sm * sms : -1;
+    f.resident[bucket].store(n, std::memory_order_relaxed);
+  }
+  return n > 0 ? n : 0;
+}
+
+// PADMOE_CUDA_PLAN: "split" forces the two-launch path; "fused:N" caps the fused grid at N blocks
+// (several chunks a block); read once. set_plan_kernel overrides it (tests, benchmarks).
+std::atomic<int> g_plan_mode{-2};  // -2: not read; -1: split; 0: fused; N > 0: fused, at most N blocks
+
+int plan_mode() {
+  int m = g_plan_mode.load(std::memory_order_relaxed);
+  if (m != -2) return m;
+  m = 0;
+  if (const char* v = std::getenv("PADMOE_CUDA_PLAN")) {
+    const std::string s(v);
+    if (s == "split") m = -1;
+    else if (s.rfind("fused:", 0) == 0) m = std::max(1, std::atoi(s.c_str() + 6));
+  }
+  g_plan_mode.store(m, std::memory_order_relaxed);
+  return m;
+}
+
 // Fixed capacity: block e < E takes expert e's sorted assignments of the full
 // plan (alignment 1, every kept id) and keeps C of them, in order: the first
 // C, or (by_probs) the C largest probs, found by an 8-bit radix select of the
@@ -431,6 +707,8 @@ __global__ void __launch_bounds__(kCapThreads)
 
 }  // namespace
 
+void set_plan_kernel(int mode) { g_plan_mode.store(mode < -1 ? -1 : mode, std::memory_order_relaxed); }
+
 void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
                const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
                const index::ExpertRemap& remap, int64_t row_capacity, void* workspace, void* stream) {
@@ -439,6 +717,51 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
   const int chunks = static_cast<int>(index::ceil_div(assignments, kChunk));
   int32_t* chunk_counts = static_cast<int32_t*>(workspace);
   int32_t* local_rank = chunk_counts + static_cast<int64_t>(chunks) * num_experts;
+  const int mode = plan_mode();
+  const int resident = mode >= 0 && num_experts >= 1 && num_experts <= kFusedMaxExperts
+                           ? fused_resident_blocks(num_experts) : 0;
+  if (resident > 0) {
+    const int limit = mode > 0 ? std::min(mode, resident) : resident;
+    const int per_block = chunks > limit ? static_cast<int>(index::ceil_div(chunks, limit)) : 1;
+    const int grid = chunks > 0 ? static_cast<int>(index::ceil_div(chunks, per_block)) : 1;
+    const size_t smem = fused_smem_bytes(num_experts);
+    // block counts [grid, E] then the ranks [A]: inside plan_workspace_bytes (grid <= chunks)
+    int32_t* block_counts = chunk_counts;
+    int32_t* tokens = out.tokens_per_expert.data_as<int32_t>();
+    int32_t* bins = out.bins.data_as<int32_t>();
+    int32_t* ptokens = out.padded_tokens_per_expert.data_as<int32_t>();
+    int32_t* pbins = out.padded_bins.data_as<int32_t>();
+    int32_t* indices = out.indices.data_as<int32_t>();
+    int32_t* bin_ids = out.bin_ids.data_as<int32_t>();
+    int32_t* dest = out.dest_rows.data_as<int32_t>();
+    int32_t* rows = out.row_sources.data_as<int32_t>();
+    int32_t* row_experts = layouts.row_experts.data_as<int32_t>();
+    int32_t* block_experts = layouts.block_experts.data_as<int32_t>();
+    int64_t blocks = layouts.block_experts.numel();
+    int32_t* total = layouts.padded_total.data_as<int32_t>();
+    IndexRef ids = top_experts;
+    index::ExpertRemap rm = remap;
+    int64_t a_count = assignments;
+    int n_chunks = chunks, n_experts = num_experts, align = alignment;
+    int32_t pad_src = padding_source;
+    int64_t capacity = row_capacity;
+    if (grid == 1) {  // no grid barrier: an ordinary launch
+      plan_fused_kernel<<<1, kFusedThreads, smem, s>>>(ids, rm, a_count, n_chunks, per_block, n_experts, align,
+                                                       block_counts, local_rank, capacity, tokens, bins, ptokens,
+                                                       pbins, indices, bin_ids, dest, rows, pad_src, row_experts,
+                                                       block_experts, blocks, total);
+      PADMOE_CUDA_LAUNCH_CHECK("plan_fused_kernel");
+    } else {
+      int pb = per_block;
+      void* args[] = {&ids,     &rm,        &a_count, &n_chunks, &pb,     &n_experts,     &align,
+                      &block_counts, &local_rank, &capacity, &tokens, &bins,   &ptokens,  &pbins,
+                      &indices, &bin_ids,   &dest,    &rows,     &pad_src, &row_experts, &block_experts,
+                      &blocks,  &total};
+      PADMOE_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(plan_fused_kernel), dim3(grid),
+                                                    dim3(kFusedThreads), args, smem, s));
+    }
+    return;
+  }
   if (chunks > 0) {
     if (num_experts <= kMatchMaxExperts) {
       const size_t smem = static_cast<size_t>(kCountThreads / 32) * num_experts * sizeof(int);

@@ -27,6 +27,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "cuda/cuda_backend.hpp"
 #include "test_util.hpp"
 #include "workload/workload.hpp"
 
@@ -541,6 +542,74 @@ TEST(CpuVsGpuEdge, Float8MoveOnly) {
       expect_move("float8 dispatch_out", gy, cy, ref::padded_gather(xf, H, p, nullptr), p.padded_rows);
     }
   }
+}
+
+// Every make_plan kernel path gives the CPU's plan, layouts included, bitwise: the split
+// launches, the fused launch (one block at decode size, cooperative above), and the fused launch
+// capped at 1 or 3 blocks (several chunks a block, ranks through the workspace); A from 0 past
+// 270K (more chunks than resident blocks), E from 1 to 512 (the fused limit) and 513 (split),
+// chunk edges (2048, 2049), and another rank's experts dropped (a local range).
+TEST(PlanKernels, EveryPathMatchesCpu) {
+  REQUIRE_GPU();
+  struct Case { int64_t T; int K, E, m, global, first; };
+  const Case cases[] = {{0, 2, 8, 16, 0, 0},        {3, 2, 64, 16, 0, 0},       {256, 8, 256, 16, 0, 0},
+                        {1024, 2, 8, 1, 0, 0},      {2049, 1, 16, 4, 0, 0},     {16384, 8, 256, 16, 0, 0},
+                        {70000, 8, 256, 128, 0, 0}, {5000, 4, 512, 1, 0, 0},    {5000, 4, 513, 4, 0, 0},
+                        {1000, 8, 1, 16, 0, 0},     {4096, 8, 32, 16, 256, 64}, {300, 8, 128, 8, 1024, 896}};
+  for (const Case& c : cases) {
+    const int64_t A = c.T * c.K;
+    const int G = c.global == 0 ? c.E : c.global;
+    std::vector<int64_t> te = make_routing(c.T, c.K, G, Dist::kSkewed, static_cast<uint64_t>(c.T + c.E));
+    const Tensor hte = index_matrix(te, c.T, c.K, DType::kInt32), dte = to_gpu(hte);
+    padmoe::PlanOptions po;
+    po.global_experts = c.global;
+    po.first_expert = c.first;
+    const int64_t R = padmoe::aligned_rows_bound(A, c.E, c.m);
+    padmoe::Plan cpu = padmoe::Plan::empty(c.T, c.K, c.E, c.m);
+    cpu.row_sources = poison_index(R);
+    Tensor cre = poison_index(R), cbe = poison_index((R + c.m - 1) / c.m), ctot = poison_index(1);
+    padmoe::PlanLayouts cl;
+    cl.row_experts = cre;
+    cl.block_experts = cbe;
+    cl.padded_total = ctot;
+    padmoe::make_plan_out(hte, c.E, c.m, cpu.view(), cl, po);
+    for (int mode : {-1, 0, 1, 3}) {
+      SCOPED_TRACE("T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " E=" + std::to_string(c.E) +
+                   " m=" + std::to_string(c.m) + " global=" + std::to_string(c.global) + " mode=" + std::to_string(mode));
+      padmoe::cuda::set_plan_kernel(mode);
+      GpuPlan g = gpu_plan_buffers(c.T, c.K, c.E, c.m);
+      g.row_sources = gpu_poison_index(R);
+      g.view.row_sources = g.row_sources;
+      Tensor re = gpu_poison_index(R), be = gpu_poison_index((R + c.m - 1) / c.m), tot = gpu_poison_index(1);
+      padmoe::PlanLayouts l;
+      l.row_experts = re;
+      l.block_experts = be;
+      l.padded_total = tot;
+      padmoe::Options o;
+      o.check_data = false;
+      padmoe::make_plan_out(dte, c.E, c.m, g.view, l, po, o);
+      const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> fields[] = {
+          {"indices", {&g.indices, &cpu.indices}},       {"bin_ids", {&g.bin_ids, &cpu.bin_ids}},
+          {"tokens_per_expert", {&g.tpe, &cpu.tokens_per_expert}}, {"bins", {&g.bins, &cpu.bins}},
+          {"padded_tokens_per_expert", {&g.ptpe, &cpu.padded_tokens_per_expert}},
+          {"padded_bins", {&g.padded_bins, &cpu.padded_bins}},   {"dest_rows", {&g.dest_rows, &cpu.dest_rows}},
+          {"row_sources", {&g.row_sources, &cpu.row_sources}},   {"row_experts", {&re, &cre}},
+          {"block_experts", {&be, &cbe}},                         {"padded_total", {&tot, &ctot}}};
+      for (const auto& f : fields) EXPECT_TRUE(all_same(to_cpu(*f.second.first), *f.second.second)) << f.first;
+      // and twice: the same bits (no atomics in the ranks)
+      GpuPlan g2 = gpu_plan_buffers(c.T, c.K, c.E, c.m);
+      g2.row_sources = gpu_poison_index(R);
+      g2.view.row_sources = g2.row_sources;
+      padmoe::make_plan_out(dte, c.E, c.m, g2.view, padmoe::PlanLayouts{}, po, o);
+      EXPECT_TRUE(all_same(to_cpu(g2.dest_rows), cpu.dest_rows)) << "dest_rows, second run";
+      EXPECT_TRUE(all_same(to_cpu(g2.row_sources), cpu.row_sources)) << "row_sources, second run";
+    }
+    padmoe::cuda::set_plan_kernel(0);
+  }
+  // the CPU plan itself against the reference on one case (the others: CpuVsGpu)
+  const std::vector<int64_t> te = make_routing(2049, 1, 16, Dist::kSkewed, 2065);
+  const padmoe::Plan cpu = padmoe::make_plan(index_matrix(te, 2049, 1, DType::kInt32), 16, 4);
+  EXPECT_EQ(index_to_vec(cpu.dest_rows), ref::make_plan(te, 2049, 1, 16, 4).dest_rows);
 }
 
 // The layouts of make_plan (DeepGEMM's rows, vLLM's blocks, P) and moe_align_block_size: the GPU
