@@ -1,8 +1,11 @@
 // bandwidth.cu — what the H200's memory does for each traffic mix the routing
 // ops produce: copy (half read, half write), write-only (memset and a 16-byte
 // store kernel), read-only, and a 1:8 read:write mix (a dispatch at top-8
-// reads one row and writes eight). Used to tell a kernel's overhead from the
-// memory system's own limit for a mix; results in bench/results/.
+// reads one row and writes eight), the same fan-out through Hopper's bulk
+// copies (cp.async.bulk global -> shared -> global, one thread driving the
+// TMA engine), and the decode-sized traffic (a few tens of MB: where launch
+// and latency, not bandwidth, set the time). Used to tell a kernel's overhead
+// from the memory system's own limit for a mix; results in bench/results/.
 // Usage: padmoe_bandwidth [GiB per buffer, default 2]
 #include <cuda_runtime.h>
 
@@ -47,6 +50,66 @@ __global__ void fan_out_kernel(const uint4* src, uint4* dst, int units, int copi
   for (int c = 0; c < copies; ++c) {
     const size_t row = (b * copies + c) * 2654435761ull % rows_out;
     for (int j = 0; j < 4; ++j) {
+      const int u = j * blockDim.x + threadIdx.x;
+      if (u < units) dst[row * units + u] = reg[j];
+    }
+  }
+}
+
+
+// --- the fan-out through the bulk-copy (TMA) engine, sm_90 ---------------------------
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PADMOE_BW_BULK 1
+#endif
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// Block b: one thread loads row b (row_bytes) into shared memory with one bulk copy
+// (completion on an mbarrier), then issues `copies` bulk stores of it to the same
+// scattered rows as fan_out_kernel, and waits for them before the block ends.
+__global__ void fan_out_bulk_kernel(const char* src, char* dst, unsigned row_bytes, int copies, size_t rows_out) {
+#ifdef PADMOE_BW_BULK
+  extern __shared__ __align__(128) char s_row[];
+  __shared__ __align__(8) unsigned long long s_bar;
+  if (threadIdx.x != 0) return;
+  const size_t b = blockIdx.x;
+  const unsigned bar = smem_u32(&s_bar), row = smem_u32(s_row);
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(row_bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(row),
+               "l"(src + b * row_bytes), "r"(row_bytes), "r"(bar)
+               : "memory");
+  unsigned done = 0;
+  while (!done) {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done)
+                 : "r"(bar)
+                 : "memory");
+  }
+  for (int c = 0; c < copies; ++c) {
+    const size_t r = (b * copies + c) * 2654435761ull % rows_out;
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + r * row_bytes), "r"(row),
+                 "r"(row_bytes)
+                 : "memory");
+  }
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
+}
+
+// The register fan-out with the row held by a 512-thread block (two 16-byte units a thread).
+__global__ void fan_out_wide_kernel(const uint4* src, uint4* dst, int units, int copies, size_t rows_out) {
+  const size_t b = blockIdx.x;
+  uint4 reg[2];
+  for (int j = 0; j < 2; ++j) {
+    const int u = j * blockDim.x + threadIdx.x;
+    if (u < units) reg[j] = src[b * units + u];
+  }
+  for (int c = 0; c < copies; ++c) {
+    const size_t row = (b * copies + c) * 2654435761ull % rows_out;
+    for (int j = 0; j < 2; ++j) {
       const int u = j * blockDim.x + threadIdx.x;
       if (u < units) dst[row * units + u] = reg[j];
     }
@@ -107,6 +170,44 @@ int main(int argc, char** argv) {
     report(label, double(blocks) * units * 16 * (1 + copies),
            time_ms([&] { fan_out_kernel<<<static_cast<unsigned>(blocks), 256>>>(a, b, units, copies, rows_out); },
                    iters));
+  }
+  {
+    const int units = 896;
+    const unsigned row_bytes = units * 16;
+    CHECK(cudaFuncSetAttribute(fan_out_bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, row_bytes));
+    for (int copies : {2, 8}) {
+      const size_t rows_out = n / units;
+      const size_t blocks = rows_out / copies;
+      char label[80];
+      std::snprintf(label, sizeof label, "fan-out 1 : %d, bulk copies (TMA)", copies);
+      report(label, double(blocks) * units * 16 * (1 + copies), time_ms([&] {
+               fan_out_bulk_kernel<<<static_cast<unsigned>(blocks), 32, row_bytes>>>(
+                   reinterpret_cast<const char*>(a), reinterpret_cast<char*>(b), row_bytes, copies, rows_out);
+             }, iters));
+      std::snprintf(label, sizeof label, "fan-out 1 : %d, 512-thread blocks", copies);
+      report(label, double(blocks) * units * 16 * (1 + copies), time_ms([&] {
+               fan_out_wide_kernel<<<static_cast<unsigned>(blocks), 512>>>(a, b, units, copies, rows_out);
+             }, iters));
+    }
+    // decode-sized traffic: T = 256 tokens of 14 KiB to 8 rows each (and the 4096-row
+    // padded buffer a decode dispatch writes in all), one launch at a time
+    std::printf("decode-sized (one launch timed by events, as padmoe bench times an op):\n");
+    const size_t dec_rows = 4096, dec_bytes = dec_rows * row_bytes;
+    report("  copy 4096 rows (cudaMemcpyAsync)", 2.0 * dec_bytes,
+           time_ms([&] { CHECK(cudaMemcpyAsync(b, a, dec_bytes, cudaMemcpyDeviceToDevice)); }, iters));
+    report("  write 4096 rows (cudaMemsetAsync)", double(dec_bytes),
+           time_ms([&] { CHECK(cudaMemsetAsync(b, 0, dec_bytes)); }, iters));
+    report("  write 4096 rows (16-byte store kernel)", double(dec_bytes),
+           time_ms([&] { write_kernel<<<prop.multiProcessorCount * 4, 256>>>(b, dec_bytes / 16); }, iters));
+    report("  fan-out 256 rows : 8 (register, 256 threads)", 9.0 * 256 * row_bytes,
+           time_ms([&] { fan_out_kernel<<<256, 256>>>(a, b, units, 8, 2048); }, iters));
+    report("  fan-out 256 rows : 8 (register, 512 threads)", 9.0 * 256 * row_bytes,
+           time_ms([&] { fan_out_wide_kernel<<<256, 512>>>(a, b, units, 8, 2048); }, iters));
+    report("  fan-out 256 rows : 8 (bulk copies)", 9.0 * 256 * row_bytes, time_ms([&] {
+             fan_out_bulk_kernel<<<256, 32, row_bytes>>>(reinterpret_cast<const char*>(a), reinterpret_cast<char*>(b),
+                                                         row_bytes, 8, 2048);
+           }, iters));
+    report("  empty kernel", 0.0, time_ms([&] { write_kernel<<<1, 32>>>(b, 0); }, iters));
   }
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());

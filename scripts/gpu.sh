@@ -7,9 +7,10 @@
 # (pip install ., pytest on CUDA, bench/bench_python.py with its chart).
 # Logs go to $OUT (default: ./gpu-out), packed into $OUT/gpu-logs.tgz as well
 # (the device tool brings back only a few files).
-# Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench profile python triton ep, or
-#        all (default all; profile is never in all). PADMOE_SANITIZE=0 skips the
-#        sanitizer runs of the tests stage. profile: ncu (clocks left alone) on
+# Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench profile ab python triton ep, or
+#        all (default all; profile and ab are never in all). ab: kernel variants timed
+#        against each other, PADMOE_AB="TAG=ENV=V[,ENV=V]@PRESET@OPS ..." (see the stage). PADMOE_SANITIZE=0 skips the
+#        sanitizer runs of the tests stage, PADMOE_CPU_TESTS=0 its ctest run. profile: ncu (clocks left alone) on
 #        the kernels of make_plan, dispatch and combine_backward at deepseek-v3
 #        and decode, one launch each, its sections to profile-*.log. triton: padmoe.triton's tests natively and
 #        bench/bench_triton.py (PADMOE_TRITON_SWEEP=1 adds its launch sweep).
@@ -21,7 +22,7 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 build=${BUILD_DIR:-build-gpu}
 stages=" ${*:-all} "
-want() { [[ ( "$stages" == *" all "* && "$1" != profile ) || "$stages" == *" $1 "* ]]; }
+want() { [[ ( "$stages" == *" all "* && "$1" != profile && "$1" != ab ) || "$stages" == *" $1 "* ]]; }
 status=0
 step() { echo; echo "=== $*"; }
 run() {  # run a step, keep going, remember failures
@@ -32,7 +33,7 @@ run() {  # run a step, keep going, remember failures
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
-if want tests || want checks || want bench || want profile; then
+if want tests || want checks || want bench || want profile || want ab; then
   step build
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     > "$out/build.log" 2>&1 && cmake --build "$build" -j "$(nproc)" >> "$out/build.log" 2>&1 \
@@ -41,7 +42,7 @@ if want tests || want checks || want bench || want profile; then
 fi
 
 if want tests; then
-  run cpu-tests ctest --test-dir "$build" -j "$(nproc)" --output-on-failure
+  [ "${PADMOE_CPU_TESTS:-1}" = "1" ] && run cpu-tests ctest --test-dir "$build" -j "$(nproc)" --output-on-failure
   run gpu-tests "$build/padmoe_cuda_tests"
   subset='Determinism*:CheckedMode*:CudaGraph*:CpuVsGpuEdge*'
   [ "${PADMOE_SANITIZE:-1}" = "1" ] && run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
@@ -62,9 +63,12 @@ if want bench; then
 import json, sys
 d = json.load(open(sys.argv[1]))
 print(f"{d.get('card')}  copy {d.get('copy_tbps', 0):.2f} TB/s  {d['workload']['label']}")
+def f(v, n=1):
+    return "-" if v is None else f"{v:.{n}f}"
+print(f"  {'op':<38} {'us':>8} {'floor':>6} {'graph us':>9} {'graph/floor':>6}")
 for o in d["ops"]:
-    us, r = o.get("us"), o.get("time_over_floor")
-    print(f"  {o['name']:<40} {us if us is None else round(us, 1):>10}  x{r if r is None else round(r, 2)}")
+    print(f"  {o['name']:<38} {f(o.get('us')):>8} {f(o.get('time_over_floor'), 2):>6} {f(o.get('graph_us')):>9}"
+          f" {f(o.get('graph_over_floor'), 2):>6}")
 PY
   done
 fi
@@ -77,6 +81,27 @@ if want profile; then
       --launch-count 8 "$build/padmoe" bench --device cuda --preset "$p" --ops "$o" --warmup 0 --iters 1 --no-reference --no-graph
     grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Block Size|Grid Size|Waves Per SM|Warp Cycles Per Issued|Issued Ipc|No Eligible|Theoretical Occ" \
       "$out/profile-$tag.log" | head -n 80
+  done
+fi
+if want ab; then
+  # Variants against each other in one run (each an environment knob read once per process):
+  # PADMOE_AB="NAME=ENV=VALUE[,ENV=VALUE]@PRESET@OPS ..." (OPS comma-separated, or all).
+  for spec in ${PADMOE_AB:-}; do
+    name=${spec%%@*}; rest=${spec#*@}; preset=${rest%%@*}; ops=${rest#*@}
+    envs=${name#*=}; tag=${name%%=*}
+    oparg=(); [ "$ops" != all ] && oparg=(--ops "$ops")
+    step "ab $tag ($envs) $preset"
+    env $(echo "$envs" | tr ',' ' ') "$build/padmoe" bench --device cuda --preset "$preset" --no-reference --json \
+      "${oparg[@]}" > "$out/ab-$tag-$preset.json" 2> "$out/ab-$tag-$preset.err" || { status=1; tail -n 5 "$out/ab-$tag-$preset.err"; }
+    python3 - "$out/ab-$tag-$preset.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+def f(v, n=1):
+    return "-" if v is None else f"{v:.{n}f}"
+for o in d["ops"]:
+    print(f"  {o['name']:<38} {f(o.get('us')):>8} {f(o.get('time_over_floor'), 2):>6} {f(o.get('graph_us')):>9}"
+          f" {f(o.get('graph_over_floor'), 2):>6}")
+PY
   done
 fi
 pyt=${PADMOE_GPU_PYTARGET:-/tmp/padmoe-pyt}

@@ -137,6 +137,11 @@ struct PaddingRef {
 };
 
 // --- row kernels ----------------------------------------------------------------
+// At small T the spread and reduce kernels (ops without dot products) split each
+// row over several blocks so that about 4 blocks per multiprocessor run;
+// PADMOE_CUDA_SLICE_BLOCKS=N sets that target (0: no slicing). set_slice_blocks
+// overrides both (tests, benchmarks; -1: back to the default).
+void set_slice_blocks(int blocks);
 // y[dest[a]] = x[a/K] * w(a) for dest >= 0; rows < P that are padding are zeroed,
 // and rows in [P, y.rows) too when zero_past_end (allocating forms). When
 // dots_with is given: dots[a] = <dots_with[dest[a]], x[a/K]> from the same read.

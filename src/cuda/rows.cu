@@ -10,9 +10,13 @@
 // registers and writes them to the K destinations from there: each source row
 // is read once. Sums run in float32 in ascending k; dot products reduce in a
 // fixed tree. No float atomics: results are bitwise reproducible.
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <type_traits>
 
 #include "cuda/common.cuh"
+
 
 namespace padmoe {
 namespace cuda {
@@ -185,24 +189,32 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
 
 // kScales: the token's scale row is copied to its K destinations by the same
 // block (the plain instantiation has none of it).
-template <typename T, bool kVec, bool kScales>
+// kDots: the dots_with rows are read and dotted (a template parameter, so the plain
+// moves keep a lean kernel: the batched dot loads cost registers).
+template <typename T, bool kVec, bool kScales, bool kDots, int kDotBatch = 1>
 __global__ void __launch_bounds__(kThreads)
     spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
-                  bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots, ScaleRowsArg sc) {
+                  bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots, ScaleRowsArg sc,
+                  int slices, int64_t slice_units) {
   using U = Unit<T, kVec>;
   const int64_t tokens = x.rows;
-  if (blockIdx.x >= tokens) {
+  const int64_t row_blocks = tokens * slices;
+  if (blockIdx.x >= row_blocks) {
     zero_padding_rows<U, kScales>(y, pad, zero_padding, zero_past_end,
-                                  (static_cast<int64_t>(blockIdx.x) - tokens) * kZeroRows, sc);
+                                  (static_cast<int64_t>(blockIdx.x) - row_blocks) * kZeroRows, sc);
     return;
   }
   __shared__ int64_t s_dest[kGroupK];
   __shared__ float s_w[kGroupK];
   __shared__ float s_part[kThreads / 32][kGroupK];  // per-warp dot partials
-  const int64_t units = units_of<U>(y);
-  const int64_t t = blockIdx.x;
+  // Block (t, slice): units [u0, units) of token t's row, slice_units of them (slices > 1 only
+  // without dots, at small T: more blocks, each with fewer loads in a row).
+  const int64_t t = blockIdx.x / slices;
+  const int slice = static_cast<int>(blockIdx.x % slices);
+  const int64_t u0 = static_cast<int64_t>(slice) * slice_units;
+  const int64_t units = u0 + slice_units < units_of<U>(y) ? u0 + slice_units : units_of<U>(y);
   const char* src = row_ptr(x, t);
-  const bool want_dots = dots.data != nullptr;
+  constexpr bool want_dots = kDots;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   typename U::Raw reg[kRegUnits];
   auto load_chunk = [&](int64_t c) {
@@ -212,18 +224,58 @@ __global__ void __launch_bounds__(kThreads)
       if (u < units) reg[j] = U::load(src, u);
     }
   };
-  load_chunk(0);  // issued before the destinations are staged: the two loads overlap
+  load_chunk(u0);  // issued before the destinations are staged: the two loads overlap
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
     const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
     stage_group(t, k0, nk, top_k, dest, w, y.rows, want_dots, s_dest, s_w, s_part);
-    if (kScales) {  // this group's scale rows, flattened over (assignment, entry)
+    if (kScales && slice == 0) {  // this group's scale rows, flattened over (assignment, entry)
       for (int64_t i = threadIdx.x; i < nk * sc.cols; i += kThreads) {
         const int64_t r = s_dest[i / sc.cols];
         if (r >= 0) move_scale_entry(sc, r, t, i % sc.cols);
       }
     }
-    for (int64_t c = 0; c < units; c += kChunkUnits) {
-      if (c > 0 || k0 > 0) load_chunk(c);
+    for (int64_t c = u0; c < units; c += kChunkUnits) {
+      if (c > u0 || k0 > 0) load_chunk(c);
+      if (kDots) {
+        // kDotBatch destinations at a time: their dots_with rows are all loaded before the
+        // first store and dot, so a thread keeps kDotBatch * kRegUnits loads in flight
+        // instead of one destination's (the dots sum in the same order as one at a time).
+        for (int q0 = 0; q0 < nk; q0 += kDotBatch) {
+          typename U::Raw v[kDotBatch][kRegUnits];
+#pragma unroll
+          for (int b = 0; b < kDotBatch; ++b) {
+            const int64_t r = q0 + b < nk ? s_dest[q0 + b] : -1;
+            const char* other = row_ptr(dots_with, r < 0 ? 0 : r);
+#pragma unroll
+            for (int j = 0; j < kRegUnits; ++j) {
+              const int64_t u = c + j * kThreads + threadIdx.x;
+              if (r >= 0 && u < units) v[b][j] = U::load(other, u);
+            }
+          }
+#pragma unroll
+          for (int b = 0; b < kDotBatch; ++b) {
+            const int q = q0 + b;
+            if (q >= nk) break;
+            const int64_t r = s_dest[q];
+            if (r < 0) continue;
+            char* out = row_ptr(y, r);
+            const float wk = s_w[q];
+            float partial = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kRegUnits; ++j) {
+              const int64_t u = c + j * kThreads + threadIdx.x;
+              if (u < units) {
+                U::store(out, u, w.data == nullptr ? reg[j] : U::scale(reg[j], wk));
+                partial += U::dot(v[b][j], reg[j]);
+              }
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
+            if (lane == 0) s_part[warp][q] += partial;  // chunks in order: deterministic
+          }
+        }
+        continue;
+      }
       for (int q = 0; q < nk; ++q) {
         const int64_t r = s_dest[q];
         if (r < 0) continue;
@@ -258,14 +310,16 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, bool kVec, bool kDots, int kReduceUnits, int kLoadBatch>
 __global__ void __launch_bounds__(kThreads)
     reduce_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
-                  FloatOutArg dots) {
+                  FloatOutArg dots, int slices, int64_t slice_units) {
   using U = Unit<T, kVec>;
   constexpr int kReduceChunk = kThreads * kReduceUnits;
   __shared__ int64_t s_dest[kGroupK];
   __shared__ float s_w[kGroupK];
   __shared__ float s_part[kDots ? kThreads / 32 : 1][kGroupK];
-  const int64_t t = blockIdx.x;
-  const int64_t units = units_of<U>(out);
+  // Block (t, slice): units [u0, units) of output row t (slices > 1 only without dots).
+  const int64_t t = blockIdx.x / slices;
+  const int64_t u0 = static_cast<int64_t>(blockIdx.x % slices) * slice_units;
+  const int64_t units = u0 + slice_units < units_of<U>(out) ? u0 + slice_units : units_of<U>(out);
   constexpr bool want_dots = kDots;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   char* dst = row_ptr(out, t);
@@ -275,7 +329,7 @@ __global__ void __launch_bounds__(kThreads)
     stage_group(t, k0, nk, top_k, dest, w, y.rows, want_dots, s_dest, s_w, s_part);
     // More than kGroupK assignments (rare): later groups add onto the stored
     // row, which rounds the partial sum to the row dtype once per group.
-    for (int64_t c = 0; c < units; c += kReduceChunk) {
+    for (int64_t c = u0; c < units; c += kReduceChunk) {
       float acc[kReduceUnits][U::N];
       typename U::Raw gv[kReduceUnits];
 #pragma unroll
@@ -436,11 +490,18 @@ bool is_move_only(DType dtype) { return is_float8(dtype); }
 // Kernel tags: functors carrying the template so dispatch_kernel can pick them.
 template <typename T, bool kVec>
 struct SpreadTag {
-  static constexpr auto fn = spread_kernel<T, kVec, false>;
+  static constexpr auto fn = spread_kernel<T, kVec, false, false>;
+};
+template <int kBatch>
+struct SpreadDots {
+  template <typename T, bool kVec>
+  struct Tag {
+    static constexpr auto fn = spread_kernel<T, kVec, false, true, kBatch>;
+  };
 };
 template <typename T, bool kVec>
 struct ScaledSpreadTag {
-  static constexpr auto fn = spread_kernel<T, kVec, true>;
+  static constexpr auto fn = spread_kernel<T, kVec, true, false>;
 };
 // Reduce: kUnits 16-byte units per thread and chunk, kBatch source rows
 // loaded before the first add. Measured on the H200 (bf16, combine): top-2
@@ -484,12 +545,64 @@ void pick(DType dtype, bool vec, Launch&& launch) {
 }
 }  // namespace
 
+namespace {
+// Row slices at small T: a row's units split over `slices` blocks (spans of slice_units, a
+// multiple of `granule`) so that about kSliceBlocks blocks run (PADMOE_CUDA_SLICE_BLOCKS
+// overrides it, 0 turns slicing off; read once). Only for ops without dot products: a dot
+// needs the whole row in one block.
+struct Slicing {
+  int slices = 1;
+  int64_t slice_units = 0;
+};
+std::atomic<int> g_slice_blocks{-1};  // set_slice_blocks: -1 the default
+int slice_target_blocks() {
+  const int forced = g_slice_blocks.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced;
+  static const int target = [] {
+    if (const char* v = std::getenv("PADMOE_CUDA_SLICE_BLOCKS")) return std::max(0, std::atoi(v));
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+      cudaGetLastError();
+      sms = 132;
+    }
+    return 4 * sms;
+  }();
+  return target;
+}
+Slicing slicing_for(int64_t rows, int64_t units, int64_t granule, bool dots) {
+  Slicing s;
+  s.slice_units = units;
+  const int64_t target = slice_target_blocks();
+  if (dots || rows <= 0 || units <= granule || rows >= target) return s;
+  const int64_t want = index::ceil_div(target, rows);
+  const int64_t span = index::round_up(index::ceil_div(units, want), granule);
+  s.slices = static_cast<int>(index::ceil_div(units, span));
+  s.slice_units = span;
+  return s;
+}
+// Destinations of a spread with dots whose dots_with rows load together: 1, 2 (default) or 4
+// (PADMOE_CUDA_DOT_BATCH, read once).
+int dot_batch() {
+  static const int b = [] {
+    const char* v = std::getenv("PADMOE_CUDA_DOT_BATCH");
+    const int n = v != nullptr ? std::atoi(v) : 2;
+    return n == 1 || n == 4 ? n : 2;
+  }();
+  return b;
+}
+}  // namespace
+
+void set_slice_blocks(int blocks) { g_slice_blocks.store(blocks < -1 ? -1 : blocks, std::memory_order_relaxed); }
+
 void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
                  FloatOutArg dots, void* stream, const ScaleRowsArg* scales) {
   const int64_t tokens = x.rows;
   const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, kZeroRows) : 0;
-  const int64_t blocks = tokens + zero_blocks;
+  const bool vec0 = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(*dots_with));
+  const int64_t units = vec0 ? y.cols * static_cast<int64_t>(element_size(y.dtype)) / 16 : y.cols;
+  const Slicing sl = slicing_for(tokens, units, kThreads, dots.data != nullptr);
+  const int64_t blocks = tokens * sl.slices + zero_blocks;
   const bool scale_cols = scales != nullptr && scales->cols > 0;  // per-row scales move even when H = 0
   if (blocks == 0 || (y.cols == 0 && dots.data == nullptr && !scale_cols)) return;  // H = 0 still writes zero dots
   const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
@@ -498,9 +611,16 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(
-        x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc);
+        x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc, sl.slices, sl.slice_units);
   };
-  if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);
+  if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);  // never with dots
+  else if (dots.data != nullptr) {
+    switch (dot_batch()) {
+      case 1: pick<SpreadDots<1>::Tag>(x.dtype, vec, launch); break;
+      case 4: pick<SpreadDots<4>::Tag>(x.dtype, vec, launch); break;
+      default: pick<SpreadDots<2>::Tag>(x.dtype, vec, launch); break;
+    }
+  }
   else pick<SpreadTag>(x.dtype, vec, launch);
   PADMOE_CUDA_LAUNCH_CHECK("spread_kernel");
 }
@@ -510,11 +630,14 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
   if (out.rows == 0 || (out.cols == 0 && dots.data == nullptr)) return;  // H = 0 still writes zero dots
   const RowsArg g = dots_with != nullptr ? *dots_with : RowsArg{};
   const bool vec = rows_vectorizable(y) && rows_vectorizable(out) && (dots_with == nullptr || rows_vectorizable(g));
+  const bool dots_wanted = dots.data != nullptr;
+  const int64_t units = vec ? out.cols * static_cast<int64_t>(element_size(out.dtype)) / 16 : out.cols;
+  const Slicing sl = slicing_for(out.rows, units, top_k <= 2 ? 2 * kThreads : kThreads, dots_wanted);
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(out.rows), kThreads, 0, as_stream(stream)>>>(y, top_k, dest, w, out, g, dots);
+    Tag::fn<<<static_cast<unsigned>(out.rows * sl.slices), kThreads, 0, as_stream(stream)>>>(
+        y, top_k, dest, w, out, g, dots, sl.slices, sl.slice_units);
   };
-  const bool dots_wanted = dots.data != nullptr;
   if (top_k <= 2) {
     if (dots_wanted) pick<ReduceShape<2, 2, true>::Tag>(y.dtype, vec, launch);
     else pick<ReduceShape<2, 2, false>::Tag>(y.dtype, vec, launch);

@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <functional>
 #include <atomic>
 #include <numeric>
 #include <optional>
@@ -610,6 +611,80 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
   const std::vector<int64_t> te = make_routing(2049, 1, 16, Dist::kSkewed, 2065);
   const padmoe::Plan cpu = padmoe::make_plan(index_matrix(te, 2049, 1, DType::kInt32), 16, 4);
   EXPECT_EQ(index_to_vec(cpu.dest_rows), ref::make_plan(te, 2049, 1, 16, 4).dest_rows);
+}
+
+// Row slices (small T: a row split over several blocks) against no slicing and the CPU, bitwise:
+// the moves and sums without dot products (dispatch and gather forms, combine and scatter, the
+// unweighted backward ops), vectorized and element-wise rows, a row shorter than a slice, and
+// T below and above the slicing threshold. The weighted backward ops (dots) never slice; they
+// run here too, unchanged.
+TEST(RowSlices, MatchNoSlicingAndCpu) {
+  REQUIRE_GPU();
+  struct Case { int64_t T, H; int K, E, m; DType dt; };
+  for (const Case c : {Case{100, 7168, 8, 16, 16, DType::kBFloat16}, Case{37, 4100, 4, 5, 8, DType::kBFloat16},
+                       Case{64, 3000, 2, 4, 1, DType::kFloat32}, Case{3, 200, 8, 8, 16, DType::kFloat16},
+                       Case{700, 2048, 8, 32, 16, DType::kBFloat16}}) {
+    SCOPED_TRACE("T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) + " " + dname(c.dt));
+    const std::vector<int64_t> te = make_routing(c.T, c.K, c.E, Dist::kSkewed, static_cast<uint64_t>(c.H));
+    const Tensor hte = index_matrix(te, c.T, c.K, DType::kInt32);
+    const padmoe::Plan cplan = padmoe::make_plan(hte, c.E, c.m);
+    const padmoe::Plan gplan = padmoe::make_plan(to_gpu(hte), c.E, c.m);
+    const int64_t P = padmoe::padded_rows(cplan.view());
+    Rng rng(static_cast<uint64_t>(c.T));
+    const Tensor hx = rows_from_float(random_values(c.T * c.H, c.dt, rng), c.dt, c.T, c.H);
+    const Tensor hy = rows_from_float(random_values(P * c.H, c.dt, rng), c.dt, P, c.H);
+    const Tensor hw = vec_from_float(random_values(c.T * c.K, DType::kFloat32, rng, 0, 1), DType::kFloat32);
+    const Tensor dx = to_gpu(hx), dy = to_gpu(hy), dw = to_gpu(hw);
+    const padmoe::PlanView gv = gplan.view(), cv = cplan.view();
+    // each op on the GPU and on the CPU, every output
+    using Outs = std::vector<Tensor>;
+    const std::vector<std::pair<const char*, std::pair<std::function<Outs()>, std::function<Outs()>>>> ops = {
+        {"dispatch(w)", {[&] { return Outs{padmoe::dispatch(dx, gv, TensorView(dw))}; },
+                         [&] { return Outs{padmoe::dispatch(hx, cv, TensorView(hw))}; }}},
+        {"dispatch", {[&] { return Outs{padmoe::dispatch(dx, gv)}; }, [&] { return Outs{padmoe::dispatch(hx, cv)}; }}},
+        {"combine(w)", {[&] { return Outs{padmoe::combine(dy, gv, TensorView(dw))}; },
+                        [&] { return Outs{padmoe::combine(hy, cv, TensorView(hw))}; }}},
+        {"combine_backward", {[&] { return Outs{padmoe::combine_backward(dx, dy, gv).grad_rows}; },
+                              [&] { return Outs{padmoe::combine_backward(hx, hy, cv).grad_rows}; }}},
+        {"dispatch_backward", {[&] { return Outs{padmoe::dispatch_backward(dy, dx, gv).grad_rows}; },
+                               [&] { return Outs{padmoe::dispatch_backward(hy, hx, cv).grad_rows}; }}},
+        {"combine_backward(w)", {[&] {
+                                   const padmoe::RowGrads g = padmoe::combine_backward(dx, dy, gv, TensorView(dw));
+                                   return Outs{g.grad_rows, g.grad_weights};
+                                 },
+                                 [&] {
+                                   const padmoe::RowGrads g = padmoe::combine_backward(hx, hy, cv, TensorView(hw));
+                                   return Outs{g.grad_rows, g.grad_weights};
+                                 }}},
+    };
+    for (const auto& op : ops) {
+      SCOPED_TRACE(op.first);
+      const Outs cpu = op.second.second();
+      std::vector<Outs> runs;
+      for (int blocks : {0, -1, 1 << 20}) {  // no slices, the default, as many as the row allows
+        padmoe::cuda::set_slice_blocks(blocks);
+        Outs g = op.second.first();
+        for (auto& t : g) t = to_cpu(t);
+        runs.push_back(std::move(g));
+      }
+      padmoe::cuda::set_slice_blocks(-1);
+      for (size_t r = 0; r < runs.size(); ++r) {
+        for (size_t i = 0; i < cpu.size(); ++i) {
+          EXPECT_TRUE(all_same(runs[r][i], runs[0][i])) << "output " << i << ", run " << r << " vs no slicing";
+          // moves and the ascending-k float32 sums are the CPU's bits; dots reduce in another order
+          if (i == 0) {
+            EXPECT_TRUE(all_same(runs[r][i], cpu[i])) << "output 0, run " << r << " vs CPU";
+            continue;
+          }
+          const std::vector<float> g = vec_to_float(runs[r][i]), want = vec_to_float(cpu[i]);
+          ASSERT_EQ(g.size(), want.size());
+          for (size_t a = 0; a < g.size(); ++a) {
+            ASSERT_NEAR(g[a], want[a], 2e-3 * (1.0 + std::fabs(want[a]))) << "dot " << a << ", run " << r;
+          }
+        }
+      }
+    }
+  }
 }
 
 // The layouts of make_plan (DeepGEMM's rows, vLLM's blocks, P) and moe_align_block_size: the GPU
