@@ -136,6 +136,40 @@ float time_ms(F&& f, int iters) {
   return ms[ms.size() / 2];
 }
 
+// Microseconds per launch of f replayed from a CUDA graph holding `reps` launches back to back
+// (median of iters replays, warm caches): how padmoe bench's graph column times an op.
+template <typename F>
+float graph_us(F&& f, int reps, int iters) {
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t g;
+  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < reps; ++i) f(s);
+  CHECK(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t ge;
+  CHECK(cudaGraphInstantiate(&ge, g, 0));
+  CHECK(cudaGraphLaunch(ge, s));
+  CHECK(cudaStreamSynchronize(s));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) {
+    CHECK(cudaEventRecord(a, s));
+    CHECK(cudaGraphLaunch(ge, s));
+    CHECK(cudaEventRecord(b, s));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CHECK(cudaGraphExecDestroy(ge));
+  CHECK(cudaGraphDestroy(g));
+  CHECK(cudaStreamDestroy(s));
+  return ms[ms.size() / 2] * 1e3f / reps;
+}
+
 int main(int argc, char** argv) {
   const double gib = argc > 1 ? std::atof(argv[1]) : 2.0;
   const size_t bytes = static_cast<size_t>(gib * (1ull << 30)) / 16 * 16;
@@ -208,6 +242,25 @@ int main(int argc, char** argv) {
                                                          row_bytes, 8, 2048);
            }, iters));
     report("  empty kernel", 0.0, time_ms([&] { write_kernel<<<1, 32>>>(b, 0); }, iters));
+    std::printf("decode-sized, replayed from a CUDA graph (10 launches a replay, warm L2):\n");
+    auto greport = [&](const char* what, double moved, float us) {
+      std::printf("%-44s %8.1f us  %6.2f TB/s\n", what, us, moved / (us * 1e-6) / 1e12);
+    };
+    greport("  copy 4096 rows (cudaMemcpyAsync)", 2.0 * dec_bytes, graph_us([&](cudaStream_t st) {
+              CHECK(cudaMemcpyAsync(b, a, dec_bytes, cudaMemcpyDeviceToDevice, st));
+            }, 10, iters));
+    greport("  write 4096 rows (cudaMemsetAsync)", double(dec_bytes),
+            graph_us([&](cudaStream_t st) { CHECK(cudaMemsetAsync(b, 0, dec_bytes, st)); }, 10, iters));
+    greport("  write 4096 rows (16-byte store kernel)", double(dec_bytes), graph_us([&](cudaStream_t st) {
+              write_kernel<<<prop.multiProcessorCount * 4, 256, 0, st>>>(b, dec_bytes / 16);
+            }, 10, iters));
+    greport("  write 2048 rows (16-byte store kernel)", double(dec_bytes) / 2, graph_us([&](cudaStream_t st) {
+              write_kernel<<<prop.multiProcessorCount * 4, 256, 0, st>>>(b, dec_bytes / 32);
+            }, 10, iters));
+    greport("  fan-out 256 rows : 8 (register, 256 threads)", 9.0 * 256 * row_bytes, graph_us([&](cudaStream_t st) {
+              fan_out_kernel<<<256, 256, 0, st>>>(a, b, units, 8, 2048);
+            }, 10, iters));
+    greport("  empty kernel", 0.0, graph_us([&](cudaStream_t st) { write_kernel<<<1, 32, 0, st>>>(b, 0); }, 10, iters));
   }
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());

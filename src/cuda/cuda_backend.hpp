@@ -137,10 +137,12 @@ struct PaddingRef {
 };
 
 // --- row kernels ----------------------------------------------------------------
-// At small T the spread and reduce kernels (ops without dot products) split each
-// row over several blocks so that about 4 blocks per multiprocessor run;
-// PADMOE_CUDA_SLICE_BLOCKS=N sets that target (0: no slicing). set_slice_blocks
-// overrides both (tests, benchmarks; -1: back to the default).
+// At small T the reduce kernels (ops without dot products) split each row over
+// several blocks so that about 4 blocks per multiprocessor run;
+// PADMOE_CUDA_SLICE_BLOCKS=N sets that target (0: no slicing), and
+// PADMOE_CUDA_SPREAD_SLICES=1 slices the spread kernels too (off by default:
+// slower on the H200). set_slice_blocks overrides the target (tests,
+// benchmarks; -1: back to the default); N > 0 there slices spreads as well.
 void set_slice_blocks(int blocks);
 // y[dest[a]] = x[a/K] * w(a) for dest >= 0; rows < P that are padding are zeroed,
 // and rows in [P, y.rows) too when zero_past_end (allocating forms). When

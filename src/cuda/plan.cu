@@ -303,7 +303,7 @@ size_t fused_smem_bytes(int num_experts) { return static_cast<size_t>(kFusedWarp
 
 __global__ void __launch_bounds__(kFusedThreads)
     plan_fused_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int chunks_per_block,
-                      int num_experts, int alignment, int32_t* block_counts, int32_t* local_rank,
+                      int replicas, int num_experts, int alignment, int32_t* block_counts, int32_t* local_rank,
                       int64_t row_capacity, int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens,
                       int32_t* padded_bins, int32_t* indices, int32_t* bin_ids, int32_t* dest_rows,
                       int32_t* row_sources, int32_t padding_source, int32_t* row_experts, int32_t* block_experts,
@@ -319,7 +319,12 @@ __global__ void __launch_bounds__(kFusedThreads)
   int* s_row = s_pos + E;                    // [E] padded row of the block's first of e
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned lower = (1u << lane) - 1u;
-  const int c_begin = static_cast<int>(blockIdx.x) * chunks_per_block;
+  // `replicas` blocks rank the same chunks (cheap: the ids come from L2) and each places the
+  // assignments of its share of the warps: the scattered 4-byte stores of the placement are
+  // what a block spends its time on, so more blocks finish sooner (replicas > 1 only with one
+  // chunk a block: the ranks stay in registers).
+  const int cb = static_cast<int>(blockIdx.x) / replicas, replica = static_cast<int>(blockIdx.x) % replicas;
+  const int c_begin = cb * chunks_per_block;
   const int c_end = min(chunks, c_begin + chunks_per_block);
   const bool in_registers = chunks_per_block == 1;  // else the ranks go through local_rank
   int keys[kFusedItems], ranks[kFusedItems];
@@ -381,9 +386,11 @@ __global__ void __launch_bounds__(kFusedThreads)
   }
 
   // 2. expert totals and this block's offsets
-  const int G = static_cast<int>(gridDim.x);
+  const int G = static_cast<int>(gridDim.x) / replicas;  // blocks of distinct chunks
   if (G > 1) {
-    for (int e = threadIdx.x; e < E; e += kFusedThreads) block_counts[static_cast<int64_t>(blockIdx.x) * E + e] = s_run[e];
+    if (replica == 0) {
+      for (int e = threadIdx.x; e < E; e += kFusedThreads) block_counts[static_cast<int64_t>(cb) * E + e] = s_run[e];
+    }
     cooperative_groups::this_grid().sync();
   }
   const int e = threadIdx.x;
@@ -402,7 +409,7 @@ __global__ void __launch_bounds__(kFusedThreads)
 #pragma unroll
         for (int q = 0; q < kBatch; ++q) {
           count += n[q];
-          if (b0 + q < static_cast<int>(blockIdx.x)) before += n[q];
+          if (b0 + q < cb) before += n[q];
         }
       }
     }
@@ -436,8 +443,8 @@ __global__ void __launch_bounds__(kFusedThreads)
   const int64_t real_total = s_totals[0];
   const int64_t padded_total = s_totals[1];
 
-  // 3. place the block's assignments
-  for (int c = c_begin; c < c_end; ++c) {
+  // 3. place the block's assignments (its warps' share among the replicas)
+  for (int c = c_begin; c < c_end && warp % replicas == replica; ++c) {
     const int64_t base = static_cast<int64_t>(c) * kChunk + warp * kFusedPerWarp;
 #pragma unroll
     for (int j = 0; j < kFusedItems; ++j) {
@@ -465,9 +472,10 @@ __global__ void __launch_bounds__(kFusedThreads)
       }
     }
   }
-  // 4. fills: expert e's padding rows and blocks by block e mod G, a warp an expert;
-  //    rows and blocks at or past P strided over the grid
-  for (int x = static_cast<int>(blockIdx.x) + G * warp; x < E; x += G * kFusedWarps) {
+  // 4. fills, over the whole grid: expert e's padding rows and blocks by block e mod grid, a warp
+  //    an expert; rows and blocks at or past P strided over the grid
+  const int grid = static_cast<int>(gridDim.x);
+  for (int x = static_cast<int>(blockIdx.x) + grid * warp; x < E; x += grid * kFusedWarps) {
     const int64_t pstart = s_pstart[x], n = s_count[x];
     const int64_t pend = pstart + index::round_up(n, static_cast<int64_t>(alignment));
     const int64_t end = pend < row_capacity ? pend : row_capacity;
@@ -479,7 +487,7 @@ __global__ void __launch_bounds__(kFusedThreads)
       for (int64_t b = pstart / alignment + lane; b < pend / alignment && b < blocks; b += 32) block_experts[b] = x;
     }
   }
-  const int64_t stride = static_cast<int64_t>(G) * kFusedThreads;
+  const int64_t stride = static_cast<int64_t>(grid) * kFusedThreads;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * kFusedThreads + threadIdx.x;
   for (int64_t r = padded_total + start; r < row_capacity; r += stride) {
     row_sources[r] = padding_source;
@@ -496,6 +504,7 @@ constexpr int kMaxDevices = 64;
 constexpr int kSmemBuckets = 5;  // E <= 32, 64, ..., 512
 struct FusedLimits {
   std::atomic<int> resident[kSmemBuckets];  // 0: not asked yet; -1: no cooperative launch
+  std::atomic<int> sms{0};
   std::once_flag attr_once;
 };
 FusedLimits g_fused[kMaxDevices];
@@ -506,8 +515,9 @@ int fused_bucket(int num_experts) {
   return b;
 }
 
-// Blocks of the fused kernel resident at once on the current device (0: use the split path).
-int fused_resident_blocks(int num_experts) {
+// Blocks of the fused kernel resident at once on the current device (0: use the split path);
+// *sms: its multiprocessors.
+int fused_resident_blocks(int num_experts, int* sms_out) {
   int dev = 0;
   PADMOE_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < 0 || dev >= kMaxDevices) return 0;
@@ -525,14 +535,32 @@ int fused_resident_blocks(int num_experts) {
     PADMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_fused_kernel, kFusedThreads,
                                                                     fused_smem_bytes(32 << bucket)));
     n = coop != 0 && per_sm > 0 ? per_sm * sms : -1;
+    f.sms.store(sms, std::memory_order_relaxed);
     f.resident[bucket].store(n, std::memory_order_relaxed);
   }
+  *sms_out = f.sms.load(std::memory_order_relaxed);
   return n > 0 ? n : 0;
 }
 
 // PADMOE_CUDA_PLAN: "split" forces the two-launch path; "fused:N" caps the fused grid at N blocks
 // (several chunks a block); read once. set_plan_kernel overrides it (tests, benchmarks).
 std::atomic<int> g_plan_mode{-2};  // -2: not read; -1: split; 0: fused; N > 0: fused, at most N blocks
+
+// PADMOE_CUDA_PLAN_REPLICAS=N: blocks ranking each chunk (a power of two up to 16; default 0,
+// chosen from the multiprocessor count); read once.
+int plan_replicas() {
+  static const int r = [] {
+    const char* v = std::getenv("PADMOE_CUDA_PLAN_REPLICAS");
+    int n = v != nullptr ? std::atoi(v) : 0;
+    int p = 0;
+    if (n > 0) {
+      p = 1;
+      while (p * 2 <= n && p * 2 <= kFusedWarps) p *= 2;
+    }
+    return p;
+  }();
+  return r;
+}
 
 int plan_mode() {
   int m = g_plan_mode.load(std::memory_order_relaxed);
@@ -718,12 +746,25 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
   int32_t* chunk_counts = static_cast<int32_t*>(workspace);
   int32_t* local_rank = chunk_counts + static_cast<int64_t>(chunks) * num_experts;
   const int mode = plan_mode();
+  int sms = 0;
   const int resident = mode >= 0 && num_experts >= 1 && num_experts <= kFusedMaxExperts
-                           ? fused_resident_blocks(num_experts) : 0;
+                           ? fused_resident_blocks(num_experts, &sms) : 0;
   if (resident > 0) {
     const int limit = mode > 0 ? std::min(mode, resident) : resident;
     const int per_block = chunks > limit ? static_cast<int>(index::ceil_div(chunks, limit)) : 1;
-    const int grid = chunks > 0 ? static_cast<int>(index::ceil_div(chunks, per_block)) : 1;
+    const int distinct = chunks > 0 ? static_cast<int>(index::ceil_div(chunks, per_block)) : 1;
+    // replicas: a power of two up to 16 so that about one block per multiprocessor runs
+    int replicas = 1;
+    const int want = plan_replicas();
+    if (per_block == 1 && chunks > 0) {
+      if (want > 0) {
+        replicas = want;
+      } else {
+        while (replicas < kFusedWarps && distinct * replicas * 2 <= std::max(sms, 1)) replicas *= 2;
+      }
+      while (replicas > 1 && distinct * replicas > resident) replicas /= 2;
+    }
+    const int grid = distinct * replicas;
     const size_t smem = fused_smem_bytes(num_experts);
     // block counts [grid, E] then the ranks [A]: inside plan_workspace_bytes (grid <= chunks)
     int32_t* block_counts = chunk_counts;
@@ -745,15 +786,15 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     int n_chunks = chunks, n_experts = num_experts, align = alignment;
     int32_t pad_src = padding_source;
     int64_t capacity = row_capacity;
-    if (grid == 1) {  // no grid barrier: an ordinary launch
-      plan_fused_kernel<<<1, kFusedThreads, smem, s>>>(ids, rm, a_count, n_chunks, per_block, n_experts, align,
+    if (distinct == 1) {  // no grid barrier: an ordinary launch
+      plan_fused_kernel<<<grid, kFusedThreads, smem, s>>>(ids, rm, a_count, n_chunks, per_block, replicas, n_experts, align,
                                                        block_counts, local_rank, capacity, tokens, bins, ptokens,
                                                        pbins, indices, bin_ids, dest, rows, pad_src, row_experts,
                                                        block_experts, blocks, total);
       PADMOE_CUDA_LAUNCH_CHECK("plan_fused_kernel");
     } else {
-      int pb = per_block;
-      void* args[] = {&ids,     &rm,        &a_count, &n_chunks, &pb,     &n_experts,     &align,
+      int pb = per_block, reps = replicas;
+      void* args[] = {&ids,     &rm,        &a_count, &n_chunks, &pb,     &reps,    &n_experts,     &align,
                       &block_counts, &local_rank, &capacity, &tokens, &bins,   &ptokens,  &pbins,
                       &indices, &bin_ids,   &dest,    &rows,     &pad_src, &row_experts, &block_experts,
                       &blocks,  &total};

@@ -153,15 +153,32 @@ __device__ __forceinline__ void move_scale_entry(const ScaleRowsArg& sc, int64_t
 }
 
 // Zero block: rows [first, first + kZeroRows) of y that are padding (below P)
-// or, when zero_past_end, at or past P. One search per block, then the
-// experts whose padded segments meet the range are walked in order. kScales:
-// their scale rows are set to 1 by the same block.
+// or, when zero_past_end, at or past P. Up to kZeroStageExperts experts the
+// block first stages bins and padded_bins in shared memory (one round of
+// loads: the search and the walk below would otherwise be a chain of
+// dependent global loads, which dominated decode-sized spreads); then one
+// search per block, and the experts whose padded segments meet the range are
+// walked in order. kScales: their scale rows are set to 1 by the same block.
+constexpr int kZeroStageExperts = 1024;
+
 template <typename U, bool kScales>
 __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool zero_padding, bool zero_past_end,
                                   int64_t first, const ScaleRowsArg& sc) {
+  __shared__ int32_t s_bins[kZeroStageExperts], s_pbins[kZeroStageExperts];  // plan values < 2^31
+  const int E = pad.num_experts;
+  const bool staged = E <= kZeroStageExperts;
+  if (staged) {
+    for (int e = threadIdx.x; e < E; e += kThreads) {
+      s_bins[e] = static_cast<int32_t>(load_index(pad.bins, e));
+      s_pbins[e] = static_cast<int32_t>(load_index(pad.padded_bins, e));
+    }
+    __syncthreads();
+  }
+  auto bins = [&](int64_t e) -> int64_t { return staged ? s_bins[e] : load_index(pad.bins, e); };
+  auto pbins = [&](int64_t e) -> int64_t { return staged ? s_pbins[e] : load_index(pad.padded_bins, e); };
   const int64_t last = first + kZeroRows < y.rows ? first + kZeroRows : y.rows;
   const int64_t units = units_of<U>(y);
-  const int64_t padded = padded_total(pad);
+  const int64_t padded = E > 0 ? pbins(E - 1) : 0;
   auto zero_range = [&](int64_t r0, int64_t r1) {  // all threads, flattened over (row, unit)
     const int64_t n = (r1 - r0) * units;
     for (int64_t i = threadIdx.x; i < n; i += kThreads) U::store(row_ptr(y, r0 + i / units), i % units, U::zero());
@@ -171,17 +188,17 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
   if (!zero_padding) return;
   const int64_t end = last < padded ? last : padded;
   if (first >= end) return;
-  int64_t lo = 0, hi = pad.num_experts;  // first expert whose padded segment ends past `first`
+  int64_t lo = 0, hi = E;  // first expert whose padded segment ends past `first`
   while (lo < hi) {
     const int64_t mid = (lo + hi) / 2;
-    if (load_index(pad.padded_bins, mid) > first) hi = mid; else lo = mid + 1;
+    if (pbins(mid) > first) hi = mid; else lo = mid + 1;
   }
-  for (int64_t e = lo; e < pad.num_experts; ++e) {
-    const int64_t pstart = e == 0 ? 0 : load_index(pad.padded_bins, e - 1);
+  for (int64_t e = lo; e < E; ++e) {
+    const int64_t pstart = e == 0 ? 0 : pbins(e - 1);
     if (pstart >= end) break;
-    const int64_t count = load_index(pad.bins, e) - (e == 0 ? 0 : load_index(pad.bins, e - 1));
+    const int64_t count = bins(e) - (e == 0 ? 0 : bins(e - 1));
     const int64_t z0 = pstart + count > first ? pstart + count : first;
-    const int64_t pend = load_index(pad.padded_bins, e);
+    const int64_t pend = pbins(e);
     const int64_t z1 = pend < end ? pend : end;
     if (z0 < z1) zero_range(z0, z1);
   }
@@ -192,7 +209,7 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
 // kDots: the dots_with rows are read and dotted (a template parameter, so the plain
 // moves keep a lean kernel: the batched dot loads cost registers).
 template <typename T, bool kVec, bool kScales, bool kDots, int kDotBatch = 1>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  // dots: 3 blocks an SM (85 registers)
     spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
                   bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots, ScaleRowsArg sc,
                   int slices, int64_t slice_units) {
@@ -416,6 +433,41 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// A warp an assignment (small T: blocks of a token each would run K block sums in a row):
+// each lane sums its units in ascending order, then a fixed shuffle tree. Deterministic;
+// the order differs from dots_kernel's, so the bits may differ between the two.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    dots_warp_kernel(RowsArg y, RowsArg g, int top_k, const int32_t* __restrict__ dest, int64_t assignments,
+                     FloatOutArg out) {
+  using U = Unit<T, kVec>;
+  const int64_t a = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (a >= assignments) return;
+  const int64_t r = dest[a];
+  const int64_t units = units_of<U>(g);
+  float partial = 0.0f;
+  if (r >= 0 && r < y.rows) {
+    const char* yrow = row_ptr(y, r);
+    const char* grow = row_ptr(g, a / top_k);
+    int64_t u = lane;
+    for (; u + 96 < units; u += 128) {  // four pairs of loads in flight
+      typename U::Raw ya[4], ga[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        ya[i] = U::load(yrow, u + 32 * i);
+        ga[i] = U::load(grow, u + 32 * i);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial += U::dot(ya[i], ga[i]);
+    }
+    for (; u < units; u += 32) partial += U::dot(U::load(yrow, u), U::load(grow, u));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
+  if (lane == 0) store_float(out, a, r < 0 ? 0.0f : partial);
+}
+
 // --- gather by map ------------------------------------------------------------------
 // A block owns rows_per_block consecutive output rows (several when rows are
 // short, so that each thread keeps up to kRegUnits loads in flight); the map
@@ -520,6 +572,10 @@ struct DotsTag {
   static constexpr auto fn = dots_kernel<T, kVec>;
 };
 template <typename T, bool kVec>
+struct WarpDotsTag {
+  static constexpr auto fn = dots_warp_kernel<T, kVec>;
+};
+template <typename T, bool kVec>
 struct GatherTag {
   static constexpr auto fn = gather_kernel<T, kVec, false>;
 };
@@ -580,15 +636,23 @@ Slicing slicing_for(int64_t rows, int64_t units, int64_t granule, bool dots) {
   s.slice_units = span;
   return s;
 }
-// Destinations of a spread with dots whose dots_with rows load together: 1, 2 (default) or 4
-// (PADMOE_CUDA_DOT_BATCH, read once).
+// Destinations of a spread with dots whose dots_with rows load together: 1 (default), 2 or 4
+// (PADMOE_CUDA_DOT_BATCH, read once). Measured on the H200: 1 is best at decode and at
+// deepseek-v3 (4 costs 155 registers a thread and 20% at deepseek-v3).
 int dot_batch() {
   static const int b = [] {
     const char* v = std::getenv("PADMOE_CUDA_DOT_BATCH");
-    const int n = v != nullptr ? std::atoi(v) : 2;
-    return n == 1 || n == 4 ? n : 2;
+    const int n = v != nullptr ? std::atoi(v) : 1;
+    return n == 2 || n == 4 ? n : 1;
   }();
   return b;
+}
+bool spread_slices() {
+  static const bool on = [] {
+    const char* v = std::getenv("PADMOE_CUDA_SPREAD_SLICES");
+    return v != nullptr && std::atoi(v) == 1;
+  }();
+  return on;
 }
 }  // namespace
 
@@ -601,7 +665,11 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, kZeroRows) : 0;
   const bool vec0 = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(*dots_with));
   const int64_t units = vec0 ? y.cols * static_cast<int64_t>(element_size(y.dtype)) / 16 : y.cols;
-  const Slicing sl = slicing_for(tokens, units, kThreads, dots.data != nullptr);
+  // Spreads do not slice by default: measured on the H200 at decode size (T = 256, 14 KiB rows)
+  // slicing made dispatch 2-14% slower (bench/results/cuda-h200-2026-12-01.md); it stays
+  // selectable for measurements (PADMOE_CUDA_SPREAD_SLICES=1).
+  const bool may_slice = spread_slices() || g_slice_blocks.load(std::memory_order_relaxed) > 0;  // tests force it
+  const Slicing sl = slicing_for(tokens, units, kThreads, dots.data != nullptr || !may_slice);
   const int64_t blocks = tokens * sl.slices + zero_blocks;
   const bool scale_cols = scales != nullptr && scales->cols > 0;  // per-row scales move even when H = 0
   if (blocks == 0 || (y.cols == 0 && dots.data == nullptr && !scale_cols)) return;  // H = 0 still writes zero dots
@@ -616,9 +684,9 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);  // never with dots
   else if (dots.data != nullptr) {
     switch (dot_batch()) {
-      case 1: pick<SpreadDots<1>::Tag>(x.dtype, vec, launch); break;
+      case 2: pick<SpreadDots<2>::Tag>(x.dtype, vec, launch); break;
       case 4: pick<SpreadDots<4>::Tag>(x.dtype, vec, launch); break;
-      default: pick<SpreadDots<2>::Tag>(x.dtype, vec, launch); break;
+      default: pick<SpreadDots<1>::Tag>(x.dtype, vec, launch); break;
     }
   }
   else pick<SpreadTag>(x.dtype, vec, launch);
@@ -653,6 +721,16 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
   const int64_t tokens = assignments / top_k;
   if (tokens == 0) return;
   const bool vec = rows_vectorizable(y) && rows_vectorizable(g);
+  // Below the slicing target (about 4 blocks an SM) a warp an assignment; above, a block a token.
+  if (tokens < slice_target_blocks()) {
+    const int64_t blocks = index::ceil_div(assignments, kThreads / 32);
+    pick<WarpDotsTag>(y.dtype, vec, [&](auto tag) {
+      using Tag = decltype(tag);
+      Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(y, g, top_k, dest, assignments, out);
+    });
+    PADMOE_CUDA_LAUNCH_CHECK("dots_warp_kernel");
+    return;
+  }
   pick<DotsTag>(y.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
     Tag::fn<<<static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream)>>>(y, g, top_k, dest, out);
