@@ -10,7 +10,8 @@
 # Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench profile ab python triton ep, or
 #        all (default all; profile and ab are never in all). ab: kernel variants timed
 #        against each other, PADMOE_AB="TAG=ENV=V[,ENV=V]@PRESET@OPS ..." (see the stage). PADMOE_SANITIZE=0 skips the
-#        sanitizer runs of the tests stage, PADMOE_CPU_TESTS=0 its ctest run. profile: ncu (clocks left alone) on
+#        sanitizer runs of the tests stage, PADMOE_CPU_TESTS=0 its ctest run,
+#        PADMOE_TORCH_BENCH=0 the python stage's bench_torch.py. profile: ncu (clocks left alone) on
 #        the kernels of make_plan, dispatch and combine_backward at deepseek-v3
 #        and decode, one launch each, its sections to profile-*.log. triton: padmoe.triton's tests natively and
 #        bench/bench_triton.py (PADMOE_TRITON_SWEEP=1 adds its launch sweep).
@@ -130,9 +131,11 @@ if want python; then
   tail -n 5 "$out/pytest-cuda.log"
   # padmoe.torch as users see it: per op the kernels' GPU time (profiler), one eager call with the
   # host included, and CUDA-graph replay; the MoE block with grouped_mm experts.
-  run torch-bench env PYTHONPATH="$pyt" PYTHONUNBUFFERED=1 python3 bench/bench_torch.py --moe \
-    --out-md "$out/torch-bench.md" --out-json "$out/torch-bench.json" ${PADMOE_TORCHBENCH_ARGS:-}
-  cat "$out/torch-bench.log"
+  if [ "${PADMOE_TORCH_BENCH:-1}" = "1" ]; then
+    run torch-bench env PYTHONPATH="$pyt" PYTHONUNBUFFERED=1 python3 bench/bench_torch.py --moe \
+      --out-md "$out/torch-bench.md" --out-json "$out/torch-bench.json" ${PADMOE_TORCHBENCH_ARGS:-}
+    cat "$out/torch-bench.log"
+  fi
   # the per-op cold-L2 GPU figure beside padmoe.eager (bench_python.py) only when asked: PADMOE_PYBENCH=1
   if [ "${PADMOE_PYBENCH:-0}" = "1" ]; then
     png=()

@@ -92,7 +92,7 @@ __device__ float block_sum(float v, float* s_warp) {
 
 // --- spread ---------------------------------------------------------------------
 constexpr int kGroupK = 64;      // assignments of a token staged in shared memory at a time
-constexpr int kZeroRows = 32;    // rows per zero block
+constexpr int kZeroRows = 32;    // rows per zero block (8 at small T: see spread_rows)
 
 // Stages assignments [k0, k0 + nk) of token t: their destination rows (-1 when
 // dropped, or outside the `rows` rows given: only with unchecked bad input) and
@@ -152,7 +152,7 @@ __device__ __forceinline__ void move_scale_entry(const ScaleRowsArg& sc, int64_t
   }
 }
 
-// Zero block: rows [first, first + kZeroRows) of y that are padding (below P)
+// Zero block: rows [first, first + rows) of y that are padding (below P)
 // or, when zero_past_end, at or past P. Up to kZeroStageExperts experts the
 // block first stages bins and padded_bins in shared memory (one round of
 // loads: the search and the walk below would otherwise be a chain of
@@ -163,7 +163,7 @@ constexpr int kZeroStageExperts = 1024;
 
 template <typename U, bool kScales>
 __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool zero_padding, bool zero_past_end,
-                                  int64_t first, const ScaleRowsArg& sc) {
+                                  int64_t first, int rows, const ScaleRowsArg& sc) {
   __shared__ int32_t s_bins[kZeroStageExperts], s_pbins[kZeroStageExperts];  // plan values < 2^31
   const int E = pad.num_experts;
   const bool staged = E <= kZeroStageExperts;
@@ -176,7 +176,7 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
   }
   auto bins = [&](int64_t e) -> int64_t { return staged ? s_bins[e] : load_index(pad.bins, e); };
   auto pbins = [&](int64_t e) -> int64_t { return staged ? s_pbins[e] : load_index(pad.padded_bins, e); };
-  const int64_t last = first + kZeroRows < y.rows ? first + kZeroRows : y.rows;
+  const int64_t last = first + rows < y.rows ? first + rows : y.rows;
   const int64_t units = units_of<U>(y);
   const int64_t padded = E > 0 ? pbins(E - 1) : 0;
   auto zero_range = [&](int64_t r0, int64_t r1) {  // all threads, flattened over (row, unit)
@@ -212,13 +212,13 @@ template <typename T, bool kVec, bool kScales, bool kDots, int kDotBatch = 1>
 __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  // dots: 3 blocks an SM (85 registers)
     spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
                   bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots, ScaleRowsArg sc,
-                  int slices, int64_t slice_units) {
+                  int slices, int64_t slice_units, int zero_rows) {
   using U = Unit<T, kVec>;
   const int64_t tokens = x.rows;
   const int64_t row_blocks = tokens * slices;
   if (blockIdx.x >= row_blocks) {
     zero_padding_rows<U, kScales>(y, pad, zero_padding, zero_past_end,
-                                  (static_cast<int64_t>(blockIdx.x) - row_blocks) * kZeroRows, sc);
+                                  (static_cast<int64_t>(blockIdx.x) - row_blocks) * zero_rows, zero_rows, sc);
     return;
   }
   __shared__ int64_t s_dest[kGroupK];
@@ -647,6 +647,14 @@ int dot_batch() {
   }();
   return b;
 }
+int zero_rows_per_block(int64_t tokens) {
+  static const int forced = [] {
+    const char* v = std::getenv("PADMOE_CUDA_ZERO_ROWS");
+    return v != nullptr ? std::max(1, std::atoi(v)) : 0;
+  }();
+  if (forced > 0) return forced;
+  return tokens < slice_target_blocks() ? 8 : kZeroRows;
+}
 bool spread_slices() {
   static const bool on = [] {
     const char* v = std::getenv("PADMOE_CUDA_SPREAD_SLICES");
@@ -662,7 +670,10 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
                  FloatOutArg dots, void* stream, const ScaleRowsArg* scales) {
   const int64_t tokens = x.rows;
-  const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, kZeroRows) : 0;
+  // Rows a zero block clears: 32, or 8 at small T (spreads the padding over more blocks, so
+  // that no multiprocessor holds much more than its share of the writes); PADMOE_CUDA_ZERO_ROWS.
+  const int zero_rows = zero_rows_per_block(tokens);
+  const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, zero_rows) : 0;
   const bool vec0 = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(*dots_with));
   const int64_t units = vec0 ? y.cols * static_cast<int64_t>(element_size(y.dtype)) / 16 : y.cols;
   // Spreads do not slice by default: measured on the H200 at decode size (T = 256, 14 KiB rows)
@@ -679,7 +690,8 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(
-        x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc, sl.slices, sl.slice_units);
+        x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc, sl.slices, sl.slice_units,
+        zero_rows);
   };
   if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);  // never with dots
   else if (dots.data != nullptr) {
