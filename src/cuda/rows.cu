@@ -92,7 +92,7 @@ __device__ float block_sum(float v, float* s_warp) {
 
 // --- spread ---------------------------------------------------------------------
 constexpr int kGroupK = 64;      // assignments of a token staged in shared memory at a time
-constexpr int kZeroRows = 32;    // rows per zero block (8 at small T: see spread_rows)
+constexpr int kZeroRows = 32;    // rows per zero block (4 at small T: see spread_rows)
 
 // Stages assignments [k0, k0 + nk) of token t: their destination rows (-1 when
 // dropped, or outside the `rows` rows given: only with unchecked bad input) and
@@ -653,7 +653,7 @@ int zero_rows_per_block(int64_t tokens) {
     return v != nullptr ? std::max(1, std::atoi(v)) : 0;
   }();
   if (forced > 0) return forced;
-  return tokens < slice_target_blocks() ? 8 : kZeroRows;
+  return tokens < slice_target_blocks() ? 4 : kZeroRows;
 }
 bool spread_slices() {
   static const bool on = [] {
@@ -670,7 +670,7 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
                  FloatOutArg dots, void* stream, const ScaleRowsArg* scales) {
   const int64_t tokens = x.rows;
-  // Rows a zero block clears: 32, or 8 at small T (spreads the padding over more blocks, so
+  // Rows a zero block clears: 32, or 4 at small T (spreads the padding over more blocks, so
   // that no multiprocessor holds much more than its share of the writes); PADMOE_CUDA_ZERO_ROWS.
   const int zero_rows = zero_rows_per_block(tokens);
   const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, zero_rows) : 0;
