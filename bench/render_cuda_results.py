@@ -2,6 +2,7 @@
 """Render `padmoe bench --device cuda --json` files (one per preset) into a markdown table.
 
 Usage: bench/render_cuda_results.py DIR > table.md   (DIR holds bench-<preset>.json)
+A second table gives the CUDA-graph replay column (graph_us, warm L2) when the files have it.
 """
 import json
 import pathlib
@@ -25,6 +26,17 @@ def main(folder: str) -> None:
             row += [f"{o['us']:.1f}", f"{o['tbps']:.2f}", f"{o['time_over_floor']:.2f}"]
         print("| " + " | ".join(row) + " |")
     print()
+    if all(o.get("graph_us") is not None for p in PRESETS for o in data[p]["ops"]):
+        print("Replayed from a CUDA graph (" + first.get("graph_timing", "graph replay") + "):\n")
+        print("| op | " + " | ".join(f"{p} graph µs | ×floor" for p in PRESETS) + " |")
+        print("|---|" + "---:|---:|" * len(PRESETS))
+        for op in first["ops"]:
+            row = [op["name"]]
+            for p in PRESETS:
+                o = next(x for x in data[p]["ops"] if x["name"] == op["name"])
+                row += [f"{o['graph_us']:.1f}", f"{o['graph_over_floor']:.2f}"]
+            print("| " + " | ".join(row) + " |")
+        print()
     print("Workloads: " + "; ".join(
         f"{p}: T={data[p]['workload']['tokens']}, E={data[p]['workload']['experts']}, K={data[p]['workload']['top_k']}, "
         f"H={data[p]['workload']['hidden']}, alignment {data[p]['workload']['alignment']}, P={data[p]['workload']['padded_rows']}"
