@@ -311,6 +311,7 @@ __global__ void __launch_bounds__(kFusedThreads)
   using Scan = cub::BlockScan<unsigned long long, kFusedThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ long long s_totals[2];  // real and padded totals
+  __shared__ int s_sorted[kChunk], s_sorted_key[kChunk];  // the block's kept assignments in sorted order
   extern __shared__ int s_fused[];
   const int E = num_experts;
   int* s_wc = s_fused;                       // [warps][E] per-warp counts, then offsets; later [2][E] fills
@@ -443,32 +444,105 @@ __global__ void __launch_bounds__(kFusedThreads)
   const int64_t real_total = s_totals[0];
   const int64_t padded_total = s_totals[1];
 
-  // 3. place the block's assignments (its warps' share among the replicas)
-  for (int c = c_begin; c < c_end && warp % replicas == replica; ++c) {
-    const int64_t base = static_cast<int64_t>(c) * kChunk + warp * kFusedPerWarp;
+  // 3. place the block's assignments. From registers (one chunk a block), with at most two
+  //    replicas (each placing 1024 or more): dest_rows in assignment order by the replica owning
+  //    the warp, then the block's kept assignments put in sorted order (expert, rank) in shared
+  //    memory and written in that order, a share per replica, so that consecutive threads write
+  //    consecutive entries of an expert's segment of indices / bin_ids / row_sources (a few
+  //    32-byte sectors a warp store instead of 32; measured at T=16384, K=8, E=256: 16.2 -> 13.6
+  //    µs in a graph). With more replicas (few assignments each: decode) the extra scan and sort
+  //    cost more than they save (7.9 -> 8.5 µs), and each warp's own items are placed directly.
+  if (in_registers && replicas > 2) {
+    if (c_begin < c_end && warp % replicas == replica) {
+      const int64_t base = static_cast<int64_t>(c_begin) * kChunk + warp * kFusedPerWarp;
+#pragma unroll
+      for (int j = 0; j < kFusedItems; ++j) {
+        const int64_t a = base + j * 32 + lane;
+        if (a >= assignments) break;
+        const int key = keys[j], rank = ranks[j];
+        if (rank < 0) {
+          dest_rows[a] = -1;
+        } else {
+          const int64_t pos = s_pos[key] + rank;
+          const int64_t row = s_row[key] + rank;
+          indices[pos] = static_cast<int32_t>(a);
+          bin_ids[pos] = key;
+          dest_rows[a] = static_cast<int32_t>(row);
+          row_sources[row] = static_cast<int32_t>(a);
+          if (row_experts != nullptr) row_experts[row] = key;
+        }
+        if (a >= real_total) {  // only when ids were dropped
+          indices[a] = -1;
+          bin_ids[a] = -1;
+        }
+      }
+    }
+  } else if (in_registers) {
+    const int64_t chunk_base = static_cast<int64_t>(c_begin) * kChunk;
+    const int64_t base = chunk_base + warp * kFusedPerWarp;
+    if (c_begin < c_end && warp % replicas == replica) {
+#pragma unroll
+      for (int j = 0; j < kFusedItems; ++j) {
+        const int64_t a = base + j * 32 + lane;
+        if (a >= assignments) break;
+        dest_rows[a] = ranks[j] < 0 ? -1 : static_cast<int32_t>(s_row[keys[j]] + ranks[j]);
+        if (a >= real_total) {  // only when ids were dropped
+          indices[a] = -1;
+          bin_ids[a] = -1;
+        }
+      }
+    }
+    int* s_off = s_wc + 2 * E;  // [E] block-local start of e among the block's kept assignments
+    const unsigned long long mine = e < E ? static_cast<unsigned long long>(s_run[e]) : 0ull;
+    unsigned long long off = 0, kept = 0;
+    Scan(scan_storage).ExclusiveSum(mine, off, kept);
+    if (e < E) s_off[e] = static_cast<int>(off);
+    __syncthreads();
 #pragma unroll
     for (int j = 0; j < kFusedItems; ++j) {
-      const int64_t a = base + j * 32 + lane;
-      if (a >= assignments) break;
-      int key = keys[j], rank = ranks[j];
-      if (!in_registers) {
-        rank = local_rank[a];
-        key = rank >= 0 ? static_cast<int>(remap.local(load_index(ids, a))) : -1;
-      }
-      if (rank < 0) {
-        dest_rows[a] = -1;
-      } else {
-        const int64_t pos = s_pos[key] + rank;
-        const int64_t row = s_row[key] + rank;
-        indices[pos] = static_cast<int32_t>(a);
-        bin_ids[pos] = key;
-        dest_rows[a] = static_cast<int32_t>(row);
-        row_sources[row] = static_cast<int32_t>(a);
-        if (row_experts != nullptr) row_experts[row] = key;
-      }
-      if (a >= real_total) {  // only when ids were dropped
-        indices[a] = -1;
-        bin_ids[a] = -1;
+      if (ranks[j] < 0) continue;
+      const int slot = s_off[keys[j]] + ranks[j];
+      s_sorted[slot] = static_cast<int>(base + j * 32 + lane - chunk_base);
+      s_sorted_key[slot] = keys[j];
+    }
+    __syncthreads();
+    const int n = static_cast<int>(kept);
+    const int lo = n * replica / replicas, hi = n * (replica + 1) / replicas;
+    for (int q = lo + static_cast<int>(threadIdx.x); q < hi; q += kFusedThreads) {
+      const int key = s_sorted_key[q];
+      const int rank = q - s_off[key];
+      const int64_t a = chunk_base + s_sorted[q];
+      const int64_t pos = s_pos[key] + rank;
+      const int64_t row = s_row[key] + rank;
+      indices[pos] = static_cast<int32_t>(a);
+      bin_ids[pos] = key;
+      row_sources[row] = static_cast<int32_t>(a);
+      if (row_experts != nullptr) row_experts[row] = key;
+    }
+  } else {
+    for (int c = c_begin; c < c_end; ++c) {
+      const int64_t base = static_cast<int64_t>(c) * kChunk + warp * kFusedPerWarp;
+#pragma unroll
+      for (int j = 0; j < kFusedItems; ++j) {
+        const int64_t a = base + j * 32 + lane;
+        if (a >= assignments) break;
+        const int rank = local_rank[a];
+        const int key = rank >= 0 ? static_cast<int>(remap.local(load_index(ids, a))) : -1;
+        if (rank < 0) {
+          dest_rows[a] = -1;
+        } else {
+          const int64_t pos = s_pos[key] + rank;
+          const int64_t row = s_row[key] + rank;
+          indices[pos] = static_cast<int32_t>(a);
+          bin_ids[pos] = key;
+          dest_rows[a] = static_cast<int32_t>(row);
+          row_sources[row] = static_cast<int32_t>(a);
+          if (row_experts != nullptr) row_experts[row] = key;
+        }
+        if (a >= real_total) {  // only when ids were dropped
+          indices[a] = -1;
+          bin_ids[a] = -1;
+        }
       }
     }
   }
