@@ -872,10 +872,22 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
                       &block_counts, &local_rank, &capacity, &tokens, &bins,   &ptokens,  &pbins,
                       &indices, &bin_ids,   &dest,    &rows,     &pad_src, &row_experts, &block_experts,
                       &blocks,  &total};
-      PADMOE_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(plan_fused_kernel), dim3(grid),
-                                                    dim3(kFusedThreads), args, smem, s));
+      const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(plan_fused_kernel),
+                                                          dim3(grid), dim3(kFusedThreads), args, smem, s);
+      if (err == cudaErrorCooperativeLaunchTooLarge) {
+        // fewer multiprocessors than the device reports (MPS limits, green contexts): the split
+        // launches from now on, for this device
+        cudaGetLastError();
+        int dev = 0;
+        if (cudaGetDevice(&dev) == cudaSuccess && dev >= 0 && dev < kMaxDevices) {
+          for (auto& r : g_fused[dev].resident) r.store(-1, std::memory_order_relaxed);
+        }
+      } else {
+        PADMOE_CUDA_CHECK(err);
+        return;
+      }
     }
-    return;
+    if (distinct == 1) return;
   }
   if (chunks > 0) {
     if (num_experts <= kMatchMaxExperts) {
