@@ -124,6 +124,23 @@ __device__ void finish_dots(int64_t t, int k0, int nk, int top_k, const int64_t*
   }
 }
 
+// v[b][j] = unit c + j * kThreads + threadIdx.x (below `units`) of row s_dest[q0 + b] of `rows`,
+// for b < kBatch with q0 + b < nk and a row >= 0: a batch of rows' loads issued together.
+template <typename U, int kBatch, int kUnits>
+__device__ __forceinline__ void load_row_batch(const RowsArg& rows, const int64_t* s_dest, int q0, int nk, int64_t c,
+                                               int64_t units, typename U::Raw (&v)[kBatch][kUnits]) {
+#pragma unroll
+  for (int b = 0; b < kBatch; ++b) {
+    const int64_t r = q0 + b < nk ? s_dest[q0 + b] : -1;
+    const char* src = row_ptr(rows, r < 0 ? 0 : r);
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      const int64_t u = c + j * kThreads + threadIdx.x;
+      if (r >= 0 && u < units) v[b][j] = U::load(src, u);
+    }
+  }
+}
+
 // --- scale rows (the `_scaled` ops) -------------------------------------------
 // Scale rows are short (ceil(H/32) bytes or ceil(H/128) floats): the block
 // that writes a data row copies its scale row too, flattened over the block's
@@ -259,16 +276,7 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
         // instead of one destination's (the dots sum in the same order as one at a time).
         for (int q0 = 0; q0 < nk; q0 += kDotBatch) {
           typename U::Raw v[kDotBatch][kRegUnits];
-#pragma unroll
-          for (int b = 0; b < kDotBatch; ++b) {
-            const int64_t r = q0 + b < nk ? s_dest[q0 + b] : -1;
-            const char* other = row_ptr(dots_with, r < 0 ? 0 : r);
-#pragma unroll
-            for (int j = 0; j < kRegUnits; ++j) {
-              const int64_t u = c + j * kThreads + threadIdx.x;
-              if (r >= 0 && u < units) v[b][j] = U::load(other, u);
-            }
-          }
+          load_row_batch<U>(dots_with, s_dest, q0, nk, c, units, v);
 #pragma unroll
           for (int b = 0; b < kDotBatch; ++b) {
             const int q = q0 + b;
@@ -291,27 +299,17 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
             if (lane == 0) s_part[warp][q] += partial;  // chunks in order: deterministic
           }
         }
-        continue;
-      }
-      for (int q = 0; q < nk; ++q) {
-        const int64_t r = s_dest[q];
-        if (r < 0) continue;
-        char* out = row_ptr(y, r);
-        const float wk = s_w[q];
-        const char* other = want_dots ? row_ptr(dots_with, r) : nullptr;
-        float partial = 0.0f;
+      } else {
+        for (int q = 0; q < nk; ++q) {  // the plain moves
+          const int64_t r = s_dest[q];
+          if (r < 0) continue;
+          char* out = row_ptr(y, r);
+          const float wk = s_w[q];
 #pragma unroll
-        for (int j = 0; j < kRegUnits; ++j) {
-          const int64_t u = c + j * kThreads + threadIdx.x;
-          if (u < units) {
-            U::store(out, u, w.data == nullptr ? reg[j] : U::scale(reg[j], wk));
-            if (want_dots) partial += U::dot(U::load(other, u), reg[j]);
+          for (int j = 0; j < kRegUnits; ++j) {
+            const int64_t u = c + j * kThreads + threadIdx.x;
+            if (u < units) U::store(out, u, w.data == nullptr ? reg[j] : U::scale(reg[j], wk));
           }
-        }
-        if (want_dots) {
-#pragma unroll
-          for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
-          if (lane == 0) s_part[warp][q] += partial;  // chunks in order: deterministic
         }
       }
     }
@@ -364,16 +362,7 @@ __global__ void __launch_bounds__(kThreads)
       // 16-byte loads in flight (the adds stay in ascending k).
       for (int q0 = 0; q0 < nk; q0 += kLoadBatch) {
         typename U::Raw v[kLoadBatch][kReduceUnits];
-#pragma unroll
-        for (int b = 0; b < kLoadBatch; ++b) {
-          const int64_t r = q0 + b < nk ? s_dest[q0 + b] : -1;
-          const char* src = row_ptr(y, r < 0 ? 0 : r);
-#pragma unroll
-          for (int j = 0; j < kReduceUnits; ++j) {
-            const int64_t u = c + j * kThreads + threadIdx.x;
-            if (r >= 0 && u < units) v[b][j] = U::load(src, u);
-          }
-        }
+        load_row_batch<U>(y, s_dest, q0, nk, c, units, v);
 #pragma unroll
         for (int b = 0; b < kLoadBatch; ++b) {
           const int q = q0 + b;
