@@ -13,7 +13,9 @@
 #        sanitizer runs of the tests stage, PADMOE_CPU_TESTS=0 its ctest run,
 #        PADMOE_TORCH_BENCH=0 the python stage's bench_torch.py. profile: ncu (clocks left alone) on
 #        the kernels of make_plan, dispatch and combine_backward at deepseek-v3
-#        and decode, one launch each, its sections to profile-*.log. triton: padmoe.triton's tests natively and
+#        and decode (PADMOE_PROFILE_SPECS="PRESET:OP ..." to choose), one launch
+#        each, its sections to profile-*.log; the build then has -lineinfo, so the
+#        source counters name source lines (where warps stall). triton: padmoe.triton's tests natively and
 #        bench/bench_triton.py (PADMOE_TRITON_SWEEP=1 adds its launch sweep).
 #        ep: padmoe.torch.distributed over NCCL (needs 2+ GPUs): its tests on
 #        every GPU count they need, bench/bench_ep.py on 2, 4 and 8 GPUs (those present).
@@ -36,7 +38,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 cat "$out/gpu.txt"
 if want tests || want checks || want bench || want profile || want ab; then
   step build
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  lineinfo=()  # the profile stage: source lines in ncu's source counters
+  want profile && lineinfo=(-DCMAKE_CUDA_FLAGS=-lineinfo)
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 "${lineinfo[@]}" \
     > "$out/build.log" 2>&1 && cmake --build "$build" -j "$(nproc)" >> "$out/build.log" 2>&1 \
     || { echo "build FAILED"; tail -n 40 "$out/build.log"; exit 1; }
   echo "build: ok"
@@ -75,7 +79,7 @@ PY
 fi
 if want profile; then
   sections=(--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
-            --section MemoryWorkloadAnalysis --section SchedulerStats)
+            --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters)
   for spec in ${PADMOE_PROFILE_SPECS:-decode:make_plan deepseek-v3:make_plan decode:dispatch(w) deepseek-v3:dispatch(w) decode:combine_backward(w)}; do
     p=${spec%%:*}; o=${spec#*:}; tag=$(echo "$p-$o" | tr -c 'a-zA-Z0-9\n-' _)
     run "profile-$tag" ncu --clock-control none "${sections[@]}" --kernel-name regex:'plan_|spread_|reduce_' \
