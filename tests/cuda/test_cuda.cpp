@@ -109,14 +109,15 @@ Tensor gpu_poison_index(int64_t n) { return gpu_filled(DType::kInt32, {n}, kInde
 
 std::vector<float> ones(int64_t n) { return std::vector<float>(static_cast<size_t>(n), 1.0f); }
 
-// Capacity-sized int32 plan buffers on the GPU, filled with the index poison.
+// Capacity-sized int32 plan buffers on the GPU, filled with the index poison (row_sources:
+// `rows` entries when given).
 struct GpuPlan {
   Tensor indices, bin_ids, tpe, bins, ptpe, padded_bins, dest_rows, row_sources;
   padmoe::PlanView view;
 };
-GpuPlan gpu_plan_buffers(int64_t T, int K, int E, int m) {
+GpuPlan gpu_plan_buffers(int64_t T, int K, int E, int m, int64_t rows = -1) {
   GpuPlan g;
-  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m);
+  const int64_t A = T * K, cap = rows >= 0 ? rows : padmoe::capacity_bound(T, K, E, m);
   g.indices = gpu_poison_index(A);
   g.bin_ids = gpu_poison_index(A);
   g.tpe = gpu_poison_index(E);
@@ -138,6 +139,23 @@ GpuPlan gpu_plan_buffers(int64_t T, int K, int E, int m) {
   g.view.num_experts = E;
   g.view.alignment = m;
   return g;
+}
+
+// make_plan's layouts for R rows at alignment m on the GPU (row_experts, block_experts,
+// padded_total), filled with the index poison.
+struct GpuLayouts {
+  Tensor row_experts, block_experts, padded_total;
+  padmoe::PlanLayouts view;
+};
+GpuLayouts gpu_layout_buffers(int64_t R, int m) {
+  GpuLayouts l;
+  l.row_experts = gpu_poison_index(R);
+  l.block_experts = gpu_poison_index((R + m - 1) / m);
+  l.padded_total = gpu_poison_index(1);
+  l.view.row_experts = l.row_experts;
+  l.view.block_experts = l.block_experts;
+  l.view.padded_total = l.padded_total;
+  return l;
 }
 
 // Every field of a GPU plan view equals the CPU plan (bitwise) and the reference.
@@ -578,29 +596,21 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
       SCOPED_TRACE("T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " E=" + std::to_string(c.E) +
                    " m=" + std::to_string(c.m) + " global=" + std::to_string(c.global) + " mode=" + std::to_string(mode));
       padmoe::cuda::set_plan_kernel(mode);
-      GpuPlan g = gpu_plan_buffers(c.T, c.K, c.E, c.m);
-      g.row_sources = gpu_poison_index(R);
-      g.view.row_sources = g.row_sources;
-      Tensor re = gpu_poison_index(R), be = gpu_poison_index((R + c.m - 1) / c.m), tot = gpu_poison_index(1);
-      padmoe::PlanLayouts l;
-      l.row_experts = re;
-      l.block_experts = be;
-      l.padded_total = tot;
+      GpuPlan g = gpu_plan_buffers(c.T, c.K, c.E, c.m, R);
+      GpuLayouts l = gpu_layout_buffers(R, c.m);
       padmoe::Options o;
       o.check_data = false;
-      padmoe::make_plan_out(dte, c.E, c.m, g.view, l, po, o);
+      padmoe::make_plan_out(dte, c.E, c.m, g.view, l.view, po, o);
       const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> fields[] = {
           {"indices", {&g.indices, &cpu.indices}},       {"bin_ids", {&g.bin_ids, &cpu.bin_ids}},
           {"tokens_per_expert", {&g.tpe, &cpu.tokens_per_expert}}, {"bins", {&g.bins, &cpu.bins}},
           {"padded_tokens_per_expert", {&g.ptpe, &cpu.padded_tokens_per_expert}},
           {"padded_bins", {&g.padded_bins, &cpu.padded_bins}},   {"dest_rows", {&g.dest_rows, &cpu.dest_rows}},
-          {"row_sources", {&g.row_sources, &cpu.row_sources}},   {"row_experts", {&re, &cre}},
-          {"block_experts", {&be, &cbe}},                         {"padded_total", {&tot, &ctot}}};
+          {"row_sources", {&g.row_sources, &cpu.row_sources}},   {"row_experts", {&l.row_experts, &cre}},
+          {"block_experts", {&l.block_experts, &cbe}},           {"padded_total", {&l.padded_total, &ctot}}};
       for (const auto& f : fields) EXPECT_TRUE(all_same(to_cpu(*f.second.first), *f.second.second)) << f.first;
       // and twice: the same bits (no atomics in the ranks)
-      GpuPlan g2 = gpu_plan_buffers(c.T, c.K, c.E, c.m);
-      g2.row_sources = gpu_poison_index(R);
-      g2.view.row_sources = g2.row_sources;
+      GpuPlan g2 = gpu_plan_buffers(c.T, c.K, c.E, c.m, R);
       padmoe::make_plan_out(dte, c.E, c.m, g2.view, padmoe::PlanLayouts{}, po, o);
       EXPECT_TRUE(all_same(to_cpu(g2.dest_rows), cpu.dest_rows)) << "dest_rows, second run";
       EXPECT_TRUE(all_same(to_cpu(g2.row_sources), cpu.row_sources)) << "row_sources, second run";
@@ -704,22 +714,18 @@ TEST(CpuVsGpuEdge, PlanLayoutsAndAlignedBlocks) {
     Tensor ind = gpu_poison_index(A), bid = gpu_poison_index(A), tpe = gpu_poison_index(c.E),
            bins = gpu_poison_index(c.E), ptpe = gpu_poison_index(c.E), pb = gpu_poison_index(c.E),
            dest = gpu_poison_index(A), rs = gpu_poison_index(R);
-    Tensor re = gpu_poison_index(R), be = gpu_poison_index((R + c.m - 1) / c.m), tot = gpu_poison_index(1);
     padmoe::PlanView out;
     out.indices = ind; out.bin_ids = bid; out.tokens_per_expert = tpe; out.bins = bins;
     out.padded_tokens_per_expert = ptpe; out.padded_bins = pb; out.dest_rows = dest; out.row_sources = rs;
-    padmoe::PlanLayouts l;
-    l.row_experts = re;
-    l.block_experts = be;
-    l.padded_total = tot;
-    padmoe::make_plan_out(dte, c.E, c.m, out, l);
-    EXPECT_EQ(index_to_vec(to_cpu(re)), ref::row_experts(te, c.E, c.m, R));
+    GpuLayouts l = gpu_layout_buffers(R, c.m);
+    padmoe::make_plan_out(dte, c.E, c.m, out, l.view);
+    EXPECT_EQ(index_to_vec(to_cpu(l.row_experts)), ref::row_experts(te, c.E, c.m, R));
     std::vector<int64_t> rows_src = p.row_sources;
     rows_src.resize(static_cast<size_t>(R), -1);
     EXPECT_EQ(index_to_vec(to_cpu(rs)), rows_src);
     const ref::AlignedBlocks want = ref::moe_align_block_size(te, c.m, c.E, false);
-    EXPECT_EQ(index_to_vec(to_cpu(be)), want.expert_ids);
-    EXPECT_EQ(index_to_vec(to_cpu(tot)), std::vector<int64_t>{p.padded_rows});
+    EXPECT_EQ(index_to_vec(to_cpu(l.block_experts)), want.expert_ids);
+    EXPECT_EQ(index_to_vec(to_cpu(l.padded_total)), std::vector<int64_t>{p.padded_rows});
     for (bool pad : {false, true}) {
       const ref::AlignedBlocks w = ref::moe_align_block_size(te, c.m, c.E, pad);
       const padmoe::AlignedBlocks g = padmoe::moe_align_block_size(dte, c.m, c.E, pad);
@@ -879,15 +885,9 @@ TEST(RoutingOptionsGpu, MatchesCpuAndReference) {
       padmoe::Options o;
       o.check_data = checked;
       const int64_t R = cpu.capacity();
-      GpuPlan g = gpu_plan_buffers(c.T, c.K, c.E, c.m);
-      g.row_sources = gpu_poison_index(R);
-      g.view.row_sources = g.row_sources;
-      Tensor re = gpu_poison_index(R), be = gpu_poison_index((R + c.m - 1) / c.m), tot = gpu_poison_index(1);
-      padmoe::PlanLayouts l;
-      l.row_experts = re;
-      l.block_experts = be;
-      l.padded_total = tot;
-      padmoe::make_plan_out(dte, c.E, c.m, g.view, l, go, o);
+      GpuPlan g = gpu_plan_buffers(c.T, c.K, c.E, c.m, R);
+      GpuLayouts l = gpu_layout_buffers(R, c.m);
+      padmoe::make_plan_out(dte, c.E, c.m, g.view, l.view, go, o);
       expect_plan_equal(g.view, cpu, want16.plan, "plan with options");
       EXPECT_EQ(index_to_vec(to_cpu(gd))[0], want16.dropped);
       Tensor cre = poison_index(R), cbe = poison_index((R + c.m - 1) / c.m), ctot = poison_index(1);
@@ -898,9 +898,9 @@ TEST(RoutingOptionsGpu, MatchesCpuAndReference) {
       padmoe::Plan cpu_out = padmoe::Plan::empty(c.T, c.K, c.E, c.m);
       cpu_out.row_sources = poison_index(R);
       padmoe::make_plan_out(hte, c.E, c.m, cpu_out.view(), cl, co);
-      EXPECT_TRUE(all_same(to_cpu(re), cre)) << "row_experts";
-      EXPECT_TRUE(all_same(to_cpu(be), cbe)) << "block_experts";
-      EXPECT_TRUE(all_same(to_cpu(tot), ctot)) << "padded_total";
+      EXPECT_TRUE(all_same(to_cpu(l.row_experts), cre)) << "row_experts";
+      EXPECT_TRUE(all_same(to_cpu(l.block_experts), cbe)) << "block_experts";
+      EXPECT_TRUE(all_same(to_cpu(l.padded_total), ctot)) << "padded_total";
       // the row ops on the dropped plan
       if (c.T > 0 && c.T <= 5000) {
         const int64_t H = 72, P = want16.plan.padded_rows;
