@@ -11,9 +11,11 @@
 #        all (default all; profile and ab are never in all). ab: kernel variants timed
 #        against each other, PADMOE_AB="TAG=ENV=V[,ENV=V]@PRESET@OPS ..." (see the stage). PADMOE_SANITIZE=0 skips the
 #        sanitizer runs of the tests stage, PADMOE_CPU_TESTS=0 its ctest run,
-#        PADMOE_TORCH_BENCH=0 the python stage's bench_torch.py. profile: ncu (clocks left alone) on
+#        PADMOE_TORCH_BENCH=0 the python stage's bench_torch.py, PADMOE_BUILD_TARGETS the CMake
+#        targets built (all; padmoe_cli padmoe_bandwidth for bench / profile / ab alone). profile: ncu (clocks left alone) on
 #        the kernels of make_plan, dispatch and combine_backward at deepseek-v3
-#        and decode (PADMOE_PROFILE_SPECS="PRESET:OP ..." to choose), one launch
+#        and decode (PADMOE_PROFILE_SPECS="PRESET:OP ..." to choose; PADMOE_PROFILE_KERNELS a
+#        kernel-name regex), one launch
 #        each, its sections to profile-*.log; the build then has -lineinfo, so the
 #        source counters name source lines (where warps stall). triton: padmoe.triton's tests natively and
 #        bench/bench_triton.py (PADMOE_TRITON_SWEEP=1 adds its launch sweep).
@@ -41,7 +43,7 @@ if want tests || want checks || want bench || want profile || want ab; then
   lineinfo=()  # the profile stage: source lines in ncu's source counters
   want profile && lineinfo=(-DCMAKE_CUDA_FLAGS=-lineinfo)
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPADMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 "${lineinfo[@]}" \
-    > "$out/build.log" 2>&1 && cmake --build "$build" -j "$(nproc)" >> "$out/build.log" 2>&1 \
+    > "$out/build.log" 2>&1 && cmake --build "$build" -j "$(nproc)" --target ${PADMOE_BUILD_TARGETS:-all} >> "$out/build.log" 2>&1 \
     || { echo "build FAILED"; tail -n 40 "$out/build.log"; exit 1; }
   echo "build: ok"
 fi
@@ -49,7 +51,7 @@ fi
 if want tests; then
   [ "${PADMOE_CPU_TESTS:-1}" = "1" ] && run cpu-tests ctest --test-dir "$build" -j "$(nproc)" --output-on-failure
   run gpu-tests "$build/padmoe_cuda_tests"
-  subset='Determinism*:CheckedMode*:CudaGraph*:CpuVsGpuEdge*:PlanKernels*:RowSlices*'
+  subset='Determinism*:CheckedMode*:CudaGraph*:CpuVsGpuEdge*:PlanKernels*:RowSlices*:DotKernels*'
   [ "${PADMOE_SANITIZE:-1}" = "1" ] && run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
   [ "${PADMOE_SANITIZE:-1}" = "1" ] && run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
 fi
@@ -82,8 +84,8 @@ if want profile; then
             --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters)
   for spec in ${PADMOE_PROFILE_SPECS:-decode:make_plan deepseek-v3:make_plan decode:dispatch(w) deepseek-v3:dispatch(w) decode:combine_backward(w)}; do
     p=${spec%%:*}; o=${spec#*:}; tag=$(echo "$p-$o" | tr -c 'a-zA-Z0-9\n-' _)
-    run "profile-$tag" ncu --clock-control none "${sections[@]}" --kernel-name regex:'plan_|spread_|reduce_' \
-      --launch-count 8 "$build/padmoe" bench --device cuda --preset "$p" --ops "$o" --warmup 0 --iters 1 --no-reference --no-graph
+    run "profile-$tag" ncu --clock-control none "${sections[@]}" --kernel-name regex:"${PADMOE_PROFILE_KERNELS:-plan_|spread_|reduce_|gather_|dots_|pad_|fill_|invert_|map_|layout_}" \
+      --launch-count 12 "$build/padmoe" bench --device cuda --preset "$p" --ops "$o" --warmup 0 --iters 1 --no-reference --no-graph
     grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Block Size|Grid Size|Waves Per SM|Warp Cycles Per Issued|Issued Ipc|No Eligible|Theoretical Occ" \
       "$out/profile-$tag.log" | head -n 80
   done

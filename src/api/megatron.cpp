@@ -171,7 +171,7 @@ struct Inverse {
 };
 
 Inverse inverse_map(const Checker& c, const TensorView& permutation_map, int64_t rows, int64_t original_size,
-                    Device device, const Options& options) {
+                    Device device, const Options& options, bool build_on_device = true) {
   Inverse inv;
   if (!device.is_cuda()) {
     inv.host = check_and_invert_map(c, permutation_map, rows, original_size);
@@ -185,6 +185,7 @@ Inverse inverse_map(const Checker& c, const TensorView& permutation_map, int64_t
     detail::raise_violation(c, cuda::validate_map(map, rows, original_size, scratch.get(), options.stream),
                             detail::ViolationNames{"permutation_map", original_size, "out"});
   }
+  if (!build_on_device) return inv;  // validated only (unpad's backward on CUDA needs no inverse)
   inv.device = std::make_shared<cuda::Scratch>(options, static_cast<size_t>(original_size) * 4, device.index);
   int32_t* out = static_cast<int32_t*>(inv.device->get());
   cuda::invert_map(map, rows, original_size, out, options.stream);
@@ -352,7 +353,8 @@ ScaledRows unpad_from_alignment_scaled(const TensorView& padded, const TensorVie
 
 namespace {
 
-// Inputs of unpad's backward, checked; returns the inverse map.
+// Inputs of unpad's backward, checked; returns the inverse map (on the host; on CUDA the map is
+// only validated, in checked mode: the backward kernel needs no inverse).
 Inverse unpad_backward_inputs(const Checker& c, const TensorView& grad_out, const TensorView& padded,
                               const TensorView& permutation_map, const std::optional<TensorView>& probs,
                               const Options& options) {
@@ -364,23 +366,29 @@ Inverse unpad_backward_inputs(const Checker& c, const TensorView& grad_out, cons
                                                   dtype_name(padded.dtype));
   }
   c.same_device(grad_out, "grad_out", padded.device);
-  return inverse_map(c, permutation_map, padded.shape[0], grad_out.shape[0], padded.device, options);
+  return inverse_map(c, permutation_map, padded.shape[0], grad_out.shape[0], padded.device, options,
+                     /*build_on_device=*/false);
 }
 
 // grad_padded[p] = grad_out[map[p]] * probs[map[p]] (zero for padding);
-// grad_probs[n] = <padded[inverse[n]], grad_out[n]> when wanted.
+// grad_probs[n] = <padded[inverse[n]], grad_out[n]> when wanted. CUDA: one warp a padded row
+// forms both from one read of grad_out[map[p]] (grad_probs zeroed first), no inverse map;
+// the CPU uses the host inverse.
 void run_unpad_backward(const TensorView& grad_out, const TensorView& padded, const TensorView& permutation_map,
                         const Inverse& inverse, const std::optional<TensorView>& probs,
                         const TensorView& grad_padded, const TensorView* grad_probs, const Options& options) {
   const int64_t rows = padded.shape[0];
   if (padded.device.is_cuda()) {
-    cuda::gather_rows(cuda::RowsArg::of(grad_out), cuda::IndexRef::of(permutation_map),
-                      probs ? cuda::ScaleArg{probs->data, probs->dtype} : cuda::ScaleArg{}, /*scale_by_source=*/true,
-                      cuda::RowsArg::of(grad_padded), rows, nullptr, options.stream);
+    const cuda::ScaleArg scale = probs ? cuda::ScaleArg{probs->data, probs->dtype} : cuda::ScaleArg{};
     if (grad_probs != nullptr) {
-      cuda::row_dots(cuda::RowsArg::of(padded), cuda::RowsArg::of(grad_out), 1, inverse.data, grad_out.shape[0],
-                     cuda::FloatOutArg{grad_probs->data, grad_probs->dtype}, options.stream);
+      cuda::gather_rows_dots(cuda::RowsArg::of(grad_out), cuda::IndexRef::of(permutation_map), scale,
+                             cuda::RowsArg::of(grad_padded), rows, cuda::RowsArg::of(padded),
+                             cuda::FloatOutArg{grad_probs->data, grad_probs->dtype}, grad_out.shape[0],
+                             options.stream);
+      return;
     }
+    cuda::gather_rows(cuda::RowsArg::of(grad_out), cuda::IndexRef::of(permutation_map), scale,
+                      /*scale_by_source=*/true, cuda::RowsArg::of(grad_padded), rows, nullptr, options.stream);
     return;
   }
   const detail::IndexReader map_in(permutation_map);

@@ -144,6 +144,12 @@ struct PaddingRef {
 // slower on the H200). set_slice_blocks overrides the target (tests,
 // benchmarks; -1: back to the default); N > 0 there slices spreads as well.
 void set_slice_blocks(int blocks);
+// Dot-product kernels (tests, benchmarks; overrides PADMOE_CUDA_DOTS): -1 chosen by shape (the
+// default: row_dots a warp an assignment; spreads with dots a warp an assignment unless the
+// tokens are few (under ~4 blocks an SM) and rows longer than 8 KiB; reduce with dots in its
+// wide (2, 8) shape for few tokens), 0 the block kernels everywhere, 1 the warp kernels and the
+// wide shape everywhere.
+void set_dot_kernels(int mode);
 // y[dest[a]] = x[a/K] * w(a) for dest >= 0; rows < P that are padding are zeroed,
 // and rows in [P, y.rows) too when zero_past_end (allocating forms). When
 // dots_with is given: dots[a] = <dots_with[dest[a]], x[a/K]> from the same read.
@@ -171,10 +177,17 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
                  const int32_t* row_limit, void* stream, bool skip_unmapped = false,
                  const ScaleRowsArg* scales = nullptr);
 
+// Unpad's backward with dots, a warp a row: out[r] = src[map[r]] * s[map[r]] (zero for
+// map[r] < 0), r < rows, and dots[map[r]] = <dots_with[r], src[map[r]]>; dots[n] = 0 for
+// every n < dots_len no entry names (zeroed first, in the same stream).
+void gather_rows_dots(const RowsArg& src, IndexRef map, ScaleArg s, const RowsArg& out, int64_t rows,
+                      const RowsArg& dots_with, FloatOutArg dots, int64_t dots_len, void* stream);
+
 // --- Megatron maps ----------------------------------------------------------------
 // From counts[E]: inclusive_offsets[E] (padded inclusive cumsum) and
 // map[p] for p < map_len: source row or -1 (padding and p >= P).
-// workspace: pad_workspace_bytes(E).
+// workspace: pad_workspace_bytes(E). One launch for E <= 4096 (each block scans the counts),
+// two above (a one-block scan, then the map).
 size_t pad_workspace_bytes(int num_experts);
 void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
              int32_t* inclusive_offsets, void* workspace, void* stream);

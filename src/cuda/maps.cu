@@ -67,6 +67,58 @@ __global__ void pad_map_kernel(IndexRef counts, int num_experts, const int32_t* 
   }
 }
 
+// Both at once, for E <= kMapScanExperts: every block scans the counts itself (E loads and a
+// block scan: cheaper than a one-block launch before the map's), block 0 writes
+// inclusive_offsets, and each thread maps its entries from the scan in shared memory.
+constexpr int kMapThreads = 256;
+constexpr int kMapScanExperts = 4096;
+
+__global__ void __launch_bounds__(kMapThreads)
+    pad_map_scan_kernel(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
+                        int32_t* inclusive_offsets) {
+  using Scan = cub::BlockScan<int, kMapThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int32_t s_incl[kMapScanExperts];  // padded inclusive offsets
+  __shared__ int32_t s_real[kMapScanExperts];  // real exclusive offsets
+  const int per = (num_experts + kMapThreads - 1) / kMapThreads;
+  const int e0 = min(num_experts, static_cast<int>(threadIdx.x) * per);
+  const int e1 = min(num_experts, e0 + per);
+  int my_real = 0, my_padded = 0;
+  for (int e = e0; e < e1; ++e) {
+    const int n = static_cast<int>(load_index(counts, e));
+    s_real[e] = n;  // the count for now
+    my_real += n;
+    my_padded += static_cast<int>(index::round_up(n, alignment));
+  }
+  int real = 0, padded = 0, real_total = 0;
+  Scan(storage).ExclusiveSum(my_real, real, real_total);
+  __syncthreads();
+  Scan(storage).ExclusiveSum(my_padded, padded);
+  for (int e = e0; e < e1; ++e) {
+    const int n = s_real[e];
+    s_real[e] = real;
+    real += n;
+    padded += static_cast<int>(index::round_up(n, alignment));
+    s_incl[e] = padded;
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < num_experts; e += kMapThreads) inclusive_offsets[e] = s_incl[e];
+  }
+  const int64_t total = num_experts > 0 ? s_incl[num_experts - 1] : 0;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kMapThreads + threadIdx.x; p < map_len;
+       p += static_cast<int64_t>(gridDim.x) * kMapThreads) {
+    int32_t v = -1;
+    if (p < total) {
+      const int64_t e = index::find_segment(s_incl, num_experts, p);
+      const int64_t local = p - index::segment_start(s_incl, e);
+      const int64_t next = e + 1 < num_experts ? s_real[e + 1] : real_total;  // real exclusive end of e
+      if (local < next - s_real[e]) v = static_cast<int32_t>(s_real[e] + local);
+    }
+    map[p] = v;
+  }
+}
+
 __global__ void fill_kernel(int32_t* out, int64_t n, int32_t value) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -98,6 +150,12 @@ void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, i
   const cudaStream_t s = as_stream(stream);
   int32_t* real_excl = static_cast<int32_t*>(workspace);
   int32_t* padded_excl = real_excl + num_experts;
+  if (num_experts > 0 && num_experts <= kMapScanExperts && map_len > 0) {  // one launch
+    pad_map_scan_kernel<<<grid_for(map_len, kMapThreads, 4096), kMapThreads, 0, s>>>(counts, num_experts, alignment,
+                                                                                      map_len, map, inclusive_offsets);
+    PADMOE_CUDA_LAUNCH_CHECK("pad_map_scan_kernel");
+    return;
+  }
   if (num_experts > 0) {
     pad_offsets_kernel<<<1, kScanThreads, 0, s>>>(counts, num_experts, alignment, inclusive_offsets, real_excl,
                                                   padded_excl);

@@ -29,6 +29,7 @@ void make_plan(IndexRef, int64_t, int, int, int, const PlanView&, const PlanLayo
 }
 void set_plan_kernel(int) {}
 void set_slice_blocks(int) {}
+void set_dot_kernels(int) {}
 void apply_capacity(const PlanView&, int64_t, ScaleArg, int64_t, bool, int, const PlanView&, const PlanLayouts&, int32_t,
                     int64_t, int32_t*, void*) {
   unavailable("make_plan");
@@ -49,6 +50,10 @@ void row_dots(const RowsArg&, const RowsArg&, int, const int32_t*, int64_t, Floa
 void gather_rows(const RowsArg&, IndexRef, ScaleArg, bool, const RowsArg&, int64_t, const int32_t*, void*, bool,
                  const ScaleRowsArg*) {
   unavailable("gather_rows");
+}
+void gather_rows_dots(const RowsArg&, IndexRef, ScaleArg, const RowsArg&, int64_t, const RowsArg&, FloatOutArg,
+                      int64_t, void*) {
+  unavailable("gather_rows_dots");
 }
 void pad_map(IndexRef, int, int, int64_t, int32_t*, int32_t*, void*, void*) { unavailable("pad_map"); }
 void invert_map(IndexRef, int64_t, int64_t, int32_t*, void*) { unavailable("invert_map"); }

@@ -8,8 +8,10 @@
 // row stride and base pointer multiples of 16), element by element otherwise.
 // A block caches up to kRegUnits vectors per thread of its source row in
 // registers and writes them to the K destinations from there: each source row
-// is read once. Sums run in float32 in ascending k; dot products reduce in a
-// fixed tree. No float atomics: results are bitwise reproducible.
+// is read once. Ops with dot products mostly run a warp an assignment (or an
+// output row) instead, with no block barrier (see warp_spread_dots and the
+// kernels' comments). Sums run in float32 in ascending k; dot products reduce in
+// a fixed tree. No float atomics: results are bitwise reproducible.
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -317,6 +319,63 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
   }
 }
 
+// Spread with dots, a warp an assignment (short rows, or few tokens): warp a moves x[a/K] to
+// y[dest[a]] (scaled by w) and sums <dots_with[dest[a]], x[a/K]> from the same read, with
+// kWarpUnits loads of each row in flight a lane and no block barrier; a block's warps are
+// consecutive assignments, mostly of one token, so x's row is read from L1 after the first.
+// Each lane sums its units in ascending order, then a fixed shuffle tree: deterministic (not
+// the block kernel's order, so the dot bits may differ between the two). Zero blocks as above.
+constexpr int kWarpUnits = 8;
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    spread_dots_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y,
+                            PaddingRef pad, bool zero_padding, bool zero_past_end, RowsArg dots_with,
+                            FloatOutArg dots, int64_t assignment_blocks, int zero_rows) {
+  using U = Unit<T, kVec>;
+  if (blockIdx.x >= assignment_blocks) {
+    zero_padding_rows<U, false>(y, pad, zero_padding, zero_past_end,
+                                (static_cast<int64_t>(blockIdx.x) - assignment_blocks) * zero_rows, zero_rows,
+                                ScaleRowsArg{});
+    return;
+  }
+  const int64_t a = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (a >= x.rows * top_k) return;
+  int64_t r = dest[a];
+  if (r >= y.rows) r = -1;  // only with unchecked bad input: as the block kernel, dropped
+  float partial = 0.0f;
+  if (r >= 0) {
+    const char* src = row_ptr(x, a / top_k);
+    const char* with = row_ptr(dots_with, r);
+    char* out = row_ptr(y, r);
+    const float wk = load_scale(w, a);
+    const int64_t units = units_of<U>(y);
+    for (int64_t c = 0; c < units; c += 32 * kWarpUnits) {
+      typename U::Raw xv[kWarpUnits], dv[kWarpUnits];
+#pragma unroll
+      for (int j = 0; j < kWarpUnits; ++j) {
+        const int64_t u = c + j * 32 + lane;
+        if (u < units) {
+          xv[j] = U::load(src, u);
+          dv[j] = U::load(with, u);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kWarpUnits; ++j) {
+        const int64_t u = c + j * 32 + lane;
+        if (u < units) {
+          U::store(out, u, w.data == nullptr ? xv[j] : U::scale(xv[j], wk));
+          partial += U::dot(dv[j], xv[j]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
+  if (lane == 0) store_float(dots, a, r < 0 ? 0.0f : partial);
+}
+
 // --- reduce ---------------------------------------------------------------------
 // out[t] = sum_k w*y[dest] (ascending k, no FMA contraction: the CPU's
 // rounding). When dots are wanted, also dots[a] = <y[dest[a]], g[t]> from the
@@ -516,6 +575,63 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Gather with dots, a warp an output row (unpad's backward with grad_probs): row r takes
+// src[from] * s[from] (from = map[r]; zero for from < 0 or past src's rows) and
+// dots[from] = <dots_with[r], src[from]> from the same read of src[from] (so src is read
+// once, and no inverse map is built). Rows no map entry names keep the zero that
+// fill_dots_kernel wrote first. Deterministic: each dot is one warp's (ascending units a
+// lane, then a fixed shuffle tree).
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    gather_dots_warp_kernel(RowsArg src, IndexRef map, ScaleArg s, RowsArg out, int64_t rows, RowsArg dots_with,
+                            FloatOutArg dots) {
+  using U = Unit<T, kVec>;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  int64_t from = load_index(map, r);
+  if (from >= src.rows) from = -1;  // only with unchecked bad input
+  const int64_t units = units_of<U>(out);
+  char* dst = row_ptr(out, r);
+  if (from < 0) {
+    for (int64_t u = lane; u < units; u += 32) U::store(dst, u, U::zero());
+    return;
+  }
+  const char* x = row_ptr(src, from);
+  const char* with = row_ptr(dots_with, r);
+  const float sk = load_scale(s, from);
+  float partial = 0.0f;
+  for (int64_t c = 0; c < units; c += 32 * kWarpUnits) {
+    typename U::Raw xv[kWarpUnits], dv[kWarpUnits];
+#pragma unroll
+    for (int j = 0; j < kWarpUnits; ++j) {
+      const int64_t u = c + j * 32 + lane;
+      if (u < units) {
+        xv[j] = U::load(x, u);
+        dv[j] = U::load(with, u);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kWarpUnits; ++j) {
+      const int64_t u = c + j * 32 + lane;
+      if (u < units) {
+        U::store(dst, u, s.data == nullptr ? xv[j] : U::scale(xv[j], sk));
+        partial += U::dot(dv[j], xv[j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
+  if (lane == 0) store_float(dots, from, partial);
+}
+
+__global__ void fill_dots_kernel(FloatOutArg dots, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    store_float(dots, i, 0.0f);
+  }
+}
+
 // Element traits for moves of any row dtype (raw bits, no arithmetic).
 template <typename Storage>
 struct RawBits {
@@ -539,6 +655,14 @@ struct SpreadDots {
   struct Tag {
     static constexpr auto fn = spread_kernel<T, kVec, false, true, kBatch>;
   };
+};
+template <typename T, bool kVec>
+struct SpreadDotsWarpTag {
+  static constexpr auto fn = spread_dots_warp_kernel<T, kVec>;
+};
+template <typename T, bool kVec>
+struct GatherDotsWarpTag {
+  static constexpr auto fn = gather_dots_warp_kernel<T, kVec>;
 };
 template <typename T, bool kVec>
 struct ScaledSpreadTag {
@@ -600,17 +724,25 @@ struct Slicing {
   int64_t slice_units = 0;
 };
 std::atomic<int> g_slice_blocks{-1};  // set_slice_blocks: -1 the default
-int slice_target_blocks() {
-  const int forced = g_slice_blocks.load(std::memory_order_relaxed);
-  if (forced >= 0) return forced;
-  static const int target = [] {
-    if (const char* v = std::getenv("PADMOE_CUDA_SLICE_BLOCKS")) return std::max(0, std::atoi(v));
+// About 4 blocks an SM (of the current device when first asked): below it a block a token
+// leaves the GPU part idle.
+int few_tokens_blocks() {
+  static const int blocks = [] {
     int dev = 0, sms = 132;
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
       cudaGetLastError();
       sms = 132;
     }
     return 4 * sms;
+  }();
+  return blocks;
+}
+int slice_target_blocks() {
+  const int forced = g_slice_blocks.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced;
+  static const int target = [] {
+    if (const char* v = std::getenv("PADMOE_CUDA_SLICE_BLOCKS")) return std::max(0, std::atoi(v));
+    return few_tokens_blocks();
   }();
   return target;
 }
@@ -651,7 +783,43 @@ bool spread_slices() {
   }();
   return on;
 }
+// Which dot-product kernels run: -1 chosen by shape (default), 0 the block kernels (a block a
+// token, reduce's (1, 4) shape), 1 the alternatives (a warp an assignment for spreads with
+// dots and row_dots, reduce's (2, 8) shape). PADMOE_CUDA_DOTS=0/1 (read once) or
+// set_dot_kernels (tests) force one.
+std::atomic<int> g_dot_kernels{-2};  // -2: not set by set_dot_kernels
+int dot_kernels() {
+  const int forced = g_dot_kernels.load(std::memory_order_relaxed);
+  if (forced != -2) return forced;
+  static const int env = [] {
+    const char* v = std::getenv("PADMOE_CUDA_DOTS");
+    return v != nullptr && (std::atoi(v) == 0 || std::atoi(v) == 1) ? std::atoi(v) : -1;
+  }();
+  return env;
+}
+// The default choices, measured on the H200 (bench/results/cuda-h200-2026-12-01.md, "dot
+// kernels"): row_dots (wgrad) a warp an assignment always (qwen3 1.46 -> 1.01x the floor,
+// decode 14.9 -> 10.1 us in a graph, deepseek-v3 1.00 -> 0.94x); spreads with dots a warp an
+// assignment except for few tokens with long rows (decode, 14 KiB rows: the block kernel 29.5 us
+// against 30.8; mixtral 1.39 -> 1.09x, qwen3 1.68 -> 1.23x, deepseek-v3 1.08 -> 1.06x);
+// reduce with dots in the wide shape only for few tokens (decode dispatch_backward(w) 18.1 ->
+// 12.0 us; at qwen3 it is 1.19 -> 1.93x).
+constexpr int64_t kWarpDotUnits = 512;  // 16-byte units: rows of at most 8 KiB are short
+bool few_tokens(int64_t tokens) { return tokens < few_tokens_blocks(); }
+bool warp_row_dots() { return dot_kernels() != 0; }
+bool warp_spread_dots(int64_t tokens, int64_t units) {
+  const int mode = dot_kernels();
+  if (mode >= 0) return mode == 1;
+  return !few_tokens(tokens) || units <= kWarpDotUnits;
+}
+bool wide_reduce_dots(int64_t tokens) {
+  const int mode = dot_kernels();
+  if (mode >= 0) return mode == 1;
+  return few_tokens(tokens);
+}
 }  // namespace
+
+void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 1 ? -1 : mode, std::memory_order_relaxed); }
 
 void set_slice_blocks(int blocks) { g_slice_blocks.store(blocks < -1 ? -1 : blocks, std::memory_order_relaxed); }
 
@@ -682,6 +850,17 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
         x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc, sl.slices, sl.slice_units,
         zero_rows);
   };
+  if (dots.data != nullptr && scales == nullptr && warp_spread_dots(tokens, units)) {
+    const int64_t assignment_blocks = index::ceil_div(tokens * top_k, kThreads / 32);
+    if (assignment_blocks + zero_blocks == 0) return;
+    pick<SpreadDotsWarpTag>(x.dtype, vec, [&](auto tag) {
+      using Tag = decltype(tag);
+      Tag::fn<<<static_cast<unsigned>(assignment_blocks + zero_blocks), kThreads, 0, as_stream(stream)>>>(
+          x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots, assignment_blocks, zero_rows);
+    });
+    PADMOE_CUDA_LAUNCH_CHECK("spread_dots_warp_kernel");
+    return;
+  }
   if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);  // never with dots
   else if (dots.data != nullptr) {
     switch (dot_batch()) {
@@ -711,7 +890,10 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
     if (dots_wanted) pick<ReduceShape<2, 2, true>::Tag>(y.dtype, vec, launch);
     else pick<ReduceShape<2, 2, false>::Tag>(y.dtype, vec, launch);
   } else {
-    if (dots_wanted) pick<ReduceShape<1, 4, true>::Tag>(y.dtype, vec, launch);
+    // With dots and few tokens (a block a token, about two blocks an SM) each thread keeps 16
+    // loads in flight instead of 4: (2, 8).
+    if (dots_wanted && wide_reduce_dots(out.rows)) pick<ReduceShape<2, 8, true>::Tag>(y.dtype, vec, launch);
+    else if (dots_wanted) pick<ReduceShape<1, 4, true>::Tag>(y.dtype, vec, launch);
     else pick<ReduceShape<1, 4, false>::Tag>(y.dtype, vec, launch);
   }
   PADMOE_CUDA_LAUNCH_CHECK("reduce_kernel");
@@ -722,8 +904,8 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
   const int64_t tokens = assignments / top_k;
   if (tokens == 0) return;
   const bool vec = rows_vectorizable(y) && rows_vectorizable(g);
-  // Below the slicing target (about 4 blocks an SM) a warp an assignment; above, a block a token.
-  if (tokens < slice_target_blocks()) {
+  // A warp an assignment (the default), or a block a token (set_dot_kernels(0), PADMOE_CUDA_DOTS=0).
+  if (warp_row_dots()) {
     const int64_t blocks = index::ceil_div(assignments, kThreads / 32);
     pick<WarpDotsTag>(y.dtype, vec, [&](auto tag) {
       using Tag = decltype(tag);
@@ -759,6 +941,22 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
   if (scales != nullptr) pick<ScaledGatherTag>(out.dtype, vec, launch);
   else pick<GatherTag>(out.dtype, vec, launch);
   PADMOE_CUDA_LAUNCH_CHECK("gather_kernel");
+}
+
+void gather_rows_dots(const RowsArg& src, IndexRef map, ScaleArg s, const RowsArg& out, int64_t rows,
+                      const RowsArg& dots_with, FloatOutArg dots, int64_t dots_len, void* stream) {
+  if (dots_len > 0) {
+    fill_dots_kernel<<<grid_for(dots_len, 256, 4096), 256, 0, as_stream(stream)>>>(dots, dots_len);
+    PADMOE_CUDA_LAUNCH_CHECK("fill_dots_kernel");
+  }
+  if (rows == 0) return;
+  const bool vec = rows_vectorizable(src) && rows_vectorizable(out) && rows_vectorizable(dots_with);
+  const int64_t blocks = index::ceil_div(rows, kThreads / 32);
+  pick<GatherDotsWarpTag>(out.dtype, vec, [&](auto tag) {
+    using Tag = decltype(tag);
+    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(src, map, s, out, rows, dots_with, dots);
+  });
+  PADMOE_CUDA_LAUNCH_CHECK("gather_dots_warp_kernel");
 }
 
 }  // namespace cuda

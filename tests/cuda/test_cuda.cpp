@@ -697,6 +697,53 @@ TEST(RowSlices, MatchNoSlicingAndCpu) {
   }
 }
 
+// Both families of dot-product kernels (set_dot_kernels: 0 a block a token, reduce's (1, 4)
+// shape; 1 a warp an assignment, reduce's (2, 8) shape) against the reference on the CPU-vs-GPU
+// workloads with dots (wgrad, the weighted backward ops, unpad's backward with probs, whose fused
+// warp kernel runs in both), then each op twice, bitwise, in each mode at a decode-like shape.
+TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
+  REQUIRE_GPU();
+  const std::vector<std::string> names = {"tiny", "empty_T", "empty_H", "skewed", "topk1", "topk8", "H3",
+                                          "H4097", "H4096_vec", "align16_tiny_segments", "mb_T1024_H768_E64_K4",
+                                          "only_last_expert"};
+  for (int mode : {0, 1}) {
+    SCOPED_TRACE("dot kernels " + std::to_string(mode));
+    padmoe::cuda::set_dot_kernels(mode);
+    for (const Workload& wl : workloads()) {
+      if (std::find(names.begin(), names.end(), wl.name) == names.end()) continue;
+      for (const Combo& cb : combos_of(wl.name == "H3" || wl.name == "topk8" ? 0 : 1)) run_cpu_vs_gpu(wl, cb, 11);
+    }
+    // determinism: T = 300, K = 8, H = 7168 (both row-length rules), every dot op twice
+    const int64_t T = 300, H = 7168;
+    const int K = 8, E = 64, m = 16;
+    const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 5);
+    const Tensor dte = to_gpu(index_matrix(te, T, K, DType::kInt32));
+    const padmoe::Plan plan = padmoe::make_plan(dte, E, m);
+    const int64_t P = padmoe::padded_rows(plan.view());
+    Rng rng(9);
+    const Tensor dx = to_gpu(rows_from_float(random_values(T * H, DType::kBFloat16, rng), DType::kBFloat16, T, H));
+    const Tensor dy = to_gpu(rows_from_float(random_values(P * H, DType::kBFloat16, rng), DType::kBFloat16, P, H));
+    const Tensor dw = to_gpu(vec_from_float(random_values(T * K, DType::kFloat32, rng, 0, 1), DType::kFloat32));
+    const padmoe::PlanView v = plan.view();
+    // unpad's backward: rows grouped by expert (the plan's counts), padded, then unpadded
+    const Tensor dh = to_gpu(rows_from_float(random_values(T * K * H, DType::kBFloat16, rng), DType::kBFloat16, T * K, H));
+    const padmoe::PadResult pad = padmoe::pad_to_alignment(dh, v.tokens_per_expert, m);
+    auto run = [&] {
+      std::vector<Tensor> o;
+      const padmoe::RowGrads a = padmoe::combine_backward(dx, dy, v, TensorView(dw));
+      const padmoe::RowGrads b = padmoe::dispatch_backward(dy, dx, v, TensorView(dw));
+      const padmoe::RowGrads u = padmoe::unpad_from_alignment_backward(dh, pad.padded, pad.permutation_map, TensorView(dw));
+      o = {to_cpu(a.grad_rows), to_cpu(a.grad_weights), to_cpu(b.grad_rows), to_cpu(b.grad_weights),
+           to_cpu(u.grad_rows), to_cpu(u.grad_weights)};
+      o.push_back(to_cpu(padmoe::padded_scatter_wgrad(dy, dx, v.indices, v.bin_ids, v.bins, v.padded_bins, K)));
+      return o;
+    };
+    const std::vector<Tensor> first = run(), second = run();
+    for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(all_same(first[i], second[i])) << "output " << i;
+  }
+  padmoe::cuda::set_dot_kernels(-1);
+}
+
 // The layouts of make_plan (DeepGEMM's rows, vLLM's blocks, P) and moe_align_block_size: the GPU
 // against the references, with few tokens (A < E: vLLM's smaller buffer) and many, both count kernels.
 TEST(CpuVsGpuEdge, PlanLayoutsAndAlignedBlocks) {
