@@ -15,7 +15,8 @@
 #        targets built (all; padmoe_cli padmoe_bandwidth for bench / profile / ab alone). profile: ncu (clocks left alone) on
 #        the kernels of make_plan, dispatch and combine_backward at deepseek-v3
 #        and decode (PADMOE_PROFILE_SPECS="PRESET:OP ..." to choose; PADMOE_PROFILE_KERNELS a
-#        kernel-name regex), one launch
+#        kernel-name regex, PADMOE_PROFILE_SKIP launches to skip; a .ncu-rep and its source page
+#        as CSV are kept per op), one launch
 #        each, its sections to profile-*.log; the build then has -lineinfo, so the
 #        source counters name source lines (where warps stall). triton: padmoe.triton's tests natively and
 #        bench/bench_triton.py (PADMOE_TRITON_SWEEP=1 adds its launch sweep).
@@ -84,8 +85,17 @@ if want profile; then
             --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters)
   for spec in ${PADMOE_PROFILE_SPECS:-decode:make_plan deepseek-v3:make_plan decode:dispatch(w) deepseek-v3:dispatch(w) decode:combine_backward(w)}; do
     p=${spec%%:*}; o=${spec#*:}; tag=$(echo "$p-$o" | tr -c 'a-zA-Z0-9\n-' _)
-    run "profile-$tag" ncu --clock-control none "${sections[@]}" --kernel-name regex:"${PADMOE_PROFILE_KERNELS:-plan_|spread_|reduce_|gather_|dots_|pad_|fill_|invert_|map_|layout_}" \
-      --launch-count 12 "$build/padmoe" bench --device cuda --preset "$p" --ops "$o" --warmup 0 --iters 1 --no-reference --no-graph
+    # The bench's L2 flush is a wgrad (dots_ kernels): dots_ is left out of the default regex, so that the
+    # flushes do not use up the launch count (profiling wgrad: PADMOE_PROFILE_KERNELS with dots_, and
+    # PADMOE_PROFILE_SKIP=N to skip the flushes before the op).
+    run "profile-$tag" ncu --clock-control none "${sections[@]}" -f -o "$out/profile-$tag" \
+      --kernel-name regex:"${PADMOE_PROFILE_KERNELS:-plan_|spread_|reduce_|gather_|pad_|fill_|invert_|map_|layout_}" \
+      --launch-skip "${PADMOE_PROFILE_SKIP:-0}" --launch-count 12 \
+      "$build/padmoe" bench --device cuda --preset "$p" --ops "$o" --warmup 0 --iters 1 --no-reference --no-graph
+    # the details page into the log, and the source page (per-line stalls, CUDA source beside SASS) as CSV
+    ncu --import "$out/profile-$tag.ncu-rep" --page details >> "$out/profile-$tag.log" 2>&1
+    ncu --import "$out/profile-$tag.ncu-rep" --page source --csv --print-source cuda,sass \
+      > "$out/profile-source-$tag.csv" 2>&1 || echo "profile-$tag: no source page (see the csv)"
     grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Block Size|Grid Size|Waves Per SM|Warp Cycles Per Issued|Issued Ipc|No Eligible|Theoretical Occ" \
       "$out/profile-$tag.log" | head -n 80
   done
