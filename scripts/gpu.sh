@@ -36,6 +36,20 @@ run() {  # run a step, keep going, remember failures
   step "$name"
   if "$@" > "$out/$name.log" 2>&1; then echo "$name: ok"; else echo "$name: FAILED (rc $?)"; tail -n 30 "$out/$name.log"; status=1; fi
 }
+ops_table() {  # a `padmoe bench --json` file's ops: us, x floor, graph us, graph x floor (--head: card and columns first)
+  python3 - "$@" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+def f(v, n=1):
+    return "-" if v is None else f"{v:.{n}f}"
+if "--head" in sys.argv[2:]:
+    print(f"{d.get('card')}  copy {d.get('copy_tbps', 0):.2f} TB/s  {d['workload']['label']}")
+    print(f"  {'op':<38} {'us':>8} {'floor':>6} {'graph us':>9} {'graph/floor':>6}")
+for o in d["ops"]:
+    print(f"  {o['name']:<38} {f(o.get('us')):>8} {f(o.get('time_over_floor'), 2):>6} {f(o.get('graph_us')):>9}"
+          f" {f(o.get('graph_over_floor'), 2):>6}")
+PY
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
@@ -67,17 +81,7 @@ if want bench; then
   for p in mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode; do
     step "bench $p"
     "$build/padmoe" bench --device cuda --preset "$p" --no-reference --json > "$out/bench-$p.json" 2> "$out/bench-$p.err" || status=1
-    python3 - "$out/bench-$p.json" <<'PY' | tee "$out/bench-$p.txt"
-import json, sys
-d = json.load(open(sys.argv[1]))
-print(f"{d.get('card')}  copy {d.get('copy_tbps', 0):.2f} TB/s  {d['workload']['label']}")
-def f(v, n=1):
-    return "-" if v is None else f"{v:.{n}f}"
-print(f"  {'op':<38} {'us':>8} {'floor':>6} {'graph us':>9} {'graph/floor':>6}")
-for o in d["ops"]:
-    print(f"  {o['name']:<38} {f(o.get('us')):>8} {f(o.get('time_over_floor'), 2):>6} {f(o.get('graph_us')):>9}"
-          f" {f(o.get('graph_over_floor'), 2):>6}")
-PY
+    ops_table "$out/bench-$p.json" --head | tee "$out/bench-$p.txt"
   done
 fi
 if want profile; then
@@ -110,15 +114,7 @@ if want ab; then
     step "ab $tag ($envs) $preset"
     env $(echo "$envs" | tr ',' ' ') "$build/padmoe" bench --device cuda --preset "$preset" --no-reference --json \
       "${oparg[@]}" > "$out/ab-$tag-$preset.json" 2> "$out/ab-$tag-$preset.err" || { status=1; tail -n 5 "$out/ab-$tag-$preset.err"; }
-    python3 - "$out/ab-$tag-$preset.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-def f(v, n=1):
-    return "-" if v is None else f"{v:.{n}f}"
-for o in d["ops"]:
-    print(f"  {o['name']:<38} {f(o.get('us')):>8} {f(o.get('time_over_floor'), 2):>6} {f(o.get('graph_us')):>9}"
-          f" {f(o.get('graph_over_floor'), 2):>6}")
-PY
+    ops_table "$out/ab-$tag-$preset.json"
   done
 fi
 pyt=${PADMOE_GPU_PYTARGET:-/tmp/padmoe-pyt}

@@ -19,7 +19,6 @@
 
 #include "cuda/common.cuh"
 
-
 namespace padmoe {
 namespace cuda {
 namespace {
@@ -481,9 +480,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// A warp an assignment (small T: blocks of a token each would run K block sums in a row):
-// each lane sums its units in ascending order, then a fixed shuffle tree. Deterministic;
-// the order differs from dots_kernel's, so the bits may differ between the two.
+// A warp an assignment (row_dots' default: dots_kernel runs K block sums in a row, each
+// thread with one or a few loads between them): each lane sums its units in ascending order,
+// then a fixed shuffle tree. Deterministic; the order differs from dots_kernel's, so the bits
+// may differ between the two.
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     dots_warp_kernel(RowsArg y, RowsArg g, int top_k, const int32_t* __restrict__ dest, int64_t assignments,
@@ -716,7 +716,7 @@ void pick(DType dtype, bool vec, Launch&& launch) {
 
 namespace {
 // Row slices at small T: a row's units split over `slices` blocks (spans of slice_units, a
-// multiple of `granule`) so that about kSliceBlocks blocks run (PADMOE_CUDA_SLICE_BLOCKS
+// multiple of `granule`) so that about slice_target_blocks() blocks run (PADMOE_CUDA_SLICE_BLOCKS
 // overrides it, 0 turns slicing off; read once). Only for ops without dot products: a dot
 // needs the whole row in one block.
 struct Slicing {
@@ -831,8 +831,8 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   // that no multiprocessor holds much more than its share of the writes); PADMOE_CUDA_ZERO_ROWS.
   const int zero_rows = zero_rows_per_block(tokens);
   const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, zero_rows) : 0;
-  const bool vec0 = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(*dots_with));
-  const int64_t units = vec0 ? y.cols * static_cast<int64_t>(element_size(y.dtype)) / 16 : y.cols;
+  const bool vec = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(*dots_with));
+  const int64_t units = vec ? y.cols * static_cast<int64_t>(element_size(y.dtype)) / 16 : y.cols;
   // Spreads do not slice by default: measured on the H200 at decode size (T = 256, 14 KiB rows)
   // slicing made dispatch 2-14% slower (bench/results/cuda-h200-2026-12-01.md); it stays
   // selectable for measurements (PADMOE_CUDA_SPREAD_SLICES=1).
@@ -843,7 +843,6 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   if (blocks == 0 || (y.cols == 0 && dots.data == nullptr && !scale_cols)) return;  // H = 0 still writes zero dots
   const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
   const ScaleRowsArg sc = scales != nullptr ? *scales : ScaleRowsArg{};
-  const bool vec = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(with));
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(
@@ -852,7 +851,7 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   };
   if (dots.data != nullptr && scales == nullptr && warp_spread_dots(tokens, units)) {
     const int64_t assignment_blocks = index::ceil_div(tokens * top_k, kThreads / 32);
-    if (assignment_blocks + zero_blocks == 0) return;
+    if (assignment_blocks + zero_blocks == 0) return;  // top_k 0 (never through the API)
     pick<SpreadDotsWarpTag>(x.dtype, vec, [&](auto tag) {
       using Tag = decltype(tag);
       Tag::fn<<<static_cast<unsigned>(assignment_blocks + zero_blocks), kThreads, 0, as_stream(stream)>>>(
