@@ -72,6 +72,7 @@ __device__ __forceinline__ int64_t clamped_size(const IndexRef& sizes, int64_t i
 __global__ void __launch_bounds__(kScanThreads)
     layout_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int64_t ranks, int64_t alignment, int64_t rows,
                   Layout l) {
+  pdl_begin();
   using Scan = cub::BlockScan<long long, kScanThreads>;
   __shared__ typename Scan::TempStorage storage;
   const int64_t groups = c / ranks;
@@ -134,6 +135,7 @@ __device__ __forceinline__ void report(Key* key, int code, int64_t pos) {
 }
 
 __global__ void validate_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int64_t rows, Layout l) {
+  pdl_begin();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < c;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = load_index(sizes, i);
@@ -151,6 +153,7 @@ __global__ void validate_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int6
 // its size, else p is padding; -1 at or past P. Also inclusive_offsets.
 __global__ void map_kernel(Layout l, int64_t c, int64_t groups, int64_t rows, int64_t map_len, int32_t* map,
                            int32_t* inclusive_offsets) {
+  pdl_begin();
   const int64_t padded = *l.padded_total;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < map_len || p < groups;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -192,8 +195,8 @@ void chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunk
     PADMOE_CUDA_CHECK(cudaMemsetAsync(workspace, 0, 64, s));
     return;
   }
-  layout_kernel<<<1, kScanThreads, 0, s>>>(split_sizes, sorted_index, num_chunks, num_ranks, alignment, rows, l);
-  PADMOE_CUDA_LAUNCH_CHECK("chunk layout_kernel");
+  launch_kernel("layout_kernel", layout_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index, num_chunks,
+      num_ranks, alignment, rows, l);
 }
 
 Violation validate_chunks(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int64_t rows,
@@ -203,8 +206,8 @@ Violation validate_chunks(IndexRef split_sizes, IndexRef sorted_index, int64_t n
   PADMOE_CUDA_CHECK(cudaMemsetAsync(l.key, 0xff, sizeof(Key), s));
   if (num_chunks > 0) {
     PADMOE_CUDA_CHECK(cudaMemsetAsync(l.seen, 0, static_cast<size_t>(num_chunks) * 4, s));
-    validate_kernel<<<grid_for(num_chunks, 256, 1024), 256, 0, s>>>(split_sizes, sorted_index, num_chunks, rows, l);
-    PADMOE_CUDA_LAUNCH_CHECK("chunk validate_kernel");
+    launch_kernel("validate_kernel", validate_kernel, grid_for(num_chunks, 256, 1024), 256, 0, s, split_sizes,
+        sorted_index, num_chunks, rows, l);
   }
   int64_t header[3] = {0, 0, 0};
   PADMOE_CUDA_CHECK(cudaMemcpyAsync(header, workspace, sizeof(header), cudaMemcpyDeviceToHost, s));
@@ -233,9 +236,8 @@ void chunk_map(const void* workspace, int64_t num_chunks, int num_ranks, int64_t
   const int64_t work = map_len > groups ? map_len : groups;
   if (work == 0) return;
   const Layout l = layout_of(const_cast<void*>(workspace), num_chunks);
-  map_kernel<<<grid_for(work, 256, 4096), 256, 0, as_stream(stream)>>>(l, num_chunks, groups, rows, map_len, map,
-                                                                       inclusive_offsets);
-  PADMOE_CUDA_LAUNCH_CHECK("chunk map_kernel");
+  launch_kernel("map_kernel", map_kernel, grid_for(work, 256, 4096), 256, 0, as_stream(stream), l, num_chunks, groups,
+      rows, map_len, map, inclusive_offsets);
 }
 
 }  // namespace cuda

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "cuda/cuda_backend.hpp"
 #include "padmoe/error.hpp"
@@ -25,6 +26,41 @@ inline void check_cuda(cudaError_t err, const char* what) {
 #define PADMOE_CUDA_LAUNCH_CHECK(name) ::padmoe::cuda::check_cuda(cudaGetLastError(), name)
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// Programmatic dependent launch (sm_90 and up). Every padmoe kernel starts with pdl_begin():
+// it waits until the kernel before it in the stream has finished and its writes are visible
+// (griddepcontrol.wait), then lets the next kernel's blocks be scheduled (launch_dependents).
+// launch_kernel() launches with programmatic stream serialization, so the next kernel's launch
+// and block placement overlap the tail of this one instead of following it; no memory access
+// runs before the wait, so the stream order of every read and write is what it was. Without
+// the attribute (older devices, PADMOE_CUDA_PDL=0, set_pdl(0)) both instructions are no-ops.
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether launch_kernel asks for programmatic stream serialization on the current device.
+bool pdl_enabled();
+
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
+// pdl_enabled(); errors name the kernel.
+template <typename... Params, typename... Args>
+void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
+}
 
 __device__ __forceinline__ int64_t load_index(const IndexRef& r, int64_t i) {
   return r.wide ? static_cast<const int64_t*>(r.data)[i] : static_cast<int64_t>(static_cast<const int32_t*>(r.data)[i]);

@@ -150,6 +150,10 @@ void set_slice_blocks(int blocks);
 // wide (2, 8) shape for few tokens), 0 the block kernels everywhere, 1 the warp kernels and the
 // wide shape everywhere.
 void set_dot_kernels(int mode);
+// Programmatic dependent launch (tests, benchmarks; overrides PADMOE_CUDA_PDL): 1 on (the
+// default on sm_90 and up), 0 off, -1 back to the default. Every kernel waits for the one
+// before it (griddepcontrol.wait) before its first memory access, so results do not change.
+void set_pdl(int mode);
 // y[dest[a]] = x[a/K] * w(a) for dest >= 0; rows < P that are padding are zeroed,
 // and rows in [P, y.rows) too when zero_past_end (allocating forms). When
 // dots_with is given: dots[a] = <dots_with[dest[a]], x[a/K]> from the same read.

@@ -10,6 +10,7 @@ namespace {
 
 __global__ void dest_rows_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins,
                                  int64_t assignments, int32_t* dest_rows) {
+  pdl_begin();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < assignments;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t e = load_index(bin_ids, i);
@@ -25,6 +26,7 @@ constexpr int kScanThreads = 1024;
 __global__ void __launch_bounds__(kScanThreads)
     pad_offsets_kernel(IndexRef counts, int num_experts, int alignment, int32_t* inclusive_offsets,
                        int32_t* real_excl, int32_t* padded_excl) {
+  pdl_begin();
   using Scan = cub::BlockScan<int, kScanThreads>;
   __shared__ typename Scan::TempStorage storage;
   const int per = (num_experts + kScanThreads - 1) / kScanThreads;
@@ -54,6 +56,7 @@ __global__ void __launch_bounds__(kScanThreads)
 // inside e's count, else -1; -1 at or past P.
 __global__ void pad_map_kernel(IndexRef counts, int num_experts, const int32_t* inclusive_offsets,
                                const int32_t* real_excl, const int32_t* padded_excl, int64_t map_len, int32_t* map) {
+  pdl_begin();
   const int64_t padded = num_experts > 0 ? inclusive_offsets[num_experts - 1] : 0;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < map_len;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -76,6 +79,7 @@ constexpr int kMapScanExperts = 4096;
 __global__ void __launch_bounds__(kMapThreads)
     pad_map_scan_kernel(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
                         int32_t* inclusive_offsets) {
+  pdl_begin();
   using Scan = cub::BlockScan<int, kMapThreads>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int32_t s_incl[kMapScanExperts];  // padded inclusive offsets
@@ -120,6 +124,7 @@ __global__ void __launch_bounds__(kMapThreads)
 }
 
 __global__ void fill_kernel(int32_t* out, int64_t n, int32_t value) {
+  pdl_begin();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = value;
@@ -127,6 +132,7 @@ __global__ void fill_kernel(int32_t* out, int64_t n, int32_t value) {
 }
 
 __global__ void invert_kernel(IndexRef map, int64_t map_len, int64_t original_size, int32_t* inverse) {
+  pdl_begin();
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < map_len;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = load_index(map, p);
@@ -140,9 +146,8 @@ void build_dest_rows(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef
                      int num_experts, int32_t* dest_rows, void* stream) {
   (void)num_experts;
   if (assignments == 0) return;
-  dest_rows_kernel<<<grid_for(assignments, 256, 4096), 256, 0, as_stream(stream)>>>(indices, bin_ids, bins,
-                                                                                    padded_bins, assignments, dest_rows);
-  PADMOE_CUDA_LAUNCH_CHECK("dest_rows_kernel");
+  launch_kernel("dest_rows_kernel", dest_rows_kernel, grid_for(assignments, 256, 4096), 256, 0, as_stream(stream),
+      indices, bin_ids, bins, padded_bins, assignments, dest_rows);
 }
 
 void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
@@ -151,32 +156,29 @@ void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, i
   int32_t* real_excl = static_cast<int32_t*>(workspace);
   int32_t* padded_excl = real_excl + num_experts;
   if (num_experts > 0 && num_experts <= kMapScanExperts && map_len > 0) {  // one launch
-    pad_map_scan_kernel<<<grid_for(map_len, kMapThreads, 4096), kMapThreads, 0, s>>>(counts, num_experts, alignment,
-                                                                                      map_len, map, inclusive_offsets);
-    PADMOE_CUDA_LAUNCH_CHECK("pad_map_scan_kernel");
+    launch_kernel("pad_map_scan_kernel", pad_map_scan_kernel, grid_for(map_len, kMapThreads, 4096), kMapThreads, 0, s,
+        counts, num_experts, alignment, map_len, map, inclusive_offsets);
     return;
   }
   if (num_experts > 0) {
-    pad_offsets_kernel<<<1, kScanThreads, 0, s>>>(counts, num_experts, alignment, inclusive_offsets, real_excl,
-                                                  padded_excl);
-    PADMOE_CUDA_LAUNCH_CHECK("pad_offsets_kernel");
+    launch_kernel("pad_offsets_kernel", pad_offsets_kernel, 1, kScanThreads, 0, s, counts, num_experts, alignment,
+        inclusive_offsets, real_excl, padded_excl);
   }
   if (map_len > 0) {
-    pad_map_kernel<<<grid_for(map_len, 256, 4096), 256, 0, s>>>(counts, num_experts, inclusive_offsets, real_excl,
-                                                                padded_excl, map_len, map);
-    PADMOE_CUDA_LAUNCH_CHECK("pad_map_kernel");
+    launch_kernel("pad_map_kernel", pad_map_kernel, grid_for(map_len, 256, 4096), 256, 0, s, counts, num_experts,
+        inclusive_offsets, real_excl, padded_excl, map_len, map);
   }
 }
 
 void invert_map(IndexRef map, int64_t map_len, int64_t original_size, int32_t* inverse, void* stream) {
   const cudaStream_t s = as_stream(stream);
   if (original_size > 0) {
-    fill_kernel<<<grid_for(original_size, 256, 4096), 256, 0, s>>>(inverse, original_size, -1);
-    PADMOE_CUDA_LAUNCH_CHECK("fill_kernel");
+    launch_kernel("fill_kernel", fill_kernel, grid_for(original_size, 256, 4096), 256, 0, s, inverse, original_size,
+        -1);
   }
   if (map_len > 0) {
-    invert_kernel<<<grid_for(map_len, 256, 4096), 256, 0, s>>>(map, map_len, original_size, inverse);
-    PADMOE_CUDA_LAUNCH_CHECK("invert_kernel");
+    launch_kernel("invert_kernel", invert_kernel, grid_for(map_len, 256, 4096), 256, 0, s, map, map_len, original_size,
+        inverse);
   }
 }
 

@@ -1,5 +1,7 @@
 // memory.cu — allocation, copies and scratch memory of the CUDA backend.
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 
 #include "cuda/common.cuh"
@@ -37,6 +39,42 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
 
 void memset_async(void* dst, int value, size_t bytes, void* stream) {
   if (bytes > 0) PADMOE_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, as_stream(stream)));
+}
+
+// Programmatic dependent launch: on by default on devices of compute capability 9.0 and up;
+// PADMOE_CUDA_PDL=0 (read once) or set_pdl(0) turns it off (measurements, tests).
+namespace {
+constexpr int kPdlDevices = 64;
+std::atomic<int> g_pdl_forced{-1};      // -1: not set by set_pdl
+std::atomic<int> g_pdl_cc[kPdlDevices];  // 0: not asked; 1: sm_90+; -1: older
+}  // namespace
+
+void set_pdl(int mode) { g_pdl_forced.store(mode < 0 ? -1 : (mode > 0 ? 1 : 0), std::memory_order_relaxed); }
+
+bool pdl_enabled() {
+  const int forced = g_pdl_forced.load(std::memory_order_relaxed);
+  if (forced == 0) return false;
+  static const bool env_on = [] {
+    const char* v = std::getenv("PADMOE_CUDA_PDL");
+    return v == nullptr || std::atoi(v) != 0;
+  }();
+  if (forced < 0 && !env_on) return false;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kPdlDevices) {
+    cudaGetLastError();
+    return false;
+  }
+  int cc = g_pdl_cc[dev].load(std::memory_order_relaxed);
+  if (cc == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      cudaGetLastError();
+      major = 0;
+    }
+    cc = major >= 9 ? 1 : -1;
+    g_pdl_cc[dev].store(cc, std::memory_order_relaxed);
+  }
+  return cc > 0;
 }
 
 void synchronize(void* stream) { PADMOE_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream))); }

@@ -61,6 +61,7 @@ int key_bits(int num_experts) {
 __global__ void __launch_bounds__(kCountThreads)
     plan_count_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int num_experts, int bits,
                       int32_t* chunk_counts, int32_t* local_rank) {
+  pdl_begin();
   using Sort = cub::BlockRadixSort<int, kCountThreads, kItems, int>;
   __shared__ typename Sort::TempStorage sort_storage;
   __shared__ int s_keys[kChunk];
@@ -109,6 +110,7 @@ __global__ void __launch_bounds__(kCountThreads)
 __global__ void __launch_bounds__(kCountThreads)
     plan_count_match_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int num_experts,
                             int32_t* chunk_counts, int32_t* local_rank) {
+  pdl_begin();
   constexpr int kWarps = kCountThreads / 32;
   constexpr int kPerWarp = kChunk / kWarps;
   constexpr int kIters = kPerWarp / 32;
@@ -171,6 +173,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
                       int32_t* indices, int32_t* bin_ids, int32_t* dest_rows, int32_t* row_sources,
                       int32_t padding_source, int32_t* row_experts, int32_t* block_experts, int64_t blocks,
                       int32_t* padded_total_out) {
+  pdl_begin();
   using Scan = cub::BlockScan<int, kPlaceThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int s_totals[2];  // real and padded totals
@@ -308,6 +311,7 @@ __global__ void __launch_bounds__(kFusedThreads)
                       int32_t* padded_bins, int32_t* indices, int32_t* bin_ids, int32_t* dest_rows,
                       int32_t* row_sources, int32_t padding_source, int32_t* row_experts, int32_t* block_experts,
                       int64_t blocks, int32_t* padded_total_out) {
+  pdl_begin();
   using Scan = cub::BlockScan<unsigned long long, kFusedThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ long long s_totals[2];  // real and padded totals
@@ -669,6 +673,7 @@ __global__ void __launch_bounds__(kCapThreads)
                          int32_t* padded_bins, int32_t* indices, int32_t* bin_ids, int32_t* dest_rows,
                          int32_t* row_sources, int32_t padding_source, int32_t* row_experts, int32_t* block_experts,
                          int64_t blocks, int32_t* padded_total_out, int32_t* dropped) {
+  pdl_begin();
   using Scan = cub::BlockScan<int, kCapThreads>;
   using Reduce = cub::BlockReduce<long long, kCapThreads>;
   __shared__ union {
@@ -861,11 +866,9 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     int32_t pad_src = padding_source;
     int64_t capacity = row_capacity;
     if (distinct == 1) {  // no grid barrier: an ordinary launch
-      plan_fused_kernel<<<grid, kFusedThreads, smem, s>>>(ids, rm, a_count, n_chunks, per_block, replicas, n_experts, align,
-                                                       block_counts, local_rank, capacity, tokens, bins, ptokens,
-                                                       pbins, indices, bin_ids, dest, rows, pad_src, row_experts,
-                                                       block_experts, blocks, total);
-      PADMOE_CUDA_LAUNCH_CHECK("plan_fused_kernel");
+      launch_kernel("plan_fused_kernel", plan_fused_kernel, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
+          per_block, replicas, n_experts, align, block_counts, local_rank, capacity, tokens, bins, ptokens, pbins,
+          indices, bin_ids, dest, rows, pad_src, row_experts, block_experts, blocks, total);
     } else {
       int pb = per_block, reps = replicas;
       void* args[] = {&ids,     &rm,        &a_count, &n_chunks, &pb,     &reps,    &n_experts,     &align,
@@ -892,18 +895,16 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
   if (chunks > 0) {
     if (num_experts <= kMatchMaxExperts) {
       const size_t smem = static_cast<size_t>(kCountThreads / 32) * num_experts * sizeof(int);
-      plan_count_match_kernel<<<chunks, kCountThreads, smem, s>>>(top_experts, remap, assignments, num_experts,
-                                                                 chunk_counts, local_rank);
-      PADMOE_CUDA_LAUNCH_CHECK("plan_count_match_kernel");
+      launch_kernel("plan_count_match_kernel", plan_count_match_kernel, chunks, kCountThreads, smem, s, top_experts,
+          remap, assignments, num_experts, chunk_counts, local_rank);
     } else {
       const size_t smem = static_cast<size_t>(num_experts) * sizeof(int);
       if (smem > 48 * 1024) {
         PADMOE_CUDA_CHECK(cudaFuncSetAttribute(plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem)));
       }
-      plan_count_kernel<<<chunks, kCountThreads, smem, s>>>(top_experts, remap, assignments, num_experts,
-                                                           key_bits(num_experts), chunk_counts, local_rank);
-      PADMOE_CUDA_LAUNCH_CHECK("plan_count_kernel");
+      launch_kernel("plan_count_kernel", plan_count_kernel, chunks, kCountThreads, smem, s, top_experts, remap,
+          assignments, num_experts, key_bits(num_experts), chunk_counts, local_rank);
     }
   }
   const size_t smem = static_cast<size_t>(3) * num_experts * sizeof(int);
@@ -911,21 +912,20 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     PADMOE_CUDA_CHECK(cudaFuncSetAttribute(plan_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
   }
-  plan_place_kernel<<<chunks > 0 ? chunks : 1, kPlaceThreads, smem, s>>>(
-      top_experts, remap, assignments, chunks, num_experts, alignment, chunk_counts, local_rank, row_capacity,
+  launch_kernel("plan_place_kernel", plan_place_kernel, chunks > 0 ? chunks : 1, kPlaceThreads, smem, s, top_experts,
+      remap, assignments, chunks, num_experts, alignment, chunk_counts, local_rank, row_capacity,
       out.tokens_per_expert.data_as<int32_t>(), out.bins.data_as<int32_t>(),
       out.padded_tokens_per_expert.data_as<int32_t>(), out.padded_bins.data_as<int32_t>(),
       out.indices.data_as<int32_t>(), out.bin_ids.data_as<int32_t>(), out.dest_rows.data_as<int32_t>(),
       out.row_sources.data_as<int32_t>(), padding_source, layouts.row_experts.data_as<int32_t>(),
       layouts.block_experts.data_as<int32_t>(), layouts.block_experts.numel(), layouts.padded_total.data_as<int32_t>());
-  PADMOE_CUDA_LAUNCH_CHECK("plan_place_kernel");
 }
 
 void apply_capacity(const PlanView& full, int64_t assignments, ScaleArg probs, int64_t capacity, bool by_probs,
                     int alignment, const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
                     int64_t row_capacity, int32_t* dropped, void* stream) {
   const int grid = full.num_experts > 0 ? full.num_experts : 1;
-  plan_capacity_kernel<<<grid, kCapThreads, 0, as_stream(stream)>>>(
+  launch_kernel("plan_capacity_kernel", plan_capacity_kernel, grid, kCapThreads, 0, as_stream(stream),
       full.indices.data_as<const int32_t>(), full.tokens_per_expert.data_as<const int32_t>(),
       full.dest_rows.data_as<const int32_t>(), assignments, full.num_experts, probs, capacity, by_probs, alignment,
       row_capacity, out.tokens_per_expert.data_as<int32_t>(), out.bins.data_as<int32_t>(),

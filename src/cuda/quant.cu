@@ -113,6 +113,7 @@ template <typename T, int kMode>
 __global__ void __launch_bounds__(kThreads)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out) {
+  pdl_begin();
   const int64_t tokens = x.rows;
   if (blockIdx.x >= tokens) {
     zero_rows(y, sc, pad, zero_padding, zero_past_end, (static_cast<int64_t>(blockIdx.x) - tokens) * kZeroRows);
@@ -222,8 +223,8 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   const bool vec_out = reinterpret_cast<uintptr_t>(y.data) % 8 == 0 && y.stride_bytes % 8 == 0;
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(
-        x, top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out);
+    launch_kernel("quant_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
+        top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out);
   };
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);

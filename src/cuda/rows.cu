@@ -231,6 +231,7 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
     spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
                   bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots, ScaleRowsArg sc,
                   int slices, int64_t slice_units, int zero_rows) {
+  pdl_begin();
   using U = Unit<T, kVec>;
   const int64_t tokens = x.rows;
   const int64_t row_blocks = tokens * slices;
@@ -331,6 +332,7 @@ __global__ void __launch_bounds__(kThreads)
     spread_dots_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y,
                             PaddingRef pad, bool zero_padding, bool zero_past_end, RowsArg dots_with,
                             FloatOutArg dots, int64_t assignment_blocks, int zero_rows) {
+  pdl_begin();
   using U = Unit<T, kVec>;
   if (blockIdx.x >= assignment_blocks) {
     zero_padding_rows<U, false>(y, pad, zero_padding, zero_past_end,
@@ -384,6 +386,7 @@ template <typename T, bool kVec, bool kDots, int kReduceUnits, int kLoadBatch>
 __global__ void __launch_bounds__(kThreads)
     reduce_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
                   FloatOutArg dots, int slices, int64_t slice_units) {
+  pdl_begin();
   using U = Unit<T, kVec>;
   constexpr int kReduceChunk = kThreads * kReduceUnits;
   __shared__ int64_t s_dest[kGroupK];
@@ -462,6 +465,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     dots_kernel(RowsArg y, RowsArg g, int top_k, const int32_t* __restrict__ dest, FloatOutArg out) {
+  pdl_begin();
   using U = Unit<T, kVec>;
   __shared__ float s_warp[kThreads / 32];
   const int64_t t = blockIdx.x;
@@ -488,6 +492,7 @@ template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     dots_warp_kernel(RowsArg y, RowsArg g, int top_k, const int32_t* __restrict__ dest, int64_t assignments,
                      FloatOutArg out) {
+  pdl_begin();
   using U = Unit<T, kVec>;
   const int64_t a = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -527,6 +532,7 @@ template <typename T, bool kVec, bool kScales>
 __global__ void __launch_bounds__(kThreads)
     gather_kernel(RowsArg src, IndexRef map, ScaleArg s, bool scale_by_source, RowsArg out,
                   const int32_t* row_limit, int rows_per_block, bool skip_unmapped, ScaleRowsArg sc) {
+  pdl_begin();
   using U = Unit<T, kVec>;
   __shared__ int64_t s_from[kMaxMapRows];
   __shared__ float s_scale[kMaxMapRows];
@@ -585,6 +591,7 @@ template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     gather_dots_warp_kernel(RowsArg src, IndexRef map, ScaleArg s, RowsArg out, int64_t rows, RowsArg dots_with,
                             FloatOutArg dots) {
+  pdl_begin();
   using U = Unit<T, kVec>;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -626,6 +633,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void fill_dots_kernel(FloatOutArg dots, int64_t n) {
+  pdl_begin();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     store_float(dots, i, 0.0f);
@@ -845,19 +853,18 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   const ScaleRowsArg sc = scales != nullptr ? *scales : ScaleRowsArg{};
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(
-        x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc, sl.slices, sl.slice_units,
-        zero_rows);
+    launch_kernel("spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x, top_k,
+        dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc, sl.slices, sl.slice_units, zero_rows);
   };
   if (dots.data != nullptr && scales == nullptr && warp_spread_dots(tokens, units)) {
     const int64_t assignment_blocks = index::ceil_div(tokens * top_k, kThreads / 32);
     if (assignment_blocks + zero_blocks == 0) return;  // top_k 0 (never through the API)
     pick<SpreadDotsWarpTag>(x.dtype, vec, [&](auto tag) {
       using Tag = decltype(tag);
-      Tag::fn<<<static_cast<unsigned>(assignment_blocks + zero_blocks), kThreads, 0, as_stream(stream)>>>(
-          x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots, assignment_blocks, zero_rows);
+      launch_kernel("spread_dots_warp_kernel", Tag::fn, static_cast<unsigned>(assignment_blocks + zero_blocks),
+          kThreads, 0, as_stream(stream), x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots,
+          assignment_blocks, zero_rows);
     });
-    PADMOE_CUDA_LAUNCH_CHECK("spread_dots_warp_kernel");
     return;
   }
   if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);  // never with dots
@@ -882,8 +889,8 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
   const Slicing sl = slicing_for(out.rows, units, top_k <= 2 ? 2 * kThreads : kThreads, dots_wanted);
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(out.rows * sl.slices), kThreads, 0, as_stream(stream)>>>(
-        y, top_k, dest, w, out, g, dots, sl.slices, sl.slice_units);
+    launch_kernel("reduce_kernel", Tag::fn, static_cast<unsigned>(out.rows * sl.slices), kThreads, 0,
+        as_stream(stream), y, top_k, dest, w, out, g, dots, sl.slices, sl.slice_units);
   };
   if (top_k <= 2) {
     if (dots_wanted) pick<ReduceShape<2, 2, true>::Tag>(y.dtype, vec, launch);
@@ -908,16 +915,16 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
     const int64_t blocks = index::ceil_div(assignments, kThreads / 32);
     pick<WarpDotsTag>(y.dtype, vec, [&](auto tag) {
       using Tag = decltype(tag);
-      Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(y, g, top_k, dest, assignments, out);
+      launch_kernel("dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), y, g,
+          top_k, dest, assignments, out);
     });
-    PADMOE_CUDA_LAUNCH_CHECK("dots_warp_kernel");
     return;
   }
   pick<DotsTag>(y.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream)>>>(y, g, top_k, dest, out);
+    launch_kernel("dots_kernel", Tag::fn, static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream), y, g, top_k,
+        dest, out);
   });
-  PADMOE_CUDA_LAUNCH_CHECK("dots_kernel");
 }
 
 void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
@@ -934,8 +941,8 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
   const ScaleRowsArg sc = scales != nullptr ? *scales : ScaleRowsArg{};
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(
-        src, map, s, scale_by_source, limited, row_limit, static_cast<int>(per_block), skip_unmapped, sc);
+    launch_kernel("gather_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), src, map, s,
+        scale_by_source, limited, row_limit, static_cast<int>(per_block), skip_unmapped, sc);
   };
   if (scales != nullptr) pick<ScaledGatherTag>(out.dtype, vec, launch);
   else pick<GatherTag>(out.dtype, vec, launch);
@@ -945,17 +952,17 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
 void gather_rows_dots(const RowsArg& src, IndexRef map, ScaleArg s, const RowsArg& out, int64_t rows,
                       const RowsArg& dots_with, FloatOutArg dots, int64_t dots_len, void* stream) {
   if (dots_len > 0) {
-    fill_dots_kernel<<<grid_for(dots_len, 256, 4096), 256, 0, as_stream(stream)>>>(dots, dots_len);
-    PADMOE_CUDA_LAUNCH_CHECK("fill_dots_kernel");
+    launch_kernel("fill_dots_kernel", fill_dots_kernel, grid_for(dots_len, 256, 4096), 256, 0, as_stream(stream), dots,
+        dots_len);
   }
   if (rows == 0) return;
   const bool vec = rows_vectorizable(src) && rows_vectorizable(out) && rows_vectorizable(dots_with);
   const int64_t blocks = index::ceil_div(rows, kThreads / 32);
   pick<GatherDotsWarpTag>(out.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
-    Tag::fn<<<static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream)>>>(src, map, s, out, rows, dots_with, dots);
+    launch_kernel("gather_dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream),
+        src, map, s, out, rows, dots_with, dots);
   });
-  PADMOE_CUDA_LAUNCH_CHECK("gather_dots_warp_kernel");
 }
 
 }  // namespace cuda

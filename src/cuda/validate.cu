@@ -27,6 +27,7 @@ __device__ __forceinline__ void grid_loop(int64_t n, F&& f) {
 }
 
 __global__ void top_experts_kernel(IndexRef ids, int64_t n, int num_experts, Key* key) {
+  pdl_begin();
   grid_loop(n, [&](int64_t a) {
     const int64_t e = load_index(ids, a);
     if (e < 0 || e >= num_experts) report(key, kExpertOutOfRange, a);
@@ -36,6 +37,7 @@ __global__ void top_experts_kernel(IndexRef ids, int64_t n, int num_experts, Key
 // Ids in [0, global) (when check_ids) and expert_map entries in [-1, num_experts) (when given).
 __global__ void routing_ids_kernel(IndexRef ids, int64_t n, int64_t global, bool check_ids, IndexRef map,
                                    int num_experts, Key* key) {
+  pdl_begin();
   grid_loop(n > global ? n : global, [&](int64_t i) {
     if (check_ids && i < n) {
       const int64_t e = load_index(ids, i);
@@ -50,6 +52,7 @@ __global__ void routing_ids_kernel(IndexRef ids, int64_t n, int64_t global, bool
 
 __global__ void bins_kernel(IndexRef bins, IndexRef padded_bins, int num_experts, int64_t assignments,
                             int64_t output_rows, Key* key) {
+  pdl_begin();
   grid_loop(num_experts, [&](int64_t e) {
     const int64_t b = load_index(bins, e), p = load_index(padded_bins, e);
     const int64_t bp = e == 0 ? 0 : load_index(bins, e - 1), pp = e == 0 ? 0 : load_index(padded_bins, e - 1);
@@ -65,6 +68,7 @@ __global__ void bins_kernel(IndexRef bins, IndexRef padded_bins, int num_experts
 
 __global__ void sorted_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bins, int num_experts, int64_t assignments,
                               int* seen, Key* key) {
+  pdl_begin();
   grid_loop(assignments, [&](int64_t i) {
     const int64_t e = load_index(bin_ids, i);
     if (e < 0 || e >= num_experts || i < (e == 0 ? 0 : load_index(bins, e - 1)) || i >= load_index(bins, e)) {
@@ -81,6 +85,7 @@ __global__ void sorted_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bins,
 
 __global__ void plan_kernel(const int32_t* dest, const int32_t* sources, const int32_t* padded_bins, int num_experts,
                             int64_t assignments, int64_t sources_len, int64_t output_rows, Key* key) {
+  pdl_begin();
   const int64_t padded = num_experts > 0 ? padded_bins[num_experts - 1] : 0;
   if (blockIdx.x == 0 && threadIdx.x == 0 &&
       (padded < 0 || padded > sources_len || (output_rows >= 0 && padded > output_rows))) {
@@ -100,6 +105,7 @@ __global__ void plan_kernel(const int32_t* dest, const int32_t* sources, const i
 }
 
 __global__ void counts_kernel(IndexRef counts, int num_experts, int alignment, unsigned long long* sums, Key* key) {
+  pdl_begin();
   grid_loop(num_experts, [&](int64_t e) {
     const int64_t n = load_index(counts, e);
     if (n < 0) {
@@ -112,6 +118,7 @@ __global__ void counts_kernel(IndexRef counts, int num_experts, int alignment, u
 }
 
 __global__ void map_kernel(IndexRef map, int64_t map_len, int64_t original_size, int* seen, Key* key) {
+  pdl_begin();
   grid_loop(map_len, [&](int64_t p) {
     const int64_t n = load_index(map, p);
     if (n < -1 || n >= original_size) report(key, kMapOutOfRange, p);
@@ -170,8 +177,8 @@ Violation validate_top_experts(IndexRef ids, int64_t assignments, int num_expert
   const cudaStream_t s = as_stream(stream);
   const Layout l = layout(workspace);
   begin(l, 0, s);
-  if (assignments > 0) top_experts_kernel<<<blocks_for(assignments), 256, 0, s>>>(ids, assignments, num_experts, l.key);
-  PADMOE_CUDA_LAUNCH_CHECK("validate top_experts");
+  if (assignments > 0) launch_kernel("top_experts_kernel", top_experts_kernel, blocks_for(assignments), 256, 0, s, ids,
+      assignments, num_experts, l.key);
   Violation v = finish(l, s);
   if (v.code == kExpertOutOfRange) v.v1 = read_index(ids, v.pos, s);
   return v;
@@ -184,14 +191,13 @@ Violation validate_sorted_routing(IndexRef indices, IndexRef bin_ids, IndexRef b
   const Layout l = layout(workspace);
   begin(l, assignments, s);
   if (num_experts > 0) {
-    bins_kernel<<<blocks_for(num_experts), 256, 0, s>>>(bins, padded_bins, num_experts, assignments, output_rows,
-                                                        l.key);
+    launch_kernel("bins_kernel", bins_kernel, blocks_for(num_experts), 256, 0, s, bins, padded_bins, num_experts,
+        assignments, output_rows, l.key);
   }
   if (assignments > 0 && num_experts > 0) {
-    sorted_kernel<<<blocks_for(assignments), 256, 0, s>>>(indices, bin_ids, bins, num_experts, assignments, l.seen,
-                                                          l.key);
+    launch_kernel("sorted_kernel", sorted_kernel, blocks_for(assignments), 256, 0, s, indices, bin_ids, bins,
+        num_experts, assignments, l.seen, l.key);
   }
-  PADMOE_CUDA_LAUNCH_CHECK("validate sorted routing");
   Violation v = finish(l, s);
   const int64_t e = v.pos;
   switch (v.code) {
@@ -217,8 +223,8 @@ Violation validate_routing_ids(IndexRef ids, int64_t assignments, int64_t global
   begin(l, 0, s);
   const int64_t work = map.data != nullptr && global > assignments ? global : assignments;
   if (work > 0) {
-    routing_ids_kernel<<<blocks_for(work), 256, 0, s>>>(ids, assignments, global, check_ids, map, num_experts, l.key);
-    PADMOE_CUDA_LAUNCH_CHECK("validate top_experts");
+    launch_kernel("routing_ids_kernel", routing_ids_kernel, blocks_for(work), 256, 0, s, ids, assignments, global,
+        check_ids, map, num_experts, l.key);
   }
   Violation v = finish(l, s);
   if (v.code == kExpertOutOfRange) v.v1 = read_index(ids, v.pos, s);
@@ -233,11 +239,9 @@ Violation validate_plan(const PlanView& plan, int64_t output_rows, void* workspa
   const int64_t assignments = plan.num_tokens * plan.top_k;
   const int64_t sources_len = plan.row_sources.shape[0];
   const int64_t work = assignments > sources_len ? assignments : sources_len;
-  plan_kernel<<<blocks_for(work), 256, 0, s>>>(plan.dest_rows.data_as<const int32_t>(),
-                                               plan.row_sources.data_as<const int32_t>(),
-                                               plan.padded_bins.data_as<const int32_t>(), plan.num_experts,
-                                               assignments, sources_len, output_rows, l.key);
-  PADMOE_CUDA_LAUNCH_CHECK("validate plan");
+  launch_kernel("plan_kernel", plan_kernel, blocks_for(work), 256, 0, s, plan.dest_rows.data_as<const int32_t>(),
+      plan.row_sources.data_as<const int32_t>(), plan.padded_bins.data_as<const int32_t>(), plan.num_experts,
+      assignments, sources_len, output_rows, l.key);
   Violation v = finish(l, s);
   const IndexRef pb{plan.padded_bins.data, false};
   switch (v.code) {
@@ -257,8 +261,8 @@ Violation validate_counts(IndexRef counts, int num_experts, int alignment, int64
   const cudaStream_t s = as_stream(stream);
   const Layout l = layout(workspace);
   begin(l, 0, s);
-  if (num_experts > 0) counts_kernel<<<blocks_for(num_experts), 256, 0, s>>>(counts, num_experts, alignment, l.sums, l.key);
-  PADMOE_CUDA_LAUNCH_CHECK("validate counts");
+  if (num_experts > 0) launch_kernel("counts_kernel", counts_kernel, blocks_for(num_experts), 256, 0, s, counts,
+      num_experts, alignment, l.sums, l.key);
   Violation v = finish(l, s);
   if (v.code == kCountNegative) {
     v.v1 = read_index(counts, v.pos, s);
@@ -278,8 +282,8 @@ Violation validate_map(IndexRef map, int64_t map_len, int64_t original_size, voi
   const cudaStream_t s = as_stream(stream);
   const Layout l = layout(workspace);
   begin(l, original_size, s);
-  if (map_len > 0) map_kernel<<<blocks_for(map_len), 256, 0, s>>>(map, map_len, original_size, l.seen, l.key);
-  PADMOE_CUDA_LAUNCH_CHECK("validate permutation_map");
+  if (map_len > 0) launch_kernel("map_kernel", map_kernel, blocks_for(map_len), 256, 0, s, map, map_len, original_size,
+      l.seen, l.key);
   Violation v = finish(l, s);
   if (v.code == kMapOutOfRange) v.v1 = read_index(map, v.pos, s);
   if (v.code == kMapRepeated) v.v1 = v.pos;

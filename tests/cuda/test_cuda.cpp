@@ -1086,6 +1086,78 @@ TEST(Determinism, EveryOpTwiceBitwise) {
   }
 }
 
+// Programmatic dependent launch: a chain of ops on one stream with no host synchronization
+// between them (each reads what the one before wrote, and the pad / unpad ops are several
+// launches), run with PDL off and on. Every kernel must wait for its predecessor before its
+// first access, so both runs give the same bits, and the moves and sums equal the CPU's.
+TEST(Pdl, ChainedOpsMatchWithAndWithoutPdl) {
+  REQUIRE_GPU();
+  const int64_t T = 4096, H = 512;
+  const int E = 64, K = 8, m = 16;
+  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m);
+  const DType dt = DType::kBFloat16;
+  const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 31);
+  Rng rng(41);
+  const Tensor hte = index_matrix(te, T, K, DType::kInt32);
+  const Tensor hx = rows_from_float(random_values(T * H, dt, rng), dt, T, H);
+  const Tensor hw = vec_from_float(random_values(A, DType::kFloat32, rng, 0, 1), DType::kFloat32);
+  const Tensor dte = to_gpu(hte), dx = to_gpu(hx), dw = to_gpu(hw);
+
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const size_t ws_bytes = padmoe::workspace_bound(T, K, E, m);
+  void* ws = nullptr;
+  CUDA_OK(cudaMalloc(&ws, ws_bytes));
+  padmoe::Options o;
+  o.stream = stream;
+  o.check_data = false;
+  o.workspace = ws;
+  o.workspace_bytes = ws_bytes;
+
+  auto chain = [&](int pdl) {
+    padmoe::cuda::set_pdl(pdl);
+    GpuPlan gp = gpu_plan_buffers(T, K, E, m);
+    const Tensor y = gpu_poison_rows(dt, cap, H), out = gpu_poison_rows(dt, T, H);
+    const Tensor gy = gpu_poison_rows(dt, cap, H), gx = gpu_poison_rows(dt, T, H);
+    const Tensor gw = gpu_filled(DType::kFloat32, {A}, 0xff), gw2 = gpu_filled(DType::kFloat32, {A}, 0xff);
+    const Tensor padded = gpu_poison_rows(dt, cap, H), map = gpu_poison_index(cap), offs = gpu_poison_index(E);
+    const Tensor back = gpu_poison_rows(dt, A, H);
+    CUDA_OK(cudaDeviceSynchronize());  // the poison memsets ran on the legacy stream
+    padmoe::make_plan_out(dte, E, m, gp.view, o);
+    padmoe::dispatch_out(dx, gp.view, dw.view(), y, o);
+    padmoe::combine_out(y, gp.view, dw.view(), out, o);
+    padmoe::combine_backward_out(out, y, gp.view, dw.view(), gy, gw, o);
+    padmoe::dispatch_backward_out(gy, dx, gp.view, dw.view(), gx, gw2, o);
+    padmoe::pad_to_alignment_out(gy, gp.tpe, m, padded, map, offs, o);  // gy's first A rows as grouped rows
+    padmoe::unpad_from_alignment_out(padded, map, std::nullopt, back, o);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    std::vector<Tensor> r;
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&gp.dest_rows, &gp.row_sources, &y, &out, &gy, &gw,
+                                                                 &gx, &gw2, &padded, &map, &offs, &back})
+      r.push_back(to_cpu(*t));
+    return r;
+  };
+  const std::vector<Tensor> off = chain(0);
+  const std::vector<Tensor> on = chain(1);
+  padmoe::cuda::set_pdl(-1);
+  ASSERT_EQ(off.size(), on.size());
+  for (size_t i = 0; i < off.size(); ++i) EXPECT_TRUE(all_same(off[i], on[i])) << "output " << i << " differs with PDL";
+
+  // the moves and sums against the CPU (bitwise); the dots (gw, gw2) are covered by DotKernels
+  const padmoe::Plan cp = padmoe::make_plan(hte, E, m);
+  const int64_t P = padmoe::padded_rows(cp);
+  const Tensor cy = padmoe::dispatch(hx, cp.view(), hw.view());
+  EXPECT_TRUE(rows_same(on[2], cy, 0, P)) << "dispatch vs CPU";
+  const Tensor cout = padmoe::combine(cy, cp.view(), hw.view());
+  EXPECT_TRUE(all_same(on[3], cout)) << "combine vs CPU";
+  const padmoe::RowGrads cgb = padmoe::combine_backward(cout, cy, cp.view(), hw.view());
+  EXPECT_TRUE(rows_same(on[4], cgb.grad_rows, 0, P)) << "combine_backward vs CPU";
+  const padmoe::RowGrads cdb = padmoe::dispatch_backward(cgb.grad_rows, hx, cp.view(), hw.view());
+  EXPECT_TRUE(all_same(on[6], cdb.grad_rows)) << "dispatch_backward vs CPU";
+  CUDA_OK(cudaFree(ws));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
 // ---------------------------------------------------------------------------
 // 3. Checked mode
 // ---------------------------------------------------------------------------
