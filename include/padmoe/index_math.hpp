@@ -80,12 +80,12 @@ struct ExpertRemap {
   int64_t global = 0;
   int64_t first = 0;
   int64_t local_experts = 0;
-  PADMOE_HD int64_t local(int64_t e) const {
-    if (e < 0 || e >= global) return -1;
+  PADMOE_HD int64_t local(int64_t e) const {  // unsigned compares: one for each range test
+    if (static_cast<uint64_t>(e) >= static_cast<uint64_t>(global)) return -1;
     const int64_t l = map == nullptr ? e - first
                       : map_wide     ? static_cast<const int64_t*>(map)[e]
                                      : static_cast<int64_t>(static_cast<const int32_t*>(map)[e]);
-    return l >= 0 && l < local_experts ? l : -1;
+    return static_cast<uint64_t>(l) < static_cast<uint64_t>(local_experts) ? l : -1;
   }
 };
 

@@ -11,6 +11,9 @@
 // E <= C entries used) and int32 seen[C] (validation).
 #include <cub/block/block_scan.cuh>
 
+#include <cstdlib>
+#include <string>
+
 #include "cuda/common.cuh"
 
 namespace padmoe {
@@ -58,6 +61,11 @@ __device__ __forceinline__ int64_t source_chunk(const IndexRef& sorted, int64_t 
   if (sorted.data == nullptr) return (j % ranks) * groups + j / ranks;
   const int64_t s = load_index(sorted, j);
   return s >= 0 && s < c ? s : -1;
+}
+
+// x rounded up to a multiple of m (x >= 0, m >= 1) in 32 bits: a mask when m is a power of two.
+__device__ __forceinline__ int round_up_32(int x, int m) {
+  return (m & (m - 1)) == 0 ? (x + m - 1) & -m : (x + m - 1) / m * m;
 }
 
 __device__ __forceinline__ int64_t clamped_size(const IndexRef& sizes, int64_t i, int64_t rows) {
@@ -130,6 +138,100 @@ __global__ void __launch_bounds__(kScanThreads)
   }
 }
 
+// The same layout with every array in shared memory (int32) for up to kSmemChunks chunks whose
+// sums fit in 32 bits (the host checks the bound): the two inputs are read once, each phase
+// reads what the one before left in shared memory, and the workspace arrays are written at the
+// end. One round trip to global memory instead of one a phase (decode, C = 8 ranks * 256
+// experts: the global-memory kernel took 9 us on the H200).
+constexpr int kSmemChunks = 2048;
+constexpr int kSmemPer = kSmemChunks / kScanThreads;  // chunks a thread
+__global__ void __launch_bounds__(kScanThreads)
+    layout_smem_kernel(IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, int64_t rows, Layout l) {
+  pdl_begin();
+  using Scan = cub::BlockScan<int, kScanThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int s_size[kSmemChunks], s_excl[kSmemChunks], s_row[kSmemChunks];
+  __shared__ int s_ginc[kSmemChunks], s_greal[kSmemChunks];
+  __shared__ int s_total;
+  const int groups = c / ranks;
+  const int per = (c + kScanThreads - 1) / kScanThreads;  // <= kSmemPer
+  const int i0 = min(c, static_cast<int>(threadIdx.x) * per), i1 = min(c, i0 + per);
+  // both inputs first: the sizes in source order and the source chunk of each output position
+  int size[kSmemPer], src[kSmemPer];
+#pragma unroll
+  for (int q = 0; q < kSmemPer; ++q) {
+    const int i = i0 + q;
+    size[q] = i < i1 ? static_cast<int>(clamped_size(sizes, i, rows)) : 0;
+    src[q] = i < i1 ? static_cast<int>(source_chunk(sorted, i, c, ranks, groups)) : -1;
+  }
+  // (1) exclusive scan of the sizes in source order
+  int mine = 0, run = 0, total = 0;
+#pragma unroll
+  for (int q = 0; q < kSmemPer; ++q) {
+    if (i0 + q < i1) s_size[i0 + q] = size[q];
+    mine += size[q];
+  }
+  Scan(storage).ExclusiveSum(mine, run, total);
+#pragma unroll
+  for (int q = 0; q < kSmemPer; ++q) {
+    if (i0 + q < i1) s_excl[i0 + q] = run;
+    run += size[q];
+  }
+  if (threadIdx.x == 0) *l.real_total = total;
+  __syncthreads();
+  // (2) in output order: each position's size and exclusive real offset
+  int n[kSmemPer];
+  mine = 0;
+#pragma unroll
+  for (int q = 0; q < kSmemPer; ++q) {
+    n[q] = src[q] < 0 ? 0 : s_size[src[q]];
+    mine += n[q];
+  }
+  Scan(storage).ExclusiveSum(mine, run, total);
+#pragma unroll
+  for (int q = 0; q < kSmemPer; ++q) {
+    if (i0 + q < i1) s_row[i0 + q] = run;
+    run += n[q];
+  }
+  if (threadIdx.x == 0) s_total = total;
+  __syncthreads();
+  // (3) over groups (ranks consecutive positions each), padded; a group's real rows run to the
+  //     next group's first row (the positions are contiguous), the last group's to the total
+  const int gper = (groups + kScanThreads - 1) / kScanThreads;
+  const int g0 = min(groups, static_cast<int>(threadIdx.x) * gper), g1 = min(groups, g0 + gper);
+  const int positions_total = s_total;
+  mine = 0;
+  for (int g = g0; g < g1; ++g) {
+    const int end = g + 1 < groups ? s_row[(g + 1) * ranks] : positions_total;
+    mine += round_up_32(end - s_row[g * ranks], alignment);
+  }
+  int padded = 0;
+  Scan(storage).ExclusiveSum(mine, padded, total);
+  for (int g = g0; g < g1; ++g) {
+    const int real_start = s_row[g * ranks];
+    const int end = g + 1 < groups ? s_row[(g + 1) * ranks] : positions_total;
+    padded += round_up_32(end - real_start, alignment);
+    s_ginc[g] = padded;
+    s_greal[g] = real_start;
+    l.group_incl[g] = padded;
+    l.group_real[g] = real_start;
+  }
+  if (threadIdx.x == 0) *l.padded_total = total;
+  __syncthreads();
+  // (4) the workspace arrays: each position's first padded row, source start and size
+#pragma unroll
+  for (int q = 0; q < kSmemPer; ++q) {
+    const int j = i0 + q;
+    if (j >= i1) break;
+    const int g = j / ranks;
+    const int pstart = g == 0 ? 0 : s_ginc[g - 1];
+    l.pos_row[j] = pstart + s_row[j] - s_greal[g];
+    l.pos_src[j] = src[q] < 0 ? 0 : s_excl[src[q]];
+    l.pos_size[j] = n[q];
+    l.src_excl[j] = s_excl[j];
+  }
+}
+
 __device__ __forceinline__ void report(Key* key, int code, int64_t pos) {
   atomicMin(key, (static_cast<Key>(code) << kPosBits) | static_cast<Key>(pos));
 }
@@ -185,6 +287,15 @@ int64_t read_index(IndexRef r, int64_t i, cudaStream_t s) {
   return r.wide ? v : n;
 }
 
+// PADMOE_CUDA_CHUNK_LAYOUT=global: the global-memory layout kernel at every size (measurements).
+bool smem_layout() {
+  static const bool on = [] {
+    const char* v = std::getenv("PADMOE_CUDA_CHUNK_LAYOUT");
+    return v == nullptr || std::string(v) != "global";
+  }();
+  return on;
+}
+
 }  // namespace
 
 void chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks, int alignment,
@@ -193,6 +304,15 @@ void chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunk
   const Layout l = layout_of(workspace, num_chunks);
   if (num_chunks == 0) {  // no chunks: P = 0
     PADMOE_CUDA_CHECK(cudaMemsetAsync(workspace, 0, 64, s));
+    return;
+  }
+  // shared memory when the chunks fit and every sum (at most C * (rows + 1) real rows, plus
+  // alignment - 1 a group) fits in 32 bits
+  const int64_t groups = num_chunks / num_ranks;
+  const bool small = num_chunks <= kSmemChunks && (rows + 1) * num_chunks + groups * alignment < 2147483647LL;
+  if (small && smem_layout()) {
+    launch_kernel("layout_smem_kernel", layout_smem_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index,
+        static_cast<int>(num_chunks), num_ranks, alignment, rows, l);
     return;
   }
   launch_kernel("layout_kernel", layout_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index, num_chunks,

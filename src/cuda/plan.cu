@@ -304,9 +304,14 @@ static_assert(kFusedItems * 32 == kFusedPerWarp, "fused plan: a warp's slice is 
 
 size_t fused_smem_bytes(int num_experts) { return static_cast<size_t>(kFusedWarps + 3) * num_experts * sizeof(int); }
 
+// x rounded up to a multiple of m (x >= 0, m >= 1) in 32 bits: a mask when m is a power of two.
+__device__ __forceinline__ int round_up_32(int x, int m) {
+  return (m & (m - 1)) == 0 ? (x + m - 1) & -m : (x + m - 1) / m * m;
+}
+
 __global__ void __launch_bounds__(kFusedThreads)
     plan_fused_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int chunks_per_block,
-                      int replicas, int num_experts, int alignment, int32_t* block_counts, int32_t* local_rank,
+                      int replica_shift, int num_experts, int alignment, int32_t* block_counts, int32_t* local_rank,
                       int64_t row_capacity, int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens,
                       int32_t* padded_bins, int32_t* indices, int32_t* bin_ids, int32_t* dest_rows,
                       int32_t* row_sources, int32_t padding_source, int32_t* row_experts, int32_t* block_experts,
@@ -316,7 +321,7 @@ __global__ void __launch_bounds__(kFusedThreads)
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ long long s_totals[2];  // real and padded totals
   __shared__ int s_sorted[kChunk], s_sorted_key[kChunk];  // the block's kept assignments in sorted order
-  extern __shared__ int s_fused[];
+  extern __shared__ __align__(16) int s_fused[];
   const int E = num_experts;
   int* s_wc = s_fused;                       // [warps][E] per-warp counts, then offsets; later [2][E] fills
   int* s_run = s_fused + kFusedWarps * E;    // [E] this block's running count per expert
@@ -328,7 +333,10 @@ __global__ void __launch_bounds__(kFusedThreads)
   // assignments of its share of the warps: the scattered 4-byte stores of the placement are
   // what a block spends its time on, so more blocks finish sooner (replicas > 1 only with one
   // chunk a block: the ranks stay in registers).
-  const int cb = static_cast<int>(blockIdx.x) / replicas, replica = static_cast<int>(blockIdx.x) % replicas;
+  // Positions, rows and counts fit in 32 bits (the plan's arrays are int32); replicas is a power
+  // of two (shifts and masks, no divisions).
+  const int replicas = 1 << replica_shift, replica_mask = replicas - 1;
+  const int cb = static_cast<int>(blockIdx.x) >> replica_shift, replica = static_cast<int>(blockIdx.x) & replica_mask;
   const int c_begin = cb * chunks_per_block;
   const int c_end = min(chunks, c_begin + chunks_per_block);
   const bool in_registers = chunks_per_block == 1;  // else the ranks go through local_rank
@@ -346,32 +354,41 @@ __global__ void __launch_bounds__(kFusedThreads)
       const int64_t a = base + j * 32 + lane;
       k[j] = a < assignments ? static_cast<int>(remap.local(load_index(ids, a))) : -1;
     }
-    for (int i = threadIdx.x; i < kFusedWarps * E; i += kFusedThreads) s_wc[i] = 0;
+    {  // kFusedWarps * E ints: a multiple of 4, in 16-byte stores
+      int4* wc4 = reinterpret_cast<int4*>(s_wc);
+      for (int i = threadIdx.x; i < kFusedWarps * E / 4; i += kFusedThreads) wc4[i] = make_int4(0, 0, 0, 0);
+    }
+    // the warp's matches first (independent of the counters: their latencies overlap)
+    unsigned same[kFusedItems];
+#pragma unroll
+    for (int j = 0; j < kFusedItems; ++j) {
+      if (!(k[j] >= 0 && k[j] < E)) k[j] = -1;
+      same[j] = __match_any_sync(0xffffffffu, k[j] >= 0 ? k[j] : E);
+    }
     __syncthreads();
     int* my = s_wc + warp * E;
     int r[kFusedItems];
 #pragma unroll
     for (int j = 0; j < kFusedItems; ++j) {
-      const bool valid = k[j] >= 0 && k[j] < E;
-      const int key = valid ? k[j] : E;
-      if (!valid) k[j] = -1;
-      const unsigned same = __match_any_sync(0xffffffffu, key);
-      const int leader = __ffs(same) - 1;
+      const bool valid = k[j] >= 0;
+      const int leader = __ffs(same[j]) - 1;
       int count = 0;
-      if (lane == leader && valid) count = my[key];
+      if (lane == leader && valid) count = my[k[j]];
       count = __shfl_sync(0xffffffffu, count, leader);
-      r[j] = count + __popc(same & lower);
-      if (lane == leader && valid) my[key] = count + __popc(same);
+      r[j] = count + __popc(same[j] & lower);
+      if (lane == leader && valid) my[k[j]] = count + __popc(same[j]);
       __syncwarp();
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += kFusedThreads) {  // warp offsets on top of the block's run
+      int n[kFusedWarps];
+#pragma unroll
+      for (int w = 0; w < kFusedWarps; ++w) n[w] = s_wc[w * E + e];  // loads first, then the stores
       int run = s_run[e];
-#pragma unroll 8
+#pragma unroll
       for (int w = 0; w < kFusedWarps; ++w) {
-        const int n = s_wc[w * E + e];
         s_wc[w * E + e] = run;
-        run += n;
+        run += n[w];
       }
       s_run[e] = run;
     }
@@ -391,7 +408,7 @@ __global__ void __launch_bounds__(kFusedThreads)
   }
 
   // 2. expert totals and this block's offsets
-  const int G = static_cast<int>(gridDim.x) / replicas;  // blocks of distinct chunks
+  const int G = static_cast<int>(gridDim.x) >> replica_shift;  // blocks of distinct chunks
   if (G > 1) {
     if (replica == 0) {
       for (int e = threadIdx.x; e < E; e += kFusedThreads) block_counts[static_cast<int64_t>(cb) * E + e] = s_run[e];
@@ -419,7 +436,7 @@ __global__ void __launch_bounds__(kFusedThreads)
       }
     }
   }
-  const int padded = static_cast<int>(index::round_up(count, alignment));
+  const int padded = round_up_32(count, alignment);
   // real counts in the low word, padded in the high word: totals stay below 2^31, no carry
   const unsigned long long packed = (static_cast<unsigned long long>(padded) << 32) | static_cast<unsigned>(count);
   unsigned long long excl = 0, total = 0;
@@ -445,8 +462,8 @@ __global__ void __launch_bounds__(kFusedThreads)
     if (blockIdx.x == 0 && padded_total_out != nullptr) *padded_total_out = static_cast<int32_t>(total >> 32);
   }
   __syncthreads();
-  const int64_t real_total = s_totals[0];
-  const int64_t padded_total = s_totals[1];
+  const int real_total = static_cast<int>(s_totals[0]);
+  const int padded_total = static_cast<int>(s_totals[1]);
 
   // 3. place the block's assignments. From registers (one chunk a block), with at most two
   //    replicas (each placing 1024 or more): dest_rows in assignment order by the replica owning
@@ -457,18 +474,18 @@ __global__ void __launch_bounds__(kFusedThreads)
   //    µs in a graph). With more replicas (few assignments each: decode) the extra scan and sort
   //    cost more than they save (7.9 -> 8.5 µs), and each warp's own items are placed directly.
   if (in_registers && replicas > 2) {
-    if (c_begin < c_end && warp % replicas == replica) {
-      const int64_t base = static_cast<int64_t>(c_begin) * kChunk + warp * kFusedPerWarp;
+    if (c_begin < c_end && (warp & replica_mask) == replica) {
+      const int base = c_begin * kChunk + warp * kFusedPerWarp;
 #pragma unroll
       for (int j = 0; j < kFusedItems; ++j) {
-        const int64_t a = base + j * 32 + lane;
+        const int a = base + j * 32 + lane;
         if (a >= assignments) break;
         const int key = keys[j], rank = ranks[j];
         if (rank < 0) {
           dest_rows[a] = -1;
         } else {
-          const int64_t pos = s_pos[key] + rank;
-          const int64_t row = s_row[key] + rank;
+          const int pos = s_pos[key] + rank;
+          const int row = s_row[key] + rank;
           indices[pos] = static_cast<int32_t>(a);
           bin_ids[pos] = key;
           dest_rows[a] = static_cast<int32_t>(row);
@@ -482,12 +499,12 @@ __global__ void __launch_bounds__(kFusedThreads)
       }
     }
   } else if (in_registers) {
-    const int64_t chunk_base = static_cast<int64_t>(c_begin) * kChunk;
-    const int64_t base = chunk_base + warp * kFusedPerWarp;
-    if (c_begin < c_end && warp % replicas == replica) {
+    const int chunk_base = c_begin * kChunk;
+    const int base = chunk_base + warp * kFusedPerWarp;
+    if (c_begin < c_end && (warp & replica_mask) == replica) {
 #pragma unroll
       for (int j = 0; j < kFusedItems; ++j) {
-        const int64_t a = base + j * 32 + lane;
+        const int a = base + j * 32 + lane;
         if (a >= assignments) break;
         dest_rows[a] = ranks[j] < 0 ? -1 : static_cast<int32_t>(s_row[keys[j]] + ranks[j]);
         if (a >= real_total) {  // only when ids were dropped
@@ -511,13 +528,13 @@ __global__ void __launch_bounds__(kFusedThreads)
     }
     __syncthreads();
     const int n = static_cast<int>(kept);
-    const int lo = n * replica / replicas, hi = n * (replica + 1) / replicas;
+    const int lo = (n * replica) >> replica_shift, hi = (n * (replica + 1)) >> replica_shift;
     for (int q = lo + static_cast<int>(threadIdx.x); q < hi; q += kFusedThreads) {
       const int key = s_sorted_key[q];
       const int rank = q - s_off[key];
-      const int64_t a = chunk_base + s_sorted[q];
-      const int64_t pos = s_pos[key] + rank;
-      const int64_t row = s_row[key] + rank;
+      const int a = chunk_base + s_sorted[q];
+      const int pos = s_pos[key] + rank;
+      const int row = s_row[key] + rank;
       indices[pos] = static_cast<int32_t>(a);
       bin_ids[pos] = key;
       row_sources[row] = static_cast<int32_t>(a);
@@ -553,26 +570,29 @@ __global__ void __launch_bounds__(kFusedThreads)
   // 4. fills, over the whole grid: expert e's padding rows and blocks by block e mod grid, a warp
   //    an expert; rows and blocks at or past P strided over the grid
   const int grid = static_cast<int>(gridDim.x);
+  const int capacity = row_capacity < 0x7fffffff ? static_cast<int>(row_capacity) : 0x7fffffff;
+  const int nblocks = blocks < 0x7fffffff ? static_cast<int>(blocks) : 0x7fffffff;
   for (int x = static_cast<int>(blockIdx.x) + grid * warp; x < E; x += grid * kFusedWarps) {
-    const int64_t pstart = s_pstart[x], n = s_count[x];
-    const int64_t pend = pstart + index::round_up(n, static_cast<int64_t>(alignment));
-    const int64_t end = pend < row_capacity ? pend : row_capacity;
-    for (int64_t r = pstart + n + lane; r < end; r += 32) {
+    const int pstart = s_pstart[x], n = s_count[x];
+    const int pend = pstart + round_up_32(n, alignment);
+    const int end = pend < capacity ? pend : capacity;
+    for (int r = pstart + n + lane; r < end; r += 32) {
       row_sources[r] = padding_source;
       if (row_experts != nullptr) row_experts[r] = -1;
     }
     if (block_experts != nullptr) {
-      for (int64_t b = pstart / alignment + lane; b < pend / alignment && b < blocks; b += 32) block_experts[b] = x;
+      const int b_end = min(pend / alignment, nblocks);
+      for (int b = pstart / alignment + lane; b < b_end; b += 32) block_experts[b] = x;
     }
   }
-  const int64_t stride = static_cast<int64_t>(grid) * kFusedThreads;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * kFusedThreads + threadIdx.x;
-  for (int64_t r = padded_total + start; r < row_capacity; r += stride) {
+  const int stride = grid * kFusedThreads;
+  const int start = static_cast<int>(blockIdx.x) * kFusedThreads + static_cast<int>(threadIdx.x);
+  for (int r = padded_total + start; r < capacity; r += stride) {
     row_sources[r] = padding_source;
     if (row_experts != nullptr) row_experts[r] = -1;
   }
   if (block_experts != nullptr) {
-    for (int64_t b = padded_total / alignment + start; b < blocks; b += stride) block_experts[b] = -1;
+    for (int b = padded_total / alignment + start; b < nblocks; b += stride) block_experts[b] = -1;
   }
 }
 
@@ -844,6 +864,8 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
       while (replicas > 1 && distinct * replicas > resident) replicas /= 2;
     }
     const int grid = distinct * replicas;
+    int shift = 0;
+    while ((1 << shift) < replicas) ++shift;
     const size_t smem = fused_smem_bytes(num_experts);
     // block counts [grid, E] then the ranks [A]: inside plan_workspace_bytes (grid <= chunks)
     int32_t* block_counts = chunk_counts;
@@ -867,10 +889,10 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     int64_t capacity = row_capacity;
     if (distinct == 1) {  // no grid barrier: an ordinary launch
       launch_kernel("plan_fused_kernel", plan_fused_kernel, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
-          per_block, replicas, n_experts, align, block_counts, local_rank, capacity, tokens, bins, ptokens, pbins,
+          per_block, shift, n_experts, align, block_counts, local_rank, capacity, tokens, bins, ptokens, pbins,
           indices, bin_ids, dest, rows, pad_src, row_experts, block_experts, blocks, total);
     } else {
-      int pb = per_block, reps = replicas;
+      int pb = per_block, reps = shift;
       void* args[] = {&ids,     &rm,        &a_count, &n_chunks, &pb,     &reps,    &n_experts,     &align,
                       &block_counts, &local_rank, &capacity, &tokens, &bins,   &ptokens,  &pbins,
                       &indices, &bin_ids,   &dest,    &rows,     &pad_src, &row_experts, &block_experts,

@@ -1660,7 +1660,8 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
       {1, 6, 4, DType::kFloat32, DType::kInt64, false, false},   {5, 1, 8, DType::kFloat16, DType::kInt32, false, true},
       {4, 8, 1, DType::kFloat32, DType::kInt32, true, false},    {3, 5, 16, DType::kFloat8E4M3, DType::kInt64, true, true},
       {64, 16, 16, DType::kBFloat16, DType::kInt32, false, true}, {2, 3, 4, DType::kFloat8E5M2, DType::kInt32, false, false},
-      {16, 70, 8, DType::kFloat32, DType::kInt64, true, false}};  // C = 1120 > the scan's 1024 threads
+      {16, 70, 8, DType::kFloat32, DType::kInt64, true, false},  // C = 1120 > the scan's 1024 threads
+      {16, 160, 8, DType::kBFloat16, DType::kInt32, true, true}};  // C = 2560: past the shared-memory layout
   for (const Cfg& cf : cfgs) {
     SCOPED_TRACE("R=" + std::to_string(cf.R) + " E=" + std::to_string(cf.E) + " m=" + std::to_string(cf.m) + " " +
                  dname(cf.dt) + (cf.sorted ? " sorted" : ""));
