@@ -2,9 +2,6 @@
 // sorted routing (dest_rows), pad's row map and offsets, unpad's inverse map.
 #include <cub/block/block_scan.cuh>
 
-#include <cstdlib>
-#include <string>
-
 #include "cuda/common.cuh"
 
 namespace padmoe {
@@ -143,30 +140,6 @@ __global__ void invert_kernel(IndexRef map, int64_t map_len, int64_t original_si
   }
 }
 
-// Both steps in one block for small maps (decode: N = 2048 rows, P about 4K): the fill, a block
-// barrier (which orders its stores before the inversion's), then the inversion; one launch
-// instead of two.
-constexpr int kInvertSmall = 16384;  // map_len + original_size up to this: one block
-__global__ void __launch_bounds__(1024)
-    invert_small_kernel(IndexRef map, int map_len, int original_size, int32_t* inverse) {
-  pdl_begin();
-  for (int i = static_cast<int>(threadIdx.x); i < original_size; i += 1024) inverse[i] = -1;
-  __syncthreads();
-  for (int p = static_cast<int>(threadIdx.x); p < map_len; p += 1024) {
-    const int64_t n = load_index(map, p);
-    if (n >= 0 && n < original_size) inverse[n] = p;
-  }
-}
-
-// PADMOE_CUDA_INVERT=split: the fill and the inversion as two grid launches at every size.
-bool small_invert() {
-  static const bool on = [] {
-    const char* v = std::getenv("PADMOE_CUDA_INVERT");
-    return v == nullptr || std::string(v) != "split";
-  }();
-  return on;
-}
-
 }  // namespace
 
 void build_dest_rows(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins, int64_t assignments,
@@ -199,13 +172,6 @@ void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, i
 
 void invert_map(IndexRef map, int64_t map_len, int64_t original_size, int32_t* inverse, void* stream) {
   const cudaStream_t s = as_stream(stream);
-  if (map_len + original_size <= kInvertSmall && small_invert()) {
-    if (map_len + original_size > 0) {
-      launch_kernel("invert_small_kernel", invert_small_kernel, 1, 1024, 0, s, map, static_cast<int>(map_len),
-          static_cast<int>(original_size), inverse);
-    }
-    return;
-  }
   if (original_size > 0) {
     launch_kernel("fill_kernel", fill_kernel, grid_for(original_size, 256, 4096), 256, 0, s, inverse, original_size,
         -1);

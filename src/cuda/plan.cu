@@ -309,7 +309,11 @@ __device__ __forceinline__ int round_up_32(int x, int m) {
   return (m & (m - 1)) == 0 ? (x + m - 1) & -m : (x + m - 1) / m * m;
 }
 
-__global__ void __launch_bounds__(kFusedThreads)
+// kBallot: the warp's equal keys found by one ballot a key bit (ALU work at full rate) instead
+// of __match_any_sync (PADMOE_CUDA_PLAN_MATCH=hw), whose latency grows with the distinct keys in
+// the warp (about 30 of 32 at E = 256).
+template <bool kBallot>
+__global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 registers), as the residency assumes
     plan_fused_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int chunks_per_block,
                       int replica_shift, int num_experts, int alignment, int32_t* block_counts, int32_t* local_rank,
                       int64_t row_capacity, int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens,
@@ -358,12 +362,27 @@ __global__ void __launch_bounds__(kFusedThreads)
       int4* wc4 = reinterpret_cast<int4*>(s_wc);
       for (int i = threadIdx.x; i < kFusedWarps * E / 4; i += kFusedThreads) wc4[i] = make_int4(0, 0, 0, 0);
     }
-    // the warp's matches first (independent of the counters: their latencies overlap)
+    // the warp's lanes with an equal key (invalid ids: key E), first for every item (independent
+    // of the counters: their latencies overlap)
     unsigned same[kFusedItems];
 #pragma unroll
     for (int j = 0; j < kFusedItems; ++j) {
       if (!(k[j] >= 0 && k[j] < E)) k[j] = -1;
-      same[j] = __match_any_sync(0xffffffffu, k[j] >= 0 ? k[j] : E);
+      same[j] = 0xffffffffu;
+    }
+    if constexpr (kBallot) {
+      const int bits = 32 - __clz(E);  // keys 0..E
+      for (int b = 0; b < bits; ++b) {
+#pragma unroll
+        for (int j = 0; j < kFusedItems; ++j) {
+          const unsigned bit = (static_cast<unsigned>(k[j] >= 0 ? k[j] : E) >> b) & 1u;
+          const unsigned v = __ballot_sync(0xffffffffu, bit);
+          same[j] &= bit ? v : ~v;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kFusedItems; ++j) same[j] = __match_any_sync(0xffffffffu, k[j] >= 0 ? k[j] : E);
     }
     __syncthreads();
     int* my = s_wc + warp * E;
@@ -417,22 +436,41 @@ __global__ void __launch_bounds__(kFusedThreads)
   }
   const int e = threadIdx.x;
   int count = 0, before = 0;
-  if (e < E) {
-    if (G == 1) {
-      count = s_run[e];
-    } else {
+  if (G == 1) {
+    if (e < E) count = s_run[e];
+  } else {
+    // expert x's counts over the blocks [lo, hi): with E <= 256 two threads an expert, each
+    // reading half the blocks (half the dependent rounds of loads), summed through s_wc
+    constexpr int kHalf = kFusedThreads / 2;
+    const bool two = E <= kHalf;
+    const int x = two && e >= kHalf ? e - kHalf : e;
+    const int lo = two && e >= kHalf ? G / 2 : 0, hi = two && e < kHalf ? G / 2 : G;
+    if (x < E) {
       constexpr int kBatch = 16;  // loads in flight a thread
-      for (int b0 = 0; b0 < G; b0 += kBatch) {
+      for (int b0 = lo; b0 < hi; b0 += kBatch) {
         int n[kBatch];
 #pragma unroll
         for (int q = 0; q < kBatch; ++q) {
-          n[q] = b0 + q < G ? __ldcg(block_counts + static_cast<int64_t>(b0 + q) * E + e) : 0;
+          n[q] = b0 + q < hi ? __ldcg(block_counts + static_cast<int64_t>(b0 + q) * E + x) : 0;
         }
 #pragma unroll
         for (int q = 0; q < kBatch; ++q) {
           count += n[q];
           if (b0 + q < cb) before += n[q];
         }
+      }
+    }
+    if (two) {
+      if (e >= kHalf && x < E) {
+        s_wc[x] = count;
+        s_wc[E + x] = before;
+      }
+      __syncthreads();
+      if (e < E) {
+        count += s_wc[e];
+        before += s_wc[E + e];
+      } else {
+        count = before = 0;  // not an expert of the scan
       }
     }
   }
@@ -621,8 +659,10 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
   if (dev < 0 || dev >= kMaxDevices) return 0;
   FusedLimits& f = g_fused[dev];
   std::call_once(f.attr_once, [] {
-    PADMOE_CUDA_CHECK(cudaFuncSetAttribute(plan_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(fused_smem_bytes(kFusedMaxExperts))));
+    for (auto kernel : {plan_fused_kernel<true>, plan_fused_kernel<false>}) {
+      PADMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(fused_smem_bytes(kFusedMaxExperts))));
+    }
   });
   const int bucket = fused_bucket(num_experts);
   int n = f.resident[bucket].load(std::memory_order_relaxed);
@@ -630,7 +670,7 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
     int coop = 0, sms = 0, per_sm = 0;
     PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
     PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    PADMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_fused_kernel, kFusedThreads,
+    PADMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_fused_kernel<true>, kFusedThreads,
                                                                     fused_smem_bytes(32 << bucket)));
     n = coop != 0 && per_sm > 0 ? per_sm * sms : -1;
     f.sms.store(sms, std::memory_order_relaxed);
@@ -658,6 +698,16 @@ int plan_replicas() {
     return p;
   }();
   return r;
+}
+
+// PADMOE_CUDA_PLAN_MATCH=hw: the fused kernel finds equal keys with __match_any_sync instead of
+// a ballot a key bit; read once.
+bool plan_ballot() {
+  static const bool on = [] {
+    const char* v = std::getenv("PADMOE_CUDA_PLAN_MATCH");
+    return v == nullptr || std::string(v) != "hw";
+  }();
+  return on;
 }
 
 int plan_mode() {
@@ -887,8 +937,9 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     int n_chunks = chunks, n_experts = num_experts, align = alignment;
     int32_t pad_src = padding_source;
     int64_t capacity = row_capacity;
+    auto* fused = plan_ballot() ? plan_fused_kernel<true> : plan_fused_kernel<false>;
     if (distinct == 1) {  // no grid barrier: an ordinary launch
-      launch_kernel("plan_fused_kernel", plan_fused_kernel, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
+      launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
           per_block, shift, n_experts, align, block_counts, local_rank, capacity, tokens, bins, ptokens, pbins,
           indices, bin_ids, dest, rows, pad_src, row_experts, block_experts, blocks, total);
     } else {
@@ -897,7 +948,7 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
                       &block_counts, &local_rank, &capacity, &tokens, &bins,   &ptokens,  &pbins,
                       &indices, &bin_ids,   &dest,    &rows,     &pad_src, &row_experts, &block_experts,
                       &blocks,  &total};
-      const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(plan_fused_kernel),
+      const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fused),
                                                           dim3(grid), dim3(kFusedThreads), args, smem, s);
       if (err == cudaErrorCooperativeLaunchTooLarge) {
         // fewer multiprocessors than the device reports (MPS limits, green contexts): the split
