@@ -9,13 +9,15 @@
 # (the device tool brings back only a few files).
 # Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench profile ab python triton ep, or
 #        all (default all; profile and ab are never in all). ab: kernel variants timed
-#        against each other, PADMOE_AB="TAG=ENV=V[,ENV=V]@PRESET@OPS ..." (see the stage). PADMOE_SANITIZE=0 skips the
+#        against each other, PADMOE_AB="TAG=ENV=V[,ENV=V]@PRESET@OPS ..." (see the stage). PADMOE_CHECK_PRESETS the
+#        checks stage's presets (default all five). PADMOE_SANITIZE=0 skips the
 #        sanitizer runs of the tests stage, PADMOE_CPU_TESTS=0 its ctest run,
 #        PADMOE_TORCH_BENCH=0 the python stage's bench_torch.py, PADMOE_BUILD_TARGETS the CMake
 #        targets built (all; padmoe_cli padmoe_bandwidth for bench / profile / ab alone). profile: ncu (clocks left alone) on
 #        the kernels of make_plan, dispatch and combine_backward at deepseek-v3
 #        and decode (PADMOE_PROFILE_SPECS="PRESET:OP ..." to choose; PADMOE_PROFILE_KERNELS a
-#        kernel-name regex, PADMOE_PROFILE_SKIP launches to skip; a .ncu-rep and its source page
+#        kernel-name regex, PADMOE_PROFILE_SKIP launches to skip, PADMOE_NCU_ARGS more ncu options such as
+#        --warp-sampling-interval 0; a .ncu-rep and its source page
 #        as CSV are kept per op), one launch
 #        each, its sections to profile-*.log; the build then has -lineinfo, so the
 #        source counters name source lines (where warps stall). triton: padmoe.triton's tests natively and
@@ -71,7 +73,7 @@ if want tests; then
   [ "${PADMOE_SANITIZE:-1}" = "1" ] && run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
 fi
 if want checks; then
-  for p in mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode awkward; do
+  for p in ${PADMOE_CHECK_PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode awkward}; do
     run "check-$p" "$build/padmoe" check --device cuda --preset "$p"
   done
 fi
@@ -92,7 +94,7 @@ if want profile; then
     # The bench's L2 flush is a wgrad (dots_ kernels): dots_ is left out of the default regex, so that the
     # flushes do not use up the launch count (profiling wgrad: PADMOE_PROFILE_KERNELS with dots_, and
     # PADMOE_PROFILE_SKIP=N to skip the flushes before the op).
-    run "profile-$tag" ncu --clock-control none "${sections[@]}" -f -o "$out/profile-$tag" \
+    run "profile-$tag" ncu --clock-control none ${PADMOE_NCU_ARGS:-} "${sections[@]}" -f -o "$out/profile-$tag" \
       --kernel-name regex:"${PADMOE_PROFILE_KERNELS:-plan_|spread_|reduce_|gather_|pad_|fill_|invert_|map_|layout_}" \
       --launch-skip "${PADMOE_PROFILE_SKIP:-0}" --launch-count 12 \
       "$build/padmoe" bench --device cuda --preset "$p" --ops "$o" --warmup 0 --iters 1 --no-reference --no-graph

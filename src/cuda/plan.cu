@@ -310,8 +310,8 @@ __device__ __forceinline__ int round_up_32(int x, int m) {
 }
 
 // kBallot: the warp's equal keys found by one ballot a key bit (ALU work at full rate) instead
-// of __match_any_sync (PADMOE_CUDA_PLAN_MATCH=hw), whose latency grows with the distinct keys in
-// the warp (about 30 of 32 at E = 256).
+// of __match_any_sync, whose latency grows with the distinct keys in the warp (about 30 of 32 at
+// E = 256); plan_ballot() chooses.
 template <bool kBallot>
 __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 registers), as the residency assumes
     plan_fused_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int chunks_per_block,
@@ -700,14 +700,19 @@ int plan_replicas() {
   return r;
 }
 
-// PADMOE_CUDA_PLAN_MATCH=hw: the fused kernel finds equal keys with __match_any_sync instead of
-// a ballot a key bit; read once.
-bool plan_ballot() {
-  static const bool on = [] {
+// How the fused kernel finds equal keys in a warp: a ballot a key bit for E >= 64, where a warp
+// holds many distinct experts, __match_any_sync below (measured on the H200, graph us, ballot
+// against match: E = 256 decode 6.2 / 7.0, deepseek-v3 10.8 / 11.8, qwen3 (E = 128) 9.8 / 10.7;
+// E = 32 of 256 (make_plan(ep), most ids another rank's: few distinct keys) decode 5.8 / 5.2;
+// E = 8 equal). PADMOE_CUDA_PLAN_MATCH=hw / ballot forces one; read once.
+bool plan_ballot(int num_experts) {
+  static const int forced = [] {
     const char* v = std::getenv("PADMOE_CUDA_PLAN_MATCH");
-    return v == nullptr || std::string(v) != "hw";
+    if (v == nullptr) return -1;
+    const std::string m(v);
+    return m == "hw" ? 0 : (m == "ballot" ? 1 : -1);
   }();
-  return on;
+  return forced >= 0 ? forced == 1 : num_experts >= 64;
 }
 
 int plan_mode() {
@@ -937,7 +942,7 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     int n_chunks = chunks, n_experts = num_experts, align = alignment;
     int32_t pad_src = padding_source;
     int64_t capacity = row_capacity;
-    auto* fused = plan_ballot() ? plan_fused_kernel<true> : plan_fused_kernel<false>;
+    auto* fused = plan_ballot(num_experts) ? plan_fused_kernel<true> : plan_fused_kernel<false>;
     if (distinct == 1) {  // no grid barrier: an ordinary launch
       launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
           per_block, shift, n_experts, align, block_counts, local_rank, capacity, tokens, bins, ptokens, pbins,
