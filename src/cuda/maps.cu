@@ -79,7 +79,7 @@ constexpr int kMapScanExperts = 4096;
 __global__ void __launch_bounds__(kMapThreads)
     pad_map_scan_kernel(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
                         int32_t* inclusive_offsets) {
-  pdl_begin();
+  pdl_wait();  // no early trigger: the gather that follows should not share SMs with 32 KiB blocks
   using Scan = cub::BlockScan<int, kMapThreads>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int32_t s_incl[kMapScanExperts];  // padded inclusive offsets
