@@ -3,8 +3,9 @@
 // store kernel), read-only, and a 1:8 read:write mix (a dispatch at top-8
 // reads one row and writes eight), the same fan-out through Hopper's bulk
 // copies (cp.async.bulk global -> shared -> global, one thread driving the
-// TMA engine), and the decode-sized traffic (a few tens of MB: where launch
-// and latency, not bandwidth, set the time). Used to tell a kernel's overhead
+// TMA engine), the fan-in of a reduce and the reading fan-out of a spread
+// with dots at 4 and 14 KiB rows, and the decode-sized traffic (a few tens of
+// MB: where launch and latency, not bandwidth, set the time). Used to tell a kernel's overhead
 // from the memory system's own limit for a mix; results in bench/results/.
 // Usage: padmoe_bandwidth [GiB per buffer, default 2]
 #include <cuda_runtime.h>
@@ -116,6 +117,52 @@ __global__ void fan_out_wide_kernel(const uint4* src, uint4* dst, int units, int
   }
 }
 
+// The fan-in of a reduce: each block reads `k` (<= 8) rows at scattered places, adds them as
+// packed 32-bit words (the traffic is the point, not the adds), with `partner` reads one more row
+// (the gather / dispatch backward's x[t], for its dot) and writes one row in order: combine,
+// padded_scatter (k rows in, 1 out), padded_gather_backward(w) / dispatch_backward(w) (with the
+// partner).
+__global__ void fan_in_kernel(const uint4* src, uint4* dst, int units, int k, size_t rows_in, bool partner) {
+  const size_t b = blockIdx.x;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    uint4 v[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {  // every load before the first add
+      if (c < k) v[c] = src[((b * k + c) * 2654435761ull % rows_in) * units + u];
+    }
+    uint4 acc = partner ? src[((rows_in - 1 - b) % rows_in) * units + u] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (c < k) {
+        acc.x += v[c].x;
+        acc.y += v[c].y;
+        acc.z += v[c].z;
+        acc.w += v[c].w;
+      }
+    }
+    dst[b * units + u] = acc;
+  }
+}
+
+// A spread that also reads: each block reads its row once, then for each of `copies` scattered
+// rows reads that row of `other` and writes the same row of dst (combine_backward(w) /
+// padded_scatter_backward(w): grad_out[t] in, y[dest] read for the dot, grad_y[dest] written).
+__global__ void fan_out_read_kernel(const uint4* src, const uint4* other, uint4* dst, int units, int copies,
+                                    size_t rows_out, unsigned* sink) {
+  const size_t b = blockIdx.x;
+  unsigned acc = 0;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    const uint4 x = src[b * units + u];
+    for (int c = 0; c < copies; ++c) {
+      const size_t row = (b * copies + c) * 2654435761ull % rows_out;
+      const uint4 y = other[row * units + u];
+      acc ^= y.x ^ y.y ^ y.z ^ y.w;
+      dst[row * units + u] = x;
+    }
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads alive
+}
+
 template <typename F>
 float time_ms(F&& f, int iters) {
   cudaEvent_t a, b;
@@ -204,6 +251,36 @@ int main(int argc, char** argv) {
     report(label, double(blocks) * units * 16 * (1 + copies),
            time_ms([&] { fan_out_kernel<<<static_cast<unsigned>(blocks), 256>>>(a, b, units, copies, rows_out); },
                    iters));
+  }
+  // the qwen3-30b-a3b row (H = 2048, bf16: 4 KiB) beside deepseek-v3's (14 KiB), top-8: the
+  // fan-out of a dispatch, the fan-in of a combine, the fan-in with a partner row of a gather /
+  // dispatch backward with dots, and the reading fan-out of a combine backward with dots
+  for (int units : {256, 896}) {
+    const int kb = units * 16 / 1024;
+    const size_t rows = n / units;
+    char label[96];
+    {
+      const size_t blocks = rows / 8;
+      std::snprintf(label, sizeof label, "fan-out 1 : 8 (%d KiB rows)", kb);
+      report(label, double(blocks) * units * 16 * 9,
+             time_ms([&] { fan_out_kernel<<<static_cast<unsigned>(blocks), 256>>>(a, b, units, 8, rows); }, iters));
+    }
+    for (bool partner : {false, true}) {
+      const size_t blocks = rows / 8;  // b's first rows / 8 written, a's rows read at random
+      std::snprintf(label, sizeof label, "fan-in 8 : 1%s (%d KiB rows)", partner ? " + partner row" : "", kb);
+      report(label, double(blocks) * units * 16 * (8 + 1 + (partner ? 1 : 0)), time_ms([&] {
+               fan_in_kernel<<<static_cast<unsigned>(blocks), 256>>>(a, b, units, 8, rows, partner);
+             }, iters));
+    }
+    {
+      // src and other share a (read only), b takes the writes: 1 + 8 reads, 8 writes a block
+      const size_t blocks = rows / 16;
+      std::snprintf(label, sizeof label, "fan-out 1 : 8 reading 8 (%d KiB rows)", kb);
+      report(label, double(blocks) * units * 16 * 17, time_ms([&] {
+               fan_out_read_kernel<<<static_cast<unsigned>(blocks), 256>>>(a + rows / 2 * units, a, b, units, 8,
+                                                                           rows / 2, sink);
+             }, iters));
+    }
   }
   {
     const int units = 896;
