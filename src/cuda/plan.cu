@@ -607,30 +607,34 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
   }
   // 4. fills, over the whole grid: expert e's padding rows and blocks by block e mod grid, a warp
   //    an expert; rows and blocks at or past P strided over the grid
+  //    (32-bit unsigned counters: every index is below 2^31, and index + stride cannot wrap)
   const int grid = static_cast<int>(gridDim.x);
-  const int capacity = row_capacity < 0x7fffffff ? static_cast<int>(row_capacity) : 0x7fffffff;
-  const int nblocks = blocks < 0x7fffffff ? static_cast<int>(blocks) : 0x7fffffff;
+  const unsigned capacity = row_capacity < 0x7fffffff ? static_cast<unsigned>(row_capacity) : 0x7fffffffu;
+  const unsigned nblocks = blocks < 0x7fffffff ? static_cast<unsigned>(blocks) : 0x7fffffffu;
+  const unsigned ualign = static_cast<unsigned>(alignment);
   for (int x = static_cast<int>(blockIdx.x) + grid * warp; x < E; x += grid * kFusedWarps) {
-    const int pstart = s_pstart[x], n = s_count[x];
-    const int pend = pstart + round_up_32(n, alignment);
-    const int end = pend < capacity ? pend : capacity;
-    for (int r = pstart + n + lane; r < end; r += 32) {
+    const unsigned pstart = s_pstart[x], n = s_count[x];
+    const unsigned pend = pstart + round_up_32(static_cast<int>(n), alignment);
+    const unsigned end = pend < capacity ? pend : capacity;
+    for (unsigned r = pstart + n + lane; r < end; r += 32) {
       row_sources[r] = padding_source;
       if (row_experts != nullptr) row_experts[r] = -1;
     }
     if (block_experts != nullptr) {
-      const int b_end = min(pend / alignment, nblocks);
-      for (int b = pstart / alignment + lane; b < b_end; b += 32) block_experts[b] = x;
+      const unsigned b_end = min(pend / ualign, nblocks);
+      for (unsigned b = pstart / ualign + lane; b < b_end; b += 32) block_experts[b] = x;
     }
   }
-  const int stride = grid * kFusedThreads;
-  const int start = static_cast<int>(blockIdx.x) * kFusedThreads + static_cast<int>(threadIdx.x);
-  for (int r = padded_total + start; r < capacity; r += stride) {
+  const unsigned stride = static_cast<unsigned>(grid) * kFusedThreads;
+  const unsigned start = blockIdx.x * kFusedThreads + threadIdx.x;
+  for (unsigned r = static_cast<unsigned>(padded_total) + start; r < capacity; r += stride) {
     row_sources[r] = padding_source;
     if (row_experts != nullptr) row_experts[r] = -1;
   }
   if (block_experts != nullptr) {
-    for (int b = padded_total / alignment + start; b < nblocks; b += stride) block_experts[b] = -1;
+    for (unsigned b = static_cast<unsigned>(padded_total) / ualign + start; b < nblocks; b += stride) {
+      block_experts[b] = -1;
+    }
   }
 }
 
