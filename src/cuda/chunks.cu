@@ -63,11 +63,6 @@ __device__ __forceinline__ int64_t source_chunk(const IndexRef& sorted, int64_t 
   return s >= 0 && s < c ? s : -1;
 }
 
-// x rounded up to a multiple of m (x >= 0, m >= 1) in 32 bits: a mask when m is a power of two.
-__device__ __forceinline__ int round_up_32(int x, int m) {
-  return (m & (m - 1)) == 0 ? (x + m - 1) & -m : (x + m - 1) / m * m;
-}
-
 __device__ __forceinline__ int64_t clamped_size(const IndexRef& sizes, int64_t i, int64_t rows) {
   const int64_t n = load_index(sizes, i);
   return n < 0 ? 0 : (n > rows ? rows + 1 : n);

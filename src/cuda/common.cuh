@@ -158,6 +158,11 @@ __device__ __forceinline__ bool is_padding_row(const PaddingRef& p, int64_t r) {
   return r - pstart >= count;
 }
 
+// x rounded up to a multiple of m (x >= 0, m >= 1) in 32 bits: a mask when m is a power of two.
+__device__ __forceinline__ int round_up_32(int x, int m) {
+  return (m & (m - 1)) == 0 ? (x + m - 1) & -m : (x + m - 1) / m * m;
+}
+
 inline int grid_for(int64_t work, int per_block, int max_blocks = 65535 * 32) {
   int64_t g = (work + per_block - 1) / per_block;
   if (g < 1) g = 1;

@@ -304,11 +304,6 @@ static_assert(kFusedItems * 32 == kFusedPerWarp, "fused plan: a warp's slice is 
 
 size_t fused_smem_bytes(int num_experts) { return static_cast<size_t>(kFusedWarps + 3) * num_experts * sizeof(int); }
 
-// x rounded up to a multiple of m (x >= 0, m >= 1) in 32 bits: a mask when m is a power of two.
-__device__ __forceinline__ int round_up_32(int x, int m) {
-  return (m & (m - 1)) == 0 ? (x + m - 1) & -m : (x + m - 1) / m * m;
-}
-
 // kBallot: the warp's equal keys found by one ballot a key bit (ALU work at full rate) instead
 // of __match_any_sync, whose latency grows with the distinct keys in the warp (about 30 of 32 at
 // E = 256); plan_ballot() chooses.
