@@ -102,6 +102,8 @@ if want profile; then
     ncu --import "$out/profile-$tag.ncu-rep" --page details >> "$out/profile-$tag.log" 2>&1
     ncu --import "$out/profile-$tag.ncu-rep" --page source --csv --print-source cuda,sass \
       > "$out/profile-source-$tag.csv" 2>&1 || echo "profile-$tag: no source page (see the csv)"
+    python3 bench/ncu_source_top.py "$out/profile-source-$tag.csv" 25 > "$out/profile-top-$tag.txt" 2>&1
+    head -n 12 "$out/profile-top-$tag.txt"
     grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Memory Throughput|DRAM Throughput|Block Size|Grid Size|Waves Per SM|Warp Cycles Per Issued|Issued Ipc|No Eligible|Theoretical Occ" \
       "$out/profile-$tag.log" | head -n 80
   done
