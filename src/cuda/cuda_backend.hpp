@@ -113,6 +113,10 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
 // two-launch split path, 0 the fused launch (default), N > 0 the fused launch on at
 // most N blocks (several chunks a block).
 void set_plan_kernel(int mode);
+// How the fused plan finds equal keys in a warp (tests; overrides PADMOE_CUDA_PLAN_MATCH): -1 by
+// the expert count (the default: a ballot a key bit for E >= 64, __match_any_sync below), 0 the
+// match, 1 the ballot. Same results either way.
+void set_plan_match(int mode);
 // Fixed capacity C (one launch): `out` (segments exactly C rows, P = E * C) and
 // the given layouts from `full`, a plan of the same routing at alignment 1
 // holding every kept assignment. Each expert keeps its first C sorted

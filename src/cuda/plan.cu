@@ -704,13 +704,16 @@ int plan_replicas() {
 // against match: E = 256 decode 6.2 / 7.0, deepseek-v3 10.8 / 11.8, qwen3 (E = 128) 9.8 / 10.7;
 // E = 32 of 256 (make_plan(ep), most ids another rank's: few distinct keys) decode 5.8 / 5.2;
 // E = 8 equal). PADMOE_CUDA_PLAN_MATCH=hw / ballot forces one; read once.
+std::atomic<int> g_plan_match{-2};  // -2: not set by set_plan_match
 bool plan_ballot(int num_experts) {
-  static const int forced = [] {
+  static const int env = [] {
     const char* v = std::getenv("PADMOE_CUDA_PLAN_MATCH");
     if (v == nullptr) return -1;
     const std::string m(v);
     return m == "hw" ? 0 : (m == "ballot" ? 1 : -1);
   }();
+  const int set = g_plan_match.load(std::memory_order_relaxed);
+  const int forced = set != -2 ? set : env;
   return forced >= 0 ? forced == 1 : num_experts >= 64;
 }
 
@@ -887,6 +890,8 @@ __global__ void __launch_bounds__(kCapThreads)
 }
 
 }  // namespace
+
+void set_plan_match(int mode) { g_plan_match.store(mode < -1 || mode > 1 ? -1 : mode, std::memory_order_relaxed); }
 
 void set_plan_kernel(int mode) { g_plan_mode.store(mode < -1 ? -1 : mode, std::memory_order_relaxed); }
 
