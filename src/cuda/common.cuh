@@ -23,7 +23,6 @@ inline void check_cuda(cudaError_t err, const char* what) {
   }
 }
 #define PADMOE_CUDA_CHECK(expr) ::padmoe::cuda::check_cuda((expr), #expr)
-#define PADMOE_CUDA_LAUNCH_CHECK(name) ::padmoe::cuda::check_cuda(cudaGetLastError(), name)
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 

@@ -1016,7 +1016,6 @@ void apply_capacity(const PlanView& full, int64_t assignments, ScaleArg probs, i
       out.row_sources.data_as<int32_t>(), padding_source, layouts.row_experts.data_as<int32_t>(),
       layouts.block_experts.data_as<int32_t>(), layouts.block_experts.numel(), layouts.padded_total.data_as<int32_t>(),
       dropped);
-  PADMOE_CUDA_LAUNCH_CHECK("plan_capacity_kernel");
 }
 
 }  // namespace cuda

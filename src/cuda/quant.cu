@@ -234,7 +234,6 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
       case ScaleLayout::kMxE8M0: launch(QuantTag<T, kMxMode>{}); break;
     }
   });
-  PADMOE_CUDA_LAUNCH_CHECK("quant_spread_kernel");
 }
 
 }  // namespace cuda

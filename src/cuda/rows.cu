@@ -876,7 +876,6 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
     }
   }
   else pick<SpreadTag>(x.dtype, vec, launch);
-  PADMOE_CUDA_LAUNCH_CHECK("spread_kernel");
 }
 
 void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& out,
@@ -902,7 +901,6 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
     else if (dots_wanted) pick<ReduceShape<1, 4, true>::Tag>(y.dtype, vec, launch);
     else pick<ReduceShape<1, 4, false>::Tag>(y.dtype, vec, launch);
   }
-  PADMOE_CUDA_LAUNCH_CHECK("reduce_kernel");
 }
 
 void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest, int64_t assignments,
@@ -946,7 +944,6 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
   };
   if (scales != nullptr) pick<ScaledGatherTag>(out.dtype, vec, launch);
   else pick<GatherTag>(out.dtype, vec, launch);
-  PADMOE_CUDA_LAUNCH_CHECK("gather_kernel");
 }
 
 void gather_rows_dots(const RowsArg& src, IndexRef map, ScaleArg s, const RowsArg& out, int64_t rows,
