@@ -12,6 +12,10 @@
 // decode size the grid is one block and nothing goes through global memory
 // between the phases.
 //
+// Small (one chunk: A <= 2048, E <= 512, the decode sizes): one launch of 16 blocks, each placing
+// one warp's 128 assignments; counts by shared-memory integer atomics, ranks from ballots
+// (plan_small_kernel below). PADMOE_CUDA_PLAN_SMALL=0 sends these sizes to the fused kernel.
+//
 // Split (E > 512, or PADMOE_CUDA_PLAN=split): two launches,
 //   1. count: each block takes a chunk of kChunk assignment ids and writes
 //             every assignment's rank among its expert inside the chunk and
@@ -303,6 +307,45 @@ constexpr int kFusedMaxExperts = kFusedThreads;            // one expert per thr
 static_assert(kFusedItems * 32 == kFusedPerWarp, "fused plan: a warp's slice is kFusedItems rounds of 32");
 
 size_t fused_smem_bytes(int num_experts) { return static_cast<size_t>(kFusedWarps + 3) * num_experts * sizeof(int); }
+
+// The fills of a fused or small plan launch, over the whole grid: expert e's padding rows and
+// blocks by block e mod grid, a warp an expert (s_pstart[e]: e's first padded row, s_count[e]: its
+// count); rows and blocks at or past P strided over the grid (32-bit unsigned counters: every
+// index is below 2^31, and index + stride cannot wrap).
+__device__ __forceinline__ void plan_fills(const int* s_pstart, const int* s_count, int E, int alignment,
+                                           int padded_total, int64_t row_capacity, int64_t blocks,
+                                           int32_t* row_sources, int32_t padding_source, int32_t* row_experts,
+                                           int32_t* block_experts) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int grid = static_cast<int>(gridDim.x);
+  const unsigned capacity = row_capacity < 0x7fffffff ? static_cast<unsigned>(row_capacity) : 0x7fffffffu;
+  const unsigned nblocks = blocks < 0x7fffffff ? static_cast<unsigned>(blocks) : 0x7fffffffu;
+  const unsigned ualign = static_cast<unsigned>(alignment);
+  for (int x = static_cast<int>(blockIdx.x) + grid * warp; x < E; x += grid * kFusedWarps) {
+    const unsigned pstart = s_pstart[x], n = s_count[x];
+    const unsigned pend = pstart + round_up_32(static_cast<int>(n), alignment);
+    const unsigned end = pend < capacity ? pend : capacity;
+    for (unsigned r = pstart + n + lane; r < end; r += 32) {
+      row_sources[r] = padding_source;
+      if (row_experts != nullptr) row_experts[r] = -1;
+    }
+    if (block_experts != nullptr) {
+      const unsigned b_end = min(pend / ualign, nblocks);
+      for (unsigned b = pstart / ualign + lane; b < b_end; b += 32) block_experts[b] = x;
+    }
+  }
+  const unsigned stride = static_cast<unsigned>(grid) * kFusedThreads;
+  const unsigned start = blockIdx.x * kFusedThreads + threadIdx.x;
+  for (unsigned r = static_cast<unsigned>(padded_total) + start; r < capacity; r += stride) {
+    row_sources[r] = padding_source;
+    if (row_experts != nullptr) row_experts[r] = -1;
+  }
+  if (block_experts != nullptr) {
+    for (unsigned b = static_cast<unsigned>(padded_total) / ualign + start; b < nblocks; b += stride) {
+      block_experts[b] = -1;
+    }
+  }
+}
 
 // kBallot: the warp's equal keys found by one ballot a key bit (ALU work at full rate) instead
 // of __match_any_sync, whose latency grows with the distinct keys in the warp (about 30 of 32 at
@@ -600,37 +643,145 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
       }
     }
   }
-  // 4. fills, over the whole grid: expert e's padding rows and blocks by block e mod grid, a warp
-  //    an expert; rows and blocks at or past P strided over the grid
-  //    (32-bit unsigned counters: every index is below 2^31, and index + stride cannot wrap)
-  const int grid = static_cast<int>(gridDim.x);
-  const unsigned capacity = row_capacity < 0x7fffffff ? static_cast<unsigned>(row_capacity) : 0x7fffffffu;
-  const unsigned nblocks = blocks < 0x7fffffff ? static_cast<unsigned>(blocks) : 0x7fffffffu;
-  const unsigned ualign = static_cast<unsigned>(alignment);
-  for (int x = static_cast<int>(blockIdx.x) + grid * warp; x < E; x += grid * kFusedWarps) {
-    const unsigned pstart = s_pstart[x], n = s_count[x];
-    const unsigned pend = pstart + round_up_32(static_cast<int>(n), alignment);
-    const unsigned end = pend < capacity ? pend : capacity;
-    for (unsigned r = pstart + n + lane; r < end; r += 32) {
-      row_sources[r] = padding_source;
-      if (row_experts != nullptr) row_experts[r] = -1;
-    }
-    if (block_experts != nullptr) {
-      const unsigned b_end = min(pend / ualign, nblocks);
-      for (unsigned b = pstart / ualign + lane; b < b_end; b += 32) block_experts[b] = x;
+  // 4. fills, over the whole grid
+  plan_fills(s_pstart, s_count, E, alignment, padded_total, row_capacity, blocks, row_sources, padding_source,
+             row_experts, block_experts);
+}
+
+// --- small: one chunk (A <= 2048, E <= 512), one launch of kSmallBlocks blocks -------------
+// Block b places the assignments of warp b's slice (assignments [128b, 128b + 128)). Every block
+// counts all the ids into shared memory with integer atomics (exact counts, whatever the order)
+// and, in a second histogram, the ids of the warps before warp b; warp b ranks its own 128
+// assignments among equal keys from ballots (one a key bit and round: each lane can then form the
+// lanes of any round holding its key). An assignment's rank is the count of its key before warp b
+// plus its rank inside the warp: the ranks of the stable sort, without the fused kernel's
+// [warps][E] counts, their clear and their column scan, and a smaller kernel (ncu showed the
+// fused one's instruction fetch stalling at decode).
+constexpr int kSmallBlocks = kFusedWarps;
+constexpr int kSmallKeyBits = 10;  // keys 0..E with E <= 512 (E: an invalid id)
+static_assert(kFusedMaxExperts < (1 << kSmallKeyBits), "small plan: the key bits hold E");
+
+size_t small_smem_bytes(int num_experts) { return static_cast<size_t>(4) * num_experts * sizeof(int); }
+
+__global__ void __launch_bounds__(kFusedThreads)
+    plan_small_kernel(IndexRef ids, index::ExpertRemap remap, int assignments, int num_experts, int alignment,
+                      int64_t row_capacity, int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens,
+                      int32_t* padded_bins, int32_t* indices, int32_t* bin_ids, int32_t* dest_rows,
+                      int32_t* row_sources, int32_t padding_source, int32_t* row_experts, int32_t* block_experts,
+                      int64_t blocks, int32_t* padded_total_out) {
+  pdl_begin();
+  using Scan = cub::BlockScan<unsigned long long, kFusedThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int s_totals[2];  // real and padded totals
+  extern __shared__ __align__(16) int s_small[];
+  const int E = num_experts;
+  int* s_all = s_small;        // [E] count of e
+  int* s_before = s_all + E;   // [E] count of e in the warps before the block's own
+  int* s_pos = s_before + E;   // [E] sorted position of e's first assignment
+  int* s_row = s_pos + E;      // [E] padded row of e's first assignment
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int own = static_cast<int>(blockIdx.x);  // the warp whose assignments this block places
+  const int base = warp * kFusedPerWarp;
+  int k[kFusedItems];
+#pragma unroll
+  for (int j = 0; j < kFusedItems; ++j) {  // loads first
+    const int a = base + j * 32 + lane;
+    k[j] = a < assignments ? static_cast<int>(remap.local(load_index(ids, a))) : -1;
+  }
+  for (int e = threadIdx.x; e < E; e += kFusedThreads) {
+    s_all[e] = 0;
+    s_before[e] = 0;
+  }
+#pragma unroll
+  for (int j = 0; j < kFusedItems; ++j) {
+    if (!(k[j] >= 0 && k[j] < E)) k[j] = -1;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kFusedItems; ++j) {
+    if (k[j] >= 0) {
+      atomicAdd(&s_all[k[j]], 1);
+      if (warp < own) atomicAdd(&s_before[k[j]], 1);
     }
   }
-  const unsigned stride = static_cast<unsigned>(grid) * kFusedThreads;
-  const unsigned start = blockIdx.x * kFusedThreads + threadIdx.x;
-  for (unsigned r = static_cast<unsigned>(padded_total) + start; r < capacity; r += stride) {
-    row_sources[r] = padding_source;
-    if (row_experts != nullptr) row_experts[r] = -1;
-  }
-  if (block_experts != nullptr) {
-    for (unsigned b = static_cast<unsigned>(padded_total) / ualign + start; b < nblocks; b += stride) {
-      block_experts[b] = -1;
+  int rel[kFusedItems];  // rank among the warp's own assignments of the same key
+  if (warp == own) {
+    const unsigned lower = (1u << lane) - 1u;
+    unsigned key[kFusedItems];
+#pragma unroll
+    for (int j = 0; j < kFusedItems; ++j) {
+      key[j] = static_cast<unsigned>(k[j] >= 0 ? k[j] : E);
+      rel[j] = 0;
+    }
+#pragma unroll
+    for (int q = 0; q < kFusedItems; ++q) {  // round q's ballots, then its lanes holding each later key
+      unsigned v[kSmallKeyBits];
+#pragma unroll
+      for (int b = 0; b < kSmallKeyBits; ++b) v[b] = __ballot_sync(0xffffffffu, (key[q] >> b) & 1u);
+#pragma unroll
+      for (int j = q; j < kFusedItems; ++j) {
+        unsigned m = 0xffffffffu;
+#pragma unroll
+        for (int b = 0; b < kSmallKeyBits; ++b) m &= ((key[j] >> b) & 1u) ? v[b] : ~v[b];
+        rel[j] += __popc(q < j ? m : m & lower);
+      }
     }
   }
+  __syncthreads();
+  const int e = threadIdx.x;
+  const int count = e < E ? s_all[e] : 0;
+  const int padded = round_up_32(count, alignment);
+  // real counts in the low word, padded in the high word: totals stay below 2^31, no carry
+  const unsigned long long packed = (static_cast<unsigned long long>(padded) << 32) | static_cast<unsigned>(count);
+  unsigned long long excl = 0, total = 0;
+  Scan(scan_storage).ExclusiveSum(packed, excl, total);
+  if (e < E) {
+    const int real_excl = static_cast<int>(excl & 0xffffffffull), padded_excl = static_cast<int>(excl >> 32);
+    s_pos[e] = real_excl;
+    s_row[e] = padded_excl;
+    if (blockIdx.x == 0) {
+      tokens_per_expert[e] = count;
+      bins[e] = real_excl + count;
+      padded_tokens[e] = padded;
+      padded_bins[e] = padded_excl + padded;
+    }
+  }
+  if (threadIdx.x == 0) {
+    s_totals[0] = static_cast<int>(total & 0xffffffffull);
+    s_totals[1] = static_cast<int>(total >> 32);
+    if (blockIdx.x == 0 && padded_total_out != nullptr) *padded_total_out = static_cast<int32_t>(total >> 32);
+  }
+  if (warp == own) {
+#pragma unroll
+    for (int j = 0; j < kFusedItems; ++j) rel[j] += k[j] >= 0 ? s_before[k[j]] : 0;
+  }
+  __syncthreads();
+  const int real_total = s_totals[0], padded_total = s_totals[1];
+  if (warp == own) {
+#pragma unroll
+    for (int j = 0; j < kFusedItems; ++j) {
+      const int a = base + j * 32 + lane;
+      if (a >= assignments) break;
+      const int x = k[j];
+      if (x < 0) {
+        dest_rows[a] = -1;
+      } else {
+        const int pos = s_pos[x] + rel[j];
+        const int row = s_row[x] + rel[j];
+        indices[pos] = static_cast<int32_t>(a);
+        bin_ids[pos] = x;
+        dest_rows[a] = static_cast<int32_t>(row);
+        row_sources[row] = static_cast<int32_t>(a);
+        if (row_experts != nullptr) row_experts[row] = x;
+      }
+      if (a >= real_total) {  // only when ids were dropped
+        indices[a] = -1;
+        bin_ids[a] = -1;
+      }
+    }
+  }
+  plan_fills(s_row, s_all, E, alignment, padded_total, row_capacity, blocks, row_sources, padding_source, row_experts,
+             block_experts);
 }
 
 // Per device: whether cooperative launches work, and how many fused blocks fit at once
@@ -715,6 +866,16 @@ bool plan_ballot(int num_experts) {
   const int set = g_plan_match.load(std::memory_order_relaxed);
   const int forced = set != -2 ? set : env;
   return forced >= 0 ? forced == 1 : num_experts >= 64;
+}
+
+// PADMOE_CUDA_PLAN_SMALL=0: one chunk (A <= 2048) through the fused kernel instead of the small
+// one (measuring them against each other); read once.
+bool plan_small_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("PADMOE_CUDA_PLAN_SMALL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
 }
 
 int plan_mode() {
@@ -904,6 +1065,17 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
   int32_t* chunk_counts = static_cast<int32_t*>(workspace);
   int32_t* local_rank = chunk_counts + static_cast<int64_t>(chunks) * num_experts;
   const int mode = plan_mode();
+  if (mode == 0 && chunks <= 1 && num_experts >= 1 && num_experts <= kFusedMaxExperts && plan_small_enabled()) {
+    launch_kernel("plan_small_kernel", plan_small_kernel, kSmallBlocks, kFusedThreads, small_smem_bytes(num_experts),
+        s, top_experts, remap, static_cast<int>(assignments), num_experts, alignment, row_capacity,
+        out.tokens_per_expert.data_as<int32_t>(), out.bins.data_as<int32_t>(),
+        out.padded_tokens_per_expert.data_as<int32_t>(), out.padded_bins.data_as<int32_t>(),
+        out.indices.data_as<int32_t>(), out.bin_ids.data_as<int32_t>(), out.dest_rows.data_as<int32_t>(),
+        out.row_sources.data_as<int32_t>(), padding_source, layouts.row_experts.data_as<int32_t>(),
+        layouts.block_experts.data_as<int32_t>(), layouts.block_experts.numel(),
+        layouts.padded_total.data_as<int32_t>());
+    return;
+  }
   int sms = 0;
   const int resident = mode >= 0 && num_experts >= 1 && num_experts <= kFusedMaxExperts
                            ? fused_resident_blocks(num_experts, &sms) : 0;

@@ -564,8 +564,9 @@ TEST(CpuVsGpuEdge, Float8MoveOnly) {
 }
 
 // Every make_plan kernel path gives the CPU's plan, layouts included, bitwise: the split
-// launches, the fused launch (one block at decode size, cooperative above), and the fused launch
-// capped at 1 or 3 blocks (several chunks a block, ranks through the workspace); A from 0 past
+// launches, the default (the small kernel for one chunk, A <= 2048; the fused launch above,
+// cooperative), and the fused launch capped at 1 or 3 blocks (at one chunk: the fused kernel with
+// its replicas; above: several chunks a block, ranks through the workspace); A from 0 past
 // 270K (more chunks than resident blocks), E from 1 to 512 (the fused limit) and 513 (split),
 // chunk edges (2048, 2049), and another rank's experts dropped (a local range).
 TEST(PlanKernels, EveryPathMatchesCpu) {
@@ -574,7 +575,9 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
   const Case cases[] = {{0, 2, 8, 16, 0, 0},        {3, 2, 64, 16, 0, 0},       {256, 8, 256, 16, 0, 0},
                         {1024, 2, 8, 1, 0, 0},      {2049, 1, 16, 4, 0, 0},     {16384, 8, 256, 16, 0, 0},
                         {70000, 8, 256, 128, 0, 0}, {5000, 4, 512, 1, 0, 0},    {5000, 4, 513, 4, 0, 0},
-                        {1000, 8, 1, 16, 0, 0},     {4096, 8, 32, 16, 256, 64}, {300, 8, 128, 8, 1024, 896}};
+                        {1000, 8, 1, 16, 0, 0},     {4096, 8, 32, 16, 256, 64}, {300, 8, 128, 8, 1024, 896},
+                        {200, 8, 512, 4, 0, 0},     {100, 4, 1, 16, 0, 0},      {250, 8, 32, 16, 256, 64},
+                        {37, 3, 96, 3, 0, 0}};
   for (const Case& c : cases) {
     const int64_t A = c.T * c.K;
     const int G = c.global == 0 ? c.E : c.global;
