@@ -350,7 +350,7 @@ __device__ __forceinline__ void plan_fills(const int* s_pstart, const int* s_cou
 // kBallot: the warp's equal keys found by one ballot a key bit (ALU work at full rate) instead
 // of __match_any_sync, whose latency grows with the distinct keys in the warp (about 30 of 32 at
 // E = 256); plan_ballot() chooses.
-template <bool kBallot>
+template <bool kBallot, int kCountBatch>
 __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 registers), as the residency assumes
     plan_fused_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int chunks_per_block,
                       int replica_shift, int num_experts, int alignment, int32_t* block_counts, int32_t* local_rank,
@@ -484,7 +484,7 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
     const int x = two && e >= kHalf ? e - kHalf : e;
     const int lo = two && e >= kHalf ? G / 2 : 0, hi = two && e < kHalf ? G / 2 : G;
     if (x < E) {
-      constexpr int kBatch = 16;  // loads in flight a thread
+      constexpr int kBatch = kCountBatch;  // loads in flight a thread
       for (int b0 = lo; b0 < hi; b0 += kBatch) {
         int n[kBatch];
 #pragma unroll
@@ -657,7 +657,8 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
 // plus its rank inside the warp: the ranks of the stable sort, without the fused kernel's
 // [warps][E] counts, their clear and their column scan, and a smaller kernel (ncu showed the
 // fused one's instruction fetch stalling at decode).
-constexpr int kSmallBlocks = kFusedWarps;
+constexpr int kSmallBlocks = kFusedWarps;  // at round_shift 0
+static_assert(kFusedItems == 4, "small plan: round_shift splits a warp's 4 rounds");
 constexpr int kSmallKeyBits = 10;  // keys 0..E with E <= 512 (E: an invalid id)
 static_assert(kFusedMaxExperts < (1 << kSmallKeyBits), "small plan: the key bits hold E");
 
@@ -665,7 +666,7 @@ size_t small_smem_bytes(int num_experts) { return static_cast<size_t>(4) * num_e
 
 __global__ void __launch_bounds__(kFusedThreads)
     plan_small_kernel(IndexRef ids, index::ExpertRemap remap, int assignments, int num_experts, int alignment,
-                      int64_t row_capacity, int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens,
+                      int round_shift, int64_t row_capacity, int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens,
                       int32_t* padded_bins, int32_t* indices, int32_t* bin_ids, int32_t* dest_rows,
                       int32_t* row_sources, int32_t padding_source, int32_t* row_experts, int32_t* block_experts,
                       int64_t blocks, int32_t* padded_total_out) {
@@ -680,7 +681,11 @@ __global__ void __launch_bounds__(kFusedThreads)
   int* s_pos = s_before + E;   // [E] sorted position of e's first assignment
   int* s_row = s_pos + E;      // [E] padded row of e's first assignment
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int own = static_cast<int>(blockIdx.x);  // the warp whose assignments this block places
+  // the warp whose assignments this block places: all of its rounds, or (round_shift > 0) the
+  // rounds j with j >> (2 - round_shift) == sub, the block's share among the 2^round_shift blocks
+  // of that warp
+  const int own = static_cast<int>(blockIdx.x) >> round_shift;
+  const int sub = static_cast<int>(blockIdx.x) & ((1 << round_shift) - 1);
   const int base = warp * kFusedPerWarp;
   int k[kFusedItems];
 #pragma unroll
@@ -762,6 +767,7 @@ __global__ void __launch_bounds__(kFusedThreads)
     for (int j = 0; j < kFusedItems; ++j) {
       const int a = base + j * 32 + lane;
       if (a >= assignments) break;
+      if ((j >> (2 - round_shift)) != sub) continue;
       const int x = k[j];
       if (x < 0) {
         dest_rows[a] = -1;
@@ -809,7 +815,8 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
   if (dev < 0 || dev >= kMaxDevices) return 0;
   FusedLimits& f = g_fused[dev];
   std::call_once(f.attr_once, [] {
-    for (auto kernel : {plan_fused_kernel<true>, plan_fused_kernel<false>}) {
+    for (auto kernel : {plan_fused_kernel<true, 16>, plan_fused_kernel<false, 16>, plan_fused_kernel<true, 32>,
+                        plan_fused_kernel<false, 32>}) {
       PADMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(fused_smem_bytes(kFusedMaxExperts))));
     }
@@ -820,7 +827,7 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
     int coop = 0, sms = 0, per_sm = 0;
     PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
     PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    PADMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_fused_kernel<true>, kFusedThreads,
+    PADMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_fused_kernel<true, 16>, kFusedThreads,
                                                                     fused_smem_bytes(32 << bucket)));
     n = coop != 0 && per_sm > 0 ? per_sm * sms : -1;
     f.sms.store(sms, std::memory_order_relaxed);
@@ -868,14 +875,27 @@ bool plan_ballot(int num_experts) {
   return forced >= 0 ? forced == 1 : num_experts >= 64;
 }
 
-// PADMOE_CUDA_PLAN_SMALL=0: one chunk (A <= 2048) through the fused kernel instead of the small
-// one (measuring them against each other); read once.
-bool plan_small_enabled() {
-  static const bool on = [] {
+// PADMOE_CUDA_PLAN_SMALL: 0 sends one chunk (A <= 2048) to the fused kernel instead of the small
+// one; 16, 32 or 64 the small kernel's blocks (a warp's rounds over 1, 2 or 4 blocks; default 16);
+// read once. Returns the round shift, or -1 for the fused kernel.
+int plan_small_shift() {
+  static const int shift = [] {
     const char* v = std::getenv("PADMOE_CUDA_PLAN_SMALL");
-    return v == nullptr || std::string(v) != "0";
+    if (v == nullptr) return 0;
+    const int n = std::atoi(v);
+    return n == 0 ? -1 : (n >= 64 ? 2 : (n >= 32 ? 1 : 0));
   }();
-  return on;
+  return shift;
+}
+
+// PADMOE_CUDA_PLAN_BATCH=32: the fused kernel reads the block counts 32 a thread at once instead
+// of 16 (one round of loads for up to 64 blocks at E <= 256); read once.
+int plan_count_batch() {
+  static const int b = [] {
+    const char* v = std::getenv("PADMOE_CUDA_PLAN_BATCH");
+    return v != nullptr && std::atoi(v) == 32 ? 32 : 16;
+  }();
+  return b;
 }
 
 int plan_mode() {
@@ -1065,9 +1085,11 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
   int32_t* chunk_counts = static_cast<int32_t*>(workspace);
   int32_t* local_rank = chunk_counts + static_cast<int64_t>(chunks) * num_experts;
   const int mode = plan_mode();
-  if (mode == 0 && chunks <= 1 && num_experts >= 1 && num_experts <= kFusedMaxExperts && plan_small_enabled()) {
-    launch_kernel("plan_small_kernel", plan_small_kernel, kSmallBlocks, kFusedThreads, small_smem_bytes(num_experts),
-        s, top_experts, remap, static_cast<int>(assignments), num_experts, alignment, row_capacity,
+  const int small_shift = plan_small_shift();
+  if (mode == 0 && chunks <= 1 && num_experts >= 1 && num_experts <= kFusedMaxExperts && small_shift >= 0) {
+    launch_kernel("plan_small_kernel", plan_small_kernel, kSmallBlocks << small_shift, kFusedThreads,
+        small_smem_bytes(num_experts), s, top_experts, remap, static_cast<int>(assignments), num_experts, alignment,
+        small_shift, row_capacity,
         out.tokens_per_expert.data_as<int32_t>(), out.bins.data_as<int32_t>(),
         out.padded_tokens_per_expert.data_as<int32_t>(), out.padded_bins.data_as<int32_t>(),
         out.indices.data_as<int32_t>(), out.bin_ids.data_as<int32_t>(), out.dest_rows.data_as<int32_t>(),
@@ -1118,7 +1140,9 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     int n_chunks = chunks, n_experts = num_experts, align = alignment;
     int32_t pad_src = padding_source;
     int64_t capacity = row_capacity;
-    auto* fused = plan_ballot(num_experts) ? plan_fused_kernel<true> : plan_fused_kernel<false>;
+    const bool ballot = plan_ballot(num_experts);
+    auto* fused = plan_count_batch() == 32 ? (ballot ? plan_fused_kernel<true, 32> : plan_fused_kernel<false, 32>)
+                                           : (ballot ? plan_fused_kernel<true, 16> : plan_fused_kernel<false, 16>);
     if (distinct == 1) {  // no grid barrier: an ordinary launch
       launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
           per_block, shift, n_experts, align, block_counts, local_rank, capacity, tokens, bins, ptokens, pbins,
