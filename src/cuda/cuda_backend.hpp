@@ -117,6 +117,9 @@ void set_plan_kernel(int mode);
 // the expert count (the default: a ballot a key bit for E >= 64, __match_any_sync below), 0 the
 // match, 1 the ballot. Same results either way.
 void set_plan_match(int mode);
+// The small plan kernel for one chunk (A <= 2048; tests; overrides PADMOE_CUDA_PLAN_SMALL): 0 the
+// fused kernel instead, 16, 32 or 64 its blocks, -1 the default (32).
+void set_plan_small(int blocks);
 // Fixed capacity C (one launch): `out` (segments exactly C rows, P = E * C) and
 // the given layouts from `full`, a plan of the same routing at alignment 1
 // holding every kept assignment. Each expert keeps its first C sorted

@@ -12,8 +12,8 @@
 // decode size the grid is one block and nothing goes through global memory
 // between the phases.
 //
-// Small (one chunk: A <= 2048, E <= 512, the decode sizes): one launch of 16 blocks, each placing
-// one warp's 128 assignments; counts by shared-memory integer atomics, ranks from ballots
+// Small (one chunk: A <= 2048, E <= 512, the decode sizes): one launch of 32 blocks, each placing
+// half of one warp's 128 assignments; counts by shared-memory integer atomics, ranks from ballots
 // (plan_small_kernel below). PADMOE_CUDA_PLAN_SMALL=0 sends these sizes to the fused kernel.
 //
 // Split (E > 512, or PADMOE_CUDA_PLAN=split): two launches,
@@ -350,7 +350,7 @@ __device__ __forceinline__ void plan_fills(const int* s_pstart, const int* s_cou
 // kBallot: the warp's equal keys found by one ballot a key bit (ALU work at full rate) instead
 // of __match_any_sync, whose latency grows with the distinct keys in the warp (about 30 of 32 at
 // E = 256); plan_ballot() chooses.
-template <bool kBallot, int kCountBatch>
+template <bool kBallot>
 __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 registers), as the residency assumes
     plan_fused_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int chunks_per_block,
                       int replica_shift, int num_experts, int alignment, int32_t* block_counts, int32_t* local_rank,
@@ -484,7 +484,7 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
     const int x = two && e >= kHalf ? e - kHalf : e;
     const int lo = two && e >= kHalf ? G / 2 : 0, hi = two && e < kHalf ? G / 2 : G;
     if (x < E) {
-      constexpr int kBatch = kCountBatch;  // loads in flight a thread
+      constexpr int kBatch = 16;  // loads in flight a thread (32: no faster, measured)
       for (int b0 = lo; b0 < hi; b0 += kBatch) {
         int n[kBatch];
 #pragma unroll
@@ -648,15 +648,15 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
              row_experts, block_experts);
 }
 
-// --- small: one chunk (A <= 2048, E <= 512), one launch of kSmallBlocks blocks -------------
-// Block b places the assignments of warp b's slice (assignments [128b, 128b + 128)). Every block
-// counts all the ids into shared memory with integer atomics (exact counts, whatever the order)
-// and, in a second histogram, the ids of the warps before warp b; warp b ranks its own 128
-// assignments among equal keys from ballots (one a key bit and round: each lane can then form the
-// lanes of any round holding its key). An assignment's rank is the count of its key before warp b
-// plus its rank inside the warp: the ranks of the stable sort, without the fused kernel's
-// [warps][E] counts, their clear and their column scan, and a smaller kernel (ncu showed the
-// fused one's instruction fetch stalling at decode).
+// --- small: one chunk (A <= 2048, E <= 512): kSmallBlocks << round_shift blocks, one launch ----
+// Block b places assignments of warp w = b >> round_shift (its slice [128w, 128w + 128), all of it
+// or a share of its four rounds). Every block counts all the ids into shared memory with integer
+// atomics (exact counts, whatever the order) and, in a second histogram, the ids of the warps
+// before warp w; warp w ranks its own 128 assignments among equal keys from ballots (one a key bit
+// and round: each lane can then form the lanes of any round holding its key). An assignment's rank
+// is the count of its key before warp w plus its rank inside the warp: the ranks of the stable
+// sort, without the fused kernel's [warps][E] counts, their clear and their column scan, and a
+// smaller kernel (ncu showed the fused one's instruction fetch stalling at decode).
 constexpr int kSmallBlocks = kFusedWarps;  // at round_shift 0
 static_assert(kFusedItems == 4, "small plan: round_shift splits a warp's 4 rounds");
 constexpr int kSmallKeyBits = 10;  // keys 0..E with E <= 512 (E: an invalid id)
@@ -815,8 +815,7 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
   if (dev < 0 || dev >= kMaxDevices) return 0;
   FusedLimits& f = g_fused[dev];
   std::call_once(f.attr_once, [] {
-    for (auto kernel : {plan_fused_kernel<true, 16>, plan_fused_kernel<false, 16>, plan_fused_kernel<true, 32>,
-                        plan_fused_kernel<false, 32>}) {
+    for (auto kernel : {plan_fused_kernel<true>, plan_fused_kernel<false>}) {
       PADMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(fused_smem_bytes(kFusedMaxExperts))));
     }
@@ -827,7 +826,7 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
     int coop = 0, sms = 0, per_sm = 0;
     PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
     PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    PADMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_fused_kernel<true, 16>, kFusedThreads,
+    PADMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_fused_kernel<true>, kFusedThreads,
                                                                     fused_smem_bytes(32 << bucket)));
     n = coop != 0 && per_sm > 0 ? per_sm * sms : -1;
     f.sms.store(sms, std::memory_order_relaxed);
@@ -876,26 +875,19 @@ bool plan_ballot(int num_experts) {
 }
 
 // PADMOE_CUDA_PLAN_SMALL: 0 sends one chunk (A <= 2048) to the fused kernel instead of the small
-// one; 16, 32 or 64 the small kernel's blocks (a warp's rounds over 1, 2 or 4 blocks; default 16);
-// read once. Returns the round shift, or -1 for the fused kernel.
+// one; 16, 32 or 64 the small kernel's blocks (a warp's rounds over 1, 2 or 4 blocks). Measured on
+// the H200 at decode (graph us): 16 / 32 / 64 blocks 5.1 / 4.9 / 5.0, so 32 by default; read
+// once. Returns the round shift, or -1 for the fused kernel.
+std::atomic<int> g_plan_small{-2};  // -2: not set by set_plan_small
+int small_shift_of(int blocks) { return blocks == 0 ? -1 : (blocks >= 64 ? 2 : (blocks >= 32 ? 1 : 0)); }
 int plan_small_shift() {
+  const int set = g_plan_small.load(std::memory_order_relaxed);
+  if (set != -2) return set;
   static const int shift = [] {
     const char* v = std::getenv("PADMOE_CUDA_PLAN_SMALL");
-    if (v == nullptr) return 0;
-    const int n = std::atoi(v);
-    return n == 0 ? -1 : (n >= 64 ? 2 : (n >= 32 ? 1 : 0));
+    return v == nullptr ? 1 : small_shift_of(std::atoi(v));
   }();
   return shift;
-}
-
-// PADMOE_CUDA_PLAN_BATCH=32: the fused kernel reads the block counts 32 a thread at once instead
-// of 16 (one round of loads for up to 64 blocks at E <= 256); read once.
-int plan_count_batch() {
-  static const int b = [] {
-    const char* v = std::getenv("PADMOE_CUDA_PLAN_BATCH");
-    return v != nullptr && std::atoi(v) == 32 ? 32 : 16;
-  }();
-  return b;
 }
 
 int plan_mode() {
@@ -1074,6 +1066,10 @@ __global__ void __launch_bounds__(kCapThreads)
 
 void set_plan_match(int mode) { g_plan_match.store(mode < -1 || mode > 1 ? -1 : mode, std::memory_order_relaxed); }
 
+void set_plan_small(int blocks) {
+  g_plan_small.store(blocks < 0 ? -2 : small_shift_of(blocks), std::memory_order_relaxed);
+}
+
 void set_plan_kernel(int mode) { g_plan_mode.store(mode < -1 ? -1 : mode, std::memory_order_relaxed); }
 
 void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
@@ -1140,9 +1136,7 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     int n_chunks = chunks, n_experts = num_experts, align = alignment;
     int32_t pad_src = padding_source;
     int64_t capacity = row_capacity;
-    const bool ballot = plan_ballot(num_experts);
-    auto* fused = plan_count_batch() == 32 ? (ballot ? plan_fused_kernel<true, 32> : plan_fused_kernel<false, 32>)
-                                           : (ballot ? plan_fused_kernel<true, 16> : plan_fused_kernel<false, 16>);
+    auto* fused = plan_ballot(num_experts) ? plan_fused_kernel<true> : plan_fused_kernel<false>;
     if (distinct == 1) {  // no grid barrier: an ordinary launch
       launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
           per_block, shift, n_experts, align, block_counts, local_rank, capacity, tokens, bins, ptokens, pbins,

@@ -198,8 +198,17 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
   const int64_t units = units_of<U>(y);
   const int64_t padded = E > 0 ? pbins(E - 1) : 0;
   auto zero_range = [&](int64_t r0, int64_t r1) {  // all threads, flattened over (row, unit)
-    const int64_t n = (r1 - r0) * units;
-    for (int64_t i = threadIdx.x; i < n; i += kThreads) U::store(row_ptr(y, r0 + i / units), i % units, U::zero());
+    // (row, unit) stepped by kThreads units without a division a store (a 64-bit division and
+    // modulo a store were the largest stall of decode's dispatch under ncu)
+    int64_t row = units > 0 ? r0 + threadIdx.x / units : r1, u = units > 0 ? threadIdx.x % units : 0;
+    while (row < r1) {
+      U::store(row_ptr(y, row), u, U::zero());
+      u += kThreads;
+      while (u >= units) {
+        u -= units;
+        ++row;
+      }
+    }
     if (kScales) fill_scale_one(sc, r0, r1);
   };
   if (zero_past_end && last > padded) zero_range(first > padded ? first : padded, last);
@@ -327,8 +336,8 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
 // the block kernel's order, so the dot bits may differ between the two). Zero blocks as above.
 constexpr int kWarpUnits = 8;
 
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kThreads)
+template <typename T, bool kVec, int kMinBlocks, int kUnits>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     spread_dots_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y,
                             PaddingRef pad, bool zero_padding, bool zero_past_end, RowsArg dots_with,
                             FloatOutArg dots, int64_t assignment_blocks, int zero_rows) {
@@ -352,10 +361,10 @@ __global__ void __launch_bounds__(kThreads)
     char* out = row_ptr(y, r);
     const float wk = load_scale(w, a);
     const int64_t units = units_of<U>(y);
-    for (int64_t c = 0; c < units; c += 32 * kWarpUnits) {
-      typename U::Raw xv[kWarpUnits], dv[kWarpUnits];
+    for (int64_t c = 0; c < units; c += 32 * kUnits) {
+      typename U::Raw xv[kUnits], dv[kUnits];
 #pragma unroll
-      for (int j = 0; j < kWarpUnits; ++j) {
+      for (int j = 0; j < kUnits; ++j) {
         const int64_t u = c + j * 32 + lane;
         if (u < units) {
           xv[j] = U::load(src, u);
@@ -363,7 +372,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
 #pragma unroll
-      for (int j = 0; j < kWarpUnits; ++j) {
+      for (int j = 0; j < kUnits; ++j) {
         const int64_t u = c + j * 32 + lane;
         if (u < units) {
           U::store(out, u, w.data == nullptr ? xv[j] : U::scale(xv[j], wk));
@@ -664,9 +673,12 @@ struct SpreadDots {
     static constexpr auto fn = spread_kernel<T, kVec, false, true, kBatch>;
   };
 };
-template <typename T, bool kVec>
-struct SpreadDotsWarpTag {
-  static constexpr auto fn = spread_dots_warp_kernel<T, kVec>;
+template <int kMinBlocks, int kUnits>
+struct SpreadDotsWarp {
+  template <typename T, bool kVec>
+  struct Tag {
+    static constexpr auto fn = spread_dots_warp_kernel<T, kVec, kMinBlocks, kUnits>;
+  };
 };
 template <typename T, bool kVec>
 struct GatherDotsWarpTag {
@@ -776,6 +788,17 @@ int dot_batch() {
   }();
   return b;
 }
+// PADMOE_CUDA_DOTS_WARP_BLOCKS=3 or 4: the warp spread with dots compiled for that many blocks an
+// SM, with 4 loads of each row in flight a lane instead of 8 (fewer registers; default: no bound,
+// 8 loads, 103 registers, two blocks); read once.
+int dots_warp_blocks() {
+  static const int b = [] {
+    const char* v = std::getenv("PADMOE_CUDA_DOTS_WARP_BLOCKS");
+    const int n = v != nullptr ? std::atoi(v) : 1;
+    return n == 3 || n == 4 ? n : 1;
+  }();
+  return b;
+}
 int zero_rows_per_block(int64_t tokens) {
   static const int forced = [] {
     const char* v = std::getenv("PADMOE_CUDA_ZERO_ROWS");
@@ -859,12 +882,17 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   if (dots.data != nullptr && scales == nullptr && warp_spread_dots(tokens, units)) {
     const int64_t assignment_blocks = index::ceil_div(tokens * top_k, kThreads / 32);
     if (assignment_blocks + zero_blocks == 0) return;  // top_k 0 (never through the API)
-    pick<SpreadDotsWarpTag>(x.dtype, vec, [&](auto tag) {
+    auto warp_launch = [&](auto tag) {
       using Tag = decltype(tag);
       launch_kernel("spread_dots_warp_kernel", Tag::fn, static_cast<unsigned>(assignment_blocks + zero_blocks),
           kThreads, 0, as_stream(stream), x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots,
           assignment_blocks, zero_rows);
-    });
+    };
+    switch (dots_warp_blocks()) {
+      case 3: pick<SpreadDotsWarp<3, 4>::Tag>(x.dtype, vec, warp_launch); break;
+      case 4: pick<SpreadDotsWarp<4, 4>::Tag>(x.dtype, vec, warp_launch); break;
+      default: pick<SpreadDotsWarp<1, kWarpUnits>::Tag>(x.dtype, vec, warp_launch); break;
+    }
     return;
   }
   if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);  // never with dots

@@ -595,14 +595,19 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
     cl.block_experts = cbe;
     cl.padded_total = ctot;
     padmoe::make_plan_out(hte, c.E, c.m, cpu.view(), cl, po);
-    // plan paths: split, fused, fused on 1 and 3 blocks; the fused one also with either key search forced
-    for (const std::pair<int, int> pm : {std::pair<int, int>{-1, -1}, {0, -1}, {0, 0}, {0, 1}, {1, -1}, {3, -1}}) {
-      const int mode = pm.first;
+    // plan paths: split, the default, fused on 1 and 3 blocks; the fused one also with either key
+    // search forced; the small one (one chunk) on 16 and 64 blocks as well as the default 32
+    struct Path { int mode, match, small; };
+    for (const Path pm : {Path{-1, -1, -1}, {0, -1, -1}, {0, 0, -1}, {0, 1, -1}, {1, -1, -1}, {3, -1, -1},
+                          {0, -1, 16}, {0, -1, 64}}) {
+      const int mode = pm.mode;
       SCOPED_TRACE("T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " E=" + std::to_string(c.E) +
                    " m=" + std::to_string(c.m) + " global=" + std::to_string(c.global) +
-                   " mode=" + std::to_string(mode) + " match=" + std::to_string(pm.second));
+                   " mode=" + std::to_string(mode) + " match=" + std::to_string(pm.match) +
+                   " small=" + std::to_string(pm.small));
       padmoe::cuda::set_plan_kernel(mode);
-      padmoe::cuda::set_plan_match(pm.second);
+      padmoe::cuda::set_plan_match(pm.match);
+      padmoe::cuda::set_plan_small(pm.small);
       GpuPlan g = gpu_plan_buffers(c.T, c.K, c.E, c.m, R);
       GpuLayouts l = gpu_layout_buffers(R, c.m);
       padmoe::Options o;
@@ -624,6 +629,7 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
     }
     padmoe::cuda::set_plan_kernel(0);
     padmoe::cuda::set_plan_match(-1);
+    padmoe::cuda::set_plan_small(-1);
   }
   // the CPU plan itself against the reference on one case (the others: CpuVsGpu)
   const std::vector<int64_t> te = make_routing(2049, 1, 16, Dist::kSkewed, 2065);
