@@ -252,6 +252,13 @@ int main(int argc, char** argv) {
            time_ms([&] { fan_out_kernel<<<static_cast<unsigned>(blocks), 256>>>(a, b, units, copies, rows_out); },
                    iters));
   }
+  {  // mixtral-8x7b's dispatch: top-2, 8 KiB rows (H = 4096, bf16)
+    const int units = 512;
+    const size_t rows_out = n / units;
+    report("fan-out 1 : 2 (8 KiB rows)", double(rows_out / 2) * units * 16 * 3, time_ms([&] {
+             fan_out_kernel<<<static_cast<unsigned>(rows_out / 2), 256>>>(a, b, units, 2, rows_out);
+           }, iters));
+  }
   // the qwen3-30b-a3b row (H = 2048, bf16: 4 KiB) beside deepseek-v3's (14 KiB), top-8: the
   // fan-out of a dispatch, the fan-in of a combine, the fan-in with a partner row of a gather /
   // dispatch backward with dots, and the reading fan-out of a combine backward with dots

@@ -330,11 +330,13 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
 
 // Spread with dots, a warp an assignment (short rows, or few tokens): warp a moves x[a/K] to
 // y[dest[a]] (scaled by w) and sums <dots_with[dest[a]], x[a/K]> from the same read, with
-// kWarpUnits loads of each row in flight a lane and no block barrier; a block's warps are
+// kUnits loads of each row in flight a lane (dots_warp_blocks() below) and no block barrier; a
+// lane's units are summed in ascending order whatever kUnits, so the dots' bits do not depend on
+// it; a block's warps are
 // consecutive assignments, mostly of one token, so x's row is read from L1 after the first.
 // Each lane sums its units in ascending order, then a fixed shuffle tree: deterministic (not
 // the block kernel's order, so the dot bits may differ between the two). Zero blocks as above.
-constexpr int kWarpUnits = 8;
+constexpr int kWarpUnits = 8;  // the gather's warp dots, and the two-block spread
 
 template <typename T, bool kVec, int kMinBlocks, int kUnits>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
@@ -788,14 +790,17 @@ int dot_batch() {
   }();
   return b;
 }
-// PADMOE_CUDA_DOTS_WARP_BLOCKS=3 or 4: the warp spread with dots compiled for that many blocks an
-// SM, with 4 loads of each row in flight a lane instead of 8 (fewer registers; default: no bound,
-// 8 loads, 103 registers, two blocks); read once.
+// The warp spread with dots runs three blocks an SM with 4 loads of each row in flight a lane
+// (71 registers). Measured on the H200 (x floor, event-timed, combine_backward(w) /
+// padded_scatter_backward(w)), against two blocks with 8 loads (103 registers) and four blocks with
+// 4 (64): qwen3-30b-a3b 1.19 / 1.20 -> 1.12 / 1.13 (four: 1.11 / 1.13), mixtral-8x7b 1.05 / 1.06
+// -> 1.04 / 1.05, deepseek-v3 1.05 / 1.06 -> 1.06 / 1.06 (four: 1.07 / 1.08).
+// PADMOE_CUDA_DOTS_WARP_BLOCKS=2 selects the two-block kernel (measurements); read once.
+constexpr int kSpreadDotsWarpUnits = 4;
 int dots_warp_blocks() {
   static const int b = [] {
     const char* v = std::getenv("PADMOE_CUDA_DOTS_WARP_BLOCKS");
-    const int n = v != nullptr ? std::atoi(v) : 1;
-    return n == 3 || n == 4 ? n : 1;
+    return v != nullptr && std::atoi(v) == 2 ? 2 : 3;
   }();
   return b;
 }
@@ -888,11 +893,8 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
           kThreads, 0, as_stream(stream), x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots,
           assignment_blocks, zero_rows);
     };
-    switch (dots_warp_blocks()) {
-      case 3: pick<SpreadDotsWarp<3, 4>::Tag>(x.dtype, vec, warp_launch); break;
-      case 4: pick<SpreadDotsWarp<4, 4>::Tag>(x.dtype, vec, warp_launch); break;
-      default: pick<SpreadDotsWarp<1, kWarpUnits>::Tag>(x.dtype, vec, warp_launch); break;
-    }
+    if (dots_warp_blocks() == 2) pick<SpreadDotsWarp<1, kWarpUnits>::Tag>(x.dtype, vec, warp_launch);
+    else pick<SpreadDotsWarp<3, kSpreadDotsWarpUnits>::Tag>(x.dtype, vec, warp_launch);
     return;
   }
   if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);  // never with dots
