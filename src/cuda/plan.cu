@@ -170,6 +170,30 @@ __global__ void __launch_bounds__(kCountThreads)
   }
 }
 
+// Places assignment a of expert `key` at rank `rank` among its expert (rank < 0: dropped):
+// indices / bin_ids at its sorted position, dest_rows, row_sources and row_experts at its padded
+// row; positions past the kept total (only when ids were dropped) get indices = bin_ids = -1.
+// Every position and row is below 2^31 (the plan's arrays are int32).
+__device__ __forceinline__ void plan_place_one(int a, int key, int rank, const int* s_pos, const int* s_row,
+                                               int real_total, int32_t* indices, int32_t* bin_ids,
+                                               int32_t* dest_rows, int32_t* row_sources, int32_t* row_experts) {
+  if (rank < 0) {
+    dest_rows[a] = -1;
+  } else {
+    const int pos = s_pos[key] + rank;
+    const int row = s_row[key] + rank;
+    indices[pos] = a;
+    bin_ids[pos] = key;
+    dest_rows[a] = row;
+    row_sources[row] = a;
+    if (row_experts != nullptr) row_experts[row] = key;
+  }
+  if (a >= real_total) {
+    indices[a] = -1;
+    bin_ids[a] = -1;
+  }
+}
+
 __global__ void __launch_bounds__(kPlaceThreads)
     plan_place_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int num_experts, int alignment,
                       const int32_t* chunk_counts, const int32_t* local_rank, int64_t row_capacity,
@@ -264,23 +288,8 @@ __global__ void __launch_bounds__(kPlaceThreads)
     for (int j = 0; j < kItems; ++j) {
       const int64_t i = base + j * kPlaceThreads + threadIdx.x;
       if (i >= assignments) break;
-      const int rank = ranks[j];
-      if (rank < 0) {
-        dest_rows[i] = -1;
-      } else {
-        const int e = experts[j];
-        const int64_t pos = s_pos[e] + rank;
-        const int64_t row = s_row[e] + rank;
-        indices[pos] = static_cast<int32_t>(i);
-        bin_ids[pos] = e;
-        dest_rows[i] = static_cast<int32_t>(row);
-        row_sources[row] = static_cast<int32_t>(i);
-        if (row_experts != nullptr) row_experts[row] = e;
-      }
-      if (i >= real_total) {  // only when ids were dropped
-        indices[i] = -1;
-        bin_ids[i] = -1;
-      }
+      plan_place_one(static_cast<int>(i), experts[j], ranks[j], s_pos, s_row, static_cast<int>(real_total), indices,
+                     bin_ids, dest_rows, row_sources, row_experts);
     }
   }
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kPlaceThreads;
@@ -344,6 +353,26 @@ __device__ __forceinline__ void plan_fills(const int* s_pstart, const int* s_cou
     for (unsigned b = static_cast<unsigned>(padded_total) / ualign + start; b < nblocks; b += stride) {
       block_experts[b] = -1;
     }
+  }
+}
+
+// Block 0 writes the plan's count vectors for expert e (real and padded count, their inclusive
+// sums) and P; every block keeps the real and padded totals in s_totals (fused and small kernels).
+template <typename Total>
+__device__ __forceinline__ void plan_store_counts(int e, int E, int count, int padded, int real_excl,
+                                                  int padded_excl, unsigned long long total, Total* s_totals,
+                                                  int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens,
+                                                  int32_t* padded_bins, int32_t* padded_total_out) {
+  if (e < E && blockIdx.x == 0) {
+    tokens_per_expert[e] = count;
+    bins[e] = real_excl + count;
+    padded_tokens[e] = padded;
+    padded_bins[e] = padded_excl + padded;
+  }
+  if (threadIdx.x == 0) {
+    s_totals[0] = static_cast<Total>(total & 0xffffffffull);
+    s_totals[1] = static_cast<Total>(total >> 32);
+    if (blockIdx.x == 0 && padded_total_out != nullptr) *padded_total_out = static_cast<int32_t>(total >> 32);
   }
 }
 
@@ -525,18 +554,9 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
     s_row[e] = padded_excl + before;
     s_pstart[e] = padded_excl;
     s_count[e] = count;
-    if (blockIdx.x == 0) {
-      tokens_per_expert[e] = count;
-      bins[e] = real_excl + count;
-      padded_tokens[e] = padded;
-      padded_bins[e] = padded_excl + padded;
-    }
   }
-  if (threadIdx.x == 0) {
-    s_totals[0] = static_cast<long long>(total & 0xffffffffull);
-    s_totals[1] = static_cast<long long>(total >> 32);
-    if (blockIdx.x == 0 && padded_total_out != nullptr) *padded_total_out = static_cast<int32_t>(total >> 32);
-  }
+  plan_store_counts(e, E, count, padded, real_excl, padded_excl, total, s_totals, tokens_per_expert, bins,
+                    padded_tokens, padded_bins, padded_total_out);
   __syncthreads();
   const int real_total = static_cast<int>(s_totals[0]);
   const int padded_total = static_cast<int>(s_totals[1]);
@@ -556,22 +576,8 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
       for (int j = 0; j < kFusedItems; ++j) {
         const int a = base + j * 32 + lane;
         if (a >= assignments) break;
-        const int key = keys[j], rank = ranks[j];
-        if (rank < 0) {
-          dest_rows[a] = -1;
-        } else {
-          const int pos = s_pos[key] + rank;
-          const int row = s_row[key] + rank;
-          indices[pos] = static_cast<int32_t>(a);
-          bin_ids[pos] = key;
-          dest_rows[a] = static_cast<int32_t>(row);
-          row_sources[row] = static_cast<int32_t>(a);
-          if (row_experts != nullptr) row_experts[row] = key;
-        }
-        if (a >= real_total) {  // only when ids were dropped
-          indices[a] = -1;
-          bin_ids[a] = -1;
-        }
+        plan_place_one(a, keys[j], ranks[j], s_pos, s_row, real_total, indices, bin_ids, dest_rows, row_sources,
+                       row_experts);
       }
     }
   } else if (in_registers) {
@@ -625,21 +631,8 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
         if (a >= assignments) break;
         const int rank = local_rank[a];
         const int key = rank >= 0 ? static_cast<int>(remap.local(load_index(ids, a))) : -1;
-        if (rank < 0) {
-          dest_rows[a] = -1;
-        } else {
-          const int64_t pos = s_pos[key] + rank;
-          const int64_t row = s_row[key] + rank;
-          indices[pos] = static_cast<int32_t>(a);
-          bin_ids[pos] = key;
-          dest_rows[a] = static_cast<int32_t>(row);
-          row_sources[row] = static_cast<int32_t>(a);
-          if (row_experts != nullptr) row_experts[row] = key;
-        }
-        if (a >= real_total) {  // only when ids were dropped
-          indices[a] = -1;
-          bin_ids[a] = -1;
-        }
+        plan_place_one(static_cast<int>(a), key, rank, s_pos, s_row, real_total, indices, bin_ids, dest_rows,
+                       row_sources, row_experts);
       }
     }
   }
@@ -740,22 +733,13 @@ __global__ void __launch_bounds__(kFusedThreads)
   const unsigned long long packed = (static_cast<unsigned long long>(padded) << 32) | static_cast<unsigned>(count);
   unsigned long long excl = 0, total = 0;
   Scan(scan_storage).ExclusiveSum(packed, excl, total);
+  const int real_excl = static_cast<int>(excl & 0xffffffffull), padded_excl = static_cast<int>(excl >> 32);
   if (e < E) {
-    const int real_excl = static_cast<int>(excl & 0xffffffffull), padded_excl = static_cast<int>(excl >> 32);
     s_pos[e] = real_excl;
     s_row[e] = padded_excl;
-    if (blockIdx.x == 0) {
-      tokens_per_expert[e] = count;
-      bins[e] = real_excl + count;
-      padded_tokens[e] = padded;
-      padded_bins[e] = padded_excl + padded;
-    }
   }
-  if (threadIdx.x == 0) {
-    s_totals[0] = static_cast<int>(total & 0xffffffffull);
-    s_totals[1] = static_cast<int>(total >> 32);
-    if (blockIdx.x == 0 && padded_total_out != nullptr) *padded_total_out = static_cast<int32_t>(total >> 32);
-  }
+  plan_store_counts(e, E, count, padded, real_excl, padded_excl, total, s_totals, tokens_per_expert, bins,
+                    padded_tokens, padded_bins, padded_total_out);
   if (warp == own) {
 #pragma unroll
     for (int j = 0; j < kFusedItems; ++j) rel[j] += k[j] >= 0 ? s_before[k[j]] : 0;
@@ -768,22 +752,8 @@ __global__ void __launch_bounds__(kFusedThreads)
       const int a = base + j * 32 + lane;
       if (a >= assignments) break;
       if ((j >> (2 - round_shift)) != sub) continue;
-      const int x = k[j];
-      if (x < 0) {
-        dest_rows[a] = -1;
-      } else {
-        const int pos = s_pos[x] + rel[j];
-        const int row = s_row[x] + rel[j];
-        indices[pos] = static_cast<int32_t>(a);
-        bin_ids[pos] = x;
-        dest_rows[a] = static_cast<int32_t>(row);
-        row_sources[row] = static_cast<int32_t>(a);
-        if (row_experts != nullptr) row_experts[row] = x;
-      }
-      if (a >= real_total) {  // only when ids were dropped
-        indices[a] = -1;
-        bin_ids[a] = -1;
-      }
+      plan_place_one(a, k[j], k[j] < 0 ? -1 : rel[j], s_pos, s_row, real_total, indices, bin_ids, dest_rows,
+                     row_sources, row_experts);
     }
   }
   plan_fills(s_row, s_all, E, alignment, padded_total, row_capacity, blocks, row_sources, padding_source, row_experts,
