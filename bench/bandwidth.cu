@@ -4,8 +4,11 @@
 // reads one row and writes eight), the same fan-out through Hopper's bulk
 // copies (cp.async.bulk global -> shared -> global, one thread driving the
 // TMA engine), the fan-in of a reduce and the reading fan-out of a spread
-// with dots at 4 and 14 KiB rows, and the decode-sized traffic (a few tens of
-// MB: where launch and latency, not bandwidth, set the time). Used to tell a kernel's overhead
+// with dots at 4 and 14 KiB rows, the decode-sized traffic (a few tens of
+// MB: where launch and latency, not bandwidth, set the time), and the traffic of
+// dispatch, combine, gather_backward(w) and combine_backward(w) at the presets'
+// own sizes (a random dest map over P rows, padding rows zeroed: the row extents
+// the ops touch, not the whole buffer). Used to tell a kernel's overhead
 // from the memory system's own limit for a mix; results in bench/results/.
 // Usage: padmoe_bandwidth [GiB per buffer, default 2]
 #include <cuda_runtime.h>
@@ -161,6 +164,90 @@ __global__ void fan_out_read_kernel(const uint4* src, const uint4* other, uint4*
     }
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads alive
+}
+
+// --- the routing ops' traffic at a preset's own sizes ----------------------------------------
+// T token rows, A = T * K assignments at random padded rows dest[A] of [0, P) (a random
+// permutation's first A entries, as a plan of random routing places them), the P - A others
+// listed in pad[] (padding rows): the same row extents as the op, so the DRAM pages and the TLB
+// see what the op sees (the fixed-pattern kernels above spread over the whole 2 GiB buffer).
+
+// dispatch: block t < T reads row t and writes it to its K destinations; blocks past T zero
+// `zero_rows` padding rows each.
+__global__ void route_spread_kernel(const uint4* x, uint4* y, const int* dest, const int* pad, int units, int K,
+                                    int T, int pads, int zero_rows) {
+  if (static_cast<int>(blockIdx.x) >= T) {
+    const int p0 = (static_cast<int>(blockIdx.x) - T) * zero_rows;
+    for (int q = p0; q < p0 + zero_rows && q < pads; ++q) {
+      for (int u = threadIdx.x; u < units; u += blockDim.x) y[static_cast<size_t>(pad[q]) * units + u] = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const size_t t = blockIdx.x;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    const uint4 v = x[t * units + u];
+    for (int c = 0; c < K; ++c) y[static_cast<size_t>(dest[t * K + c]) * units + u] = v;
+  }
+}
+
+// combine (partner = nullptr) / gather or dispatch backward with dots (partner: x[t] read too):
+// block t reads its K rows of y (every load before the first add) and writes out[t].
+__global__ void route_reduce_kernel(const uint4* y, const uint4* partner, uint4* out, const int* dest, int units,
+                                    int K, unsigned* sink) {
+  const size_t t = blockIdx.x;
+  unsigned dot = 0;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    uint4 v[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (c < K) v[c] = y[static_cast<size_t>(dest[t * K + c]) * units + u];
+    }
+    const uint4 g = partner != nullptr ? partner[t * units + u] : make_uint4(0, 0, 0, 0);
+    uint4 acc = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (c < K) {
+        acc.x += v[c].x;
+        acc.y += v[c].y;
+        acc.z += v[c].z;
+        acc.w += v[c].w;
+        dot ^= v[c].x & g.x;
+      }
+    }
+    out[t * units + u] = acc;
+  }
+  if (dot == 0x9e3779b9u) sink[0] = dot;  // keeps the partner's loads alive
+}
+
+// combine backward with dots: block t reads row t, and for each destination reads that row of
+// `other` (the dot) and writes row t there; padding rows zeroed as in the spread.
+__global__ void route_spread_read_kernel(const uint4* x, const uint4* other, uint4* y, const int* dest, const int* pad,
+                                         int units, int K, int T, int pads, int zero_rows, unsigned* sink) {
+  if (static_cast<int>(blockIdx.x) >= T) {
+    const int p0 = (static_cast<int>(blockIdx.x) - T) * zero_rows;
+    for (int q = p0; q < p0 + zero_rows && q < pads; ++q) {
+      for (int u = threadIdx.x; u < units; u += blockDim.x) y[static_cast<size_t>(pad[q]) * units + u] = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const size_t t = blockIdx.x;
+  unsigned dot = 0;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    const uint4 v = x[t * units + u];
+    uint4 o[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (c < K) o[c] = other[static_cast<size_t>(dest[t * K + c]) * units + u];
+    }
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (c < K) {
+        y[static_cast<size_t>(dest[t * K + c]) * units + u] = v;
+        dot ^= o[c].x & v.x;
+      }
+    }
+  }
+  if (dot == 0x9e3779b9u) sink[0] = dot;
 }
 
 template <typename F>
@@ -345,6 +432,57 @@ int main(int argc, char** argv) {
               fan_out_kernel<<<256, 256, 0, st>>>(a, b, units, 8, 2048);
             }, 10, iters));
     greport("  empty kernel", 0.0, graph_us([&](cudaStream_t st) { write_kernel<<<1, 32, 0, st>>>(b, 0); }, 10, iters));
+  }
+  {
+    // the routing ops' traffic at each preset's sizes (T = 16384; P as padmoe bench reports it)
+    struct Shape { const char* name; int K, units, T, P; };
+    const Shape shapes[] = {{"mixtral-8x7b", 2, 512, 16384, 33152}, {"qwen3-30b-a3b", 8, 256, 16384, 139008},
+                            {"deepseek-v3", 8, 896, 16384, 147200}};
+    uint4* c = nullptr;  // token rows (x, out, partner): T rows
+    CHECK(cudaMalloc(&c, size_t(16384) * 896 * 16 * 2));
+    CHECK(cudaMemset(c, 1, size_t(16384) * 896 * 16 * 2));
+    std::printf("at the presets' sizes (random dest over P rows, padding rows zeroed; min bytes as padmoe bench):\n");
+    for (const Shape& sh : shapes) {
+      const size_t A = size_t(sh.T) * sh.K;
+      if (size_t(sh.P) * sh.units > n) continue;  // buffers smaller than asked
+      std::vector<int> perm(sh.P);
+      for (int i = 0; i < sh.P; ++i) perm[i] = i;
+      unsigned long long st = 0x9e3779b97f4a7c15ull;
+      for (int i = sh.P - 1; i > 0; --i) {  // Fisher-Yates, a fixed seed
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        std::swap(perm[i], perm[static_cast<int>((st >> 33) % static_cast<unsigned long long>(i + 1))]);
+      }
+      int *dest = nullptr, *pad = nullptr;
+      const int pads = sh.P - static_cast<int>(A);
+      CHECK(cudaMalloc(&dest, A * sizeof(int)));
+      CHECK(cudaMalloc(&pad, (pads > 0 ? pads : 1) * sizeof(int)));
+      CHECK(cudaMemcpy(dest, perm.data(), A * sizeof(int), cudaMemcpyHostToDevice));
+      if (pads > 0) CHECK(cudaMemcpy(pad, perm.data() + A, pads * sizeof(int), cudaMemcpyHostToDevice));
+      const double row = sh.units * 16.0;
+      const int zero_rows = 32;
+      const unsigned spread_blocks = static_cast<unsigned>(sh.T + (pads + zero_rows - 1) / zero_rows);
+      char label[96];
+      std::snprintf(label, sizeof label, "  %s dispatch (T + P rows)", sh.name);
+      report(label, (double(sh.T) + sh.P) * row, time_ms([&] {
+               route_spread_kernel<<<spread_blocks, 256>>>(c, b, dest, pad, sh.units, sh.K, sh.T, pads, zero_rows);
+             }, iters));
+      std::snprintf(label, sizeof label, "  %s combine (A + T rows)", sh.name);
+      report(label, (double(A) + sh.T) * row, time_ms([&] {
+               route_reduce_kernel<<<sh.T, 256>>>(b, nullptr, c, dest, sh.units, sh.K, sink);
+             }, iters));
+      std::snprintf(label, sizeof label, "  %s gather_backward(w) (A + 2T rows)", sh.name);
+      report(label, (double(A) + 2.0 * sh.T) * row, time_ms([&] {
+               route_reduce_kernel<<<sh.T, 256>>>(b, c + size_t(sh.T) * sh.units, c, dest, sh.units, sh.K, sink);
+             }, iters));
+      std::snprintf(label, sizeof label, "  %s combine_backward(w) (T + A + P rows)", sh.name);
+      report(label, (double(sh.T) + A + sh.P) * row, time_ms([&] {
+               route_spread_read_kernel<<<spread_blocks, 256>>>(c, a, b, dest, pad, sh.units, sh.K, sh.T, pads,
+                                                                zero_rows, sink);
+             }, iters));
+      CHECK(cudaFree(dest));
+      CHECK(cudaFree(pad));
+    }
+    CHECK(cudaFree(c));
   }
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
