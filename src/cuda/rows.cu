@@ -331,11 +331,10 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
 // Spread with dots, a warp an assignment (short rows, or few tokens): warp a moves x[a/K] to
 // y[dest[a]] (scaled by w) and sums <dots_with[dest[a]], x[a/K]> from the same read, with
 // kUnits loads of each row in flight a lane (dots_warp_blocks() below) and no block barrier; a
-// lane's units are summed in ascending order whatever kUnits, so the dots' bits do not depend on
-// it; a block's warps are
-// consecutive assignments, mostly of one token, so x's row is read from L1 after the first.
-// Each lane sums its units in ascending order, then a fixed shuffle tree: deterministic (not
-// the block kernel's order, so the dot bits may differ between the two). Zero blocks as above.
+// block's warps are consecutive assignments, mostly of one token, so x's row is read from L1
+// after the first. Each lane sums its units in ascending order (whatever kUnits, so the dots'
+// bits do not depend on it), then a fixed shuffle tree: deterministic (not the block kernel's
+// order, so the dot bits may differ between the two). Zero blocks as above.
 constexpr int kWarpUnits = 8;  // the gather's warp dots, and the two-block spread
 
 template <typename T, bool kVec, int kMinBlocks, int kUnits>
