@@ -1,16 +1,16 @@
 // plan.cu — make_plan on the GPU: a stable counting sort by expert, no host
 // synchronization.
 //
-// Fused (the default for E <= 512): one launch of 512-thread blocks; block b
+// Fused (the default for E <= 512 and more than one chunk): one launch of 512-thread blocks; block b
 // owns a contiguous run of 2048-assignment chunks. It ranks its assignments by
 // warp matching (four per thread a chunk), publishes its per-expert counts,
 // and, when the grid has more than one block, waits at a grid barrier (a
 // cooperative launch, so every block is resident); then every block reads
 // the [blocks, E] counts (L2), scans the expert totals (one block scan of
 // packed real / padded counts) and places its assignments from registers
-// (one chunk a block) or from the ranks it left in the workspace (more). At
-// decode size the grid is one block and nothing goes through global memory
-// between the phases.
+// (one chunk a block) or from the ranks it left in the workspace (more). With
+// one chunk (PADMOE_CUDA_PLAN_SMALL=0, or set_plan_kernel(N > 0)) there is no
+// barrier and nothing goes through global memory between the phases.
 //
 // Small (one chunk: A <= 2048, E <= 512, the decode sizes): one launch of 32 blocks, each placing
 // half of one warp's 128 assignments; counts by shared-memory integer atomics, ranks from ballots
