@@ -172,15 +172,20 @@ __global__ void fan_out_read_kernel(const uint4* src, const uint4* other, uint4*
 // listed in pad[] (padding rows): the same row extents as the op, so the DRAM pages and the TLB
 // see what the op sees (the fixed-pattern kernels above spread over the whole 2 GiB buffer).
 
+// Block T + z (z >= 0) of a spread zeroes padding rows pad[z * zero_rows, (z + 1) * zero_rows).
+__device__ void zero_pad_rows(uint4* y, const int* pad, int units, int T, int pads, int zero_rows) {
+  const int p0 = (static_cast<int>(blockIdx.x) - T) * zero_rows;
+  for (int q = p0; q < p0 + zero_rows && q < pads; ++q) {
+    for (int u = threadIdx.x; u < units; u += blockDim.x) y[static_cast<size_t>(pad[q]) * units + u] = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // dispatch: block t < T reads row t and writes it to its K destinations; blocks past T zero
 // `zero_rows` padding rows each.
 __global__ void route_spread_kernel(const uint4* x, uint4* y, const int* dest, const int* pad, int units, int K,
                                     int T, int pads, int zero_rows) {
   if (static_cast<int>(blockIdx.x) >= T) {
-    const int p0 = (static_cast<int>(blockIdx.x) - T) * zero_rows;
-    for (int q = p0; q < p0 + zero_rows && q < pads; ++q) {
-      for (int u = threadIdx.x; u < units; u += blockDim.x) y[static_cast<size_t>(pad[q]) * units + u] = make_uint4(0, 0, 0, 0);
-    }
+    zero_pad_rows(y, pad, units, T, pads, zero_rows);
     return;
   }
   const size_t t = blockIdx.x;
@@ -224,10 +229,7 @@ __global__ void route_reduce_kernel(const uint4* y, const uint4* partner, uint4*
 __global__ void route_spread_read_kernel(const uint4* x, const uint4* other, uint4* y, const int* dest, const int* pad,
                                          int units, int K, int T, int pads, int zero_rows, unsigned* sink) {
   if (static_cast<int>(blockIdx.x) >= T) {
-    const int p0 = (static_cast<int>(blockIdx.x) - T) * zero_rows;
-    for (int q = p0; q < p0 + zero_rows && q < pads; ++q) {
-      for (int u = threadIdx.x; u < units; u += blockDim.x) y[static_cast<size_t>(pad[q]) * units + u] = make_uint4(0, 0, 0, 0);
-    }
+    zero_pad_rows(y, pad, units, T, pads, zero_rows);
     return;
   }
   const size_t t = blockIdx.x;
