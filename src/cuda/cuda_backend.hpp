@@ -152,10 +152,10 @@ struct PaddingRef {
 // benchmarks; -1: back to the default); N > 0 there slices spreads as well.
 void set_slice_blocks(int blocks);
 // Dot-product kernels (tests, benchmarks; overrides PADMOE_CUDA_DOTS): -1 chosen by shape (the
-// default: row_dots a warp an assignment; spreads with dots a warp an assignment unless the
-// tokens are few (under ~4 blocks an SM) and rows longer than 8 KiB; reduce with dots in its
-// wide (2, 8) shape for few tokens), 0 the block kernels everywhere, 1 the warp kernels and the
-// wide shape everywhere.
+// default: row_dots and spreads with dots a warp an assignment; reduce with dots in its wide
+// (2, 8) shape for few tokens (under ~4 blocks an SM), a warp a token otherwise), 0 the block
+// kernels everywhere, 1 the warp kernels and the wide shape everywhere, 2 the warp kernels and
+// reduce a warp a token everywhere (top_k <= 8; above, the block kernel).
 void set_dot_kernels(int mode);
 // Programmatic dependent launch (tests, benchmarks; overrides PADMOE_CUDA_PDL): 1 on (the
 // default on sm_90 and up), 0 off, -1 back to the default. Every kernel waits for the one

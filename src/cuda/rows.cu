@@ -471,6 +471,88 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Reduce with dots, a warp a token (top_k <= kMaxK): lane l owns units l, l + 32, ... of out[t]
+// and, for each unit, loads the unit of all top_k source rows and of g[t] before the first
+// add (top_k + 1 loads in flight a lane and unit, kUnits units at a time), with no shared
+// memory and no block barrier. The row sums are the block kernel's bit for bit (acc + w*y in
+// ascending k, one rounding to the row dtype); each dot sums a lane's units in ascending order,
+// then a fixed shuffle tree: deterministic, not the block kernel's order.
+template <typename T, bool kVec, int kMaxK, int kUnits>
+__global__ void __launch_bounds__(kThreads)
+    reduce_dots_warp_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
+                            FloatOutArg dots) {
+  pdl_begin();
+  using U = Unit<T, kVec>;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= out.rows) return;
+  int my_row = -1;  // lane q < top_k: assignment q's source row (-1 dropped, or outside y)
+  float my_w = 0.0f;
+  if (lane < top_k) {
+    const int64_t a = index::assignment_id(t, lane, top_k);
+    const int64_t r = dest[a];
+    my_row = (r < 0 || r >= y.rows) ? -1 : static_cast<int>(r);
+    my_w = load_scale(w, a);
+  }
+  int row[kMaxK];
+  float wk[kMaxK], partial[kMaxK];
+#pragma unroll
+  for (int q = 0; q < kMaxK; ++q) {
+    row[q] = __shfl_sync(0xffffffffu, my_row, q);
+    wk[q] = __shfl_sync(0xffffffffu, my_w, q);
+    partial[q] = 0.0f;
+  }
+  const int64_t units = units_of<U>(out);
+  char* dst = row_ptr(out, t);
+  const char* grow = row_ptr(g, t);
+  for (int64_t c = 0; c < units; c += 32 * kUnits) {
+    typename U::Raw v[kMaxK][kUnits], gv[kUnits];
+#pragma unroll
+    for (int q = 0; q < kMaxK; ++q) {
+      const char* src = row_ptr(y, row[q] < 0 ? 0 : row[q]);
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        const int64_t u = c + j * 32 + lane;
+        if (q < top_k && row[q] >= 0 && u < units) v[q][j] = U::load(src, u);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      const int64_t u = c + j * 32 + lane;
+      if (u < units) gv[j] = U::load(grow, u);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      const int64_t u = c + j * 32 + lane;
+      if (u >= units) continue;
+      float acc[U::N];
+#pragma unroll
+      for (int i = 0; i < U::N; ++i) acc[i] = 0.0f;
+#pragma unroll
+      for (int q = 0; q < kMaxK; ++q) {
+        if (q >= top_k || row[q] < 0) continue;
+        float f[U::N];
+        U::to_float(v[q][j], f);
+#pragma unroll
+        for (int i = 0; i < U::N; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk[q], f[i]));
+        partial[q] += U::dot(v[q][j], gv[j]);
+      }
+      U::store(dst, u, U::from_float(acc));
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kMaxK; ++q) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) partial[q] += __shfl_xor_sync(0xffffffffu, partial[q], off);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int q = 0; q < kMaxK; ++q) {
+      if (q < top_k) store_float(dots, index::assignment_id(t, q, top_k), row[q] < 0 ? 0.0f : partial[q]);
+    }
+  }
+}
+
 // --- dots -----------------------------------------------------------------------
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
@@ -701,6 +783,13 @@ struct ReduceShape {
     static constexpr auto fn = reduce_kernel<T, kVec, kDots, kUnits, kBatch>;
   };
 };
+template <int kMaxK, int kUnits>
+struct ReduceDotsWarp {
+  template <typename T, bool kVec>
+  struct Tag {
+    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits>;
+  };
+};
 template <typename T, bool kVec>
 struct DotsTag {
   static constexpr auto fn = dots_kernel<T, kVec>;
@@ -820,41 +909,51 @@ bool spread_slices() {
 }
 // Which dot-product kernels run: -1 chosen by shape (default), 0 the block kernels (a block a
 // token, reduce's (1, 4) shape), 1 the alternatives (a warp an assignment for spreads with
-// dots and row_dots, reduce's (2, 8) shape). PADMOE_CUDA_DOTS=0/1 (read once) or
-// set_dot_kernels (tests) force one.
+// dots and row_dots, reduce's (2, 8) shape), 2 the warp kernels everywhere (reduce a warp a
+// token). PADMOE_CUDA_DOTS=0/1/2 (read once) or set_dot_kernels (tests) force one.
 std::atomic<int> g_dot_kernels{-2};  // -2: not set by set_dot_kernels
 int dot_kernels() {
   const int forced = g_dot_kernels.load(std::memory_order_relaxed);
   if (forced != -2) return forced;
   static const int env = [] {
     const char* v = std::getenv("PADMOE_CUDA_DOTS");
-    return v != nullptr && (std::atoi(v) == 0 || std::atoi(v) == 1) ? std::atoi(v) : -1;
+    const int m = v != nullptr ? std::atoi(v) : -1;
+    return v != nullptr && m >= 0 && m <= 2 ? m : -1;
   }();
   return env;
 }
 // The default choices, measured on the H200 (bench/results/cuda-h200-2026-12-01.md, "dot
-// kernels"): row_dots (wgrad) a warp an assignment always (qwen3 1.46 -> 1.01x the floor,
-// decode 14.9 -> 10.1 us in a graph, deepseek-v3 1.00 -> 0.94x); spreads with dots a warp an
-// assignment except for few tokens with long rows (decode, 14 KiB rows: the block kernel 29.5 us
-// against 30.8; mixtral 1.39 -> 1.09x, qwen3 1.68 -> 1.23x, deepseek-v3 1.08 -> 1.06x);
-// reduce with dots in the wide shape only for few tokens (decode dispatch_backward(w) 18.1 ->
-// 12.0 us; at qwen3 it is 1.19 -> 1.93x).
-constexpr int64_t kWarpDotUnits = 512;  // 16-byte units: rows of at most 8 KiB are short
+// kernels", and -12-02.md): row_dots (wgrad) a warp an assignment always (qwen3 1.46 -> 1.01x
+// the floor, decode 14.9 -> 10.1 us in a graph, deepseek-v3 1.00 -> 0.94x); spreads with dots a
+// warp an assignment always (mixtral 1.39 -> 1.09x, qwen3 1.68 -> 1.23x, deepseek-v3 1.08 ->
+// 1.06x; at decode the three-block warp kernel beats the block kernel, combine_backward(w)
+// 29.6 -> 27.8 us in a graph); reduce with dots in the wide shape for few tokens
+// (decode dispatch_backward(w) 18.1 -> 12.0 us; at qwen3 it is 1.19 -> 1.93x), a warp a token
+// otherwise.
 bool few_tokens(int64_t tokens) { return tokens < few_tokens_blocks(); }
 bool warp_row_dots() { return dot_kernels() != 0; }
-bool warp_spread_dots(int64_t tokens, int64_t units) {
-  const int mode = dot_kernels();
-  if (mode >= 0) return mode == 1;
-  return !few_tokens(tokens) || units <= kWarpDotUnits;
-}
-bool wide_reduce_dots(int64_t tokens) {
-  const int mode = dot_kernels();
-  if (mode >= 0) return mode == 1;
-  return few_tokens(tokens);
+bool warp_spread_dots() { return dot_kernels() != 0; }
+// Reduce with dots: 0 the block kernel, 1 its wide shape, 2 a warp a token (top_k <= 8).
+// PADMOE_CUDA_DOTS forces the family (2: the warp kernels everywhere, reduce a warp a token);
+// else PADMOE_CUDA_REDUCE_DOTS=0|1|2 (read once, measurements) picks the reduce alone; else by
+// shape: the wide shape for few tokens, a warp a token otherwise.
+constexpr int kWarpReduceK = 8;
+int reduce_dots_kernel(int64_t tokens, int top_k) {
+  int pick = dot_kernels();
+  if (pick < 0) {
+    static const int env = [] {
+      const char* v = std::getenv("PADMOE_CUDA_REDUCE_DOTS");
+      const int m = v != nullptr ? std::atoi(v) : -1;
+      return v != nullptr && m >= 0 && m <= 2 ? m : -1;
+    }();
+    pick = env >= 0 ? env : few_tokens(tokens) ? 1 : 2;
+  }
+  if (pick == 2 && top_k > kWarpReduceK) pick = few_tokens(tokens) ? 1 : 0;
+  return pick;
 }
 }  // namespace
 
-void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 1 ? -1 : mode, std::memory_order_relaxed); }
+void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 2 ? -1 : mode, std::memory_order_relaxed); }
 
 void set_slice_blocks(int blocks) { g_slice_blocks.store(blocks < -1 ? -1 : blocks, std::memory_order_relaxed); }
 
@@ -883,7 +982,7 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
     launch_kernel("spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x, top_k,
         dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc, sl.slices, sl.slice_units, zero_rows);
   };
-  if (dots.data != nullptr && scales == nullptr && warp_spread_dots(tokens, units)) {
+  if (dots.data != nullptr && scales == nullptr && warp_spread_dots()) {
     const int64_t assignment_blocks = index::ceil_div(tokens * top_k, kThreads / 32);
     if (assignment_blocks + zero_blocks == 0) return;  // top_k 0 (never through the API)
     auto warp_launch = [&](auto tag) {
@@ -920,13 +1019,26 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
     launch_kernel("reduce_kernel", Tag::fn, static_cast<unsigned>(out.rows * sl.slices), kThreads, 0,
         as_stream(stream), y, top_k, dest, w, out, g, dots, sl.slices, sl.slice_units);
   };
+  const int dots_kernel = dots_wanted ? reduce_dots_kernel(out.rows, top_k) : 0;
+  if (dots_kernel == 2) {
+    auto warp_launch = [&](auto tag) {
+      using Tag = decltype(tag);
+      launch_kernel("reduce_dots_warp_kernel", Tag::fn,
+          static_cast<unsigned>(index::ceil_div(out.rows, kThreads / 32)), kThreads, 0, as_stream(stream), y, top_k,
+          dest, w, out, g, dots);
+    };
+    // top-2: two units a lane and batch (six loads in flight), top-8: one (nine)
+    if (top_k <= 2) pick<ReduceDotsWarp<2, 2>::Tag>(y.dtype, vec, warp_launch);
+    else pick<ReduceDotsWarp<kWarpReduceK, 1>::Tag>(y.dtype, vec, warp_launch);
+    return;
+  }
   if (top_k <= 2) {
     if (dots_wanted) pick<ReduceShape<2, 2, true>::Tag>(y.dtype, vec, launch);
     else pick<ReduceShape<2, 2, false>::Tag>(y.dtype, vec, launch);
   } else {
     // With dots and few tokens (a block a token, about two blocks an SM) each thread keeps 16
     // loads in flight instead of 4: (2, 8).
-    if (dots_wanted && wide_reduce_dots(out.rows)) pick<ReduceShape<2, 8, true>::Tag>(y.dtype, vec, launch);
+    if (dots_kernel == 1) pick<ReduceShape<2, 8, true>::Tag>(y.dtype, vec, launch);
     else if (dots_wanted) pick<ReduceShape<1, 4, true>::Tag>(y.dtype, vec, launch);
     else pick<ReduceShape<1, 4, false>::Tag>(y.dtype, vec, launch);
   }
