@@ -152,10 +152,11 @@ struct PaddingRef {
 // benchmarks; -1: back to the default); N > 0 there slices spreads as well.
 void set_slice_blocks(int blocks);
 // Dot-product kernels (tests, benchmarks; overrides PADMOE_CUDA_DOTS): -1 chosen by shape (the
-// default: row_dots and spreads with dots a warp an assignment; reduce with dots in its wide
-// (2, 8) shape for few tokens (under ~4 blocks an SM), a warp a token otherwise), 0 the block
-// kernels everywhere, 1 the warp kernels and the wide shape everywhere, 2 the warp kernels and
-// reduce a warp a token everywhere (top_k <= 8; above, the block kernel).
+// default: row_dots and spreads with dots a warp an assignment; reduce with dots a block a
+// token in the warp kernel's form for few tokens (under ~4 blocks an SM), a warp a token
+// otherwise), 0 the block kernels everywhere; with the warp spreads and row_dots: 1 reduce's
+// wide (2, 8) shape, 2 reduce a warp a token, 3 reduce a block a token in the warp form, each
+// everywhere (the warp-form reduces for top_k <= 8; above, the block kernel).
 void set_dot_kernels(int mode);
 // Programmatic dependent launch (tests, benchmarks; overrides PADMOE_CUDA_PDL): 1 on (the
 // default on sm_90 and up), 0 off, -1 back to the default. Every kernel waits for the one

@@ -471,21 +471,27 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Reduce with dots, a warp a token (top_k <= kMaxK): lane l owns units l, l + 32, ... of out[t]
-// and, for each unit, loads the unit of all top_k source rows and of g[t] before the first
-// add (top_k + 1 loads in flight a lane and unit, kUnits units at a time), with no shared
-// memory and no block barrier. The row sums are the block kernel's bit for bit (acc + w*y in
-// ascending k, one rounding to the row dtype); each dot sums a lane's units in ascending order,
-// then a fixed shuffle tree: deterministic, not the block kernel's order.
-template <typename T, bool kVec, int kMaxK, int kUnits>
+// Reduce with dots, a warp a token (kSplit 1) or a block a token (kSplit 8: few tokens), for
+// top_k <= kMaxK: the token's lanes own units part, part + 32 * kSplit, ... of out[t] and, for
+// each unit, load the unit of all top_k source rows and of g[t] before the first add (top_k + 1
+// loads in flight a lane and unit, kUnits units at a time), with no shared memory (kSplit 1) or
+// one barrier at the end (kSplit 8). The row sums are the block kernel's bit for bit (acc + w*y
+// in ascending k, one rounding to the row dtype); each dot sums a lane's units in ascending
+// order, then a fixed shuffle tree (and the warps in order): deterministic, not the block
+// kernel's order.
+template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit>
 __global__ void __launch_bounds__(kThreads)
     reduce_dots_warp_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
                             FloatOutArg dots) {
+  static_assert(kSplit == 1 || kSplit == kThreads / 32, "a token's lanes: one warp or the whole block");
   pdl_begin();
   using U = Unit<T, kVec>;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (t >= out.rows) return;
+  constexpr int kLanes = 32 * kSplit;
+  __shared__ float s_part[kSplit][kMaxK];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = kSplit == 1 ? static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp : blockIdx.x;
+  const int part = kSplit == 1 ? lane : static_cast<int>(threadIdx.x);
+  if (t >= out.rows) return;  // kSplit 8: uniform in the block
   int my_row = -1;  // lane q < top_k: assignment q's source row (-1 dropped, or outside y)
   float my_w = 0.0f;
   if (lane < top_k) {
@@ -505,25 +511,25 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t units = units_of<U>(out);
   char* dst = row_ptr(out, t);
   const char* grow = row_ptr(g, t);
-  for (int64_t c = 0; c < units; c += 32 * kUnits) {
+  for (int64_t c = 0; c < units; c += kLanes * kUnits) {
     typename U::Raw v[kMaxK][kUnits], gv[kUnits];
 #pragma unroll
     for (int q = 0; q < kMaxK; ++q) {
       const char* src = row_ptr(y, row[q] < 0 ? 0 : row[q]);
 #pragma unroll
       for (int j = 0; j < kUnits; ++j) {
-        const int64_t u = c + j * 32 + lane;
+        const int64_t u = c + j * kLanes + part;
         if (q < top_k && row[q] >= 0 && u < units) v[q][j] = U::load(src, u);
       }
     }
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) {
-      const int64_t u = c + j * 32 + lane;
+      const int64_t u = c + j * kLanes + part;
       if (u < units) gv[j] = U::load(grow, u);
     }
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) {
-      const int64_t u = c + j * 32 + lane;
+      const int64_t u = c + j * kLanes + part;
       if (u >= units) continue;
       float acc[U::N];
 #pragma unroll
@@ -545,11 +551,25 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) partial[q] += __shfl_xor_sync(0xffffffffu, partial[q], off);
   }
+  if (kSplit == 1) {
+    if (lane == 0) {
+#pragma unroll
+      for (int q = 0; q < kMaxK; ++q) {
+        if (q < top_k) store_float(dots, index::assignment_id(t, q, top_k), row[q] < 0 ? 0.0f : partial[q]);
+      }
+    }
+    return;
+  }
   if (lane == 0) {
 #pragma unroll
-    for (int q = 0; q < kMaxK; ++q) {
-      if (q < top_k) store_float(dots, index::assignment_id(t, q, top_k), row[q] < 0 ? 0.0f : partial[q]);
-    }
+    for (int q = 0; q < kMaxK; ++q) s_part[warp % kSplit][q] = partial[q];
+  }
+  __syncthreads();
+  if (threadIdx.x < static_cast<unsigned>(top_k)) {
+    const int q = static_cast<int>(threadIdx.x);
+    float sum = 0.0f;
+    for (int v = 0; v < kSplit; ++v) sum += s_part[v][q];
+    store_float(dots, index::assignment_id(t, q, top_k), my_row < 0 ? 0.0f : sum);
   }
 }
 
@@ -783,11 +803,11 @@ struct ReduceShape {
     static constexpr auto fn = reduce_kernel<T, kVec, kDots, kUnits, kBatch>;
   };
 };
-template <int kMaxK, int kUnits>
+template <int kMaxK, int kUnits, int kSplit>
 struct ReduceDotsWarp {
   template <typename T, bool kVec>
   struct Tag {
-    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits>;
+    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits, kSplit>;
   };
 };
 template <typename T, bool kVec>
@@ -908,9 +928,10 @@ bool spread_slices() {
   return on;
 }
 // Which dot-product kernels run: -1 chosen by shape (default), 0 the block kernels (a block a
-// token, reduce's (1, 4) shape), 1 the alternatives (a warp an assignment for spreads with
-// dots and row_dots, reduce's (2, 8) shape), 2 the warp kernels everywhere (reduce a warp a
-// token). PADMOE_CUDA_DOTS=0/1/2 (read once) or set_dot_kernels (tests) force one.
+// token, reduce's (1, 4) shape), and with spreads and row_dots a warp an assignment: 1
+// reduce's (2, 8) shape, 2 reduce a warp a token, 3 reduce a block a token in the warp kernel's
+// form (the few-token default).
+// PADMOE_CUDA_DOTS=0/1/2/3 (read once) or set_dot_kernels (tests) force one.
 std::atomic<int> g_dot_kernels{-2};  // -2: not set by set_dot_kernels
 int dot_kernels() {
   const int forced = g_dot_kernels.load(std::memory_order_relaxed);
@@ -918,7 +939,7 @@ int dot_kernels() {
   static const int env = [] {
     const char* v = std::getenv("PADMOE_CUDA_DOTS");
     const int m = v != nullptr ? std::atoi(v) : -1;
-    return v != nullptr && m >= 0 && m <= 2 ? m : -1;
+    return v != nullptr && m >= 0 && m <= 3 ? m : -1;
   }();
   return env;
 }
@@ -926,17 +947,19 @@ int dot_kernels() {
 // kernels", and -12-02.md): row_dots (wgrad) a warp an assignment always (qwen3 1.46 -> 1.01x
 // the floor, decode 14.9 -> 10.1 us in a graph, deepseek-v3 1.00 -> 0.94x); spreads with dots a
 // warp an assignment always (mixtral 1.39 -> 1.09x, qwen3 1.68 -> 1.23x, deepseek-v3 1.08 ->
-// 1.06x; at decode the three-block warp kernel beats the block kernel, combine_backward(w)
-// 29.6 -> 27.8 us in a graph); reduce with dots in the wide shape for few tokens
-// (decode dispatch_backward(w) 18.1 -> 12.0 us; at qwen3 it is 1.19 -> 1.93x), a warp a token
-// otherwise.
+// 1.06x; at decode the three-block warp kernel beats the block kernel, combine_backward(w) 29.6
+// -> 27.8 us in a graph, and a block an assignment, 29.2); reduce with dots a warp a token
+// (gather_backward(w): mixtral 1.15 -> 1.03x, qwen3 1.23 -> 1.06x, deepseek-v3 1.13 -> 0.99x
+// against the block kernel), a block a token in the same form for few tokens (decode
+// dispatch_backward(w) 12.2 -> 10.2 us in a graph against the wide shape, which had been
+// 18.1 -> 12.0 against the block kernel).
 bool few_tokens(int64_t tokens) { return tokens < few_tokens_blocks(); }
 bool warp_row_dots() { return dot_kernels() != 0; }
 bool warp_spread_dots() { return dot_kernels() != 0; }
-// Reduce with dots: 0 the block kernel, 1 its wide shape, 2 a warp a token (top_k <= 8).
-// PADMOE_CUDA_DOTS forces the family (2: the warp kernels everywhere, reduce a warp a token);
-// else PADMOE_CUDA_REDUCE_DOTS=0|1|2 (read once, measurements) picks the reduce alone; else by
-// shape: the wide shape for few tokens, a warp a token otherwise.
+// Reduce with dots: 0 the block kernel, 1 its wide shape, 2 a warp a token, 3 a block a token
+// in the warp kernel's form (kSplit 8; 2 and 3 for top_k <= 8, else the block kernel or its
+// wide shape). PADMOE_CUDA_DOTS forces the family; else PADMOE_CUDA_REDUCE_DOTS=0|1|2|3 (read
+// once, measurements) picks the reduce alone; else by shape: 3 for few tokens, 2 otherwise.
 constexpr int kWarpReduceK = 8;
 int reduce_dots_kernel(int64_t tokens, int top_k) {
   int pick = dot_kernels();
@@ -944,16 +967,16 @@ int reduce_dots_kernel(int64_t tokens, int top_k) {
     static const int env = [] {
       const char* v = std::getenv("PADMOE_CUDA_REDUCE_DOTS");
       const int m = v != nullptr ? std::atoi(v) : -1;
-      return v != nullptr && m >= 0 && m <= 2 ? m : -1;
+      return v != nullptr && m >= 0 && m <= 3 ? m : -1;
     }();
-    pick = env >= 0 ? env : few_tokens(tokens) ? 1 : 2;
+    pick = env >= 0 ? env : few_tokens(tokens) ? 3 : 2;
   }
-  if (pick == 2 && top_k > kWarpReduceK) pick = few_tokens(tokens) ? 1 : 0;
+  if (pick >= 2 && top_k > kWarpReduceK) pick = few_tokens(tokens) ? 1 : 0;
   return pick;
 }
 }  // namespace
 
-void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 2 ? -1 : mode, std::memory_order_relaxed); }
+void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 3 ? -1 : mode, std::memory_order_relaxed); }
 
 void set_slice_blocks(int blocks) { g_slice_blocks.store(blocks < -1 ? -1 : blocks, std::memory_order_relaxed); }
 
@@ -1020,16 +1043,18 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
         as_stream(stream), y, top_k, dest, w, out, g, dots, sl.slices, sl.slice_units);
   };
   const int dots_kernel = dots_wanted ? reduce_dots_kernel(out.rows, top_k) : 0;
-  if (dots_kernel == 2) {
+  if (dots_kernel >= 2) {
+    const int64_t blocks = dots_kernel == 2 ? index::ceil_div(out.rows, kThreads / 32) : out.rows;
     auto warp_launch = [&](auto tag) {
       using Tag = decltype(tag);
-      launch_kernel("reduce_dots_warp_kernel", Tag::fn,
-          static_cast<unsigned>(index::ceil_div(out.rows, kThreads / 32)), kThreads, 0, as_stream(stream), y, top_k,
-          dest, w, out, g, dots);
+      launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0,
+          as_stream(stream), y, top_k, dest, w, out, g, dots);
     };
     // top-2: two units a lane and batch (six loads in flight), top-8: one (nine)
-    if (top_k <= 2) pick<ReduceDotsWarp<2, 2>::Tag>(y.dtype, vec, warp_launch);
-    else pick<ReduceDotsWarp<kWarpReduceK, 1>::Tag>(y.dtype, vec, warp_launch);
+    if (dots_kernel == 2 && top_k <= 2) pick<ReduceDotsWarp<2, 2, 1>::Tag>(y.dtype, vec, warp_launch);
+    else if (dots_kernel == 2) pick<ReduceDotsWarp<kWarpReduceK, 1, 1>::Tag>(y.dtype, vec, warp_launch);
+    else if (top_k <= 2) pick<ReduceDotsWarp<2, 2, kThreads / 32>::Tag>(y.dtype, vec, warp_launch);
+    else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32>::Tag>(y.dtype, vec, warp_launch);
     return;
   }
   if (top_k <= 2) {

@@ -712,8 +712,8 @@ TEST(RowSlices, MatchNoSlicingAndCpu) {
 }
 
 // The families of dot-product kernels (set_dot_kernels: 0 a block a token, reduce's (1, 4)
-// shape; 1 a warp an assignment, reduce's (2, 8) shape; 2 a warp an assignment, reduce a warp a
-// token) against the reference on the CPU-vs-GPU
+// shape; else spreads and row_dots a warp an assignment, and reduce: 1 its (2, 8) shape, 2 a
+// warp a token, 3 a block a token in the warp kernel's form) against the reference on the CPU-vs-GPU
 // workloads with dots (wgrad, the weighted backward ops, unpad's backward with probs, whose fused
 // warp kernel runs in both), then each op twice, bitwise, in each mode at a decode-like shape.
 TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
@@ -721,7 +721,7 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
   const std::vector<std::string> names = {"tiny", "empty_T", "empty_H", "skewed", "topk1", "topk8", "H3",
                                           "H4097", "H4096_vec", "align16_tiny_segments", "mb_T1024_H768_E64_K4",
                                           "only_last_expert"};
-  for (int mode : {0, 1, 2}) {
+  for (int mode : {0, 1, 2, 3}) {
     SCOPED_TRACE("dot kernels " + std::to_string(mode));
     padmoe::cuda::set_dot_kernels(mode);
     for (const Workload& wl : workloads()) {
