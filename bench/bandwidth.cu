@@ -11,6 +11,7 @@
 // the ops touch, not the whole buffer). Used to tell a kernel's overhead
 // from the memory system's own limit for a mix; results in bench/results/.
 // Usage: padmoe_bandwidth [GiB per buffer, default 2]
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -252,6 +253,63 @@ __global__ void route_spread_read_kernel(const uint4* x, const uint4* other, uin
   if (dot == 0x9e3779b9u) sink[0] = dot;
 }
 
+// make_plan's skeleton at T = 16384, K = 8, E = 256: the fused plan's memory phases with no
+// ranking (what a one-launch plan cannot skip). Every block counts its chunk of ids into a
+// shared histogram with integer atomics and writes its counts, waits at a grid barrier, reads
+// the [G, E] counts (a column an expert: its base, over all blocks and those before it), then
+// places its ids by shared atomics (unordered: no stable rank) and writes one int each.
+// `counts_only`: stop after the grid barrier (launch + id loads + histogram + barrier).
+__global__ void plan_skeleton_kernel(const int* ids, int* counts, int* dest, int A, int E, int chunk,
+                                     bool counts_only) {
+  extern __shared__ int sh[];
+  int* hist = sh;      // [E]
+  int* base = sh + E;  // [E]
+  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  const int begin = static_cast<int>(blockIdx.x) * chunk;
+  const int end = begin + chunk < A ? begin + chunk : A;
+  int mine[4];
+  int n = 0;
+  for (int i = begin + threadIdx.x; i < end && n < 4; i += blockDim.x) {
+    mine[n] = ids[i];
+    atomicAdd(&hist[mine[n]], 1);
+    ++n;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) counts[static_cast<size_t>(blockIdx.x) * E + e] = hist[e];
+  cooperative_groups::this_grid().sync();
+  if (counts_only) return;
+  // expert e's base: all blocks' counts of the experts before e (a block scan), plus this
+  // block's column prefix; one thread an expert (E <= blockDim)
+  const int e = threadIdx.x;
+  int total = 0, before = 0;
+  if (e < E) {
+    for (int g = 0; g < static_cast<int>(gridDim.x); ++g) {
+      const int c = counts[static_cast<size_t>(g) * E + e];
+      total += c;
+      if (g < static_cast<int>(blockIdx.x)) before += c;
+    }
+  }
+  // exclusive scan of the totals over the block (Hillis-Steele in shared memory)
+  if (e < E) base[e] = total;
+  __syncthreads();
+  for (int off = 1; off < E; off <<= 1) {
+    const int v = e < E && e >= off ? base[e - off] : 0;
+    __syncthreads();
+    if (e < E) base[e] += v;
+    __syncthreads();
+  }
+  if (e < E) {
+    base[e] = base[e] - total + before;  // exclusive prefix + this block's column prefix
+    hist[e] = 0;
+  }
+  __syncthreads();
+  int k = 0;
+  for (int i = begin + threadIdx.x; i < end && k < n; i += blockDim.x, ++k) {
+    dest[i] = base[mine[k]] + atomicAdd(&hist[mine[k]], 1);
+  }
+}
+
 template <typename F>
 float time_ms(F&& f, int iters) {
   cudaEvent_t a, b;
@@ -322,6 +380,9 @@ int main(int argc, char** argv) {
   const int iters = 20;
   auto report = [&](const char* what, double moved, float ms) {
     std::printf("%-44s %8.1f us  %6.2f TB/s\n", what, ms * 1e3, moved / (ms * 1e-3) / 1e12);
+  };
+  auto greport = [&](const char* what, double moved, float us) {
+    std::printf("%-44s %8.1f us  %6.2f TB/s\n", what, us, moved / (us * 1e-6) / 1e12);
   };
   std::printf("card: %s, %.2f GiB per buffer, median of %d\n", prop.name, gib, iters);
   report("copy (cudaMemcpyAsync D2D, read + write)", 2.0 * bytes,
@@ -416,9 +477,6 @@ int main(int argc, char** argv) {
            }, iters));
     report("  empty kernel", 0.0, time_ms([&] { write_kernel<<<1, 32>>>(b, 0); }, iters));
     std::printf("decode-sized, replayed from a CUDA graph (10 launches a replay, warm L2):\n");
-    auto greport = [&](const char* what, double moved, float us) {
-      std::printf("%-44s %8.1f us  %6.2f TB/s\n", what, us, moved / (us * 1e-6) / 1e12);
-    };
     greport("  copy 4096 rows (cudaMemcpyAsync)", 2.0 * dec_bytes, graph_us([&](cudaStream_t st) {
               CHECK(cudaMemcpyAsync(b, a, dec_bytes, cudaMemcpyDeviceToDevice, st));
             }, 10, iters));
@@ -437,9 +495,10 @@ int main(int argc, char** argv) {
   }
   {
     // the routing ops' traffic at each preset's sizes (T = 16384; P as padmoe bench reports it)
-    struct Shape { const char* name; int K, units, T, P; };
-    const Shape shapes[] = {{"mixtral-8x7b", 2, 512, 16384, 33152}, {"qwen3-30b-a3b", 8, 256, 16384, 139008},
-                            {"deepseek-v3", 8, 896, 16384, 147200}};
+    // (and decode's, T = 256, where padmoe's zero blocks clear 4 rows each, timed from a graph too)
+    struct Shape { const char* name; int K, units, T, P, zero_rows; };
+    const Shape shapes[] = {{"mixtral-8x7b", 2, 512, 16384, 33152, 32}, {"qwen3-30b-a3b", 8, 256, 16384, 139008, 32},
+                            {"deepseek-v3", 8, 896, 16384, 147200, 32}, {"decode", 8, 896, 256, 4128, 4}};
     uint4* c = nullptr;  // token rows (x, out, partner): T rows
     CHECK(cudaMalloc(&c, size_t(16384) * 896 * 16 * 2));
     CHECK(cudaMemset(c, 1, size_t(16384) * 896 * 16 * 2));
@@ -461,30 +520,90 @@ int main(int argc, char** argv) {
       CHECK(cudaMemcpy(dest, perm.data(), A * sizeof(int), cudaMemcpyHostToDevice));
       if (pads > 0) CHECK(cudaMemcpy(pad, perm.data() + A, pads * sizeof(int), cudaMemcpyHostToDevice));
       const double row = sh.units * 16.0;
-      const int zero_rows = 32;
+      const int zero_rows = sh.zero_rows;
       const unsigned spread_blocks = static_cast<unsigned>(sh.T + (pads + zero_rows - 1) / zero_rows);
+      const bool graph = sh.T < 1024;  // decode: also as padmoe bench's graph column times it
       char label[96];
-      std::snprintf(label, sizeof label, "  %s dispatch (T + P rows)", sh.name);
-      report(label, (double(sh.T) + sh.P) * row, time_ms([&] {
-               route_spread_kernel<<<spread_blocks, 256>>>(c, b, dest, pad, sh.units, sh.K, sh.T, pads, zero_rows);
-             }, iters));
-      std::snprintf(label, sizeof label, "  %s combine (A + T rows)", sh.name);
-      report(label, (double(A) + sh.T) * row, time_ms([&] {
-               route_reduce_kernel<<<sh.T, 256>>>(b, nullptr, c, dest, sh.units, sh.K, sink);
-             }, iters));
-      std::snprintf(label, sizeof label, "  %s gather_backward(w) (A + 2T rows)", sh.name);
-      report(label, (double(A) + 2.0 * sh.T) * row, time_ms([&] {
-               route_reduce_kernel<<<sh.T, 256>>>(b, c + size_t(sh.T) * sh.units, c, dest, sh.units, sh.K, sink);
-             }, iters));
-      std::snprintf(label, sizeof label, "  %s combine_backward(w) (T + A + P rows)", sh.name);
-      report(label, (double(sh.T) + A + sh.P) * row, time_ms([&] {
-               route_spread_read_kernel<<<spread_blocks, 256>>>(c, a, b, dest, pad, sh.units, sh.K, sh.T, pads,
+      // one pattern: event-timed, and for decode replayed from a graph (10 launches a replay)
+      auto both = [&](const char* what, double moved, auto&& launch) {
+        std::snprintf(label, sizeof label, "  %s %s", sh.name, what);
+        report(label, moved, time_ms([&] { launch(cudaStream_t{}); }, iters));
+        if (!graph) return;
+        std::snprintf(label, sizeof label, "  %s %s, graph", sh.name, what);
+        greport(label, moved, graph_us(launch, 10, iters));
+      };
+      both("dispatch (T + P rows)", (double(sh.T) + sh.P) * row, [&](cudaStream_t st) {
+        route_spread_kernel<<<spread_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units, sh.K, sh.T, pads, zero_rows);
+      });
+      both("combine (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
+        route_reduce_kernel<<<sh.T, 256, 0, st>>>(b, nullptr, c, dest, sh.units, sh.K, sink);
+      });
+      both("gather_backward(w) (A + 2T rows)", (double(A) + 2.0 * sh.T) * row, [&](cudaStream_t st) {
+        route_reduce_kernel<<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, c, dest, sh.units, sh.K, sink);
+      });
+      both("combine_backward(w) (T + A + P rows)", (double(sh.T) + A + sh.P) * row, [&](cudaStream_t st) {
+        route_spread_read_kernel<<<spread_blocks, 256, 0, st>>>(c, a, b, dest, pad, sh.units, sh.K, sh.T, pads,
                                                                 zero_rows, sink);
-             }, iters));
+      });
       CHECK(cudaFree(dest));
       CHECK(cudaFree(pad));
     }
     CHECK(cudaFree(c));
+  }
+  {
+    // make_plan's floor for a one-launch design: the skeleton above at deepseek-v3's ids
+    // (A = 131072, E = 256) on 128 blocks of 512 threads, as padmoe's fused plan launches
+    const int A = 16384 * 8, E = 256, G = 128, threads = 512, chunk = (A + G - 1) / G;
+    std::vector<int> ids(A);
+    unsigned long long st = 0x2545f4914f6cdd1dull;
+    for (int& v : ids) {
+      st = st * 6364136223846793005ull + 1442695040888963407ull;
+      v = static_cast<int>((st >> 33) % E);
+    }
+    int *d_ids = nullptr, *d_counts = nullptr, *d_dest = nullptr;
+    CHECK(cudaMalloc(&d_ids, A * sizeof(int)));
+    CHECK(cudaMalloc(&d_counts, size_t(G) * E * sizeof(int)));
+    CHECK(cudaMalloc(&d_dest, A * sizeof(int)));
+    CHECK(cudaMemcpy(d_ids, ids.data(), A * sizeof(int), cudaMemcpyHostToDevice));
+    int coop = 0, dev = 0, per_sm = 0;
+    CHECK(cudaGetDevice(&dev));
+    CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
+    const size_t smem = 2 * E * sizeof(int);
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_skeleton_kernel, threads, smem));
+    if (coop != 0 && per_sm * prop.multiProcessorCount >= G) {
+      std::printf("make_plan's skeleton, A = 131072, E = 256, 128 blocks of 512 (one launch, grid barrier):\n");
+      for (const bool counts_only : {true, false}) {
+        int a_ = A, e_ = E, c_ = chunk;
+        bool co = counts_only;
+        const int* pi = d_ids;
+        int* pc = d_counts;
+        int* pd = d_dest;
+        void* args[] = {&pi, &pc, &pd, &a_, &e_, &c_, &co};
+        auto launch = [&](cudaStream_t s) {
+          CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(plan_skeleton_kernel), dim3(G),
+                                            dim3(threads), args, smem, s));
+        };
+        const char* what = counts_only ? "  ids + histogram + grid barrier" : "  + column reads, scan, placement";
+        char label[96];
+        std::snprintf(label, sizeof label, "%s", what);
+        report(label, 0.0, time_ms([&] { launch(cudaStream_t{}); }, iters));
+        std::snprintf(label, sizeof label, "%s, graph", what);
+        greport(label, 0.0, graph_us(launch, 10, iters));
+      }
+      // the placement's result: every row below A taken once
+      std::vector<int> got(A);
+      CHECK(cudaMemcpy(got.data(), d_dest, A * sizeof(int), cudaMemcpyDeviceToHost));
+      std::vector<char> seen(A, 0);
+      int bad = 0;
+      for (int v : got) {
+        if (v < 0 || v >= A || seen[v]) ++bad;
+        else seen[v] = 1;
+      }
+      if (bad != 0) std::printf("  skeleton placement WRONG: %d rows\n", bad);
+    }
+    CHECK(cudaFree(d_ids));
+    CHECK(cudaFree(d_counts));
+    CHECK(cudaFree(d_dest));
   }
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
