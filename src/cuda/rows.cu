@@ -387,6 +387,81 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   if (lane == 0) store_float(dots, a, r < 0 ? 0.0f : partial);
 }
 
+// Spread from the sorted (MegaBlocks) arguments, with no dest_rows built first (the padded_*
+// ops' separate map launch): sorted position i moves token indices[i] / top_k's row to padded
+// row i - bins[e-1] + padded_bins[e-1] (e = bin_ids[i]), times w[indices[i]], and with kDots
+// writes dots[indices[i]] = <dots_with[row], x[token]>. kWarp: a warp a position (4 loads of
+// each row a lane and round, the warp spread's order: its dots are bit for bit the warp
+// spread's); else a block a position. A token's row is read once for each of its top_k
+// positions (from L2 after the first when the token rows fit there: meant for few tokens).
+// Entries out of range (unchecked bad input only) write nothing. Zero blocks as above.
+template <typename T, bool kVec, bool kDots, bool kWarp>
+__global__ void __launch_bounds__(kThreads)
+    spread_sorted_kernel(RowsArg x, int top_k, IndexRef indices, IndexRef bin_ids, int64_t assignments, ScaleArg w,
+                         RowsArg y, PaddingRef pad, bool zero_padding, bool zero_past_end, RowsArg dots_with,
+                         FloatOutArg dots, int64_t sorted_blocks, int zero_rows) {
+  pdl_begin();
+  using U = Unit<T, kVec>;
+  constexpr int kUnits = 4;
+  constexpr int kLanes = kWarp ? 32 : kThreads;
+  __shared__ float s_warp[kThreads / 32];
+  if (blockIdx.x >= sorted_blocks) {
+    zero_padding_rows<U, false>(y, pad, zero_padding, zero_past_end,
+                                (static_cast<int64_t>(blockIdx.x) - sorted_blocks) * zero_rows, zero_rows,
+                                ScaleRowsArg{});
+    return;
+  }
+  const int64_t i = kWarp ? static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32 : blockIdx.x;
+  const int lane = kWarp ? static_cast<int>(threadIdx.x % 32) : static_cast<int>(threadIdx.x);
+  if (i >= assignments) return;  // kWarp only (a block a position: exactly `assignments` blocks)
+  const int64_t a = load_index(indices, i);
+  const int64_t e = load_index(bin_ids, i);
+  const bool valid = a >= 0 && a < assignments && e >= 0 && e < pad.num_experts;
+  int64_t r = -1;
+  if (valid) {
+    const int64_t real_start = e == 0 ? 0 : load_index(pad.bins, e - 1);
+    const int64_t padded_start = e == 0 ? 0 : load_index(pad.padded_bins, e - 1);
+    r = index::padded_row(i, real_start, padded_start);
+    if (r >= load_index(pad.padded_bins, e) || r >= y.rows) r = -1;
+  }
+  float partial = 0.0f;
+  if (r >= 0) {  // uniform in the warp (kWarp) or the block
+    const char* src = row_ptr(x, a / top_k);
+    const char* with = kDots ? row_ptr(dots_with, r) : nullptr;
+    char* out = row_ptr(y, r);
+    const float wk = load_scale(w, a);
+    const int64_t units = units_of<U>(y);
+    for (int64_t c = 0; c < units; c += kLanes * kUnits) {
+      typename U::Raw xv[kUnits], dv[kUnits];
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        const int64_t u = c + j * kLanes + lane;
+        if (u < units) {
+          xv[j] = U::load(src, u);
+          if (kDots) dv[j] = U::load(with, u);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        const int64_t u = c + j * kLanes + lane;
+        if (u < units) {
+          U::store(out, u, w.data == nullptr ? xv[j] : U::scale(xv[j], wk));
+          if (kDots) partial += U::dot(dv[j], xv[j]);
+        }
+      }
+    }
+  }
+  if (!kDots) return;
+  if (kWarp) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
+    if (lane == 0 && valid) store_float(dots, a, r < 0 ? 0.0f : partial);
+    return;
+  }
+  const float total = block_sum(partial, s_warp);
+  if (threadIdx.x == 0 && valid) store_float(dots, a, r < 0 ? 0.0f : total);
+}
+
 // --- reduce ---------------------------------------------------------------------
 // out[t] = sum_k w*y[dest] (ascending k, no FMA contraction: the CPU's
 // rounding). When dots are wanted, also dots[a] = <y[dest[a]], g[t]> from the
@@ -483,8 +558,8 @@ template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit>
 __global__ void __launch_bounds__(kThreads)
     reduce_dots_warp_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
                             FloatOutArg dots) {
-  static_assert(kSplit == 1 || kSplit == kThreads / 32, "a token's lanes: one warp or the whole block");
   pdl_begin();
+  static_assert(kSplit == 1 || kSplit == kThreads / 32, "a token's lanes: one warp or the whole block");
   using U = Unit<T, kVec>;
   constexpr int kLanes = 32 * kSplit;
   __shared__ float s_part[kSplit][kMaxK];
@@ -783,6 +858,13 @@ struct SpreadDotsWarp {
     static constexpr auto fn = spread_dots_warp_kernel<T, kVec, kMinBlocks, kUnits>;
   };
 };
+template <bool kDots, bool kWarp>
+struct SpreadSorted {
+  template <typename T, bool kVec>
+  struct Tag {
+    static constexpr auto fn = spread_sorted_kernel<T, kVec, kDots, kWarp>;
+  };
+};
 template <typename T, bool kVec>
 struct GatherDotsWarpTag {
   static constexpr auto fn = gather_dots_warp_kernel<T, kVec>;
@@ -975,6 +1057,49 @@ int reduce_dots_kernel(int64_t tokens, int top_k) {
   return pick;
 }
 }  // namespace
+
+// The sorted spread (spread_rows_sorted): 0 off (the default: not measured yet), 1 a block a
+// position, 2 a warp a position. PADMOE_CUDA_SORTED_SPREAD (read once) or set_sorted_spread.
+static std::atomic<int> g_sorted_spread{-2};  // -2: not set by set_sorted_spread
+
+int sorted_spread() {
+  const int forced = g_sorted_spread.load(std::memory_order_relaxed);
+  if (forced != -2) return forced;
+  static const int env = [] {
+    const char* v = std::getenv("PADMOE_CUDA_SORTED_SPREAD");
+    const int m = v != nullptr ? std::atoi(v) : 0;
+    return m >= 0 && m <= 2 ? m : 0;
+  }();
+  return env;
+}
+
+void set_sorted_spread(int mode) {
+  g_sorted_spread.store(mode < 0 || mode > 2 ? -2 : mode, std::memory_order_relaxed);
+}
+
+void spread_rows_sorted(const RowsArg& x, int top_k, IndexRef indices, IndexRef bin_ids, int64_t assignments,
+                        ScaleArg w, const RowsArg& y, const PaddingRef& padding, bool zero_padding,
+                        bool zero_past_end, const RowsArg* dots_with, FloatOutArg dots, void* stream) {
+  const int mode = sorted_spread() == 1 ? 1 : 2;
+  const int zero_rows = zero_rows_per_block(x.rows);
+  const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, zero_rows) : 0;
+  if (y.cols == 0 && dots.data == nullptr) return;  // H = 0 still writes zero dots
+  const int64_t sorted_blocks = mode == 1 ? assignments : index::ceil_div(assignments, kThreads / 32);
+  if (sorted_blocks + zero_blocks == 0) return;
+  const bool vec = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(*dots_with));
+  const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
+  auto launch = [&](auto tag) {
+    using Tag = decltype(tag);
+    launch_kernel("spread_sorted_kernel", Tag::fn, static_cast<unsigned>(sorted_blocks + zero_blocks), kThreads, 0,
+        as_stream(stream), x, top_k, indices, bin_ids, assignments, w, y, padding, zero_padding, zero_past_end, with,
+        dots, sorted_blocks, zero_rows);
+  };
+  const bool want_dots = dots.data != nullptr;
+  if (want_dots && mode == 2) pick<SpreadSorted<true, true>::Tag>(x.dtype, vec, launch);
+  else if (want_dots) pick<SpreadSorted<true, false>::Tag>(x.dtype, vec, launch);
+  else if (mode == 2) pick<SpreadSorted<false, true>::Tag>(x.dtype, vec, launch);
+  else pick<SpreadSorted<false, false>::Tag>(x.dtype, vec, launch);
+}
 
 void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 3 ? -1 : mode, std::memory_order_relaxed); }
 
