@@ -337,6 +337,35 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
 // order, so the dot bits may differ between the two). Zero blocks as above.
 constexpr int kWarpUnits = 8;  // the gather's warp dots, and the two-block spread
 
+// Row src moved to out (times wk when `scaled`) by kLanes lanes, kUnits 16-byte units a lane and
+// round, every load of a round before its first store; with kDots, also the lane's share of
+// <with, src> (its units in ascending order). The warp spread and the sorted spread share it.
+template <typename U, int kUnits, int kLanes, bool kDots>
+__device__ __forceinline__ float move_row_dot(const char* src, const char* with, char* out, bool scaled, float wk,
+                                              int64_t units, int lane) {
+  float partial = 0.0f;
+  for (int64_t c = 0; c < units; c += kLanes * kUnits) {
+    typename U::Raw xv[kUnits], dv[kUnits];
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      const int64_t u = c + j * kLanes + lane;
+      if (u < units) {
+        xv[j] = U::load(src, u);
+        if (kDots) dv[j] = U::load(with, u);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kUnits; ++j) {
+      const int64_t u = c + j * kLanes + lane;
+      if (u < units) {
+        U::store(out, u, scaled ? U::scale(xv[j], wk) : xv[j]);
+        if (kDots) partial += U::dot(dv[j], xv[j]);
+      }
+    }
+  }
+  return partial;
+}
+
 template <typename T, bool kVec, int kMinBlocks, int kUnits>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     spread_dots_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y,
@@ -357,30 +386,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   if (r >= y.rows) r = -1;  // only with unchecked bad input: as the block kernel, dropped
   float partial = 0.0f;
   if (r >= 0) {
-    const char* src = row_ptr(x, a / top_k);
-    const char* with = row_ptr(dots_with, r);
-    char* out = row_ptr(y, r);
-    const float wk = load_scale(w, a);
-    const int64_t units = units_of<U>(y);
-    for (int64_t c = 0; c < units; c += 32 * kUnits) {
-      typename U::Raw xv[kUnits], dv[kUnits];
-#pragma unroll
-      for (int j = 0; j < kUnits; ++j) {
-        const int64_t u = c + j * 32 + lane;
-        if (u < units) {
-          xv[j] = U::load(src, u);
-          dv[j] = U::load(with, u);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kUnits; ++j) {
-        const int64_t u = c + j * 32 + lane;
-        if (u < units) {
-          U::store(out, u, w.data == nullptr ? xv[j] : U::scale(xv[j], wk));
-          partial += U::dot(dv[j], xv[j]);
-        }
-      }
-    }
+    partial = move_row_dot<U, kUnits, 32, true>(row_ptr(x, a / top_k), row_ptr(dots_with, r), row_ptr(y, r),
+                                                w.data != nullptr, load_scale(w, a), units_of<U>(y), lane);
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
@@ -426,30 +433,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   float partial = 0.0f;
   if (r >= 0) {  // uniform in the warp (kWarp) or the block
-    const char* src = row_ptr(x, a / top_k);
-    const char* with = kDots ? row_ptr(dots_with, r) : nullptr;
-    char* out = row_ptr(y, r);
-    const float wk = load_scale(w, a);
-    const int64_t units = units_of<U>(y);
-    for (int64_t c = 0; c < units; c += kLanes * kUnits) {
-      typename U::Raw xv[kUnits], dv[kUnits];
-#pragma unroll
-      for (int j = 0; j < kUnits; ++j) {
-        const int64_t u = c + j * kLanes + lane;
-        if (u < units) {
-          xv[j] = U::load(src, u);
-          if (kDots) dv[j] = U::load(with, u);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kUnits; ++j) {
-        const int64_t u = c + j * kLanes + lane;
-        if (u < units) {
-          U::store(out, u, w.data == nullptr ? xv[j] : U::scale(xv[j], wk));
-          if (kDots) partial += U::dot(dv[j], xv[j]);
-        }
-      }
-    }
+    partial = move_row_dot<U, kUnits, kLanes, kDots>(row_ptr(x, a / top_k), kDots ? row_ptr(dots_with, r) : nullptr,
+                                                     row_ptr(y, r), w.data != nullptr, load_scale(w, a),
+                                                     units_of<U>(y), lane);
   }
   if (!kDots) return;
   if (kWarp) {
