@@ -144,6 +144,12 @@ __device__ __forceinline__ int64_t padded_total(const PaddingRef& p) {
   return p.num_experts > 0 ? load_index(p.padded_bins, p.num_experts - 1) : 0;
 }
 
+// Padded row of sorted position i of expert e (index::padded_row_of for IndexRefs).
+__device__ __forceinline__ int64_t sorted_padded_row(const IndexRef& bins, const IndexRef& padded_bins, int64_t e,
+                                                     int64_t i) {
+  return index::padded_row(i, e == 0 ? 0 : load_index(bins, e - 1), e == 0 ? 0 : load_index(padded_bins, e - 1));
+}
+
 // Whether padded row r (< P) is a padding row.
 __device__ __forceinline__ bool is_padding_row(const PaddingRef& p, int64_t r) {
   int64_t lo = 0, hi = p.num_experts;  // first e with padded_bins[e] > r

@@ -14,9 +14,7 @@ __global__ void dest_rows_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bi
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < assignments;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t e = load_index(bin_ids, i);
-    const int64_t real_start = e == 0 ? 0 : load_index(bins, e - 1);
-    const int64_t padded_start = e == 0 ? 0 : load_index(padded_bins, e - 1);
-    dest_rows[load_index(indices, i)] = static_cast<int32_t>(index::padded_row(i, real_start, padded_start));
+    dest_rows[load_index(indices, i)] = static_cast<int32_t>(sorted_padded_row(bins, padded_bins, e, i));
   }
 }
 

@@ -426,9 +426,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool valid = a >= 0 && a < assignments && e >= 0 && e < pad.num_experts;
   int64_t r = -1;
   if (valid) {
-    const int64_t real_start = e == 0 ? 0 : load_index(pad.bins, e - 1);
-    const int64_t padded_start = e == 0 ? 0 : load_index(pad.padded_bins, e - 1);
-    r = index::padded_row(i, real_start, padded_start);
+    r = sorted_padded_row(pad.bins, pad.padded_bins, e, i);
     if (r >= load_index(pad.padded_bins, e) || r >= y.rows) r = -1;
   }
   float partial = 0.0f;
