@@ -12,6 +12,7 @@
 // from the memory system's own limit for a mix; results in bench/results/.
 // Usage: padmoe_bandwidth [GiB per buffer, default 2]
 #include <cooperative_groups.h>
+#include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -256,14 +257,19 @@ __global__ void route_spread_read_kernel(const uint4* x, const uint4* other, uin
 // make_plan's skeleton at T = 16384, K = 8, E = 256: the fused plan's memory phases with no
 // ranking (what a one-launch plan cannot skip). Every block counts its chunk of ids into a
 // shared histogram with integer atomics and writes its counts, waits at a grid barrier, reads
-// the [G, E] counts (a column an expert: its base, over all blocks and those before it), then
-// places its ids by shared atomics (unordered: no stable rank) and writes one int each.
+// the [G, E] counts (a column an expert, as padmoe's fused plan reads them: two threads an
+// expert, each half the blocks, 16 loads in flight), scans the totals (cub), then places its
+// ids by shared atomics (unordered: no stable rank) and writes one int each.
 // `counts_only`: stop after the grid barrier (launch + id loads + histogram + barrier).
-__global__ void plan_skeleton_kernel(const int* ids, int* counts, int* dest, int A, int E, int chunk,
-                                     bool counts_only) {
+constexpr int kSkeletonThreads = 512;
+__global__ void __launch_bounds__(kSkeletonThreads)
+    plan_skeleton_kernel(const int* ids, int* counts, int* dest, int A, int E, int chunk, bool counts_only) {
+  using Scan = cub::BlockScan<int, kSkeletonThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
   extern __shared__ int sh[];
   int* hist = sh;      // [E]
   int* base = sh + E;  // [E]
+  int* half = sh + 2 * E;  // [2][E]: the second thread's sums
   for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   const int begin = static_cast<int>(blockIdx.x) * chunk;
@@ -279,28 +285,41 @@ __global__ void plan_skeleton_kernel(const int* ids, int* counts, int* dest, int
   for (int e = threadIdx.x; e < E; e += blockDim.x) counts[static_cast<size_t>(blockIdx.x) * E + e] = hist[e];
   cooperative_groups::this_grid().sync();
   if (counts_only) return;
-  // expert e's base: all blocks' counts of the experts before e (a block scan), plus this
-  // block's column prefix; one thread an expert (E <= blockDim)
-  const int e = threadIdx.x;
+  // expert x's total over all blocks and its count in the blocks before this one; E <= 256:
+  // thread x reads blocks [0, G/2), thread x + 256 blocks [G/2, G)
+  const int G = static_cast<int>(gridDim.x), cb = static_cast<int>(blockIdx.x);
+  const int t = threadIdx.x, x = t & 255, second = t >> 8;
+  const int lo = second ? G / 2 : 0, hi = second ? G : G / 2;
   int total = 0, before = 0;
-  if (e < E) {
-    for (int g = 0; g < static_cast<int>(gridDim.x); ++g) {
-      const int c = counts[static_cast<size_t>(g) * E + e];
-      total += c;
-      if (g < static_cast<int>(blockIdx.x)) before += c;
+  if (x < E) {
+    constexpr int kBatch = 16;
+    for (int b0 = lo; b0 < hi; b0 += kBatch) {
+      int v[kBatch];
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) v[q] = b0 + q < hi ? __ldcg(counts + static_cast<size_t>(b0 + q) * E + x) : 0;
+#pragma unroll
+      for (int q = 0; q < kBatch; ++q) {
+        total += v[q];
+        if (b0 + q < cb) before += v[q];
+      }
     }
   }
-  // exclusive scan of the totals over the block (Hillis-Steele in shared memory)
-  if (e < E) base[e] = total;
-  __syncthreads();
-  for (int off = 1; off < E; off <<= 1) {
-    const int v = e < E && e >= off ? base[e - off] : 0;
-    __syncthreads();
-    if (e < E) base[e] += v;
-    __syncthreads();
+  if (second && x < E) {
+    half[x] = total;
+    half[E + x] = before;
   }
+  __syncthreads();
+  const int e = t;
   if (e < E) {
-    base[e] = base[e] - total + before;  // exclusive prefix + this block's column prefix
+    total += half[e];
+    before += half[E + e];
+  } else {
+    total = before = 0;
+  }
+  int excl = 0;
+  Scan(scan_storage).ExclusiveSum(total, excl);
+  if (e < E) {
+    base[e] = excl + before;  // exclusive prefix + this block's column prefix
     hist[e] = 0;
   }
   __syncthreads();
@@ -362,6 +381,44 @@ float graph_us(F&& f, int reps, int iters) {
   CHECK(cudaGraphDestroy(g));
   CHECK(cudaStreamDestroy(s));
   return ms[ms.size() / 2] * 1e3f / reps;
+}
+
+// As padmoe bench's graph column times an op: f captured once (one graph of its launches), a
+// sample = `replays` back-to-back cudaGraphLaunch calls between two events, divided by `replays`
+// (each replay pays a graph launch, which graph_us above shares among its in-graph launches).
+template <typename F>
+float graphs_us(F&& f, int replays, int iters) {
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t g;
+  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  f(s);
+  CHECK(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t ge;
+  CHECK(cudaGraphInstantiate(&ge, g, 0));
+  CHECK(cudaGraphUpload(ge, s));
+  for (int i = 0; i < replays; ++i) CHECK(cudaGraphLaunch(ge, s));
+  CHECK(cudaStreamSynchronize(s));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) {
+    CHECK(cudaEventRecord(a, s));
+    for (int r = 0; r < replays; ++r) CHECK(cudaGraphLaunch(ge, s));
+    CHECK(cudaEventRecord(b, s));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  CHECK(cudaGraphExecDestroy(ge));
+  CHECK(cudaGraphDestroy(g));
+  CHECK(cudaStreamDestroy(s));
+  return ms[ms.size() / 2] * 1e3f / replays;
 }
 
 int main(int argc, char** argv) {
@@ -492,6 +549,15 @@ int main(int argc, char** argv) {
               fan_out_kernel<<<256, 256, 0, st>>>(a, b, units, 8, 2048);
             }, 10, iters));
     greport("  empty kernel", 0.0, graph_us([&](cudaStream_t st) { write_kernel<<<1, 32, 0, st>>>(b, 0); }, 10, iters));
+    std::printf("decode-sized, one launch a graph, 10 graphs replayed back to back (padmoe bench's graph column):\n");
+    greport("  empty kernel", 0.0, graphs_us([&](cudaStream_t st) { write_kernel<<<1, 32, 0, st>>>(b, 0); }, 10, iters));
+    greport("  two empty kernels", 0.0, graphs_us([&](cudaStream_t st) {
+              write_kernel<<<1, 32, 0, st>>>(b, 0);
+              write_kernel<<<1, 32, 0, st>>>(b, 0);
+            }, 10, iters));
+    greport("  write 2048 rows (16-byte store kernel)", double(dec_bytes) / 2, graphs_us([&](cudaStream_t st) {
+              write_kernel<<<prop.multiProcessorCount * 4, 256, 0, st>>>(b, dec_bytes / 32);
+            }, 10, iters));
   }
   {
     // the routing ops' traffic at each preset's sizes (T = 16384; P as padmoe bench reports it)
@@ -531,6 +597,8 @@ int main(int argc, char** argv) {
         if (!graph) return;
         std::snprintf(label, sizeof label, "  %s %s, graph", sh.name, what);
         greport(label, moved, graph_us(launch, 10, iters));
+        std::snprintf(label, sizeof label, "  %s %s, a graph each", sh.name, what);
+        greport(label, moved, graphs_us(launch, 10, iters));
       };
       both("dispatch (T + P rows)", (double(sh.T) + sh.P) * row, [&](cudaStream_t st) {
         route_spread_kernel<<<spread_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units, sh.K, sh.T, pads, zero_rows);
@@ -553,7 +621,7 @@ int main(int argc, char** argv) {
   {
     // make_plan's floor for a one-launch design: the skeleton above at deepseek-v3's ids
     // (A = 131072, E = 256) on 128 blocks of 512 threads, as padmoe's fused plan launches
-    const int A = 16384 * 8, E = 256, G = 128, threads = 512, chunk = (A + G - 1) / G;
+    const int A = 16384 * 8, E = 256, G = 128, threads = kSkeletonThreads, chunk = (A + G - 1) / G;
     std::vector<int> ids(A);
     unsigned long long st = 0x2545f4914f6cdd1dull;
     for (int& v : ids) {
@@ -568,7 +636,7 @@ int main(int argc, char** argv) {
     int coop = 0, dev = 0, per_sm = 0;
     CHECK(cudaGetDevice(&dev));
     CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
-    const size_t smem = 2 * E * sizeof(int);
+    const size_t smem = 4 * E * sizeof(int);
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_skeleton_kernel, threads, smem));
     if (coop != 0 && per_sm * prop.multiProcessorCount >= G) {
       std::printf("make_plan's skeleton, A = 131072, E = 256, 128 blocks of 512 (one launch, grid barrier):\n");
@@ -589,6 +657,8 @@ int main(int argc, char** argv) {
         report(label, 0.0, time_ms([&] { launch(cudaStream_t{}); }, iters));
         std::snprintf(label, sizeof label, "%s, graph", what);
         greport(label, 0.0, graph_us(launch, 10, iters));
+        std::snprintf(label, sizeof label, "%s, a graph each", what);
+        greport(label, 0.0, graphs_us(launch, 10, iters));
       }
       // the placement's result: every row below A taken once
       std::vector<int> got(A);

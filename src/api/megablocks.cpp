@@ -46,7 +46,6 @@ struct Routed {
   TensorView indices, bin_ids;  // sorted form (dest_rows built from these)
   const PlanView* plan = nullptr;
   std::shared_ptr<cuda::Scratch> scratch;
-  bool sorted_spread = false;  // the spread reads (indices, bin_ids) itself: no dest_rows built
 };
 
 // MegaBlocks arguments. `device` is the row tensors' device.
@@ -103,11 +102,9 @@ Routed routed_from_plan(const Checker& c, const PlanView& plan, Device device) {
 }
 
 // CUDA: checked mode validates the routing (and P against rows_limit) on the
-// device; then dest_rows is built for the MegaBlocks-style arguments, unless the
-// op is a spread alone (`spread_only`) and cuda::sorted_spread() asks the spread
-// to read the sorted arguments itself. Called after every host-side check,
-// before anything is written. CPU: nothing left.
-void prepare(const Checker& c, Routed& r, const Options& o, bool spread_only = false) {
+// device; then dest_rows is built for the MegaBlocks-style arguments. Called
+// after every host-side check, before anything is written. CPU: nothing left.
+void prepare(const Checker& c, Routed& r, const Options& o) {
   if (!r.on_cuda) return;
   if (o.check_data) {
     cuda::Scratch scratch(o, cuda::validate_workspace_bytes(r.assignments), r.device_index);
@@ -118,10 +115,6 @@ void prepare(const Checker& c, Routed& r, const Options& o, bool spread_only = f
                                             r.padding.bins, r.padding.padded_bins, r.assignments,
                                             r.padding.num_experts, r.rows_limit, scratch.get(), o.stream);
     detail::raise_violation(c, v, detail::ViolationNames{"bin_ids", r.assignments, r.rows_limit_name});
-  }
-  if (r.plan == nullptr && spread_only && cuda::sorted_spread() > 0) {
-    r.sorted_spread = true;
-    return;
   }
   if (r.plan == nullptr) {
     r.scratch = std::make_shared<cuda::Scratch>(o, static_cast<size_t>(r.assignments) * 4, r.device_index);
@@ -178,17 +171,12 @@ void run_spread(const Routed& r, const TensorView& x, const std::optional<Tensor
                 const ScalePair* scales = nullptr) {
   if (r.on_cuda) {
     const cuda::RowsArg with = dots_with ? rows_arg(*dots_with) : cuda::RowsArg{};
-    const cuda::FloatOutArg dots_arg = dots ? cuda::FloatOutArg{dots->data, dots->dtype} : cuda::FloatOutArg{};
-    if (r.sorted_spread && scales == nullptr) {
-      cuda::spread_rows_sorted(rows_arg(x), r.top_k, cuda::IndexRef::of(r.indices), cuda::IndexRef::of(r.bin_ids),
-                               r.assignments, scale_arg(w), rows_arg(y), r.padding, zero_padding, o.zero_tail,
-                               dots_with ? &with : nullptr, dots_arg, o.stream);
-      return;
-    }
     const cuda::ScaleRowsArg sc =
         scales ? detail::cuda_scale_rows(scales->src, scales->dst, scales->spec) : cuda::ScaleRowsArg{};
     cuda::spread_rows(rows_arg(x), r.top_k, r.dest_rows, scale_arg(w), rows_arg(y), r.padding, zero_padding,
-                      o.zero_tail, dots_with ? &with : nullptr, dots_arg, o.stream, scales ? &sc : nullptr);
+                      o.zero_tail, dots_with ? &with : nullptr,
+                      dots ? cuda::FloatOutArg{dots->data, dots->dtype} : cuda::FloatOutArg{}, o.stream,
+                      scales ? &sc : nullptr);
     return;
   }
   const cpu::RowsRef with = dots_with ? cpu::RowsRef::of(*dots_with) : cpu::RowsRef{};
@@ -346,7 +334,7 @@ void padded_gather_out(const TensorView& x, const TensorView& indices, const Ten
   Checker c("padded_gather");
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
   check_padded_out(c, y, "y", r, x);
-  prepare(c, r, options, /*spread_only=*/true);
+  prepare(c, r, options);
   run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
 }
 
@@ -355,7 +343,7 @@ Tensor padded_gather(const TensorView& x, const TensorView& indices, const Tenso
                      const std::optional<TensorView>& weights, const Options& options) {
   Checker c("padded_gather");
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
-  prepare(c, r, options, /*spread_only=*/true);
+  prepare(c, r, options);
   read_padded_rows(r, options);
   Tensor y = alloc_padded(r, x);
   run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
@@ -468,7 +456,7 @@ void padded_scatter_backward_out(const TensorView& grad_out, const TensorView& y
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
   check_padded_out(c, grad_y, "grad_y", r, y);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, y);
-  prepare(c, r, options, /*spread_only=*/true);
+  prepare(c, r, options);
   run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
 }
 
@@ -479,7 +467,7 @@ RowGrads padded_scatter_backward(const TensorView& grad_out, const TensorView& y
   Checker c("padded_scatter_backward");
   Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
-  prepare(c, r, options, /*spread_only=*/true);
+  prepare(c, r, options);
   read_padded_rows(r, options);
   RowGrads g{alloc_padded(r, y), alloc_weight_grad(r, weights, y)};
   run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr, weights ? &g.grad_weights.view() : nullptr,

@@ -171,17 +171,6 @@ void set_pdl(int mode);
 void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
                  FloatOutArg dots, void* stream, const ScaleRowsArg* scales = nullptr);
-// spread_rows from the sorted (MegaBlocks) arguments, with no dest_rows built first: sorted
-// position i moves row indices[i] / top_k of x (times w[indices[i]]) to its padded row; dots as
-// for spread_rows. No scale rows. Used by the padded_* spreads only when sorted_spread() > 0:
-// 0 off (the default, until measured), 1 a block a position, 2 a warp a position (the dots then
-// bit for bit spread_rows' warp kernel's). PADMOE_CUDA_SORTED_SPREAD=0|1|2 (read once);
-// set_sorted_spread (tests, benchmarks; -1 back to the environment's choice) overrides it.
-void spread_rows_sorted(const RowsArg& x, int top_k, IndexRef indices, IndexRef bin_ids, int64_t assignments,
-                        ScaleArg w, const RowsArg& y, const PaddingRef& padding, bool zero_padding,
-                        bool zero_past_end, const RowsArg* dots_with, FloatOutArg dots, void* stream);
-int sorted_spread();
-void set_sorted_spread(int mode);
 
 // out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]], float32, dest < 0 skipped.
 // When dots_with is given: dots[a] = <y[dest[a]], dots_with[a/K]> from the same reads of y.

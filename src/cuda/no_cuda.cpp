@@ -44,12 +44,6 @@ void spread_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, 
                  const RowsArg*, FloatOutArg, void*, const ScaleRowsArg*) {
   unavailable("spread_rows");
 }
-void spread_rows_sorted(const RowsArg&, int, IndexRef, IndexRef, int64_t, ScaleArg, const RowsArg&, const PaddingRef&,
-                        bool, bool, const RowsArg*, FloatOutArg, void*) {
-  unavailable("spread_rows");
-}
-int sorted_spread() { return 0; }
-void set_sorted_spread(int) {}
 void reduce_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, const RowsArg*, FloatOutArg, void*) {
   unavailable("reduce_rows");
 }

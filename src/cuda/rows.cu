@@ -339,7 +339,7 @@ constexpr int kWarpUnits = 8;  // the gather's warp dots, and the two-block spre
 
 // Row src moved to out (times wk when `scaled`) by kLanes lanes, kUnits 16-byte units a lane and
 // round, every load of a round before its first store; with kDots, also the lane's share of
-// <with, src> (its units in ascending order). The warp spread and the sorted spread share it.
+// <with, src> (its units in ascending order). The warp spread with dots uses it.
 template <typename U, int kUnits, int kLanes, bool kDots>
 __device__ __forceinline__ float move_row_dot(const char* src, const char* with, char* out, bool scaled, float wk,
                                               int64_t units, int lane) {
@@ -392,58 +392,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
   if (lane == 0) store_float(dots, a, r < 0 ? 0.0f : partial);
-}
-
-// Spread from the sorted (MegaBlocks) arguments, with no dest_rows built first (the padded_*
-// ops' separate map launch): sorted position i moves token indices[i] / top_k's row to padded
-// row i - bins[e-1] + padded_bins[e-1] (e = bin_ids[i]), times w[indices[i]], and with kDots
-// writes dots[indices[i]] = <dots_with[row], x[token]>. kWarp: a warp a position (4 loads of
-// each row a lane and round, the warp spread's order: its dots are bit for bit the warp
-// spread's); else a block a position. A token's row is read once for each of its top_k
-// positions (from L2 after the first when the token rows fit there: meant for few tokens).
-// Entries out of range (unchecked bad input only) write nothing. Zero blocks as above.
-template <typename T, bool kVec, bool kDots, bool kWarp>
-__global__ void __launch_bounds__(kThreads)
-    spread_sorted_kernel(RowsArg x, int top_k, IndexRef indices, IndexRef bin_ids, int64_t assignments, ScaleArg w,
-                         RowsArg y, PaddingRef pad, bool zero_padding, bool zero_past_end, RowsArg dots_with,
-                         FloatOutArg dots, int64_t sorted_blocks, int zero_rows) {
-  pdl_begin();
-  using U = Unit<T, kVec>;
-  constexpr int kUnits = 4;
-  constexpr int kLanes = kWarp ? 32 : kThreads;
-  __shared__ float s_warp[kThreads / 32];
-  if (blockIdx.x >= sorted_blocks) {
-    zero_padding_rows<U, false>(y, pad, zero_padding, zero_past_end,
-                                (static_cast<int64_t>(blockIdx.x) - sorted_blocks) * zero_rows, zero_rows,
-                                ScaleRowsArg{});
-    return;
-  }
-  const int64_t i = kWarp ? static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32 : blockIdx.x;
-  const int lane = kWarp ? static_cast<int>(threadIdx.x % 32) : static_cast<int>(threadIdx.x);
-  if (i >= assignments) return;  // kWarp only (a block a position: exactly `assignments` blocks)
-  const int64_t a = load_index(indices, i);
-  const int64_t e = load_index(bin_ids, i);
-  const bool valid = a >= 0 && a < assignments && e >= 0 && e < pad.num_experts;
-  int64_t r = -1;
-  if (valid) {
-    r = sorted_padded_row(pad.bins, pad.padded_bins, e, i);
-    if (r >= load_index(pad.padded_bins, e) || r >= y.rows) r = -1;
-  }
-  float partial = 0.0f;
-  if (r >= 0) {  // uniform in the warp (kWarp) or the block
-    partial = move_row_dot<U, kUnits, kLanes, kDots>(row_ptr(x, a / top_k), kDots ? row_ptr(dots_with, r) : nullptr,
-                                                     row_ptr(y, r), w.data != nullptr, load_scale(w, a),
-                                                     units_of<U>(y), lane);
-  }
-  if (!kDots) return;
-  if (kWarp) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
-    if (lane == 0 && valid) store_float(dots, a, r < 0 ? 0.0f : partial);
-    return;
-  }
-  const float total = block_sum(partial, s_warp);
-  if (threadIdx.x == 0 && valid) store_float(dots, a, r < 0 ? 0.0f : total);
 }
 
 // --- reduce ---------------------------------------------------------------------
@@ -842,13 +790,6 @@ struct SpreadDotsWarp {
     static constexpr auto fn = spread_dots_warp_kernel<T, kVec, kMinBlocks, kUnits>;
   };
 };
-template <bool kDots, bool kWarp>
-struct SpreadSorted {
-  template <typename T, bool kVec>
-  struct Tag {
-    static constexpr auto fn = spread_sorted_kernel<T, kVec, kDots, kWarp>;
-  };
-};
 template <typename T, bool kVec>
 struct GatherDotsWarpTag {
   static constexpr auto fn = gather_dots_warp_kernel<T, kVec>;
@@ -1020,6 +961,16 @@ int dot_kernels() {
 // dispatch_backward(w) 12.2 -> 10.2 us in a graph against the wide shape, which had been
 // 18.1 -> 12.0 against the block kernel).
 bool few_tokens(int64_t tokens) { return tokens < few_tokens_blocks(); }
+// The plain reduce's shape for top_k > 2 (units a thread, source rows loaded together):
+// 0 (1, 4), the default; 1 (1, 8); 2 (2, 8); 3 (2, 4). PADMOE_CUDA_REDUCE_SHAPE, read once.
+int plain_reduce_shape() {
+  static const int s = [] {
+    const char* v = std::getenv("PADMOE_CUDA_REDUCE_SHAPE");
+    const int n = v != nullptr ? std::atoi(v) : 0;
+    return n >= 0 && n <= 3 ? n : 0;
+  }();
+  return s;
+}
 bool warp_row_dots() { return dot_kernels() != 0; }
 bool warp_spread_dots() { return dot_kernels() != 0; }
 // Reduce with dots: 0 the block kernel, 1 its wide shape, 2 a warp a token, 3 a block a token
@@ -1041,49 +992,6 @@ int reduce_dots_kernel(int64_t tokens, int top_k) {
   return pick;
 }
 }  // namespace
-
-// The sorted spread (spread_rows_sorted): 0 off (the default: not measured yet), 1 a block a
-// position, 2 a warp a position. PADMOE_CUDA_SORTED_SPREAD (read once) or set_sorted_spread.
-static std::atomic<int> g_sorted_spread{-2};  // -2: not set by set_sorted_spread
-
-int sorted_spread() {
-  const int forced = g_sorted_spread.load(std::memory_order_relaxed);
-  if (forced != -2) return forced;
-  static const int env = [] {
-    const char* v = std::getenv("PADMOE_CUDA_SORTED_SPREAD");
-    const int m = v != nullptr ? std::atoi(v) : 0;
-    return m >= 0 && m <= 2 ? m : 0;
-  }();
-  return env;
-}
-
-void set_sorted_spread(int mode) {
-  g_sorted_spread.store(mode < 0 || mode > 2 ? -2 : mode, std::memory_order_relaxed);
-}
-
-void spread_rows_sorted(const RowsArg& x, int top_k, IndexRef indices, IndexRef bin_ids, int64_t assignments,
-                        ScaleArg w, const RowsArg& y, const PaddingRef& padding, bool zero_padding,
-                        bool zero_past_end, const RowsArg* dots_with, FloatOutArg dots, void* stream) {
-  const int mode = sorted_spread() == 1 ? 1 : 2;
-  const int zero_rows = zero_rows_per_block(x.rows);
-  const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, zero_rows) : 0;
-  if (y.cols == 0 && dots.data == nullptr) return;  // H = 0 still writes zero dots
-  const int64_t sorted_blocks = mode == 1 ? assignments : index::ceil_div(assignments, kThreads / 32);
-  if (sorted_blocks + zero_blocks == 0) return;
-  const bool vec = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(*dots_with));
-  const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
-  auto launch = [&](auto tag) {
-    using Tag = decltype(tag);
-    launch_kernel("spread_sorted_kernel", Tag::fn, static_cast<unsigned>(sorted_blocks + zero_blocks), kThreads, 0,
-        as_stream(stream), x, top_k, indices, bin_ids, assignments, w, y, padding, zero_padding, zero_past_end, with,
-        dots, sorted_blocks, zero_rows);
-  };
-  const bool want_dots = dots.data != nullptr;
-  if (want_dots && mode == 2) pick<SpreadSorted<true, true>::Tag>(x.dtype, vec, launch);
-  else if (want_dots) pick<SpreadSorted<true, false>::Tag>(x.dtype, vec, launch);
-  else if (mode == 2) pick<SpreadSorted<false, true>::Tag>(x.dtype, vec, launch);
-  else pick<SpreadSorted<false, false>::Tag>(x.dtype, vec, launch);
-}
 
 void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 3 ? -1 : mode, std::memory_order_relaxed); }
 
@@ -1145,7 +1053,8 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
   const bool vec = rows_vectorizable(y) && rows_vectorizable(out) && (dots_with == nullptr || rows_vectorizable(g));
   const bool dots_wanted = dots.data != nullptr;
   const int64_t units = vec ? out.cols * static_cast<int64_t>(element_size(out.dtype)) / 16 : out.cols;
-  const Slicing sl = slicing_for(out.rows, units, top_k <= 2 ? 2 * kThreads : kThreads, dots_wanted);
+  const int plain = top_k <= 2 || dots_wanted ? 0 : plain_reduce_shape();
+  const Slicing sl = slicing_for(out.rows, units, top_k <= 2 || plain >= 2 ? 2 * kThreads : kThreads, dots_wanted);
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("reduce_kernel", Tag::fn, static_cast<unsigned>(out.rows * sl.slices), kThreads, 0,
@@ -1174,6 +1083,9 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
     // loads in flight instead of 4: (2, 8).
     if (dots_kernel == 1) pick<ReduceShape<2, 8, true>::Tag>(y.dtype, vec, launch);
     else if (dots_wanted) pick<ReduceShape<1, 4, true>::Tag>(y.dtype, vec, launch);
+    else if (plain == 1) pick<ReduceShape<1, 8, false>::Tag>(y.dtype, vec, launch);
+    else if (plain == 2) pick<ReduceShape<2, 8, false>::Tag>(y.dtype, vec, launch);
+    else if (plain == 3) pick<ReduceShape<2, 4, false>::Tag>(y.dtype, vec, launch);
     else pick<ReduceShape<1, 4, false>::Tag>(y.dtype, vec, launch);
   }
 }

@@ -759,49 +759,6 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
   padmoe::cuda::set_dot_kernels(-1);
 }
 
-// The sorted spread (padded_gather / padded_scatter_backward reading indices and bin_ids
-// themselves, no dest_rows built): a block a position (1) and a warp a position (2), against
-// the CPU on the CPU-vs-GPU workloads, and at a decode-like shape the rows bitwise equal to
-// the default path's, the warp form's dots too (the same lane order as the warp spread).
-TEST(SortedSpread, MatchesCpuAndDefaultPath) {
-  REQUIRE_GPU();
-  const std::vector<std::string> names = {"tiny", "empty_T", "empty_H", "skewed", "topk1", "topk8", "H3",
-                                          "H4097", "H4096_vec", "align16_tiny_segments", "only_last_expert"};
-  const int64_t T = 300, H = 7168;
-  const int K = 8, E = 64, m = 16;
-  const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 5);
-  const Tensor dte = to_gpu(index_matrix(te, T, K, DType::kInt32));
-  const padmoe::Plan plan = padmoe::make_plan(dte, E, m);
-  const padmoe::PlanView v = plan.view();
-  const int64_t P = padmoe::padded_rows(plan.view());
-  Rng rng(19);
-  const Tensor dx = to_gpu(rows_from_float(random_values(T * H, DType::kBFloat16, rng), DType::kBFloat16, T, H));
-  const Tensor dy = to_gpu(rows_from_float(random_values(P * H, DType::kBFloat16, rng), DType::kBFloat16, P, H));
-  const Tensor dw = to_gpu(vec_from_float(random_values(T * K, DType::kFloat32, rng, 0, 1), DType::kFloat32));
-  auto run = [&] {
-    const Tensor g = padmoe::padded_gather(dx, v.indices, v.bin_ids, v.bins, v.padded_bins, K, TensorView(dw));
-    const padmoe::RowGrads b =
-        padmoe::padded_scatter_backward(dx, dy, v.indices, v.bin_ids, TensorView(dw), v.bins, v.padded_bins, K);
-    return std::vector<Tensor>{to_cpu(g), to_cpu(b.grad_rows), to_cpu(b.grad_weights)};
-  };
-  padmoe::cuda::set_sorted_spread(0);
-  const std::vector<Tensor> base = run();
-  for (int mode : {1, 2}) {
-    SCOPED_TRACE("sorted spread " + std::to_string(mode));
-    padmoe::cuda::set_sorted_spread(mode);
-    for (const Workload& wl : workloads()) {
-      if (std::find(names.begin(), names.end(), wl.name) == names.end()) continue;
-      for (const Combo& cb : combos_of(wl.name == "H3" || wl.name == "topk8" ? 0 : 1)) run_cpu_vs_gpu(wl, cb, 13);
-    }
-    const std::vector<Tensor> got = run(), again = run();
-    EXPECT_TRUE(all_same(got[0], base[0])) << "padded_gather rows";
-    EXPECT_TRUE(all_same(got[1], base[1])) << "padded_scatter_backward rows";
-    if (mode == 2) EXPECT_TRUE(all_same(got[2], base[2])) << "padded_scatter_backward dots (warp form)";
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(all_same(got[i], again[i])) << "output " << i << " repeats";
-  }
-  padmoe::cuda::set_sorted_spread(-1);
-}
-
 // The layouts of make_plan (DeepGEMM's rows, vLLM's blocks, P) and moe_align_block_size: the GPU
 // against the references, with few tokens (A < E: vLLM's smaller buffer) and many, both count kernels.
 TEST(CpuVsGpuEdge, PlanLayoutsAndAlignedBlocks) {
