@@ -485,8 +485,9 @@ __global__ void __launch_bounds__(kThreads)
 // one barrier at the end (kSplit 8). The row sums are the block kernel's bit for bit (acc + w*y
 // in ascending k, one rounding to the row dtype); each dot sums a lane's units in ascending
 // order, then a fixed shuffle tree (and the warps in order): deterministic, not the block
-// kernel's order.
-template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit>
+// kernel's order. kDots false: the plain reduce in the same form (no g, no dots; the sums are
+// the same bits).
+template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit, bool kDots = true>
 __global__ void __launch_bounds__(kThreads)
     reduce_dots_warp_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
                             FloatOutArg dots) {
@@ -517,7 +518,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t units = units_of<U>(out);
   char* dst = row_ptr(out, t);
-  const char* grow = row_ptr(g, t);
+  const char* grow = kDots ? row_ptr(g, t) : nullptr;
   for (int64_t c = 0; c < units; c += kLanes * kUnits) {
     typename U::Raw v[kMaxK][kUnits], gv[kUnits];
 #pragma unroll
@@ -532,7 +533,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) {
       const int64_t u = c + j * kLanes + part;
-      if (u < units) gv[j] = U::load(grow, u);
+      if (kDots && u < units) gv[j] = U::load(grow, u);
     }
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) {
@@ -548,35 +549,37 @@ __global__ void __launch_bounds__(kThreads)
         U::to_float(v[q][j], f);
 #pragma unroll
         for (int i = 0; i < U::N; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk[q], f[i]));
-        partial[q] += U::dot(v[q][j], gv[j]);
+        if constexpr (kDots) partial[q] += U::dot(v[q][j], gv[j]);
       }
       U::store(dst, u, U::from_float(acc));
     }
   }
+  if constexpr (kDots) {  // the dots: lane sums, then the warps (kSplit 8) in order
 #pragma unroll
-  for (int q = 0; q < kMaxK; ++q) {
+    for (int q = 0; q < kMaxK; ++q) {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) partial[q] += __shfl_xor_sync(0xffffffffu, partial[q], off);
-  }
-  if (kSplit == 1) {
+      for (int off = 16; off > 0; off >>= 1) partial[q] += __shfl_xor_sync(0xffffffffu, partial[q], off);
+    }
+    if (kSplit == 1) {
+      if (lane == 0) {
+#pragma unroll
+        for (int q = 0; q < kMaxK; ++q) {
+          if (q < top_k) store_float(dots, index::assignment_id(t, q, top_k), row[q] < 0 ? 0.0f : partial[q]);
+        }
+      }
+      return;
+    }
     if (lane == 0) {
 #pragma unroll
-      for (int q = 0; q < kMaxK; ++q) {
-        if (q < top_k) store_float(dots, index::assignment_id(t, q, top_k), row[q] < 0 ? 0.0f : partial[q]);
-      }
+      for (int q = 0; q < kMaxK; ++q) s_part[warp % kSplit][q] = partial[q];
     }
-    return;
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int q = 0; q < kMaxK; ++q) s_part[warp % kSplit][q] = partial[q];
-  }
-  __syncthreads();
-  if (threadIdx.x < static_cast<unsigned>(top_k)) {
-    const int q = static_cast<int>(threadIdx.x);
-    float sum = 0.0f;
-    for (int v = 0; v < kSplit; ++v) sum += s_part[v][q];
-    store_float(dots, index::assignment_id(t, q, top_k), my_row < 0 ? 0.0f : sum);
+    __syncthreads();
+    if (threadIdx.x < static_cast<unsigned>(top_k)) {
+      const int q = static_cast<int>(threadIdx.x);
+      float sum = 0.0f;
+      for (int v = 0; v < kSplit; ++v) sum += s_part[v][q];
+      store_float(dots, index::assignment_id(t, q, top_k), my_row < 0 ? 0.0f : sum);
+    }
   }
 }
 
@@ -810,11 +813,11 @@ struct ReduceShape {
     static constexpr auto fn = reduce_kernel<T, kVec, kDots, kUnits, kBatch>;
   };
 };
-template <int kMaxK, int kUnits, int kSplit>
+template <int kMaxK, int kUnits, int kSplit, bool kDots = true>
 struct ReduceDotsWarp {
   template <typename T, bool kVec>
   struct Tag {
-    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits, kSplit>;
+    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits, kSplit, kDots>;
   };
 };
 template <typename T, bool kVec>
@@ -961,15 +964,30 @@ int dot_kernels() {
 // dispatch_backward(w) 12.2 -> 10.2 us in a graph against the wide shape, which had been
 // 18.1 -> 12.0 against the block kernel).
 bool few_tokens(int64_t tokens) { return tokens < few_tokens_blocks(); }
-// The plain reduce's shape for top_k > 2 (units a thread, source rows loaded together):
-// 0 (1, 4), the default; 1 (1, 8); 2 (2, 8); 3 (2, 4). PADMOE_CUDA_REDUCE_SHAPE, read once.
-int plain_reduce_shape() {
-  static const int s = [] {
+constexpr int kWarpReduceK = 8;  // the warp kernels' largest top_k
+// The plain reduce's shape: 0 the block kernel at (1, 4) (units a thread, source rows loaded
+// together; top-2 has its own shape, (2, 2)); for top_k > 2 also 1 (1, 8), 2 (2, 8), 3 (2, 4);
+// for top_k <= 8, 4 a block a token and 5 a warp a token in the warp kernel's form (every
+// source row's unit loaded before the first add; the same sums, bit for bit). Measured on the
+// H200 (graph us at decode, T = 256, K = 8, two rounds each): 1 takes 0-0.2 µs off the plain
+// reduces (combine(w) 8.9 / 9.0 either way, padded_scatter 10.7 / 10.8 -> 10.5 / 10.7,
+// dispatch_backward 9.0 / 8.8 -> 8.7 / 8.8) and 0.3-0.4 off plan + dispatch + combine (34.2 /
+// 34.2 -> 33.8 / 33.9); 2 and 3 add 0.6-1.2 µs; at qwen3-30b-a3b 1 costs 3-5%. So 1 for few
+// tokens, else 0. 4 and 5: compiled, not yet measured.
+// PADMOE_CUDA_REDUCE_SHAPE=0..5 (read once; measurements) or set_reduce_shape (tests) forces one.
+std::atomic<int> g_reduce_shape{-2};  // -2: not set by set_reduce_shape
+int plain_reduce_shape(int64_t tokens, int top_k) {
+  static const int env = [] {
     const char* v = std::getenv("PADMOE_CUDA_REDUCE_SHAPE");
-    const int n = v != nullptr ? std::atoi(v) : 0;
-    return n >= 0 && n <= 3 ? n : 0;
+    const int n = v != nullptr ? std::atoi(v) : -1;
+    return v != nullptr && n >= 0 && n <= 5 ? n : -1;
   }();
-  return s;
+  const int set = g_reduce_shape.load(std::memory_order_relaxed);
+  const int forced = set != -2 ? set : env;
+  int shape = forced >= 0 ? forced : (top_k > 2 && few_tokens(tokens) ? 1 : 0);
+  if (shape >= 4 && top_k > kWarpReduceK) shape = 0;
+  if (shape >= 1 && shape <= 3 && top_k <= 2) shape = 0;
+  return shape;
 }
 bool warp_row_dots() { return dot_kernels() != 0; }
 bool warp_spread_dots() { return dot_kernels() != 0; }
@@ -977,7 +995,6 @@ bool warp_spread_dots() { return dot_kernels() != 0; }
 // in the warp kernel's form (kSplit 8; 2 and 3 for top_k <= 8, else the block kernel or its
 // wide shape). PADMOE_CUDA_DOTS forces the family; else PADMOE_CUDA_REDUCE_DOTS=0|1|2|3 (read
 // once, measurements) picks the reduce alone; else by shape: 3 for few tokens, 2 otherwise.
-constexpr int kWarpReduceK = 8;
 int reduce_dots_kernel(int64_t tokens, int top_k) {
   int pick = dot_kernels();
   if (pick < 0) {
@@ -992,6 +1009,10 @@ int reduce_dots_kernel(int64_t tokens, int top_k) {
   return pick;
 }
 }  // namespace
+
+void set_reduce_shape(int shape) {
+  g_reduce_shape.store(shape < -1 || shape > 5 ? -1 : shape, std::memory_order_relaxed);
+}
 
 void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 3 ? -1 : mode, std::memory_order_relaxed); }
 
@@ -1053,7 +1074,20 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
   const bool vec = rows_vectorizable(y) && rows_vectorizable(out) && (dots_with == nullptr || rows_vectorizable(g));
   const bool dots_wanted = dots.data != nullptr;
   const int64_t units = vec ? out.cols * static_cast<int64_t>(element_size(out.dtype)) / 16 : out.cols;
-  const int plain = top_k <= 2 || dots_wanted ? 0 : plain_reduce_shape();
+  const int plain = dots_wanted ? 0 : plain_reduce_shape(out.rows, top_k);
+  if (plain >= 4) {  // a block (4) or a warp (5) a token, no dots
+    const int64_t blocks = plain == 5 ? index::ceil_div(out.rows, kThreads / 32) : out.rows;
+    auto warp_launch = [&](auto tag) {
+      using Tag = decltype(tag);
+      launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0,
+          as_stream(stream), y, top_k, dest, w, out, g, dots);
+    };
+    if (plain == 5 && top_k <= 2) pick<ReduceDotsWarp<2, 2, 1, false>::Tag>(y.dtype, vec, warp_launch);
+    else if (plain == 5) pick<ReduceDotsWarp<kWarpReduceK, 1, 1, false>::Tag>(y.dtype, vec, warp_launch);
+    else if (top_k <= 2) pick<ReduceDotsWarp<2, 2, kThreads / 32, false>::Tag>(y.dtype, vec, warp_launch);
+    else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, false>::Tag>(y.dtype, vec, warp_launch);
+    return;
+  }
   const Slicing sl = slicing_for(out.rows, units, top_k <= 2 || plain >= 2 ? 2 * kThreads : kThreads, dots_wanted);
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);

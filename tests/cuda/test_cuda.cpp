@@ -759,6 +759,45 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
   padmoe::cuda::set_dot_kernels(-1);
 }
 
+// Every shape of the plain reduce (combine, padded_scatter, the unweighted backward ops): the
+// CPU's bits on the edge workloads (top-1, top-2, top-8, odd H, few and many tokens), and the
+// default's bits at decode size (T = 256, K = 8, H = 7168), twice.
+TEST(ReduceShapes, MatchReferenceAndDefault) {
+  REQUIRE_GPU();
+  const std::vector<std::string> names = {"tiny", "empty_T", "empty_H", "skewed", "topk1", "topk8", "H3",
+                                          "H4097", "H4096_vec", "mb_T1024_H768_E64_K4", "only_last_expert"};
+  const int64_t T = 256, H = 7168;
+  const int K = 8, E = 256, m = 16;
+  const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 3);
+  const Tensor dte = to_gpu(index_matrix(te, T, K, DType::kInt32));
+  const padmoe::Plan plan = padmoe::make_plan(dte, E, m);
+  const padmoe::PlanView v = plan.view();
+  const int64_t P = padmoe::padded_rows(v);
+  Rng rng(21);
+  const Tensor dy = to_gpu(rows_from_float(random_values(P * H, DType::kBFloat16, rng), DType::kBFloat16, P, H));
+  const Tensor dw = to_gpu(vec_from_float(random_values(T * K, DType::kFloat32, rng, 0, 1), DType::kFloat32));
+  auto run = [&] {
+    return std::vector<Tensor>{to_cpu(padmoe::combine(dy, v, TensorView(dw))), to_cpu(padmoe::combine(dy, v)),
+                               to_cpu(padmoe::padded_scatter(dy, v.indices, v.bin_ids, TensorView(dw), v.bins,
+                                                             v.padded_bins, K))};
+  };
+  padmoe::cuda::set_reduce_shape(-1);
+  const std::vector<Tensor> want = run();
+  for (int shape : {0, 1, 2, 3, 4, 5}) {
+    SCOPED_TRACE("reduce shape " + std::to_string(shape));
+    padmoe::cuda::set_reduce_shape(shape);
+    for (const Workload& wl : workloads()) {
+      if (std::find(names.begin(), names.end(), wl.name) == names.end()) continue;
+      for (const Combo& cb : combos_of(wl.name == "H3" ? 0 : 1)) run_cpu_vs_gpu(wl, cb, 13);
+    }
+    for (int r = 0; r < 2; ++r) {
+      const std::vector<Tensor> got = run();
+      for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(all_same(want[i], got[i])) << "output " << i << " run " << r;
+    }
+  }
+  padmoe::cuda::set_reduce_shape(-1);
+}
+
 // The layouts of make_plan (DeepGEMM's rows, vLLM's blocks, P) and moe_align_block_size: the GPU
 // against the references, with few tokens (A < E: vLLM's smaller buffer) and many, both count kernels.
 TEST(CpuVsGpuEdge, PlanLayoutsAndAlignedBlocks) {
