@@ -349,50 +349,18 @@ float time_ms(F&& f, int iters) {
   return ms[ms.size() / 2];
 }
 
-// Microseconds per launch of f replayed from a CUDA graph holding `reps` launches back to back
-// (median of iters replays, warm caches): how padmoe bench's graph column times an op.
+// Microseconds per launch of f from a CUDA graph holding `captures` launches of f, a sample being
+// `replays` back-to-back graph launches between two events (median of iters samples, warm
+// caches). graph_us: ten launches in one graph (one graph launch shared by ten kernels);
+// graphs_us: one launch a graph, ten graphs back to back, as padmoe bench's graph column times
+// an op (each replay pays a graph launch).
 template <typename F>
-float graph_us(F&& f, int reps, int iters) {
+float graph_time_us(F&& f, int captures, int replays, int iters) {
   cudaStream_t s;
   CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaGraph_t g;
   CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < reps; ++i) f(s);
-  CHECK(cudaStreamEndCapture(s, &g));
-  cudaGraphExec_t ge;
-  CHECK(cudaGraphInstantiate(&ge, g, 0));
-  CHECK(cudaGraphLaunch(ge, s));
-  CHECK(cudaStreamSynchronize(s));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    CHECK(cudaEventRecord(a, s));
-    CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(b, s));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
-  CHECK(cudaStreamDestroy(s));
-  return ms[ms.size() / 2] * 1e3f / reps;
-}
-
-// As padmoe bench's graph column times an op: f captured once (one graph of its launches), a
-// sample = `replays` back-to-back cudaGraphLaunch calls between two events, divided by `replays`
-// (each replay pays a graph launch, which graph_us above shares among its in-graph launches).
-template <typename F>
-float graphs_us(F&& f, int replays, int iters) {
-  cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t g;
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  f(s);
+  for (int i = 0; i < captures; ++i) f(s);
   CHECK(cudaStreamEndCapture(s, &g));
   cudaGraphExec_t ge;
   CHECK(cudaGraphInstantiate(&ge, g, 0));
@@ -418,7 +386,15 @@ float graphs_us(F&& f, int replays, int iters) {
   CHECK(cudaGraphExecDestroy(ge));
   CHECK(cudaGraphDestroy(g));
   CHECK(cudaStreamDestroy(s));
-  return ms[ms.size() / 2] * 1e3f / replays;
+  return ms[ms.size() / 2] * 1e3f / static_cast<float>(captures * replays);
+}
+template <typename F>
+float graph_us(F&& f, int reps, int iters) {
+  return graph_time_us(f, reps, 1, iters);
+}
+template <typename F>
+float graphs_us(F&& f, int replays, int iters) {
+  return graph_time_us(f, 1, replays, iters);
 }
 
 int main(int argc, char** argv) {
