@@ -226,6 +226,46 @@ __global__ void route_reduce_kernel(const uint4* y, const uint4* partner, uint4*
   if (dot == 0x9e3779b9u) sink[0] = dot;  // keeps the partner's loads alive
 }
 
+// The same traffic with padmoe's arithmetic: bf16 rows to float32, times a float weight, summed in
+// ascending k without FMA, rounded back to bf16 (round to nearest even); a block a token, every
+// source row's unit loaded before the first add.
+__device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {
+  unsigned a = __float_as_uint(lo), b = __float_as_uint(hi);
+  a += 0x7fffu + ((a >> 16) & 1u);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return (a >> 16) | (b & 0xffff0000u);
+}
+__global__ void route_reduce_bf16_kernel(const uint4* y, const float* w, uint4* out, const int* dest, int units, int K) {
+  const size_t t = blockIdx.x;
+  int row[8];
+  float wk[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    row[c] = c < K ? dest[t * K + c] : 0;
+    wk[c] = c < K ? w[t * K + c] : 0.0f;
+  }
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    uint4 v[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (c < K) v[c] = y[static_cast<size_t>(row[c]) * units + u];
+    }
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (c >= K) continue;
+      const unsigned x[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(wk[c], __uint_as_float(x[i] << 16)));
+        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(wk[c], __uint_as_float(x[i] & 0xffff0000u)));
+      }
+    }
+    out[t * units + u] = make_uint4(bf16_pair(acc[0], acc[1]), bf16_pair(acc[2], acc[3]), bf16_pair(acc[4], acc[5]),
+                                    bf16_pair(acc[6], acc[7]));
+  }
+}
+
 // combine backward with dots: block t reads row t, and for each destination reads that row of
 // `other` (the dot) and writes row t there; padding rows zeroed as in the spread.
 __global__ void route_spread_read_kernel(const uint4* x, const uint4* other, uint4* y, const int* dest, const int* pad,
@@ -561,6 +601,10 @@ int main(int argc, char** argv) {
       CHECK(cudaMalloc(&pad, (pads > 0 ? pads : 1) * sizeof(int)));
       CHECK(cudaMemcpy(dest, perm.data(), A * sizeof(int), cudaMemcpyHostToDevice));
       if (pads > 0) CHECK(cudaMemcpy(pad, perm.data() + A, pads * sizeof(int), cudaMemcpyHostToDevice));
+      float* weights = nullptr;  // the top-k weights of the bf16 combine
+      const std::vector<float> host_w(A, 0.5f);
+      CHECK(cudaMalloc(&weights, A * sizeof(float)));
+      CHECK(cudaMemcpy(weights, host_w.data(), A * sizeof(float), cudaMemcpyHostToDevice));
       const double row = sh.units * 16.0;
       const int zero_rows = sh.zero_rows;
       const unsigned spread_blocks = static_cast<unsigned>(sh.T + (pads + zero_rows - 1) / zero_rows);
@@ -582,6 +626,9 @@ int main(int argc, char** argv) {
       both("combine (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
         route_reduce_kernel<<<sh.T, 256, 0, st>>>(b, nullptr, c, dest, sh.units, sh.K, sink);
       });
+      both("combine(w), bf16 arithmetic (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
+        route_reduce_bf16_kernel<<<sh.T, 256, 0, st>>>(b, weights, c, dest, sh.units, sh.K);
+      });
       both("gather_backward(w) (A + 2T rows)", (double(A) + 2.0 * sh.T) * row, [&](cudaStream_t st) {
         route_reduce_kernel<<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, c, dest, sh.units, sh.K, sink);
       });
@@ -589,6 +636,7 @@ int main(int argc, char** argv) {
         route_spread_read_kernel<<<spread_blocks, 256, 0, st>>>(c, a, b, dest, pad, sh.units, sh.K, sh.T, pads,
                                                                 zero_rows, sink);
       });
+      CHECK(cudaFree(weights));
       CHECK(cudaFree(dest));
       CHECK(cudaFree(pad));
     }
