@@ -626,6 +626,16 @@ int main(int argc, char** argv) {
       both("combine (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
         route_reduce_kernel<<<sh.T, 256, 0, st>>>(b, nullptr, c, dest, sh.units, sh.K, sink);
       });
+      if (graph) {  // pad / unpad: a row a block by a map (K = 1 over the A sorted rows)
+        const unsigned pad_blocks = static_cast<unsigned>(A + (pads + zero_rows - 1) / zero_rows);
+        both("pad_to_alignment (A + P rows)", (double(A) + sh.P) * row, [&](cudaStream_t st) {
+          route_spread_kernel<<<pad_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units, 1, static_cast<int>(A), pads,
+                                                           zero_rows);
+        });
+        both("unpad_from_alignment (2A rows)", 2.0 * A * row, [&](cudaStream_t st) {
+          route_reduce_kernel<<<static_cast<unsigned>(A), 256, 0, st>>>(b, nullptr, c, dest, sh.units, 1, sink);
+        });
+      }
       both("combine(w), bf16 arithmetic (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
         route_reduce_bf16_kernel<<<sh.T, 256, 0, st>>>(b, weights, c, dest, sh.units, sh.K);
       });
