@@ -1074,18 +1074,24 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
   const bool vec = rows_vectorizable(y) && rows_vectorizable(out) && (dots_with == nullptr || rows_vectorizable(g));
   const bool dots_wanted = dots.data != nullptr;
   const int64_t units = vec ? out.cols * static_cast<int64_t>(element_size(out.dtype)) / 16 : out.cols;
-  const int plain = dots_wanted ? 0 : plain_reduce_shape(out.rows, top_k);
-  if (plain >= 4) {  // a block (4) or a warp (5) a token, no dots
-    const int64_t blocks = plain == 5 ? index::ceil_div(out.rows, kThreads / 32) : out.rows;
+  // reduce_dots_warp_kernel, a warp a token or a block a token, with dots or without
+  auto warp_reduce = [&](bool warp_a_token, auto with_dots) {
+    constexpr bool kD = decltype(with_dots)::value;
+    const int64_t blocks = warp_a_token ? index::ceil_div(out.rows, kThreads / 32) : out.rows;
     auto warp_launch = [&](auto tag) {
       using Tag = decltype(tag);
       launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0,
           as_stream(stream), y, top_k, dest, w, out, g, dots);
     };
-    if (plain == 5 && top_k <= 2) pick<ReduceDotsWarp<2, 2, 1, false>::Tag>(y.dtype, vec, warp_launch);
-    else if (plain == 5) pick<ReduceDotsWarp<kWarpReduceK, 1, 1, false>::Tag>(y.dtype, vec, warp_launch);
-    else if (top_k <= 2) pick<ReduceDotsWarp<2, 2, kThreads / 32, false>::Tag>(y.dtype, vec, warp_launch);
-    else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, false>::Tag>(y.dtype, vec, warp_launch);
+    // top-2: two units a lane and batch (six loads in flight), top-8: one (nine)
+    if (warp_a_token && top_k <= 2) pick<ReduceDotsWarp<2, 2, 1, kD>::template Tag>(y.dtype, vec, warp_launch);
+    else if (warp_a_token) pick<ReduceDotsWarp<kWarpReduceK, 1, 1, kD>::template Tag>(y.dtype, vec, warp_launch);
+    else if (top_k <= 2) pick<ReduceDotsWarp<2, 2, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
+    else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
+  };
+  const int plain = dots_wanted ? 0 : plain_reduce_shape(out.rows, top_k);
+  if (plain >= 4) {  // a block (4) or a warp (5) a token, no dots
+    warp_reduce(plain == 5, std::false_type{});
     return;
   }
   const Slicing sl = slicing_for(out.rows, units, top_k <= 2 || plain >= 2 ? 2 * kThreads : kThreads, dots_wanted);
@@ -1096,17 +1102,7 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
   };
   const int dots_kernel = dots_wanted ? reduce_dots_kernel(out.rows, top_k) : 0;
   if (dots_kernel >= 2) {
-    const int64_t blocks = dots_kernel == 2 ? index::ceil_div(out.rows, kThreads / 32) : out.rows;
-    auto warp_launch = [&](auto tag) {
-      using Tag = decltype(tag);
-      launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0,
-          as_stream(stream), y, top_k, dest, w, out, g, dots);
-    };
-    // top-2: two units a lane and batch (six loads in flight), top-8: one (nine)
-    if (dots_kernel == 2 && top_k <= 2) pick<ReduceDotsWarp<2, 2, 1>::Tag>(y.dtype, vec, warp_launch);
-    else if (dots_kernel == 2) pick<ReduceDotsWarp<kWarpReduceK, 1, 1>::Tag>(y.dtype, vec, warp_launch);
-    else if (top_k <= 2) pick<ReduceDotsWarp<2, 2, kThreads / 32>::Tag>(y.dtype, vec, warp_launch);
-    else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32>::Tag>(y.dtype, vec, warp_launch);
+    warp_reduce(dots_kernel == 2, std::true_type{});
     return;
   }
   if (top_k <= 2) {
