@@ -165,7 +165,8 @@ void set_dot_kernels(int mode);
 // The plain reduce's shape (tests, benchmarks; overrides PADMOE_CUDA_REDUCE_SHAPE): -1 chosen by
 // shape (the default: the block kernel, 8 source rows loaded together for few tokens and top_k
 // > 2, else 4), 0 the block kernel's (1, 4) shape everywhere, 1 (1, 8), 2 (2, 8), 3 (2, 4) for
-// top_k > 2, 4 a block a token and 5 a warp a token in the warp kernel's form for top_k <= 8.
+// top_k > 2, 4 a block a token (6: two units a lane at a time) and 5 a warp a token in the warp
+// kernel's form for top_k <= 8.
 // Every shape gives the same bits.
 void set_reduce_shape(int shape);
 // Programmatic dependent launch (tests, benchmarks; overrides PADMOE_CUDA_PDL): 1 on (the

@@ -980,7 +980,7 @@ int plain_reduce_shape(int64_t tokens, int top_k) {
   static const int env = [] {
     const char* v = std::getenv("PADMOE_CUDA_REDUCE_SHAPE");
     const int n = v != nullptr ? std::atoi(v) : -1;
-    return v != nullptr && n >= 0 && n <= 5 ? n : -1;
+    return v != nullptr && n >= 0 && n <= 6 ? n : -1;
   }();
   const int set = g_reduce_shape.load(std::memory_order_relaxed);
   const int forced = set != -2 ? set : env;
@@ -1011,7 +1011,7 @@ int reduce_dots_kernel(int64_t tokens, int top_k) {
 }  // namespace
 
 void set_reduce_shape(int shape) {
-  g_reduce_shape.store(shape < -1 || shape > 5 ? -1 : shape, std::memory_order_relaxed);
+  g_reduce_shape.store(shape < -1 || shape > 6 ? -1 : shape, std::memory_order_relaxed);
 }
 
 void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 3 ? -1 : mode, std::memory_order_relaxed); }
@@ -1075,7 +1075,7 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
   const bool dots_wanted = dots.data != nullptr;
   const int64_t units = vec ? out.cols * static_cast<int64_t>(element_size(out.dtype)) / 16 : out.cols;
   // reduce_dots_warp_kernel, a warp a token or a block a token, with dots or without
-  auto warp_reduce = [&](bool warp_a_token, auto with_dots) {
+  auto warp_reduce = [&](bool warp_a_token, auto with_dots, bool two_units = false) {
     constexpr bool kD = decltype(with_dots)::value;
     const int64_t blocks = warp_a_token ? index::ceil_div(out.rows, kThreads / 32) : out.rows;
     auto warp_launch = [&](auto tag) {
@@ -1087,11 +1087,12 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
     if (warp_a_token && top_k <= 2) pick<ReduceDotsWarp<2, 2, 1, kD>::template Tag>(y.dtype, vec, warp_launch);
     else if (warp_a_token) pick<ReduceDotsWarp<kWarpReduceK, 1, 1, kD>::template Tag>(y.dtype, vec, warp_launch);
     else if (top_k <= 2) pick<ReduceDotsWarp<2, 2, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
+    else if (!kD && two_units) pick<ReduceDotsWarp<kWarpReduceK, 2, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
     else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
   };
   const int plain = dots_wanted ? 0 : plain_reduce_shape(out.rows, top_k);
-  if (plain >= 4) {  // a block (4) or a warp (5) a token, no dots
-    warp_reduce(plain == 5, std::false_type{});
+  if (plain >= 4) {  // a block (4; 6 with two units a lane) or a warp (5) a token, no dots
+    warp_reduce(plain == 5, std::false_type{}, plain == 6);
     return;
   }
   const Slicing sl = slicing_for(out.rows, units, top_k <= 2 || plain >= 2 ? 2 * kThreads : kThreads, dots_wanted);

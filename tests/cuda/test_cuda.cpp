@@ -783,7 +783,7 @@ TEST(ReduceShapes, MatchReferenceAndDefault) {
   };
   padmoe::cuda::set_reduce_shape(-1);
   const std::vector<Tensor> want = run();
-  for (int shape : {0, 1, 2, 3, 4, 5}) {
+  for (int shape : {0, 1, 2, 3, 4, 5, 6}) {
     SCOPED_TRACE("reduce shape " + std::to_string(shape));
     padmoe::cuda::set_reduce_shape(shape);
     for (const Workload& wl : workloads()) {
