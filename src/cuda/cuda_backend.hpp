@@ -163,11 +163,12 @@ void set_slice_blocks(int blocks);
 // everywhere (the warp-form reduces for top_k <= 8; above, the block kernel).
 void set_dot_kernels(int mode);
 // The plain reduce's shape (tests, benchmarks; overrides PADMOE_CUDA_REDUCE_SHAPE): -1 chosen by
-// shape (the default: the block kernel, 8 source rows loaded together for few tokens and top_k
-// > 2, else 4), 0 the block kernel's (1, 4) shape everywhere, 1 (1, 8), 2 (2, 8), 3 (2, 4) for
-// top_k > 2, 4 a block a token (6: two units a lane at a time) and 5 a warp a token in the warp
-// kernel's form for top_k <= 8.
-// Every shape gives the same bits.
+// shape (the default: for top_k <= 8 a block a token in the warp kernel's form, with two units a
+// lane at a time below 2.5 tokens an SM and rows of 512 units or more, and below one token an SM
+// the block kernel with 8 source rows loaded together (top_k > 2); above top_k 8 the block
+// kernel), 0 the block kernel's (1, 4) shape everywhere, 1 (1, 8), 2 (2, 8), 3 (2, 4) for top_k >
+// 2, 4 a block a token (6: two units a lane at a time) and 5 a warp a token in the warp kernel's
+// form for top_k <= 8. Every shape gives the same bits.
 void set_reduce_shape(int shape);
 // Programmatic dependent launch (tests, benchmarks; overrides PADMOE_CUDA_PDL): 1 on (the
 // default on sm_90 and up), 0 off, -1 back to the default. Every kernel waits for the one

@@ -379,7 +379,7 @@ __device__ __forceinline__ void plan_store_counts(int e, int E, int count, int p
 // kBallot: the warp's equal keys found by one ballot a key bit (ALU work at full rate) instead
 // of __match_any_sync, whose latency grows with the distinct keys in the warp (about 30 of 32 at
 // E = 256); plan_ballot() chooses.
-template <bool kBallot, bool kEarlySort>
+template <bool kBallot>
 __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 registers), as the residency assumes
     plan_fused_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int chunks_per_block,
                       int replica_shift, int num_experts, int alignment, int32_t* block_counts, int32_t* local_rank,
@@ -493,34 +493,6 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
     __syncthreads();  // s_wc is cleared for the next chunk
   }
 
-  // The block's kept assignments in sorted order (expert, block-local rank) in shared memory,
-  // for phase 3's ordered placement (one chunk a block, at most two replicas). It needs only
-  // this block's counts, so with several blocks it runs while the first column loads of phase
-  // 2 are in flight.
-  const int e = threadIdx.x;
-  const bool sort_in_block = in_registers && replicas <= 2;
-  int* s_off = s_wc + 2 * E;  // [E] block-local start of e among the block's kept assignments
-  unsigned long long kept = 0;
-  bool sorted = false;
-  auto sort_block = [&] {
-    const int chunk_base = c_begin * kChunk;
-    const int base = chunk_base + warp * kFusedPerWarp;
-    const unsigned long long mine = e < E ? static_cast<unsigned long long>(s_run[e]) : 0ull;
-    unsigned long long off = 0;
-    Scan(scan_storage).ExclusiveSum(mine, off, kept);
-    if (e < E) s_off[e] = static_cast<int>(off);
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kFusedItems; ++j) {
-      if (ranks[j] < 0) continue;
-      const int slot = s_off[keys[j]] + ranks[j];
-      s_sorted[slot] = static_cast<int>(base + j * 32 + lane - chunk_base);
-      s_sorted_key[slot] = keys[j];
-    }
-    __syncthreads();  // s_sorted complete, scan_storage free again
-    sorted = true;
-  };
-
   // 2. expert totals and this block's offsets
   const int G = static_cast<int>(gridDim.x) >> replica_shift;  // blocks of distinct chunks
   if (G > 1) {
@@ -529,6 +501,7 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
     }
     cooperative_groups::this_grid().sync();
   }
+  const int e = threadIdx.x;
   int count = 0, before = 0;
   if (G == 1) {
     if (e < E) count = s_run[e];
@@ -539,27 +512,20 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
     const bool two = E <= kHalf;
     const int x = two && e >= kHalf ? e - kHalf : e;
     const int lo = two && e >= kHalf ? G / 2 : 0, hi = two && e < kHalf ? G / 2 : G;
-    constexpr int kBatch = 16;  // loads in flight a thread (32: no faster, measured)
-    int n[kBatch];
-    auto load_batch = [&](int b0) {
+    if (x < E) {
+      constexpr int kBatch = 16;  // loads in flight a thread (32: no faster, measured)
+      for (int b0 = lo; b0 < hi; b0 += kBatch) {
+        int n[kBatch];
 #pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        n[q] = x < E && b0 + q < hi ? __ldcg(block_counts + static_cast<int64_t>(b0 + q) * E + x) : 0;
-      }
-    };
-    auto add_batch = [&](int b0) {
+        for (int q = 0; q < kBatch; ++q) {
+          n[q] = b0 + q < hi ? __ldcg(block_counts + static_cast<int64_t>(b0 + q) * E + x) : 0;
+        }
 #pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        count += n[q];
-        if (b0 + q < cb) before += n[q];
+        for (int q = 0; q < kBatch; ++q) {
+          count += n[q];
+          if (b0 + q < cb) before += n[q];
+        }
       }
-    };
-    load_batch(lo);
-    if (kEarlySort && sort_in_block) sort_block();  // the whole block: while the loads are in flight
-    add_batch(lo);
-    for (int b0 = lo + kBatch; b0 < hi; b0 += kBatch) {
-      load_batch(b0);
-      add_batch(b0);
     }
     if (two) {
       if (e >= kHalf && x < E) {
@@ -629,7 +595,20 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
         }
       }
     }
-    if (!sorted) sort_block();
+    int* s_off = s_wc + 2 * E;  // [E] block-local start of e among the block's kept assignments
+    const unsigned long long mine = e < E ? static_cast<unsigned long long>(s_run[e]) : 0ull;
+    unsigned long long off = 0, kept = 0;
+    Scan(scan_storage).ExclusiveSum(mine, off, kept);
+    if (e < E) s_off[e] = static_cast<int>(off);
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kFusedItems; ++j) {
+      if (ranks[j] < 0) continue;
+      const int slot = s_off[keys[j]] + ranks[j];
+      s_sorted[slot] = static_cast<int>(base + j * 32 + lane - chunk_base);
+      s_sorted_key[slot] = keys[j];
+    }
+    __syncthreads();
     const int n = static_cast<int>(kept);
     const int lo = (n * replica) >> replica_shift, hi = (n * (replica + 1)) >> replica_shift;
     for (int q = lo + static_cast<int>(threadIdx.x); q < hi; q += kFusedThreads) {
@@ -806,8 +785,7 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
   if (dev < 0 || dev >= kMaxDevices) return 0;
   FusedLimits& f = g_fused[dev];
   std::call_once(f.attr_once, [] {
-    for (auto kernel : {plan_fused_kernel<true, true>, plan_fused_kernel<false, true>, plan_fused_kernel<true, false>,
-                         plan_fused_kernel<false, false>}) {
+    for (auto kernel : {plan_fused_kernel<true>, plan_fused_kernel<false>}) {
       PADMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(fused_smem_bytes(kFusedMaxExperts))));
     }
@@ -818,7 +796,7 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
     int coop = 0, sms = 0, per_sm = 0;
     PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
     PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    PADMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_fused_kernel<true, true>, kFusedThreads,
+    PADMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_fused_kernel<true>, kFusedThreads,
                                                                     fused_smem_bytes(32 << bucket)));
     n = coop != 0 && per_sm > 0 ? per_sm * sms : -1;
     f.sms.store(sms, std::memory_order_relaxed);
@@ -846,16 +824,6 @@ int plan_replicas() {
     return p;
   }();
   return r;
-}
-
-// The fused kernel's sort of a block's assignments while its first column loads are in flight
-// (1, the default) or after the scan (0); PADMOE_CUDA_PLAN_EARLY_SORT=0|1 (read once; measurements).
-bool plan_early_sort() {
-  static const bool on = [] {
-    const char* v = std::getenv("PADMOE_CUDA_PLAN_EARLY_SORT");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
-  return on;
 }
 
 // How the fused kernel finds equal keys in a warp: a ballot a key bit for E >= 64, where a warp
@@ -1138,8 +1106,7 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     int n_chunks = chunks, n_experts = num_experts, align = alignment;
     int32_t pad_src = padding_source;
     int64_t capacity = row_capacity;
-    auto* fused = plan_early_sort() ? (plan_ballot(num_experts) ? plan_fused_kernel<true, true> : plan_fused_kernel<false, true>)
-                                    : (plan_ballot(num_experts) ? plan_fused_kernel<true, false> : plan_fused_kernel<false, false>);
+    auto* fused = plan_ballot(num_experts) ? plan_fused_kernel<true> : plan_fused_kernel<false>;
     if (distinct == 1) {  // no grid barrier: an ordinary launch
       launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
           per_block, shift, n_experts, align, block_counts, local_rank, capacity, tokens, bins, ptokens, pbins,

@@ -967,16 +967,22 @@ bool few_tokens(int64_t tokens) { return tokens < few_tokens_blocks(); }
 constexpr int kWarpReduceK = 8;  // the warp kernels' largest top_k
 // The plain reduce's shape: 0 the block kernel at (1, 4) (units a thread, source rows loaded
 // together; top-2 has its own shape, (2, 2)); for top_k > 2 also 1 (1, 8), 2 (2, 8), 3 (2, 4);
-// for top_k <= 8, 4 a block a token and 5 a warp a token in the warp kernel's form (every
-// source row's unit loaded before the first add; the same sums, bit for bit). Measured on the
-// H200 (graph us at decode, T = 256, K = 8, two rounds each): 1 takes 0-0.2 µs off the plain
-// reduces (combine(w) 8.9 / 9.0 either way, padded_scatter 10.7 / 10.8 -> 10.5 / 10.7,
-// dispatch_backward 9.0 / 8.8 -> 8.7 / 8.8) and 0.3-0.4 off plan + dispatch + combine (34.2 /
-// 34.2 -> 33.8 / 33.9); 2 and 3 add 0.6-1.2 µs; at qwen3-30b-a3b 1 costs 3-5%. So 1 for few
-// tokens, else 0. 4 and 5: compiled, not yet measured.
-// PADMOE_CUDA_REDUCE_SHAPE=0..5 (read once; measurements) or set_reduce_shape (tests) forces one.
+// for top_k <= 8, 4 a block a token, 6 the same with two units a lane at a time and 5 a warp a
+// token in the warp kernel's form (every source row's unit loaded before the first add, no
+// shared memory; the same sums, bit for bit). Measured on the H200 (bench/results/
+// cuda-h200-2026-12-02-eleventh.md; graph us, E = 256, K = 8, H = 7168 unless named):
+// - fewer tokens than SMs (T = 64, 128): 1 is best (combine(w) 4.6 / 5.7 against 5.8 / 6.2 for 4);
+// - T = 256 (about two a SM): 6 (combine(w) 7.7, padded_scatter 9.2, plan + dispatch + combine
+//   33.3) ahead of 4 (7.8, 9.3, 34.0-34.2) and 1 (8.8-8.9, 10.5, 33.6-33.7);
+// - T = 384 up to 16384: 4 (T = 384 combine(w) 12.1 against 15.0 for 1 and 14.6 for 6; T = 2048
+//   65.8 against 72.2 for 0; deepseek-v3 488.6 -> 483.3, qwen3-30b-a3b 144.1 -> 141.7,
+//   mixtral-8x7b (top-2) 97.8 -> 96.7 against 0); 6 loses where a row has fewer than 512 units
+//   (qwen3: 187.4); 5 and 2 / 3 lose everywhere.
+// So 1 below one token an SM (top_k > 2), 6 below 2.5 tokens an SM with rows of 512 units and
+// more, else 4; top_k > 8: 1 for few tokens, else 0.
+// PADMOE_CUDA_REDUCE_SHAPE=0..6 (read once; measurements) or set_reduce_shape (tests) forces one.
 std::atomic<int> g_reduce_shape{-2};  // -2: not set by set_reduce_shape
-int plain_reduce_shape(int64_t tokens, int top_k) {
+int plain_reduce_shape(int64_t tokens, int top_k, int64_t units) {
   static const int env = [] {
     const char* v = std::getenv("PADMOE_CUDA_REDUCE_SHAPE");
     const int n = v != nullptr ? std::atoi(v) : -1;
@@ -984,7 +990,14 @@ int plain_reduce_shape(int64_t tokens, int top_k) {
   }();
   const int set = g_reduce_shape.load(std::memory_order_relaxed);
   const int forced = set != -2 ? set : env;
-  int shape = forced >= 0 ? forced : (top_k > 2 && few_tokens(tokens) ? 1 : 0);
+  int shape = forced;
+  if (shape < 0) {
+    const int64_t sms = few_tokens_blocks() / 4;
+    if (top_k > kWarpReduceK) shape = few_tokens(tokens) ? 1 : 0;
+    else if (tokens < sms) shape = top_k > 2 ? 1 : 0;
+    else if (2 * tokens < 5 * sms && units >= 2 * kThreads) shape = 6;
+    else shape = 4;
+  }
   if (shape >= 4 && top_k > kWarpReduceK) shape = 0;
   if (shape >= 1 && shape <= 3 && top_k <= 2) shape = 0;
   return shape;
@@ -1090,7 +1103,7 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
     else if (!kD && two_units) pick<ReduceDotsWarp<kWarpReduceK, 2, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
     else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
   };
-  const int plain = dots_wanted ? 0 : plain_reduce_shape(out.rows, top_k);
+  const int plain = dots_wanted ? 0 : plain_reduce_shape(out.rows, top_k, units);
   if (plain >= 4) {  // a block (4; 6 with two units a lane) or a warp (5) a token, no dots
     warp_reduce(plain == 5, std::false_type{}, plain == 6);
     return;
