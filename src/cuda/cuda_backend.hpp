@@ -134,10 +134,6 @@ void apply_capacity(const PlanView& full, int64_t assignments, ScaleArg probs, i
 // dest_rows[indices[i]] = padded_start(e) + i - real_start(e), e = bin_ids[i].
 void build_dest_rows(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins, int64_t assignments,
                      int num_experts, int32_t* dest_rows, void* stream);
-// Whether build_dest_rows stages the experts' starts in shared memory first (E <= 2048; tests,
-// benchmarks; overrides PADMOE_CUDA_DEST_STAGE=1): 1 on, 0 off (the default), -1 back to the
-// environment's choice. The same dest_rows either way.
-void set_dest_stage(int mode);
 
 // Where padding is: rows r < P of expert segment e with r - padded_start(e)
 // >= count(e). bins / padded_bins are inclusive cumulative sums.

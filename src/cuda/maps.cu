@@ -2,9 +2,6 @@
 // sorted routing (dest_rows), pad's row map and offsets, unpad's inverse map.
 #include <cub/block/block_scan.cuh>
 
-#include <atomic>
-#include <cstdlib>
-
 #include "cuda/common.cuh"
 
 namespace padmoe {
@@ -18,43 +15,6 @@ __global__ void dest_rows_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bi
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t e = load_index(bin_ids, i);
     dest_rows[load_index(indices, i)] = static_cast<int32_t>(sorted_padded_row(bins, padded_bins, e, i));
-  }
-}
-
-// dest_rows with every expert's real and padded start staged in shared memory first (E <=
-// kStageExperts): the loads of bins / padded_bins run beside each thread's first indices /
-// bin_ids loads, one dependent round of global loads instead of two (a short kernel's latency
-// at decode, where the MegaBlocks-argument reduces run ~1.8 µs behind the plan forms in a
-// graph). Entries out of range (unchecked bad input only) write nothing.
-constexpr int kStageExperts = 2048;
-constexpr int kDestThreads = 256;
-__global__ void __launch_bounds__(kDestThreads)
-    dest_rows_staged_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins, int num_experts,
-                            int64_t assignments, int32_t* dest_rows) {
-  pdl_begin();
-  __shared__ int32_t s_start[kStageExperts + 1], s_pstart[kStageExperts + 1];  // exclusive starts of e
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kDestThreads;
-  int64_t i = static_cast<int64_t>(blockIdx.x) * kDestThreads + threadIdx.x;
-  int64_t a = -1, e = -1;
-  if (i < assignments) {  // the first item's loads, in flight with the stage's
-    a = load_index(indices, i);
-    e = load_index(bin_ids, i);
-  }
-  if (threadIdx.x == 0) s_start[0] = s_pstart[0] = 0;
-  for (int x = threadIdx.x; x < num_experts; x += kDestThreads) {
-    s_start[x + 1] = static_cast<int32_t>(load_index(bins, x));
-    s_pstart[x + 1] = static_cast<int32_t>(load_index(padded_bins, x));
-  }
-  __syncthreads();
-  while (i < assignments) {
-    if (a >= 0 && a < assignments && e >= 0 && e < num_experts) {
-      dest_rows[a] = static_cast<int32_t>(index::padded_row(i, s_start[e], s_pstart[e]));
-    }
-    i += stride;
-    if (i < assignments) {
-      a = load_index(indices, i);
-      e = load_index(bin_ids, i);
-    }
   }
 }
 
@@ -178,32 +138,12 @@ __global__ void invert_kernel(IndexRef map, int64_t map_len, int64_t original_si
   }
 }
 
-// Whether build_dest_rows stages the expert starts (dest_rows_staged_kernel): 0 off (the
-// default, until measured), 1 on for E <= kStageExperts. PADMOE_CUDA_DEST_STAGE (read once) or
-// set_dest_stage (tests; -1 back to the environment's choice).
-std::atomic<int> g_dest_stage{-2};
-int dest_stage() {
-  const int set = g_dest_stage.load(std::memory_order_relaxed);
-  if (set != -2) return set;
-  static const int env = [] {
-    const char* v = std::getenv("PADMOE_CUDA_DEST_STAGE");
-    return v != nullptr && std::atoi(v) == 1 ? 1 : 0;
-  }();
-  return env;
-}
-
 }  // namespace
-
-void set_dest_stage(int mode) { g_dest_stage.store(mode < 0 || mode > 1 ? -2 : mode, std::memory_order_relaxed); }
 
 void build_dest_rows(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins, int64_t assignments,
                      int num_experts, int32_t* dest_rows, void* stream) {
+  (void)num_experts;
   if (assignments == 0) return;
-  if (dest_stage() == 1 && num_experts >= 1 && num_experts <= kStageExperts) {
-    launch_kernel("dest_rows_staged_kernel", dest_rows_staged_kernel, grid_for(assignments, kDestThreads, 4096),
-        kDestThreads, 0, as_stream(stream), indices, bin_ids, bins, padded_bins, num_experts, assignments, dest_rows);
-    return;
-  }
   launch_kernel("dest_rows_kernel", dest_rows_kernel, grid_for(assignments, 256, 4096), 256, 0, as_stream(stream),
       indices, bin_ids, bins, padded_bins, assignments, dest_rows);
 }

@@ -31,7 +31,6 @@ void set_plan_kernel(int) {}
 void set_slice_blocks(int) {}
 void set_dot_kernels(int) {}
 void set_reduce_shape(int) {}
-void set_dest_stage(int) {}
 void set_pdl(int) {}
 void set_plan_match(int) {}
 void set_plan_small(int) {}

@@ -798,48 +798,6 @@ TEST(ReduceShapes, MatchReferenceAndDefault) {
   padmoe::cuda::set_reduce_shape(-1);
 }
 
-// build_dest_rows with the expert starts staged in shared memory (set_dest_stage(1)): the
-// MegaBlocks-argument ops against the CPU on the edge workloads, and the same bits as the default
-// kernel at decode size and with E above the staged limit (the default kernel then runs).
-TEST(DestStage, MatchesReferenceAndDefault) {
-  REQUIRE_GPU();
-  const std::vector<std::string> names = {"tiny", "empty_T", "skewed", "topk1", "topk8", "H3",
-                                          "align16_tiny_segments", "mb_T1024_H768_E64_K4", "only_last_expert"};
-  struct Case { int64_t T; int K, E, m; };
-  const std::vector<Case> cases = {{256, 8, 256, 16}, {1000, 4, 2048, 8}, {300, 2, 4096, 16}, {1, 1, 1, 1}};
-  auto run = [&](const Case& c) {
-    const int64_t H = 64;
-    const std::vector<int64_t> te = make_routing(c.T, c.K, c.E, Dist::kSkewed, 7);
-    const Tensor dte = to_gpu(index_matrix(te, c.T, c.K, DType::kInt32));
-    const padmoe::Plan plan = padmoe::make_plan(dte, c.E, c.m);
-    const padmoe::PlanView v = plan.view();
-    const int64_t P = padmoe::padded_rows(v);
-    Rng rng(17);
-    const Tensor dx = to_gpu(rows_from_float(random_values(c.T * H, DType::kBFloat16, rng), DType::kBFloat16, c.T, H));
-    const Tensor dy = to_gpu(rows_from_float(random_values(P * H, DType::kBFloat16, rng), DType::kBFloat16, P, H));
-    const Tensor dw = to_gpu(vec_from_float(random_values(c.T * c.K, DType::kFloat32, rng, 0, 1), DType::kFloat32));
-    const padmoe::RowGrads gb =
-        padmoe::padded_gather_backward(dy, dx, v.indices, v.bin_ids, v.bins, v.padded_bins, c.K, TensorView(dw));
-    return std::vector<Tensor>{
-        to_cpu(padmoe::padded_gather(dx, v.indices, v.bin_ids, v.bins, v.padded_bins, c.K, TensorView(dw))),
-        to_cpu(padmoe::padded_scatter(dy, v.indices, v.bin_ids, TensorView(dw), v.bins, v.padded_bins, c.K)),
-        to_cpu(gb.grad_rows), to_cpu(gb.grad_weights)};
-  };
-  padmoe::cuda::set_dest_stage(0);
-  std::vector<std::vector<Tensor>> want;
-  for (const Case& c : cases) want.push_back(run(c));
-  padmoe::cuda::set_dest_stage(1);
-  for (const Workload& wl : workloads()) {
-    if (std::find(names.begin(), names.end(), wl.name) == names.end()) continue;
-    for (const Combo& cb : combos_of(wl.name == "H3" ? 0 : 1)) run_cpu_vs_gpu(wl, cb, 19);
-  }
-  for (size_t i = 0; i < cases.size(); ++i) {
-    SCOPED_TRACE("case " + std::to_string(i));
-    const std::vector<Tensor> got = run(cases[i]);
-    for (size_t j = 0; j < got.size(); ++j) EXPECT_TRUE(all_same(want[i][j], got[j])) << "output " << j;
-  }
-  padmoe::cuda::set_dest_stage(-1);
-}
 
 // The layouts of make_plan (DeepGEMM's rows, vLLM's blocks, P) and moe_align_block_size: the GPU
 // against the references, with few tokens (A < E: vLLM's smaller buffer) and many, both count kernels.
