@@ -267,7 +267,7 @@ int cmd_bench(const Args& args) {
              : "steady_clock wall time";
   const std::string graph_words =
       "each op captured once into a CUDA graph (cudaStreamCaptureModeGlobal; plan+dispatch+combine: one graph of its "
-      "three launches); per replay: CUDA events around " + std::to_string(kGraphReplays) +
+      "three launches, plan+dispatch and dispatch+combine of their two); per replay: CUDA events around " + std::to_string(kGraphReplays) +
       " back-to-back cudaGraphLaunch calls / " + std::to_string(kGraphReplays) +
       ", median of iters samples after warmup replays; warm L2 (no flush), as a serving loop replays a decode step";
   if (json) {
@@ -381,9 +381,8 @@ int cmd_bench(const Args& args) {
           "replays back to back per\n"
           "  sample, warm L2 (no flush): a serving loop's step, one cudaGraphLaunch and none of padmoe's host code; "
           "plan+dispatch+combine\n"
-          "  is one graph of its three launches (the decode step's routing). graph/floor = graph us / floor us "
-          "(below 1 where the bytes\n"
-          "  stay in L2).\n"
+          "  is one graph of its three launches (the decode step's routing), plan+dispatch and dispatch+combine one of\n"
+          "  their two. graph/floor = graph us / floor us (below 1 where the bytes stay in L2).\n"
           "  - = not capturable (the op synchronizes the host, allocates or reads back to the host): the capture's "
           "error below.\n",
           kGraphReplays);

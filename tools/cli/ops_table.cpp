@@ -396,6 +396,30 @@ std::vector<OpCase> op_table() {
                                                  std::move(r.inclusive_offsets))};
        }});
 
+  // Its parts, to tell where the end-to-end time goes (each also one graph on a GPU): make_plan then
+  // an unweighted dispatch on its output, and dispatch then the weighted combine on the prepared
+  // plan.
+  ops.push_back(
+      {"plan+dispatch", "make_plan + (T*H + P*H)*s (the two rules summed)",
+       [=](const Dims& d) { return d.A * 4 + (3 * d.A + 4 * d.E + d.R) * 4 + gather_bytes(d); },
+       [](Data& d) {
+         make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), d.opt);
+         dispatch_out(d.x, d.plan_out.view(), W(), d.out_rows_R, d.opt);
+       },
+       [=](Data& d) { return std::vector<Expect>{rows_P(d, "y", d.out_rows_R, gather_ref(d, d.x_f, false))}; }});
+  ops.push_back(
+      {"dispatch+combine", "(T*H + P*H)*s + (A*H + T*H)*s (the two rules summed)",
+       [=](const Dims& d) { return gather_bytes(d) + scatter_bytes(d); },
+       [](Data& d) {
+         const PlanView plan = d.plan.view();
+         dispatch_out(d.x, plan, W(), d.out_rows_R, d.opt);
+         combine_out(d.out_rows_R, plan, W(d.weights), d.out_rows_T, d.opt);
+       },
+       [=](Data& d) {
+         d.composite_f = gather_ref(d, d.x_f, false);  // exact: an unweighted move
+         return std::vector<Expect>{scatter_expect(d, "out", d.out_rows_T, &d.composite_f, true)};
+       }});
+
   // The decode question: route and move a small batch end to end. make_plan
   // into the output plan, an unweighted dispatch on it, then the weighted
   // combine of the dispatched rows (standing in for the expert outputs), back
