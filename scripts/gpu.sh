@@ -22,8 +22,8 @@
 #        each, its sections to profile-*.log; the build then has -lineinfo, so the
 #        source counters name source lines (where warps stall). triton: padmoe.triton's tests natively and
 #        bench/bench_triton.py (PADMOE_TRITON_SWEEP=1 adds its launch sweep).
-#        ep: padmoe.torch.distributed over NCCL (needs 2+ GPUs): its tests on
-#        every GPU count they need, bench/bench_ep.py on 2, 4 and 8 GPUs (those present).
+#        ep: padmoe.torch.distributed over NCCL: its tests on the GPUs present (one GPU: the group
+#        of one and the CUDA-graph capture), bench/bench_ep.py on 2, 4 and 8 GPUs (those present).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -171,11 +171,13 @@ if want python; then
 fi
 if want ep; then
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  # The tests on every GPU count present (a group of one on a single GPU: the NCCL path and the
+  # sync-free mode's CUDA-graph capture; the tests of more ranks than GPUs skip themselves).
+  run ep-tests env PYTHONPATH="$pyt" PADMOE_EP_BACKEND=nccl python3 -m pytest python/tests/test_distributed.py -q -rs
+  tail -n 3 "$out/ep-tests.log"
   if [ "$gpus" -lt 2 ]; then
-    step ep; echo "ep: skipped ($gpus GPU: expert parallelism over NCCL needs 2 or more)"
+    step ep-bench; echo "ep-bench: skipped ($gpus GPU: the exchange between GPUs needs 2 or more)"
   else
-    run ep-tests env PYTHONPATH="$pyt" PADMOE_EP_BACKEND=nccl python3 -m pytest python/tests/test_distributed.py -q -rs
-    tail -n 3 "$out/ep-tests.log"
     for r in 2 4 8; do
       [ "$r" -le "$gpus" ] || continue
       run "ep-bench-$r" env PYTHONPATH="$pyt" python3 bench/bench_ep.py --ranks "$r" --backend nccl \

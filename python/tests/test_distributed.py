@@ -263,6 +263,53 @@ def w_sync_free_rowwise_bitwise(rank, world, weighted):
     torch.testing.assert_close(free[0].double().cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
+def w_sync_free_graph(rank, world):
+    """The sync-free step (dispatch, a row-wise expert, combine) captured once in a CUDA graph and
+    replayed: the eager step's bits and drop count, for the captured inputs and after other inputs
+    of the same shapes are copied into them."""
+    import padmoe.torch.distributed as pd
+    dev = _device()
+    E, K, H, m, C = 8, 2, 16, 4, 3  # 24 assignments a rank over 8 experts: some experts past C
+    ts = [12] * world
+    sl = _slice(rank, ts)
+    batches = []
+    for seed in (21, 22):
+        _, ids, w, x, _ = _batch(world, E, K, H, torch.float32, seed=seed, tokens=ts)
+        batches.append((x[sl].to(dev), ids[sl].to(dev), w[sl].to(dev)))
+    ep = pd.ExpertParallel(E, m, mode="sync_free", capacity=C)
+
+    def step(x, ids, w):
+        y, r = ep.dispatch(x, ids, w)
+        return r.combine(torch.tanh(y) * 2.0), r.dropped
+
+    eager = []
+    for x, ids, w in batches:
+        out, dropped = step(x, ids, w)
+        eager.append((out.clone(), int(dropped.item())))
+        _, dropped_ref = _keep_capacity(ids.cpu(), w.cpu(), C, "position")
+        assert eager[-1][1] == dropped_ref, (eager[-1][1], dropped_ref)
+    assert any(d > 0 for _, d in eager), "the test wants drops"
+    sx, sids, sw = (t.clone() for t in batches[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        for _ in range(2):
+            step(sx, sids, sw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_dropped = step(sx, sids, sw)
+    for i in (1, 0, 1):
+        x, ids, w = batches[i]
+        sx.copy_(x)
+        sids.copy_(ids)
+        sw.copy_(w)
+        graph.replay()
+        torch.cuda.synchronize()
+        _eq(g_out, eager[i][0], f"graph replay {i} out")
+        assert int(g_dropped.item()) == eager[i][1], (i, int(g_dropped.item()), eager[i][1])
+
+
 def w_sync_free_drops(rank, world, policy):
     import padmoe.torch.distributed as pd
     dev = _device()
@@ -409,6 +456,14 @@ def test_sync_free_rowwise_bitwise(tmp_path, weighted):
 @pytest.mark.parametrize("world,policy", [(2, "position"), (4, "position"), (2, "probs"), (4, "probs")])
 def test_sync_free_drops(tmp_path, world, policy):
     run(tmp_path, world, "w_sync_free_drops", policy)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sync_free_cuda_graph(tmp_path, world):
+    """The sync-free mode in a CUDA graph (NCCL on GPUs; a group of one on a single GPU)."""
+    if BACKEND != "nccl":
+        pytest.skip("CUDA graph capture: PADMOE_EP_BACKEND=nccl on GPUs")
+    run(tmp_path, world, "w_sync_free_graph")
 
 
 @pytest.mark.parametrize("world", [2, 4])
