@@ -155,8 +155,9 @@ void set_slice_blocks(int blocks);
 // default: row_dots and spreads with dots a warp an assignment; reduce with dots a block a
 // token in the warp kernel's form for few tokens (under ~4 blocks an SM), a warp a token
 // otherwise), 0 the block kernels everywhere; with the warp spreads and row_dots: 1 reduce's
-// wide (2, 8) shape, 2 reduce a warp a token, 3 reduce a block a token in the warp form, each
-// everywhere (the warp-form reduces for top_k <= 8; above, the block kernel).
+// wide (2, 8) shape, 2 reduce a warp a token, 3 reduce a block a token in the warp form, 4 the
+// same with two units a lane at a time (3's bits), each everywhere (the warp-form reduces for
+// top_k <= 8; above, the block kernel).
 void set_dot_kernels(int mode);
 // The plain reduce's shape (tests, benchmarks; overrides PADMOE_CUDA_REDUCE_SHAPE): -1 chosen by
 // shape (the default: for top_k <= 8 a block a token in the warp kernel's form, with two units a

@@ -940,8 +940,8 @@ bool spread_slices() {
 // Which dot-product kernels run: -1 chosen by shape (default), 0 the block kernels (a block a
 // token, reduce's (1, 4) shape), and with spreads and row_dots a warp an assignment: 1
 // reduce's (2, 8) shape, 2 reduce a warp a token, 3 reduce a block a token in the warp kernel's
-// form (the few-token default).
-// PADMOE_CUDA_DOTS=0/1/2/3 (read once) or set_dot_kernels (tests) force one.
+// form (the few-token default), 4 the same with two units a lane at a time (the same bits as 3).
+// PADMOE_CUDA_DOTS=0..4 (read once) or set_dot_kernels (tests) force one.
 std::atomic<int> g_dot_kernels{-2};  // -2: not set by set_dot_kernels
 int dot_kernels() {
   const int forced = g_dot_kernels.load(std::memory_order_relaxed);
@@ -949,7 +949,7 @@ int dot_kernels() {
   static const int env = [] {
     const char* v = std::getenv("PADMOE_CUDA_DOTS");
     const int m = v != nullptr ? std::atoi(v) : -1;
-    return v != nullptr && m >= 0 && m <= 3 ? m : -1;
+    return v != nullptr && m >= 0 && m <= 4 ? m : -1;
   }();
   return env;
 }
@@ -1005,16 +1005,18 @@ int plain_reduce_shape(int64_t tokens, int top_k, int64_t units) {
 bool warp_row_dots() { return dot_kernels() != 0; }
 bool warp_spread_dots() { return dot_kernels() != 0; }
 // Reduce with dots: 0 the block kernel, 1 its wide shape, 2 a warp a token, 3 a block a token
-// in the warp kernel's form (kSplit 8; 2 and 3 for top_k <= 8, else the block kernel or its
-// wide shape). PADMOE_CUDA_DOTS forces the family; else PADMOE_CUDA_REDUCE_DOTS=0|1|2|3 (read
-// once, measurements) picks the reduce alone; else by shape: 3 for few tokens, 2 otherwise.
+// in the warp kernel's form (kSplit 8), 4 the same with two units a lane at a time (2-4 for
+// top_k <= 8, else the block kernel or its wide shape). PADMOE_CUDA_DOTS forces the family;
+// else PADMOE_CUDA_REDUCE_DOTS=0..4 (read once, measurements) picks the reduce alone; else by
+// shape: 3 for few tokens, 2 otherwise. (4 is the plain reduce's best shape near two tokens an
+// SM, shape 6 there; with dots compiled, not yet measured.)
 int reduce_dots_kernel(int64_t tokens, int top_k) {
   int pick = dot_kernels();
   if (pick < 0) {
     static const int env = [] {
       const char* v = std::getenv("PADMOE_CUDA_REDUCE_DOTS");
       const int m = v != nullptr ? std::atoi(v) : -1;
-      return v != nullptr && m >= 0 && m <= 3 ? m : -1;
+      return v != nullptr && m >= 0 && m <= 4 ? m : -1;
     }();
     pick = env >= 0 ? env : few_tokens(tokens) ? 3 : 2;
   }
@@ -1027,7 +1029,7 @@ void set_reduce_shape(int shape) {
   g_reduce_shape.store(shape < -1 || shape > 6 ? -1 : shape, std::memory_order_relaxed);
 }
 
-void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 3 ? -1 : mode, std::memory_order_relaxed); }
+void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 4 ? -1 : mode, std::memory_order_relaxed); }
 
 void set_slice_blocks(int blocks) { g_slice_blocks.store(blocks < -1 ? -1 : blocks, std::memory_order_relaxed); }
 
@@ -1100,7 +1102,7 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
     if (warp_a_token && top_k <= 2) pick<ReduceDotsWarp<2, 2, 1, kD>::template Tag>(y.dtype, vec, warp_launch);
     else if (warp_a_token) pick<ReduceDotsWarp<kWarpReduceK, 1, 1, kD>::template Tag>(y.dtype, vec, warp_launch);
     else if (top_k <= 2) pick<ReduceDotsWarp<2, 2, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
-    else if (!kD && two_units) pick<ReduceDotsWarp<kWarpReduceK, 2, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
+    else if (two_units) pick<ReduceDotsWarp<kWarpReduceK, 2, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
     else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
   };
   const int plain = dots_wanted ? 0 : plain_reduce_shape(out.rows, top_k, units);
@@ -1116,7 +1118,7 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
   };
   const int dots_kernel = dots_wanted ? reduce_dots_kernel(out.rows, top_k) : 0;
   if (dots_kernel >= 2) {
-    warp_reduce(dots_kernel == 2, std::true_type{});
+    warp_reduce(dots_kernel == 2, std::true_type{}, dots_kernel == 4);
     return;
   }
   if (top_k <= 2) {

@@ -721,7 +721,8 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
   const std::vector<std::string> names = {"tiny", "empty_T", "empty_H", "skewed", "topk1", "topk8", "H3",
                                           "H4097", "H4096_vec", "align16_tiny_segments", "mb_T1024_H768_E64_K4",
                                           "only_last_expert"};
-  for (int mode : {0, 1, 2, 3}) {
+  std::vector<Tensor> family3;  // mode 4 (two units a lane) must give mode 3's bits
+  for (int mode : {0, 1, 2, 3, 4}) {
     SCOPED_TRACE("dot kernels " + std::to_string(mode));
     padmoe::cuda::set_dot_kernels(mode);
     for (const Workload& wl : workloads()) {
@@ -755,6 +756,10 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
     };
     const std::vector<Tensor> first = run(), second = run();
     for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(all_same(first[i], second[i])) << "output " << i;
+    if (mode == 3) family3 = first;
+    if (mode == 4) {
+      for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(all_same(family3[i], first[i])) << "mode 3 vs 4, output " << i;
+    }
   }
   padmoe::cuda::set_dot_kernels(-1);
 }
