@@ -24,6 +24,9 @@ std::vector<OpCase> op_table() {
   const std::string kGatherBwdRule = "(A*H + 2*T*H)*s";
   auto gather_bwd_bytes = [](const Dims& d) { return (d.A * d.H + 2 * d.T * d.H) * d.s; };
 
+  // make_plan's minimum bytes (top_experts read, the plan written), in the composite ops too.
+  auto plan_bytes = [](const Dims& d) { return d.A * 4 + (3 * d.A + 4 * d.E + d.R) * 4; };
+
   // The expected values shared by several ops.
   auto gather_ref = [](Data& d, const std::vector<float>& rows, bool weighted) {
     return ref::padded_gather(rows, d.w.H, d.ref_plan, weighted ? &d.routing.weights : nullptr);
@@ -51,7 +54,7 @@ std::vector<OpCase> op_table() {
 
   ops.push_back(
       {"make_plan", "A*4 + (3*A + 4*E + R)*4 (top_experts read, plan written; R = capacity)",
-       [](const Dims& d) { return d.A * 4 + (3 * d.A + 4 * d.E + d.R) * 4; },
+       plan_bytes,
        [](Data& d) { make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), d.opt); },
        [](Data& d) {
          ref::Plan rp = ref::make_plan(std::vector<int64_t>(d.routing.top_experts.begin(), d.routing.top_experts.end()),
@@ -72,7 +75,7 @@ std::vector<OpCase> op_table() {
   // moe_align_block_size: the references are written from those projects' definitions.
   ops.push_back(
       {"make_plan+layouts", "make_plan + (R + R/m + 1)*4 (row_experts, block_experts, P written)",
-       [](const Dims& d) { return d.A * 4 + (3 * d.A + 4 * d.E + d.R) * 4 + (d.R + d.R / d.m + 1) * 4; },
+       [=](const Dims& d) { return plan_bytes(d) + (d.R + d.R / d.m + 1) * 4; },
        [](Data& d) {
          PlanLayouts l;
          l.row_experts = d.out_row_experts_R;
@@ -396,12 +399,18 @@ std::vector<OpCase> op_table() {
                                                  std::move(r.inclusive_offsets))};
        }});
 
-  // Its parts, to tell where the end-to-end time goes (each also one graph on a GPU): make_plan then
-  // an unweighted dispatch on its output, and dispatch then the weighted combine on the prepared
-  // plan.
+  // dispatch then the weighted combine of the dispatched rows: the reference's gather is exact (an
+  // unweighted move), its scatter the sum's reference.
+  auto composite_expect = [=](Data& d) {
+    d.composite_f = gather_ref(d, d.x_f, false);
+    return std::vector<Expect>{scatter_expect(d, "out", d.out_rows_T, &d.composite_f, true)};
+  };
+  // The parts of plan+dispatch+combine below, to tell where the end-to-end time goes (each also
+  // one graph on a GPU): make_plan then an unweighted dispatch on its output, and dispatch then
+  // the weighted combine on the prepared plan.
   ops.push_back(
       {"plan+dispatch", "make_plan + (T*H + P*H)*s (the two rules summed)",
-       [=](const Dims& d) { return d.A * 4 + (3 * d.A + 4 * d.E + d.R) * 4 + gather_bytes(d); },
+       [=](const Dims& d) { return plan_bytes(d) + gather_bytes(d); },
        [](Data& d) {
          make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), d.opt);
          dispatch_out(d.x, d.plan_out.view(), W(), d.out_rows_R, d.opt);
@@ -415,10 +424,7 @@ std::vector<OpCase> op_table() {
          dispatch_out(d.x, plan, W(), d.out_rows_R, d.opt);
          combine_out(d.out_rows_R, plan, W(d.weights), d.out_rows_T, d.opt);
        },
-       [=](Data& d) {
-         d.composite_f = gather_ref(d, d.x_f, false);  // exact: an unweighted move
-         return std::vector<Expect>{scatter_expect(d, "out", d.out_rows_T, &d.composite_f, true)};
-       }});
+       composite_expect});
 
   // The decode question: route and move a small batch end to end. make_plan
   // into the output plan, an unweighted dispatch on it, then the weighted
@@ -426,17 +432,14 @@ std::vector<OpCase> op_table() {
   // to back; on a GPU nothing synchronizes between them.
   ops.push_back(
       {"plan+dispatch+combine", "make_plan + (T*H + P*H)*s + (A*H + T*H)*s (the three rules summed)",
-       [=](const Dims& d) { return d.A * 4 + (3 * d.A + 4 * d.E + d.R) * 4 + gather_bytes(d) + scatter_bytes(d); },
+       [=](const Dims& d) { return plan_bytes(d) + gather_bytes(d) + scatter_bytes(d); },
        [](Data& d) {
          make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), d.opt);
          const PlanView plan = d.plan_out.view();
          dispatch_out(d.x, plan, W(), d.out_rows_R, d.opt);
          combine_out(d.out_rows_R, plan, W(d.weights), d.out_rows_T, d.opt);
        },
-       [=](Data& d) {
-         d.composite_f = gather_ref(d, d.x_f, false);  // exact: an unweighted move
-         return std::vector<Expect>{scatter_expect(d, "out", d.out_rows_T, &d.composite_f, true)};
-       }});
+       composite_expect});
   return ops;
 }
 
