@@ -12,6 +12,13 @@
 #        against each other, PADMOE_AB="TAG=ENV=V[,ENV=V]@PRESET@OPS ..." (see the stage). PADMOE_CHECK_PRESETS the
 #        checks stage's presets (default all five). PADMOE_SANITIZE=0 skips the
 #        sanitizer runs of the tests stage, PADMOE_CPU_TESTS=0 its ctest run,
+#        PADMOE_GPU_TEST_FILTER the GPU suite's gtest filter (default all),
+#        PADMOE_BANDWIDTH=0 skips the bench stage's padmoe_bandwidth, PADMOE_BENCH_PRESETS /
+#        PADMOE_BENCH_OPS its presets (default the four) and ops (default all). A lean call when
+#        little device time is left (about 2 minutes, build included): PADMOE_CPU_TESTS=0
+#        PADMOE_SANITIZE=0 PADMOE_BANDWIDTH=0 PADMOE_BUILD_TARGETS="padmoe_cli padmoe_cuda_tests"
+#        PADMOE_GPU_TEST_FILTER='ReduceShapes*:DotKernels*:Determinism*' PADMOE_BENCH_PRESETS=decode
+#        scripts/gpu.sh tests bench.
 #        PADMOE_TORCH_BENCH=0 the python stage's bench_torch.py, PADMOE_BUILD_TARGETS the CMake
 #        targets built (all; padmoe_cli padmoe_bandwidth for bench / profile / ab alone). profile: ncu (clocks left alone) on
 #        the kernels of make_plan, dispatch and combine_backward at deepseek-v3
@@ -67,7 +74,7 @@ fi
 
 if want tests; then
   [ "${PADMOE_CPU_TESTS:-1}" = "1" ] && run cpu-tests ctest --test-dir "$build" -j "$(nproc)" --output-on-failure
-  run gpu-tests "$build/padmoe_cuda_tests"
+  run gpu-tests "$build/padmoe_cuda_tests" --gtest_filter="${PADMOE_GPU_TEST_FILTER:-*}"
   subset='Determinism*:CheckedMode*:CudaGraph*:CpuVsGpuEdge*:PlanKernels*:RowSlices*:DotKernels*:ReduceShapes*:Pdl*:SortChunksGpu*'
   [ "${PADMOE_SANITIZE:-1}" = "1" ] && run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
   [ "${PADMOE_SANITIZE:-1}" = "1" ] && run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
@@ -78,11 +85,14 @@ if want checks; then
   done
 fi
 if want bench; then
-  run bandwidth "$build/padmoe_bandwidth"
-  cat "$out/bandwidth.log"
-  for p in mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode; do
+  if [ "${PADMOE_BANDWIDTH:-1}" = "1" ]; then
+    run bandwidth "$build/padmoe_bandwidth"
+    cat "$out/bandwidth.log"
+  fi
+  bops=(); [ -n "${PADMOE_BENCH_OPS:-}" ] && bops=(--ops "$PADMOE_BENCH_OPS")
+  for p in ${PADMOE_BENCH_PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode}; do
     step "bench $p"
-    "$build/padmoe" bench --device cuda --preset "$p" --no-reference --json > "$out/bench-$p.json" 2> "$out/bench-$p.err" || status=1
+    "$build/padmoe" bench --device cuda --preset "$p" --no-reference --json "${bops[@]}" > "$out/bench-$p.json" 2> "$out/bench-$p.err" || status=1
     ops_table "$out/bench-$p.json" --head | tee "$out/bench-$p.txt"
   done
 fi
