@@ -864,19 +864,20 @@ struct Slicing {
   int64_t slice_units = 0;
 };
 std::atomic<int> g_slice_blocks{-1};  // set_slice_blocks: -1 the default
-// About 4 blocks an SM (of the current device when first asked): below it a block a token
-// leaves the GPU part idle.
-int few_tokens_blocks() {
-  static const int blocks = [] {
-    int dev = 0, sms = 132;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+// The multiprocessors of the current device when first asked (132, an H200's, if unknown).
+int sm_count() {
+  static const int sms = [] {
+    int dev = 0, n = 132;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
       cudaGetLastError();
-      sms = 132;
+      n = 132;
     }
-    return 4 * sms;
+    return n;
   }();
-  return blocks;
+  return sms;
 }
+// About 4 blocks an SM: below it a block a token leaves the GPU part idle.
+int few_tokens_blocks() { return 4 * sm_count(); }
 int slice_target_blocks() {
   const int forced = g_slice_blocks.load(std::memory_order_relaxed);
   if (forced >= 0) return forced;
@@ -992,7 +993,7 @@ int plain_reduce_shape(int64_t tokens, int top_k, int64_t units) {
   const int forced = set != -2 ? set : env;
   int shape = forced;
   if (shape < 0) {
-    const int64_t sms = few_tokens_blocks() / 4;
+    const int64_t sms = sm_count();
     if (top_k > kWarpReduceK) shape = few_tokens(tokens) ? 1 : 0;
     else if (tokens < sms) shape = top_k > 2 ? 1 : 0;
     else if (2 * tokens < 5 * sms && units >= 2 * kThreads) shape = 6;
