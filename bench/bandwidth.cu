@@ -639,6 +639,22 @@ int main(int argc, char** argv) {
       both("combine(w), bf16 arithmetic (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
         route_reduce_bf16_kernel<<<sh.T, 256, 0, st>>>(b, weights, c, dest, sh.units, sh.K);
       });
+      if (graph) {
+        // decode's dispatch + combine as one graph: the combine reads what the dispatch wrote, and
+        // the dispatch's dirty lines leave L2 during it (timed alone, each hides that write-back);
+        // then behind an empty kernel (a plan that costs only its launch): p + d + c's floor
+        auto dispatch_combine = [&](cudaStream_t st) {
+          route_spread_kernel<<<spread_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units, sh.K, sh.T, pads, zero_rows);
+          route_reduce_bf16_kernel<<<sh.T, 256, 0, st>>>(b, weights, c + size_t(sh.T) * sh.units, dest, sh.units,
+                                                         sh.K);
+        };
+        const double dc_moved = (2.0 * sh.T + sh.P + A) * row;
+        both("dispatch + combine(w) (T + P, A + T rows)", dc_moved, dispatch_combine);
+        both("empty + dispatch + combine(w)", dc_moved, [&](cudaStream_t st) {
+          write_kernel<<<1, 32, 0, st>>>(b, 0);
+          dispatch_combine(st);
+        });
+      }
       both("gather_backward(w) (A + 2T rows)", (double(A) + 2.0 * sh.T) * row, [&](cudaStream_t st) {
         route_reduce_kernel<<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, c, dest, sh.units, sh.K, sink);
       });
