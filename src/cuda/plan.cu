@@ -379,9 +379,7 @@ __device__ __forceinline__ void plan_store_counts(int e, int E, int count, int p
 // kBallot: the warp's equal keys found by one ballot a key bit (ALU work at full rate) instead
 // of __match_any_sync, whose latency grows with the distinct keys in the warp (about 30 of 32 at
 // E = 256); plan_ballot() chooses.
-// kItems: assignments a thread ranks per chunk, 4 (2048-assignment chunks) or 2 (half chunks,
-// plan_half_chunks(): twice the blocks, each ranking and placing half as many; no replicas).
-template <bool kBallot, int kItems = kFusedItems>
+template <bool kBallot>
 __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 registers), as the residency assumes
     plan_fused_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int chunks_per_block,
                       int replica_shift, int num_experts, int alignment, int32_t* block_counts, int32_t* local_rank,
@@ -390,12 +388,10 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
                       int32_t* row_sources, int32_t padding_source, int32_t* row_experts, int32_t* block_experts,
                       int64_t blocks, int32_t* padded_total_out) {
   pdl_begin();
-  constexpr int kC = kFusedThreads * kItems;  // a chunk: kItems a thread (2048, or 1024: half chunks)
-  constexpr int kPerWarp = 32 * kItems;       // a warp's contiguous slice of a chunk
   using Scan = cub::BlockScan<unsigned long long, kFusedThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ long long s_totals[2];  // real and padded totals
-  __shared__ int s_sorted[kC], s_sorted_key[kC];  // the block's kept assignments in sorted order
+  __shared__ int s_sorted[kChunk], s_sorted_key[kChunk];  // the block's kept assignments in sorted order
   extern __shared__ __align__(16) int s_fused[];
   const int E = num_experts;
   int* s_wc = s_fused;                       // [warps][E] per-warp counts, then offsets; later [2][E] fills
@@ -415,17 +411,17 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
   const int c_begin = cb * chunks_per_block;
   const int c_end = min(chunks, c_begin + chunks_per_block);
   const bool in_registers = chunks_per_block == 1;  // else the ranks go through local_rank
-  int keys[kItems], ranks[kItems];
+  int keys[kFusedItems], ranks[kFusedItems];
 #pragma unroll
-  for (int j = 0; j < kItems; ++j) keys[j] = ranks[j] = -1;
+  for (int j = 0; j < kFusedItems; ++j) keys[j] = ranks[j] = -1;
 
   // 1. rank every assignment of the block's chunks among its expert (assignment order)
   for (int e = threadIdx.x; e < E; e += kFusedThreads) s_run[e] = 0;
   for (int c = c_begin; c < c_end; ++c) {
-    const int64_t base = static_cast<int64_t>(c) * kC + warp * kPerWarp;
-    int k[kItems];
+    const int64_t base = static_cast<int64_t>(c) * kChunk + warp * kFusedPerWarp;
+    int k[kFusedItems];
 #pragma unroll
-    for (int j = 0; j < kItems; ++j) {  // loads first
+    for (int j = 0; j < kFusedItems; ++j) {  // loads first
       const int64_t a = base + j * 32 + lane;
       k[j] = a < assignments ? static_cast<int>(remap.local(load_index(ids, a))) : -1;
     }
@@ -435,9 +431,9 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
     }
     // the warp's lanes with an equal key (invalid ids: key E), first for every item (independent
     // of the counters: their latencies overlap)
-    unsigned same[kItems];
+    unsigned same[kFusedItems];
 #pragma unroll
-    for (int j = 0; j < kItems; ++j) {
+    for (int j = 0; j < kFusedItems; ++j) {
       if (!(k[j] >= 0 && k[j] < E)) k[j] = -1;
       same[j] = 0xffffffffu;
     }
@@ -445,7 +441,7 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
       const int bits = 32 - __clz(E);  // keys 0..E
       for (int b = 0; b < bits; ++b) {
 #pragma unroll
-        for (int j = 0; j < kItems; ++j) {
+        for (int j = 0; j < kFusedItems; ++j) {
           const unsigned bit = (static_cast<unsigned>(k[j] >= 0 ? k[j] : E) >> b) & 1u;
           const unsigned v = __ballot_sync(0xffffffffu, bit);
           same[j] &= bit ? v : ~v;
@@ -453,13 +449,13 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
       }
     } else {
 #pragma unroll
-      for (int j = 0; j < kItems; ++j) same[j] = __match_any_sync(0xffffffffu, k[j] >= 0 ? k[j] : E);
+      for (int j = 0; j < kFusedItems; ++j) same[j] = __match_any_sync(0xffffffffu, k[j] >= 0 ? k[j] : E);
     }
     __syncthreads();
     int* my = s_wc + warp * E;
-    int r[kItems];
+    int r[kFusedItems];
 #pragma unroll
-    for (int j = 0; j < kItems; ++j) {
+    for (int j = 0; j < kFusedItems; ++j) {
       const bool valid = k[j] >= 0;
       const int leader = __ffs(same[j]) - 1;
       int count = 0;
@@ -484,7 +480,7 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
     }
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < kItems; ++j) {
+    for (int j = 0; j < kFusedItems; ++j) {
       const int64_t a = base + j * 32 + lane;
       const int rank = k[j] >= 0 ? my[k[j]] + r[j] : -1;
       if (in_registers) {
@@ -575,9 +571,9 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
   //    cost more than they save (7.9 -> 8.5 µs), and each warp's own items are placed directly.
   if (in_registers && replicas > 2) {
     if (c_begin < c_end && (warp & replica_mask) == replica) {
-      const int base = c_begin * kC + warp * kPerWarp;
+      const int base = c_begin * kChunk + warp * kFusedPerWarp;
 #pragma unroll
-      for (int j = 0; j < kItems; ++j) {
+      for (int j = 0; j < kFusedItems; ++j) {
         const int a = base + j * 32 + lane;
         if (a >= assignments) break;
         plan_place_one(a, keys[j], ranks[j], s_pos, s_row, real_total, indices, bin_ids, dest_rows, row_sources,
@@ -585,11 +581,11 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
       }
     }
   } else if (in_registers) {
-    const int chunk_base = c_begin * kC;
-    const int base = chunk_base + warp * kPerWarp;
+    const int chunk_base = c_begin * kChunk;
+    const int base = chunk_base + warp * kFusedPerWarp;
     if (c_begin < c_end && (warp & replica_mask) == replica) {
 #pragma unroll
-      for (int j = 0; j < kItems; ++j) {
+      for (int j = 0; j < kFusedItems; ++j) {
         const int a = base + j * 32 + lane;
         if (a >= assignments) break;
         dest_rows[a] = ranks[j] < 0 ? -1 : static_cast<int32_t>(s_row[keys[j]] + ranks[j]);
@@ -606,7 +602,7 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
     if (e < E) s_off[e] = static_cast<int>(off);
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < kItems; ++j) {
+    for (int j = 0; j < kFusedItems; ++j) {
       if (ranks[j] < 0) continue;
       const int slot = s_off[keys[j]] + ranks[j];
       s_sorted[slot] = static_cast<int>(base + j * 32 + lane - chunk_base);
@@ -628,9 +624,9 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
     }
   } else {
     for (int c = c_begin; c < c_end; ++c) {
-      const int64_t base = static_cast<int64_t>(c) * kC + warp * kPerWarp;
+      const int64_t base = static_cast<int64_t>(c) * kChunk + warp * kFusedPerWarp;
 #pragma unroll
-      for (int j = 0; j < kItems; ++j) {
+      for (int j = 0; j < kFusedItems; ++j) {
         const int64_t a = base + j * 32 + lane;
         if (a >= assignments) break;
         const int rank = local_rank[a];
@@ -789,8 +785,7 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
   if (dev < 0 || dev >= kMaxDevices) return 0;
   FusedLimits& f = g_fused[dev];
   std::call_once(f.attr_once, [] {
-    for (auto kernel : {plan_fused_kernel<true>, plan_fused_kernel<false>, plan_fused_kernel<true, 2>,
-                        plan_fused_kernel<false, 2>}) {
+    for (auto kernel : {plan_fused_kernel<true>, plan_fused_kernel<false>}) {
       PADMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(fused_smem_bytes(kFusedMaxExperts))));
     }
@@ -829,16 +824,6 @@ int plan_replicas() {
     return p;
   }();
   return r;
-}
-
-// PADMOE_CUDA_PLAN_HALF=1: the fused kernel on 1024-assignment chunks where they all fit in one
-// wave, a block each (instead of 2048-assignment chunks ranked by two replicas each); read once.
-bool plan_half_chunks() {
-  static const bool on = [] {
-    const char* v = std::getenv("PADMOE_CUDA_PLAN_HALF");
-    return v != nullptr && std::atoi(v) != 0;
-  }();
-  return on;
 }
 
 // How the fused kernel finds equal keys in a warp: a ballot a key bit for E >= 64, where a warp
@@ -1084,20 +1069,12 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
                            ? fused_resident_blocks(num_experts, &sms) : 0;
   if (resident > 0) {
     const int limit = mode > 0 ? std::min(mode, resident) : resident;
-    // half chunks: every 1024-assignment chunk a block of one wave; the [chunks, E] counts then
-    // take part of the ranks' room in the workspace (unused with the ranks in registers; fits
-    // for E <= 512 and A > 2048)
-    const int half_chunks = static_cast<int>(index::ceil_div(assignments, kChunk / 2));
-    const bool half = plan_half_chunks() && mode == 0 && chunks > 1 && half_chunks <= std::min(limit, sms) &&
-                      static_cast<int64_t>(half_chunks) * num_experts <=
-                          static_cast<int64_t>(chunks) * num_experts + assignments;
-    const int n_chunks_run = half ? half_chunks : chunks;
-    const int per_block = n_chunks_run > limit ? static_cast<int>(index::ceil_div(n_chunks_run, limit)) : 1;
-    const int distinct = n_chunks_run > 0 ? static_cast<int>(index::ceil_div(n_chunks_run, per_block)) : 1;
+    const int per_block = chunks > limit ? static_cast<int>(index::ceil_div(chunks, limit)) : 1;
+    const int distinct = chunks > 0 ? static_cast<int>(index::ceil_div(chunks, per_block)) : 1;
     // replicas: a power of two up to 16 so that about one block per multiprocessor runs
     int replicas = 1;
     const int want = plan_replicas();
-    if (per_block == 1 && chunks > 0 && !half) {
+    if (per_block == 1 && chunks > 0) {
       if (want > 0) {
         replicas = want;
       } else {
@@ -1126,11 +1103,10 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     IndexRef ids = top_experts;
     index::ExpertRemap rm = remap;
     int64_t a_count = assignments;
-    int n_chunks = n_chunks_run, n_experts = num_experts, align = alignment;
+    int n_chunks = chunks, n_experts = num_experts, align = alignment;
     int32_t pad_src = padding_source;
     int64_t capacity = row_capacity;
-    auto* fused = half ? (plan_ballot(num_experts) ? plan_fused_kernel<true, 2> : plan_fused_kernel<false, 2>)
-                       : (plan_ballot(num_experts) ? plan_fused_kernel<true> : plan_fused_kernel<false>);
+    auto* fused = plan_ballot(num_experts) ? plan_fused_kernel<true> : plan_fused_kernel<false>;
     if (distinct == 1) {  // no grid barrier: an ordinary launch
       launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
           per_block, shift, n_experts, align, block_counts, local_rank, capacity, tokens, bins, ptokens, pbins,

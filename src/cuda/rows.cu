@@ -486,15 +486,13 @@ __global__ void __launch_bounds__(kThreads)
 // in ascending k, one rounding to the row dtype); each dot sums a lane's units in ascending
 // order, then a fixed shuffle tree (and the warps in order): deterministic, not the block
 // kernel's order. kDots false: the plain reduce in the same form (no g, no dots; the sums are
-// the same bits). kSum false: the dots alone (row_dots a block a token; out gives only the rows
-// and their length, nothing is written to it, w is not read).
-template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit, bool kDots = true, bool kSum = true>
+// the same bits).
+template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit, bool kDots = true>
 __global__ void __launch_bounds__(kThreads)
     reduce_dots_warp_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
                             FloatOutArg dots) {
   pdl_begin();
   static_assert(kSplit == 1 || kSplit == kThreads / 32, "a token's lanes: one warp or the whole block");
-  static_assert(kDots || kSum, "a reduce or dots, or both");
   using U = Unit<T, kVec>;
   constexpr int kLanes = 32 * kSplit;
   __shared__ float s_part[kSplit][kMaxK];
@@ -508,7 +506,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t a = index::assignment_id(t, lane, top_k);
     const int64_t r = dest[a];
     my_row = (r < 0 || r >= y.rows) ? -1 : static_cast<int>(r);
-    if (kSum) my_w = load_scale(w, a);
+    my_w = load_scale(w, a);
   }
   int row[kMaxK];
   float wk[kMaxK], partial[kMaxK];
@@ -519,7 +517,7 @@ __global__ void __launch_bounds__(kThreads)
     partial[q] = 0.0f;
   }
   const int64_t units = units_of<U>(out);
-  char* dst = kSum ? row_ptr(out, t) : nullptr;
+  char* dst = row_ptr(out, t);
   const char* grow = kDots ? row_ptr(g, t) : nullptr;
   for (int64_t c = 0; c < units; c += kLanes * kUnits) {
     typename U::Raw v[kMaxK][kUnits], gv[kUnits];
@@ -547,15 +545,13 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int q = 0; q < kMaxK; ++q) {
         if (q >= top_k || row[q] < 0) continue;
-        if constexpr (kSum) {
-          float f[U::N];
-          U::to_float(v[q][j], f);
+        float f[U::N];
+        U::to_float(v[q][j], f);
 #pragma unroll
-          for (int i = 0; i < U::N; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk[q], f[i]));
-        }
+        for (int i = 0; i < U::N; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk[q], f[i]));
         if constexpr (kDots) partial[q] += U::dot(v[q][j], gv[j]);
       }
-      if constexpr (kSum) U::store(dst, u, U::from_float(acc));
+      U::store(dst, u, U::from_float(acc));
     }
   }
   if constexpr (kDots) {  // the dots: lane sums, then the warps (kSplit 8) in order
@@ -817,11 +813,11 @@ struct ReduceShape {
     static constexpr auto fn = reduce_kernel<T, kVec, kDots, kUnits, kBatch>;
   };
 };
-template <int kMaxK, int kUnits, int kSplit, bool kDots = true, bool kSum = true>
+template <int kMaxK, int kUnits, int kSplit, bool kDots = true>
 struct ReduceDotsWarp {
   template <typename T, bool kVec>
   struct Tag {
-    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits, kSplit, kDots, kSum>;
+    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits, kSplit, kDots>;
   };
 };
 template <typename T, bool kVec>
@@ -1015,18 +1011,6 @@ int plain_reduce_shape(int64_t tokens, int top_k, int64_t units) {
   return shape;
 }
 bool warp_row_dots() { return dot_kernels() != 0; }
-// row_dots a block a token (reduce_dots_warp_kernel without the sum, two units a lane): by shape
-// in the two-units window with top_k <= 8 (unless PADMOE_CUDA_DOTS forces a family), or always
-// for top_k <= 8 with PADMOE_CUDA_ROW_DOTS=1 (read once; 0: never).
-bool row_dots_by_token(int64_t tokens, int top_k, int64_t units) {
-  static const int env = [] {
-    const char* v = std::getenv("PADMOE_CUDA_ROW_DOTS");
-    return v == nullptr ? -1 : std::atoi(v) != 0 ? 1 : 0;
-  }();
-  if (top_k > kWarpReduceK || top_k < 1) return false;
-  if (env >= 0) return env == 1;
-  return dot_kernels() < 0 && two_units_window(tokens, units);
-}
 bool warp_spread_dots() { return dot_kernels() != 0; }
 // Reduce with dots: 0 the block kernel, 1 its wide shape, 2 a warp a token, 3 a block a token
 // in the warp kernel's form (kSplit 8), 4 the same with two units a lane at a time (2-4 for
@@ -1034,8 +1018,8 @@ bool warp_spread_dots() { return dot_kernels() != 0; }
 // else PADMOE_CUDA_REDUCE_DOTS=0..4 (read once, measurements) picks the reduce alone; else by
 // shape: 4 in the plain reduce's two-units window (about two tokens an SM, 8 KiB rows and more),
 // else 3 for few tokens, 2 otherwise. Measured on the H200 at decode (T = 256, H = 7168; graph
-// us, two rounds, bench/results/cuda-h200-2026-12-02-twelfth.md): 4 against 3,
-// padded_gather_backward(w) 11.4-11.5 against 12.4, dispatch_backward(w) 9.5-9.6 against 10.1-10.3.
+// us, bench/results/cuda-h200-2026-12-02-twelfth.md): 4 against 3, padded_gather_backward(w)
+// 11.1-11.5 against 12.4, dispatch_backward(w) 9.5-9.7 against 10.1-10.3.
 int reduce_dots_kernel(int64_t tokens, int top_k, int64_t units) {
   int pick = dot_kernels();
   if (pick < 0) {
@@ -1167,22 +1151,7 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
   const int64_t tokens = assignments / top_k;
   if (tokens == 0) return;
   const bool vec = rows_vectorizable(y) && rows_vectorizable(g);
-  // A block a token in reduce_dots_warp_kernel's form, two units a lane, without the sum (by shape
-  // in the two-units window, or PADMOE_CUDA_ROW_DOTS=1: each g row read once, not top_k times);
-  // else a warp an assignment (the default), or a block a token (set_dot_kernels(0),
-  // PADMOE_CUDA_DOTS=0).
-  const int64_t units = vec ? g.cols * static_cast<int64_t>(element_size(g.dtype)) / 16 : g.cols;
-  if (row_dots_by_token(tokens, top_k, units)) {
-    RowsArg rows = g;  // the tokens and their row length; nothing is written
-    rows.data = nullptr;
-    rows.rows = tokens;
-    pick<ReduceDotsWarp<kWarpReduceK, 2, kThreads / 32, true, false>::Tag>(y.dtype, vec, [&](auto tag) {
-      using Tag = decltype(tag);
-      launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream),
-          y, top_k, dest, ScaleArg{}, rows, g, out);
-    });
-    return;
-  }
+  // A warp an assignment (the default), or a block a token (set_dot_kernels(0), PADMOE_CUDA_DOTS=0).
   if (warp_row_dots()) {
     const int64_t blocks = index::ceil_div(assignments, kThreads / 32);
     pick<WarpDotsTag>(y.dtype, vec, [&](auto tag) {

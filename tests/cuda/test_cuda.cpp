@@ -761,13 +761,13 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
       for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(all_same(family3[i], first[i])) << "mode 3 vs 4, output " << i;
     }
     if (mode != 4) continue;
-    // By shape (-1) at this T (about two tokens an SM on the H200; any T on other cards): the
-    // reduces' bits are family 3's; wgrad may run a block a token (row_dots without the sum,
-    // another summation order), so it is checked against float64 sums and run twice.
+    // By shape (-1) at this T (about two tokens an SM on the H200, where the reduce with dots
+    // loads two units a lane; any T on other cards): family 3's bits, run twice; and wgrad
+    // against float64 sums (rounded once to bf16, y's dtype).
     padmoe::cuda::set_dot_kernels(-1);
     const std::vector<Tensor> by_shape = run(), again = run();
     for (size_t i = 0; i < by_shape.size(); ++i) EXPECT_TRUE(all_same(by_shape[i], again[i])) << "by shape, output " << i;
-    for (size_t i = 0; i + 1 < by_shape.size(); ++i) EXPECT_TRUE(all_same(family3[i], by_shape[i])) << "by shape, output " << i;
+    for (size_t i = 0; i < by_shape.size(); ++i) EXPECT_TRUE(all_same(family3[i], by_shape[i])) << "by shape, output " << i;
     const std::vector<float> yv = rows_to_float(to_cpu(dy)), xv = rows_to_float(to_cpu(dx)),
                              got = vec_to_float(by_shape.back());
     const Tensor dest = to_cpu(v.dest_rows);
@@ -780,7 +780,7 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
         want += p;
         scale += std::fabs(p);
       }
-      ASSERT_NEAR(got[a], want, 1e-5 * (1.0 + scale)) << "wgrad by shape, assignment " << a;
+      ASSERT_NEAR(got[a], want, 1e-5 * (1.0 + scale) + std::fabs(want) / 256.0) << "wgrad by shape, assignment " << a;
     }
   }
   padmoe::cuda::set_dot_kernels(-1);
