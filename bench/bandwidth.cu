@@ -640,9 +640,9 @@ int main(int argc, char** argv) {
         route_reduce_bf16_kernel<<<sh.T, 256, 0, st>>>(b, weights, c, dest, sh.units, sh.K);
       });
       if (graph) {
-        // decode's dispatch + combine as one graph: the combine reads what the dispatch wrote, and
-        // the dispatch's dirty lines leave L2 during it (timed alone, each hides that write-back);
-        // then behind an empty kernel (a plan that costs only its launch): p + d + c's floor
+        // decode's dispatch + combine as one graph (the combine reads what the dispatch wrote; a
+        // dispatch timed alone may leave dirty lines in L2 for the next kernel to write back), then
+        // behind an empty kernel (a plan that costs only its launch): p + d + c's bound
         auto dispatch_combine = [&](cudaStream_t st) {
           route_spread_kernel<<<spread_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units, sh.K, sh.T, pads, zero_rows);
           route_reduce_bf16_kernel<<<sh.T, 256, 0, st>>>(b, weights, c + size_t(sh.T) * sh.units, dest, sh.units,
