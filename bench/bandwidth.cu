@@ -266,6 +266,66 @@ __global__ void route_reduce_bf16_kernel(const uint4* y, const float* w, uint4* 
   }
 }
 
+// The gather / dispatch backward with dots and padmoe's arithmetic (bf16 rows to float32; the
+// weighted sum as above; K float32 dots <y[dest], g[t]> with FMA, summed over the block by a
+// shuffle tree and the warps in order), writing out[t] and the K dots; with out = nullptr the
+// dots alone (padded_scatter_wgrad's traffic: A + T rows read, K floats a token written).
+__global__ void route_reduce_dots_bf16_kernel(const uint4* y, const uint4* g, const float* w, uint4* out,
+                                              float* dots, const int* dest, int units, int K) {
+  __shared__ float s_part[8][8];
+  const size_t t = blockIdx.x;
+  int row[8];
+  float wk[8], part[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    row[c] = c < K ? dest[t * K + c] : 0;
+    wk[c] = c < K ? w[t * K + c] : 0.0f;
+    part[c] = 0.0f;
+  }
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    uint4 v[8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (c < K) v[c] = y[static_cast<size_t>(row[c]) * units + u];
+    }
+    const uint4 gv = g[t * units + u];
+    const unsigned gx[4] = {gv.x, gv.y, gv.z, gv.w};
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (c >= K) continue;
+      const unsigned x[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float lo = __uint_as_float(x[i] << 16), hi = __uint_as_float(x[i] & 0xffff0000u);
+        if (out != nullptr) {
+          acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(wk[c], lo));
+          acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(wk[c], hi));
+        }
+        part[c] = fmaf(lo, __uint_as_float(gx[i] << 16), part[c]);
+        part[c] = fmaf(hi, __uint_as_float(gx[i] & 0xffff0000u), part[c]);
+      }
+    }
+    if (out != nullptr) {
+      out[t * units + u] = make_uint4(bf16_pair(acc[0], acc[1]), bf16_pair(acc[2], acc[3]),
+                                      bf16_pair(acc[4], acc[5]), bf16_pair(acc[6], acc[7]));
+    }
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) part[c] += __shfl_xor_sync(0xffffffffu, part[c], off);
+    if (lane == 0 && warp < 8) s_part[warp][c] = part[c];
+  }
+  __syncthreads();
+  if (threadIdx.x < static_cast<unsigned>(K)) {
+    float sum = 0.0f;
+    for (int q = 0; q < 8 && q < static_cast<int>(blockDim.x / 32); ++q) sum += s_part[q][threadIdx.x];
+    dots[t * K + threadIdx.x] = sum;
+  }
+}
+
 // combine backward with dots: block t reads row t, and for each destination reads that row of
 // `other` (the dot) and writes row t there; padding rows zeroed as in the spread.
 __global__ void route_spread_read_kernel(const uint4* x, const uint4* other, uint4* y, const int* dest, const int* pad,
@@ -658,6 +718,18 @@ int main(int argc, char** argv) {
       both("gather_backward(w) (A + 2T rows)", (double(A) + 2.0 * sh.T) * row, [&](cudaStream_t st) {
         route_reduce_kernel<<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, c, dest, sh.units, sh.K, sink);
       });
+      float* dots = nullptr;  // the K dots a token of the patterns with dots
+      CHECK(cudaMalloc(&dots, A * sizeof(float)));
+      both("gather_backward(w), bf16 arithmetic + dots (A + 2T rows)", (double(A) + 2.0 * sh.T) * row,
+           [&](cudaStream_t st) {
+             route_reduce_dots_bf16_kernel<<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, weights, c, dots,
+                                                                 dest, sh.units, sh.K);
+           });
+      both("wgrad, bf16 dots (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
+        route_reduce_dots_bf16_kernel<<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, weights, nullptr, dots,
+                                                            dest, sh.units, sh.K);
+      });
+      CHECK(cudaFree(dots));
       both("combine_backward(w) (T + A + P rows)", (double(sh.T) + A + sh.P) * row, [&](cudaStream_t st) {
         route_spread_read_kernel<<<spread_blocks, 256, 0, st>>>(c, a, b, dest, pad, sh.units, sh.K, sh.T, pads,
                                                                 zero_rows, sink);
