@@ -762,12 +762,11 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
     }
     if (mode != 4) continue;
     // By shape (-1) at this T (about two tokens an SM on the H200, where the reduce with dots
-    // loads two units a lane; any T on other cards): family 3's bits, run twice; and wgrad
-    // against float64 sums (rounded once to bf16, y's dtype).
+    // loads two units a lane; the family depends on the card's SM count): run twice, bitwise;
+    // and wgrad against float64 sums (rounded once to bf16, y's dtype).
     padmoe::cuda::set_dot_kernels(-1);
     const std::vector<Tensor> by_shape = run(), again = run();
     for (size_t i = 0; i < by_shape.size(); ++i) EXPECT_TRUE(all_same(by_shape[i], again[i])) << "by shape, output " << i;
-    for (size_t i = 0; i < by_shape.size(); ++i) EXPECT_TRUE(all_same(family3[i], by_shape[i])) << "by shape, output " << i;
     const std::vector<float> yv = rows_to_float(to_cpu(dy)), xv = rows_to_float(to_cpu(dx)),
                              got = vec_to_float(by_shape.back());
     const Tensor dest = to_cpu(v.dest_rows);
