@@ -231,14 +231,20 @@ void run_sort(const Checker& c, const ChunkGrid& g, const ChunkLayout& l, const 
     cuda::Scratch scratch(options, cuda::chunk_workspace_bytes(g.chunks), device);
     const cuda::IndexRef s = cuda::IndexRef::of(sizes);
     const cuda::IndexRef order = sorted_index ? cuda::IndexRef::of(*sorted_index) : cuda::IndexRef{};
-    cuda::chunk_layout(s, order, g.chunks, static_cast<int>(g.ranks), alignment, received.shape[0], scratch.get(),
-                       options.stream);
-    if (options.check_data && !l.known) {  // sizes not yet seen on the host
+    // Unvalidated sizes go through the layout, the checks, then the map: nothing but the scratch is
+    // written before the checks pass. Otherwise the layout may write the map itself.
+    const bool validate = options.check_data && !l.known;  // sizes not yet seen on the host
+    const bool mapped = cuda::chunk_layout(s, order, g.chunks, static_cast<int>(g.ranks), alignment,
+                                           received.shape[0], scratch.get(), options.stream, validate ? 0 : map_len,
+                                           validate ? nullptr : map, validate ? nullptr : offs);
+    if (validate) {
       raise_chunk_violation(c, g, cuda::validate_chunks(s, order, g.chunks, received.shape[0], padded.shape[0],
                                                         scratch.get(), options.stream));
     }
-    cuda::chunk_map(scratch.get(), g.chunks, static_cast<int>(g.ranks), received.shape[0], map_len, map, offs,
-                    options.stream);
+    if (!mapped) {
+      cuda::chunk_map(scratch.get(), g.chunks, static_cast<int>(g.ranks), received.shape[0], map_len, map, offs,
+                      options.stream);
+    }
     // Rows at or past P (device-side inclusive_offsets[E-1]) untouched unless zero_tail (their map is -1).
     const int32_t* limit = options.zero_tail || g.groups == 0 ? nullptr : offs + g.groups - 1;
     if (g.groups > 0 || options.zero_tail) {  // no groups and no zero_tail: P = 0, nothing to write

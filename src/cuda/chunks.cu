@@ -11,6 +11,7 @@
 // E <= C entries used) and int32 seen[C] (validation).
 #include <cub/block/block_scan.cuh>
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -140,8 +141,12 @@ __global__ void __launch_bounds__(kScanThreads)
 // experts: the global-memory kernel took 9 us on the H200).
 constexpr int kSmemChunks = 2048;
 constexpr int kSmemPer = kSmemChunks / kScanThreads;  // chunks a thread
+// map != nullptr (chunk_layout's fused map, map_len <= kFusedMapRows): the block also writes
+// inclusive_offsets and map[p] for p < map_len, chunk_map's values, and leaves the workspace
+// arrays unwritten (only the header); one launch instead of two.
 __global__ void __launch_bounds__(kScanThreads)
-    layout_smem_kernel(IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, int64_t rows, Layout l) {
+    layout_smem_kernel(IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, int64_t rows, Layout l,
+                       int map_len, int32_t* map, int32_t* inclusive_offsets) {
   pdl_begin();
   using Scan = cub::BlockScan<int, kScanThreads>;
   __shared__ typename Scan::TempStorage storage;
@@ -208,22 +213,65 @@ __global__ void __launch_bounds__(kScanThreads)
     padded += round_up_32(end - real_start, alignment);
     s_ginc[g] = padded;
     s_greal[g] = real_start;
-    l.group_incl[g] = padded;
-    l.group_real[g] = real_start;
+    if (map != nullptr) {
+      inclusive_offsets[g] = padded;
+    } else {
+      l.group_incl[g] = padded;
+      l.group_real[g] = real_start;
+    }
   }
-  if (threadIdx.x == 0) *l.padded_total = total;
+  __syncthreads();  // every thread has read s_total (positions_total) above
+  if (threadIdx.x == 0) {
+    *l.padded_total = total;
+    s_total = total;  // now P, for (5)
+  }
   __syncthreads();
   // (4) the workspace arrays: each position's first padded row, source start and size
+  int prow[kSmemPer], psrc[kSmemPer];
 #pragma unroll
   for (int q = 0; q < kSmemPer; ++q) {
     const int j = i0 + q;
     if (j >= i1) break;
     const int g = j / ranks;
     const int pstart = g == 0 ? 0 : s_ginc[g - 1];
-    l.pos_row[j] = pstart + s_row[j] - s_greal[g];
-    l.pos_src[j] = src[q] < 0 ? 0 : s_excl[src[q]];
-    l.pos_size[j] = n[q];
-    l.src_excl[j] = s_excl[j];
+    prow[q] = pstart + s_row[j] - s_greal[g];
+    psrc[q] = src[q] < 0 ? 0 : s_excl[src[q]];
+    if (map == nullptr) {
+      l.pos_row[j] = prow[q];
+      l.pos_src[j] = psrc[q];
+      l.pos_size[j] = n[q];
+      l.src_excl[j] = s_excl[j];
+    }
+  }
+  if (map == nullptr) return;
+  // (5) the fused map: the positions' first rows, source starts and sizes in shared memory (over
+  //     s_size, s_ginc, s_greal, free after (4)), then map[p] as map_kernel forms it
+  const int padded_total = s_total;
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < kSmemPer; ++q) {
+    const int j = i0 + q;
+    if (j >= i1) break;
+    s_size[j] = prow[q];
+    s_ginc[j] = psrc[q];
+    s_greal[j] = n[q];
+  }
+  __syncthreads();
+  for (int p = static_cast<int>(threadIdx.x); p < map_len; p += kScanThreads) {
+    int32_t v = -1;
+    if (p < padded_total) {
+      int lo = 0, hi = c;  // first position with pos_row > p
+      while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        if (s_size[mid] > p) hi = mid; else lo = mid + 1;
+      }
+      if (lo > 0) {
+        const int j = lo - 1, local = p - s_size[j];
+        const int64_t from = static_cast<int64_t>(s_ginc[j]) + local;
+        if (local < s_greal[j] && from < rows) v = static_cast<int32_t>(from);
+      }
+    }
+    map[p] = v;
   }
 }
 
@@ -291,27 +339,50 @@ bool smem_layout() {
   return on;
 }
 
+// The fused map (the layout block writes the map too, one launch fewer): off by default until
+// measured; PADMOE_CUDA_CHUNK_MAP=fused (read once) or set_chunk_map_fused(1) (tests) turn it on
+// for map_len <= kFusedMapRows (a block of 1024 threads, a binary search in shared memory per entry).
+constexpr int64_t kFusedMapRows = 16384;
+std::atomic<int> g_chunk_map_fused{-1};  // -1: the environment's choice
+bool fused_chunk_map() {
+  const int set = g_chunk_map_fused.load(std::memory_order_relaxed);
+  if (set >= 0) return set == 1;
+  static const bool on = [] {
+    const char* v = std::getenv("PADMOE_CUDA_CHUNK_MAP");
+    return v != nullptr && std::string(v) == "fused";
+  }();
+  return on;
+}
+
 }  // namespace
 
-void chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks, int alignment,
-                  int64_t rows, void* workspace, void* stream) {
+bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks, int alignment,
+                  int64_t rows, void* workspace, void* stream, int64_t map_len, int32_t* map,
+                  int32_t* inclusive_offsets) {
   const cudaStream_t s = as_stream(stream);
   const Layout l = layout_of(workspace, num_chunks);
   if (num_chunks == 0) {  // no chunks: P = 0
     PADMOE_CUDA_CHECK(cudaMemsetAsync(workspace, 0, 64, s));
-    return;
+    return false;
   }
   // shared memory when the chunks fit and every sum (at most C * (rows + 1) real rows, plus
   // alignment - 1 a group) fits in 32 bits
   const int64_t groups = num_chunks / num_ranks;
   const bool small = num_chunks <= kSmemChunks && (rows + 1) * num_chunks + groups * alignment < 2147483647LL;
   if (small && smem_layout()) {
+    const bool fuse = map != nullptr && map_len <= kFusedMapRows && fused_chunk_map();
     launch_kernel("layout_smem_kernel", layout_smem_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index,
-        static_cast<int>(num_chunks), num_ranks, alignment, rows, l);
-    return;
+        static_cast<int>(num_chunks), num_ranks, alignment, rows, l, static_cast<int>(fuse ? map_len : 0),
+        fuse ? map : nullptr, fuse ? inclusive_offsets : nullptr);
+    return fuse;
   }
   launch_kernel("layout_kernel", layout_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index, num_chunks,
       num_ranks, alignment, rows, l);
+  return false;
+}
+
+void set_chunk_map_fused(int mode) {
+  g_chunk_map_fused.store(mode < -1 || mode > 1 ? -1 : mode, std::memory_order_relaxed);
 }
 
 Violation validate_chunks(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int64_t rows,

@@ -267,8 +267,14 @@ inline size_t chunk_workspace_bytes(int64_t num_chunks) {
 }
 // Sizes are clamped to [0, rows + 1] and out-of-range sorted_index entries read
 // as empty chunks, so an unchecked bad input cannot overflow or read out of bounds.
-void chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks, int alignment,
-                  int64_t rows, void* workspace, void* stream);
+// With map (the unchecked path: nothing is validated in between) it may also write the map and
+// inclusive_offsets, chunk_map's values, in the same launch, and returns true; then chunk_map is
+// not needed (PADMOE_CUDA_CHUNK_MAP=fused, set_chunk_map_fused: tests and measurements).
+bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks, int alignment,
+                  int64_t rows, void* workspace, void* stream, int64_t map_len = 0, int32_t* map = nullptr,
+                  int32_t* inclusive_offsets = nullptr);
+// -1 the environment's choice (off unless PADMOE_CUDA_CHUNK_MAP=fused), 0 off, 1 on.
+void set_chunk_map_fused(int mode);
 // Checked mode, after chunk_layout: split sizes in [0, rows], sorted_index a
 // permutation, sum <= rows, P <= INT32_MAX, P <= output_rows (< 0: skipped).
 // The lowest code, then the lowest position, is reported. Synchronizes.

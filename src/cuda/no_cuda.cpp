@@ -69,7 +69,11 @@ Violation validate_sorted_routing(IndexRef, IndexRef, IndexRef, IndexRef, int64_
 Violation validate_plan(const PlanView&, int64_t, void*, void*) { unavailable("validate"); }
 Violation validate_counts(IndexRef, int, int, int64_t, int64_t, void*, void*) { unavailable("validate"); }
 Violation validate_map(IndexRef, int64_t, int64_t, void*, void*) { unavailable("validate"); }
-void chunk_layout(IndexRef, IndexRef, int64_t, int, int, int64_t, void*, void*) { unavailable("chunk_layout"); }
+bool chunk_layout(IndexRef, IndexRef, int64_t, int, int, int64_t, void*, void*, int64_t, int32_t*, int32_t*) {
+  unavailable("chunk_layout");
+  return false;
+}
+void set_chunk_map_fused(int) {}
 Violation validate_chunks(IndexRef, IndexRef, int64_t, int64_t, int64_t, void*, void*) { unavailable("validate"); }
 void chunk_map(const void*, int64_t, int, int64_t, int64_t, int32_t*, int32_t*, void*) { unavailable("chunk_map"); }
 

@@ -1766,13 +1766,18 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
     const padmoe::PadResult cpu = padmoe::sort_chunks(hh, hs, cf.R, cf.m, hsi);
     ASSERT_EQ(cpu.padded.size(0), P);
     EXPECT_TRUE(rows_bitwise(cpu.padded, want.padded, P));
+    // the layout's fused map (one launch fewer; unchecked calls only) off and on
+    for (int fused : {0, 1})
     for (bool checked : {true, false}) {
       for (bool zero_tail : {false, true}) {
+        SCOPED_TRACE("fused map " + std::to_string(fused));
+        padmoe::cuda::set_chunk_map_fused(fused);
         padmoe::Options o;
         o.check_data = checked;
         o.zero_tail = zero_tail;
         Tensor gpad = gpu_poison_rows(cf.dt, cap, H), gmap = gpu_poison_index(cap), goff = gpu_poison_index(cf.E);
         padmoe::sort_chunks_out(dh, ds, cf.R, cf.m, dsi, gpad, gmap, goff, o);
+        padmoe::cuda::set_chunk_map_fused(-1);
         Tensor cpad = poison_rows(cf.dt, cap, H), cmap = poison_index(cap), coff = poison_index(cf.E);
         padmoe::sort_chunks_out(hh, hs, cf.R, cf.m, hsi, cpad, cmap, coff, o);
         const Tensor hpad = to_cpu(gpad);
