@@ -235,43 +235,13 @@ __device__ __forceinline__ unsigned bf16_pair(float lo, float hi) {
   b += 0x7fffu + ((b >> 16) & 1u);
   return (a >> 16) | (b & 0xffff0000u);
 }
-__global__ void route_reduce_bf16_kernel(const uint4* y, const float* w, uint4* out, const int* dest, int units, int K) {
-  const size_t t = blockIdx.x;
-  int row[8];
-  float wk[8];
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    row[c] = c < K ? dest[t * K + c] : 0;
-    wk[c] = c < K ? w[t * K + c] : 0.0f;
-  }
-  for (int u = threadIdx.x; u < units; u += blockDim.x) {
-    uint4 v[8];
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      if (c < K) v[c] = y[static_cast<size_t>(row[c]) * units + u];
-    }
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      if (c >= K) continue;
-      const unsigned x[4] = {v[c].x, v[c].y, v[c].z, v[c].w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(wk[c], __uint_as_float(x[i] << 16)));
-        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(wk[c], __uint_as_float(x[i] & 0xffff0000u)));
-      }
-    }
-    out[t * units + u] = make_uint4(bf16_pair(acc[0], acc[1]), bf16_pair(acc[2], acc[3]), bf16_pair(acc[4], acc[5]),
-                                    bf16_pair(acc[6], acc[7]));
-  }
-}
-
-// The gather / dispatch backward with dots and padmoe's arithmetic (bf16 rows to float32; the
-// weighted sum as above; K float32 dots <y[dest], g[t]> with FMA, summed over the block by a
-// shuffle tree and the warps in order), writing out[t] and the K dots; with out = nullptr the
-// dots alone (padded_scatter_wgrad's traffic: A + T rows read, K floats a token written).
-__global__ void route_reduce_dots_bf16_kernel(const uint4* y, const uint4* g, const float* w, uint4* out,
-                                              float* dots, const int* dest, int units, int K) {
+// kDots false, kOut true: that combine (g and dots unused). kDots: the gather / dispatch backward
+// with dots in the same arithmetic (K float32 dots <y[dest], g[t]> with FMA, summed over the block
+// by a shuffle tree and the warps in order), writing out[t] and the K dots; kOut false: the dots
+// alone (padded_scatter_wgrad's traffic: A + T rows read, K floats a token written).
+template <bool kDots, bool kOut>
+__global__ void route_reduce_bf16_kernel(const uint4* y, const uint4* g, const float* w, uint4* out, float* dots,
+                                         const int* dest, int units, int K) {
   __shared__ float s_part[8][8];
   const size_t t = blockIdx.x;
   int row[8];
@@ -288,7 +258,7 @@ __global__ void route_reduce_dots_bf16_kernel(const uint4* y, const uint4* g, co
     for (int c = 0; c < 8; ++c) {
       if (c < K) v[c] = y[static_cast<size_t>(row[c]) * units + u];
     }
-    const uint4 gv = g[t * units + u];
+    const uint4 gv = kDots ? g[t * units + u] : make_uint4(0, 0, 0, 0);
     const unsigned gx[4] = {gv.x, gv.y, gv.z, gv.w};
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
@@ -298,19 +268,22 @@ __global__ void route_reduce_dots_bf16_kernel(const uint4* y, const uint4* g, co
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float lo = __uint_as_float(x[i] << 16), hi = __uint_as_float(x[i] & 0xffff0000u);
-        if (out != nullptr) {
+        if (kOut) {
           acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(wk[c], lo));
           acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(wk[c], hi));
         }
-        part[c] = fmaf(lo, __uint_as_float(gx[i] << 16), part[c]);
-        part[c] = fmaf(hi, __uint_as_float(gx[i] & 0xffff0000u), part[c]);
+        if (kDots) {
+          part[c] = fmaf(lo, __uint_as_float(gx[i] << 16), part[c]);
+          part[c] = fmaf(hi, __uint_as_float(gx[i] & 0xffff0000u), part[c]);
+        }
       }
     }
-    if (out != nullptr) {
+    if (kOut) {
       out[t * units + u] = make_uint4(bf16_pair(acc[0], acc[1]), bf16_pair(acc[2], acc[3]),
                                       bf16_pair(acc[4], acc[5]), bf16_pair(acc[6], acc[7]));
     }
   }
+  if (!kDots) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
@@ -697,7 +670,8 @@ int main(int argc, char** argv) {
         });
       }
       both("combine(w), bf16 arithmetic (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
-        route_reduce_bf16_kernel<<<sh.T, 256, 0, st>>>(b, weights, c, dest, sh.units, sh.K);
+        route_reduce_bf16_kernel<false, true><<<sh.T, 256, 0, st>>>(b, nullptr, weights, c, nullptr, dest, sh.units,
+                                                                   sh.K);
       });
       if (graph) {
         // decode's dispatch + combine as one graph (the combine reads what the dispatch wrote; a
@@ -705,8 +679,8 @@ int main(int argc, char** argv) {
         // behind an empty kernel (a plan that costs only its launch): p + d + c's bound
         auto dispatch_combine = [&](cudaStream_t st) {
           route_spread_kernel<<<spread_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units, sh.K, sh.T, pads, zero_rows);
-          route_reduce_bf16_kernel<<<sh.T, 256, 0, st>>>(b, weights, c + size_t(sh.T) * sh.units, dest, sh.units,
-                                                         sh.K);
+          route_reduce_bf16_kernel<false, true><<<sh.T, 256, 0, st>>>(b, nullptr, weights, c + size_t(sh.T) * sh.units,
+                                                                       nullptr, dest, sh.units, sh.K);
         };
         const double dc_moved = (2.0 * sh.T + sh.P + A) * row;
         both("dispatch + combine(w) (T + P, A + T rows)", dc_moved, dispatch_combine);
@@ -722,12 +696,12 @@ int main(int argc, char** argv) {
       CHECK(cudaMalloc(&dots, A * sizeof(float)));
       both("gather_backward(w), bf16 arithmetic + dots (A + 2T rows)", (double(A) + 2.0 * sh.T) * row,
            [&](cudaStream_t st) {
-             route_reduce_dots_bf16_kernel<<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, weights, c, dots,
-                                                                 dest, sh.units, sh.K);
+             route_reduce_bf16_kernel<true, true><<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, weights, c,
+                                                                        dots, dest, sh.units, sh.K);
            });
       both("wgrad, bf16 dots (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
-        route_reduce_dots_bf16_kernel<<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, weights, nullptr, dots,
-                                                            dest, sh.units, sh.K);
+        route_reduce_bf16_kernel<true, false><<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, weights, nullptr,
+                                                                    dots, dest, sh.units, sh.K);
       });
       CHECK(cudaFree(dots));
       both("combine_backward(w) (T + A + P rows)", (double(sh.T) + A + sh.P) * row, [&](cudaStream_t st) {
