@@ -5,8 +5,11 @@
 # preset, `padmoe bench --device cuda` on every preset with the memory
 # system's bandwidth by traffic mix (padmoe_bandwidth), and the Python package
 # (pip install ., pytest on CUDA, bench/bench_python.py with its chart).
-# Logs go to $OUT (default: ./gpu-out), packed into $OUT/gpu-logs.tgz as well
-# (the device tool brings back only a few files).
+# Logs go to $OUT (default: ./gpu-out), packed into $OUT/gpu-logs.tgz as well (the device tool
+# brings back only a few files: PADMOE_GPU_LOGS=DIR writes the logs there instead and leaves only
+# the archive in $OUT). The archive is written on every exit, and PADMOE_GPU_DEADLINE=S (seconds
+# from the start, default 540: under the device tool's 600 s a call) skips the steps still to
+# come once it has passed, so that a call that runs long still brings its logs back.
 # Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench profile ab python triton ep, or
 #        all (default all; profile and ab are never in all). ab: kernel variants timed
 #        against each other, PADMOE_AB="TAG=ENV=V[,ENV=V]@PRESET@OPS ..." (see the stage). PADMOE_CHECK_PRESETS the
@@ -18,7 +21,8 @@
 #        little device time is left (about 2 minutes, build included): PADMOE_CPU_TESTS=0
 #        PADMOE_SANITIZE=0 PADMOE_BANDWIDTH=0 PADMOE_BUILD_TARGETS="padmoe_cli padmoe_cuda_tests"
 #        PADMOE_GPU_TEST_FILTER='ReduceShapes*:DotKernels*:Determinism*' PADMOE_BENCH_PRESETS=decode
-#        scripts/gpu.sh tests bench.
+#        scripts/gpu.sh tests bench. Through the device tool: OUT=$OUT PADMOE_GPU_LOGS=/tmp/gpu-logs, so that
+#        only gpu-logs.tgz comes back (one file), and every step's output is in the call's printed tail.
 #        PADMOE_TORCH_BENCH=0 the python stage's bench_torch.py, PADMOE_BUILD_TARGETS the CMake
 #        targets built (all; padmoe_cli padmoe_bandwidth for bench / profile / ab alone). profile: ncu (clocks left alone) on
 #        the kernels of make_plan, dispatch and combine_backward at deepseek-v3
@@ -33,16 +37,24 @@
 #        of one and the CUDA-graph capture), bench/bench_ep.py on 2, 4 and 8 GPUs (those present).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-gpu-out}
-mkdir -p "$out"
+dest=${OUT:-gpu-out}
+out=${PADMOE_GPU_LOGS:-$dest}
+mkdir -p "$out" "$dest"
+deadline=${PADMOE_GPU_DEADLINE:-540}
+late() { [ "$SECONDS" -ge "$deadline" ]; }
+pack() {
+  tar czf /tmp/padmoe-gpu-logs.tgz -C "$out" --exclude gpu-logs.tgz . 2>/dev/null && mv /tmp/padmoe-gpu-logs.tgz "$dest/gpu-logs.tgz"
+}
+trap pack EXIT
 build=${BUILD_DIR:-build-gpu}
 stages=" ${*:-all} "
 want() { [[ ( "$stages" == *" all "* && "$1" != profile && "$1" != ab ) || "$stages" == *" $1 "* ]]; }
 status=0
 step() { echo; echo "=== $*"; }
-run() {  # run a step, keep going, remember failures
+run() {  # run a step, keep going, remember failures (skipped past the deadline)
   local name=$1; shift
   step "$name"
+  if late; then echo "$name: SKIPPED (past PADMOE_GPU_DEADLINE=$deadline s)"; status=1; return; fi
   if "$@" > "$out/$name.log" 2>&1; then echo "$name: ok"; else echo "$name: FAILED (rc $?)"; tail -n 30 "$out/$name.log"; status=1; fi
 }
 ops_table() {  # a `padmoe bench --json` file's ops: us, x floor, graph us, graph x floor (--head: card and columns first)
@@ -92,6 +104,7 @@ if want bench; then
   bops=(); [ -n "${PADMOE_BENCH_OPS:-}" ] && bops=(--ops "$PADMOE_BENCH_OPS")
   for p in ${PADMOE_BENCH_PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode}; do
     step "bench $p"
+    if late; then echo "bench $p: SKIPPED (past the deadline)"; status=1; continue; fi
     "$build/padmoe" bench --device cuda --preset "$p" --no-reference --json "${bops[@]}" > "$out/bench-$p.json" 2> "$out/bench-$p.err" || status=1
     ops_table "$out/bench-$p.json" --head | tee "$out/bench-$p.txt"
   done
@@ -126,6 +139,7 @@ if want ab; then
     envs=${name#*=}; tag=${name%%=*}
     oparg=(); [ "$ops" != all ] && oparg=(--ops "$ops")
     step "ab $tag ($envs) $preset"
+    if late; then echo "ab $tag: SKIPPED (past the deadline)"; status=1; continue; fi
     env $(echo "$envs" | tr ',' ' ') "$build/padmoe" bench --device cuda --preset "$preset" --no-reference --json \
       "${oparg[@]}" > "$out/ab-$tag-$preset.json" 2> "$out/ab-$tag-$preset.err" || { status=1; tail -n 5 "$out/ab-$tag-$preset.err"; }
     ops_table "$out/ab-$tag-$preset.json"
@@ -144,7 +158,7 @@ fi
 if want triton; then
   if ! want python; then  # the python stage's pytest runs test_triton.py natively too
     run triton-tests env PYTHONPATH="$pyt" python3 -m pytest python/tests/test_triton.py -q -rs
-    tail -n 3 "$out/triton-tests.log"
+    tail -n 3 "$out/triton-tests.log" 2>/dev/null
   fi
   sweep=()
   [ "${PADMOE_TRITON_SWEEP:-0}" = "1" ] && sweep=(--sweep)
@@ -154,7 +168,7 @@ if want triton; then
 fi
 if want python; then
   run pytest-cuda env PYTHONPATH="$pyt" python3 -m pytest python/tests -q -rs
-  tail -n 5 "$out/pytest-cuda.log"
+  tail -n 5 "$out/pytest-cuda.log" 2>/dev/null
   # padmoe.torch as users see it: per op the kernels' GPU time (profiler), one eager call with the
   # host included, and CUDA-graph replay; the MoE block with grouped_mm experts.
   if [ "${PADMOE_TORCH_BENCH:-1}" = "1" ]; then
@@ -184,7 +198,7 @@ if want ep; then
   # The tests on every GPU count present (a group of one on a single GPU: the NCCL path and the
   # sync-free mode's CUDA-graph capture; the tests of more ranks than GPUs skip themselves).
   run ep-tests env PYTHONPATH="$pyt" PADMOE_EP_BACKEND=nccl python3 -m pytest python/tests/test_distributed.py -q -rs
-  tail -n 3 "$out/ep-tests.log"
+  tail -n 3 "$out/ep-tests.log" 2>/dev/null
   if [ "$gpus" -lt 2 ]; then
     step ep-bench; echo "ep-bench: skipped ($gpus GPU: the exchange between GPUs needs 2 or more)"
   else
@@ -198,5 +212,4 @@ if want ep; then
 fi
 step summary
 if [ $status = 0 ]; then echo "GPU job: all steps ok"; else echo "GPU job: some step FAILED (logs in $out)"; fi
-tar czf /tmp/padmoe-gpu-logs.tgz -C "$out" --exclude gpu-logs.tgz . 2>/dev/null && mv /tmp/padmoe-gpu-logs.tgz "$out/gpu-logs.tgz"
-exit $status
+exit $status  # the trap packs the logs
