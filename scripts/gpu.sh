@@ -8,8 +8,8 @@
 # Logs go to $OUT (default: ./gpu-out), packed into $OUT/gpu-logs.tgz as well (the device tool
 # brings back only a few files: PADMOE_GPU_LOGS=DIR writes the logs there instead and leaves only
 # the archive in $OUT). The archive is written on every exit, and PADMOE_GPU_DEADLINE=S (seconds
-# from the start, default 540: under the device tool's 600 s a call) skips the steps still to
-# come once it has passed, so that a call that runs long still brings its logs back.
+# from the start, default 540: under the device tool's 600 s a call) stops the step running at it
+# (timeout) and skips the steps still to come, so that a call that runs long brings its logs back.
 # Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench profile ab python triton ep, or
 #        all (default all; profile and ab are never in all). ab: kernel variants timed
 #        against each other, PADMOE_AB="TAG=ENV=V[,ENV=V]@PRESET@OPS ..." (see the stage). PADMOE_CHECK_PRESETS the
@@ -55,7 +55,7 @@ run() {  # run a step, keep going, remember failures (skipped past the deadline)
   local name=$1; shift
   step "$name"
   if late; then echo "$name: SKIPPED (past PADMOE_GPU_DEADLINE=$deadline s)"; status=1; return; fi
-  if "$@" > "$out/$name.log" 2>&1; then echo "$name: ok"; else echo "$name: FAILED (rc $?)"; tail -n 30 "$out/$name.log"; status=1; fi
+  if timeout "$((deadline - SECONDS))" "$@" > "$out/$name.log" 2>&1; then echo "$name: ok"; else echo "$name: FAILED (rc $?)"; tail -n 30 "$out/$name.log"; status=1; fi
 }
 ops_table() {  # a `padmoe bench --json` file's ops: us, x floor, graph us, graph x floor (--head: card and columns first)
   python3 - "$@" <<'PY'
@@ -105,7 +105,7 @@ if want bench; then
   for p in ${PADMOE_BENCH_PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode}; do
     step "bench $p"
     if late; then echo "bench $p: SKIPPED (past the deadline)"; status=1; continue; fi
-    "$build/padmoe" bench --device cuda --preset "$p" --no-reference --json "${bops[@]}" > "$out/bench-$p.json" 2> "$out/bench-$p.err" || status=1
+    timeout "$((deadline - SECONDS))" "$build/padmoe" bench --device cuda --preset "$p" --no-reference --json "${bops[@]}" > "$out/bench-$p.json" 2> "$out/bench-$p.err" || status=1
     ops_table "$out/bench-$p.json" --head | tee "$out/bench-$p.txt"
   done
 fi
@@ -140,7 +140,7 @@ if want ab; then
     oparg=(); [ "$ops" != all ] && oparg=(--ops "$ops")
     step "ab $tag ($envs) $preset"
     if late; then echo "ab $tag: SKIPPED (past the deadline)"; status=1; continue; fi
-    env $(echo "$envs" | tr ',' ' ') "$build/padmoe" bench --device cuda --preset "$preset" --no-reference --json \
+    env $(echo "$envs" | tr ',' ' ') timeout "$((deadline - SECONDS))" "$build/padmoe" bench --device cuda --preset "$preset" --no-reference --json \
       "${oparg[@]}" > "$out/ab-$tag-$preset.json" 2> "$out/ab-$tag-$preset.err" || { status=1; tail -n 5 "$out/ab-$tag-$preset.err"; }
     ops_table "$out/ab-$tag-$preset.json"
   done
