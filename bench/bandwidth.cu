@@ -656,6 +656,11 @@ int main(int argc, char** argv) {
       both("dispatch (T + P rows)", (double(sh.T) + sh.P) * row, [&](cudaStream_t st) {
         route_spread_kernel<<<spread_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units, sh.K, sh.T, pads, zero_rows);
       });
+      // dispatch(fp8+scales)'s rows: the same spread over rows of H bytes (half the units; the
+      // scale rows, 3% of the bytes at 128-column blocks, left out)
+      both("dispatch, 1-byte rows (T + P rows)", (double(sh.T) + sh.P) * row / 2, [&](cudaStream_t st) {
+        route_spread_kernel<<<spread_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units / 2, sh.K, sh.T, pads, zero_rows);
+      });
       both("combine (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
         route_reduce_kernel<<<sh.T, 256, 0, st>>>(b, nullptr, c, dest, sh.units, sh.K, sink);
       });
