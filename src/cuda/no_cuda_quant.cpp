@@ -11,6 +11,7 @@ void quantize_spread_rows(const RowsArg&, int, const int32_t*, const RowsArg&, c
                           const PaddingRef&, bool, bool, void*) {
   throw Error(ErrorKind::kUnsupported, "quantize_spread_rows: padmoe was built without CUDA (PADMOE_CUDA=OFF)");
 }
+void set_quant_steps(int) {}
 
 }  // namespace cuda
 }  // namespace padmoe

@@ -11,6 +11,9 @@
 // token's K destination rows from registers. Per-row scales reduce the whole
 // row first (a block reduction) and re-read it for the codes (L1/L2 hits).
 // Extra blocks of the same launch zero the padding rows (scale 1).
+#include <atomic>
+#include <cstdlib>
+
 #include "core/quant_math.hpp"
 #include "cuda/common.cuh"
 #include "cuda/quant_backend.hpp"
@@ -109,7 +112,10 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
   if (threadIdx.x < kZeroRows && s_zero[threadIdx.x]) store_scale_one(sc, first + threadIdx.x);
 }
 
-template <typename T, int kMode>
+// kSteps: steps of kStepCols columns whose loads are issued together before the first is
+// quantized (1, or 2: twice the bytes in flight a thread on rows of more than 2048 columns; the
+// same codes and scales, element for element).
+template <typename T, int kMode, int kSteps>
 __global__ void __launch_bounds__(kThreads)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out) {
@@ -158,57 +164,79 @@ __global__ void __launch_bounds__(kThreads)
     if (kMode == kPerRowMode && threadIdx.x < nk && s_dest[threadIdx.x] >= 0) {
       static_cast<float*>(sc.data)[s_dest[threadIdx.x]] = row_div;
     }
-    for (int64_t base = 0; base < hidden; base += kStepCols) {
-      const int64_t c0 = base + threadIdx.x * kCols;
-      float f[kCols];
-      load_cols<T>(src, c0, hidden, vec_in, f);
-      float divisor = row_div;
-      bool bad = row_bad;
-      uint32_t scale_bits = 0;
-      if (kMode != kPerRowMode) {
-        uint32_t m = 0;
+    for (int64_t base = 0; base < hidden; base += kSteps * kStepCols) {
+      float fs[kSteps][kCols];
 #pragma unroll
-        for (int i = 0; i < kCols; ++i) m = max(m, quant::abs_bits(f[i]));
-        m = lanes_max<M::kLanes>(m);
-        bad = quant::non_finite(m);
-        if (kMode == kMxMode) {
-          const int e = bad ? 0 : quant::mx_exponent(m, fmt);
-          divisor = quant::pow2(e);
-          scale_bits = bad ? quant::kE8M0NaN : static_cast<uint32_t>(e + 127);
-        } else {
-          divisor = quant::block_scale(m, fmt);
-          scale_bits = quant::bits_of(divisor);
+      for (int step = 0; step < kSteps; ++step) {
+        load_cols<T>(src, base + step * kStepCols + threadIdx.x * kCols, hidden, vec_in, fs[step]);
+      }
+#pragma unroll
+      for (int step = 0; step < kSteps; ++step) {  // every lane runs each step's shuffles
+        const int64_t c0 = base + step * kStepCols + threadIdx.x * kCols;
+        const float (&f)[kCols] = fs[step];
+        float divisor = row_div;
+        bool bad = row_bad;
+        uint32_t scale_bits = 0;
+        if (kMode != kPerRowMode) {
+          uint32_t m = 0;
+#pragma unroll
+          for (int i = 0; i < kCols; ++i) m = max(m, quant::abs_bits(f[i]));
+          m = lanes_max<M::kLanes>(m);
+          bad = quant::non_finite(m);
+          if (kMode == kMxMode) {
+            const int e = bad ? 0 : quant::mx_exponent(m, fmt);
+            divisor = quant::pow2(e);
+            scale_bits = bad ? quant::kE8M0NaN : static_cast<uint32_t>(e + 127);
+          } else {
+            divisor = quant::block_scale(m, fmt);
+            scale_bits = quant::bits_of(divisor);
+          }
         }
-      }
-      uint32_t lo = 0, hi = 0;
+        uint32_t lo = 0, hi = 0;
 #pragma unroll
-      for (int i = 0; i < kCols; ++i) {
-        const uint32_t code = quant::quantize_element(f[i], divisor, bad, fmt);
-        if (i < 4) lo |= code << (8 * i);
-        else hi |= code << (8 * (i - 4));
-      }
-      if (c0 >= hidden) continue;  // no shuffles below: idle lanes may leave
-      const bool leader = kMode != kPerRowMode && lane % M::kLanes == 0;
-      const int64_t scol = c0 / M::kBlockCols;
-      for (int q = 0; q < nk; ++q) {
-        const int64_t r = s_dest[q];
-        if (r < 0) continue;
-        store_codes(row_ptr(y, r), c0, hidden, vec_out, lo, hi);
-        if (leader) {
-          if (kMode == kMxMode) static_cast<uint8_t*>(sc.data)[r * sc.cols + scol] = static_cast<uint8_t>(scale_bits);
-          else static_cast<uint32_t*>(sc.data)[r * sc.cols + scol] = scale_bits;
+        for (int i = 0; i < kCols; ++i) {
+          const uint32_t code = quant::quantize_element(f[i], divisor, bad, fmt);
+          if (i < 4) lo |= code << (8 * i);
+          else hi |= code << (8 * (i - 4));
+        }
+        if (c0 >= hidden) continue;  // no shuffles below: idle lanes may leave
+        const bool leader = kMode != kPerRowMode && lane % M::kLanes == 0;
+        const int64_t scol = c0 / M::kBlockCols;
+        for (int q = 0; q < nk; ++q) {
+          const int64_t r = s_dest[q];
+          if (r < 0) continue;
+          store_codes(row_ptr(y, r), c0, hidden, vec_out, lo, hi);
+          if (leader) {
+            if (kMode == kMxMode) static_cast<uint8_t*>(sc.data)[r * sc.cols + scol] = static_cast<uint8_t>(scale_bits);
+            else static_cast<uint32_t*>(sc.data)[r * sc.cols + scol] = scale_bits;
+          }
         }
       }
     }
   }
 }
 
-template <typename T, int kMode>
+template <typename T, int kMode, int kSteps = 1>
 struct QuantTag {
-  static constexpr auto fn = quant_spread_kernel<T, kMode>;
+  static constexpr auto fn = quant_spread_kernel<T, kMode, kSteps>;
 };
 
+// PADMOE_CUDA_QUANT_STEPS=2 (read once) or set_quant_steps(2) (tests): the quantizing spread
+// loads two steps of columns together (written 2026-12-02, not yet measured; default 1).
+std::atomic<int> g_quant_steps{-1};  // -1: the environment's choice
+int quant_steps() {
+  const int set = g_quant_steps.load(std::memory_order_relaxed);
+  if (set > 0) return set;
+  static const int n = [] {
+    const char* v = std::getenv("PADMOE_CUDA_QUANT_STEPS");
+    return v != nullptr && std::atoi(v) == 2 ? 2 : 1;
+  }();
+  return n;
+}
+
 }  // namespace
+
+void set_quant_steps(int steps) { g_quant_steps.store(steps == 1 || steps == 2 ? steps : -1, std::memory_order_relaxed); }
 
 void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, const RowsArg& y,
                           const QuantScalesArg& scales, const PaddingRef& padding, bool zero_padding,
@@ -228,10 +256,20 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   };
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);
+    const bool two = quant_steps() == 2 && x.cols > kStepCols;
     switch (scales.layout) {
-      case ScaleLayout::kPerRow: launch(QuantTag<T, kPerRowMode>{}); break;
-      case ScaleLayout::kBlock128: launch(QuantTag<T, kBlock128Mode>{}); break;
-      case ScaleLayout::kMxE8M0: launch(QuantTag<T, kMxMode>{}); break;
+      case ScaleLayout::kPerRow:
+        if (two) launch(QuantTag<T, kPerRowMode, 2>{});
+        else launch(QuantTag<T, kPerRowMode>{});
+        break;
+      case ScaleLayout::kBlock128:
+        if (two) launch(QuantTag<T, kBlock128Mode, 2>{});
+        else launch(QuantTag<T, kBlock128Mode>{});
+        break;
+      case ScaleLayout::kMxE8M0:
+        if (two) launch(QuantTag<T, kMxMode, 2>{});
+        else launch(QuantTag<T, kMxMode>{});
+        break;
     }
   });
 }

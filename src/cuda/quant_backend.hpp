@@ -30,6 +30,9 @@ struct QuantScalesArg {
 void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, const RowsArg& y,
                           const QuantScalesArg& scales, const PaddingRef& padding, bool zero_padding,
                           bool zero_past_end, void* stream);
+// Steps of 2048 columns loaded together a thread: -1 the environment's (PADMOE_CUDA_QUANT_STEPS=2,
+// else 1), 1 or 2 (tests; the same codes and scales either way).
+void set_quant_steps(int steps);
 
 }  // namespace cuda
 }  // namespace padmoe

@@ -29,6 +29,7 @@
 #include <thread>
 
 #include "cuda/cuda_backend.hpp"
+#include "cuda/quant_backend.hpp"
 #include "test_util.hpp"
 #include "workload/workload.hpp"
 
@@ -2114,7 +2115,8 @@ TEST(QuantDispatchGpu, MatchesCpuAndReferenceBitwise) {
             padmoe::make_plan_out(to_gpu(hte), E, m, gp.view);
             const ref::QuantRows want = ref::dispatch_quantized(xf, H, p, static_cast<ref::QuantLayout>(static_cast<int>(l)),
                                                                 out == DType::kFloat8E5M2);
-            for (int variant = 0; variant < 4; ++variant) {
+            for (int variant = 0; variant < 5; ++variant) {  // 4: variant 0 with two steps loaded together
+              padmoe::cuda::set_quant_steps(variant == 4 ? 2 : 1);
               padmoe::Options o;
               o.zero_padding = variant != 1;
               o.zero_tail = variant == 2;
@@ -2132,6 +2134,7 @@ TEST(QuantDispatchGpu, MatchesCpuAndReferenceBitwise) {
                 EXPECT_TRUE(std::equal(want.scales.begin(), want.scales.end(), gots.begin())) << "scales vs reference";
               }
             }
+            padmoe::cuda::set_quant_steps(-1);
             // allocating forms, and quantize alone
             const padmoe::ScaledRows c = padmoe::dispatch_quantized(hx, cplan.view(), l, out);
             const padmoe::ScaledRows g = padmoe::dispatch_quantized(dx, gp.view, l, out);
