@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kThreads)
           if (i < 4) lo |= code << (8 * i);
           else hi |= code << (8 * (i - 4));
         }
-        if (c0 >= hidden) continue;  // no shuffles below: idle lanes may leave
+        if (c0 >= hidden) continue;  // no shuffles below in this step (a next step's run in every lane)
         const bool leader = kMode != kPerRowMode && lane % M::kLanes == 0;
         const int64_t scol = c0 / M::kBlockCols;
         for (int q = 0; q < nk; ++q) {
