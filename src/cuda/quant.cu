@@ -13,6 +13,7 @@
 // Extra blocks of the same launch zero the padding rows (scale 1).
 #include <atomic>
 #include <cstdlib>
+#include <type_traits>
 
 #include "core/quant_math.hpp"
 #include "cuda/common.cuh"
@@ -257,19 +258,15 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);
     const bool two = quant_steps() == 2 && x.cols > kStepCols;
+    auto by_steps = [&](auto mode) {
+      constexpr int kM = decltype(mode)::value;
+      if (two) launch(QuantTag<T, kM, 2>{});
+      else launch(QuantTag<T, kM>{});
+    };
     switch (scales.layout) {
-      case ScaleLayout::kPerRow:
-        if (two) launch(QuantTag<T, kPerRowMode, 2>{});
-        else launch(QuantTag<T, kPerRowMode>{});
-        break;
-      case ScaleLayout::kBlock128:
-        if (two) launch(QuantTag<T, kBlock128Mode, 2>{});
-        else launch(QuantTag<T, kBlock128Mode>{});
-        break;
-      case ScaleLayout::kMxE8M0:
-        if (two) launch(QuantTag<T, kMxMode, 2>{});
-        else launch(QuantTag<T, kMxMode>{});
-        break;
+      case ScaleLayout::kPerRow: by_steps(std::integral_constant<int, kPerRowMode>{}); break;
+      case ScaleLayout::kBlock128: by_steps(std::integral_constant<int, kBlock128Mode>{}); break;
+      case ScaleLayout::kMxE8M0: by_steps(std::integral_constant<int, kMxMode>{}); break;
     }
   });
 }
