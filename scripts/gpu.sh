@@ -42,6 +42,7 @@ out=${PADMOE_GPU_LOGS:-$dest}
 mkdir -p "$out" "$dest"
 deadline=${PADMOE_GPU_DEADLINE:-540}
 late() { [ "$SECONDS" -ge "$deadline" ]; }
+bounded() { timeout "$((deadline - SECONDS))" "$@"; }  # a command stopped at the deadline (after late)
 pack() {
   tar czf /tmp/padmoe-gpu-logs.tgz -C "$out" --exclude gpu-logs.tgz . 2>/dev/null && mv /tmp/padmoe-gpu-logs.tgz "$dest/gpu-logs.tgz"
 }
@@ -55,7 +56,7 @@ run() {  # run a step, keep going, remember failures (skipped past the deadline)
   local name=$1; shift
   step "$name"
   if late; then echo "$name: SKIPPED (past PADMOE_GPU_DEADLINE=$deadline s)"; status=1; return; fi
-  if timeout "$((deadline - SECONDS))" "$@" > "$out/$name.log" 2>&1; then echo "$name: ok"; else echo "$name: FAILED (rc $?)"; tail -n 30 "$out/$name.log"; status=1; fi
+  if bounded "$@" > "$out/$name.log" 2>&1; then echo "$name: ok"; else echo "$name: FAILED (rc $?)"; tail -n 30 "$out/$name.log"; status=1; fi
 }
 ops_table() {  # a `padmoe bench --json` file's ops: us, x floor, graph us, graph x floor (--head: card and columns first)
   python3 - "$@" <<'PY'
@@ -105,7 +106,7 @@ if want bench; then
   for p in ${PADMOE_BENCH_PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 decode}; do
     step "bench $p"
     if late; then echo "bench $p: SKIPPED (past the deadline)"; status=1; continue; fi
-    timeout "$((deadline - SECONDS))" "$build/padmoe" bench --device cuda --preset "$p" --no-reference --json "${bops[@]}" > "$out/bench-$p.json" 2> "$out/bench-$p.err" || status=1
+    bounded "$build/padmoe" bench --device cuda --preset "$p" --no-reference --json "${bops[@]}" > "$out/bench-$p.json" 2> "$out/bench-$p.err" || status=1
     ops_table "$out/bench-$p.json" --head | tee "$out/bench-$p.txt"
   done
 fi
@@ -140,7 +141,7 @@ if want ab; then
     oparg=(); [ "$ops" != all ] && oparg=(--ops "$ops")
     step "ab $tag ($envs) $preset"
     if late; then echo "ab $tag: SKIPPED (past the deadline)"; status=1; continue; fi
-    env $(echo "$envs" | tr ',' ' ') timeout "$((deadline - SECONDS))" "$build/padmoe" bench --device cuda --preset "$preset" --no-reference --json \
+    bounded env $(echo "$envs" | tr ',' ' ') "$build/padmoe" bench --device cuda --preset "$preset" --no-reference --json \
       "${oparg[@]}" > "$out/ab-$tag-$preset.json" 2> "$out/ab-$tag-$preset.err" || { status=1; tail -n 5 "$out/ab-$tag-$preset.err"; }
     ops_table "$out/ab-$tag-$preset.json"
   done
