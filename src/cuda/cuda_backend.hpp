@@ -131,7 +131,8 @@ void apply_capacity(const PlanView& full, int64_t assignments, ScaleArg probs, i
                     int64_t row_capacity, int32_t* dropped, void* stream);
 
 // --- routing ------------------------------------------------------------------
-// dest_rows[indices[i]] = padded_start(e) + i - real_start(e), e = bin_ids[i].
+// dest_rows[indices[i]] = padded_start(e) + i - real_start(e), e = bin_ids[i] (entries with
+// indices[i] outside [0, assignments) or e outside [0, num_experts) write nothing).
 void build_dest_rows(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins, int64_t assignments,
                      int num_experts, int32_t* dest_rows, void* stream);
 

@@ -8,13 +8,17 @@ namespace padmoe {
 namespace cuda {
 namespace {
 
+// An entry whose assignment id or expert is out of range (unchecked bad input only) writes nothing:
+// no write outside dest_rows, no read outside bins / padded_bins.
 __global__ void dest_rows_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins,
-                                 int64_t assignments, int32_t* dest_rows) {
+                                 int num_experts, int64_t assignments, int32_t* dest_rows) {
   pdl_begin();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < assignments;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t e = load_index(bin_ids, i);
-    dest_rows[load_index(indices, i)] = static_cast<int32_t>(sorted_padded_row(bins, padded_bins, e, i));
+    const int64_t a = load_index(indices, i), e = load_index(bin_ids, i);
+    if (a >= 0 && a < assignments && e >= 0 && e < num_experts) {
+      dest_rows[a] = static_cast<int32_t>(sorted_padded_row(bins, padded_bins, e, i));
+    }
   }
 }
 
@@ -142,10 +146,9 @@ __global__ void invert_kernel(IndexRef map, int64_t map_len, int64_t original_si
 
 void build_dest_rows(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins, int64_t assignments,
                      int num_experts, int32_t* dest_rows, void* stream) {
-  (void)num_experts;
   if (assignments == 0) return;
   launch_kernel("dest_rows_kernel", dest_rows_kernel, grid_for(assignments, 256, 4096), 256, 0, as_stream(stream),
-      indices, bin_ids, bins, padded_bins, assignments, dest_rows);
+      indices, bin_ids, bins, padded_bins, num_experts, assignments, dest_rows);
 }
 
 void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
