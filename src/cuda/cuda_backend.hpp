@@ -152,6 +152,10 @@ struct PaddingRef {
 // slower on the H200). set_slice_blocks overrides the target (tests,
 // benchmarks; -1: back to the default); N > 0 there slices spreads as well.
 void set_slice_blocks(int blocks);
+// The spreads without dot products a warp a token, 4 or 8 16-byte units a lane and round (tests,
+// benchmarks; overrides PADMOE_CUDA_SPREAD_WARP): 0 the block kernel, -1 back to the default.
+// The same bits every way.
+void set_spread_warp(int units);
 // Dot-product kernels (tests, benchmarks; overrides PADMOE_CUDA_DOTS): -1 chosen by shape (the
 // default: row_dots and spreads with dots a warp an assignment; reduce with dots a block a
 // token in the warp kernel's form for few tokens (under ~4 blocks an SM), a warp a token

@@ -76,6 +76,22 @@ __device__ __forceinline__ uint32_t lanes_max(uint32_t v) {
   return v;
 }
 
+constexpr int kHwConvert = 1, kMxMultiply = 2;  // quant_spread_kernel's kFast bits
+
+// Two float32 -> two fp8 codes (a in the low byte): cvt.rn.satfinite (sm_89 and later) rounds to
+// nearest even and saturates to +-max, infinities too: quant::fp8_saturate for every non-NaN input.
+__device__ __forceinline__ uint32_t fp8_hw_pair(float a, float b, bool e5m2) {
+  unsigned short r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (e5m2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(b), "f"(a));
+  else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(b), "f"(a));
+#else
+  const quant::Fp8Format fmt = quant::fp8_format(e5m2);
+  r = static_cast<unsigned short>(quant::fp8_saturate(a, fmt) | (quant::fp8_saturate(b, fmt) << 8));
+#endif
+  return r;
+}
+
 __device__ __forceinline__ void store_scale_one(const QuantScalesArg& sc, int64_t r) {
   if (sc.layout == ScaleLayout::kMxE8M0) {
     uint8_t* d = static_cast<uint8_t*>(sc.data) + r * sc.cols;
@@ -113,10 +129,11 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
   if (threadIdx.x < kZeroRows && s_zero[threadIdx.x]) store_scale_one(sc, first + threadIdx.x);
 }
 
-// kSteps: steps of kStepCols columns whose loads are issued together before the first is
-// quantized (1, or 2: twice the bytes in flight a thread on rows of more than 2048 columns; the
-// same codes and scales, element for element).
-template <typename T, int kMode, int kSteps>
+// kFast: bit 1 (kHwConvert) converts the quotients with the hardware's cvt.rn.satfinite
+// (fp8_hw_pair), bit 2 (kMxMultiply) divides by MXFP8's power of two as a multiplication by its
+// inverse (exact: both are the rounding of the same real x * 2^-X). Either gives the same codes as
+// quant::quantize_element, bit for bit (fp8_convert_mismatches checks every float32 pattern).
+template <typename T, int kMode, int kFast>
 __global__ void __launch_bounds__(kThreads)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out) {
@@ -165,79 +182,145 @@ __global__ void __launch_bounds__(kThreads)
     if (kMode == kPerRowMode && threadIdx.x < nk && s_dest[threadIdx.x] >= 0) {
       static_cast<float*>(sc.data)[s_dest[threadIdx.x]] = row_div;
     }
-    for (int64_t base = 0; base < hidden; base += kSteps * kStepCols) {
-      float fs[kSteps][kCols];
+    for (int64_t base = 0; base < hidden; base += kStepCols) {  // every lane runs the step's shuffles
+      const int64_t c0 = base + threadIdx.x * kCols;
+      float f[kCols];
+      load_cols<T>(src, c0, hidden, vec_in, f);
+      float divisor = row_div;
+      float inverse = 1.0f;  // kMxMultiply: 2^-X
+      bool bad = row_bad;
+      uint32_t scale_bits = 0;
+      if (kMode != kPerRowMode) {
+        uint32_t m = 0;
 #pragma unroll
-      for (int step = 0; step < kSteps; ++step) {
-        load_cols<T>(src, base + step * kStepCols + threadIdx.x * kCols, hidden, vec_in, fs[step]);
-      }
-#pragma unroll
-      for (int step = 0; step < kSteps; ++step) {  // every lane runs each step's shuffles
-        const int64_t c0 = base + step * kStepCols + threadIdx.x * kCols;
-        const float (&f)[kCols] = fs[step];
-        float divisor = row_div;
-        bool bad = row_bad;
-        uint32_t scale_bits = 0;
-        if (kMode != kPerRowMode) {
-          uint32_t m = 0;
-#pragma unroll
-          for (int i = 0; i < kCols; ++i) m = max(m, quant::abs_bits(f[i]));
-          m = lanes_max<M::kLanes>(m);
-          bad = quant::non_finite(m);
-          if (kMode == kMxMode) {
-            const int e = bad ? 0 : quant::mx_exponent(m, fmt);
-            divisor = quant::pow2(e);
-            scale_bits = bad ? quant::kE8M0NaN : static_cast<uint32_t>(e + 127);
-          } else {
-            divisor = quant::block_scale(m, fmt);
-            scale_bits = quant::bits_of(divisor);
-          }
+        for (int i = 0; i < kCols; ++i) m = max(m, quant::abs_bits(f[i]));
+        m = lanes_max<M::kLanes>(m);
+        bad = quant::non_finite(m);
+        if (kMode == kMxMode) {
+          const int e = bad ? 0 : quant::mx_exponent(m, fmt);
+          divisor = quant::pow2(e);
+          inverse = quant::pow2(-e);
+          scale_bits = bad ? quant::kE8M0NaN : static_cast<uint32_t>(e + 127);
+        } else {
+          divisor = quant::block_scale(m, fmt);
+          scale_bits = quant::bits_of(divisor);
         }
-        uint32_t lo = 0, hi = 0;
+      }
+      uint32_t lo = 0, hi = 0;
+      if (kFast != 0) {
+        float qv[kCols];
+#pragma unroll
+        for (int i = 0; i < kCols; ++i) {
+          qv[i] = (kFast & kMxMultiply) && kMode == kMxMode ? f[i] * inverse : quant::div_rn(f[i], divisor);
+        }
+        uint32_t pairs[kCols / 2];
+#pragma unroll
+        for (int i = 0; i < kCols / 2; ++i) {
+          pairs[i] = (kFast & kHwConvert) ? fp8_hw_pair(qv[2 * i], qv[2 * i + 1], sc.e5m2)
+                                          : quant::fp8_saturate(qv[2 * i], fmt) |
+                                                (static_cast<uint32_t>(quant::fp8_saturate(qv[2 * i + 1], fmt)) << 8);
+        }
+        lo = bad ? 0x7f7f7f7fu : pairs[0] | (pairs[1] << 16);
+        hi = bad ? 0x7f7f7f7fu : pairs[2] | (pairs[3] << 16);
+      } else {
 #pragma unroll
         for (int i = 0; i < kCols; ++i) {
           const uint32_t code = quant::quantize_element(f[i], divisor, bad, fmt);
           if (i < 4) lo |= code << (8 * i);
           else hi |= code << (8 * (i - 4));
         }
-        if (c0 >= hidden) continue;  // no shuffles below in this step (a next step's run in every lane)
-        const bool leader = kMode != kPerRowMode && lane % M::kLanes == 0;
-        const int64_t scol = c0 / M::kBlockCols;
-        for (int q = 0; q < nk; ++q) {
-          const int64_t r = s_dest[q];
-          if (r < 0) continue;
-          store_codes(row_ptr(y, r), c0, hidden, vec_out, lo, hi);
-          if (leader) {
-            if (kMode == kMxMode) static_cast<uint8_t*>(sc.data)[r * sc.cols + scol] = static_cast<uint8_t>(scale_bits);
-            else static_cast<uint32_t*>(sc.data)[r * sc.cols + scol] = scale_bits;
-          }
+      }
+      if (c0 >= hidden) continue;  // no shuffles below in this step (a next step's run in every lane)
+      const bool leader = kMode != kPerRowMode && lane % M::kLanes == 0;
+      const int64_t scol = c0 / M::kBlockCols;
+      for (int q = 0; q < nk; ++q) {
+        const int64_t r = s_dest[q];
+        if (r < 0) continue;
+        store_codes(row_ptr(y, r), c0, hidden, vec_out, lo, hi);
+        if (leader) {
+          if (kMode == kMxMode) static_cast<uint8_t*>(sc.data)[r * sc.cols + scol] = static_cast<uint8_t>(scale_bits);
+          else static_cast<uint32_t*>(sc.data)[r * sc.cols + scol] = scale_bits;
         }
       }
     }
   }
 }
 
-template <typename T, int kMode, int kSteps = 1>
+template <typename T, int kMode, int kFast>
 struct QuantTag {
-  static constexpr auto fn = quant_spread_kernel<T, kMode, kSteps>;
+  static constexpr auto fn = quant_spread_kernel<T, kMode, kFast>;
 };
 
-// PADMOE_CUDA_QUANT_STEPS=2 (read once) or set_quant_steps(2) (tests): the quantizing spread
-// loads two steps of columns together (written 2026-12-02, not yet measured; default 1).
-std::atomic<int> g_quant_steps{-1};  // -1: the environment's choice
-int quant_steps() {
-  const int set = g_quant_steps.load(std::memory_order_relaxed);
-  if (set > 0) return set;
+// PADMOE_CUDA_QUANT_FAST=0..3 (read once) or set_quant_fast (tests): the kFast bits (written
+// 2026-12-03; default 0 until measured).
+std::atomic<int> g_quant_fast{-1};  // -1: the environment's choice
+int quant_fast() {
+  const int set = g_quant_fast.load(std::memory_order_relaxed);
+  if (set >= 0) return set;
   static const int n = [] {
-    const char* v = std::getenv("PADMOE_CUDA_QUANT_STEPS");
-    return v != nullptr && std::atoi(v) == 2 ? 2 : 1;
+    const char* v = std::getenv("PADMOE_CUDA_QUANT_FAST");
+    const int f = v == nullptr ? 0 : std::atoi(v);
+    return f >= 0 && f <= 3 ? f : 0;
   }();
   return n;
 }
 
+// Every float32 bit pattern but the NaNs (a quotient of a finite block is never NaN), in
+// fp8_hw_pair against quant::fp8_saturate: the mismatches counted, the smallest pattern kept.
+__global__ void fp8_convert_check_kernel(bool e5m2, unsigned long long* count, unsigned* first,
+                                         unsigned long long* compared) {
+  pdl_begin();
+  const quant::Fp8Format fmt = quant::fp8_format(e5m2);
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x * 2;
+  unsigned long long bad = 0, seen = 0;
+  unsigned least = 0xffffffffu;
+  for (uint64_t u = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 2; u < (uint64_t{1} << 32);
+       u += stride) {
+    const float a = quant::float_of(static_cast<uint32_t>(u)), b = quant::float_of(static_cast<uint32_t>(u + 1));
+    const uint32_t hw = fp8_hw_pair(a, b, e5m2);
+    const bool na = (static_cast<uint32_t>(u) & 0x7fffffffu) > quant::kFloatInfBits;
+    const bool nb = (static_cast<uint32_t>(u + 1) & 0x7fffffffu) > quant::kFloatInfBits;
+    seen += (na ? 0 : 1) + (nb ? 0 : 1);
+    if (!na && (hw & 0xffu) != quant::fp8_saturate(a, fmt)) {
+      ++bad;
+      least = min(least, static_cast<unsigned>(u));
+    }
+    if (!nb && (hw >> 8) != quant::fp8_saturate(b, fmt)) {
+      ++bad;
+      least = min(least, static_cast<unsigned>(u + 1));
+    }
+  }
+  atomicAdd(compared, seen);  // integer atomics: a test's counters, not a result
+  if (bad != 0) {
+    atomicAdd(count, bad);
+    atomicMin(first, least);
+  }
+}
+
 }  // namespace
 
-void set_quant_steps(int steps) { g_quant_steps.store(steps == 1 || steps == 2 ? steps : -1, std::memory_order_relaxed); }
+void set_quant_fast(int bits) { g_quant_fast.store(bits >= 0 && bits <= 3 ? bits : -1, std::memory_order_relaxed); }
+
+int64_t fp8_convert_mismatches(bool e5m2, uint32_t* first_bits, int64_t* compared) {
+  const char* what = "fp8_convert_mismatches";
+  unsigned long long* d_counts = nullptr;  // mismatches, patterns compared
+  unsigned* d_first = nullptr;
+  check_cuda(cudaMalloc(&d_counts, 2 * sizeof(unsigned long long)), what);
+  check_cuda(cudaMalloc(&d_first, sizeof(unsigned)), what);
+  check_cuda(cudaMemset(d_counts, 0, 2 * sizeof(unsigned long long)), what);
+  check_cuda(cudaMemset(d_first, 0xff, sizeof(unsigned)), what);
+  launch_kernel("fp8_convert_check_kernel", fp8_convert_check_kernel, 1024u, 256, 0, cudaStream_t{}, e5m2, d_counts,
+                d_first, d_counts + 1);
+  unsigned long long counts[2] = {0, 0};
+  unsigned first = 0;
+  check_cuda(cudaMemcpy(counts, d_counts, sizeof(counts), cudaMemcpyDeviceToHost), what);
+  check_cuda(cudaMemcpy(&first, d_first, sizeof(first), cudaMemcpyDeviceToHost), what);
+  cudaFree(d_counts);
+  cudaFree(d_first);
+  if (first_bits != nullptr) *first_bits = first;
+  if (compared != nullptr) *compared = static_cast<int64_t>(counts[1]);
+  return static_cast<int64_t>(counts[0]);
+}
 
 void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, const RowsArg& y,
                           const QuantScalesArg& scales, const PaddingRef& padding, bool zero_padding,
@@ -257,11 +340,15 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   };
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);
-    const bool two = quant_steps() == 2 && x.cols > kStepCols;
+    const int fast = quant_fast();
     auto by_steps = [&](auto mode) {
       constexpr int kM = decltype(mode)::value;
-      if (two) launch(QuantTag<T, kM, 2>{});
-      else launch(QuantTag<T, kM>{});
+      switch (fast) {
+        case 1: launch(QuantTag<T, kM, kHwConvert>{}); break;
+        case 2: launch(QuantTag<T, kM, kMxMultiply>{}); break;
+        case 3: launch(QuantTag<T, kM, kHwConvert | kMxMultiply>{}); break;
+        default: launch(QuantTag<T, kM, 0>{}); break;
+      }
     };
     switch (scales.layout) {
       case ScaleLayout::kPerRow: by_steps(std::integral_constant<int, kPerRowMode>{}); break;

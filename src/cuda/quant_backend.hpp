@@ -30,9 +30,14 @@ struct QuantScalesArg {
 void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, const RowsArg& y,
                           const QuantScalesArg& scales, const PaddingRef& padding, bool zero_padding,
                           bool zero_past_end, void* stream);
-// Steps of 2048 columns loaded together a thread: -1 the environment's (PADMOE_CUDA_QUANT_STEPS=2,
-// else 1), 1 or 2 (tests; the same codes and scales either way).
-void set_quant_steps(int steps);
+// The quantizing kernel's fast paths (bits: 1 the hardware's fp8 conversion, 2 MXFP8's division
+// as a multiplication by 2^-X): -1 the environment's (PADMOE_CUDA_QUANT_FAST, else the default),
+// 0..3 (tests; the same codes and scales every way).
+void set_quant_fast(int bits);
+// Tests: the float32 bit patterns (NaNs left out) whose fp8 code from the hardware conversion
+// differs from quant::fp8_saturate's (e4m3fn, or e5m2), with the smallest in *first_bits
+// (0xffffffff when none), and in *compared the patterns compared. Synchronizes the device.
+int64_t fp8_convert_mismatches(bool e5m2, uint32_t* first_bits, int64_t* compared);
 
 }  // namespace cuda
 }  // namespace padmoe

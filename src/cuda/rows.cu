@@ -394,6 +394,69 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   if (lane == 0) store_float(dots, a, r < 0 ? 0.0f : partial);
 }
 
+// Spread without dots, a warp a token (short rows: fp8 rows, the `_scaled` ops): warp t loads
+// x[t] in rounds of kUnits 16-byte units a lane (every load of a round before its first store) and
+// stores each round to the token's K destinations (scaled by w), with no shared memory and no
+// block barrier, so that an SM holds many rows in flight where the block kernel holds a few
+// (rows of 4 KiB: a block of 256 threads moves one unit a thread). kScales: the token's scale
+// row is copied to its destinations by the same warp. Zero blocks as the block kernel's.
+template <typename T, bool kVec, bool kScales, int kUnits>
+__global__ void __launch_bounds__(kThreads, 4)
+    spread_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y,
+                       PaddingRef pad, bool zero_padding, bool zero_past_end, ScaleRowsArg sc, int64_t token_blocks,
+                       int zero_rows) {
+  pdl_begin();
+  using U = Unit<T, kVec>;
+  if (blockIdx.x >= token_blocks) {
+    zero_padding_rows<U, kScales>(y, pad, zero_padding, zero_past_end,
+                                  (static_cast<int64_t>(blockIdx.x) - token_blocks) * zero_rows, zero_rows, sc);
+    return;
+  }
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= x.rows) return;
+  const char* src = row_ptr(x, t);
+  const int64_t units = units_of<U>(y);
+  const bool scaled = w.data != nullptr;
+  for (int k0 = 0; k0 < top_k; k0 += 32) {  // 32 destinations a lane-load at a time
+    const int nk = top_k - k0 < 32 ? top_k - k0 : 32;
+    int64_t my_r = -1;
+    float my_w = 1.0f;
+    if (lane < nk) {
+      const int64_t a = index::assignment_id(t, k0 + lane, top_k);
+      my_r = dest[a];
+      if (my_r >= y.rows) my_r = -1;  // only with unchecked bad input: as the block kernel, dropped
+      my_w = load_scale(w, a);
+    }
+    if (kScales) {  // the scale rows: lanes over (destination, entry)
+      for (int q = 0; q < nk; ++q) {
+        const int64_t r = __shfl_sync(0xffffffffu, my_r, q);
+        if (r < 0) continue;
+        for (int64_t i = lane; i < sc.cols; i += 32) move_scale_entry(sc, r, t, i);
+      }
+    }
+    for (int64_t c = 0; c < units; c += 32 * kUnits) {
+      typename U::Raw v[kUnits];
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        const int64_t u = c + j * 32 + lane;
+        if (u < units) v[j] = U::load(src, u);
+      }
+      for (int q = 0; q < nk; ++q) {
+        const int64_t r = __shfl_sync(0xffffffffu, my_r, q);
+        const float wk = __shfl_sync(0xffffffffu, my_w, q);
+        if (r < 0) continue;
+        char* out = row_ptr(y, r);
+#pragma unroll
+        for (int j = 0; j < kUnits; ++j) {
+          const int64_t u = c + j * 32 + lane;
+          if (u < units) U::store(out, u, scaled ? U::scale(v[j], wk) : v[j]);
+        }
+      }
+    }
+  }
+}
+
 // --- reduce ---------------------------------------------------------------------
 // out[t] = sum_k w*y[dest] (ascending k, no FMA contraction: the CPU's
 // rounding). When dots are wanted, also dots[a] = <y[dest[a]], g[t]> from the
@@ -797,6 +860,13 @@ template <typename T, bool kVec>
 struct GatherDotsWarpTag {
   static constexpr auto fn = gather_dots_warp_kernel<T, kVec>;
 };
+template <bool kScales, int kUnits>
+struct SpreadWarp {
+  template <typename T, bool kVec>
+  struct Tag {
+    static constexpr auto fn = spread_warp_kernel<T, kVec, kScales, kUnits>;
+  };
+};
 template <typename T, bool kVec>
 struct ScaledSpreadTag {
   static constexpr auto fn = spread_kernel<T, kVec, true, false>;
@@ -1043,6 +1113,30 @@ void set_dot_kernels(int mode) { g_dot_kernels.store(mode < -1 || mode > 4 ? -1 
 
 void set_slice_blocks(int blocks) { g_slice_blocks.store(blocks < -1 ? -1 : blocks, std::memory_order_relaxed); }
 
+// The spread without dots a warp a token (spread_warp_kernel, kUnits 4 or 8 a lane), or 0: the
+// block kernel. PADMOE_CUDA_SPREAD_WARP=0|4|8 (read once) or set_spread_warp (tests) for every such
+// spread; unset: the block kernel (written 2026-12-03, not yet measured).
+namespace {
+std::atomic<int> g_spread_warp{-1};
+int spread_warp_units(int64_t units) {
+  (void)units;
+  int v = g_spread_warp.load(std::memory_order_relaxed);
+  if (v < 0) {
+    static const int env = [] {
+      const char* e = std::getenv("PADMOE_CUDA_SPREAD_WARP");
+      const int n = e == nullptr ? 0 : std::atoi(e);
+      return n == 4 || n == 8 ? n : 0;
+    }();
+    v = env;
+  }
+  return v;
+}
+}  // namespace
+
+void set_spread_warp(int units) {
+  g_spread_warp.store(units == 0 || units == 4 || units == 8 ? units : -1, std::memory_order_relaxed);
+}
+
 void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
                  FloatOutArg dots, void* stream, const ScaleRowsArg* scales) {
@@ -1079,6 +1173,24 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
     };
     if (dots_warp_blocks() == 2) pick<SpreadDotsWarp<1, kWarpUnits>::Tag>(x.dtype, vec, warp_launch);
     else pick<SpreadDotsWarp<3, kSpreadDotsWarpUnits>::Tag>(x.dtype, vec, warp_launch);
+    return;
+  }
+  const int warp_units = dots.data == nullptr ? spread_warp_units(units) : 0;
+  if (warp_units > 0) {  // a warp a token
+    const int64_t token_blocks = index::ceil_div(tokens, kThreads / 32);
+    if (token_blocks + zero_blocks == 0) return;
+    auto warp_launch = [&](auto tag) {
+      using Tag = decltype(tag);
+      launch_kernel("spread_warp_kernel", Tag::fn, static_cast<unsigned>(token_blocks + zero_blocks), kThreads, 0,
+          as_stream(stream), x, top_k, dest, w, y, padding, zero_padding, zero_past_end, sc, token_blocks, zero_rows);
+    };
+    if (scales != nullptr) {
+      if (warp_units == 4) pick<SpreadWarp<true, 4>::Tag>(x.dtype, vec, warp_launch);
+      else pick<SpreadWarp<true, 8>::Tag>(x.dtype, vec, warp_launch);
+    } else {
+      if (warp_units == 4) pick<SpreadWarp<false, 4>::Tag>(x.dtype, vec, warp_launch);
+      else pick<SpreadWarp<false, 8>::Tag>(x.dtype, vec, warp_launch);
+    }
     return;
   }
   if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);  // never with dots

@@ -648,7 +648,7 @@ TEST(RowSlices, MatchNoSlicingAndCpu) {
   struct Case { int64_t T, H; int K, E, m; DType dt; };
   for (const Case c : {Case{100, 7168, 8, 16, 16, DType::kBFloat16}, Case{37, 4100, 4, 5, 8, DType::kBFloat16},
                        Case{64, 3000, 2, 4, 1, DType::kFloat32}, Case{3, 200, 8, 8, 16, DType::kFloat16},
-                       Case{700, 2048, 8, 32, 16, DType::kBFloat16}}) {
+                       Case{700, 2048, 8, 32, 16, DType::kBFloat16}, Case{50, 300, 40, 64, 8, DType::kBFloat16}}) {
     SCOPED_TRACE("T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) + " " + dname(c.dt));
     const std::vector<int64_t> te = make_routing(c.T, c.K, c.E, Dist::kSkewed, static_cast<uint64_t>(c.H));
     const Tensor hte = index_matrix(te, c.T, c.K, DType::kInt32);
@@ -686,13 +686,18 @@ TEST(RowSlices, MatchNoSlicingAndCpu) {
       SCOPED_TRACE(op.first);
       const Outs cpu = op.second.second();
       std::vector<Outs> runs;
-      for (int blocks : {0, -1, 1 << 20}) {  // no slices, the default, as many as the row allows
+      // no slices, the default, as many as the row allows; then the spreads a warp a token (4 and
+      // 8 units a lane; top_k 40: two rounds of 32 destinations)
+      const std::pair<int, int> settings[] = {{0, 0}, {-1, 0}, {1 << 20, 0}, {-1, 4}, {-1, 8}};
+      for (const auto& [blocks, warp] : settings) {
         padmoe::cuda::set_slice_blocks(blocks);
+        padmoe::cuda::set_spread_warp(warp);
         Outs g = op.second.first();
         for (auto& t : g) t = to_cpu(t);
         runs.push_back(std::move(g));
       }
       padmoe::cuda::set_slice_blocks(-1);
+      padmoe::cuda::set_spread_warp(-1);
       for (size_t r = 0; r < runs.size(); ++r) {
         for (size_t i = 0; i < cpu.size(); ++i) {
           EXPECT_TRUE(all_same(runs[r][i], runs[0][i])) << "output " << i << ", run " << r << " vs no slicing";
@@ -1973,14 +1978,19 @@ TEST(Fp8ScalesGpu, EveryScaledOpMatchesCpuBitwise) {
           SCOPED_TRACE("variant " + std::to_string(variant));
           Tensor cy = poison_rows(dt, rows, H), cs = fp8_poison_scales(l, rows, H);
           padmoe::dispatch_scaled_out(hx, cplan.view(), hs, cy, cs, o);
-          Tensor gy = gpu_poison_rows(dt, rows, H), gs = to_gpu(fp8_poison_scales(l, rows, H));
-          padmoe::dispatch_scaled_out(dx, gp.view, ds, gy, gs, o);
-          EXPECT_TRUE(all_same(to_cpu(gy), cy)) << "dispatch rows";
-          EXPECT_TRUE(all_same(to_cpu(gs), cs)) << "dispatch scales";
-          Tensor ggy = gpu_poison_rows(dt, rows, H), ggs = to_gpu(fp8_poison_scales(l, rows, H));
-          padmoe::padded_gather_scaled_out(dx, di, db, dbins, dpb, K, ds, ggy, ggs, o);
-          EXPECT_TRUE(all_same(to_cpu(ggy), cy)) << "padded_gather rows";
-          EXPECT_TRUE(all_same(to_cpu(ggs), cs)) << "padded_gather scales";
+          for (int warp : {-1, 0, 4, 8}) {  // the default, the block spread, a warp a token
+            SCOPED_TRACE("spread warp " + std::to_string(warp));
+            padmoe::cuda::set_spread_warp(warp);
+            Tensor gy = gpu_poison_rows(dt, rows, H), gs = to_gpu(fp8_poison_scales(l, rows, H));
+            padmoe::dispatch_scaled_out(dx, gp.view, ds, gy, gs, o);
+            EXPECT_TRUE(all_same(to_cpu(gy), cy)) << "dispatch rows";
+            EXPECT_TRUE(all_same(to_cpu(gs), cs)) << "dispatch scales";
+            Tensor ggy = gpu_poison_rows(dt, rows, H), ggs = to_gpu(fp8_poison_scales(l, rows, H));
+            padmoe::padded_gather_scaled_out(dx, di, db, dbins, dpb, K, ds, ggy, ggs, o);
+            EXPECT_TRUE(all_same(to_cpu(ggy), cy)) << "padded_gather rows";
+            EXPECT_TRUE(all_same(to_cpu(ggs), cs)) << "padded_gather scales";
+          }
+          padmoe::cuda::set_spread_warp(-1);
 
           // pad the expert-grouped rows, then unpad them (every other map entry dropped: unnamed rows)
           std::vector<float> hf;
@@ -2115,8 +2125,8 @@ TEST(QuantDispatchGpu, MatchesCpuAndReferenceBitwise) {
             padmoe::make_plan_out(to_gpu(hte), E, m, gp.view);
             const ref::QuantRows want = ref::dispatch_quantized(xf, H, p, static_cast<ref::QuantLayout>(static_cast<int>(l)),
                                                                 out == DType::kFloat8E5M2);
-            for (int variant = 0; variant < 5; ++variant) {  // 4: variant 0 with two steps loaded together
-              padmoe::cuda::set_quant_steps(variant == 4 ? 2 : 1);
+            for (int variant = 0; variant < 7; ++variant) {  // 4-6: variant 0 with the fast paths 1-3
+              padmoe::cuda::set_quant_fast(variant >= 4 ? variant - 3 : 0);
               padmoe::Options o;
               o.zero_padding = variant != 1;
               o.zero_tail = variant == 2;
@@ -2134,7 +2144,7 @@ TEST(QuantDispatchGpu, MatchesCpuAndReferenceBitwise) {
                 EXPECT_TRUE(std::equal(want.scales.begin(), want.scales.end(), gots.begin())) << "scales vs reference";
               }
             }
-            padmoe::cuda::set_quant_steps(-1);
+            padmoe::cuda::set_quant_fast(-1);
             // allocating forms, and quantize alone
             const padmoe::ScaledRows c = padmoe::dispatch_quantized(hx, cplan.view(), l, out);
             const padmoe::ScaledRows g = padmoe::dispatch_quantized(dx, gp.view, l, out);
@@ -2148,6 +2158,19 @@ TEST(QuantDispatchGpu, MatchesCpuAndReferenceBitwise) {
         }
       }
     }
+  }
+}
+
+TEST(QuantDispatchGpu, HardwareConversionMatchesSoftwareOnEveryFloat) {
+  REQUIRE_GPU();
+  // cvt.rn.satfinite against quant::fp8_saturate (the CPU's conversion) on all 2^32 - 2^24 non-NaN
+  // float32 patterns: infinities, float32 subnormals, fp8 subnormals, ties and saturation included.
+  for (bool e5m2 : {false, true}) {
+    uint32_t first = 0;
+    int64_t compared = 0;
+    const int64_t n = padmoe::cuda::fp8_convert_mismatches(e5m2, &first, &compared);
+    EXPECT_EQ(n, 0) << (e5m2 ? "e5m2" : "e4m3fn") << ": first mismatch at float32 bits 0x" << std::hex << first;
+    EXPECT_EQ(compared, (int64_t{1} << 32) - 2 * ((int64_t{1} << 23) - 1));  // every pattern but the NaNs
   }
 }
 
