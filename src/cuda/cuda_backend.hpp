@@ -153,8 +153,9 @@ struct PaddingRef {
 // benchmarks; -1: back to the default); N > 0 there slices spreads as well.
 void set_slice_blocks(int blocks);
 // The spreads without dot products a warp a token, 4 or 8 16-byte units a lane and round (tests,
-// benchmarks; overrides PADMOE_CUDA_SPREAD_WARP): 0 the block kernel, -1 back to the default.
-// The same bits every way.
+// benchmarks; overrides PADMOE_CUDA_SPREAD_WARP): 0 the block kernel, -1 back to the default (8 for
+// rows of at most 8 KiB, K copies of at most 32 KiB and 16 tokens an SM or more; else the block
+// kernel). The same bits every way.
 void set_spread_warp(int units);
 // Dot-product kernels (tests, benchmarks; overrides PADMOE_CUDA_DOTS): -1 chosen by shape (the
 // default: row_dots and spreads with dots a warp an assignment; reduce with dots a block a
@@ -274,11 +275,12 @@ inline size_t chunk_workspace_bytes(int64_t num_chunks) {
 // as empty chunks, so an unchecked bad input cannot overflow or read out of bounds.
 // With map (the unchecked path: nothing is validated in between) it may also write the map and
 // inclusive_offsets, chunk_map's values, in the same launch, and returns true; then chunk_map is
-// not needed (PADMOE_CUDA_CHUNK_MAP=fused, set_chunk_map_fused: tests and measurements).
+// not needed (the default for map_len <= 16384; PADMOE_CUDA_CHUNK_MAP=separate, set_chunk_map_fused:
+// tests and measurements).
 bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks, int alignment,
                   int64_t rows, void* workspace, void* stream, int64_t map_len = 0, int32_t* map = nullptr,
                   int32_t* inclusive_offsets = nullptr);
-// -1 the environment's choice (off unless PADMOE_CUDA_CHUNK_MAP=fused), 0 off, 1 on.
+// -1 the environment's choice (on unless PADMOE_CUDA_CHUNK_MAP=separate), 0 off, 1 on.
 void set_chunk_map_fused(int mode);
 // Checked mode, after chunk_layout: split sizes in [0, rows], sorted_index a
 // permutation, sum <= rows, P <= INT32_MAX, P <= output_rows (< 0: skipped).

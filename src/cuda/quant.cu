@@ -129,6 +129,61 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
   if (threadIdx.x < kZeroRows && s_zero[threadIdx.x]) store_scale_one(sc, first + threadIdx.x);
 }
 
+// One thread's kCols columns (in a run of lanes covering whole scale blocks: every lane of the
+// warp calls it, for the shuffles) quantized: the codes packed 4 a word (lo: the first four),
+// and the scale block's scale bits (float32 bits, or the E8M0 byte; per-row mode: unused).
+template <int kMode, int kFast>
+__device__ __forceinline__ void quantize_cols(const float (&f)[kCols], const quant::Fp8Format& fmt, bool e5m2,
+                                              float row_div, bool row_bad, uint32_t& lo, uint32_t& hi,
+                                              uint32_t& scale_bits) {
+  using M = ModeTraits<kMode>;
+  float divisor = row_div;
+  float inverse = 1.0f;  // kMxMultiply: 2^-X
+  bool bad = row_bad;
+  scale_bits = 0;
+  if (kMode != kPerRowMode) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) m = max(m, quant::abs_bits(f[i]));
+    m = lanes_max<M::kLanes>(m);
+    bad = quant::non_finite(m);
+    if (kMode == kMxMode) {
+      const int e = bad ? 0 : quant::mx_exponent(m, fmt);
+      divisor = quant::pow2(e);
+      inverse = quant::pow2(-e);
+      scale_bits = bad ? quant::kE8M0NaN : static_cast<uint32_t>(e + 127);
+    } else {
+      divisor = quant::block_scale(m, fmt);
+      scale_bits = quant::bits_of(divisor);
+    }
+  }
+  lo = 0;
+  hi = 0;
+  if (kFast != 0) {
+    float qv[kCols];
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) {
+      qv[i] = (kFast & kMxMultiply) && kMode == kMxMode ? f[i] * inverse : quant::div_rn(f[i], divisor);
+    }
+    uint32_t pairs[kCols / 2];
+#pragma unroll
+    for (int i = 0; i < kCols / 2; ++i) {
+      pairs[i] = (kFast & kHwConvert) ? fp8_hw_pair(qv[2 * i], qv[2 * i + 1], e5m2)
+                                      : quant::fp8_saturate(qv[2 * i], fmt) |
+                                            (static_cast<uint32_t>(quant::fp8_saturate(qv[2 * i + 1], fmt)) << 8);
+    }
+    lo = bad ? 0x7f7f7f7fu : pairs[0] | (pairs[1] << 16);
+    hi = bad ? 0x7f7f7f7fu : pairs[2] | (pairs[3] << 16);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) {
+      const uint32_t code = quant::quantize_element(f[i], divisor, bad, fmt);
+      if (i < 4) lo |= code << (8 * i);
+      else hi |= code << (8 * (i - 4));
+    }
+  }
+}
+
 // kFast: bit 1 (kHwConvert) converts the quotients with the hardware's cvt.rn.satfinite
 // (fp8_hw_pair), bit 2 (kMxMultiply) divides by MXFP8's power of two as a multiplication by its
 // inverse (exact: both are the rounding of the same real x * 2^-X). Either gives the same codes as
@@ -186,50 +241,8 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t c0 = base + threadIdx.x * kCols;
       float f[kCols];
       load_cols<T>(src, c0, hidden, vec_in, f);
-      float divisor = row_div;
-      float inverse = 1.0f;  // kMxMultiply: 2^-X
-      bool bad = row_bad;
-      uint32_t scale_bits = 0;
-      if (kMode != kPerRowMode) {
-        uint32_t m = 0;
-#pragma unroll
-        for (int i = 0; i < kCols; ++i) m = max(m, quant::abs_bits(f[i]));
-        m = lanes_max<M::kLanes>(m);
-        bad = quant::non_finite(m);
-        if (kMode == kMxMode) {
-          const int e = bad ? 0 : quant::mx_exponent(m, fmt);
-          divisor = quant::pow2(e);
-          inverse = quant::pow2(-e);
-          scale_bits = bad ? quant::kE8M0NaN : static_cast<uint32_t>(e + 127);
-        } else {
-          divisor = quant::block_scale(m, fmt);
-          scale_bits = quant::bits_of(divisor);
-        }
-      }
-      uint32_t lo = 0, hi = 0;
-      if (kFast != 0) {
-        float qv[kCols];
-#pragma unroll
-        for (int i = 0; i < kCols; ++i) {
-          qv[i] = (kFast & kMxMultiply) && kMode == kMxMode ? f[i] * inverse : quant::div_rn(f[i], divisor);
-        }
-        uint32_t pairs[kCols / 2];
-#pragma unroll
-        for (int i = 0; i < kCols / 2; ++i) {
-          pairs[i] = (kFast & kHwConvert) ? fp8_hw_pair(qv[2 * i], qv[2 * i + 1], sc.e5m2)
-                                          : quant::fp8_saturate(qv[2 * i], fmt) |
-                                                (static_cast<uint32_t>(quant::fp8_saturate(qv[2 * i + 1], fmt)) << 8);
-        }
-        lo = bad ? 0x7f7f7f7fu : pairs[0] | (pairs[1] << 16);
-        hi = bad ? 0x7f7f7f7fu : pairs[2] | (pairs[3] << 16);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kCols; ++i) {
-          const uint32_t code = quant::quantize_element(f[i], divisor, bad, fmt);
-          if (i < 4) lo |= code << (8 * i);
-          else hi |= code << (8 * (i - 4));
-        }
-      }
+      uint32_t lo, hi, scale_bits;
+      quantize_cols<kMode, kFast>(f, fmt, sc.e5m2, row_div, row_bad, lo, hi, scale_bits);
       if (c0 >= hidden) continue;  // no shuffles below in this step (a next step's run in every lane)
       const bool leader = kMode != kPerRowMode && lane % M::kLanes == 0;
       const int64_t scol = c0 / M::kBlockCols;
@@ -246,21 +259,86 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// A warp a token (blockwise and MXFP8 scales, for many tokens): warp t loads kRounds runs of 256
+// columns of x[t] (8 a lane: whole scale blocks a run) before quantizing the first, then stores
+// each run's codes and scales to the token's destinations; no shared memory and no block barrier,
+// so that an SM keeps kRounds times the block kernel's loads in flight (that kernel's 256 threads
+// load 8 columns each at a time). The same codes and scales as the block kernel, bit for bit.
+template <typename T, int kMode, int kFast, int kRounds>
+__global__ void __launch_bounds__(kThreads, 4)
+    quant_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
+                      PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out,
+                      int64_t token_blocks) {
+  pdl_begin();
+  if (blockIdx.x >= token_blocks) {
+    zero_rows(y, sc, pad, zero_padding, zero_past_end, (static_cast<int64_t>(blockIdx.x) - token_blocks) * kZeroRows);
+    return;
+  }
+  static_assert(kMode != kPerRowMode, "per-row scales need the whole row first: the block kernel");
+  using M = ModeTraits<kMode>;
+  constexpr int kRunCols = 32 * kCols;
+  const quant::Fp8Format fmt = quant::fp8_format(sc.e5m2);
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= x.rows) return;  // the whole warp
+  const int64_t hidden = x.cols;
+  const char* src = row_ptr(x, t);
+  const bool leader = lane % M::kLanes == 0;
+  for (int k0 = 0; k0 < top_k; k0 += 32) {  // 32 destinations a lane-load at a time
+    const int nk = top_k - k0 < 32 ? top_k - k0 : 32;
+    int64_t my_r = -1;
+    if (lane < nk) {
+      my_r = dest[index::assignment_id(t, k0 + lane, top_k)];
+      if (my_r >= y.rows) my_r = -1;  // outside y: only with unchecked bad input
+    }
+    for (int64_t base = 0; base < hidden; base += kRounds * kRunCols) {
+      float f[kRounds][kCols];
+#pragma unroll
+      for (int j = 0; j < kRounds; ++j) load_cols<T>(src, base + j * kRunCols + lane * kCols, hidden, vec_in, f[j]);
+#pragma unroll
+      for (int j = 0; j < kRounds; ++j) {
+        const int64_t c0 = base + j * kRunCols + lane * kCols;
+        if (c0 - lane * kCols >= hidden) break;  // the run is past the row, in every lane
+        uint32_t lo, hi, scale_bits;
+        quantize_cols<kMode, kFast>(f[j], fmt, sc.e5m2, 1.0f, false, lo, hi, scale_bits);
+        const int64_t scol = c0 / M::kBlockCols;
+        for (int q = 0; q < nk; ++q) {
+          const int64_t r = __shfl_sync(0xffffffffu, my_r, q);
+          if (r < 0 || c0 >= hidden) continue;
+          store_codes(row_ptr(y, r), c0, hidden, vec_out, lo, hi);
+          if (leader) {
+            if (kMode == kMxMode) static_cast<uint8_t*>(sc.data)[r * sc.cols + scol] = static_cast<uint8_t>(scale_bits);
+            else static_cast<uint32_t*>(sc.data)[r * sc.cols + scol] = scale_bits;
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int kMode, int kRounds>
+struct QuantWarpTag {
+  static constexpr auto fn = quant_warp_kernel<T, kMode, kHwConvert | kMxMultiply, kRounds>;
+};
+
 template <typename T, int kMode, int kFast>
 struct QuantTag {
   static constexpr auto fn = quant_spread_kernel<T, kMode, kFast>;
 };
 
-// PADMOE_CUDA_QUANT_FAST=0..3 (read once) or set_quant_fast (tests): the kFast bits (written
-// 2026-12-03; default 0 until measured).
+// PADMOE_CUDA_QUANT_FAST=0..3 (read once) or set_quant_fast (tests): the kFast bits; default 3,
+// both. Measured on the H200 (2026-12-03, bench/results/cuda-h200-2026-12-03.md): the hardware
+// conversion took dispatch(quant-128) from 3.18x to 1.68x the copy floor at mixtral-8x7b (1.84x ->
+// 1.51x qwen3-30b-a3b, 1.88x -> 1.49x deepseek-v3, 2.66x -> 2.43x decode, graph), and the MXFP8
+// multiply dispatch(quant-mxfp8) at mixtral from 1.72x to 1.55x (no change elsewhere).
 std::atomic<int> g_quant_fast{-1};  // -1: the environment's choice
 int quant_fast() {
   const int set = g_quant_fast.load(std::memory_order_relaxed);
   if (set >= 0) return set;
   static const int n = [] {
     const char* v = std::getenv("PADMOE_CUDA_QUANT_FAST");
-    const int f = v == nullptr ? 0 : std::atoi(v);
-    return f >= 0 && f <= 3 ? f : 0;
+    const int f = v == nullptr ? 3 : std::atoi(v);
+    return f >= 0 && f <= 3 ? f : 3;
   }();
   return n;
 }
@@ -297,7 +375,26 @@ __global__ void fp8_convert_check_kernel(bool e5m2, unsigned long long* count, u
   }
 }
 
+// The warp kernel's runs loaded together (4 or 8), or 0: the block kernel. PADMOE_CUDA_QUANT_WARP
+// (read once) or set_quant_warp (tests); unset: the block kernel (written 2026-12-03, not yet
+// measured).
+std::atomic<int> g_quant_warp{-1};
+int quant_warp_rounds() {
+  const int set = g_quant_warp.load(std::memory_order_relaxed);
+  if (set >= 0) return set;
+  static const int n = [] {
+    const char* v = std::getenv("PADMOE_CUDA_QUANT_WARP");
+    const int r = v == nullptr ? 0 : std::atoi(v);
+    return r == 4 || r == 8 ? r : 0;
+  }();
+  return n;
+}
+
 }  // namespace
+
+void set_quant_warp(int rounds) {
+  g_quant_warp.store(rounds == 0 || rounds == 4 || rounds == 8 ? rounds : -1, std::memory_order_relaxed);
+}
 
 void set_quant_fast(int bits) { g_quant_fast.store(bits >= 0 && bits <= 3 ? bits : -1, std::memory_order_relaxed); }
 
@@ -338,6 +435,28 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
     launch_kernel("quant_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
         top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out);
   };
+  const int rounds = scales.layout == ScaleLayout::kPerRow || identity ? 0 : quant_warp_rounds();
+  if (rounds > 0) {  // a warp a token
+    const int64_t token_blocks = index::ceil_div(tokens, kThreads / 32);
+    auto warp_launch = [&](auto tag) {
+      using Tag = decltype(tag);
+      launch_kernel("quant_warp_kernel", Tag::fn, static_cast<unsigned>(token_blocks + zero_blocks), kThreads, 0,
+          as_stream(stream), x, top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out,
+          token_blocks);
+    };
+    with_traits(x.dtype, [&](auto traits) {
+      using T = decltype(traits);
+      const bool mx = scales.layout == ScaleLayout::kMxE8M0;
+      if (rounds == 4) {
+        if (mx) warp_launch(QuantWarpTag<T, kMxMode, 4>{});
+        else warp_launch(QuantWarpTag<T, kBlock128Mode, 4>{});
+      } else {
+        if (mx) warp_launch(QuantWarpTag<T, kMxMode, 8>{});
+        else warp_launch(QuantWarpTag<T, kBlock128Mode, 8>{});
+      }
+    });
+    return;
+  }
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);
     const int fast = quant_fast();

@@ -1115,21 +1115,28 @@ void set_slice_blocks(int blocks) { g_slice_blocks.store(blocks < -1 ? -1 : bloc
 
 // The spread without dots a warp a token (spread_warp_kernel, kUnits 4 or 8 a lane), or 0: the
 // block kernel. PADMOE_CUDA_SPREAD_WARP=0|4|8 (read once) or set_spread_warp (tests) for every such
-// spread; unset: the block kernel (written 2026-12-03, not yet measured).
+// spread; unset: 8 for rows of at most 512 units (8 KiB) whose K copies are at most 2048 units and
+// at least 16 tokens an SM, else the block kernel. Measured on the H200 (2026-12-03,
+// bench/results/cuda-h200-2026-12-03.md): dispatch(fp8+scales) mixtral-8x7b 2.07x -> 1.19x the
+// floor, qwen3-30b-a3b 1.98x -> 1.34x, dispatch(w) qwen3 1.21x -> 1.14x, mixtral's bf16 dispatch
+// 1.16x -> 1.14x; deepseek-v3 (K = 8 copies of 7 KiB) 1.18x -> 1.20x and decode (256 tokens: 32
+// blocks) 1.25x -> 1.89x are why the rule leaves them to the block kernel.
 namespace {
 std::atomic<int> g_spread_warp{-1};
-int spread_warp_units(int64_t units) {
-  (void)units;
+int spread_warp_units(int64_t tokens, int64_t units, int top_k) {
   int v = g_spread_warp.load(std::memory_order_relaxed);
   if (v < 0) {
     static const int env = [] {
       const char* e = std::getenv("PADMOE_CUDA_SPREAD_WARP");
-      const int n = e == nullptr ? 0 : std::atoi(e);
+      if (e == nullptr) return -1;
+      const int n = std::atoi(e);
       return n == 4 || n == 8 ? n : 0;
     }();
     v = env;
   }
-  return v;
+  if (v >= 0) return v;
+  const bool short_rows = units <= 512 && units * top_k <= 2048;
+  return short_rows && tokens >= 16 * static_cast<int64_t>(sm_count()) ? 8 : 0;
 }
 }  // namespace
 
@@ -1175,7 +1182,7 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
     else pick<SpreadDotsWarp<3, kSpreadDotsWarpUnits>::Tag>(x.dtype, vec, warp_launch);
     return;
   }
-  const int warp_units = dots.data == nullptr ? spread_warp_units(units) : 0;
+  const int warp_units = dots.data == nullptr ? spread_warp_units(tokens, units, top_k) : 0;
   if (warp_units > 0) {  // a warp a token
     const int64_t token_blocks = index::ceil_div(tokens, kThreads / 32);
     if (token_blocks + zero_blocks == 0) return;
