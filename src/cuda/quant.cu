@@ -118,13 +118,16 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
   const int64_t hidden = y.cols;
   const bool vec = reinterpret_cast<uintptr_t>(y.data) % 16 == 0 && y.stride_bytes % 16 == 0 && hidden % 16 == 0;
   const int64_t units = vec ? hidden / 16 : hidden;
-  const int64_t n = kZeroRows * units;
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
-    const int row = static_cast<int>(i / units);
+  // row by row (a row's flag is the same in every thread): no division a store (a 64-bit division
+  // and modulo a store over every row, zeroed or not, were 10% of mixtral-8x7b's samples and 31% of
+  // decode's under ncu, 2026-12-03)
+  for (int row = 0; row < kZeroRows; ++row) {
     if (!s_zero[row]) continue;
     char* p = row_ptr(y, first + row);
-    if (vec) reinterpret_cast<uint4*>(p)[i % units] = make_uint4(0, 0, 0, 0);
-    else p[i % units] = 0;
+    for (int64_t u = threadIdx.x; u < units; u += kThreads) {
+      if (vec) reinterpret_cast<uint4*>(p)[u] = make_uint4(0, 0, 0, 0);
+      else p[u] = 0;
+    }
   }
   if (threadIdx.x < kZeroRows && s_zero[threadIdx.x]) store_scale_one(sc, first + threadIdx.x);
 }
@@ -188,8 +191,10 @@ __device__ __forceinline__ void quantize_cols(const float (&f)[kCols], const qua
 // (fp8_hw_pair), bit 2 (kMxMultiply) divides by MXFP8's power of two as a multiplication by its
 // inverse (exact: both are the rounding of the same real x * 2^-X). Either gives the same codes as
 // quant::quantize_element, bit for bit (fp8_convert_mismatches checks every float32 pattern).
-template <typename T, int kMode, int kFast>
-__global__ void __launch_bounds__(kThreads)
+// kPre: 1 loads the first step before the destinations are staged, 2 the same within 32 registers
+// (8 blocks an SM), 3 32 registers alone; 0 neither (measurement variants of 2026-12-03).
+template <typename T, int kMode, int kFast, int kPre>
+__global__ void __launch_bounds__(kThreads, kPre >= 2 ? 8 : 1)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out) {
   pdl_begin();
@@ -226,6 +231,10 @@ __global__ void __launch_bounds__(kThreads)
     row_div = quant::block_scale(m, fmt);
   }
 
+  // the first step's columns, loaded before the destinations are staged: the two loads overlap
+  // (the staging's barriers waiting on the destinations' load were 12% of mixtral-8x7b's samples)
+  float f0[kCols];
+  if (kPre == 1 || kPre == 2) load_cols<T>(src, threadIdx.x * kCols, hidden, vec_in, f0);
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
     const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
     __syncthreads();  // the previous group is done with s_dest
@@ -240,7 +249,12 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t base = 0; base < hidden; base += kStepCols) {  // every lane runs the step's shuffles
       const int64_t c0 = base + threadIdx.x * kCols;
       float f[kCols];
-      load_cols<T>(src, c0, hidden, vec_in, f);
+      if ((kPre == 1 || kPre == 2) && base == 0 && k0 == 0) {
+#pragma unroll
+        for (int i = 0; i < kCols; ++i) f[i] = f0[i];
+      } else {
+        load_cols<T>(src, c0, hidden, vec_in, f);
+      }
       uint32_t lo, hi, scale_bits;
       quantize_cols<kMode, kFast>(f, fmt, sc.e5m2, row_div, row_bad, lo, hi, scale_bits);
       if (c0 >= hidden) continue;  // no shuffles below in this step (a next step's run in every lane)
@@ -259,71 +273,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// A warp a token (blockwise and MXFP8 scales, for many tokens): warp t loads kRounds runs of 256
-// columns of x[t] (8 a lane: whole scale blocks a run) before quantizing the first, then stores
-// each run's codes and scales to the token's destinations; no shared memory and no block barrier,
-// so that an SM keeps kRounds times the block kernel's loads in flight (that kernel's 256 threads
-// load 8 columns each at a time). The same codes and scales as the block kernel, bit for bit.
-template <typename T, int kMode, int kFast, int kRounds>
-__global__ void __launch_bounds__(kThreads, 4)
-    quant_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
-                      PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out,
-                      int64_t token_blocks) {
-  pdl_begin();
-  if (blockIdx.x >= token_blocks) {
-    zero_rows(y, sc, pad, zero_padding, zero_past_end, (static_cast<int64_t>(blockIdx.x) - token_blocks) * kZeroRows);
-    return;
-  }
-  static_assert(kMode != kPerRowMode, "per-row scales need the whole row first: the block kernel");
-  using M = ModeTraits<kMode>;
-  constexpr int kRunCols = 32 * kCols;
-  const quant::Fp8Format fmt = quant::fp8_format(sc.e5m2);
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (t >= x.rows) return;  // the whole warp
-  const int64_t hidden = x.cols;
-  const char* src = row_ptr(x, t);
-  const bool leader = lane % M::kLanes == 0;
-  for (int k0 = 0; k0 < top_k; k0 += 32) {  // 32 destinations a lane-load at a time
-    const int nk = top_k - k0 < 32 ? top_k - k0 : 32;
-    int64_t my_r = -1;
-    if (lane < nk) {
-      my_r = dest[index::assignment_id(t, k0 + lane, top_k)];
-      if (my_r >= y.rows) my_r = -1;  // outside y: only with unchecked bad input
-    }
-    for (int64_t base = 0; base < hidden; base += kRounds * kRunCols) {
-      float f[kRounds][kCols];
-#pragma unroll
-      for (int j = 0; j < kRounds; ++j) load_cols<T>(src, base + j * kRunCols + lane * kCols, hidden, vec_in, f[j]);
-#pragma unroll
-      for (int j = 0; j < kRounds; ++j) {
-        const int64_t c0 = base + j * kRunCols + lane * kCols;
-        if (c0 - lane * kCols >= hidden) break;  // the run is past the row, in every lane
-        uint32_t lo, hi, scale_bits;
-        quantize_cols<kMode, kFast>(f[j], fmt, sc.e5m2, 1.0f, false, lo, hi, scale_bits);
-        const int64_t scol = c0 / M::kBlockCols;
-        for (int q = 0; q < nk; ++q) {
-          const int64_t r = __shfl_sync(0xffffffffu, my_r, q);
-          if (r < 0 || c0 >= hidden) continue;
-          store_codes(row_ptr(y, r), c0, hidden, vec_out, lo, hi);
-          if (leader) {
-            if (kMode == kMxMode) static_cast<uint8_t*>(sc.data)[r * sc.cols + scol] = static_cast<uint8_t>(scale_bits);
-            else static_cast<uint32_t*>(sc.data)[r * sc.cols + scol] = scale_bits;
-          }
-        }
-      }
-    }
-  }
-}
-
-template <typename T, int kMode, int kRounds>
-struct QuantWarpTag {
-  static constexpr auto fn = quant_warp_kernel<T, kMode, kHwConvert | kMxMultiply, kRounds>;
-};
-
-template <typename T, int kMode, int kFast>
+template <typename T, int kMode, int kFast, int kPre = 0>
 struct QuantTag {
-  static constexpr auto fn = quant_spread_kernel<T, kMode, kFast>;
+  static constexpr auto fn = quant_spread_kernel<T, kMode, kFast, kPre>;
 };
 
 // PADMOE_CUDA_QUANT_FAST=0..3 (read once) or set_quant_fast (tests): the kFast bits; default 3,
@@ -332,6 +284,14 @@ struct QuantTag {
 // 1.51x qwen3-30b-a3b, 1.88x -> 1.49x deepseek-v3, 2.66x -> 2.43x decode, graph), and the MXFP8
 // multiply dispatch(quant-mxfp8) at mixtral from 1.72x to 1.55x (no change elsewhere).
 std::atomic<int> g_quant_fast{-1};  // -1: the environment's choice
+int quant_prefetch() {  // PADMOE_CUDA_QUANT_PREFETCH=1|2|3: kPre (measurements)
+  static const int n = [] {
+    const char* v = std::getenv("PADMOE_CUDA_QUANT_PREFETCH");
+    const int r = v == nullptr ? 0 : std::atoi(v);
+    return r >= 1 && r <= 3 ? r : 0;
+  }();
+  return n;
+}
 int quant_fast() {
   const int set = g_quant_fast.load(std::memory_order_relaxed);
   if (set >= 0) return set;
@@ -375,26 +335,7 @@ __global__ void fp8_convert_check_kernel(bool e5m2, unsigned long long* count, u
   }
 }
 
-// The warp kernel's runs loaded together (4 or 8), or 0: the block kernel. PADMOE_CUDA_QUANT_WARP
-// (read once) or set_quant_warp (tests); unset: the block kernel (written 2026-12-03, not yet
-// measured).
-std::atomic<int> g_quant_warp{-1};
-int quant_warp_rounds() {
-  const int set = g_quant_warp.load(std::memory_order_relaxed);
-  if (set >= 0) return set;
-  static const int n = [] {
-    const char* v = std::getenv("PADMOE_CUDA_QUANT_WARP");
-    const int r = v == nullptr ? 0 : std::atoi(v);
-    return r == 4 || r == 8 ? r : 0;
-  }();
-  return n;
-}
-
 }  // namespace
-
-void set_quant_warp(int rounds) {
-  g_quant_warp.store(rounds == 0 || rounds == 4 || rounds == 8 ? rounds : -1, std::memory_order_relaxed);
-}
 
 void set_quant_fast(int bits) { g_quant_fast.store(bits >= 0 && bits <= 3 ? bits : -1, std::memory_order_relaxed); }
 
@@ -435,28 +376,6 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
     launch_kernel("quant_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
         top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out);
   };
-  const int rounds = scales.layout == ScaleLayout::kPerRow || identity ? 0 : quant_warp_rounds();
-  if (rounds > 0) {  // a warp a token
-    const int64_t token_blocks = index::ceil_div(tokens, kThreads / 32);
-    auto warp_launch = [&](auto tag) {
-      using Tag = decltype(tag);
-      launch_kernel("quant_warp_kernel", Tag::fn, static_cast<unsigned>(token_blocks + zero_blocks), kThreads, 0,
-          as_stream(stream), x, top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out,
-          token_blocks);
-    };
-    with_traits(x.dtype, [&](auto traits) {
-      using T = decltype(traits);
-      const bool mx = scales.layout == ScaleLayout::kMxE8M0;
-      if (rounds == 4) {
-        if (mx) warp_launch(QuantWarpTag<T, kMxMode, 4>{});
-        else warp_launch(QuantWarpTag<T, kBlock128Mode, 4>{});
-      } else {
-        if (mx) warp_launch(QuantWarpTag<T, kMxMode, 8>{});
-        else warp_launch(QuantWarpTag<T, kBlock128Mode, 8>{});
-      }
-    });
-    return;
-  }
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);
     const int fast = quant_fast();
@@ -465,7 +384,12 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
       switch (fast) {
         case 1: launch(QuantTag<T, kM, kHwConvert>{}); break;
         case 2: launch(QuantTag<T, kM, kMxMultiply>{}); break;
-        case 3: launch(QuantTag<T, kM, kHwConvert | kMxMultiply>{}); break;
+        case 3:
+          if (quant_prefetch() == 1) launch(QuantTag<T, kM, kHwConvert | kMxMultiply, 1>{});
+          else if (quant_prefetch() == 2) launch(QuantTag<T, kM, kHwConvert | kMxMultiply, 2>{});
+          else if (quant_prefetch() == 3) launch(QuantTag<T, kM, kHwConvert | kMxMultiply, 3>{});
+          else launch(QuantTag<T, kM, kHwConvert | kMxMultiply>{});
+          break;
         default: launch(QuantTag<T, kM, 0>{}); break;
       }
     };

@@ -34,10 +34,6 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
 // as a multiplication by 2^-X): -1 the environment's (PADMOE_CUDA_QUANT_FAST, else 3, both),
 // 0..3 (tests; the same codes and scales every way).
 void set_quant_fast(int bits);
-// The quantizing dispatch a warp a token, 4 or 8 runs of 256 columns loaded together (blockwise
-// and MXFP8 scales; tests, benchmarks; overrides PADMOE_CUDA_QUANT_WARP): 0 the block kernel, -1
-// the default. The same codes and scales every way.
-void set_quant_warp(int rounds);
 // Tests: the float32 bit patterns (NaNs left out) whose fp8 code from the hardware conversion
 // differs from quant::fp8_saturate's (e4m3fn, or e5m2), with the smallest in *first_bits
 // (0xffffffff when none), and in *compared the patterns compared. Synchronizes the device.

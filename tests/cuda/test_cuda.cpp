@@ -2125,14 +2125,13 @@ TEST(QuantDispatchGpu, MatchesCpuAndReferenceBitwise) {
             padmoe::make_plan_out(to_gpu(hte), E, m, gp.view);
             const ref::QuantRows want = ref::dispatch_quantized(xf, H, p, static_cast<ref::QuantLayout>(static_cast<int>(l)),
                                                                 out == DType::kFloat8E5M2);
-            // 4-6: variant 0 with the fast paths 1-3 (0-3: the software path); 7, 8: the warp
-            // kernel (4 and 8 runs), with zero_tail
-            for (int variant = 0; variant < 9; ++variant) {
+            // 4-6: variant 0 with the fast paths 1-3 (0-3: the software path); 7: the default with
+            // zero_tail
+            for (int variant = 0; variant < 8; ++variant) {
               padmoe::cuda::set_quant_fast(variant >= 4 && variant <= 6 ? variant - 3 : variant < 4 ? 0 : -1);
-              padmoe::cuda::set_quant_warp(variant == 7 ? 4 : variant == 8 ? 8 : 0);
               padmoe::Options o;
               o.zero_padding = variant != 1;
-              o.zero_tail = variant == 2 || variant == 8;
+              o.zero_tail = variant == 2 || variant == 7;
               o.check_data = variant != 3;
               SCOPED_TRACE("variant " + std::to_string(variant));
               Tensor cy = poison_rows(out, rows, H), cs = quant_poison_scales(l, rows, H);
@@ -2148,7 +2147,6 @@ TEST(QuantDispatchGpu, MatchesCpuAndReferenceBitwise) {
               }
             }
             padmoe::cuda::set_quant_fast(-1);
-            padmoe::cuda::set_quant_warp(-1);
             // allocating forms, and quantize alone
             const padmoe::ScaledRows c = padmoe::dispatch_quantized(hx, cplan.view(), l, out);
             const padmoe::ScaledRows g = padmoe::dispatch_quantized(dx, gp.view, l, out);
