@@ -191,10 +191,13 @@ __device__ __forceinline__ void quantize_cols(const float (&f)[kCols], const qua
 // (fp8_hw_pair), bit 2 (kMxMultiply) divides by MXFP8's power of two as a multiplication by its
 // inverse (exact: both are the rounding of the same real x * 2^-X). Either gives the same codes as
 // quant::quantize_element, bit for bit (fp8_convert_mismatches checks every float32 pattern).
-// kPre: 1 loads the first step before the destinations are staged, 2 the same within 32 registers
-// (8 blocks an SM), 3 32 registers alone; 0 neither (measurement variants of 2026-12-03).
-template <typename T, int kMode, int kFast, int kPre>
-__global__ void __launch_bounds__(kThreads, kPre >= 2 ? 8 : 1)
+// Within 32 registers (8 blocks an SM: full occupancy). Measured on the H200 (2026-12-03) against
+// 38 registers (6 blocks an SM): dispatch(quant-128) mixtral-8x7b 1.68x -> 1.53x the floor,
+// qwen3-30b-a3b 1.48x -> 1.41x, deepseek-v3 1.29x -> 1.30x. Loading the first step before the
+// destinations are staged (so that the two loads overlap) was slower: 1.93x at 48 registers,
+// 1.65x capped at 32.
+template <typename T, int kMode, int kFast>
+__global__ void __launch_bounds__(kThreads, 8)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out) {
   pdl_begin();
@@ -231,10 +234,6 @@ __global__ void __launch_bounds__(kThreads, kPre >= 2 ? 8 : 1)
     row_div = quant::block_scale(m, fmt);
   }
 
-  // the first step's columns, loaded before the destinations are staged: the two loads overlap
-  // (the staging's barriers waiting on the destinations' load were 12% of mixtral-8x7b's samples)
-  float f0[kCols];
-  if (kPre == 1 || kPre == 2) load_cols<T>(src, threadIdx.x * kCols, hidden, vec_in, f0);
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
     const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
     __syncthreads();  // the previous group is done with s_dest
@@ -249,12 +248,7 @@ __global__ void __launch_bounds__(kThreads, kPre >= 2 ? 8 : 1)
     for (int64_t base = 0; base < hidden; base += kStepCols) {  // every lane runs the step's shuffles
       const int64_t c0 = base + threadIdx.x * kCols;
       float f[kCols];
-      if ((kPre == 1 || kPre == 2) && base == 0 && k0 == 0) {
-#pragma unroll
-        for (int i = 0; i < kCols; ++i) f[i] = f0[i];
-      } else {
-        load_cols<T>(src, c0, hidden, vec_in, f);
-      }
+      load_cols<T>(src, c0, hidden, vec_in, f);
       uint32_t lo, hi, scale_bits;
       quantize_cols<kMode, kFast>(f, fmt, sc.e5m2, row_div, row_bad, lo, hi, scale_bits);
       if (c0 >= hidden) continue;  // no shuffles below in this step (a next step's run in every lane)
@@ -273,9 +267,9 @@ __global__ void __launch_bounds__(kThreads, kPre >= 2 ? 8 : 1)
   }
 }
 
-template <typename T, int kMode, int kFast, int kPre = 0>
+template <typename T, int kMode, int kFast>
 struct QuantTag {
-  static constexpr auto fn = quant_spread_kernel<T, kMode, kFast, kPre>;
+  static constexpr auto fn = quant_spread_kernel<T, kMode, kFast>;
 };
 
 // PADMOE_CUDA_QUANT_FAST=0..3 (read once) or set_quant_fast (tests): the kFast bits; default 3,
@@ -284,14 +278,6 @@ struct QuantTag {
 // 1.51x qwen3-30b-a3b, 1.88x -> 1.49x deepseek-v3, 2.66x -> 2.43x decode, graph), and the MXFP8
 // multiply dispatch(quant-mxfp8) at mixtral from 1.72x to 1.55x (no change elsewhere).
 std::atomic<int> g_quant_fast{-1};  // -1: the environment's choice
-int quant_prefetch() {  // PADMOE_CUDA_QUANT_PREFETCH=1|2|3: kPre (measurements)
-  static const int n = [] {
-    const char* v = std::getenv("PADMOE_CUDA_QUANT_PREFETCH");
-    const int r = v == nullptr ? 0 : std::atoi(v);
-    return r >= 1 && r <= 3 ? r : 0;
-  }();
-  return n;
-}
 int quant_fast() {
   const int set = g_quant_fast.load(std::memory_order_relaxed);
   if (set >= 0) return set;
@@ -384,12 +370,7 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
       switch (fast) {
         case 1: launch(QuantTag<T, kM, kHwConvert>{}); break;
         case 2: launch(QuantTag<T, kM, kMxMultiply>{}); break;
-        case 3:
-          if (quant_prefetch() == 1) launch(QuantTag<T, kM, kHwConvert | kMxMultiply, 1>{});
-          else if (quant_prefetch() == 2) launch(QuantTag<T, kM, kHwConvert | kMxMultiply, 2>{});
-          else if (quant_prefetch() == 3) launch(QuantTag<T, kM, kHwConvert | kMxMultiply, 3>{});
-          else launch(QuantTag<T, kM, kHwConvert | kMxMultiply>{});
-          break;
+        case 3: launch(QuantTag<T, kM, kHwConvert | kMxMultiply>{}); break;
         default: launch(QuantTag<T, kM, 0>{}); break;
       }
     };
