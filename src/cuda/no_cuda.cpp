@@ -31,10 +31,12 @@ void set_plan_kernel(int) {}
 void set_slice_blocks(int) {}
 void set_spread_warp(int) {}
 void set_dot_kernels(int) {}
+void set_row_dots(int) {}
 void set_reduce_shape(int) {}
 void set_pdl(int) {}
 void set_plan_match(int) {}
 void set_plan_small(int) {}
+void set_plan_packed(int) {}
 void apply_capacity(const PlanView&, int64_t, ScaleArg, int64_t, bool, int, const PlanView&, const PlanLayouts&, int32_t,
                     int64_t, int32_t*, void*) {
   unavailable("make_plan");

@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
                       int64_t row_capacity, int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens,
                       int32_t* padded_bins, int32_t* indices, int32_t* bin_ids, int32_t* dest_rows,
                       int32_t* row_sources, int32_t padding_source, int32_t* row_experts, int32_t* block_experts,
-                      int64_t blocks, int32_t* padded_total_out) {
+                      int64_t blocks, int32_t* padded_total_out, int packed_counts) {
   pdl_begin();
   using Scan = cub::BlockScan<unsigned long long, kFusedThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
@@ -495,9 +495,20 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
 
   // 2. expert totals and this block's offsets
   const int G = static_cast<int>(gridDim.x) >> replica_shift;  // blocks of distinct chunks
+  // packed_counts (a block's counts below 2^16): experts 2p and 2p + 1 in one int, low and high
+  // half ([G, ceil(E / 2)]): half the bytes every block reads after the barrier (128 blocks read
+  // the whole matrix) and half the loads a thread
+  const int EP = (E + 1) / 2;
   if (G > 1) {
     if (replica == 0) {
-      for (int e = threadIdx.x; e < E; e += kFusedThreads) block_counts[static_cast<int64_t>(cb) * E + e] = s_run[e];
+      if (packed_counts) {
+        for (int q = threadIdx.x; q < EP; q += kFusedThreads) {
+          const unsigned hi = 2 * q + 1 < E ? static_cast<unsigned>(s_run[2 * q + 1]) : 0u;
+          block_counts[static_cast<int64_t>(cb) * EP + q] = static_cast<int32_t>(static_cast<unsigned>(s_run[2 * q]) | (hi << 16));
+        }
+      } else {
+        for (int e = threadIdx.x; e < E; e += kFusedThreads) block_counts[static_cast<int64_t>(cb) * E + e] = s_run[e];
+      }
     }
     cooperative_groups::this_grid().sync();
   }
@@ -505,6 +516,46 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
   int count = 0, before = 0;
   if (G == 1) {
     if (e < E) count = s_run[e];
+  } else if (packed_counts) {
+    // pair q's counts over the blocks [lo, hi): `parts` threads a pair (up to 4), each a share of
+    // the blocks, 16 loads in flight; the parts' sums meet in s_wc ([parts][2][E]: count, before)
+    const int parts = min(4, kFusedThreads / EP);
+    const int part = static_cast<int>(threadIdx.x) / EP, q = static_cast<int>(threadIdx.x) - part * EP;
+    if (part < parts) {
+      const int lo = G * part / parts, hi = G * (part + 1) / parts;
+      int c0 = 0, c1 = 0, b0s = 0, b1s = 0;
+      constexpr int kBatch = 16;
+      for (int b0 = lo; b0 < hi; b0 += kBatch) {
+        unsigned n[kBatch];
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          n[k] = b0 + k < hi ? static_cast<unsigned>(__ldcg(block_counts + static_cast<int64_t>(b0 + k) * EP + q)) : 0u;
+        }
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          const int lo16 = static_cast<int>(n[k] & 0xffffu), hi16 = static_cast<int>(n[k] >> 16);
+          c0 += lo16;
+          c1 += hi16;
+          if (b0 + k < cb) {
+            b0s += lo16;
+            b1s += hi16;
+          }
+        }
+      }
+      s_wc[(part * 2) * E + 2 * q] = c0;
+      s_wc[(part * 2 + 1) * E + 2 * q] = b0s;
+      if (2 * q + 1 < E) {
+        s_wc[(part * 2) * E + 2 * q + 1] = c1;
+        s_wc[(part * 2 + 1) * E + 2 * q + 1] = b1s;
+      }
+    }
+    __syncthreads();
+    if (e < E) {
+      for (int p = 0; p < parts; ++p) {
+        count += s_wc[(p * 2) * E + e];
+        before += s_wc[(p * 2 + 1) * E + e];
+      }
+    }
   } else {
     // expert x's counts over the blocks [lo, hi): with E <= 256 two threads an expert, each
     // reading half the blocks (half the dependent rounds of loads), summed through s_wc
@@ -860,6 +911,20 @@ int plan_small_shift() {
   return shift;
 }
 
+// The fused plan's per-block counts as 16-bit pairs (a block's counts below 2^16: at most 31
+// chunks a block): -1 the default (on where they fit), 0 off. PADMOE_CUDA_PLAN_PACKED=0 (read
+// once) or set_plan_packed (tests).
+std::atomic<int> g_plan_packed{-2};  // -2: not set by set_plan_packed
+bool plan_packed(int chunks_per_block) {
+  static const int env = [] {
+    const char* v = std::getenv("PADMOE_CUDA_PLAN_PACKED");
+    return v != nullptr && std::atoi(v) == 0 ? 0 : -1;
+  }();
+  const int set = g_plan_packed.load(std::memory_order_relaxed);
+  const int mode = set != -2 ? set : env;
+  return mode != 0 && static_cast<int64_t>(chunks_per_block) * kChunk <= 0xffff;
+}
+
 int plan_mode() {
   int m = g_plan_mode.load(std::memory_order_relaxed);
   if (m != -2) return m;
@@ -1040,6 +1105,8 @@ void set_plan_small(int blocks) {
   g_plan_small.store(blocks < 0 ? -2 : small_shift_of(blocks), std::memory_order_relaxed);
 }
 
+void set_plan_packed(int mode) { g_plan_packed.store(mode == 0 ? 0 : -1, std::memory_order_relaxed); }
+
 void set_plan_kernel(int mode) { g_plan_mode.store(mode < -1 ? -1 : mode, std::memory_order_relaxed); }
 
 void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
@@ -1106,17 +1173,18 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     int n_chunks = chunks, n_experts = num_experts, align = alignment;
     int32_t pad_src = padding_source;
     int64_t capacity = row_capacity;
+    int packed = plan_packed(per_block) ? 1 : 0;
     auto* fused = plan_ballot(num_experts) ? plan_fused_kernel<true> : plan_fused_kernel<false>;
     if (distinct == 1) {  // no grid barrier: an ordinary launch
       launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
           per_block, shift, n_experts, align, block_counts, local_rank, capacity, tokens, bins, ptokens, pbins,
-          indices, bin_ids, dest, rows, pad_src, row_experts, block_experts, blocks, total);
+          indices, bin_ids, dest, rows, pad_src, row_experts, block_experts, blocks, total, packed);
     } else {
       int pb = per_block, reps = shift;
       void* args[] = {&ids,     &rm,        &a_count, &n_chunks, &pb,     &reps,    &n_experts,     &align,
                       &block_counts, &local_rank, &capacity, &tokens, &bins,   &ptokens,  &pbins,
                       &indices, &bin_ids,   &dest,    &rows,     &pad_src, &row_experts, &block_experts,
-                      &blocks,  &total};
+                      &blocks,  &total,      &packed};
       const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fused),
                                                           dim3(grid), dim3(kFusedThreads), args, smem, s);
       if (err == cudaErrorCooperativeLaunchTooLarge) {

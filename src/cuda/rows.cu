@@ -159,6 +159,17 @@ __device__ void fill_scale_one(const ScaleRowsArg& sc, int64_t r0, int64_t r1) {
   }
 }
 
+// Entry i of src scale row `from`, and entry i of dst scale row `to` set to v (the spread's
+// preloaded scale entries).
+__device__ __forceinline__ uint32_t load_scale_entry(const ScaleRowsArg& sc, int64_t from, int64_t i) {
+  return sc.elem == 4 ? static_cast<const uint32_t*>(sc.src)[from * sc.cols + i]
+                      : static_cast<uint32_t>(static_cast<const uint8_t*>(sc.src)[from * sc.cols + i]);
+}
+__device__ __forceinline__ void store_scale_entry(const ScaleRowsArg& sc, int64_t to, int64_t i, uint32_t v) {
+  if (sc.elem == 4) static_cast<uint32_t*>(sc.dst)[to * sc.cols + i] = v;
+  else static_cast<uint8_t*>(sc.dst)[to * sc.cols + i] = static_cast<uint8_t>(v);
+}
+
 // dst scale row `to` = src scale row `from` (from < 0: 1), entry i of the row.
 __device__ __forceinline__ void move_scale_entry(const ScaleRowsArg& sc, int64_t to, int64_t from, int64_t i) {
   if (sc.elem == 4) {
@@ -235,7 +246,11 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
 // block (the plain instantiation has none of it).
 // kDots: the dots_with rows are read and dotted (a template parameter, so the plain
 // moves keep a lean kernel: the batched dot loads cost registers).
-template <typename T, bool kVec, bool kScales, bool kDots, int kDotBatch = 1>
+// kFlatScales (measurements, PADMOE_CUDA_SCALE_FLAT=1): the scale rows moved flattened over
+// (assignment, entry) after the destinations are staged, a load then a store each, as before
+// 2026-12-03; else thread i loads entry i of the token's scale row with its first data loads and
+// stores it to the K destinations once they are staged.
+template <typename T, bool kVec, bool kScales, bool kDots, int kDotBatch = 1, bool kFlatScales = false>
 __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  // dots: 3 blocks an SM (85 registers)
     spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
                   bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots, ScaleRowsArg sc,
@@ -270,13 +285,29 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
     }
   };
   load_chunk(u0);  // issued before the destinations are staged: the two loads overlap
+  const bool own_scale = kScales && !kFlatScales && slice == 0 && threadIdx.x < sc.cols;
+  const uint32_t my_scale = own_scale ? load_scale_entry(sc, t, threadIdx.x) : 0u;
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
     const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
     stage_group(t, k0, nk, top_k, dest, w, y.rows, want_dots, s_dest, s_w, s_part);
-    if (kScales && slice == 0) {  // this group's scale rows, flattened over (assignment, entry)
+    if (kScales && kFlatScales && slice == 0) {  // this group's scale rows, flattened over (assignment, entry)
       for (int64_t i = threadIdx.x; i < nk * sc.cols; i += kThreads) {
         const int64_t r = s_dest[i / sc.cols];
         if (r >= 0) move_scale_entry(sc, r, t, i % sc.cols);
+      }
+    } else if (kScales && slice == 0) {  // entry i by thread i (entries past kThreads: a load each)
+      if (own_scale) {
+        for (int q = 0; q < nk; ++q) {
+          const int64_t r = s_dest[q];
+          if (r >= 0) store_scale_entry(sc, r, threadIdx.x, my_scale);
+        }
+      }
+      for (int64_t i = kThreads + threadIdx.x; i < sc.cols; i += kThreads) {
+        const uint32_t v = load_scale_entry(sc, t, i);
+        for (int q = 0; q < nk; ++q) {
+          const int64_t r = s_dest[q];
+          if (r >= 0) store_scale_entry(sc, r, i, v);
+        }
       }
     }
     for (int64_t c = u0; c < units; c += kChunkUnits) {
@@ -422,17 +453,22 @@ __global__ void __launch_bounds__(kThreads, 4)
     const int nk = top_k - k0 < 32 ? top_k - k0 : 32;
     int64_t my_r = -1;
     float my_w = 1.0f;
+    // entry `lane` of the token's scale row, loaded beside the destinations
+    const uint32_t first_scale = kScales && lane < sc.cols ? load_scale_entry(sc, t, lane) : 0u;
     if (lane < nk) {
       const int64_t a = index::assignment_id(t, k0 + lane, top_k);
       my_r = dest[a];
       if (my_r >= y.rows) my_r = -1;  // only with unchecked bad input: as the block kernel, dropped
       my_w = load_scale(w, a);
     }
-    if (kScales) {  // the scale rows: lanes over (destination, entry)
-      for (int q = 0; q < nk; ++q) {
-        const int64_t r = __shfl_sync(0xffffffffu, my_r, q);
-        if (r < 0) continue;
-        for (int64_t i = lane; i < sc.cols; i += 32) move_scale_entry(sc, r, t, i);
+    if (kScales) {  // the scale rows: entry i by lane i mod 32, to every destination (whole-warp rounds)
+      for (int64_t i0 = 0; i0 < sc.cols; i0 += 32) {
+        const int64_t i = i0 + lane;
+        const uint32_t v = i0 == 0 ? first_scale : i < sc.cols ? load_scale_entry(sc, t, i) : 0u;
+        for (int q = 0; q < nk; ++q) {
+          const int64_t r = __shfl_sync(0xffffffffu, my_r, q);
+          if (r >= 0 && i < sc.cols) store_scale_entry(sc, r, i, v);
+        }
       }
     }
     for (int64_t c = 0; c < units; c += 32 * kUnits) {
@@ -549,8 +585,9 @@ __global__ void __launch_bounds__(kThreads)
 // in ascending k, one rounding to the row dtype); each dot sums a lane's units in ascending
 // order, then a fixed shuffle tree (and the warps in order): deterministic, not the block
 // kernel's order. kDots false: the plain reduce in the same form (no g, no dots; the sums are
-// the same bits).
-template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit, bool kDots = true>
+// the same bits). kOut false: the dots alone (row_dots, wgrad, a block a token: `out` gives only
+// the rows and their width; nothing is written to it).
+template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit, bool kDots = true, bool kOut = true>
 __global__ void __launch_bounds__(kThreads)
     reduce_dots_warp_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
                             FloatOutArg dots) {
@@ -608,13 +645,15 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int q = 0; q < kMaxK; ++q) {
         if (q >= top_k || row[q] < 0) continue;
-        float f[U::N];
-        U::to_float(v[q][j], f);
+        if constexpr (kOut) {
+          float f[U::N];
+          U::to_float(v[q][j], f);
 #pragma unroll
-        for (int i = 0; i < U::N; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk[q], f[i]));
+          for (int i = 0; i < U::N; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wk[q], f[i]));
+        }
         if constexpr (kDots) partial[q] += U::dot(v[q][j], gv[j]);
       }
-      U::store(dst, u, U::from_float(acc));
+      if constexpr (kOut) U::store(dst, u, U::from_float(acc));
     }
   }
   if constexpr (kDots) {  // the dots: lane sums, then the warps (kSplit 8) in order
@@ -867,9 +906,12 @@ struct SpreadWarp {
     static constexpr auto fn = spread_warp_kernel<T, kVec, kScales, kUnits>;
   };
 };
-template <typename T, bool kVec>
-struct ScaledSpreadTag {
-  static constexpr auto fn = spread_kernel<T, kVec, true, false>;
+template <bool kFlat>
+struct ScaledSpread {
+  template <typename T, bool kVec>
+  struct Tag {
+    static constexpr auto fn = spread_kernel<T, kVec, true, false, 1, kFlat>;
+  };
 };
 // Reduce: kUnits 16-byte units per thread and chunk, kBatch source rows
 // loaded before the first add. Measured on the H200 (bf16, combine): top-2
@@ -883,11 +925,11 @@ struct ReduceShape {
     static constexpr auto fn = reduce_kernel<T, kVec, kDots, kUnits, kBatch>;
   };
 };
-template <int kMaxK, int kUnits, int kSplit, bool kDots = true>
+template <int kMaxK, int kUnits, int kSplit, bool kDots = true, bool kOut = true>
 struct ReduceDotsWarp {
   template <typename T, bool kVec>
   struct Tag {
-    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits, kSplit, kDots>;
+    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits, kSplit, kDots, kOut>;
   };
 };
 template <typename T, bool kVec>
@@ -1200,7 +1242,14 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
     }
     return;
   }
-  if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);  // never with dots
+  if (scales != nullptr) {  // never with dots
+    static const bool flat = [] {
+      const char* v = std::getenv("PADMOE_CUDA_SCALE_FLAT");
+      return v != nullptr && std::atoi(v) == 1;
+    }();
+    if (flat) pick<ScaledSpread<true>::Tag>(x.dtype, vec, launch);
+    else pick<ScaledSpread<false>::Tag>(x.dtype, vec, launch);
+  }
   else if (dots.data != nullptr) {
     switch (dot_batch()) {
       case 2: pick<SpreadDots<2>::Tag>(x.dtype, vec, launch); break;
@@ -1265,11 +1314,47 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
   }
 }
 
+// row_dots' kernel: 0 a warp an assignment (dots_warp_kernel), 1 a block a token in the reduce
+// warp kernel's form with the dots alone (every source row's unit and g's loaded before the first
+// product, one barrier at the end), 2 the same with two units a lane at a time (1's bits).
+// PADMOE_CUDA_ROW_DOTS=0..2 (read once) or set_row_dots (tests); unset: 0. set_dot_kernels(0) /
+// PADMOE_CUDA_DOTS=0 still select the block kernel (dots_kernel) over all of these.
+namespace {
+std::atomic<int> g_row_dots{-2};  // -2: not set by set_row_dots
+int row_dots_kernel(int top_k) {
+  int v = g_row_dots.load(std::memory_order_relaxed);
+  if (v == -2) {
+    static const int env = [] {
+      const char* e = std::getenv("PADMOE_CUDA_ROW_DOTS");
+      const int n = e != nullptr ? std::atoi(e) : -1;
+      return e != nullptr && n >= 0 && n <= 2 ? n : -1;
+    }();
+    v = env;
+  }
+  if (v < 0) v = 0;
+  return top_k <= kWarpReduceK ? v : 0;
+}
+}  // namespace
+
+void set_row_dots(int mode) { g_row_dots.store(mode < -1 || mode > 2 ? -1 : mode, std::memory_order_relaxed); }
+
 void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest, int64_t assignments,
               FloatOutArg out, void* stream) {
   const int64_t tokens = assignments / top_k;
   if (tokens == 0) return;
   const bool vec = rows_vectorizable(y) && rows_vectorizable(g);
+  const int token_kernel = warp_row_dots() ? row_dots_kernel(top_k) : 0;
+  if (token_kernel > 0) {  // a block a token: `shape` carries the rows and width, no data
+    const RowsArg shape{nullptr, tokens, g.cols, 0, g.dtype};
+    auto launch = [&](auto tag) {
+      using Tag = decltype(tag);
+      launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream),
+          y, top_k, dest, ScaleArg{}, shape, g, out);
+    };
+    if (token_kernel == 2) pick<ReduceDotsWarp<kWarpReduceK, 2, kThreads / 32, true, false>::Tag>(y.dtype, vec, launch);
+    else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, true, false>::Tag>(y.dtype, vec, launch);
+    return;
+  }
   // A warp an assignment (the default), or a block a token (set_dot_kernels(0), PADMOE_CUDA_DOTS=0).
   if (warp_row_dots()) {
     const int64_t blocks = index::ceil_div(assignments, kThreads / 32);

@@ -597,15 +597,17 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
     cl.padded_total = ctot;
     padmoe::make_plan_out(hte, c.E, c.m, cpu.view(), cl, po);
     // plan paths: split, the default, fused on 1 and 3 blocks; the fused one also with either key
-    // search forced; the small one (one chunk) on 16 and 64 blocks as well as the default 32
-    struct Path { int mode, match, small; };
+    // search forced and with its block counts unpacked; the small one (one chunk) on 16 and 64
+    // blocks as well as the default 32
+    struct Path { int mode, match, small, packed = -1; };
     for (const Path pm : {Path{-1, -1, -1}, {0, -1, -1}, {0, 0, -1}, {0, 1, -1}, {1, -1, -1}, {3, -1, -1},
-                          {0, -1, 16}, {0, -1, 64}}) {
+                          {0, -1, 16}, {0, -1, 64}, {0, -1, -1, 0}, {3, -1, -1, 0}}) {
       const int mode = pm.mode;
       SCOPED_TRACE("T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " E=" + std::to_string(c.E) +
                    " m=" + std::to_string(c.m) + " global=" + std::to_string(c.global) +
                    " mode=" + std::to_string(mode) + " match=" + std::to_string(pm.match) +
-                   " small=" + std::to_string(pm.small));
+                   " small=" + std::to_string(pm.small) + " packed=" + std::to_string(pm.packed));
+      padmoe::cuda::set_plan_packed(pm.packed);
       padmoe::cuda::set_plan_kernel(mode);
       padmoe::cuda::set_plan_match(pm.match);
       padmoe::cuda::set_plan_small(pm.small);
@@ -631,6 +633,7 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
     padmoe::cuda::set_plan_kernel(0);
     padmoe::cuda::set_plan_match(-1);
     padmoe::cuda::set_plan_small(-1);
+    padmoe::cuda::set_plan_packed(-1);
   }
   // the CPU plan itself against the reference on one case (the others: CpuVsGpu)
   const std::vector<int64_t> te = make_routing(2049, 1, 16, Dist::kSkewed, 2065);
@@ -789,6 +792,55 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
     }
   }
   padmoe::cuda::set_dot_kernels(-1);
+}
+
+// row_dots' kernels (set_row_dots: 0 a warp an assignment, 1 a block a token with every source
+// row's unit loaded together, 2 the same two units a lane at a time) against the reference on the
+// CPU-vs-GPU workloads (wgrad among the ops), then wgrad at a decode-like shape against float64
+// sums, twice, bitwise; 2 must give 1's bits.
+TEST(RowDots, EveryKernelMatchesReferenceAndRepeats) {
+  REQUIRE_GPU();
+  const std::vector<std::string> names = {"tiny", "empty_T", "empty_H", "skewed", "topk1", "topk8", "H3",
+                                          "H4097", "H4096_vec", "mb_T1024_H768_E64_K4", "only_last_expert"};
+  const int64_t T = 260, H = 7168;
+  const int K = 8, E = 64, m = 16;
+  const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 17);
+  const Tensor dte = to_gpu(index_matrix(te, T, K, DType::kInt32));
+  const padmoe::Plan plan = padmoe::make_plan(dte, E, m);
+  const padmoe::PlanView v = plan.view();
+  const int64_t P = padmoe::padded_rows(v);
+  Rng rng(23);
+  const Tensor dx = to_gpu(rows_from_float(random_values(T * H, DType::kBFloat16, rng), DType::kBFloat16, T, H));
+  const Tensor dy = to_gpu(rows_from_float(random_values(P * H, DType::kBFloat16, rng), DType::kBFloat16, P, H));
+  const std::vector<float> yv = rows_to_float(to_cpu(dy)), xv = rows_to_float(to_cpu(dx));
+  const Tensor dest = to_cpu(v.dest_rows);
+  const int32_t* d = static_cast<const int32_t*>(dest.data());
+  Tensor mode1;
+  for (int mode : {0, 1, 2}) {
+    SCOPED_TRACE("row dots " + std::to_string(mode));
+    padmoe::cuda::set_row_dots(mode);
+    for (const Workload& wl : workloads()) {
+      if (std::find(names.begin(), names.end(), wl.name) == names.end()) continue;
+      for (const Combo& cb : combos_of(wl.name == "H3" || wl.name == "topk8" ? 0 : 1)) run_cpu_vs_gpu(wl, cb, 13);
+    }
+    auto run = [&] { return to_cpu(padmoe::padded_scatter_wgrad(dy, dx, v.indices, v.bin_ids, v.bins, v.padded_bins, K)); };
+    const Tensor first = run(), second = run();
+    EXPECT_TRUE(all_same(first, second)) << "wgrad twice";
+    if (mode == 1) mode1 = first;
+    if (mode == 2) EXPECT_TRUE(all_same(mode1, first)) << "mode 1 vs 2";
+    const std::vector<float> got = vec_to_float(first);
+    ASSERT_EQ(got.size(), static_cast<size_t>(T * K));
+    for (int64_t a = 0; a < T * K; ++a) {
+      double want = 0.0, scale = 0.0;
+      for (int64_t h = 0; h < H; ++h) {
+        const double p = static_cast<double>(yv[d[a] * H + h]) * xv[(a / K) * H + h];
+        want += p;
+        scale += std::fabs(p);
+      }
+      ASSERT_NEAR(got[a], want, 1e-5 * (1.0 + scale) + std::fabs(want) / 256.0) << "assignment " << a;
+    }
+  }
+  padmoe::cuda::set_row_dots(-1);
 }
 
 // Every shape of the plain reduce (combine, padded_scatter, the unweighted backward ops): the
