@@ -121,8 +121,8 @@ void set_plan_match(int mode);
 // fused kernel instead, 16, 32 or 64 its blocks, -1 the default (32).
 void set_plan_small(int blocks);
 // The fused plan's per-block counts (tests; overrides PADMOE_CUDA_PLAN_PACKED): -1 the default
-// (16-bit pairs where a block's counts fit, up to 31 chunks a block), 0 one int an expert. Same
-// results either way.
+// (16-bit pairs where a block's counts fit, up to 31 chunks a block, for E >= 64), 1 pairs
+// wherever they fit, 0 one int an expert. Same results every way.
 void set_plan_packed(int mode);
 // Fixed capacity C (one launch): `out` (segments exactly C rows, P = E * C) and
 // the given layouts from `full`, a plan of the same routing at alignment 1
@@ -170,9 +170,9 @@ void set_spread_warp(int units);
 // top_k <= 8; above, the block kernel).
 void set_dot_kernels(int mode);
 // row_dots (padded_scatter_wgrad) for top_k <= 8 (tests, benchmarks; overrides PADMOE_CUDA_ROW_DOTS):
-// 0 a warp an assignment, 1 a block a token with every source row's unit loaded together, 2 the
-// same with two units a lane at a time (1's bits); -1 back to the default (0). Above top_k 8, and
-// under set_dot_kernels(0), as before.
+// 0 a warp an assignment, 1 a block a token with every source row's unit loaded together; -1 back
+// to the default (1 for top_k > 2, else 0). Above top_k 8, and under set_dot_kernels(0), the
+// warp / block kernels as before.
 void set_row_dots(int mode);
 // The plain reduce's shape (tests, benchmarks; overrides PADMOE_CUDA_REDUCE_SHAPE): -1 chosen by
 // shape (the default: for top_k <= 8 a block a token in the warp kernel's form, with two units a

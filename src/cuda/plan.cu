@@ -912,17 +912,20 @@ int plan_small_shift() {
 }
 
 // The fused plan's per-block counts as 16-bit pairs (a block's counts below 2^16: at most 31
-// chunks a block): -1 the default (on where they fit), 0 off. PADMOE_CUDA_PLAN_PACKED=0 (read
-// once) or set_plan_packed (tests).
+// chunks a block): -1 the default (on where they fit, for E >= 64), 0 off. PADMOE_CUDA_PLAN_PACKED=0
+// (read once) or set_plan_packed (tests). Measured on the H200 (2026-12-03, graph us, packed
+// against not): deepseek-v3 10.7-10.8 / 11.1-11.3, qwen3-30b-a3b (E = 128) 9.6 / 10.0,
+// mixtral-8x7b (E = 8) 7.3 / 7.1, hence E >= 64 (nothing between 8 and 128 measured).
 std::atomic<int> g_plan_packed{-2};  // -2: not set by set_plan_packed
-bool plan_packed(int chunks_per_block) {
+bool plan_packed(int chunks_per_block, int num_experts) {
   static const int env = [] {
     const char* v = std::getenv("PADMOE_CUDA_PLAN_PACKED");
     return v != nullptr && std::atoi(v) == 0 ? 0 : -1;
   }();
   const int set = g_plan_packed.load(std::memory_order_relaxed);
   const int mode = set != -2 ? set : env;
-  return mode != 0 && static_cast<int64_t>(chunks_per_block) * kChunk <= 0xffff;
+  if (mode == 0 || static_cast<int64_t>(chunks_per_block) * kChunk > 0xffff) return false;
+  return set == 1 || num_experts >= 64;
 }
 
 int plan_mode() {
@@ -1105,7 +1108,7 @@ void set_plan_small(int blocks) {
   g_plan_small.store(blocks < 0 ? -2 : small_shift_of(blocks), std::memory_order_relaxed);
 }
 
-void set_plan_packed(int mode) { g_plan_packed.store(mode == 0 ? 0 : -1, std::memory_order_relaxed); }
+void set_plan_packed(int mode) { g_plan_packed.store(mode == 0 || mode == 1 ? mode : -2, std::memory_order_relaxed); }
 
 void set_plan_kernel(int mode) { g_plan_mode.store(mode < -1 ? -1 : mode, std::memory_order_relaxed); }
 
@@ -1173,7 +1176,7 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     int n_chunks = chunks, n_experts = num_experts, align = alignment;
     int32_t pad_src = padding_source;
     int64_t capacity = row_capacity;
-    int packed = plan_packed(per_block) ? 1 : 0;
+    int packed = plan_packed(per_block, num_experts) ? 1 : 0;
     auto* fused = plan_ballot(num_experts) ? plan_fused_kernel<true> : plan_fused_kernel<false>;
     if (distinct == 1) {  // no grid barrier: an ordinary launch
       launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,

@@ -246,11 +246,11 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
 // block (the plain instantiation has none of it).
 // kDots: the dots_with rows are read and dotted (a template parameter, so the plain
 // moves keep a lean kernel: the batched dot loads cost registers).
-// kFlatScales (measurements, PADMOE_CUDA_SCALE_FLAT=1): the scale rows moved flattened over
-// (assignment, entry) after the destinations are staged, a load then a store each, as before
-// 2026-12-03; else thread i loads entry i of the token's scale row with its first data loads and
-// stores it to the K destinations once they are staged.
-template <typename T, bool kVec, bool kScales, bool kDots, int kDotBatch = 1, bool kFlatScales = false>
+// kScales: thread i loads entry i of the token's scale row with its first data loads and stores
+// it to the K destinations once they are staged (measured on the H200, 2026-12-03: decode
+// dispatch(fp8+scales) 12.9 -> 12.4 us in a graph against the scale rows moved flattened over
+// (assignment, entry) after the staging, a load then a store each; deepseek-v3 unchanged).
+template <typename T, bool kVec, bool kScales, bool kDots, int kDotBatch = 1>
 __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  // dots: 3 blocks an SM (85 registers)
     spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
                   bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots, ScaleRowsArg sc,
@@ -285,17 +285,12 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
     }
   };
   load_chunk(u0);  // issued before the destinations are staged: the two loads overlap
-  const bool own_scale = kScales && !kFlatScales && slice == 0 && threadIdx.x < sc.cols;
+  const bool own_scale = kScales && slice == 0 && threadIdx.x < sc.cols;
   const uint32_t my_scale = own_scale ? load_scale_entry(sc, t, threadIdx.x) : 0u;
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
     const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
     stage_group(t, k0, nk, top_k, dest, w, y.rows, want_dots, s_dest, s_w, s_part);
-    if (kScales && kFlatScales && slice == 0) {  // this group's scale rows, flattened over (assignment, entry)
-      for (int64_t i = threadIdx.x; i < nk * sc.cols; i += kThreads) {
-        const int64_t r = s_dest[i / sc.cols];
-        if (r >= 0) move_scale_entry(sc, r, t, i % sc.cols);
-      }
-    } else if (kScales && slice == 0) {  // entry i by thread i (entries past kThreads: a load each)
+    if (kScales && slice == 0) {  // entry i by thread i (entries past kThreads: a load each)
       if (own_scale) {
         for (int q = 0; q < nk; ++q) {
           const int64_t r = s_dest[q];
@@ -906,12 +901,9 @@ struct SpreadWarp {
     static constexpr auto fn = spread_warp_kernel<T, kVec, kScales, kUnits>;
   };
 };
-template <bool kFlat>
-struct ScaledSpread {
-  template <typename T, bool kVec>
-  struct Tag {
-    static constexpr auto fn = spread_kernel<T, kVec, true, false, 1, kFlat>;
-  };
+template <typename T, bool kVec>
+struct ScaledSpreadTag {
+  static constexpr auto fn = spread_kernel<T, kVec, true, false>;
 };
 // Reduce: kUnits 16-byte units per thread and chunk, kBatch source rows
 // loaded before the first add. Measured on the H200 (bf16, combine): top-2
@@ -1242,14 +1234,7 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
     }
     return;
   }
-  if (scales != nullptr) {  // never with dots
-    static const bool flat = [] {
-      const char* v = std::getenv("PADMOE_CUDA_SCALE_FLAT");
-      return v != nullptr && std::atoi(v) == 1;
-    }();
-    if (flat) pick<ScaledSpread<true>::Tag>(x.dtype, vec, launch);
-    else pick<ScaledSpread<false>::Tag>(x.dtype, vec, launch);
-  }
+  if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);  // never with dots
   else if (dots.data != nullptr) {
     switch (dot_batch()) {
       case 2: pick<SpreadDots<2>::Tag>(x.dtype, vec, launch); break;
@@ -1316,9 +1301,12 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
 
 // row_dots' kernel: 0 a warp an assignment (dots_warp_kernel), 1 a block a token in the reduce
 // warp kernel's form with the dots alone (every source row's unit and g's loaded before the first
-// product, one barrier at the end), 2 the same with two units a lane at a time (1's bits).
-// PADMOE_CUDA_ROW_DOTS=0..2 (read once) or set_row_dots (tests); unset: 0. set_dot_kernels(0) /
-// PADMOE_CUDA_DOTS=0 still select the block kernel (dots_kernel) over all of these.
+// product, one barrier at the end; top_k <= 8). PADMOE_CUDA_ROW_DOTS=0|1 (read once) or
+// set_row_dots (tests); unset: 1 for 2 < top_k <= 8, else 0. Measured on the H200 (2026-12-03,
+// padded_scatter_wgrad, graph, x floor, 0 against 1): decode 1.42 / 1.34, qwen3-30b-a3b 1.01 / 0.98,
+// deepseek-v3 0.94 / 0.93, mixtral-8x7b (top-2) 1.00 / 1.22; two units a lane at a time lost
+// everywhere (decode 1.42, deepseek-v3 0.96) and is gone. set_dot_kernels(0) / PADMOE_CUDA_DOTS=0
+// still select the block kernel (dots_kernel) over both.
 namespace {
 std::atomic<int> g_row_dots{-2};  // -2: not set by set_row_dots
 int row_dots_kernel(int top_k) {
@@ -1327,16 +1315,16 @@ int row_dots_kernel(int top_k) {
     static const int env = [] {
       const char* e = std::getenv("PADMOE_CUDA_ROW_DOTS");
       const int n = e != nullptr ? std::atoi(e) : -1;
-      return e != nullptr && n >= 0 && n <= 2 ? n : -1;
+      return e != nullptr && (n == 0 || n == 1) ? n : -1;
     }();
     v = env;
   }
-  if (v < 0) v = 0;
+  if (v < 0) v = top_k > 2 ? 1 : 0;
   return top_k <= kWarpReduceK ? v : 0;
 }
 }  // namespace
 
-void set_row_dots(int mode) { g_row_dots.store(mode < -1 || mode > 2 ? -1 : mode, std::memory_order_relaxed); }
+void set_row_dots(int mode) { g_row_dots.store(mode == 0 || mode == 1 ? mode : -2, std::memory_order_relaxed); }
 
 void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest, int64_t assignments,
               FloatOutArg out, void* stream) {
@@ -1351,8 +1339,7 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
       launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream),
           y, top_k, dest, ScaleArg{}, shape, g, out);
     };
-    if (token_kernel == 2) pick<ReduceDotsWarp<kWarpReduceK, 2, kThreads / 32, true, false>::Tag>(y.dtype, vec, launch);
-    else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, true, false>::Tag>(y.dtype, vec, launch);
+    pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, true, false>::Tag>(y.dtype, vec, launch);
     return;
   }
   // A warp an assignment (the default), or a block a token (set_dot_kernels(0), PADMOE_CUDA_DOTS=0).
