@@ -43,9 +43,11 @@ struct Routed {
   int64_t rows_limit = -1;  // smallest rows of a padded tensor, -1: none
   const char* rows_limit_name = "y";
   cuda::PaddingRef padding;
-  TensorView indices, bin_ids;  // sorted form (dest_rows built from these)
+  TensorView indices, bin_ids;  // sorted form (dest_rows built from these, or searched)
   const PlanView* plan = nullptr;
   std::shared_ptr<cuda::Scratch> scratch;
+  cuda::DestArg search;  // the sorted form searched by the row kernels (search.indices set), else dest_rows
+  cuda::DestArg dest() const { return search.indices.data != nullptr ? search : cuda::DestArg(dest_rows); }
 };
 
 // MegaBlocks arguments. `device` is the row tensors' device.
@@ -116,6 +118,16 @@ void prepare(const Checker& c, Routed& r, const Options& o) {
                                             r.padding.num_experts, r.rows_limit, scratch.get(), o.stream);
     detail::raise_violation(c, v, detail::ViolationNames{"bin_ids", r.assignments, r.rows_limit_name});
   }
+  if (r.plan == nullptr && r.assignments > 0 && cuda::dest_search_fits(r.assignments, r.padding.num_experts, r.top_k)) {
+    // small A: each row kernel's block finds its own rows in the sorted form (no dest_rows launch)
+    r.search.indices = cuda::IndexRef::of(r.indices);
+    r.search.bin_ids = cuda::IndexRef::of(r.bin_ids);
+    r.search.bins = r.padding.bins;
+    r.search.padded_bins = r.padding.padded_bins;
+    r.search.num_experts = r.padding.num_experts;
+    r.search.assignments = r.assignments;
+    return;
+  }
   if (r.plan == nullptr) {
     r.scratch = std::make_shared<cuda::Scratch>(o, static_cast<size_t>(r.assignments) * 4, r.device_index);
     int32_t* dest = static_cast<int32_t*>(r.scratch->get());
@@ -173,7 +185,7 @@ void run_spread(const Routed& r, const TensorView& x, const std::optional<Tensor
     const cuda::RowsArg with = dots_with ? rows_arg(*dots_with) : cuda::RowsArg{};
     const cuda::ScaleRowsArg sc =
         scales ? detail::cuda_scale_rows(scales->src, scales->dst, scales->spec) : cuda::ScaleRowsArg{};
-    cuda::spread_rows(rows_arg(x), r.top_k, r.dest_rows, scale_arg(w), rows_arg(y), r.padding, zero_padding,
+    cuda::spread_rows(rows_arg(x), r.top_k, r.dest(), scale_arg(w), rows_arg(y), r.padding, zero_padding,
                       o.zero_tail, dots_with ? &with : nullptr,
                       dots ? cuda::FloatOutArg{dots->data, dots->dtype} : cuda::FloatOutArg{}, o.stream,
                       scales ? &sc : nullptr);
@@ -189,7 +201,7 @@ void run_spread(const Routed& r, const TensorView& x, const std::optional<Tensor
 void run_reduce(const Routed& r, const TensorView& y, const std::optional<TensorView>& w, const TensorView& out,
                 const Options& o) {
   if (r.on_cuda) {
-    cuda::reduce_rows(rows_arg(y), r.top_k, r.dest_rows, scale_arg(w), rows_arg(out), nullptr, cuda::FloatOutArg{},
+    cuda::reduce_rows(rows_arg(y), r.top_k, r.dest(), scale_arg(w), rows_arg(out), nullptr, cuda::FloatOutArg{},
                       o.stream);
     return;
   }
@@ -199,7 +211,7 @@ void run_reduce(const Routed& r, const TensorView& y, const std::optional<Tensor
 
 void run_dots(const Routed& r, const TensorView& y, const TensorView& g, const TensorView& out, const Options& o) {
   if (r.on_cuda) {
-    cuda::row_dots(rows_arg(y), rows_arg(g), r.top_k, r.dest_rows, r.assignments,
+    cuda::row_dots(rows_arg(y), rows_arg(g), r.top_k, r.dest(), r.assignments,
                    cuda::FloatOutArg{out.data, out.dtype}, o.stream);
     return;
   }
@@ -407,7 +419,7 @@ void run_spread_backward(const Routed& r, const TensorView& grad_y, const Tensor
                          const TensorView* grad_weights, const Options& o) {
   if (r.on_cuda) {  // one pass over grad_y: the sum and the dot products together
     const cuda::RowsArg xr = rows_arg(x);
-    cuda::reduce_rows(rows_arg(grad_y), r.top_k, r.dest_rows, scale_arg(weights), rows_arg(grad_x),
+    cuda::reduce_rows(rows_arg(grad_y), r.top_k, r.dest(), scale_arg(weights), rows_arg(grad_x),
                       grad_weights ? &xr : nullptr,
                       grad_weights ? cuda::FloatOutArg{grad_weights->data, grad_weights->dtype} : cuda::FloatOutArg{},
                       o.stream);

@@ -76,6 +76,14 @@ __device__ __forceinline__ int64_t load_index(const IndexRef& r, int64_t i) {
   return r.wide ? static_cast<const int64_t*>(r.data)[i] : static_cast<int64_t>(static_cast<const int32_t*>(r.data)[i]);
 }
 
+// Entry i as an int, for arrays whose valid values are small non-negative ints: a wide entry
+// outside [0, 2^31) reads as -1 (out of range for every such use).
+__device__ __forceinline__ int load_index32(const IndexRef& r, int i) {
+  if (!r.wide) return static_cast<const int32_t*>(r.data)[i];
+  const int64_t v = static_cast<const int64_t*>(r.data)[i];
+  return v >= 0 && v <= 0x7fffffff ? static_cast<int>(v) : -1;
+}
+
 // Element traits: storage type, load as float, store from float (round to nearest even).
 struct F32 {
   using S = float;

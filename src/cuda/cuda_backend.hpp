@@ -186,23 +186,42 @@ void set_reduce_shape(int shape);
 // default on sm_90 and up), 0 off, -1 back to the default. Every kernel waits for the one
 // before it (griddepcontrol.wait) before its first memory access, so results do not change.
 void set_pdl(int mode);
+// Where the row kernels find assignment a's destination row: rows[a] (dest_rows, from a plan or
+// built by build_dest_rows), or, with rows null, by a search of the sorted form (MegaBlocks'
+// indices / bin_ids / bins / padded_bins): each block reads the whole of indices and bin_ids for
+// its own assignments, which saves the build_dest_rows launch (and its scratch) where A is small
+// (dest_search_fits). Entries of bad unchecked input (an assignment id or expert out of range)
+// are skipped, as build_dest_rows skips them.
+struct DestArg {
+  const int32_t* rows = nullptr;
+  IndexRef indices, bin_ids, bins, padded_bins;
+  int num_experts = 0;
+  int64_t assignments = 0;
+  DestArg() = default;
+  DestArg(const int32_t* dest_rows) : rows(dest_rows) {}  // NOLINT(google-explicit-constructor)
+};
+// Whether the row kernels may search the sorted form instead of a dest_rows array: A <= 4096,
+// E <= 256, top_k <= 8 (PADMOE_CUDA_DEST_SEARCH=0, read once, or set_dest_search(0) turns it off;
+// set_dest_search(-1) back to the default).
+bool dest_search_fits(int64_t assignments, int num_experts, int top_k);
+void set_dest_search(int mode);
 // y[dest[a]] = x[a/K] * w(a) for dest >= 0; rows < P that are padding are zeroed,
 // and rows in [P, y.rows) too when zero_past_end (allocating forms). When
 // dots_with is given: dots[a] = <dots_with[dest[a]], x[a/K]> from the same read.
 // zero_padding false: padding rows below P are left unwritten.
 // scales: each row's scale row moves with it in the same block (zeroed rows
 // get scale 1); without scales the kernels are the plain ones.
-void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
+void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, const RowsArg& y,
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
                  FloatOutArg dots, void* stream, const ScaleRowsArg* scales = nullptr);
 
 // out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]], float32, dest < 0 skipped.
 // When dots_with is given: dots[a] = <y[dest[a]], dots_with[a/K]> from the same reads of y.
-void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& out,
+void reduce_rows(const RowsArg& y, int top_k, const DestArg& dest, ScaleArg w, const RowsArg& out,
                  const RowsArg* dots_with, FloatOutArg dots, void* stream);
 
 // out[a] = <y[dest[a]], g[a/K]> (0 where dest < 0).
-void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest, int64_t assignments,
+void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest, int64_t assignments,
               FloatOutArg out, void* stream);
 
 // out[r] = src[map[r]] * s(scale index) or zero for map[r] < 0, r < rows;

@@ -32,6 +32,8 @@ void set_slice_blocks(int) {}
 void set_spread_warp(int) {}
 void set_dot_kernels(int) {}
 void set_row_dots(int) {}
+void set_dest_search(int) {}
+bool dest_search_fits(int64_t, int, int) { return false; }
 void set_reduce_shape(int) {}
 void set_pdl(int) {}
 void set_plan_match(int) {}
@@ -44,14 +46,14 @@ void apply_capacity(const PlanView&, int64_t, ScaleArg, int64_t, bool, int, cons
 void build_dest_rows(IndexRef, IndexRef, IndexRef, IndexRef, int64_t, int, int32_t*, void*) {
   unavailable("build_dest_rows");
 }
-void spread_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, const PaddingRef&, bool, bool,
+void spread_rows(const RowsArg&, int, const DestArg&, ScaleArg, const RowsArg&, const PaddingRef&, bool, bool,
                  const RowsArg*, FloatOutArg, void*, const ScaleRowsArg*) {
   unavailable("spread_rows");
 }
-void reduce_rows(const RowsArg&, int, const int32_t*, ScaleArg, const RowsArg&, const RowsArg*, FloatOutArg, void*) {
+void reduce_rows(const RowsArg&, int, const DestArg&, ScaleArg, const RowsArg&, const RowsArg*, FloatOutArg, void*) {
   unavailable("reduce_rows");
 }
-void row_dots(const RowsArg&, const RowsArg&, int, const int32_t*, int64_t, FloatOutArg, void*) {
+void row_dots(const RowsArg&, const RowsArg&, int, const DestArg&, int64_t, FloatOutArg, void*) {
   unavailable("row_dots");
 }
 void gather_rows(const RowsArg&, IndexRef, ScaleArg, bool, const RowsArg&, int64_t, const int32_t*, void*, bool,

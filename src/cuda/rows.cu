@@ -95,18 +95,63 @@ __device__ float block_sum(float v, float* s_warp) {
 constexpr int kGroupK = 64;      // assignments of a token staged in shared memory at a time
 constexpr int kZeroRows = 32;    // rows per zero block (4 at small T: see spread_rows)
 
+// The search form of DestArg (rows null): s_out[q] = the destination row of assignment a0 + q, for
+// q < n, or -1 (absent, or outside the `rows` rows given). The block stages bins and padded_bins
+// (E <= kSearchExperts) and reads every entry of indices and bin_ids, kSearchItems a thread in
+// flight (A <= kSearchAssignments: at most two rounds); an entry names its assignment once in a
+// valid sorted form, and entries out of range (bad unchecked input) are skipped. Every thread of
+// the block calls it, the same n; it ends with a barrier.
+constexpr int kSearchAssignments = 4096;
+constexpr int kSearchExperts = 256;
+constexpr int kSearchItems = 8;
+template <typename Out>
+__device__ void search_dest_rows(const DestArg& d, int64_t a0, int n, int64_t rows, Out* s_out) {
+  __shared__ int32_t s_bins[kSearchExperts], s_pbins[kSearchExperts];
+  const int E = d.num_experts;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    s_bins[e] = static_cast<int32_t>(load_index(d.bins, e));
+    s_pbins[e] = static_cast<int32_t>(load_index(d.padded_bins, e));
+  }
+  for (int q = threadIdx.x; q < n; q += blockDim.x) s_out[q] = -1;
+  // 32-bit positions and values (A <= kSearchAssignments): a value is kept as its low word, and a
+  // wide entry outside int32 reads as out of range
+  const int A = static_cast<int>(d.assignments), lo = static_cast<int>(a0);
+  for (int base = 0; base < A; base += static_cast<int>(blockDim.x) * kSearchItems) {
+    int a[kSearchItems], e[kSearchItems];
+#pragma unroll
+    for (int j = 0; j < kSearchItems; ++j) {  // loads first
+      const int i = base + j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+      a[j] = i < A ? load_index32(d.indices, i) : -1;
+      e[j] = i < A ? load_index32(d.bin_ids, i) : -1;
+    }
+    __syncthreads();  // s_bins staged, s_out cleared
+#pragma unroll
+    for (int j = 0; j < kSearchItems; ++j) {
+      const int i = base + j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+      if (a[j] < lo || a[j] - lo >= n || e[j] < 0 || e[j] >= E) continue;
+      const int r = i - (e[j] == 0 ? 0 : s_bins[e[j] - 1]) + (e[j] == 0 ? 0 : s_pbins[e[j] - 1]);
+      s_out[a[j] - lo] = r < 0 || r >= rows ? -1 : static_cast<Out>(r);
+    }
+  }
+  __syncthreads();
+}
+
 // Stages assignments [k0, k0 + nk) of token t: their destination rows (-1 when
 // dropped, or outside the `rows` rows given: only with unchecked bad input) and
 // weights, and clears each warp's dot partials. All threads call it.
-template <int kWarpRows>
-__device__ void stage_group(int64_t t, int k0, int nk, int top_k, const int32_t* __restrict__ dest, const ScaleArg& w,
-                            int64_t rows, bool want_dots, int64_t* s_dest, float* s_w,
-                            float (*s_part)[kWarpRows]) {
+// kSearch: the rows by search_dest_rows over *search (the sorted form), else dest[a].
+template <int kWarpRows, bool kSearch = false>
+__device__ void stage_group(int64_t t, int k0, int nk, int top_k, const int32_t* __restrict__ dest,
+                            const DestArg* search, const ScaleArg& w, int64_t rows, bool want_dots, int64_t* s_dest,
+                            float* s_w, float (*s_part)[kWarpRows]) {
   __syncthreads();  // the previous group is done with the staging arrays
+  if constexpr (kSearch) search_dest_rows(*search, index::assignment_id(t, k0, top_k), nk, rows, s_dest);
   for (int q = threadIdx.x; q < nk; q += kThreads) {
     const int64_t a = index::assignment_id(t, k0 + q, top_k);
-    const int64_t r = dest[a];
-    s_dest[q] = (r < 0 || r >= rows) ? -1 : r;
+    if constexpr (!kSearch) {
+      const int64_t r = dest[a];
+      s_dest[q] = (r < 0 || r >= rows) ? -1 : r;
+    }
     s_w[q] = load_scale(w, a);
   }
   for (int q = threadIdx.x % 32; want_dots && q < nk; q += 32) s_part[threadIdx.x / 32][q] = 0.0f;
@@ -250,9 +295,10 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
 // it to the K destinations once they are staged (measured on the H200, 2026-12-03: decode
 // dispatch(fp8+scales) 12.9 -> 12.4 us in a graph against the scale rows moved flattened over
 // (assignment, entry) after the staging, a load then a store each; deepseek-v3 unchanged).
-template <typename T, bool kVec, bool kScales, bool kDots, int kDotBatch = 1>
+// kSearch: the destinations by a search of dest's sorted form (dest.rows null), else dest.rows.
+template <typename T, bool kVec, bool kScales, bool kDots, int kDotBatch = 1, bool kSearch = false>
 __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  // dots: 3 blocks an SM (85 registers)
-    spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
+    spread_kernel(RowsArg x, int top_k, DestArg dest, ScaleArg w, RowsArg y, PaddingRef pad,
                   bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots, ScaleRowsArg sc,
                   int slices, int64_t slice_units, int zero_rows) {
   pdl_begin();
@@ -289,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
   const uint32_t my_scale = own_scale ? load_scale_entry(sc, t, threadIdx.x) : 0u;
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
     const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
-    stage_group(t, k0, nk, top_k, dest, w, y.rows, want_dots, s_dest, s_w, s_part);
+    stage_group<kGroupK, kSearch>(t, k0, nk, top_k, dest.rows, &dest, w, y.rows, want_dots, s_dest, s_w, s_part);
     if (kScales && slice == 0) {  // entry i by thread i (entries past kThreads: a load each)
       if (own_scale) {
         for (int q = 0; q < nk; ++q) {
@@ -392,9 +438,9 @@ __device__ __forceinline__ float move_row_dot(const char* src, const char* with,
   return partial;
 }
 
-template <typename T, bool kVec, int kMinBlocks, int kUnits>
+template <typename T, bool kVec, int kMinBlocks, int kUnits, bool kSearch = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
-    spread_dots_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y,
+    spread_dots_warp_kernel(RowsArg x, int top_k, DestArg dest, ScaleArg w, RowsArg y,
                             PaddingRef pad, bool zero_padding, bool zero_past_end, RowsArg dots_with,
                             FloatOutArg dots, int64_t assignment_blocks, int zero_rows) {
   pdl_begin();
@@ -405,10 +451,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                                 ScaleRowsArg{});
     return;
   }
-  const int64_t a = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  const int64_t a0 = static_cast<int64_t>(blockIdx.x) * (kThreads / 32);
+  const int64_t a = a0 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  __shared__ int32_t s_found[kSearch ? kThreads / 32 : 1];
+  if constexpr (kSearch) {  // the block's assignments, by a search of the sorted form
+    const int64_t A = x.rows * top_k;
+    search_dest_rows(dest, a0, static_cast<int>(A - a0 < kThreads / 32 ? A - a0 : kThreads / 32), y.rows, s_found);
+  }
   if (a >= x.rows * top_k) return;
-  int64_t r = dest[a];
+  int64_t r = kSearch ? s_found[threadIdx.x / 32] : dest.rows[a];
   if (r >= y.rows) r = -1;  // only with unchecked bad input: as the block kernel, dropped
   float partial = 0.0f;
   if (r >= 0) {
@@ -513,7 +565,7 @@ __global__ void __launch_bounds__(kThreads)
   const char* grow = want_dots ? row_ptr(g, t) : nullptr;
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
     const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
-    stage_group(t, k0, nk, top_k, dest, w, y.rows, want_dots, s_dest, s_w, s_part);
+    stage_group(t, k0, nk, top_k, dest, nullptr, w, y.rows, want_dots, s_dest, s_w, s_part);
     // More than kGroupK assignments (rare): later groups add onto the stored
     // row, which rounds the partial sum to the row dtype once per group.
     for (int64_t c = u0; c < units; c += kReduceChunk) {
@@ -582,9 +634,10 @@ __global__ void __launch_bounds__(kThreads)
 // kernel's order. kDots false: the plain reduce in the same form (no g, no dots; the sums are
 // the same bits). kOut false: the dots alone (row_dots, wgrad, a block a token: `out` gives only
 // the rows and their width; nothing is written to it).
-template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit, bool kDots = true, bool kOut = true>
+template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit, bool kDots = true, bool kOut = true,
+          bool kSearch = false>
 __global__ void __launch_bounds__(kThreads)
-    reduce_dots_warp_kernel(RowsArg y, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg out, RowsArg g,
+    reduce_dots_warp_kernel(RowsArg y, int top_k, DestArg dest, ScaleArg w, RowsArg out, RowsArg g,
                             FloatOutArg dots) {
   pdl_begin();
   static_assert(kSplit == 1 || kSplit == kThreads / 32, "a token's lanes: one warp or the whole block");
@@ -594,12 +647,19 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = kSplit == 1 ? static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + warp : blockIdx.x;
   const int part = kSplit == 1 ? lane : static_cast<int>(threadIdx.x);
+  constexpr int kBlockTokens = kSplit == 1 ? kThreads / 32 : 1;
+  __shared__ int32_t s_found[kSearch ? kBlockTokens * kMaxK : 1];  // the search's rows, the block's tokens in order
+  if constexpr (kSearch) {  // top_k <= kMaxK here (the host's rule)
+    const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kBlockTokens;
+    const int64_t tokens = out.rows - t0 < kBlockTokens ? out.rows - t0 : kBlockTokens;
+    search_dest_rows(dest, t0 * top_k, static_cast<int>(tokens * top_k), y.rows, s_found);
+  }
   if (t >= out.rows) return;  // kSplit 8: uniform in the block
   int my_row = -1;  // lane q < top_k: assignment q's source row (-1 dropped, or outside y)
   float my_w = 0.0f;
   if (lane < top_k) {
     const int64_t a = index::assignment_id(t, lane, top_k);
-    const int64_t r = dest[a];
+    const int64_t r = kSearch ? s_found[(kSplit == 1 ? warp : 0) * top_k + lane] : dest.rows[a];
     my_row = (r < 0 || r >= y.rows) ? -1 : static_cast<int>(r);
     my_w = load_scale(w, a);
   }
@@ -883,11 +943,19 @@ struct SpreadDots {
     static constexpr auto fn = spread_kernel<T, kVec, false, true, kBatch>;
   };
 };
-template <int kMinBlocks, int kUnits>
+template <int kMinBlocks, int kUnits, bool kSearch = false>
 struct SpreadDotsWarp {
   template <typename T, bool kVec>
   struct Tag {
-    static constexpr auto fn = spread_dots_warp_kernel<T, kVec, kMinBlocks, kUnits>;
+    static constexpr auto fn = spread_dots_warp_kernel<T, kVec, kMinBlocks, kUnits, kSearch>;
+  };
+};
+// The search form's spreads (DestArg with rows null): plain, with scale rows, with dots (batch 1).
+template <bool kScales, bool kDots>
+struct SearchSpread {
+  template <typename T, bool kVec>
+  struct Tag {
+    static constexpr auto fn = spread_kernel<T, kVec, kScales, kDots, 1, true>;
   };
 };
 template <typename T, bool kVec>
@@ -917,11 +985,11 @@ struct ReduceShape {
     static constexpr auto fn = reduce_kernel<T, kVec, kDots, kUnits, kBatch>;
   };
 };
-template <int kMaxK, int kUnits, int kSplit, bool kDots = true, bool kOut = true>
+template <int kMaxK, int kUnits, int kSplit, bool kDots = true, bool kOut = true, bool kSearch = false>
 struct ReduceDotsWarp {
   template <typename T, bool kVec>
   struct Tag {
-    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits, kSplit, kDots, kOut>;
+    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits, kSplit, kDots, kOut, kSearch>;
   };
 };
 template <typename T, bool kVec>
@@ -1174,11 +1242,29 @@ int spread_warp_units(int64_t tokens, int64_t units, int top_k) {
 }
 }  // namespace
 
+namespace {
+std::atomic<int> g_dest_search{-2};  // -2: not set by set_dest_search
+}  // namespace
+
+void set_dest_search(int mode) { g_dest_search.store(mode == 0 ? 0 : -2, std::memory_order_relaxed); }
+
+bool dest_search_fits(int64_t assignments, int num_experts, int top_k) {
+  int mode = g_dest_search.load(std::memory_order_relaxed);
+  if (mode == -2) {
+    static const int env = [] {
+      const char* v = std::getenv("PADMOE_CUDA_DEST_SEARCH");
+      return v != nullptr && std::atoi(v) == 0 ? 0 : -1;
+    }();
+    mode = env;
+  }
+  return mode != 0 && assignments <= kSearchAssignments && num_experts <= kSearchExperts && top_k <= kWarpReduceK;
+}
+
 void set_spread_warp(int units) {
   g_spread_warp.store(units == 0 || units == 4 || units == 8 ? units : -1, std::memory_order_relaxed);
 }
 
-void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& y,
+void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, const RowsArg& y,
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
                  FloatOutArg dots, void* stream, const ScaleRowsArg* scales) {
   const int64_t tokens = x.rows;
@@ -1203,6 +1289,25 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
     launch_kernel("spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x, top_k,
         dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc, sl.slices, sl.slice_units, zero_rows);
   };
+  if (dest.rows == nullptr) {  // the search form: the block kernel, or with dots the warp kernel
+    if (dots.data != nullptr && scales == nullptr) {
+      const int64_t assignment_blocks = index::ceil_div(tokens * top_k, kThreads / 32);
+      if (assignment_blocks + zero_blocks == 0) return;
+      pick<SpreadDotsWarp<3, kSpreadDotsWarpUnits, true>::Tag>(x.dtype, vec, [&](auto tag) {
+        using Tag = decltype(tag);
+        launch_kernel("spread_dots_warp_kernel", Tag::fn, static_cast<unsigned>(assignment_blocks + zero_blocks),
+            kThreads, 0, as_stream(stream), x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots,
+            assignment_blocks, zero_rows);
+      });
+    } else if (scales != nullptr) {
+      pick<SearchSpread<true, false>::Tag>(x.dtype, vec, launch);
+    } else if (dots.data != nullptr) {
+      pick<SearchSpread<false, true>::Tag>(x.dtype, vec, launch);
+    } else {
+      pick<SearchSpread<false, false>::Tag>(x.dtype, vec, launch);
+    }
+    return;
+  }
   if (dots.data != nullptr && scales == nullptr && warp_spread_dots()) {
     const int64_t assignment_blocks = index::ceil_div(tokens * top_k, kThreads / 32);
     if (assignment_blocks + zero_blocks == 0) return;  // top_k 0 (never through the API)
@@ -1223,7 +1328,8 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
     auto warp_launch = [&](auto tag) {
       using Tag = decltype(tag);
       launch_kernel("spread_warp_kernel", Tag::fn, static_cast<unsigned>(token_blocks + zero_blocks), kThreads, 0,
-          as_stream(stream), x, top_k, dest, w, y, padding, zero_padding, zero_past_end, sc, token_blocks, zero_rows);
+          as_stream(stream), x, top_k, dest.rows, w, y, padding, zero_padding, zero_past_end, sc, token_blocks,
+          zero_rows);
     };
     if (scales != nullptr) {
       if (warp_units == 4) pick<SpreadWarp<true, 4>::Tag>(x.dtype, vec, warp_launch);
@@ -1245,7 +1351,7 @@ void spread_rows(const RowsArg& x, int top_k, const int32_t* dest, ScaleArg w, c
   else pick<SpreadTag>(x.dtype, vec, launch);
 }
 
-void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, const RowsArg& out,
+void reduce_rows(const RowsArg& y, int top_k, const DestArg& dest, ScaleArg w, const RowsArg& out,
                  const RowsArg* dots_with, FloatOutArg dots, void* stream) {
   if (out.rows == 0 || (out.cols == 0 && dots.data == nullptr)) return;  // H = 0 still writes zero dots
   const RowsArg g = dots_with != nullptr ? *dots_with : RowsArg{};
@@ -1268,6 +1374,20 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
     else if (two_units) pick<ReduceDotsWarp<kWarpReduceK, 2, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
     else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, kD>::template Tag>(y.dtype, vec, warp_launch);
   };
+  if (dest.rows == nullptr) {  // the search form (top_k <= 8): a block a token, two units a lane in its window
+    const bool two = two_units_window(out.rows, units);
+    auto search_launch = [&](auto tag) {
+      using Tag = decltype(tag);
+      launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(out.rows), kThreads, 0,
+          as_stream(stream), y, top_k, dest, w, out, g, dots);
+    };
+    constexpr int kS = kThreads / 32;
+    if (dots_wanted && two) pick<ReduceDotsWarp<kWarpReduceK, 2, kS, true, true, true>::Tag>(y.dtype, vec, search_launch);
+    else if (dots_wanted) pick<ReduceDotsWarp<kWarpReduceK, 1, kS, true, true, true>::Tag>(y.dtype, vec, search_launch);
+    else if (two) pick<ReduceDotsWarp<kWarpReduceK, 2, kS, false, true, true>::Tag>(y.dtype, vec, search_launch);
+    else pick<ReduceDotsWarp<kWarpReduceK, 1, kS, false, true, true>::Tag>(y.dtype, vec, search_launch);
+    return;
+  }
   const int plain = dots_wanted ? 0 : plain_reduce_shape(out.rows, top_k, units);
   if (plain >= 4) {  // a block (4; 6 with two units a lane) or a warp (5) a token, no dots
     warp_reduce(plain == 5, std::false_type{}, plain == 6);
@@ -1277,7 +1397,7 @@ void reduce_rows(const RowsArg& y, int top_k, const int32_t* dest, ScaleArg w, c
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("reduce_kernel", Tag::fn, static_cast<unsigned>(out.rows * sl.slices), kThreads, 0,
-        as_stream(stream), y, top_k, dest, w, out, g, dots, sl.slices, sl.slice_units);
+        as_stream(stream), y, top_k, dest.rows, w, out, g, dots, sl.slices, sl.slice_units);
   };
   const int dots_kernel = dots_wanted ? reduce_dots_kernel(out.rows, top_k, units) : 0;
   if (dots_kernel >= 2) {
@@ -1326,12 +1446,13 @@ int row_dots_kernel(int top_k) {
 
 void set_row_dots(int mode) { g_row_dots.store(mode == 0 || mode == 1 ? mode : -2, std::memory_order_relaxed); }
 
-void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest, int64_t assignments,
+void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest, int64_t assignments,
               FloatOutArg out, void* stream) {
   const int64_t tokens = assignments / top_k;
   if (tokens == 0) return;
   const bool vec = rows_vectorizable(y) && rows_vectorizable(g);
-  const int token_kernel = warp_row_dots() ? row_dots_kernel(top_k) : 0;
+  const bool search = dest.rows == nullptr;  // the search form (top_k <= 8): a block a token
+  const int token_kernel = search ? 1 : warp_row_dots() ? row_dots_kernel(top_k) : 0;
   if (token_kernel > 0) {  // a block a token: `shape` carries the rows and width, no data
     const RowsArg shape{nullptr, tokens, g.cols, 0, g.dtype};
     auto launch = [&](auto tag) {
@@ -1339,7 +1460,8 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
       launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream),
           y, top_k, dest, ScaleArg{}, shape, g, out);
     };
-    pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, true, false>::Tag>(y.dtype, vec, launch);
+    if (search) pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, true, false, true>::Tag>(y.dtype, vec, launch);
+    else pick<ReduceDotsWarp<kWarpReduceK, 1, kThreads / 32, true, false>::Tag>(y.dtype, vec, launch);
     return;
   }
   // A warp an assignment (the default), or a block a token (set_dot_kernels(0), PADMOE_CUDA_DOTS=0).
@@ -1348,14 +1470,14 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const int32_t* dest
     pick<WarpDotsTag>(y.dtype, vec, [&](auto tag) {
       using Tag = decltype(tag);
       launch_kernel("dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), y, g,
-          top_k, dest, assignments, out);
+          top_k, dest.rows, assignments, out);
     });
     return;
   }
   pick<DotsTag>(y.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("dots_kernel", Tag::fn, static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream), y, g, top_k,
-        dest, out);
+        dest.rows, out);
   });
 }
 

@@ -839,6 +839,133 @@ TEST(RowDots, EveryKernelMatchesReferenceAndRepeats) {
   padmoe::cuda::set_row_dots(-1);
 }
 
+// The MegaBlocks-argument ops find their rows by a search of the sorted form where A is small
+// (the default: A <= 4096, E <= 256, top_k <= 8), else through a dest_rows array built first:
+// both forms against the reference on the CPU-vs-GPU workloads (the suite's other tests run the
+// default), and the search form at a decode-like size bitwise equal to the dest_rows form.
+TEST(DestSearch, BothFormsMatchReference) {
+  REQUIRE_GPU();
+  const std::vector<std::string> names = {"tiny", "empty_T", "empty_H", "skewed", "topk1", "topk8", "H3",
+                                          "H4097", "H4096_vec", "align16_tiny_segments", "mb_T1024_H768_E64_K4",
+                                          "only_last_expert"};
+  for (int mode : {0, -1}) {
+    SCOPED_TRACE("dest search " + std::to_string(mode));
+    padmoe::cuda::set_dest_search(mode);
+    for (const Workload& wl : workloads()) {
+      if (std::find(names.begin(), names.end(), wl.name) == names.end()) continue;
+      for (const Combo& cb : combos_of(wl.name == "H3" || wl.name == "topk8" ? 0 : 1)) run_cpu_vs_gpu(wl, cb, 19);
+    }
+  }
+  // T = 256, K = 8, E = 256, H = 7168 (decode): every MegaBlocks op, searched and built
+  const int64_t T = 256, H = 7168;
+  const int K = 8, E = 256, m = 16;
+  ASSERT_TRUE(padmoe::cuda::dest_search_fits(T * K, E, K));
+  const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 29);
+  const ref::Plan p = ref::make_plan(te, T, K, E, m);
+  const IndexInputs hii = index_inputs(p, DType::kInt32);
+  const IndexInputs d{to_gpu(hii.indices), to_gpu(hii.bin_ids), to_gpu(hii.bins), to_gpu(hii.padded_bins)};
+  const int64_t P = p.padded_rows;
+  Rng rng(31);
+  const Tensor dx = to_gpu(rows_from_float(random_values(T * H, DType::kBFloat16, rng), DType::kBFloat16, T, H));
+  const Tensor dy = to_gpu(rows_from_float(random_values(P * H, DType::kBFloat16, rng), DType::kBFloat16, P, H));
+  const Tensor dw = to_gpu(vec_from_float(random_values(T * K, DType::kFloat32, rng, 0, 1), DType::kFloat32));
+  auto run = [&] {
+    std::vector<Tensor> o;
+    for (bool weighted : {false, true}) {
+      std::optional<TensorView> w;
+      if (weighted) w = dw.view();
+      o.push_back(to_cpu(padmoe::padded_gather(dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K, w)));
+      o.push_back(to_cpu(padmoe::padded_scatter(dy, d.indices, d.bin_ids, w, d.bins, d.padded_bins, K)));
+      const padmoe::RowGrads gb = padmoe::padded_gather_backward(dy, dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K, w);
+      const padmoe::RowGrads sb = padmoe::padded_scatter_backward(dx, dy, d.indices, d.bin_ids, w, d.bins, d.padded_bins, K);
+      o.push_back(to_cpu(gb.grad_rows));
+      o.push_back(to_cpu(sb.grad_rows));
+      if (weighted) {
+        o.push_back(to_cpu(gb.grad_weights));
+        o.push_back(to_cpu(sb.grad_weights));
+      }
+    }
+    o.push_back(to_cpu(padmoe::padded_scatter_wgrad(dy, dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K)));
+    return o;
+  };
+  padmoe::cuda::set_dest_search(0);
+  const std::vector<Tensor> built = run();
+  padmoe::cuda::set_dest_search(-1);
+  const std::vector<Tensor> searched = run(), again = run();
+  ASSERT_EQ(built.size(), searched.size());
+  for (size_t i = 0; i < built.size(); ++i) {
+    EXPECT_TRUE(all_same(built[i], searched[i])) << "output " << i << ": searched vs built";
+    EXPECT_TRUE(all_same(searched[i], again[i])) << "output " << i << ": searched twice";
+  }
+}
+
+// Bad unchecked input (an assignment id past A, an expert past E) through the MegaBlocks ops, in
+// both forms: no error, nothing written past the rows given; in the search form the two entries
+// are skipped, so every other row of padded_gather is the clean result and theirs keep the poison.
+TEST(DestSearch, BadUncheckedInputStaysInBounds) {
+  REQUIRE_GPU();
+  const int64_t T = 64, H = 64;
+  const int K = 4, E = 16, m = 8;
+  const int64_t A = T * K;
+  const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 37);
+  const ref::Plan p = ref::make_plan(te, T, K, E, m);
+  const int64_t P = p.padded_rows;
+  ref::Plan bad = p;
+  bad.indices[3] = A + 7;
+  bad.bin_ids[5] = E + 2;
+  const IndexInputs hii = index_inputs(bad, DType::kInt32);
+  const IndexInputs d{to_gpu(hii.indices), to_gpu(hii.bin_ids), to_gpu(hii.bins), to_gpu(hii.padded_bins)};
+  Rng rng(41);
+  const std::vector<float> xf = random_values(T * H, DType::kFloat32, rng);
+  const Tensor dx = to_gpu(rows_from_float(xf, DType::kFloat32, T, H));
+  const Tensor dy = to_gpu(rows_from_float(random_values(P * H, DType::kFloat32, rng), DType::kFloat32, P, H));
+  const std::vector<float> want = ref::padded_gather(xf, H, p, nullptr);  // the clean routing
+  // rows of the two bad positions (the sorted form's row of position i)
+  auto row_of = [&](int64_t i, int e) {
+    return i - (e == 0 ? 0 : p.bins[e - 1]) + (e == 0 ? 0 : p.padded_bins[e - 1]);
+  };
+  const int64_t bad_rows[2] = {row_of(3, static_cast<int>(p.bin_ids[3])), row_of(5, static_cast<int>(p.bin_ids[5]))};
+  padmoe::Options o;
+  o.check_data = false;
+  constexpr int64_t kGuard = 8;
+  for (int mode : {0, -1}) {
+    SCOPED_TRACE("dest search " + std::to_string(mode));
+    padmoe::cuda::set_dest_search(mode);
+    Tensor gy = gpu_poison_rows(DType::kFloat32, P + kGuard, H);
+    TensorView yv = gy.view();
+    yv.shape[0] = P;
+    padmoe::padded_gather_out(dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K, std::nullopt, yv, o);
+    Tensor out = gpu_poison_rows(DType::kFloat32, T, H), gw = gpu_filled(DType::kFloat32, {A}, kPoison);
+    padmoe::padded_scatter_out(dy, d.indices, d.bin_ids, std::nullopt, d.bins, d.padded_bins, K, out, o);
+    padmoe::padded_scatter_wgrad_out(dy, dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K, gw, o);
+    padmoe::padded_gather_backward_out(dy, dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K, std::nullopt, out, gw, o);
+    Tensor gy2 = gpu_poison_rows(DType::kFloat32, P + kGuard, H);
+    TensorView y2 = gy2.view();
+    y2.shape[0] = P;
+    padmoe::padded_scatter_backward_out(dx, dy, d.indices, d.bin_ids, std::nullopt, d.bins, d.padded_bins, K, y2, gw, o);
+    const Tensor hy = to_cpu(gy), hy2 = to_cpu(gy2);  // a kernel fault would throw here
+    const unsigned char* b = static_cast<const unsigned char*>(hy.data());
+    const unsigned char* b2 = static_cast<const unsigned char*>(hy2.data());
+    for (int64_t i = P * H * 4; i < (P + kGuard) * H * 4; ++i) {
+      ASSERT_EQ(b[i], kPoison) << "padded_gather wrote past P, byte " << i;
+      ASSERT_EQ(b2[i], kPoison) << "padded_scatter_backward wrote past P, byte " << i;
+    }
+    if (mode != -1) continue;
+    const std::vector<float> got = rows_to_float(hy);
+    for (int64_t r = 0; r < P; ++r) {
+      const bool skipped = r == bad_rows[0] || r == bad_rows[1];
+      for (int64_t h = 0; h < H; ++h) {
+        if (skipped) {
+          ASSERT_EQ(std::memcmp(b + (r * H + h) * 4, b + P * H * 4, 4), 0) << "row " << r << " (a bad entry's) written";
+        } else {
+          ASSERT_EQ(got[r * H + h], want[r * H + h]) << "row " << r << ", column " << h;
+        }
+      }
+    }
+  }
+  padmoe::cuda::set_dest_search(-1);
+}
+
 // Every shape of the plain reduce (combine, padded_scatter, the unweighted backward ops): the
 // CPU's bits on the edge workloads (top-1, top-2, top-8, odd H, few and many tokens), and the
 // default's bits at decode size (T = 256, K = 8, H = 7168), twice.
