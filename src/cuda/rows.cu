@@ -455,11 +455,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const int64_t a = a0 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   __shared__ int32_t s_found[kSearch ? kThreads / 32 : 1];
+  const int64_t A = x.rows * top_k;
   if constexpr (kSearch) {  // the block's assignments, by a search of the sorted form
-    const int64_t A = x.rows * top_k;
+    if (a < A) {  // x's first round into L1 during the search (a prefetch: no registers held across it)
+      const char* src = row_ptr(x, a / top_k);
+#pragma unroll
+      for (int j = 0; j < kUnits; ++j) {
+        const int64_t u = j * 32 + lane;
+        if (u < units_of<U>(y)) asm volatile("prefetch.global.L1 [%0];" ::"l"(src + u * sizeof(typename U::Raw)));
+      }
+    }
     search_dest_rows(dest, a0, static_cast<int>(A - a0 < kThreads / 32 ? A - a0 : kThreads / 32), y.rows, s_found);
   }
-  if (a >= x.rows * top_k) return;
+  if (a >= A) return;
   int64_t r = kSearch ? s_found[threadIdx.x / 32] : dest.rows[a];
   if (r >= y.rows) r = -1;  // only with unchecked bad input: as the block kernel, dropped
   float partial = 0.0f;
