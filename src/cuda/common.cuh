@@ -158,6 +158,10 @@ __device__ __forceinline__ int64_t sorted_padded_row(const IndexRef& bins, const
   return index::padded_row(i, e == 0 ? 0 : load_index(bins, e - 1), e == 0 ? 0 : load_index(padded_bins, e - 1));
 }
 
+// Rows a spread's zero block clears (rows.cu; PADMOE_CUDA_ZERO_ROWS overrides): 32, or about 56 KiB
+// of rows (4 to 32) below ~4 tokens an SM. Host code.
+int zero_rows_per_block(int64_t tokens, int64_t row_bytes);
+
 // Whether padded row r (< P) is a padding row.
 __device__ __forceinline__ bool is_padding_row(const PaddingRef& p, int64_t r) {
   int64_t lo = 0, hi = p.num_experts;  // first e with padded_bins[e] > r

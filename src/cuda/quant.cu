@@ -14,6 +14,7 @@
 // same rounding of the same real number). Per-row scales reduce the whole
 // row first (a block reduction) and re-read it for the codes (L1/L2 hits).
 // Extra blocks of the same launch zero the padding rows (scale 1).
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <type_traits>
@@ -105,16 +106,44 @@ __device__ __forceinline__ void store_scale_one(const QuantScalesArg& sc, int64_
   }
 }
 
-// Zero block: rows [first, first + kZeroRows) of y that are padding (below
-// P, with zero_padding) or at or past P (zero_past_end): zero codes, scale 1.
+// Zero block: rows [first, first + nrows) of y (nrows <= kZeroRows) that are padding (below
+// P, with zero_padding) or at or past P (zero_past_end): zero codes, scale 1. Up to
+// kStageExperts experts, bins and padded_bins are staged in shared memory first (one round of
+// loads; the padding search is otherwise a chain of dependent global loads a row).
+constexpr int kStageExperts = 1024;
 __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const PaddingRef& pad, bool zero_padding,
-                          bool zero_past_end, int64_t first) {
+                          bool zero_past_end, int64_t first, int nrows) {
   __shared__ bool s_zero[kZeroRows];
-  const int64_t padded = padded_total(pad);
+  __shared__ int32_t s_bins[kStageExperts], s_pbins[kStageExperts];  // plan values < 2^31
+  const int E = pad.num_experts;
+  const bool staged = E <= kStageExperts;
+  if (staged) {
+    for (int e = threadIdx.x; e < E; e += kThreads) {
+      s_bins[e] = static_cast<int32_t>(load_index(pad.bins, e));
+      s_pbins[e] = static_cast<int32_t>(load_index(pad.padded_bins, e));
+    }
+    __syncthreads();
+  }
+  const int64_t padded = E > 0 ? (staged ? s_pbins[E - 1] : padded_total(pad)) : 0;
   if (threadIdx.x < kZeroRows) {
     const int64_t r = first + threadIdx.x;
     bool z = false;
-    if (r < y.rows) z = r >= padded ? zero_past_end : (zero_padding && is_padding_row(pad, r));
+    if (threadIdx.x < nrows && r < y.rows) {
+      if (r >= padded) {
+        z = zero_past_end;
+      } else if (zero_padding && staged) {  // first e with padded_bins[e] > r, then r's place in e's segment
+        int lo = 0, hi = E;
+        while (lo < hi) {
+          const int mid = (lo + hi) / 2;
+          if (s_pbins[mid] > r) hi = mid; else lo = mid + 1;
+        }
+        const int64_t pstart = lo == 0 ? 0 : s_pbins[lo - 1];
+        const int64_t count = s_bins[lo] - (lo == 0 ? 0 : s_bins[lo - 1]);
+        z = r - pstart >= count;
+      } else if (zero_padding) {
+        z = is_padding_row(pad, r);
+      }
+    }
     s_zero[threadIdx.x] = z;
   }
   __syncthreads();
@@ -124,7 +153,7 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
   // row by row (a row's flag is the same in every thread): no division a store (a 64-bit division
   // and modulo a store over every row, zeroed or not, were 10% of mixtral-8x7b's samples and 31% of
   // decode's under ncu, 2026-12-03)
-  for (int row = 0; row < kZeroRows; ++row) {
+  for (int row = 0; row < nrows; ++row) {
     if (!s_zero[row]) continue;
     char* p = row_ptr(y, first + row);
     for (int64_t u = threadIdx.x; u < units; u += kThreads) {
@@ -132,7 +161,7 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
       else p[u] = 0;
     }
   }
-  if (threadIdx.x < kZeroRows && s_zero[threadIdx.x]) store_scale_one(sc, first + threadIdx.x);
+  if (threadIdx.x < nrows && s_zero[threadIdx.x]) store_scale_one(sc, first + threadIdx.x);
 }
 
 // One thread's kCols columns (in a run of lanes covering whole scale blocks: every lane of the
@@ -202,11 +231,13 @@ __device__ __forceinline__ void quantize_cols(const float (&f)[kCols], const qua
 template <typename T, int kMode, int kFast>
 __global__ void __launch_bounds__(kThreads, 8)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
-                        PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out) {
+                        PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out,
+                        int zero_rows_each) {
   pdl_begin();
   const int64_t tokens = x.rows;
   if (blockIdx.x >= tokens) {
-    zero_rows(y, sc, pad, zero_padding, zero_past_end, (static_cast<int64_t>(blockIdx.x) - tokens) * kZeroRows);
+    zero_rows(y, sc, pad, zero_padding, zero_past_end, (static_cast<int64_t>(blockIdx.x) - tokens) * zero_rows_each,
+              zero_rows_each);
     return;
   }
   using M = ModeTraits<kMode>;
@@ -354,7 +385,9 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
                           bool zero_past_end, void* stream) {
   const int64_t tokens = x.rows;
   const bool identity = dest == nullptr;
-  const int64_t zero_blocks = !identity && (zero_padding || zero_past_end) ? index::ceil_div(y.rows, kZeroRows) : 0;
+  // rows a zero block clears: the spreads' rule (fewer at small T), at most kZeroRows
+  const int zero_each = std::min(kZeroRows, zero_rows_per_block(tokens, y.cols));  // y: 1-byte codes
+  const int64_t zero_blocks = !identity && (zero_padding || zero_past_end) ? index::ceil_div(y.rows, zero_each) : 0;
   const int64_t blocks = tokens + zero_blocks;
   if (blocks == 0) return;
   if (x.cols == 0 && scales.layout != ScaleLayout::kPerRow) return;  // no columns, no scale columns: nothing to write
@@ -363,7 +396,7 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("quant_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
-        top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out);
+        top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out, zero_each);
   };
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);

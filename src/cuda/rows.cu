@@ -93,7 +93,7 @@ __device__ float block_sum(float v, float* s_warp) {
 
 // --- spread ---------------------------------------------------------------------
 constexpr int kGroupK = 64;      // assignments of a token staged in shared memory at a time
-constexpr int kZeroRows = 32;    // rows per zero block (4 at small T: see spread_rows)
+constexpr int kZeroRows = 32;    // rows per zero block (fewer at small T: zero_rows_per_block)
 
 // The search form of DestArg (rows null): s_out[q] = the destination row of assignment a0 + q, for
 // q < n, or -1 (absent, or outside the `rows` rows given). The block stages bins and padded_bins
@@ -1103,14 +1103,6 @@ int dots_warp_blocks() {
   }();
   return b;
 }
-int zero_rows_per_block(int64_t tokens) {
-  static const int forced = [] {
-    const char* v = std::getenv("PADMOE_CUDA_ZERO_ROWS");
-    return v != nullptr ? std::max(1, std::atoi(v)) : 0;
-  }();
-  if (forced > 0) return forced;
-  return tokens < slice_target_blocks() ? 4 : kZeroRows;
-}
 bool spread_slices() {
   static const bool on = [] {
     const char* v = std::getenv("PADMOE_CUDA_SPREAD_SLICES");
@@ -1215,6 +1207,21 @@ int reduce_dots_kernel(int64_t tokens, int top_k, int64_t units) {
 }
 }  // namespace
 
+// Rows a zero block clears: kZeroRows; at small T about 56 KiB of rows (4 rows of 14 KiB), from 4
+// to kZeroRows rows. Measured on the H200 at decode (2026-12-03, graph us, 4 / 8 / 2 rows a block):
+// dispatch (14 KiB bf16 rows) 18.5 / 19.6 / 19.7, dispatch(fp8+scales) (7 KiB rows) 12.5 / 11.1 / 17.0.
+int zero_rows_per_block(int64_t tokens, int64_t row_bytes) {  // declared in common.cuh
+  static const int forced = [] {
+    const char* v = std::getenv("PADMOE_CUDA_ZERO_ROWS");
+    return v != nullptr ? std::max(1, std::atoi(v)) : 0;
+  }();
+  if (forced > 0) return forced;
+  if (tokens >= slice_target_blocks()) return kZeroRows;
+  constexpr int64_t kSmallZeroBytes = 4 * 14336;
+  const int64_t rows = row_bytes > 0 ? kSmallZeroBytes / row_bytes : kZeroRows;
+  return static_cast<int>(std::min<int64_t>(kZeroRows, std::max<int64_t>(4, rows)));
+}
+
 void set_reduce_shape(int shape) {
   g_reduce_shape.store(shape < -1 || shape > 6 ? -1 : shape, std::memory_order_relaxed);
 }
@@ -1276,9 +1283,10 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
                  FloatOutArg dots, void* stream, const ScaleRowsArg* scales) {
   const int64_t tokens = x.rows;
-  // Rows a zero block clears: 32, or 4 at small T (spreads the padding over more blocks, so
-  // that no multiprocessor holds much more than its share of the writes); PADMOE_CUDA_ZERO_ROWS.
-  const int zero_rows = zero_rows_per_block(tokens);
+  // Rows a zero block clears: 32, or about 56 KiB of rows at small T (spreads the padding over more
+  // blocks, so that no multiprocessor holds much more than its share of the writes);
+  // PADMOE_CUDA_ZERO_ROWS.
+  const int zero_rows = zero_rows_per_block(tokens, y.cols * static_cast<int64_t>(element_size(y.dtype)));
   const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, zero_rows) : 0;
   const bool vec = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(*dots_with));
   const int64_t units = vec ? y.cols * static_cast<int64_t>(element_size(y.dtype)) / 16 : y.cols;
