@@ -390,7 +390,7 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   // graph us, 4 / 8 / 16 / 32 rows a block): quant-mxfp8 18.4 / 21.1-21.8 / 21.5 / 22.4, quant-128
   // 14.5 / 16.0-16.2 / 13.5 / 13.7. PADMOE_CUDA_ZERO_ROWS overrides (at most kZeroRows).
   const int small_rule = zero_rows_per_block(tokens, y.cols);  // y: 1-byte codes
-  const bool forced = std::getenv("PADMOE_CUDA_ZERO_ROWS") != nullptr;
+  static const bool forced = std::getenv("PADMOE_CUDA_ZERO_ROWS") != nullptr;  // read once
   const int zero_each = forced ? std::min(kZeroRows, small_rule)
                                : (small_rule < kZeroRows && scales.layout == ScaleLayout::kMxE8M0 ? 4 : kZeroRows);
   const int64_t zero_blocks = !identity && (zero_padding || zero_past_end) ? index::ceil_div(y.rows, zero_each) : 0;
