@@ -720,6 +720,32 @@ TEST(RowSlices, MatchNoSlicingAndCpu) {
   }
 }
 
+// The CPU-vs-GPU comparison on the named workloads (every dtype combo for most; H3 and topk8: the
+// first combo only), as the kernel-family tests run it for each setting.
+void run_named_workloads(const std::vector<std::string>& names, uint64_t seed) {
+  for (const Workload& wl : workloads()) {
+    if (std::find(names.begin(), names.end(), wl.name) == names.end()) continue;
+    for (const Combo& cb : combos_of(wl.name == "H3" || wl.name == "topk8" ? 0 : 1)) run_cpu_vs_gpu(wl, cb, seed);
+  }
+}
+
+// wgrad (got[a], a < T*K) against float64 sums of y[dest[a]] * x[a / K] over H columns (y, x as
+// float; the tolerance allows the bf16 rounding of the output).
+void expect_wgrad_near_float64(const std::vector<float>& got, const std::vector<float>& yv,
+                               const std::vector<float>& xv, const int32_t* d, int64_t T, int K, int64_t H,
+                               const char* what) {
+  ASSERT_EQ(got.size(), static_cast<size_t>(T * K));
+  for (int64_t a = 0; a < T * K; ++a) {
+    double want = 0.0, scale = 0.0;
+    for (int64_t h = 0; h < H; ++h) {
+      const double p = static_cast<double>(yv[d[a] * H + h]) * xv[(a / K) * H + h];
+      want += p;
+      scale += std::fabs(p);
+    }
+    ASSERT_NEAR(got[a], want, 1e-5 * (1.0 + scale) + std::fabs(want) / 256.0) << what << ", assignment " << a;
+  }
+}
+
 // The families of dot-product kernels (set_dot_kernels: 0 a block a token, reduce's (1, 4)
 // shape; else spreads and row_dots a warp an assignment, and reduce: 1 its (2, 8) shape, 2 a
 // warp a token, 3 a block a token in the warp kernel's form) against the reference on the CPU-vs-GPU
@@ -734,10 +760,7 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
   for (int mode : {0, 1, 2, 3, 4}) {
     SCOPED_TRACE("dot kernels " + std::to_string(mode));
     padmoe::cuda::set_dot_kernels(mode);
-    for (const Workload& wl : workloads()) {
-      if (std::find(names.begin(), names.end(), wl.name) == names.end()) continue;
-      for (const Combo& cb : combos_of(wl.name == "H3" || wl.name == "topk8" ? 0 : 1)) run_cpu_vs_gpu(wl, cb, 11);
-    }
+    run_named_workloads(names, 11);
     // determinism: T = 300, K = 8, H = 7168 (both row-length rules), every dot op twice
     const int64_t T = 300, H = 7168;
     const int K = 8, E = 64, m = 16;
@@ -776,20 +799,9 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
     padmoe::cuda::set_dot_kernels(-1);
     const std::vector<Tensor> by_shape = run(), again = run();
     for (size_t i = 0; i < by_shape.size(); ++i) EXPECT_TRUE(all_same(by_shape[i], again[i])) << "by shape, output " << i;
-    const std::vector<float> yv = rows_to_float(to_cpu(dy)), xv = rows_to_float(to_cpu(dx)),
-                             got = vec_to_float(by_shape.back());
     const Tensor dest = to_cpu(v.dest_rows);
-    const int32_t* d = static_cast<const int32_t*>(dest.data());
-    ASSERT_EQ(got.size(), static_cast<size_t>(T * K));
-    for (int64_t a = 0; a < T * K; ++a) {
-      double want = 0.0, scale = 0.0;
-      for (int64_t h = 0; h < H; ++h) {
-        const double p = static_cast<double>(yv[d[a] * H + h]) * xv[(a / K) * H + h];
-        want += p;
-        scale += std::fabs(p);
-      }
-      ASSERT_NEAR(got[a], want, 1e-5 * (1.0 + scale) + std::fabs(want) / 256.0) << "wgrad by shape, assignment " << a;
-    }
+    expect_wgrad_near_float64(vec_to_float(by_shape.back()), rows_to_float(to_cpu(dy)), rows_to_float(to_cpu(dx)),
+                              static_cast<const int32_t*>(dest.data()), T, K, H, "wgrad by shape");
   }
   padmoe::cuda::set_dot_kernels(-1);
 }
@@ -817,24 +829,11 @@ TEST(RowDots, EveryKernelMatchesReferenceAndRepeats) {
   for (int mode : {0, 1}) {
     SCOPED_TRACE("row dots " + std::to_string(mode));
     padmoe::cuda::set_row_dots(mode);
-    for (const Workload& wl : workloads()) {
-      if (std::find(names.begin(), names.end(), wl.name) == names.end()) continue;
-      for (const Combo& cb : combos_of(wl.name == "H3" || wl.name == "topk8" ? 0 : 1)) run_cpu_vs_gpu(wl, cb, 13);
-    }
+    run_named_workloads(names, 13);
     auto run = [&] { return to_cpu(padmoe::padded_scatter_wgrad(dy, dx, v.indices, v.bin_ids, v.bins, v.padded_bins, K)); };
     const Tensor first = run(), second = run();
     EXPECT_TRUE(all_same(first, second)) << "wgrad twice";
-    const std::vector<float> got = vec_to_float(first);
-    ASSERT_EQ(got.size(), static_cast<size_t>(T * K));
-    for (int64_t a = 0; a < T * K; ++a) {
-      double want = 0.0, scale = 0.0;
-      for (int64_t h = 0; h < H; ++h) {
-        const double p = static_cast<double>(yv[d[a] * H + h]) * xv[(a / K) * H + h];
-        want += p;
-        scale += std::fabs(p);
-      }
-      ASSERT_NEAR(got[a], want, 1e-5 * (1.0 + scale) + std::fabs(want) / 256.0) << "assignment " << a;
-    }
+    expect_wgrad_near_float64(vec_to_float(first), yv, xv, d, T, K, H, "wgrad");
   }
   padmoe::cuda::set_row_dots(-1);
 }
@@ -851,10 +850,7 @@ TEST(DestSearch, BothFormsMatchReference) {
   for (int mode : {0, -1}) {
     SCOPED_TRACE("dest search " + std::to_string(mode));
     padmoe::cuda::set_dest_search(mode);
-    for (const Workload& wl : workloads()) {
-      if (std::find(names.begin(), names.end(), wl.name) == names.end()) continue;
-      for (const Combo& cb : combos_of(wl.name == "H3" || wl.name == "topk8" ? 0 : 1)) run_cpu_vs_gpu(wl, cb, 19);
-    }
+    run_named_workloads(names, 19);
   }
   // T = 256, K = 8, E = 256, H = 7168 (decode): every MegaBlocks op, searched and built
   const int64_t T = 256, H = 7168;
