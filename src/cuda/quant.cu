@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <memory>
 #include <type_traits>
 
 #include "core/quant_math.hpp"
@@ -361,10 +362,14 @@ void set_quant_fast(int bits) { g_quant_fast.store(bits >= 0 && bits <= 3 ? bits
 
 int64_t fp8_convert_mismatches(bool e5m2, uint32_t* first_bits, int64_t* compared) {
   const char* what = "fp8_convert_mismatches";
-  unsigned long long* d_counts = nullptr;  // mismatches, patterns compared
-  unsigned* d_first = nullptr;
-  check_cuda(cudaMalloc(&d_counts, 2 * sizeof(unsigned long long)), what);
-  check_cuda(cudaMalloc(&d_first, sizeof(unsigned)), what);
+  struct Free {
+    void operator()(void* p) const { cudaFree(p); }
+  };
+  void* raw = nullptr;  // [mismatches, patterns compared] (64-bit), then the first mismatch's bits
+  check_cuda(cudaMalloc(&raw, 3 * sizeof(unsigned long long)), what);
+  const std::unique_ptr<void, Free> buffer(raw);  // freed on every exit, a throw included
+  unsigned long long* d_counts = static_cast<unsigned long long*>(raw);
+  unsigned* d_first = reinterpret_cast<unsigned*>(d_counts + 2);
   check_cuda(cudaMemset(d_counts, 0, 2 * sizeof(unsigned long long)), what);
   check_cuda(cudaMemset(d_first, 0xff, sizeof(unsigned)), what);
   launch_kernel("fp8_convert_check_kernel", fp8_convert_check_kernel, 1024u, 256, 0, cudaStream_t{}, e5m2, d_counts,
@@ -373,8 +378,6 @@ int64_t fp8_convert_mismatches(bool e5m2, uint32_t* first_bits, int64_t* compare
   unsigned first = 0;
   check_cuda(cudaMemcpy(counts, d_counts, sizeof(counts), cudaMemcpyDeviceToHost), what);
   check_cuda(cudaMemcpy(&first, d_first, sizeof(first), cudaMemcpyDeviceToHost), what);
-  cudaFree(d_counts);
-  cudaFree(d_first);
   if (first_bits != nullptr) *first_bits = first;
   if (compared != nullptr) *compared = static_cast<int64_t>(counts[1]);
   return static_cast<int64_t>(counts[0]);
