@@ -79,6 +79,102 @@ TEST_P(MakePlan, MatchesReference) {
   expect_plan_matches(buf.filled(T, K, E, m), r, r.capacity + extra);
 }
 
+// make_plan_and_dispatch: the plan is the reference plan and y the reference gather (bit for bit),
+// allocating (y of capacity rows, rows past P zero) and _out (poisoned buffers, rows past P
+// untouched), weighted and not.
+TEST_P(MakePlan, AndDispatchMatchesReference) {
+  int64_t T;
+  int K, E, m, d;
+  DType idx;
+  std::tie(T, K, E, m, idx, d) = GetParam();
+  if (static_cast<Dist>(d) == Dist::kDistinct && K > E) GTEST_SKIP() << "K > E cannot be distinct";
+  const std::vector<int64_t> te = make_routing(T, K, E, static_cast<Dist>(d), static_cast<uint64_t>(5 * T + K + E + m));
+  const ref::Plan r = ref::make_plan(te, T, K, E, m);
+  const Tensor tet = index_matrix(te, T, K, idx);
+  const int64_t A = T * K, H = 24, P = r.padded_rows;
+  Rng rng(static_cast<uint64_t>(T + 7 * K + E));
+  const std::vector<float> xf = random_values(T * H, DType::kBFloat16, rng);
+  const std::vector<float> wf = random_values(A, DType::kFloat32, rng, 0.0, 1.0);
+  const Tensor x = rows_from_float(xf, DType::kBFloat16, T, H);
+  const Tensor w = vec_from_float(wf, DType::kFloat32);
+  for (bool weighted : {false, true}) {
+    SCOPED_TRACE(weighted ? "weighted" : "unweighted");
+    std::optional<TensorView> wopt;
+    if (weighted) wopt = w.view();
+    const std::vector<float> want = ref::padded_gather(xf, H, r, weighted ? &wf : nullptr);
+    const padmoe::PlannedRows pr = padmoe::make_plan_and_dispatch(x, tet, E, m, wopt);
+    EXPECT_EQ(pr.plan.num_tokens, T);
+    EXPECT_EQ(pr.plan.top_k, K);
+    expect_plan_matches(pr.plan.view(), r, r.capacity);
+    ASSERT_EQ(pr.y.size(0), r.capacity);
+    ASSERT_EQ(pr.y.size(1), H);
+    EXPECT_TRUE(rows_bitwise(pr.y, want, P));
+    EXPECT_TRUE(bytes_are(pr.y, P, r.capacity, 0)) << "rows past P of the allocating form";
+    const PoisonedPlan buf(A, E, r.capacity + 3);
+    Tensor y = poison_rows(DType::kBFloat16, r.capacity + 5, H);
+    padmoe::make_plan_and_dispatch_out(x, tet, E, m, buf.out, wopt, y);
+    expect_plan_matches(buf.filled(T, K, E, m), r, r.capacity + 3);
+    EXPECT_TRUE(rows_bitwise(y, want, P));
+    EXPECT_TRUE(bytes_are(y, P, r.capacity + 5, kPoison)) << "the _out form wrote past P";
+  }
+}
+
+TEST(MakePlanAndDispatch, BadInputNamesTheArgumentBeforeWriting) {
+  const int64_t T = 5, H = 8;
+  const int K = 2, E = 3, m = 4;
+  std::vector<int64_t> te = {0, 1, 2, 0, 1, 1, 2, 2, 0, 1};
+  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m);
+  Rng rng(3);
+  const Tensor x = rows_from_float(random_values(T * H, DType::kFloat32, rng), DType::kFloat32, T, H);
+  const Tensor w = vec_from_float(random_values(A, DType::kFloat32, rng), DType::kFloat32);
+  auto untouched = [&](const PoisonedPlan& b, const Tensor& y) {
+    EXPECT_TRUE(all_bytes_are(b.dest, kIndexPoison));
+    EXPECT_TRUE(all_bytes_are(b.rs, kIndexPoison));
+    EXPECT_TRUE(all_bytes_are(y, kPoison));
+  };
+  {
+    std::vector<int64_t> bad = te;
+    bad[7] = 3;  // [3, 1]
+    const PoisonedPlan b(A, E, cap);
+    Tensor y = poison_rows(DType::kFloat32, cap, H);
+    EXPECT_TRUE(throws_error([&] { padmoe::make_plan_and_dispatch_out(x, index_matrix(bad, T, K, DType::kInt32), E, m,
+                                                                      b.out, std::nullopt, y); },
+                             {"make_plan_and_dispatch", "top_experts", "[3, 1]"}));
+    untouched(b, y);
+  }
+  const Tensor tet = index_matrix(te, T, K, DType::kInt64);
+  {
+    const Tensor x6 = rows_from_float(std::vector<float>((T + 1) * H, 1.0f), DType::kFloat32, T + 1, H);
+    const PoisonedPlan b(A, E, cap);
+    Tensor y = poison_rows(DType::kFloat32, cap, H);
+    EXPECT_TRUE(throws_error([&] { padmoe::make_plan_and_dispatch_out(x6, tet, E, m, b.out, std::nullopt, y); },
+                             {"make_plan_and_dispatch", "x"}));
+    untouched(b, y);
+  }
+  {
+    const Tensor w9 = vec_from_float(std::vector<float>(A - 1, 0.5f), DType::kFloat32);
+    const PoisonedPlan b(A, E, cap);
+    Tensor y = poison_rows(DType::kFloat32, cap, H);
+    EXPECT_TRUE(throws_error([&] { padmoe::make_plan_and_dispatch_out(x, tet, E, m, b.out, w9.view(), y); },
+                             {"make_plan_and_dispatch", "weights"}));
+    untouched(b, y);
+  }
+  {
+    const PoisonedPlan b(A, E, cap);
+    Tensor y = poison_rows(DType::kFloat32, cap - 1, H);  // fewer rows than out.row_sources
+    EXPECT_TRUE(throws_error([&] { padmoe::make_plan_and_dispatch_out(x, tet, E, m, b.out, w.view(), y); },
+                             {"make_plan_and_dispatch", "y"}));
+    untouched(b, y);
+  }
+  {
+    const PoisonedPlan b(A, E, cap);
+    Tensor y = poison_rows(DType::kFloat16, cap, H);  // not x's dtype
+    EXPECT_TRUE(throws_error([&] { padmoe::make_plan_and_dispatch_out(x, tet, E, m, b.out, w.view(), y); },
+                             {"make_plan_and_dispatch", "y"}));
+    untouched(b, y);
+  }
+}
+
 // The layouts other kernels consume (PlanLayouts, moe_align_block_size) against references written
 // from DeepGEMM's and vLLM's definitions, on the same grid.
 TEST_P(MakePlan, LayoutsMatchReference) {

@@ -322,6 +322,27 @@ Tensor dispatch(const TensorView& x, const PlanView& plan,
 void dispatch_out(const TensorView& x, const PlanView& plan, const std::optional<TensorView>& weights,
                   const TensorView& y, const Options& options = {});
 
+// make_plan then dispatch in one call: the plan of top_experts[T, K] (make_plan's, bit for bit)
+// and y[dest_rows[a]] = x[a / K] (times weights[a] when given), padding rows zero. On CUDA at the
+// decode sizes (A = T*K <= 2048, E <= 512, top_k <= 64) one kernel does both: each of its blocks
+// counts and ranks the ids itself, so no launch waits for a plan (docs/design.md); at other sizes
+// it is make_plan's launch then dispatch's. Errors are make_plan's and dispatch's, raised before
+// anything is written.
+// The allocating form returns y with plan.capacity() rows (no host synchronization: rows at or
+// past P are zero, as padmoe.torch.dispatch's). _out: y needs at least as many rows as
+// out.row_sources (capacity_bound() on CUDA, P on the CPU), x's columns and dtype; rows at or past
+// P are zeroed only with options.zero_tail; options.zero_padding as dispatch's.
+struct PlannedRows {
+  Plan plan;
+  Tensor y;
+};
+PlannedRows make_plan_and_dispatch(const TensorView& x, const TensorView& top_experts, int num_experts,
+                                   int alignment, const std::optional<TensorView>& weights = std::nullopt,
+                                   const Options& options = {});
+void make_plan_and_dispatch_out(const TensorView& x, const TensorView& top_experts, int num_experts, int alignment,
+                                const PlanView& out, const std::optional<TensorView>& weights, const TensorView& y,
+                                const Options& options = {});
+
 Tensor combine(const TensorView& y, const PlanView& plan,
                const std::optional<TensorView>& weights = std::nullopt, const Options& options = {});
 void combine_out(const TensorView& y, const PlanView& plan, const std::optional<TensorView>& weights,

@@ -265,6 +265,22 @@ void check_layouts(const Checker& c, const PlanLayouts& l, const PlanView& out, 
   }
 }
 
+// CUDA checked mode: the ids (and an expert map) validated on the device, one synchronization.
+void validate_ids_on_device(const Checker& c, const TensorView& top_experts, const PlanShape& s, int num_experts,
+                            const Routing& r, const Options& options) {
+  if (!top_experts.device.is_cuda() || !options.check_data || (r.remap.map == nullptr && r.drop_invalid)) return;
+  const bool wide = top_experts.dtype == DType::kInt64;
+  cuda::Scratch scratch(options, cuda::validate_workspace_bytes(0), top_experts.device.index);
+  const cuda::IndexRef map{r.remap.map, r.remap.map_wide};
+  const cuda::Violation v = cuda::validate_routing_ids(cuda::IndexRef{top_experts.data, wide}, s.tokens * s.top_k,
+                                                       r.remap.global, !r.drop_invalid, map, num_experts,
+                                                       scratch.get(), options.stream);
+  if (v.code == cuda::kExpertMapOutOfRange) {
+    detail::raise_violation(c, v, detail::ViolationNames{"plan_options.expert_map", num_experts});
+  }
+  detail::raise_violation(c, v, detail::ViolationNames{"top_experts", r.remap.global, "out.row_sources", s.top_k});
+}
+
 // The backend's make_plan on checked arguments (CUDA: ids validated in checked mode).
 void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanShape& s, int num_experts,
                    int alignment, const PlanView& out, const Options& options, const PlanLayouts& layouts = {},
@@ -274,17 +290,7 @@ void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanSh
   const bool wide = top_experts.dtype == DType::kInt64;
   const int64_t a_count = s.tokens * s.top_k;
   const bool cuda_dev = top_experts.device.is_cuda();
-  if (cuda_dev && options.check_data && (r.remap.map != nullptr || !r.drop_invalid)) {
-    cuda::Scratch scratch(options, cuda::validate_workspace_bytes(0), top_experts.device.index);
-    const cuda::IndexRef map{r.remap.map, r.remap.map_wide};
-    const cuda::Violation v = cuda::validate_routing_ids(cuda::IndexRef{top_experts.data, wide}, a_count, r.remap.global,
-                                                         !r.drop_invalid, map, num_experts, scratch.get(),
-                                                         options.stream);
-    if (v.code == cuda::kExpertMapOutOfRange) {
-      detail::raise_violation(c, v, detail::ViolationNames{"plan_options.expert_map", num_experts});
-    }
-    detail::raise_violation(c, v, detail::ViolationNames{"top_experts", r.remap.global, "out.row_sources", s.top_k});
-  }
+  validate_ids_on_device(c, top_experts, s, num_experts, r, options);
   // With a capacity: the plain plan (alignment 1, every kept assignment) into scratch, then the
   // capacity pass writes `out` from it.
   const bool capped = r.capacity >= 0;
@@ -395,6 +401,88 @@ Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, co
   }
   run_make_plan(c, top_experts, s, num_experts, alignment, plan.view(), options, {}, -1, &r);
   return plan;
+}
+
+namespace {
+
+// make_plan_and_dispatch's rows against the ids' shape: x [T, H] (float8 only unweighted, as
+// dispatch), weights [A] of x's dtype or float32, y [>= rows, H] of x's dtype; one device.
+void check_plan_dispatch_rows(const Checker& c, const TensorView& x, const std::optional<TensorView>& weights,
+                              const TensorView* y, int64_t y_rows, const PlanShape& s, Device device) {
+  c.row_tensor(x, "x", s.tokens, -1, /*allow_fp8=*/!weights);
+  c.same_device(x, "x", device);
+  if (weights) {
+    c.scale_vector(*weights, "weights", s.tokens * s.top_k, x.dtype);
+    c.same_device(*weights, "weights", device);
+  }
+  if (y != nullptr) {
+    c.row_output(*y, "y", y_rows, /*at_least=*/true, x.shape[1], x.dtype);
+    c.same_device(*y, "y", device);
+  }
+}
+
+// Both steps on checked arguments: one launch on CUDA where plan_spread_fits, else make_plan's
+// then dispatch's (its own checks pass: the plan is valid by construction and y is large enough).
+void run_plan_dispatch(const Checker& c, const TensorView& x, const TensorView& top_experts, const PlanShape& s,
+                       int num_experts, int alignment, const PlanView& out, const std::optional<TensorView>& weights,
+                       const TensorView& y, const Options& options) {
+  const int64_t a_count = s.tokens * s.top_k;
+  if (top_experts.device.is_cuda() && cuda::plan_spread_fits(a_count, num_experts, s.top_k)) {
+    validate_ids_on_device(c, top_experts, s, num_experts, plain_routing(num_experts), options);
+    cuda::PlanSpreadArg p;
+    p.ids = cuda::IndexRef{top_experts.data, top_experts.dtype == DType::kInt64};
+    p.assignments = a_count;
+    p.num_experts = num_experts;
+    p.alignment = alignment;
+    p.row_capacity = out.row_sources.shape[0];
+    p.tokens_per_expert = out.tokens_per_expert.data_as<int32_t>();
+    p.bins = out.bins.data_as<int32_t>();
+    p.padded_tokens = out.padded_tokens_per_expert.data_as<int32_t>();
+    p.padded_bins = out.padded_bins.data_as<int32_t>();
+    p.indices = out.indices.data_as<int32_t>();
+    p.bin_ids = out.bin_ids.data_as<int32_t>();
+    p.dest_rows = out.dest_rows.data_as<int32_t>();
+    p.row_sources = out.row_sources.data_as<int32_t>();
+    const cuda::ScaleArg w = weights ? cuda::ScaleArg{weights->data, weights->dtype} : cuda::ScaleArg{};
+    cuda::plan_spread_rows(cuda::RowsArg::of(x), s.top_k, p, w, cuda::RowsArg::of(y), options.zero_padding,
+                           options.zero_tail, options.stream);
+    return;
+  }
+  run_make_plan(c, top_experts, s, num_experts, alignment, out, options);
+  PlanView plan = out;
+  plan.num_tokens = s.tokens;
+  plan.top_k = s.top_k;
+  plan.num_experts = num_experts;
+  plan.alignment = alignment;
+  Options o = options;
+  o.check_data = false;  // CUDA: the ids were validated; the plan is make_plan's
+  dispatch_out(x, plan, weights, y, o);
+}
+
+}  // namespace
+
+void make_plan_and_dispatch_out(const TensorView& x, const TensorView& top_experts, int num_experts, int alignment,
+                                const PlanView& out, const std::optional<TensorView>& weights, const TensorView& y,
+                                const Options& options) {
+  Checker c("make_plan_and_dispatch");
+  const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
+  check_plan_outputs(c, out, s, num_experts, top_experts.device);
+  check_plan_dispatch_rows(c, x, weights, &y, out.row_sources.shape[0], s, top_experts.device);
+  run_plan_dispatch(c, x, top_experts, s, num_experts, alignment, out, weights, y, options);
+}
+
+PlannedRows make_plan_and_dispatch(const TensorView& x, const TensorView& top_experts, int num_experts,
+                                   int alignment, const std::optional<TensorView>& weights, const Options& options) {
+  Checker c("make_plan_and_dispatch");
+  const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
+  check_plan_dispatch_rows(c, x, weights, nullptr, 0, s, top_experts.device);
+  PlannedRows r;
+  r.plan = Plan::empty(s.tokens, s.top_k, num_experts, alignment, top_experts.device);
+  r.y = Tensor::empty(x.dtype, {r.plan.capacity(), x.shape[1]}, x.device);
+  Options o = options;
+  o.zero_tail = true;  // y has the bound's rows: those at or past P are zero
+  run_plan_dispatch(c, x, top_experts, s, num_experts, alignment, r.plan.view(), weights, r.y.view(), o);
+  return r;
 }
 
 int64_t aligned_rows_bound(int64_t assignments, int num_experts, int block_size, bool pad_sorted_ids) {

@@ -1853,6 +1853,141 @@ TEST(Large, DeepSeekV3DispatchCombine) {
 // output are zero (bitwise equal to the CPU's), untouched without it.
 namespace pt {
 namespace {
+// make_plan_and_dispatch on the GPU: the one-launch form (plan_spread_fits) and the two-call
+// form (set_plan_spread(0)) against the CPU (and the reference plan) bit for bit, at the decode
+// shape and awkward ones (E = 1, E = 512 with A = 2048, experts left empty, K = 1, unaligned and
+// odd H, int64 ids, weights, float8 rows), zero_tail and zero_padding both ways; twice, equal.
+TEST(PlanSpread, OneLaunchMatchesCpuAndTwoCalls) {
+  REQUIRE_GPU();
+  struct Shape {
+    int64_t T;
+    int E, K;
+    int64_t H;
+    int m;
+    Dist dist;
+    DType dt, idx;
+    bool weighted;
+  };
+  const Shape shapes[] = {
+      {256, 256, 8, 7168, 16, Dist::kUniform, DType::kBFloat16, DType::kInt32, false},
+      {256, 256, 8, 7168, 16, Dist::kSkewed, DType::kBFloat16, DType::kInt64, true},
+      {7, 5, 3, 40, 4, Dist::kUniform, DType::kFloat32, DType::kInt32, true},
+      {33, 1, 2, 37, 8, Dist::kUniform, DType::kFloat16, DType::kInt32, false},
+      {512, 512, 4, 64, 16, Dist::kUniform, DType::kBFloat16, DType::kInt32, true},
+      {2048, 300, 1, 24, 128, Dist::kSkewed, DType::kFloat32, DType::kInt64, false},
+      {64, 64, 8, 256, 1, Dist::kSkewed, DType::kFloat8E4M3, DType::kInt32, false},
+      {1, 16, 6, 4096, 32, Dist::kUniform, DType::kBFloat16, DType::kInt32, true},
+  };
+  uint64_t seed = 41;
+  for (const Shape& sh : shapes) {
+    const int64_t T = sh.T, H = sh.H, A = T * sh.K;
+    const int E = sh.E, K = sh.K, m = sh.m;
+    SCOPED_TRACE("T " + std::to_string(T) + " E " + std::to_string(E) + " K " + std::to_string(K) + " H " +
+                 std::to_string(H) + " " + dname(sh.dt));
+    ASSERT_TRUE(padmoe::cuda::plan_spread_fits(A, E, K));
+    const std::vector<int64_t> te = make_routing(T, K, E, sh.dist, ++seed);
+    const ref::Plan rp = ref::make_plan(te, T, K, E, m);
+    const Tensor hte = index_matrix(te, T, K, sh.idx);
+    Rng rng(++seed);
+    std::vector<float> xf = random_values(T * H, sh.dt == DType::kFloat8E4M3 ? DType::kFloat32 : sh.dt, rng);
+    if (sh.dt == DType::kFloat8E4M3) {
+      for (auto& v : xf) v = num::round_to(sh.dt, v * 8.0f);
+    }
+    const Tensor hx = rows_from_float(xf, sh.dt, T, H);
+    const Tensor hw = vec_from_float(random_values(A, DType::kFloat32, rng, 0.0, 1.0), DType::kFloat32);
+    std::optional<TensorView> hwo, dwo;
+    const Tensor dte = to_gpu(hte), dx = to_gpu(hx), dw = to_gpu(hw);
+    if (sh.weighted) {
+      hwo = hw.view();
+      dwo = dw.view();
+    }
+    const padmoe::PlannedRows cpu = padmoe::make_plan_and_dispatch(hx, hte, E, m, hwo);
+    const int64_t P = rp.padded_rows, cap = cpu.plan.capacity();
+    ASSERT_EQ(cap, padmoe::capacity_bound(T, K, E, m));
+    for (bool zero_tail : {false, true}) {
+      for (bool zero_padding : {true, false}) {
+        SCOPED_TRACE(std::string("zero_tail ") + (zero_tail ? "1" : "0") + " zero_padding " + (zero_padding ? "1" : "0"));
+        padmoe::Options o;
+        o.zero_tail = zero_tail;
+        o.zero_padding = zero_padding;
+        std::vector<Tensor> ys;
+        for (int form : {1, 0, 1}) {  // one launch, two calls, one launch again
+          padmoe::cuda::set_plan_spread(form == 1 ? -1 : 0);
+          GpuPlan gp = gpu_plan_buffers(T, K, E, m);
+          Tensor gy = gpu_poison_rows(sh.dt, cap + 3, H);
+          padmoe::make_plan_and_dispatch_out(dx, dte, E, m, gp.view, dwo, gy, o);
+          expect_plan_equal(gp.view, cpu.plan, rp, form == 1 ? "one launch" : "two calls");
+          const Tensor hy = to_cpu(gy);
+          for (int64_t r = 0; r < P; ++r) {  // real rows as the CPU's; padding rows zero or untouched
+            const bool pad = rp.row_sources[r] < 0;
+            if (pad && !zero_padding) {
+              EXPECT_TRUE(bytes_are(hy, r, r + 1, kPoison)) << "padding row " << r << " written";
+            } else {
+              EXPECT_TRUE(rows_same(hy, cpu.y, r, r + 1)) << "row " << r;
+            }
+          }
+          EXPECT_TRUE(bytes_are(hy, P, cap, zero_tail ? 0x00 : kPoison)) << "rows past P";
+          EXPECT_TRUE(bytes_are(hy, cap, cap + 3, kPoison)) << "rows past the bound";
+          ys.push_back(hy);
+        }
+        EXPECT_TRUE(all_same(ys[0], ys[1])) << "one launch vs two calls";
+        EXPECT_TRUE(all_same(ys[0], ys[2])) << "one launch twice";
+      }
+    }
+    padmoe::cuda::set_plan_spread(-1);
+    const padmoe::PlannedRows gpu = padmoe::make_plan_and_dispatch(dx, dte, E, m, dwo);
+    expect_plan_equal(gpu.plan.view(), cpu.plan, rp, "allocating");
+    EXPECT_TRUE(all_same(to_cpu(gpu.y), cpu.y)) << "allocating y (rows past P zero)";
+  }
+  padmoe::cuda::set_plan_spread(-1);
+}
+
+// Unchecked ids outside [0, E) are dropped by both forms alike (dest_rows -1, no row), nothing
+// written out of bounds; checked mode names the first bad id and writes nothing.
+TEST(PlanSpread, BadIdsUncheckedDroppedCheckedRaised) {
+  REQUIRE_GPU();
+  const int64_t T = 96, H = 256;
+  const int K = 4, E = 32, m = 8;
+  std::vector<int64_t> te = make_routing(T, K, E, Dist::kUniform, 7);
+  te[5] = E;
+  te[77] = -1;
+  te[300] = 1000;
+  const Tensor dte = to_gpu(index_matrix(te, T, K, DType::kInt32));
+  Rng rng(9);
+  const Tensor dx = to_gpu(rows_from_float(random_values(T * H, DType::kBFloat16, rng), DType::kBFloat16, T, H));
+  const int64_t cap = padmoe::capacity_bound(T, K, E, m);
+  padmoe::Options unchecked;
+  unchecked.check_data = false;
+  unchecked.zero_tail = true;
+  std::vector<Tensor> got;
+  for (int form : {1, 0}) {
+    padmoe::cuda::set_plan_spread(form == 1 ? -1 : 0);
+    GpuPlan gp = gpu_plan_buffers(T, K, E, m);
+    Tensor gy = gpu_poison_rows(DType::kBFloat16, cap + 2, H);
+    padmoe::make_plan_and_dispatch_out(dx, dte, E, m, gp.view, std::nullopt, gy, unchecked);
+    const std::vector<int64_t> dest = index_to_vec(to_cpu(gp.dest_rows));
+    EXPECT_EQ(dest[5], -1);
+    EXPECT_EQ(dest[77], -1);
+    EXPECT_EQ(dest[300], -1);
+    for (const Tensor* t : {&gp.indices, &gp.bin_ids, &gp.tpe, &gp.bins, &gp.ptpe, &gp.padded_bins, &gp.dest_rows,
+                            &gp.row_sources}) {
+      got.push_back(to_cpu(*t));
+    }
+    const Tensor hy = to_cpu(gy);
+    EXPECT_TRUE(bytes_are(hy, cap, cap + 2, kPoison)) << "rows past the bound";
+    got.push_back(hy);
+  }
+  padmoe::cuda::set_plan_spread(-1);
+  const size_t n = got.size() / 2;
+  for (size_t i = 0; i < n; ++i) EXPECT_TRUE(all_same(got[i], got[n + i])) << "output " << i << ": one launch vs two calls";
+  GpuPlan gp = gpu_plan_buffers(T, K, E, m);
+  Tensor gy = gpu_poison_rows(DType::kBFloat16, cap, H);
+  EXPECT_TRUE(throws_error([&] { padmoe::make_plan_and_dispatch_out(dx, dte, E, m, gp.view, std::nullopt, gy); },
+                           {"make_plan_and_dispatch", "top_experts", "[1, 1]"}));
+  EXPECT_TRUE(all_bytes_are(to_cpu(gp.dest_rows), kIndexPoison));
+  EXPECT_TRUE(all_bytes_are(to_cpu(gy), kPoison));
+}
+
 TEST(ZeroTail, DispatchOnGpuMatchesCpu) {
   REQUIRE_GPU();
   const int64_t T = 300, H = 72;
