@@ -14,7 +14,7 @@
 #        all (default all; profile and ab are never in all). ab: kernel variants timed
 #        against each other, PADMOE_AB="TAG=ENV=V[,ENV=V]@PRESET@OPS ..." (see the stage). PADMOE_CHECK_PRESETS the
 #        checks stage's presets (default all five). PADMOE_SANITIZE=0 skips the
-#        sanitizer runs of the tests stage, PADMOE_CPU_TESTS=0 its ctest run,
+#        sanitizer runs of the tests stage (PADMOE_SANITIZE_FILTER: their gtest filter), PADMOE_CPU_TESTS=0 its ctest run,
 #        PADMOE_GPU_TEST_FILTER the GPU suite's gtest filter (default all),
 #        PADMOE_BANDWIDTH=0 skips the bench stage's padmoe_bandwidth, PADMOE_BENCH_PRESETS /
 #        PADMOE_BENCH_OPS its presets (default the four) and ops (default all). A lean call when
@@ -88,7 +88,7 @@ fi
 if want tests; then
   [ "${PADMOE_CPU_TESTS:-1}" = "1" ] && run cpu-tests ctest --test-dir "$build" -j "$(nproc)" --output-on-failure
   run gpu-tests "$build/padmoe_cuda_tests" --gtest_filter="${PADMOE_GPU_TEST_FILTER:-*}"
-  subset='Determinism*:CheckedMode*:CudaGraph*:CpuVsGpuEdge*:PlanKernels*:RowSlices*:DotKernels*:ReduceShapes*:Pdl*:SortChunksGpu*:DestSearch*:RowDots*'
+  subset=${PADMOE_SANITIZE_FILTER:-'Determinism*:CheckedMode*:CudaGraph*:CpuVsGpuEdge*:PlanKernels*:RowSlices*:DotKernels*:ReduceShapes*:Pdl*:SortChunksGpu*:DestSearch*:RowDots*:PlanSpread*'}
   [ "${PADMOE_SANITIZE:-1}" = "1" ] && run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
   [ "${PADMOE_SANITIZE:-1}" = "1" ] && run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
 fi
