@@ -428,7 +428,7 @@ constexpr int kPlanSpreadK = kGroupK;                                // a token'
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     plan_spread_kernel(RowsArg x, int top_k, PlanSpreadArg p, ScaleArg w, RowsArg y, bool zero_padding,
-                       bool zero_past_end, int zero_rows) {
+                       bool zero_past_end) {
   pdl_begin();
   using U = Unit<T, kVec>;
   using Scan = cub::BlockScan<unsigned long long, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
@@ -520,15 +520,7 @@ __global__ void __launch_bounds__(kThreads)
   plan_fills<kThreads>(s_row, s_all, E, p.alignment, padded_total, p.row_capacity, 0, p.row_sources, -1, nullptr,
                        nullptr);
   __syncthreads();
-  if (!row_block) {
-    auto bins = [&](int64_t e) -> int64_t { return s_pos[e] + s_all[e]; };
-    auto pbins = [&](int64_t e) -> int64_t { return s_row[e] + round_up_32(s_all[e], p.alignment); };
-    zero_padding_rows_of<U, false>(y, E, bins, pbins, zero_padding, zero_past_end,
-                                   (static_cast<int64_t>(blockIdx.x) - tokens) * zero_rows, zero_rows,
-                                   ScaleRowsArg{});
-    return;
-  }
-  for (int64_t c = 0; c < units; c += kChunkUnits) {
+  for (int64_t c = 0; row_block && c < units; c += kChunkUnits) {
     if (c > 0) load_chunk(c);
     for (int q = 0; q < top_k; ++q) {
       const int64_t r = s_dest[q];
@@ -542,6 +534,14 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
+  if (!zero_padding && !zero_past_end) return;
+  // Every block knows the whole layout: block b zeroes the padding rows (and with zero_past_end
+  // the rows at or past P) of the b-th of gridDim.x equal row ranges of y, after its own copies.
+  auto bins = [&](int64_t e) -> int64_t { return s_pos[e] + s_all[e]; };
+  auto pbins = [&](int64_t e) -> int64_t { return s_row[e] + round_up_32(s_all[e], p.alignment); };
+  const int64_t r0 = y.rows * blockIdx.x / gridDim.x, r1 = y.rows * (blockIdx.x + 1) / gridDim.x;
+  zero_padding_rows_of<U, false>(y, E, bins, pbins, zero_padding, zero_past_end, r0, static_cast<int>(r1 - r0),
+                                 ScaleRowsArg{});
 }
 
 // Spread with dots, a warp an assignment (short rows, or few tokens): warp a moves x[a/K] to
@@ -1517,6 +1517,14 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
 
 namespace {
 std::atomic<int> g_plan_spread{-2};  // -2: not set by set_plan_spread
+int64_t plan_spread_blocks() {  // PADMOE_CUDA_PLAN_SPREAD_BLOCKS (default two an SM)
+  static const int64_t n = [] {
+    const char* v = std::getenv("PADMOE_CUDA_PLAN_SPREAD_BLOCKS");
+    const int64_t b = v != nullptr ? std::atoll(v) : 0;
+    return b > 0 ? b : 2 * static_cast<int64_t>(sm_count());
+  }();
+  return n;
+}
 }  // namespace
 
 void set_plan_spread(int mode) { g_plan_spread.store(mode == 0 ? 0 : -2, std::memory_order_relaxed); }
@@ -1537,14 +1545,13 @@ bool plan_spread_fits(int64_t assignments, int num_experts, int top_k) {
 void plan_spread_rows(const RowsArg& x, int top_k, const PlanSpreadArg& plan, ScaleArg w, const RowsArg& y,
                       bool zero_padding, bool zero_past_end, void* stream) {
   const int64_t tokens = x.rows;
-  const int zero_rows = zero_rows_per_block(tokens, y.cols * static_cast<int64_t>(element_size(y.dtype)));
-  const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, zero_rows) : 0;
+  const bool zeroing = zero_padding || zero_past_end;
+  const int64_t blocks = zeroing ? std::max<int64_t>(tokens, std::min<int64_t>(plan_spread_blocks(), y.rows)) : tokens;
   const bool vec = rows_vectorizable(x) && rows_vectorizable(y);
-  const int64_t blocks = tokens + zero_blocks;  // tokens >= 1: every launch writes the plan
   pick<PlanSpreadTag>(x.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("plan_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
-        top_k, plan, w, y, zero_padding, zero_past_end, zero_rows);
+        top_k, plan, w, y, zero_padding, zero_past_end);
   });
 }
 
