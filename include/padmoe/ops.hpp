@@ -323,11 +323,10 @@ void dispatch_out(const TensorView& x, const PlanView& plan, const std::optional
                   const TensorView& y, const Options& options = {});
 
 // make_plan then dispatch in one call: the plan of top_experts[T, K] (make_plan's, bit for bit)
-// and y[dest_rows[a]] = x[a / K] (times weights[a] when given), padding rows zero. On CUDA at the
-// decode sizes (A = T*K <= 2048, E <= 512, top_k <= 64) one kernel does both: each of its blocks
-// counts and ranks the ids itself, so no launch waits for a plan (docs/design.md); at other sizes
-// it is make_plan's launch then dispatch's. Errors are make_plan's and dispatch's, raised before
-// anything is written.
+// and y[dest_rows[a]] = x[a / K] (times weights[a] when given), padding rows zero: make_plan's
+// launch then dispatch's, with one set of checks (padmoe.torch: one operator call instead of two).
+// Errors are make_plan's and dispatch's, raised before anything is written. (A single CUDA kernel
+// doing both at decode sizes was measured and not kept: docs/design.md.)
 // The allocating form returns y with plan.capacity() rows (no host synchronization: rows at or
 // past P are zero, as padmoe.torch.dispatch's). _out: y needs at least as many rows as
 // out.row_sources (capacity_bound() on CUDA, P on the CPU), x's columns and dtype; rows at or past

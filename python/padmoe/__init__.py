@@ -14,6 +14,7 @@ Outputs are allocated here and filled by padmoe's native ``_out`` ops
     out = padmoe.combine(y, plan, w)                            # [T, H], weighted top-k sum
 
 Ops (arguments in the order of padmoe/ops.hpp): :func:`make_plan`,
+:func:`make_plan_and_dispatch` (make_plan then dispatch in one call),
 :func:`padded_gather`, :func:`padded_scatter`, :func:`padded_scatter_wgrad`,
 :func:`padded_gather_backward`, :func:`padded_scatter_backward`,
 :func:`dispatch`, :func:`combine`, :func:`combine_backward`,
@@ -40,6 +41,7 @@ from ._ops import (
     dispatch_quantized,
     has_cuda,
     make_plan,
+    make_plan_and_dispatch,
     make_plan_layouts,
     moe_align_block_size,
     pad_to_alignment,
@@ -74,6 +76,7 @@ __all__ = [
     "dispatch_quantized",
     "has_cuda",
     "make_plan",
+    "make_plan_and_dispatch",
     "make_plan_layouts",
     "moe_align_block_size",
     "pad_to_alignment",

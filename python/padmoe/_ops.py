@@ -487,6 +487,60 @@ def dispatch(x: Array, plan: Plan, weights: Optional[Array] = None, *, rows: Opt
     return y
 
 
+def make_plan_and_dispatch(x: Array, top_experts: Array, num_experts: int, alignment: int,
+                           weights: Optional[Array] = None, *, rows: Optional[int] = None,
+                           out: Optional[Tuple[Optional[Plan], Optional[Array]]] = None, check: bool = True,
+                           num_threads: int = 0, workspace: Optional[Array] = None, stream: Optional[int] = None,
+                           zero_tail: bool = False, zero_padding: bool = True) -> Tuple[Plan, Array]:
+    """:func:`make_plan` then :func:`dispatch` in one call: ``(plan, y)``, the plan of
+    ``top_experts[T, K]`` and ``y = dispatch(x, plan, weights)``, bit for bit (make_plan's launch
+    then dispatch's). Every check (make_plan's on ``top_experts``, dispatch's on ``x`` and
+    ``weights``) runs before anything is written.
+
+    ``y`` has exactly P rows by default (a view of the first P rows of a ``plan.capacity``-row
+    buffer; on CUDA reading P is one synchronization); ``rows=n`` with ``n >= plan.capacity``
+    allocates n rows (no synchronization), rows at or past P left uninitialized (zero with
+    ``zero_tail=True``). ``out=(plan, y)``: a plan from ``Plan.empty(T, K, E, alignment, like=...)``
+    and/or ``y`` with at least ``len(plan.row_sources)`` rows (either may be None: allocated), filled
+    and returned. ``zero_padding`` as :func:`dispatch`."""
+    op = "make_plan_and_dispatch"
+    arrays = arrays_of(x, op, "x")
+    index_arrays = arrays_of(top_experts, op, "top_experts")
+    out_plan, out_y = _split_out(op, out, 2)
+    x, weights, out_y = prepare(arrays, x, weights, out_y)
+    (top_experts,) = prepare(index_arrays, top_experts)
+    t, k = (int(top_experts.shape[0]), int(top_experts.shape[1])) if ndim(top_experts) == 2 else (0, 1)
+    if out_plan is None:
+        plan = Plan._allocate(t, k, num_experts, alignment, top_experts)
+    else:
+        plan = out_plan
+        if ndim(top_experts) == 2 and (plan.num_tokens, plan.top_k, plan.num_experts, plan.alignment) != (
+                t, k, num_experts, alignment):
+            raise ValueError(
+                f"{op}: out: the plan buffers are for num_tokens={plan.num_tokens}, top_k={plan.top_k}, "
+                f"num_experts={plan.num_experts}, alignment={plan.alignment}; this call needs "
+                f"num_tokens={t}, top_k={k}, num_experts={num_experts}, alignment={alignment}")
+    slots = int(plan.row_sources.shape[0]) if ndim(plan.row_sources) == 1 else 0
+    exact = out_y is None and rows is None
+    if out_y is not None:
+        if rows is not None:
+            raise ValueError(f"{op}: pass rows= or out=, not both")
+        y = out_y
+    else:
+        n = slots if rows is None else int(rows)
+        if n < slots:
+            raise ValueError(f"{op}: rows: must be >= plan.capacity = {slots}, got {n}")
+        if n > INT32_MAX:
+            raise ValueError(f"{op}: rows: size overflow: {n} does not fit the int32 index outputs")
+        y = arrays.empty((n, _cols(x)), x.dtype, x)
+    _C.make_plan_and_dispatch_out(x, top_experts, num_experts, alignment, plan, weights, y,
+                                  **_options(arrays, x, check, num_threads, workspace, stream, zero_tail,
+                                             zero_padding))
+    if exact:
+        y = y[: _plan_rows(index_arrays, plan)()]
+    return plan, y
+
+
 _QUANT_LAYOUTS = ("block128", "mxfp8", "row")
 
 

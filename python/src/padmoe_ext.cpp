@@ -503,6 +503,25 @@ NB_MODULE(_C, m) {
       },
       nb::arg("x"), nb::arg("plan"), nb::arg("weights").none(), nb::arg("y"), PADMOE_OPTIONS);
 
+  // make_plan into `out` (a plan object, as make_plan_out's) and dispatch into y, in one call;
+  // every check runs before anything is written.
+  m.def(
+      "make_plan_and_dispatch_out",
+      [](const In& x, const In& top_experts, int num_experts, int alignment, nb::handle out, const OptIn& weights,
+         const Out& y, PADMOE_OPTION_PARAMS) {
+        const char* op = "make_plan_and_dispatch";
+        const TensorView vx = to_view(x, op, "x"), te = to_view(top_experts, op, "top_experts"),
+                         vy = to_view(y, op, "y");
+        PlanArg<Out> p;
+        read_plan(out, op, "out", p);
+        const auto vw = opt_view(weights, op, "weights");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        padmoe::make_plan_and_dispatch_out(vx, te, num_experts, alignment, p.view, vw, vy, o);
+      },
+      nb::arg("x"), nb::arg("top_experts"), nb::arg("num_experts"), nb::arg("alignment"), nb::arg("out"),
+      nb::arg("weights").none(), nb::arg("y"), PADMOE_OPTIONS);
+
   m.def(
       "combine_out",
       [](const In& y, nb::handle plan, const OptIn& weights, const Out& out, PADMOE_OPTION_PARAMS) {

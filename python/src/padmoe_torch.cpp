@@ -421,6 +421,25 @@ Tensor dest_of(const Tensor& indices, const Tensor& bin_ids, const Tensor& bins,
 
 // --- the operators (CPU and CUDA kernels) ---------------------------------------
 
+// make_plan's sizes before any allocation (in 64 bits, no product that can overflow): E and m
+// >= 1 and within int32, A and capacity = A + E*(m-1) (capacity_bound) within the int32 outputs.
+void check_plan_sizes(const char* op, int64_t t, int64_t k, int64_t num_experts, int64_t alignment) {
+  if (num_experts < 1) value_error(op, "num_experts", "must be >= 1, got " + std::to_string(num_experts));
+  if (alignment < 1) value_error(op, "alignment", "must be >= 1, got " + std::to_string(alignment));
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  if (num_experts > kMax) value_error(op, "num_experts", "size overflow: " + std::to_string(num_experts) + " does not fit int32");
+  if (alignment > kMax) value_error(op, "alignment", "size overflow: " + std::to_string(alignment) + " does not fit int32");
+  if (k >= 1 && t > kMax / k) {
+    value_error(op, "top_experts", "size overflow: " + std::to_string(t) + " x " + std::to_string(k) +
+                                       " assignments do not fit the int32 index outputs");
+  }
+  const int64_t a = std::max<int64_t>(t * k, 0);
+  const int64_t cap = a + num_experts * (alignment - 1);  // capacity_bound, at most 2^31 * 2^31
+  if (cap > kMax) {
+    value_error(op, "capacity", "size overflow: " + std::to_string(cap) + " does not fit the int32 index outputs");
+  }
+}
+
 Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64_t alignment, int64_t check,
                              const OptTensor& weights) {
   const char* op = "make_plan";
@@ -441,21 +460,8 @@ Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64
     }
   }
   Tensor top = index_arg(top_experts_in);
-  if (num_experts < 1) value_error(op, "num_experts", "must be >= 1, got " + std::to_string(num_experts));
-  if (alignment < 1) value_error(op, "alignment", "must be >= 1, got " + std::to_string(alignment));
-  // sizes before any allocation (in 64 bits, no product that can overflow)
-  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  if (num_experts > kMax) value_error(op, "num_experts", "size overflow: " + std::to_string(num_experts) + " does not fit int32");
-  if (alignment > kMax) value_error(op, "alignment", "size overflow: " + std::to_string(alignment) + " does not fit int32");
-  if (k >= 1 && t > kMax / k) {
-    value_error(op, "top_experts", "size overflow: " + std::to_string(t) + " x " + std::to_string(k) +
-                                       " assignments do not fit the int32 index outputs");
-  }
+  check_plan_sizes(op, t, k, num_experts, alignment);
   const int64_t a = std::max<int64_t>(t * k, 0), e = num_experts;
-  const int64_t cap = a + e * (alignment - 1);  // capacity_bound, at most 2^31 * 2^31
-  if (cap > kMax) {
-    value_error(op, "capacity", "size overflow: " + std::to_string(cap) + " does not fit the int32 index outputs");
-  }
   c10::OptionalDeviceGuard guard(top.device());
   Tensor out = at::empty({packed_length(a, e, alignment)}, top.options().dtype(at::kInt));
   Tensor workspace;
@@ -569,6 +575,56 @@ Tensor dispatch_kernel(const Tensor& x_in, const Tensor& plan, const OptTensor& 
   o.zero_padding = zero_padding;  // false: padding rows (and the rows past P) left unwritten
   native([&] { padmoe::dispatch_out(view(x, op, "x"), pv, opt_view(w, op, "weights"), view(y, op, "y"), o); });
   return y;
+}
+
+// make_plan then dispatch in one call (padmoe::make_plan_and_dispatch_out: make_plan's launch then
+// dispatch's): (y [capacity, H], the packed plan), make_plan's plan and dispatch's y bit for
+// bit. Every check (make_plan's on top_experts, dispatch's on x and weights) runs before anything
+// is written. CUDA scratch: one caching-allocator tensor of workspace_bound bytes, as make_plan's.
+std::tuple<Tensor, Tensor> make_plan_and_dispatch_kernel(const Tensor& x_in, const Tensor& top_experts_in,
+                                                         int64_t num_experts, int64_t alignment,
+                                                         const OptTensor& weights, int64_t check, bool zero_padding) {
+  const char* op = "make_plan_and_dispatch";
+  if (top_experts_in.dim() != 2) value_error(op, "top_experts", "expected [T, K], got shape " + shape_of(top_experts_in));
+  const int64_t t = top_experts_in.size(0), k = top_experts_in.size(1);
+  check_plan_sizes(op, t, k, num_experts, alignment);
+  const int64_t a = std::max<int64_t>(t * k, 0), e = num_experts;
+  Tensor top = index_arg(top_experts_in);
+  const bool f64 = is_f64(x_in);
+  Tensor x = f64 ? x_in : rows_arg(x_in);
+  OptTensor w = scale_arg(weights);
+  c10::OptionalDeviceGuard guard(top.device());
+  Tensor plan = at::empty({packed_length(a, e, alignment)}, top.options().dtype(at::kInt));
+  Tensor workspace;
+  if (top.is_cuda()) {  // make_plan's scratch from the caching allocator in one call
+    size_t bytes = 0;
+    native([&] {
+      bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e),
+                                      static_cast<int>(alignment));
+    });
+    if (bytes > 0) workspace = at::empty({static_cast<int64_t>(bytes)}, top.options().dtype(at::kByte));
+  }
+  // k = 0 columns: padmoe reports top_k itself
+  const PackedPlan pp = packed_plan(plan, std::max<int64_t>(k, 1), e, alignment, op);
+  const padmoe::PlanView pv = pp.view(op);
+  // the views in the order padmoe checks them (top_experts, x, weights, y): the first bad one is reported
+  const TensorView vt = view(top, op, "top_experts");
+  const TensorView vx = f64 ? shadow(x) : view(x, op, "x");
+  const std::optional<TensorView> vw = opt_view(w, op, "weights");
+  Tensor y = f64 ? Tensor() : at::empty({pp.cap, x.dim() == 2 ? x.size(1) : 0}, x.options());
+  const TensorView vy = f64 ? shadow_rows(pp.cap, x) : view(y, op, "y");
+  padmoe::Options o = options_for(top, check, /*zero_tail=*/zero_padding || f64);
+  o.zero_padding = zero_padding || f64;  // false: padding rows (and the rows past P) left unwritten
+  if (workspace.defined()) {
+    o.workspace = workspace.data_ptr();
+    o.workspace_bytes = static_cast<size_t>(workspace.numel());
+  }
+  native([&] {
+    padmoe::make_plan_and_dispatch_out(vx, vt, static_cast<int>(num_experts), static_cast<int>(alignment), pv, vw, vy,
+                                       o);
+  });
+  if (f64) y = spread64(x_in, pp.dest_rows(), pp.k, weights, pp.cap);
+  return {y, plan};
 }
 
 Tensor combine_kernel(const Tensor& y_in, const Tensor& plan, const OptTensor& weights, int64_t top_k,
@@ -1069,21 +1125,9 @@ struct PlanOpBackward : Node {
   std::string name() const override { return is_combine ? "padmoe::CombineBackward" : "padmoe::DispatchBackward"; }
 };
 
-Tensor plan_op_autograd(bool is_combine, const Tensor& rows, const Tensor& plan, const OptTensor& weights,
-                        int64_t top_k, int64_t num_experts, int64_t alignment, int64_t check,
-                        bool zero_padding = true) {
-  Tensor out;
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    if (is_combine) {
-      static auto op = handle<decltype(combine_kernel)>("padmoe::combine");
-      out = op.call(rows, plan, weights, top_k, num_experts, alignment, check);
-    } else {
-      static auto op = handle<decltype(dispatch_kernel)>("padmoe::dispatch");
-      out = op.call(rows, plan, weights, top_k, num_experts, alignment, check, zero_padding);
-    }
-  }
-  if (!recording(rows, weights)) return out;
+// Attaches the PlanOpBackward node of dispatch / combine on `plan` to their output `out`.
+void record_plan_op(bool is_combine, const Tensor& out, const Tensor& rows, const Tensor& plan,
+                    const OptTensor& weights, int64_t top_k, int64_t num_experts, int64_t alignment, int64_t check) {
   NodePtr node = new_node<PlanOpBackward>();
   auto* n = static_cast<PlanOpBackward*>(node.get());
   n->set_next_edges(torch::autograd::collect_next_edges(rows, weights));
@@ -1101,6 +1145,23 @@ Tensor plan_op_autograd(bool is_combine, const Tensor& rows, const Tensor& plan,
   n->check = backward_check(check);
   n->row_count = rows.dim() >= 1 ? rows.size(0) : 0;
   torch::autograd::set_history(out, node);
+}
+
+Tensor plan_op_autograd(bool is_combine, const Tensor& rows, const Tensor& plan, const OptTensor& weights,
+                        int64_t top_k, int64_t num_experts, int64_t alignment, int64_t check,
+                        bool zero_padding = true) {
+  Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    if (is_combine) {
+      static auto op = handle<decltype(combine_kernel)>("padmoe::combine");
+      out = op.call(rows, plan, weights, top_k, num_experts, alignment, check);
+    } else {
+      static auto op = handle<decltype(dispatch_kernel)>("padmoe::dispatch");
+      out = op.call(rows, plan, weights, top_k, num_experts, alignment, check, zero_padding);
+    }
+  }
+  if (recording(rows, weights)) record_plan_op(is_combine, out, rows, plan, weights, top_k, num_experts, alignment, check);
   return out;
 }
 
@@ -1111,6 +1172,24 @@ Tensor dispatch_autograd(const Tensor& x, const Tensor& plan, const OptTensor& w
 Tensor combine_autograd(const Tensor& y, const Tensor& plan, const OptTensor& weights, int64_t top_k,
                         int64_t num_experts, int64_t alignment, int64_t check) {
   return plan_op_autograd(true, y, plan, weights, top_k, num_experts, alignment, check);
+}
+
+// make_plan_and_dispatch: y differentiable wrt x and weights exactly as dispatch's (the same node:
+// its backward is dispatch_backward on the returned plan); the plan output never is.
+std::tuple<Tensor, Tensor> make_plan_and_dispatch_autograd(const Tensor& x, const Tensor& top_experts,
+                                                           int64_t num_experts, int64_t alignment,
+                                                           const OptTensor& weights, int64_t check, bool zero_padding) {
+  std::tuple<Tensor, Tensor> out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = handle<decltype(make_plan_and_dispatch_kernel)>("padmoe::make_plan_and_dispatch");
+    out = op.call(x, top_experts, num_experts, alignment, weights, check, zero_padding);
+  }
+  if (recording(x, weights)) {
+    record_plan_op(false, std::get<0>(out), x, std::get<1>(out), weights, top_experts.size(1), num_experts, alignment,
+                   check);
+  }
+  return out;
 }
 
 // MegaBlocks drop-ins: padded_gather (x, ..., weights) and padded_scatter (y, ..., weights). Edges: (rows, weights).
@@ -1398,6 +1477,8 @@ TORCH_LIBRARY(padmoe, m) {
         "-> Tensor");
   m.def("dispatch_backward(Tensor grad_y, Tensor? x, Tensor plan, Tensor? weights, int top_k, int num_experts, "
         "int alignment, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
+  m.def("make_plan_and_dispatch(Tensor x, Tensor top_experts, int num_experts, int alignment, Tensor? weights=None, "
+        "int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
   m.def("combine(Tensor y, Tensor plan, Tensor? weights, int top_k, int num_experts, int alignment, int check=2) "
         "-> Tensor");
   m.def("combine_backward(Tensor grad_out, Tensor? y, Tensor plan, Tensor? weights, int top_k, int num_experts, "
@@ -1429,6 +1510,7 @@ TORCH_LIBRARY(padmoe, m) {
   m.impl("make_plan_routed", make_plan_routed_kernel);                            \
   m.impl("dispatch", dispatch_kernel);                                            \
   m.impl("dispatch_backward", dispatch_backward_kernel);                          \
+  m.impl("make_plan_and_dispatch", make_plan_and_dispatch_kernel);                \
   m.impl("combine", combine_kernel);                                              \
   m.impl("combine_backward", combine_backward_kernel);                            \
   m.impl("padded_gather", padded_gather_kernel);                                  \
@@ -1451,6 +1533,7 @@ TORCH_LIBRARY_IMPL(padmoe, Autograd, m) {
   m.impl("make_plan", make_plan_autograd);
   m.impl("make_plan_routed", make_plan_routed_autograd);
   m.impl("dispatch", dispatch_autograd);
+  m.impl("make_plan_and_dispatch", make_plan_and_dispatch_autograd);
   m.impl("combine", combine_autograd);
   m.impl("padded_gather", padded_gather_autograd);
   m.impl("padded_scatter", padded_scatter_autograd);
@@ -1475,7 +1558,7 @@ TORCH_LIBRARY_IMPL(padmoe, Autograd, m) {
 namespace {
 
 enum PyOp { kPyMakePlan, kPyDispatch, kPyCombine, kPyPaddedGather, kPyPaddedScatter, kPyPaddedScatterWgrad,
-            kPyPad, kPyUnpad, kPyOpCount };
+            kPyPad, kPyUnpad, kPyMakePlanAndDispatch, kPyOpCount };
 PyObject* g_fallback[kPyOpCount] = {};
 
 PyObject* fallback(PyOp op, PyObject* const* args, Py_ssize_t nargs) {
@@ -1523,6 +1606,20 @@ bool read_arg(PyObject* o, bool& v) {
 }
 
 PyObject* wrap_result(Tensor t) { return THPVariable_Wrap(std::move(t)); }
+PyObject* wrap_result(std::tuple<Tensor, Tensor> t) {
+  PyObject* seq = PyTuple_New(2);
+  if (seq == nullptr) return nullptr;
+  Tensor parts[2] = {std::get<0>(t), std::get<1>(t)};
+  for (Py_ssize_t i = 0; i < 2; ++i) {
+    PyObject* v = THPVariable_Wrap(std::move(parts[i]));
+    if (v == nullptr) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(seq, i, v);
+  }
+  return seq;
+}
 PyObject* wrap_result(std::tuple<Tensor, Tensor, Tensor> t) {
   PyObject* seq = PyTuple_New(3);
   if (seq == nullptr) return nullptr;
@@ -1541,7 +1638,7 @@ PyObject* wrap_result(std::tuple<Tensor, Tensor, Tensor> t) {
 // The operator each entry point calls ("padmoe::<name>"), by PyOp.
 constexpr const char* kPyOpNames[kPyOpCount] = {"make_plan", "dispatch", "combine", "padded_gather",
                                                 "padded_scatter", "padded_scatter_wgrad", "pad_to_alignment",
-                                                "unpad_from_alignment"};
+                                                "unpad_from_alignment", "make_plan_and_dispatch"};
 
 // One entry point per operator, made from the kernel's signature: the
 // arguments positionally, each read as the kernel takes it (Tensor, optional
@@ -1602,6 +1699,8 @@ PyMethodDef g_methods[] = {
                  (PyEntry<kPyPaddedScatterWgrad, decltype(padded_scatter_wgrad_kernel)>::call)),
     PADMOE_PY_FN("pad_to_alignment", (PyEntry<kPyPad, decltype(pad_kernel)>::call)),
     PADMOE_PY_FN("unpad_from_alignment", (PyEntry<kPyUnpad, decltype(unpad_kernel)>::call)),
+    PADMOE_PY_FN("make_plan_and_dispatch",
+                 (PyEntry<kPyMakePlanAndDispatch, decltype(make_plan_and_dispatch_kernel)>::call)),
     PADMOE_PY_FN("_set_fallback", py_set_fallback),
     {nullptr, nullptr, 0, nullptr},
 };

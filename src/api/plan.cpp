@@ -421,33 +421,11 @@ void check_plan_dispatch_rows(const Checker& c, const TensorView& x, const std::
   }
 }
 
-// Both steps on checked arguments: one launch on CUDA where plan_spread_fits, else make_plan's
-// then dispatch's (its own checks pass: the plan is valid by construction and y is large enough).
+// Both steps on checked arguments: make_plan's launch then dispatch's (whose own checks pass: the
+// plan is valid by construction and y is large enough).
 void run_plan_dispatch(const Checker& c, const TensorView& x, const TensorView& top_experts, const PlanShape& s,
                        int num_experts, int alignment, const PlanView& out, const std::optional<TensorView>& weights,
                        const TensorView& y, const Options& options) {
-  const int64_t a_count = s.tokens * s.top_k;
-  if (top_experts.device.is_cuda() && cuda::plan_spread_fits(a_count, num_experts, s.top_k)) {
-    validate_ids_on_device(c, top_experts, s, num_experts, plain_routing(num_experts), options);
-    cuda::PlanSpreadArg p;
-    p.ids = cuda::IndexRef{top_experts.data, top_experts.dtype == DType::kInt64};
-    p.assignments = a_count;
-    p.num_experts = num_experts;
-    p.alignment = alignment;
-    p.row_capacity = out.row_sources.shape[0];
-    p.tokens_per_expert = out.tokens_per_expert.data_as<int32_t>();
-    p.bins = out.bins.data_as<int32_t>();
-    p.padded_tokens = out.padded_tokens_per_expert.data_as<int32_t>();
-    p.padded_bins = out.padded_bins.data_as<int32_t>();
-    p.indices = out.indices.data_as<int32_t>();
-    p.bin_ids = out.bin_ids.data_as<int32_t>();
-    p.dest_rows = out.dest_rows.data_as<int32_t>();
-    p.row_sources = out.row_sources.data_as<int32_t>();
-    const cuda::ScaleArg w = weights ? cuda::ScaleArg{weights->data, weights->dtype} : cuda::ScaleArg{};
-    cuda::plan_spread_rows(cuda::RowsArg::of(x), s.top_k, p, w, cuda::RowsArg::of(y), options.zero_padding,
-                           options.zero_tail, options.stream);
-    return;
-  }
   run_make_plan(c, top_experts, s, num_experts, alignment, out, options);
   PlanView plan = out;
   plan.num_tokens = s.tokens;

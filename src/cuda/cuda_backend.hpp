@@ -215,36 +215,6 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
                  FloatOutArg dots, void* stream, const ScaleRowsArg* scales = nullptr);
 
-// make_plan and the spread in one launch (make_plan_and_dispatch at the decode sizes): every
-// block counts all the ids into shared memory (integer atomics: exact in any order) and scans the
-// expert totals; block t < T also counts the ids before its token's and places the token's
-// assignments (the stable counting sort's ranks, so make_plan's bits), then moves x[t] to its K
-// rows; the other blocks zero padding rows (and rows at or past P when zero_past_end), and all
-// share the fills of row_sources. Only the plain plan (no layouts, expert map or capacity); an
-// id outside [0, E) is dropped, as make_plan's unchecked mode does.
-struct PlanSpreadArg {
-  IndexRef ids;
-  int64_t assignments = 0;
-  int num_experts = 0;
-  int alignment = 1;
-  int64_t row_capacity = 0;  // entries of row_sources
-  int32_t* tokens_per_expert = nullptr;
-  int32_t* bins = nullptr;
-  int32_t* padded_tokens = nullptr;
-  int32_t* padded_bins = nullptr;
-  int32_t* indices = nullptr;
-  int32_t* bin_ids = nullptr;
-  int32_t* dest_rows = nullptr;
-  int32_t* row_sources = nullptr;
-};
-// Whether plan_spread_rows takes these sizes: 1 <= A <= 2048, E <= 512, top_k <= 64
-// (PADMOE_CUDA_PLAN_SPREAD=0, read once, or set_plan_spread(0) turns it off: make_plan then
-// spread_rows; set_plan_spread(-1) back to the default).
-bool plan_spread_fits(int64_t assignments, int num_experts, int top_k);
-void set_plan_spread(int mode);
-void plan_spread_rows(const RowsArg& x, int top_k, const PlanSpreadArg& plan, ScaleArg w, const RowsArg& y,
-                      bool zero_padding, bool zero_past_end, void* stream);
-
 // out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]], float32, dest < 0 skipped.
 // When dots_with is given: dots[a] = <y[dest[a]], dots_with[a/K]> from the same reads of y.
 void reduce_rows(const RowsArg& y, int top_k, const DestArg& dest, ScaleArg w, const RowsArg& out,

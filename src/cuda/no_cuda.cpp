@@ -34,11 +34,6 @@ void set_dot_kernels(int) {}
 void set_row_dots(int) {}
 void set_dest_search(int) {}
 bool dest_search_fits(int64_t, int, int) { return false; }
-void set_plan_spread(int) {}
-bool plan_spread_fits(int64_t, int, int) { return false; }
-void plan_spread_rows(const RowsArg&, int, const PlanSpreadArg&, ScaleArg, const RowsArg&, bool, bool, void*) {
-  unavailable("plan_spread_rows");
-}
 void set_reduce_shape(int) {}
 void set_pdl(int) {}
 void set_plan_match(int) {}

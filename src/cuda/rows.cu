@@ -17,10 +17,7 @@
 #include <cstdlib>
 #include <type_traits>
 
-#include <cub/block/block_scan.cuh>
-
 #include "cuda/common.cuh"
-#include "cuda/plan_device.cuh"
 
 namespace padmoe {
 namespace cuda {
@@ -238,10 +235,21 @@ __device__ __forceinline__ void move_scale_entry(const ScaleRowsArg& sc, int64_t
 // walked in order. kScales: their scale rows are set to 1 by the same block.
 constexpr int kZeroStageExperts = 1024;
 
-// The zero block's rows, given bins(e) / pbins(e) (the inclusive real and padded sums of E experts).
-template <typename U, bool kScales, typename Bins, typename PBins>
-__device__ void zero_padding_rows_of(const RowsArg& y, int E, const Bins& bins, const PBins& pbins, bool zero_padding,
-                                     bool zero_past_end, int64_t first, int rows, const ScaleRowsArg& sc) {
+template <typename U, bool kScales>
+__device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool zero_padding, bool zero_past_end,
+                                  int64_t first, int rows, const ScaleRowsArg& sc) {
+  __shared__ int32_t s_bins[kZeroStageExperts], s_pbins[kZeroStageExperts];  // plan values < 2^31
+  const int E = pad.num_experts;
+  const bool staged = E <= kZeroStageExperts;
+  if (staged) {
+    for (int e = threadIdx.x; e < E; e += kThreads) {
+      s_bins[e] = static_cast<int32_t>(load_index(pad.bins, e));
+      s_pbins[e] = static_cast<int32_t>(load_index(pad.padded_bins, e));
+    }
+    __syncthreads();
+  }
+  auto bins = [&](int64_t e) -> int64_t { return staged ? s_bins[e] : load_index(pad.bins, e); };
+  auto pbins = [&](int64_t e) -> int64_t { return staged ? s_pbins[e] : load_index(pad.padded_bins, e); };
   const int64_t last = first + rows < y.rows ? first + rows : y.rows;
   const int64_t units = units_of<U>(y);
   const int64_t padded = E > 0 ? pbins(E - 1) : 0;
@@ -277,24 +285,6 @@ __device__ void zero_padding_rows_of(const RowsArg& y, int E, const Bins& bins, 
     const int64_t z1 = pend < end ? pend : end;
     if (z0 < z1) zero_range(z0, z1);
   }
-}
-
-template <typename U, bool kScales>
-__device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool zero_padding, bool zero_past_end,
-                                  int64_t first, int rows, const ScaleRowsArg& sc) {
-  __shared__ int32_t s_bins[kZeroStageExperts], s_pbins[kZeroStageExperts];  // plan values < 2^31
-  const int E = pad.num_experts;
-  const bool staged = E <= kZeroStageExperts;
-  if (staged) {
-    for (int e = threadIdx.x; e < E; e += kThreads) {
-      s_bins[e] = static_cast<int32_t>(load_index(pad.bins, e));
-      s_pbins[e] = static_cast<int32_t>(load_index(pad.padded_bins, e));
-    }
-    __syncthreads();
-  }
-  auto bins = [&](int64_t e) -> int64_t { return staged ? s_bins[e] : load_index(pad.bins, e); };
-  auto pbins = [&](int64_t e) -> int64_t { return staged ? s_pbins[e] : load_index(pad.padded_bins, e); };
-  zero_padding_rows_of<U, kScales>(y, E, bins, pbins, zero_padding, zero_past_end, first, rows, sc);
 }
 
 // kScales: the token's scale row is copied to its K destinations by the same
@@ -408,140 +398,6 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
     }
     if (want_dots) finish_dots(t, k0, nk, top_k, s_dest, s_part, dots);
   }
-}
-
-// --- the plan and the spread in one launch (make_plan_and_dispatch at the decode sizes) -----
-// Every block loads all A ids (8 a thread, one round), counts them into shared memory with
-// integer atomics (exact in any order: deterministic) and scans the packed (real, padded)
-// expert counts, two experts a thread. Block t < T also counts the ids of the tokens before its
-// own, so the rank of its assignment t*K + q among its expert e is that count of e plus the
-// token's earlier q' with the same expert: the stable counting sort's rank, hence make_plan's
-// arrays bit for bit. It places those K assignments (indices, bin_ids, dest_rows, row_sources)
-// while x[t]'s first chunk is in flight, then moves the row to its K destinations as
-// spread_kernel does. The other blocks zero padding rows from the scanned counts. All blocks
-// share the -1 fills of row_sources (padding rows, rows at or past P).
-constexpr int kPlanSpreadItems = 8;
-constexpr int kPlanSpreadAssignments = kThreads * kPlanSpreadItems;  // 2048
-constexpr int kPlanSpreadExperts = 2 * kThreads;                    // 512: two a thread in the scan
-constexpr int kPlanSpreadK = kGroupK;                                // a token's assignments staged at once
-
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kThreads)
-    plan_spread_kernel(RowsArg x, int top_k, PlanSpreadArg p, ScaleArg w, RowsArg y, bool zero_padding,
-                       bool zero_past_end) {
-  pdl_begin();
-  using U = Unit<T, kVec>;
-  using Scan = cub::BlockScan<unsigned long long, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ int s_all[kPlanSpreadExperts];     // count of e
-  __shared__ int s_before[kPlanSpreadExperts];  // count of e in the tokens before block t's
-  __shared__ int s_pos[kPlanSpreadExperts];     // sorted position of e's first assignment
-  __shared__ int s_row[kPlanSpreadExperts];     // padded row of e's first assignment
-  __shared__ int s_totals[2];                   // real and padded totals
-  __shared__ int s_key[kPlanSpreadK];
-  __shared__ int64_t s_dest[kPlanSpreadK];
-  __shared__ float s_w[kPlanSpreadK];
-  const int64_t tokens = x.rows;
-  const bool row_block = blockIdx.x < tokens;
-  const int t = static_cast<int>(blockIdx.x);  // T <= A <= 2048
-  const int E = p.num_experts, A = static_cast<int>(p.assignments);
-  const int64_t units = units_of<U>(y);
-  const char* src = row_ptr(x, row_block ? t : 0);
-  typename U::Raw reg[kRegUnits];
-  auto load_chunk = [&](int64_t c) {
-#pragma unroll
-    for (int j = 0; j < kRegUnits; ++j) {
-      const int64_t u = c + j * kThreads + threadIdx.x;
-      if (u < units) reg[j] = U::load(src, u);
-    }
-  };
-  if (row_block) load_chunk(0);  // in flight while the block ranks the ids
-  int key[kPlanSpreadItems];
-#pragma unroll
-  for (int j = 0; j < kPlanSpreadItems; ++j) {  // loads first
-    const int a = j * kThreads + static_cast<int>(threadIdx.x);
-    const int64_t e = a < A ? load_index(p.ids, a) : -1;
-    key[j] = e >= 0 && e < E ? static_cast<int>(e) : -1;  // out of range (unchecked): dropped
-  }
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    s_all[e] = 0;
-    s_before[e] = 0;
-  }
-  __syncthreads();
-  const int own = row_block ? t * top_k : 0;  // the block's first assignment
-#pragma unroll
-  for (int j = 0; j < kPlanSpreadItems; ++j) {
-    if (key[j] < 0) continue;
-    atomicAdd(&s_all[key[j]], 1);  // integer counts: exact whatever the order
-    if (j * kThreads + static_cast<int>(threadIdx.x) < own) atomicAdd(&s_before[key[j]], 1);
-  }
-  __syncthreads();
-  unsigned long long packed[2], excl[2], total = 0;
-  int count[2], padded[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int e = 2 * static_cast<int>(threadIdx.x) + i;
-    count[i] = e < E ? s_all[e] : 0;
-    padded[i] = round_up_32(count[i], p.alignment);
-    // real counts in the low word, padded in the high word: totals stay below 2^31, no carry
-    packed[i] = (static_cast<unsigned long long>(padded[i]) << 32) | static_cast<unsigned>(count[i]);
-  }
-  Scan(scan_storage).ExclusiveSum(packed, excl, total);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int e = 2 * static_cast<int>(threadIdx.x) + i;
-    const int real_excl = static_cast<int>(excl[i] & 0xffffffffull), padded_excl = static_cast<int>(excl[i] >> 32);
-    if (e < E) {
-      s_pos[e] = real_excl;
-      s_row[e] = padded_excl;
-    }
-    plan_store_counts(e, E, count[i], padded[i], real_excl, padded_excl, total, s_totals, p.tokens_per_expert, p.bins,
-                      p.padded_tokens, p.padded_bins, nullptr);
-  }
-  const bool placer = row_block && static_cast<int>(threadIdx.x) < top_k;
-  if (placer) {
-    const int64_t e = load_index(p.ids, own + threadIdx.x);  // L1: this block loaded it above
-    s_key[threadIdx.x] = e >= 0 && e < E ? static_cast<int>(e) : -1;
-  }
-  __syncthreads();
-  const int real_total = s_totals[0], padded_total = s_totals[1];
-  if (placer) {
-    const int q = threadIdx.x, a = own + q, k = s_key[q];
-    int rank = -1;
-    if (k >= 0) {
-      rank = s_before[k];
-      for (int v = 0; v < q; ++v) rank += s_key[v] == k ? 1 : 0;
-    }
-    plan_place_one(a, k, rank, s_pos, s_row, real_total, p.indices, p.bin_ids, p.dest_rows, p.row_sources, nullptr);
-    const int64_t r = k >= 0 ? static_cast<int64_t>(s_row[k]) + rank : -1;
-    s_dest[q] = r < y.rows ? r : -1;
-    s_w[q] = load_scale(w, a);
-  }
-  plan_fills<kThreads>(s_row, s_all, E, p.alignment, padded_total, p.row_capacity, 0, p.row_sources, -1, nullptr,
-                       nullptr);
-  __syncthreads();
-  for (int64_t c = 0; row_block && c < units; c += kChunkUnits) {
-    if (c > 0) load_chunk(c);
-    for (int q = 0; q < top_k; ++q) {
-      const int64_t r = s_dest[q];
-      if (r < 0) continue;
-      char* out = row_ptr(y, r);
-      const float wk = s_w[q];
-#pragma unroll
-      for (int j = 0; j < kRegUnits; ++j) {
-        const int64_t u = c + j * kThreads + threadIdx.x;
-        if (u < units) U::store(out, u, w.data == nullptr ? reg[j] : U::scale(reg[j], wk));
-      }
-    }
-  }
-  if (!zero_padding && !zero_past_end) return;
-  // Every block knows the whole layout: block b zeroes the padding rows (and with zero_past_end
-  // the rows at or past P) of the b-th of gridDim.x equal row ranges of y, after its own copies.
-  auto bins = [&](int64_t e) -> int64_t { return s_pos[e] + s_all[e]; };
-  auto pbins = [&](int64_t e) -> int64_t { return s_row[e] + round_up_32(s_all[e], p.alignment); };
-  const int64_t r0 = y.rows * blockIdx.x / gridDim.x, r1 = y.rows * (blockIdx.x + 1) / gridDim.x;
-  zero_padding_rows_of<U, false>(y, E, bins, pbins, zero_padding, zero_past_end, r0, static_cast<int>(r1 - r0),
-                                 ScaleRowsArg{});
 }
 
 // Spread with dots, a warp an assignment (short rows, or few tokens): warp a moves x[a/K] to
@@ -1122,10 +978,6 @@ struct SpreadWarp {
   };
 };
 template <typename T, bool kVec>
-struct PlanSpreadTag {
-  static constexpr auto fn = plan_spread_kernel<T, kVec>;
-};
-template <typename T, bool kVec>
 struct ScaledSpreadTag {
   static constexpr auto fn = spread_kernel<T, kVec, true, false>;
 };
@@ -1513,46 +1365,6 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
     }
   }
   else pick<SpreadTag>(x.dtype, vec, launch);
-}
-
-namespace {
-std::atomic<int> g_plan_spread{-2};  // -2: not set by set_plan_spread
-int64_t plan_spread_blocks() {  // PADMOE_CUDA_PLAN_SPREAD_BLOCKS (default two an SM)
-  static const int64_t n = [] {
-    const char* v = std::getenv("PADMOE_CUDA_PLAN_SPREAD_BLOCKS");
-    const int64_t b = v != nullptr ? std::atoll(v) : 0;
-    return b > 0 ? b : 2 * static_cast<int64_t>(sm_count());
-  }();
-  return n;
-}
-}  // namespace
-
-void set_plan_spread(int mode) { g_plan_spread.store(mode == 0 ? 0 : -2, std::memory_order_relaxed); }
-
-bool plan_spread_fits(int64_t assignments, int num_experts, int top_k) {
-  int mode = g_plan_spread.load(std::memory_order_relaxed);
-  if (mode == -2) {
-    static const int env = [] {
-      const char* v = std::getenv("PADMOE_CUDA_PLAN_SPREAD");
-      return v != nullptr && std::atoi(v) == 0 ? 0 : -1;
-    }();
-    mode = env;
-  }
-  return mode != 0 && assignments >= 1 && assignments <= kPlanSpreadAssignments && num_experts >= 1 &&
-         num_experts <= kPlanSpreadExperts && top_k >= 1 && top_k <= kPlanSpreadK;
-}
-
-void plan_spread_rows(const RowsArg& x, int top_k, const PlanSpreadArg& plan, ScaleArg w, const RowsArg& y,
-                      bool zero_padding, bool zero_past_end, void* stream) {
-  const int64_t tokens = x.rows;
-  const bool zeroing = zero_padding || zero_past_end;
-  const int64_t blocks = zeroing ? std::max<int64_t>(tokens, std::min<int64_t>(plan_spread_blocks(), y.rows)) : tokens;
-  const bool vec = rows_vectorizable(x) && rows_vectorizable(y);
-  pick<PlanSpreadTag>(x.dtype, vec, [&](auto tag) {
-    using Tag = decltype(tag);
-    launch_kernel("plan_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
-        top_k, plan, w, y, zero_padding, zero_past_end);
-  });
 }
 
 void reduce_rows(const RowsArg& y, int top_k, const DestArg& dest, ScaleArg w, const RowsArg& out,

@@ -1853,11 +1853,10 @@ TEST(Large, DeepSeekV3DispatchCombine) {
 // output are zero (bitwise equal to the CPU's), untouched without it.
 namespace pt {
 namespace {
-// make_plan_and_dispatch on the GPU: the one-launch form (plan_spread_fits) and the two-call
-// form (set_plan_spread(0)) against the CPU (and the reference plan) bit for bit, at the decode
-// shape and awkward ones (E = 1, E = 512 with A = 2048, experts left empty, K = 1, unaligned and
+// make_plan_and_dispatch on the GPU against the CPU (and the reference plan) and against
+// make_plan_out + dispatch_out on the GPU, bit for bit, at the decode shape and awkward ones (E = 1, E = 512 with A = 2048, experts left empty, K = 1, unaligned and
 // odd H, int64 ids, weights, float8 rows), zero_tail and zero_padding both ways; twice, equal.
-TEST(PlanSpread, OneLaunchMatchesCpuAndTwoCalls) {
+TEST(PlanAndDispatchGpu, MatchesCpuAndSeparateCalls) {
   REQUIRE_GPU();
   struct Shape {
     int64_t T;
@@ -1884,7 +1883,6 @@ TEST(PlanSpread, OneLaunchMatchesCpuAndTwoCalls) {
     const int E = sh.E, K = sh.K, m = sh.m;
     SCOPED_TRACE("T " + std::to_string(T) + " E " + std::to_string(E) + " K " + std::to_string(K) + " H " +
                  std::to_string(H) + " " + dname(sh.dt));
-    ASSERT_TRUE(padmoe::cuda::plan_spread_fits(A, E, K));
     const std::vector<int64_t> te = make_routing(T, K, E, sh.dist, ++seed);
     const ref::Plan rp = ref::make_plan(te, T, K, E, m);
     const Tensor hte = index_matrix(te, T, K, sh.idx);
@@ -1911,12 +1909,16 @@ TEST(PlanSpread, OneLaunchMatchesCpuAndTwoCalls) {
         o.zero_tail = zero_tail;
         o.zero_padding = zero_padding;
         std::vector<Tensor> ys;
-        for (int form : {1, 0, 1}) {  // one launch, two calls, one launch again
-          padmoe::cuda::set_plan_spread(form == 1 ? -1 : 0);
+        for (int form : {1, 0, 1}) {  // one call, the two calls, one call again
           GpuPlan gp = gpu_plan_buffers(T, K, E, m);
           Tensor gy = gpu_poison_rows(sh.dt, cap + 3, H);
-          padmoe::make_plan_and_dispatch_out(dx, dte, E, m, gp.view, dwo, gy, o);
-          expect_plan_equal(gp.view, cpu.plan, rp, form == 1 ? "one launch" : "two calls");
+          if (form == 1) {
+            padmoe::make_plan_and_dispatch_out(dx, dte, E, m, gp.view, dwo, gy, o);
+          } else {
+            padmoe::make_plan_out(dte, E, m, gp.view, o);
+            padmoe::dispatch_out(dx, gp.view, dwo, gy, o);
+          }
+          expect_plan_equal(gp.view, cpu.plan, rp, form == 1 ? "one call" : "two calls");
           const Tensor hy = to_cpu(gy);
           for (int64_t r = 0; r < P; ++r) {  // real rows as the CPU's; padding rows zero or untouched
             const bool pad = rp.row_sources[r] < 0;
@@ -1929,21 +1931,19 @@ TEST(PlanSpread, OneLaunchMatchesCpuAndTwoCalls) {
           EXPECT_TRUE(bytes_are(hy, P, cap + 3, zero_tail ? 0x00 : kPoison)) << "rows past P";
           ys.push_back(hy);
         }
-        EXPECT_TRUE(all_same(ys[0], ys[1])) << "one launch vs two calls";
-        EXPECT_TRUE(all_same(ys[0], ys[2])) << "one launch twice";
+        EXPECT_TRUE(all_same(ys[0], ys[1])) << "one call vs two calls";
+        EXPECT_TRUE(all_same(ys[0], ys[2])) << "one call twice";
       }
     }
-    padmoe::cuda::set_plan_spread(-1);
     const padmoe::PlannedRows gpu = padmoe::make_plan_and_dispatch(dx, dte, E, m, dwo);
     expect_plan_equal(gpu.plan.view(), cpu.plan, rp, "allocating");
     EXPECT_TRUE(all_same(to_cpu(gpu.y), cpu.y)) << "allocating y (rows past P zero)";
   }
-  padmoe::cuda::set_plan_spread(-1);
 }
 
-// Unchecked ids outside [0, E) are dropped by both forms alike (dest_rows -1, no row), nothing
-// written out of bounds; checked mode names the first bad id and writes nothing.
-TEST(PlanSpread, BadIdsUncheckedDroppedCheckedRaised) {
+// Unchecked ids outside [0, E) are dropped as by make_plan + dispatch (dest_rows -1, no row),
+// nothing written out of bounds; checked mode names the first bad id and writes nothing.
+TEST(PlanAndDispatchGpu, BadIdsUncheckedDroppedCheckedRaised) {
   REQUIRE_GPU();
   const int64_t T = 96, H = 256;
   const int K = 4, E = 32, m = 8;
@@ -1960,10 +1960,14 @@ TEST(PlanSpread, BadIdsUncheckedDroppedCheckedRaised) {
   unchecked.zero_tail = true;
   std::vector<Tensor> got;
   for (int form : {1, 0}) {
-    padmoe::cuda::set_plan_spread(form == 1 ? -1 : 0);
     GpuPlan gp = gpu_plan_buffers(T, K, E, m);
     Tensor gy = gpu_poison_rows(DType::kBFloat16, cap + 2, H);
-    padmoe::make_plan_and_dispatch_out(dx, dte, E, m, gp.view, std::nullopt, gy, unchecked);
+    if (form == 1) {
+      padmoe::make_plan_and_dispatch_out(dx, dte, E, m, gp.view, std::nullopt, gy, unchecked);
+    } else {
+      padmoe::make_plan_out(dte, E, m, gp.view, unchecked);
+      padmoe::dispatch_out(dx, gp.view, std::nullopt, gy, unchecked);
+    }
     const std::vector<int64_t> dest = index_to_vec(to_cpu(gp.dest_rows));
     EXPECT_EQ(dest[5], -1);
     EXPECT_EQ(dest[77], -1);
@@ -1976,9 +1980,8 @@ TEST(PlanSpread, BadIdsUncheckedDroppedCheckedRaised) {
     EXPECT_TRUE(bytes_are(hy, padmoe::padded_rows(gp.view), cap + 2, 0x00)) << "rows past P (zero_tail)";
     got.push_back(hy);
   }
-  padmoe::cuda::set_plan_spread(-1);
   const size_t n = got.size() / 2;
-  for (size_t i = 0; i < n; ++i) EXPECT_TRUE(all_same(got[i], got[n + i])) << "output " << i << ": one launch vs two calls";
+  for (size_t i = 0; i < n; ++i) EXPECT_TRUE(all_same(got[i], got[n + i])) << "output " << i << ": one call vs two calls";
   GpuPlan gp = gpu_plan_buffers(T, K, E, m);
   Tensor gy = gpu_poison_rows(DType::kBFloat16, cap, H);
   EXPECT_TRUE(throws_error([&] { padmoe::make_plan_and_dispatch_out(dx, dte, E, m, gp.view, std::nullopt, gy); },

@@ -440,21 +440,12 @@ std::vector<OpCase> op_table() {
          combine_out(d.out_rows_R, plan, W(d.weights), d.out_rows_T, d.opt);
        },
        composite_expect});
-  // The same two steps as one call (make_plan_and_dispatch: one launch on a GPU at decode sizes),
-  // and the decode step with it; the same traffic as plan+dispatch and plan+dispatch+combine.
+  // The same two steps as one call (make_plan_and_dispatch).
   ops.push_back(
       {"make_plan_and_dispatch", "make_plan + (T*H + P*H)*s (as plan+dispatch)",
        [=](const Dims& d) { return plan_bytes(d) + gather_bytes(d); },
        [](Data& d) { make_plan_and_dispatch_out(d.x, d.top_experts, d.w.E, d.w.m, d.plan_out.view(), W(), d.out_rows_R, d.opt); },
        [=](Data& d) { return std::vector<Expect>{rows_P(d, "y", d.out_rows_R, gather_ref(d, d.x_f, false))}; }});
-  ops.push_back(
-      {"make_plan_and_dispatch+combine", "make_plan + (T*H + P*H)*s + (A*H + T*H)*s (as plan+dispatch+combine)",
-       [=](const Dims& d) { return plan_bytes(d) + gather_bytes(d) + scatter_bytes(d); },
-       [](Data& d) {
-         make_plan_and_dispatch_out(d.x, d.top_experts, d.w.E, d.w.m, d.plan_out.view(), W(), d.out_rows_R, d.opt);
-         combine_out(d.out_rows_R, d.plan_out.view(), W(d.weights), d.out_rows_T, d.opt);
-       },
-       composite_expect});
   return ops;
 }
 

@@ -16,6 +16,7 @@ Usage::
     plan = pt.make_plan(top_experts, E, 16)               # a padmoe.Plan of int32 tensors
     y = pt.dispatch(x, plan)                              # [plan.capacity, H]
     out = pt.combine(h, plan, probs)                      # [T, H]
+    y, plan = pt.make_plan_and_dispatch(x, top_experts, E, 16)   # the first two in one call (one operator)
 
     # drop-ins (same arguments and results as MegaBlocks / Megatron; P rows, read on the host)
     y = pt.padded_gather(x, indices, bin_ids, bins, padded_bins, top_k)
@@ -29,6 +30,7 @@ The operators (``torch.ops.padmoe.*``) are registered in C++ with the torch disp
 one call of the matching backward operator, and the fake (meta) kernels below for
 ``torch.compile``. The functions here only pick the check mode and pass the arguments on;
 every check runs once, in C++. Operators: ``make_plan``, ``dispatch``, ``dispatch_backward``,
+``make_plan_and_dispatch``,
 ``combine``, ``combine_backward``, ``padded_gather``, ``padded_gather_backward``,
 ``padded_scatter``, ``padded_scatter_backward``, ``padded_scatter_wgrad``,
 ``pad_to_alignment``, ``unpad_from_alignment``, ``unpad_from_alignment_backward``,
@@ -37,8 +39,8 @@ every check runs once, in C++. Operators: ``make_plan``, ``dispatch``, ``dispatc
 
 Two paths:
 
-- **Static shapes** (:func:`make_plan`, :func:`dispatch`, :func:`combine`,
-  :class:`Routing`): padded buffers have ``capacity = T*K + E*(alignment-1)`` rows, known
+- **Static shapes** (:func:`make_plan`, :func:`dispatch`, :func:`make_plan_and_dispatch`,
+  :func:`combine`, :class:`Routing`): padded buffers have ``capacity = T*K + E*(alignment-1)`` rows, known
   on the host, so nothing reads P. Rows at or past P are zeroed in the same pass
   (``zero_tail``), so outputs are fully defined and deterministic. No host sync: these
   trace under ``torch.compile(fullgraph=True)`` and capture in ``torch.cuda.CUDAGraph``.
@@ -78,6 +80,7 @@ __all__ = [
     "Plan",
     "Routing",
     "make_plan",
+    "make_plan_and_dispatch",
     "set_default_check",
     "dispatch",
     "dispatch_quantized",
@@ -106,7 +109,8 @@ except ImportError as e:
 
 _ops = torch.ops.padmoe
 _OPS = {name: getattr(_ops, name).default for name in (
-    "make_plan", "dispatch", "dispatch_backward", "combine", "combine_backward", "padded_gather",
+    "make_plan", "dispatch", "dispatch_backward", "make_plan_and_dispatch", "combine", "combine_backward",
+    "padded_gather",
     "padded_gather_backward", "padded_scatter", "padded_scatter_backward", "padded_scatter_wgrad",
     "pad_to_alignment", "unpad_from_alignment", "unpad_from_alignment_backward")}
 # The module's entry points hand calls they do not take as they are (tensor subclasses, torch
@@ -195,6 +199,14 @@ def _(top_experts, num_experts, alignment, check=2, weights=None):
 def _(x, plan, weights, top_k, num_experts, alignment, check=2, zero_padding=True):
     _, _, cap = _plan_sizes(plan, top_k, num_experts, alignment)
     return x.new_empty(cap, x.shape[1])
+
+
+@torch.library.register_fake("padmoe::make_plan_and_dispatch")
+def _(x, top_experts, num_experts, alignment, weights=None, check=2, zero_padding=True):
+    t, k = top_experts.shape
+    a = t * k
+    return (x.new_empty(a + num_experts * (alignment - 1), x.shape[1]),
+            top_experts.new_empty(4 * a + num_experts * (alignment + 3), dtype=torch.int32))
 
 
 @torch.library.register_fake("padmoe::dispatch_backward")
@@ -433,6 +445,23 @@ def dispatch(x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: 
     op, default = _call("dispatch")
     return op(x, _packed(plan), weights, plan.top_k, plan.num_experts, _align(plan), _mode(check, default),
               bool(zero_padding))
+
+
+def make_plan_and_dispatch(x: Tensor, top_experts: Tensor, num_experts: int, alignment: int,
+                           weights: Optional[Tensor] = None, *, check: Optional[bool] = None,
+                           zero_padding: bool = True) -> Tuple[Tensor, Plan]:
+    """:func:`make_plan` then :func:`dispatch` in one operator: ``(y, plan)`` with ``plan`` the
+    :class:`padmoe.Plan` that ``make_plan(top_experts, num_experts, alignment)`` returns and
+    ``y[plan.capacity, H]`` what ``dispatch(x, plan, weights)`` returns, bit for bit (make_plan's
+    launch then dispatch's, one operator call: the host cost of one op). Every check runs before
+    anything is written. No host synchronization with ``check=False`` (the default under
+    torch.compile and CUDA-graph capture). Differentiable wrt ``x`` and ``weights`` exactly as
+    :func:`dispatch` (backward: ``dispatch_backward`` on the returned plan); the plan is not. Plain
+    routing only (no ``make_plan`` routing options)."""
+    op, default = _call("make_plan_and_dispatch")
+    y, packed = op(x, top_experts, num_experts, alignment, weights, _mode(check, default), bool(zero_padding))
+    t, k = top_experts.shape
+    return y, Plan._from_packed(packed, t, k, num_experts, alignment)
 
 
 def dispatch_quantized(x: Tensor, plan: Plan, *, scale_layout: str = "block128", dtype: Optional[torch.dtype] = None,
