@@ -440,6 +440,23 @@ void check_plan_sizes(const char* op, int64_t t, int64_t k, int64_t num_experts,
   }
 }
 
+// make_plan's CUDA scratch (workspace_bound bytes) from the caching allocator in one call (not
+// through scratch_alloc); undefined on the CPU. use_workspace hands it to the op's Options.
+Tensor plan_workspace(const Tensor& top, int64_t t, int64_t k, int64_t e, int64_t alignment) {
+  if (!top.is_cuda()) return Tensor();
+  size_t bytes = 0;
+  native([&] {
+    bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e),
+                                    static_cast<int>(alignment));
+  });
+  return bytes > 0 ? at::empty({static_cast<int64_t>(bytes)}, top.options().dtype(at::kByte)) : Tensor();
+}
+void use_workspace(padmoe::Options& o, const Tensor& workspace) {
+  if (!workspace.defined()) return;
+  o.workspace = workspace.data_ptr();
+  o.workspace_bytes = static_cast<size_t>(workspace.numel());
+}
+
 Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64_t alignment, int64_t check,
                              const OptTensor& weights) {
   const char* op = "make_plan";
@@ -464,22 +481,11 @@ Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64
   const int64_t a = std::max<int64_t>(t * k, 0), e = num_experts;
   c10::OptionalDeviceGuard guard(top.device());
   Tensor out = at::empty({packed_length(a, e, alignment)}, top.options().dtype(at::kInt));
-  Tensor workspace;
-  if (top.is_cuda()) {  // scratch from the caching allocator in one call (not through scratch_alloc)
-    size_t bytes = 0;
-    native([&] {
-      bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e),
-                                      static_cast<int>(alignment));
-    });
-    if (bytes > 0) workspace = at::empty({static_cast<int64_t>(bytes)}, top.options().dtype(at::kByte));
-  }
+  const Tensor workspace = plan_workspace(top, t, k, e, alignment);
   // The eight arrays as views of `out` (k = 0 columns: padmoe's make_plan reports top_k itself).
   const padmoe::PlanView pv = packed_plan(out, std::max<int64_t>(k, 1), e, alignment, op).view(op);
   padmoe::Options o = options_for(top, check);
-  if (workspace.defined()) {
-    o.workspace = workspace.data_ptr();
-    o.workspace_bytes = static_cast<size_t>(workspace.numel());
-  }
+  use_workspace(o, workspace);
   native([&] { padmoe::make_plan_out(view(top, op, "top_experts"), static_cast<int>(num_experts), static_cast<int>(alignment), pv, o); });
   return out;
 }
@@ -518,24 +524,13 @@ std::tuple<Tensor, Tensor> make_plan_routed_kernel(const Tensor& top_experts_in,
   c10::OptionalDeviceGuard guard(top.device());
   Tensor out = at::empty({3 * a + 4 * e + cap}, top.options().dtype(at::kInt));
   Tensor dropped = at::empty({1}, top.options().dtype(at::kInt));
-  Tensor workspace;
-  if (top.is_cuda()) {
-    size_t bytes = 0;
-    native([&] {
-      bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e),
-                                      static_cast<int>(alignment));
-    });
-    if (bytes > 0) workspace = at::empty({static_cast<int64_t>(bytes)}, top.options().dtype(at::kByte));
-  }
+  const Tensor workspace = plan_workspace(top, t, k, e, alignment);
   const padmoe::PlanView pv =
       packed_plan(out, std::max<int64_t>(k, 1), e, expert_capacity >= 0 ? -expert_capacity : alignment, op).view(op);
   padmoe::PlanView pvm = pv;
   pvm.alignment = static_cast<int>(alignment);
   padmoe::Options o = options_for(top, check);
-  if (workspace.defined()) {
-    o.workspace = workspace.data_ptr();
-    o.workspace_bytes = static_cast<size_t>(workspace.numel());
-  }
+  use_workspace(o, workspace);
   Tensor map = expert_map && expert_map->defined() ? index_arg(*expert_map) : Tensor();
   OptTensor pr;  // ranked as float32 (float64 router weights are rounded once)
   if (probs && probs->defined()) {
@@ -595,15 +590,7 @@ std::tuple<Tensor, Tensor> make_plan_and_dispatch_kernel(const Tensor& x_in, con
   OptTensor w = scale_arg(weights);
   c10::OptionalDeviceGuard guard(top.device());
   Tensor plan = at::empty({packed_length(a, e, alignment)}, top.options().dtype(at::kInt));
-  Tensor workspace;
-  if (top.is_cuda()) {  // make_plan's scratch from the caching allocator in one call
-    size_t bytes = 0;
-    native([&] {
-      bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e),
-                                      static_cast<int>(alignment));
-    });
-    if (bytes > 0) workspace = at::empty({static_cast<int64_t>(bytes)}, top.options().dtype(at::kByte));
-  }
+  const Tensor workspace = plan_workspace(top, t, k, e, alignment);
   // k = 0 columns: padmoe reports top_k itself
   const PackedPlan pp = packed_plan(plan, std::max<int64_t>(k, 1), e, alignment, op);
   const padmoe::PlanView pv = pp.view(op);
@@ -615,10 +602,7 @@ std::tuple<Tensor, Tensor> make_plan_and_dispatch_kernel(const Tensor& x_in, con
   const TensorView vy = f64 ? shadow_rows(pp.cap, x) : view(y, op, "y");
   padmoe::Options o = options_for(top, check, /*zero_tail=*/zero_padding || f64);
   o.zero_padding = zero_padding || f64;  // false: padding rows (and the rows past P) left unwritten
-  if (workspace.defined()) {
-    o.workspace = workspace.data_ptr();
-    o.workspace_bytes = static_cast<size_t>(workspace.numel());
-  }
+  use_workspace(o, workspace);
   native([&] {
     padmoe::make_plan_and_dispatch_out(vx, vt, static_cast<int>(num_experts), static_cast<int>(alignment), pv, vw, vy,
                                        o);
@@ -1606,33 +1590,27 @@ bool read_arg(PyObject* o, bool& v) {
 }
 
 PyObject* wrap_result(Tensor t) { return THPVariable_Wrap(std::move(t)); }
-PyObject* wrap_result(std::tuple<Tensor, Tensor> t) {
-  PyObject* seq = PyTuple_New(2);
+template <size_t N>
+PyObject* wrap_tuple(Tensor (&parts)[N]) {
+  PyObject* seq = PyTuple_New(static_cast<Py_ssize_t>(N));
   if (seq == nullptr) return nullptr;
-  Tensor parts[2] = {std::get<0>(t), std::get<1>(t)};
-  for (Py_ssize_t i = 0; i < 2; ++i) {
+  for (size_t i = 0; i < N; ++i) {
     PyObject* v = THPVariable_Wrap(std::move(parts[i]));
     if (v == nullptr) {
       Py_DECREF(seq);
       return nullptr;
     }
-    PyTuple_SET_ITEM(seq, i, v);
+    PyTuple_SET_ITEM(seq, static_cast<Py_ssize_t>(i), v);
   }
   return seq;
 }
+PyObject* wrap_result(std::tuple<Tensor, Tensor> t) {
+  Tensor parts[2] = {std::get<0>(t), std::get<1>(t)};
+  return wrap_tuple(parts);
+}
 PyObject* wrap_result(std::tuple<Tensor, Tensor, Tensor> t) {
-  PyObject* seq = PyTuple_New(3);
-  if (seq == nullptr) return nullptr;
   Tensor parts[3] = {std::get<0>(t), std::get<1>(t), std::get<2>(t)};
-  for (Py_ssize_t i = 0; i < 3; ++i) {
-    PyObject* v = THPVariable_Wrap(std::move(parts[i]));
-    if (v == nullptr) {
-      Py_DECREF(seq);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(seq, i, v);
-  }
-  return seq;
+  return wrap_tuple(parts);
 }
 
 // The operator each entry point calls ("padmoe::<name>"), by PyOp.
