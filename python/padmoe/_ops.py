@@ -188,6 +188,20 @@ def _routing(arrays, like, expert_map, first_expert, global_experts, drop_invali
     return kw
 
 
+def _plan_buffers(op, out, top_experts, num_experts, alignment, expert_capacity=None) -> Plan:
+    """The plan an op fills: ``out`` (checked against this call's sizes), else a new one."""
+    t, k = (int(top_experts.shape[0]), int(top_experts.shape[1])) if ndim(top_experts) == 2 else (0, 1)
+    if out is None:
+        return Plan._allocate(t, k, num_experts, alignment, top_experts, expert_capacity)
+    if ndim(top_experts) == 2 and (out.num_tokens, out.top_k, out.num_experts, out.alignment) != (
+            t, k, num_experts, alignment):
+        raise ValueError(
+            f"{op}: out: the plan buffers are for num_tokens={out.num_tokens}, top_k={out.top_k}, "
+            f"num_experts={out.num_experts}, alignment={out.alignment}; this call needs "
+            f"num_tokens={t}, top_k={k}, num_experts={num_experts}, alignment={alignment}")
+    return out
+
+
 def make_plan(top_experts: Array, num_experts: int, alignment: int, *, out: Optional[Plan] = None,
               expert_map: Optional[Array] = None, first_expert: int = 0, global_experts: int = 0,
               drop_invalid: bool = False, expert_capacity: Optional[int] = None, drop_policy: str = "position",
@@ -216,15 +230,7 @@ def make_plan(top_experts: Array, num_experts: int, alignment: int, *, out: Opti
     op = "make_plan"
     arrays = arrays_of(top_experts, op, "top_experts")
     (top_experts,) = prepare(arrays, top_experts)
-    t, k = (int(top_experts.shape[0]), int(top_experts.shape[1])) if ndim(top_experts) == 2 else (0, 1)
-    if out is None:
-        out = Plan._allocate(t, k, num_experts, alignment, top_experts, expert_capacity)
-    elif ndim(top_experts) == 2 and (out.num_tokens, out.top_k, out.num_experts, out.alignment) != (
-            t, k, num_experts, alignment):
-        raise ValueError(
-            f"{op}: out: the plan buffers are for num_tokens={out.num_tokens}, top_k={out.top_k}, "
-            f"num_experts={out.num_experts}, alignment={out.alignment}; this call needs "
-            f"num_tokens={t}, top_k={k}, num_experts={num_experts}, alignment={alignment}")
+    out = _plan_buffers(op, out, top_experts, num_experts, alignment, expert_capacity)
     routing = _routing(arrays, top_experts, expert_map, first_expert, global_experts, drop_invalid, expert_capacity,
                        drop_policy, probs, getattr(out, "dropped", None))
     _C.make_plan_out(top_experts, num_experts, alignment, out, **routing,
@@ -509,30 +515,12 @@ def make_plan_and_dispatch(x: Array, top_experts: Array, num_experts: int, align
     out_plan, out_y = _split_out(op, out, 2)
     x, weights, out_y = prepare(arrays, x, weights, out_y)
     (top_experts,) = prepare(index_arrays, top_experts)
-    t, k = (int(top_experts.shape[0]), int(top_experts.shape[1])) if ndim(top_experts) == 2 else (0, 1)
-    if out_plan is None:
-        plan = Plan._allocate(t, k, num_experts, alignment, top_experts)
-    else:
-        plan = out_plan
-        if ndim(top_experts) == 2 and (plan.num_tokens, plan.top_k, plan.num_experts, plan.alignment) != (
-                t, k, num_experts, alignment):
-            raise ValueError(
-                f"{op}: out: the plan buffers are for num_tokens={plan.num_tokens}, top_k={plan.top_k}, "
-                f"num_experts={plan.num_experts}, alignment={plan.alignment}; this call needs "
-                f"num_tokens={t}, top_k={k}, num_experts={num_experts}, alignment={alignment}")
+    plan = _plan_buffers(op, out_plan, top_experts, num_experts, alignment)
     slots = int(plan.row_sources.shape[0]) if ndim(plan.row_sources) == 1 else 0
     exact = out_y is None and rows is None
-    if out_y is not None:
-        if rows is not None:
-            raise ValueError(f"{op}: pass rows= or out=, not both")
-        y = out_y
-    else:
-        n = slots if rows is None else int(rows)
-        if n < slots:
-            raise ValueError(f"{op}: rows: must be >= plan.capacity = {slots}, got {n}")
-        if n > INT32_MAX:
-            raise ValueError(f"{op}: rows: size overflow: {n} does not fit the int32 index outputs")
-        y = arrays.empty((n, _cols(x)), x.dtype, x)
+    if out_y is None and rows is not None and int(rows) < slots:  # P is not known before the call
+        raise ValueError(f"{op}: rows: must be >= plan.capacity = {slots}, got {int(rows)}")
+    y = _padded_out(arrays, op, x, rows, out_y, lambda: slots)
     _C.make_plan_and_dispatch_out(x, top_experts, num_experts, alignment, plan, weights, y,
                                   **_options(arrays, x, check, num_threads, workspace, stream, zero_tail,
                                              zero_padding))
