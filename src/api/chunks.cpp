@@ -250,7 +250,7 @@ void run_sort(const Checker& c, const ChunkGrid& g, const ChunkLayout& l, const 
     if (g.groups > 0 || options.zero_tail) {  // no groups and no zero_tail: P = 0, nothing to write
       cuda::gather_rows(cuda::RowsArg::of(received), cuda::IndexRef{map, false}, cuda::ScaleArg{}, false,
                         cuda::RowsArg::of(padded), padded.shape[0], limit, options.stream,
-                        /*skip_unmapped=*/!options.zero_padding);
+                        /*skip_unmapped=*/!options.zero_padding, nullptr, /*reads_all_rows=*/true);
     }
     return;
   }

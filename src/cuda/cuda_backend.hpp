@@ -35,6 +35,11 @@ struct RowsArg {
   int64_t cols = 0;
   int64_t stride_bytes = 0;
   DType dtype = DType::kFloat32;
+  // Set by the launchers only (l2_prefetch_rows in rows.cu): each row's first l2_bytes bytes are
+  // asked into L2 before the kernel's pdl_wait (0: not). l2_blocks > 0: the grid's first l2_blocks
+  // blocks share all the rows (kernels that read every row once); 0: a block asks for its own.
+  uint32_t l2_bytes = 0;
+  int32_t l2_blocks = 0;
   static RowsArg of(const TensorView& t) {
     return RowsArg{t.data, t.shape[0], t.shape[1], t.strides[0] * static_cast<int64_t>(element_size(t.dtype)),
                    t.dtype};
@@ -228,9 +233,17 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest
 // rows at or past *row_limit (a device int32, e.g. P) are left untouched.
 // skip_unmapped: rows with map < 0 are left unwritten instead of zeroed.
 // scales: as for spread_rows.
+// reads_all_rows: the caller knows every row of src is read (sort_chunks, pad_to_alignment), so the
+// rows may be asked into L2 while the kernel before the gather runs (l2_prefetch_mode).
 void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
                  const int32_t* row_limit, void* stream, bool skip_unmapped = false,
-                 const ScaleRowsArg* scales = nullptr);
+                 const ScaleRowsArg* scales = nullptr, bool reads_all_rows = false);
+
+// L2 prefetch before the wait: 0 off, 1 the default rule (PDL on and the rows at most 60% of the
+// L2), 2 at every size. PADMOE_CUDA_PREFETCH=0|all (read once); set_l2_prefetch (tests: -1 the
+// default).
+int l2_prefetch_mode();
+void set_l2_prefetch(int mode);
 
 // Unpad's backward with dots, a warp a row: out[r] = src[map[r]] * s[map[r]] (zero for
 // map[r] < 0), r < rows, and dots[map[r]] = <dots_with[r], src[map[r]]>; dots[n] = 0 for

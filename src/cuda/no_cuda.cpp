@@ -36,6 +36,8 @@ void set_dest_search(int) {}
 bool dest_search_fits(int64_t, int, int) { return false; }
 void set_reduce_shape(int) {}
 void set_pdl(int) {}
+int l2_prefetch_mode() { return 0; }
+void set_l2_prefetch(int) {}
 void set_plan_match(int) {}
 void set_plan_small(int) {}
 void set_plan_packed(int) {}
@@ -57,7 +59,7 @@ void row_dots(const RowsArg&, const RowsArg&, int, const DestArg&, int64_t, Floa
   unavailable("row_dots");
 }
 void gather_rows(const RowsArg&, IndexRef, ScaleArg, bool, const RowsArg&, int64_t, const int32_t*, void*, bool,
-                 const ScaleRowsArg*) {
+                 const ScaleRowsArg*, bool) {
   unavailable("gather_rows");
 }
 void gather_rows_dots(const RowsArg&, IndexRef, ScaleArg, const RowsArg&, int64_t, const RowsArg&, FloatOutArg,

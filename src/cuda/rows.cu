@@ -301,7 +301,11 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
     spread_kernel(RowsArg x, int top_k, DestArg dest, ScaleArg w, RowsArg y, PaddingRef pad,
                   bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots, ScaleRowsArg sc,
                   int slices, int64_t slice_units, int zero_rows) {
-  pdl_begin();
+  // a token block's slice of x[t] into L2 while the kernel ahead runs (x.l2_bytes: 16-byte units)
+  pdl_begin(blockIdx.x < x.rows * slices
+                ? l2_row(x, blockIdx.x / slices, static_cast<int64_t>(blockIdx.x % slices) * slice_units * 16,
+                         slice_units * 16)
+                : L2Rows{});
   using U = Unit<T, kVec>;
   const int64_t tokens = x.rows;
   const int64_t row_blocks = tokens * slices;
@@ -491,7 +495,8 @@ __global__ void __launch_bounds__(kThreads, 4)
     spread_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y,
                        PaddingRef pad, bool zero_padding, bool zero_past_end, ScaleRowsArg sc, int64_t token_blocks,
                        int zero_rows) {
-  pdl_begin();
+  pdl_begin(blockIdx.x < token_blocks ? l2_rows(x, static_cast<int64_t>(blockIdx.x) * (kThreads / 32), kThreads / 32)
+                                      : L2Rows{});
   using U = Unit<T, kVec>;
   if (blockIdx.x >= token_blocks) {
     zero_padding_rows<U, kScales>(y, pad, zero_padding, zero_past_end,
@@ -819,7 +824,7 @@ template <typename T, bool kVec, bool kScales>
 __global__ void __launch_bounds__(kThreads)
     gather_kernel(RowsArg src, IndexRef map, ScaleArg s, bool scale_by_source, RowsArg out,
                   const int32_t* row_limit, int rows_per_block, bool skip_unmapped, ScaleRowsArg sc) {
-  pdl_begin();
+  pdl_begin(l2_share(src));  // src.l2_blocks > 0: the first blocks ask L2 for all of src
   using U = Unit<T, kVec>;
   __shared__ int64_t s_from[kMaxMapRows];
   __shared__ float s_scale[kMaxMapRows];
@@ -1056,6 +1061,20 @@ int sm_count() {
   }();
   return sms;
 }
+// The L2's bytes on the current device when first asked (50 MiB, an H200's, if unknown).
+int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, dev) != cudaSuccess ||
+        n <= 0) {
+      cudaGetLastError();
+      n = 50 << 20;
+    }
+    return static_cast<int64_t>(n);
+  }();
+  return bytes;
+}
+std::atomic<int> g_l2_prefetch{-1};  // set_l2_prefetch; -1: the environment's choice
 // About 4 blocks an SM: below it a block a token leaves the GPU part idle.
 int few_tokens_blocks() { return 4 * sm_count(); }
 int slice_target_blocks() {
@@ -1257,6 +1276,36 @@ int spread_warp_units(int64_t tokens, int64_t units, int top_k) {
 }
 }  // namespace
 
+int l2_prefetch_mode() {
+  const int set = g_l2_prefetch.load(std::memory_order_relaxed);
+  if (set >= 0) return set;
+  static const int env = [] {
+    const char* v = std::getenv("PADMOE_CUDA_PREFETCH");
+    if (v == nullptr) return 1;
+    return std::string(v) == "all" ? 2 : (std::atoi(v) == 0 ? 0 : 1);
+  }();
+  return env;
+}
+
+void set_l2_prefetch(int mode) { g_l2_prefetch.store(mode < 0 || mode > 2 ? -1 : mode, std::memory_order_relaxed); }
+
+RowsArg with_l2_prefetch(const RowsArg& r, bool vec, int blocks) {
+  RowsArg out = r;
+  out.l2_bytes = 0;
+  out.l2_blocks = 0;
+  const int mode = l2_prefetch_mode();
+  const int64_t row_bytes = r.cols * static_cast<int64_t>(element_size(r.dtype));
+  if (mode == 0 || !vec || r.data == nullptr || r.rows <= 0 || row_bytes <= 0 || row_bytes % 16 != 0 ||
+      row_bytes > (int64_t{1} << 30)) {
+    return out;
+  }
+  // the default: only where there is a wait to overlap and the rows stay in L2 until read
+  if (mode == 1 && (!pdl_enabled() || r.rows * row_bytes > l2_cache_bytes() / 10 * 6)) return out;
+  out.l2_bytes = static_cast<uint32_t>(row_bytes);
+  out.l2_blocks = blocks;
+  return out;
+}
+
 namespace {
 std::atomic<int> g_dest_search{-2};  // -2: not set by set_dest_search
 }  // namespace
@@ -1300,9 +1349,10 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
   if (blocks == 0 || (y.cols == 0 && dots.data == nullptr && !scale_cols)) return;  // H = 0 still writes zero dots
   const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
   const ScaleRowsArg sc = scales != nullptr ? *scales : ScaleRowsArg{};
+  const RowsArg xp = with_l2_prefetch(x, vec, 0);  // the block and warp spreads: each block its own rows
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    launch_kernel("spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x, top_k,
+    launch_kernel("spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), xp, top_k,
         dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc, sl.slices, sl.slice_units, zero_rows);
   };
   if (dest.rows == nullptr) {  // the search form: the block kernel, or with dots the warp kernel
@@ -1344,7 +1394,7 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
     auto warp_launch = [&](auto tag) {
       using Tag = decltype(tag);
       launch_kernel("spread_warp_kernel", Tag::fn, static_cast<unsigned>(token_blocks + zero_blocks), kThreads, 0,
-          as_stream(stream), x, top_k, dest.rows, w, y, padding, zero_padding, zero_past_end, sc, token_blocks,
+          as_stream(stream), xp, top_k, dest.rows, w, y, padding, zero_padding, zero_past_end, sc, token_blocks,
           zero_rows);
     };
     if (scales != nullptr) {
@@ -1498,7 +1548,8 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest
 }
 
 void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
-                 const int32_t* row_limit, void* stream, bool skip_unmapped, const ScaleRowsArg* scales) {
+                 const int32_t* row_limit, void* stream, bool skip_unmapped, const ScaleRowsArg* scales,
+                 bool reads_all_rows) {
   const bool scale_cols = scales != nullptr && scales->cols > 0;  // per-row scales move even when H = 0
   if (rows == 0 || (out.cols == 0 && !scale_cols)) return;
   const bool vec = rows_vectorizable(src) && rows_vectorizable(out);
@@ -1509,9 +1560,13 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
   per_block = per_block < 1 ? 1 : (per_block > kMaxMapRows ? kMaxMapRows : per_block);
   const int64_t blocks = index::ceil_div(rows, per_block);
   const ScaleRowsArg sc = scales != nullptr ? *scales : ScaleRowsArg{};
+  // every row of src read: the grid's first blocks (at most two an SM, all placed at once) ask L2
+  // for all of them before the wait
+  const int share = static_cast<int>(std::min<int64_t>(blocks, 2 * static_cast<int64_t>(sm_count())));
+  const RowsArg from = reads_all_rows ? with_l2_prefetch(src, vec, share) : with_l2_prefetch(src, false, 0);
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    launch_kernel("gather_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), src, map, s,
+    launch_kernel("gather_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), from, map, s,
         scale_by_source, limited, row_limit, static_cast<int>(per_block), skip_unmapped, sc);
   };
   if (scales != nullptr) pick<ScaledGatherTag>(out.dtype, vec, launch);

@@ -2535,5 +2535,88 @@ TEST(QuantDispatchGpu, ShapeErrorsWriteNothing) {
   EXPECT_TRUE(all_bytes_are(to_cpu(gb), kPoison));
 }
 
+// ---------------------------------------------------------------------------
+// L2 prefetch before the wait (common.cuh: l2_prefetch). A kernel may ask L2 for its rows before
+// its pdl_wait, while the kernel ahead of it may still be writing them: here every prefetched row
+// was written by the launch just before (dispatch and the quantizing dispatch of combine's
+// output, sort_chunks of it, pad of the second dispatch's rows), PDL on, no host synchronization
+// in the chain. The prefetch off, by the default rule and at every size: the same bits, and the
+// CPU's.
+// ---------------------------------------------------------------------------
+TEST(L2Prefetch, OpsOnRowsJustWrittenMatchOffAndCpu) {
+  REQUIRE_GPU();
+  const int64_t T = 512, H = 1024;
+  const int E = 32, K = 4, m = 16, R = 4;
+  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m), C = int64_t{R} * E;
+  const DType dt = DType::kBFloat16;
+  const padmoe::ScaleLayout ql = padmoe::ScaleLayout::kBlock128;
+  const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 57);
+  Rng rng(58);
+  const Tensor hte = index_matrix(te, T, K, DType::kInt32);
+  const Tensor hx = rows_from_float(random_values(T * H, dt, rng), dt, T, H);
+  const Tensor hw = vec_from_float(random_values(A, DType::kFloat32, rng, 0, 1), DType::kFloat32);
+  std::vector<int64_t> sizes(static_cast<size_t>(C));
+  for (auto& n : sizes) n = rng.below(5);  // at most 4 * C = T rows
+  const Tensor hs = index_tensor(sizes, DType::kInt32);
+  const int64_t scap = padmoe::sort_chunks_capacity(T, C, R, m);
+  const Tensor dte = to_gpu(hte), dx = to_gpu(hx), dw = to_gpu(hw), ds = to_gpu(hs);
+
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  padmoe::Options o;
+  o.stream = stream;
+  o.check_data = false;
+
+  auto chain = [&](int mode) {
+    padmoe::cuda::set_l2_prefetch(mode);
+    GpuPlan gp = gpu_plan_buffers(T, K, E, m);
+    const Tensor y = gpu_poison_rows(dt, cap, H), out = gpu_poison_rows(dt, T, H), y2 = gpu_poison_rows(dt, cap, H);
+    const Tensor q = gpu_poison_rows(DType::kFloat8E4M3, cap, H), qs = to_gpu(quant_poison_scales(ql, cap, H));
+    const Tensor sp = gpu_poison_rows(dt, scap, H), smap = gpu_poison_index(scap), soff = gpu_poison_index(E);
+    const Tensor padded = gpu_poison_rows(dt, cap, H), map = gpu_poison_index(cap), offs = gpu_poison_index(E);
+    CUDA_OK(cudaDeviceSynchronize());  // the poison memsets ran on the legacy stream
+    padmoe::make_plan_out(dte, E, m, gp.view, o);
+    padmoe::dispatch_out(dx, gp.view, dw.view(), y, o);
+    padmoe::combine_out(y, gp.view, dw.view(), out, o);
+    padmoe::dispatch_out(out, gp.view, std::nullopt, y2, o);  // out: written by the launch before
+    padmoe::dispatch_quantized_out(out, gp.view, q, qs, o);
+    padmoe::sort_chunks_out(out, ds, R, m, std::nullopt, sp, smap, soff, o);
+    padmoe::pad_to_alignment_out(y2, gp.tpe, m, padded, map, offs, o);  // y2's first A rows as grouped rows
+    CUDA_OK(cudaStreamSynchronize(stream));
+    std::vector<Tensor> r;
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&y, &out, &y2, &q, &qs, &sp, &smap, &padded, &map})
+      r.push_back(to_cpu(*t));
+    return r;
+  };
+  padmoe::cuda::set_pdl(1);
+  const std::vector<Tensor> off = chain(0), rule = chain(1), all = chain(2);
+  padmoe::cuda::set_l2_prefetch(-1);
+  padmoe::cuda::set_pdl(-1);
+  for (size_t i = 0; i < off.size(); ++i) {
+    EXPECT_TRUE(all_same(off[i], rule[i])) << "output " << i << " differs with the default prefetch";
+    EXPECT_TRUE(all_same(off[i], all[i])) << "output " << i << " differs with the prefetch at every size";
+  }
+  // the CPU's results (bitwise; rows [0, P) of the padded outputs)
+  const padmoe::Plan cp = padmoe::make_plan(hte, E, m);
+  const int64_t P = padmoe::padded_rows(cp);
+  const Tensor cy = padmoe::dispatch(hx, cp.view(), hw.view());
+  const Tensor cout = padmoe::combine(cy, cp.view(), hw.view());
+  EXPECT_TRUE(all_same(all[1], cout)) << "combine vs CPU";
+  const Tensor cy2 = padmoe::dispatch(cout, cp.view());
+  EXPECT_TRUE(rows_same(all[2], cy2, 0, P)) << "dispatch of combine's output vs CPU";
+  const padmoe::ScaledRows cq = padmoe::dispatch_quantized(cout, cp.view(), ql, DType::kFloat8E4M3);
+  EXPECT_TRUE(rows_same(all[3], cq.rows, 0, P)) << "quantizing dispatch vs CPU";
+  const padmoe::PadResult cs = padmoe::sort_chunks(cout, hs, R, m);
+  const int64_t SP = cs.padded.size(0);
+  EXPECT_TRUE(rows_same(all[5], cs.padded, 0, SP)) << "sort_chunks vs CPU";
+  Tensor cpad = poison_rows(dt, cap, H), cmap = poison_index(cap), coff = poison_index(E);
+  padmoe::Options co;
+  co.check_data = false;
+  padmoe::pad_to_alignment_out(all[2], cp.tokens_per_expert, m, cpad, cmap, coff, co);
+  EXPECT_TRUE(all_same(all[7], cpad)) << "pad_to_alignment vs CPU";
+  EXPECT_TRUE(all_same(all[8], cmap)) << "pad's map vs CPU";
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
 }  // namespace
 }  // namespace pt
