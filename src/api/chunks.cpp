@@ -227,13 +227,19 @@ void run_sort(const Checker& c, const ChunkGrid& g, const ChunkLayout& l, const 
   int32_t* offs = inclusive_offsets.data_as<int32_t>();
   const int64_t map_len = permutation_map.shape[0];
   if (received.device.is_cuda()) {
-    const int device = received.device.index;
-    cuda::Scratch scratch(options, cuda::chunk_workspace_bytes(g.chunks), device);
     const cuda::IndexRef s = cuda::IndexRef::of(sizes);
     const cuda::IndexRef order = sorted_index ? cuda::IndexRef::of(*sorted_index) : cuda::IndexRef{};
     // Unvalidated sizes go through the layout, the checks, then the map: nothing but the scratch is
     // written before the checks pass. Otherwise the layout may write the map itself.
     const bool validate = options.check_data && !l.known;  // sizes not yet seen on the host
+    if (!validate && cuda::chunk_rows_fit(g.chunks, static_cast<int>(g.ranks), alignment, received.shape[0],
+                                          padded.shape[0], map_len)) {  // one launch: layout, map and rows
+      cuda::sort_chunk_rows(cuda::RowsArg::of(received), s, order, g.chunks, static_cast<int>(g.ranks), alignment,
+                            cuda::RowsArg::of(padded), options.zero_tail, /*skip_unmapped=*/!options.zero_padding, map,
+                            offs, options.stream);
+      return;
+    }
+    cuda::Scratch scratch(options, cuda::chunk_workspace_bytes(g.chunks), received.device.index);
     const bool mapped = cuda::chunk_layout(s, order, g.chunks, static_cast<int>(g.ranks), alignment,
                                            received.shape[0], scratch.get(), options.stream, validate ? 0 : map_len,
                                            validate ? nullptr : map, validate ? nullptr : offs);

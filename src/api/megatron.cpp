@@ -110,7 +110,7 @@ void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const Ten
           scales ? detail::cuda_scale_rows(scales->src, scales->dst, scales->spec) : cuda::ScaleRowsArg{};
       cuda::gather_rows(cuda::RowsArg::of(h), cuda::IndexRef{map, false}, cuda::ScaleArg{}, false,
                         cuda::RowsArg::of(padded), padded.shape[0], offs + experts - 1, options.stream,
-                        /*skip_unmapped=*/!options.zero_padding, scales ? &sc : nullptr, /*reads_all_rows=*/true);
+                        /*skip_unmapped=*/!options.zero_padding, scales ? &sc : nullptr);
     }
     return;
   }

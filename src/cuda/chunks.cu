@@ -11,9 +11,11 @@
 // E <= C entries used) and int32 seen[C] (validation).
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 
@@ -134,32 +136,33 @@ __global__ void __launch_bounds__(kScanThreads)
   }
 }
 
-// The same layout with every array in shared memory (int32) for up to kSmemChunks chunks whose
-// sums fit in 32 bits (the host checks the bound): the two inputs are read once, each phase
-// reads what the one before left in shared memory, and the workspace arrays are written at the
-// end. One round trip to global memory instead of one a phase (decode, C = 8 ranks * 256
-// experts: the global-memory kernel took 9 us on the H200).
-constexpr int kSmemChunks = 2048;
-constexpr int kSmemPer = kSmemChunks / kScanThreads;  // chunks a thread
-// map != nullptr (chunk_layout's fused map, map_len <= kFusedMapRows): the block also writes
-// inclusive_offsets and map[p] for p < map_len, chunk_map's values, and leaves the workspace
-// arrays unwritten (only the header); one launch instead of two.
-__global__ void __launch_bounds__(kScanThreads)
-    layout_smem_kernel(IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, int64_t rows, Layout l,
-                       int map_len, int32_t* map, int32_t* inclusive_offsets) {
-  pdl_begin();
-  using Scan = cub::BlockScan<int, kScanThreads>;
-  __shared__ typename Scan::TempStorage storage;
-  __shared__ int s_size[kSmemChunks], s_excl[kSmemChunks], s_row[kSmemChunks];
-  __shared__ int s_ginc[kSmemChunks], s_greal[kSmemChunks];
-  __shared__ int s_total;
+// The same layout with every array in shared memory (int32) for up to kBlock * kPer chunks whose
+// sums fit in 32 bits (the host checks the bound), by one block of kBlock threads: the two inputs
+// are read once, each phase reads what the one before left in shared memory. Used by
+// layout_smem_kernel (one block for the whole op) and chunk_rows_kernel (every block its own copy).
+template <int kBlock, int kPer>
+struct LayoutSmem {
+  static constexpr int kChunks = kBlock * kPer;
+  using Scan = cub::BlockScan<int, kBlock>;
+  typename Scan::TempStorage storage;
+  int size[kChunks], excl[kChunks], row[kChunks], ginc[kChunks], greal[kChunks];
+  int total;
+};
+
+// Thread t's positions j in [i0, i1) (i0 = t * per, per = ceil(c / kBlock) <= kPer). On return it
+// holds prow[q] (position i0 + q's first padded row), psrc[q] (its source start) and n[q] (its
+// size), and, for every chunk, s.excl (by source chunk) and, for every group, s.ginc (the padded
+// inclusive end) and s.greal (the real start); returns P and sets *real_total.
+template <int kBlock, int kPer>
+__device__ int layout_in_smem(LayoutSmem<kBlock, kPer>& s, const IndexRef& sizes, const IndexRef& sorted, int c,
+                              int ranks, int alignment, int64_t rows, int i0, int i1, int (&prow)[kPer],
+                              int (&psrc)[kPer], int (&n)[kPer], int* real_total) {
+  using Scan = typename LayoutSmem<kBlock, kPer>::Scan;
   const int groups = c / ranks;
-  const int per = (c + kScanThreads - 1) / kScanThreads;  // <= kSmemPer
-  const int i0 = min(c, static_cast<int>(threadIdx.x) * per), i1 = min(c, i0 + per);
   // both inputs first: the sizes in source order and the source chunk of each output position
-  int size[kSmemPer], src[kSmemPer];
+  int size[kPer], src[kPer];
 #pragma unroll
-  for (int q = 0; q < kSmemPer; ++q) {
+  for (int q = 0; q < kPer; ++q) {
     const int i = i0 + q;
     size[q] = i < i1 ? static_cast<int>(clamped_size(sizes, i, rows)) : 0;
     src[q] = i < i1 ? static_cast<int>(source_chunk(sorted, i, c, ranks, groups)) : -1;
@@ -167,111 +170,213 @@ __global__ void __launch_bounds__(kScanThreads)
   // (1) exclusive scan of the sizes in source order
   int mine = 0, run = 0, total = 0;
 #pragma unroll
-  for (int q = 0; q < kSmemPer; ++q) {
-    if (i0 + q < i1) s_size[i0 + q] = size[q];
+  for (int q = 0; q < kPer; ++q) {
+    if (i0 + q < i1) s.size[i0 + q] = size[q];
     mine += size[q];
   }
-  Scan(storage).ExclusiveSum(mine, run, total);
+  Scan(s.storage).ExclusiveSum(mine, run, total);
 #pragma unroll
-  for (int q = 0; q < kSmemPer; ++q) {
-    if (i0 + q < i1) s_excl[i0 + q] = run;
+  for (int q = 0; q < kPer; ++q) {
+    if (i0 + q < i1) s.excl[i0 + q] = run;
     run += size[q];
   }
-  if (threadIdx.x == 0) *l.real_total = total;
+  *real_total = total;
   __syncthreads();
   // (2) in output order: each position's size and exclusive real offset
-  int n[kSmemPer];
   mine = 0;
 #pragma unroll
-  for (int q = 0; q < kSmemPer; ++q) {
-    n[q] = src[q] < 0 ? 0 : s_size[src[q]];
+  for (int q = 0; q < kPer; ++q) {
+    n[q] = src[q] < 0 ? 0 : s.size[src[q]];
     mine += n[q];
   }
-  Scan(storage).ExclusiveSum(mine, run, total);
+  Scan(s.storage).ExclusiveSum(mine, run, total);
 #pragma unroll
-  for (int q = 0; q < kSmemPer; ++q) {
-    if (i0 + q < i1) s_row[i0 + q] = run;
+  for (int q = 0; q < kPer; ++q) {
+    if (i0 + q < i1) s.row[i0 + q] = run;
     run += n[q];
   }
-  if (threadIdx.x == 0) s_total = total;
+  if (threadIdx.x == 0) s.total = total;
   __syncthreads();
   // (3) over groups (ranks consecutive positions each), padded; a group's real rows run to the
   //     next group's first row (the positions are contiguous), the last group's to the total
-  const int gper = (groups + kScanThreads - 1) / kScanThreads;
+  const int gper = (groups + kBlock - 1) / kBlock;
   const int g0 = min(groups, static_cast<int>(threadIdx.x) * gper), g1 = min(groups, g0 + gper);
-  const int positions_total = s_total;
+  const int positions_total = s.total;
   mine = 0;
   for (int g = g0; g < g1; ++g) {
-    const int end = g + 1 < groups ? s_row[(g + 1) * ranks] : positions_total;
-    mine += round_up_32(end - s_row[g * ranks], alignment);
+    const int end = g + 1 < groups ? s.row[(g + 1) * ranks] : positions_total;
+    mine += round_up_32(end - s.row[g * ranks], alignment);
   }
   int padded = 0;
-  Scan(storage).ExclusiveSum(mine, padded, total);
+  Scan(s.storage).ExclusiveSum(mine, padded, total);
   for (int g = g0; g < g1; ++g) {
-    const int real_start = s_row[g * ranks];
-    const int end = g + 1 < groups ? s_row[(g + 1) * ranks] : positions_total;
+    const int real_start = s.row[g * ranks];
+    const int end = g + 1 < groups ? s.row[(g + 1) * ranks] : positions_total;
     padded += round_up_32(end - real_start, alignment);
-    s_ginc[g] = padded;
-    s_greal[g] = real_start;
-    if (map != nullptr) {
-      inclusive_offsets[g] = padded;
-    } else {
-      l.group_incl[g] = padded;
-      l.group_real[g] = real_start;
-    }
-  }
-  __syncthreads();  // every thread has read s_total (positions_total) above
-  if (threadIdx.x == 0) {
-    *l.padded_total = total;
-    s_total = total;  // now P, for (5)
+    s.ginc[g] = padded;
+    s.greal[g] = real_start;
   }
   __syncthreads();
-  // (4) the workspace arrays: each position's first padded row, source start and size
-  int prow[kSmemPer], psrc[kSmemPer];
+  // (4) each position's first padded row and source start
 #pragma unroll
-  for (int q = 0; q < kSmemPer; ++q) {
+  for (int q = 0; q < kPer; ++q) {
     const int j = i0 + q;
     if (j >= i1) break;
     const int g = j / ranks;
-    const int pstart = g == 0 ? 0 : s_ginc[g - 1];
-    prow[q] = pstart + s_row[j] - s_greal[g];
-    psrc[q] = src[q] < 0 ? 0 : s_excl[src[q]];
-    if (map == nullptr) {
+    const int pstart = g == 0 ? 0 : s.ginc[g - 1];
+    prow[q] = pstart + s.row[j] - s.greal[g];
+    psrc[q] = src[q] < 0 ? 0 : s.excl[src[q]];
+  }
+  return total;
+}
+
+// After layout_in_smem (every thread's reads of s done: a barrier first): the positions' first rows,
+// source starts and sizes over s.size, s.ginc and s.greal, for chunk_source_row.
+template <int kBlock, int kPer>
+__device__ void positions_to_smem(LayoutSmem<kBlock, kPer>& s, int i0, int i1, const int (&prow)[kPer],
+                                  const int (&psrc)[kPer], const int (&n)[kPer]) {
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < kPer; ++q) {
+    const int j = i0 + q;
+    if (j >= i1) break;
+    s.size[j] = prow[q];
+    s.ginc[j] = psrc[q];
+    s.greal[j] = n[q];
+  }
+  __syncthreads();
+}
+
+// map[p] as map_kernel forms it, from positions_to_smem's arrays: the source row of padded row p, or
+// -1 (padding, at or past P, or a source past `rows`).
+template <int kBlock, int kPer>
+__device__ int32_t chunk_source_row(const LayoutSmem<kBlock, kPer>& s, int c, int padded_total, int64_t rows,
+                                    int64_t p) {
+  if (p >= padded_total) return -1;
+  int lo = 0, hi = c;  // first position with pos_row > p
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (s.size[mid] > p) hi = mid; else lo = mid + 1;
+  }
+  if (lo == 0) return -1;
+  const int j = lo - 1, local = static_cast<int>(p - s.size[j]);
+  const int64_t from = static_cast<int64_t>(s.ginc[j]) + local;
+  return local < s.greal[j] && from < rows ? static_cast<int32_t>(from) : -1;
+}
+
+constexpr int kSmemChunks = 2048;
+constexpr int kSmemPer = kSmemChunks / kScanThreads;  // chunks a thread
+// One block for the whole op (decode, C = 8 ranks * 256 experts: the global-memory kernel took
+// 9 us on the H200). map != nullptr (chunk_layout's fused map, map_len <= kFusedMapRows): the
+// block also writes inclusive_offsets and map[p] for p < map_len, chunk_map's values, and leaves
+// the workspace arrays unwritten (only the header); one launch instead of two.
+__global__ void __launch_bounds__(kScanThreads)
+    layout_smem_kernel(IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, int64_t rows, Layout l,
+                       int map_len, int32_t* map, int32_t* inclusive_offsets) {
+  pdl_begin();
+  __shared__ LayoutSmem<kScanThreads, kSmemPer> s;
+  const int groups = c / ranks;
+  const int per = (c + kScanThreads - 1) / kScanThreads;  // <= kSmemPer
+  const int i0 = min(c, static_cast<int>(threadIdx.x) * per), i1 = min(c, i0 + per);
+  int prow[kSmemPer], psrc[kSmemPer], n[kSmemPer], real = 0;
+  const int padded_total = layout_in_smem(s, sizes, sorted, c, ranks, alignment, rows, i0, i1, prow, psrc, n, &real);
+  if (threadIdx.x == 0) {
+    *l.real_total = real;
+    *l.padded_total = padded_total;
+  }
+  for (int g = static_cast<int>(threadIdx.x); g < groups; g += kScanThreads) {
+    if (map != nullptr) {
+      inclusive_offsets[g] = s.ginc[g];
+    } else {
+      l.group_incl[g] = s.ginc[g];
+      l.group_real[g] = s.greal[g];
+    }
+  }
+  if (map == nullptr) {  // the workspace arrays, for chunk_map
+#pragma unroll
+    for (int q = 0; q < kSmemPer; ++q) {
+      const int j = i0 + q;
+      if (j >= i1) break;
       l.pos_row[j] = prow[q];
       l.pos_src[j] = psrc[q];
       l.pos_size[j] = n[q];
-      l.src_excl[j] = s_excl[j];
+      l.src_excl[j] = s.excl[j];
     }
+    return;
   }
-  if (map == nullptr) return;
-  // (5) the fused map: the positions' first rows, source starts and sizes in shared memory (over
-  //     s_size, s_ginc, s_greal, free after (4)), then map[p] as map_kernel forms it
-  const int padded_total = s_total;
-  __syncthreads();
-#pragma unroll
-  for (int q = 0; q < kSmemPer; ++q) {
-    const int j = i0 + q;
-    if (j >= i1) break;
-    s_size[j] = prow[q];
-    s_ginc[j] = psrc[q];
-    s_greal[j] = n[q];
-  }
-  __syncthreads();
+  positions_to_smem(s, i0, i1, prow, psrc, n);
   for (int p = static_cast<int>(threadIdx.x); p < map_len; p += kScanThreads) {
-    int32_t v = -1;
-    if (p < padded_total) {
-      int lo = 0, hi = c;  // first position with pos_row > p
-      while (lo < hi) {
-        const int mid = lo + (hi - lo) / 2;
-        if (s_size[mid] > p) hi = mid; else lo = mid + 1;
+    map[p] = chunk_source_row(s, c, padded_total, rows, p);
+  }
+}
+
+// The whole of sort_chunks in one launch for C <= kRowChunks: every block lays out the chunks
+// itself (C sizes from L2, three block scans), then writes map[p] for its rows and moves them
+// (rows_per_block consecutive output rows, over a grid-stride loop; block 0 writes
+// inclusive_offsets). No layout launch ahead of the row pass: at decode that launch and its wait
+// were most of sort_chunks' time above the row pass. W: the word rows move in (uint4 for 16-byte
+// rows, else the element's size). Rows at or past P: zeroed when zero_tail (their map is -1), else
+// untouched; padding rows below P: zeroed, or left unwritten when skip_unmapped.
+constexpr int kRowThreads = 256;
+constexpr int kRowPer = 4;
+constexpr int kRowChunks = kRowThreads * kRowPer;
+constexpr int kRowUnits = 4;  // words a thread in flight
+constexpr int kRowMaxRows = 8;
+template <typename W>
+__global__ void __launch_bounds__(kRowThreads)
+    chunk_rows_kernel(RowsArg src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, RowsArg out,
+                      int row_words, int rows_per_block, bool zero_tail, bool skip_unmapped, int32_t* map,
+                      int32_t* inclusive_offsets) {
+  pdl_begin(l2_share(src));
+  __shared__ LayoutSmem<kRowThreads, kRowPer> s;
+  __shared__ int32_t s_from[kRowMaxRows];
+  const int groups = c / ranks;
+  const int per = (c + kRowThreads - 1) / kRowThreads;  // <= kRowPer
+  const int i0 = min(c, static_cast<int>(threadIdx.x) * per), i1 = min(c, i0 + per);
+  int prow[kRowPer], psrc[kRowPer], n[kRowPer], real = 0;
+  const int padded_total = layout_in_smem(s, sizes, sorted, c, ranks, alignment, src.rows, i0, i1, prow, psrc, n, &real);
+  if (blockIdx.x == 0) {
+    for (int g = static_cast<int>(threadIdx.x); g < groups; g += kRowThreads) inclusive_offsets[g] = s.ginc[g];
+  }
+  positions_to_smem(s, i0, i1, prow, psrc, n);
+  const int64_t limit = zero_tail ? out.rows : (padded_total < out.rows ? padded_total : out.rows);
+  const int words = row_words;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < out.rows;
+       r0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int nrows = out.rows - r0 < rows_per_block ? static_cast<int>(out.rows - r0) : rows_per_block;
+    __syncthreads();  // s_from of the previous round read
+    if (threadIdx.x < static_cast<unsigned>(nrows)) {
+      const int64_t p = r0 + threadIdx.x;
+      const int32_t from = chunk_source_row(s, c, padded_total, src.rows, p);
+      map[p] = from;
+      s_from[threadIdx.x] = from;
+    }
+    __syncthreads();
+    if (r0 >= limit) continue;
+    const int moving = limit - r0 < nrows ? static_cast<int>(limit - r0) : nrows;
+    const int total_words = moving * words;
+    for (int base = 0; base < total_words; base += kRowThreads * kRowUnits) {
+      W v[kRowUnits];
+#pragma unroll
+      for (int k = 0; k < kRowUnits; ++k) {
+        const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
+        if (i < total_words) {
+          const int row = i / words;
+          const int32_t from = s_from[row];
+          if (from >= 0) v[k] = reinterpret_cast<const W*>(row_ptr(src, from))[i - row * words];
+          else memset(&v[k], 0, sizeof(W));
+        }
       }
-      if (lo > 0) {
-        const int j = lo - 1, local = p - s_size[j];
-        const int64_t from = static_cast<int64_t>(s_ginc[j]) + local;
-        if (local < s_greal[j] && from < rows) v = static_cast<int32_t>(from);
+#pragma unroll
+      for (int k = 0; k < kRowUnits; ++k) {
+        const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
+        if (i < total_words) {
+          const int row = i / words;
+          if (skip_unmapped && s_from[row] < 0) continue;
+          reinterpret_cast<W*>(row_ptr(out, r0 + row))[i - row * words] = v[k];
+        }
       }
     }
-    map[p] = v;
   }
 }
 
@@ -356,7 +461,75 @@ bool fused_chunk_map() {
   return on;
 }
 
+// PADMOE_CUDA_CHUNK_ROWS=0 (read once) or set_chunk_rows(0) (tests): sort_chunks as the layout
+// launch then the gather at every size.
+std::atomic<int> g_chunk_rows{-1};  // -1: the environment's choice
+bool chunk_rows_on() {
+  const int set = g_chunk_rows.load(std::memory_order_relaxed);
+  if (set >= 0) return set == 1;
+  static const bool on = [] {
+    const char* v = std::getenv("PADMOE_CUDA_CHUNK_ROWS");
+    return v == nullptr || std::atoi(v) != 0;
+  }();
+  return on;
+}
+
+template <typename W>
+void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment,
+                       const RowsArg& out, bool zero_tail, bool skip_unmapped, int32_t* map,
+                       int32_t* inclusive_offsets, cudaStream_t s) {
+  const int64_t row_bytes = out.cols * static_cast<int64_t>(element_size(out.dtype));
+  const int words = static_cast<int>(row_bytes / static_cast<int64_t>(sizeof(W)));
+  int per_block = kRowThreads * kRowUnits / (words > 0 ? words : 1);
+  per_block = per_block < 1 ? 1 : (per_block > kRowMaxRows ? kRowMaxRows : per_block);
+  // the blocks that fit at once (each lays the chunks out once, then strides over the rows)
+  static const int resident = [] {
+    int dev = 0, sms = 132, per_sm = 4;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_rows_kernel<W>, kRowThreads, 0) != cudaSuccess) {
+      cudaGetLastError();
+    }
+    return std::max(1, sms) * std::max(1, per_sm);
+  }();
+  const int64_t row_groups = index::ceil_div(out.rows, per_block);
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(row_groups, resident)));
+  // every row of src is read once: the first blocks ask L2 for them before the wait
+  const RowsArg from = with_l2_prefetch(src, std::is_same<W, uint4>::value, std::min(grid, resident / 2 > 0 ? resident / 2 : 1));
+  launch_kernel("chunk_rows_kernel", chunk_rows_kernel<W>, grid, kRowThreads, 0, s, from, sizes, sorted, c, ranks,
+      alignment, out, words, per_block, zero_tail, skip_unmapped, map, inclusive_offsets);
+}
+
 }  // namespace
+
+bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, int64_t rows, int64_t out_rows,
+                    int64_t map_len) {
+  if (!chunk_rows_on() || num_chunks < 1 || num_chunks > kRowChunks || num_ranks < 1 || map_len != out_rows) {
+    return false;
+  }
+  const int64_t groups = num_chunks / num_ranks;
+  return (rows + 1) * num_chunks + groups * alignment < 2147483647LL && out_rows < 2147483647LL;
+}
+
+void set_chunk_rows(int mode) { g_chunk_rows.store(mode < -1 || mode > 1 ? -1 : mode, std::memory_order_relaxed); }
+
+void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
+                     int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,
+                     int32_t* map, int32_t* inclusive_offsets, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  const int c = static_cast<int>(num_chunks);
+  const bool vec = rows_vectorizable(src) && rows_vectorizable(out);
+  const size_t e = element_size(out.dtype);
+  auto go = [&](auto word) {
+    using W = decltype(word);
+    launch_chunk_rows<W>(src, split_sizes, sorted_index, c, num_ranks, alignment, out, zero_tail, skip_unmapped, map,
+                         inclusive_offsets, s);
+  };
+  if (vec) go(uint4{});
+  else if (e == 1) go(uint8_t{});
+  else if (e == 2) go(uint16_t{});
+  else if (e == 4) go(uint32_t{});
+  else go(uint64_t{});
+}
 
 bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks, int alignment,
                   int64_t rows, void* workspace, void* stream, int64_t map_len, int32_t* map,

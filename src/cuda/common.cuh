@@ -44,20 +44,16 @@ __device__ __forceinline__ void pdl_begin() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-// launch_dependents alone (after a kernel's own pdl_wait(), where it chooses to let the next kernel in).
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // An L2 prefetch (cp.async.bulk.prefetch.L2, sm_90; nothing on older devices) of `bytes` (a
 // multiple of 16) from the 16-byte-aligned p. It brings no value into the SM, so a kernel may issue
 // it before its wait: the L2 is the device's point of coherence, so a line it brings in while the
 // kernel ahead is still running is the line that kernel's later writes update, and every load of
-// the kernel still follows the wait. What it buys: a row the kernel will read is on its way from
-// DRAM while the kernel ahead runs (sort_chunks' gather behind its layout kernel, dispatch behind
-// make_plan), instead of after it.
+// the kernel still follows the wait. What it buys: rows the kernel will read are on their way from
+// DRAM while the kernel ahead runs, instead of after it. Measured on the H200 (2026-12-03,
+// bench/results/cuda-h200-2026-12-03-sixteenth.md) it pays only behind a long wait: sort_chunks'
+// gather behind its one-block layout kernel, decode 24.9 -> 23.4 us in a graph. A prefetch shortly
+// before the loads of the same lines costs: dispatch behind make_plan at decode 22.9 -> 23.6 us,
+// pad_to_alignment's gather 28.2 -> 28.6 (behind an early-triggered map) and 30.1 (after it).
 __device__ __forceinline__ void l2_prefetch(const char* p, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
@@ -181,20 +177,8 @@ __device__ __forceinline__ char* row_ptr(const RowsArg& r, int64_t row) {
   return static_cast<char*>(r.data) + row * r.stride_bytes;
 }
 
-// The L2 prefetches of RowsArg::l2_bytes / l2_blocks (none when l2_bytes is 0):
-// bytes [byte0, byte0 + bytes) of row `row` (a block's own row, or its slice of it);
-__device__ __forceinline__ L2Rows l2_row(const RowsArg& r, int64_t row, int64_t byte0, int64_t bytes) {
-  if (r.l2_bytes == 0 || row < 0 || row >= r.rows || byte0 >= r.l2_bytes) return L2Rows{};
-  const int64_t end = byte0 + bytes < r.l2_bytes ? byte0 + bytes : r.l2_bytes;
-  return L2Rows{row_ptr(r, row) + byte0, 0, 1, static_cast<uint32_t>(end - byte0)};
-}
-// rows [first, first + count) whole (a warp a row);
-__device__ __forceinline__ L2Rows l2_rows(const RowsArg& r, int64_t first, int64_t count) {
-  if (r.l2_bytes == 0 || first < 0 || first >= r.rows) return L2Rows{};
-  const int64_t n = r.rows - first < count ? r.rows - first : count;
-  return L2Rows{row_ptr(r, first), r.stride_bytes, static_cast<int>(n), r.l2_bytes};
-}
-// block b < l2_blocks: rows b, b + l2_blocks, ... (all the rows over the grid's first blocks).
+// The L2 prefetches of RowsArg::l2_bytes / l2_blocks (none when l2_bytes is 0): block b <
+// l2_blocks asks for rows b, b + l2_blocks, ... (all the rows over the grid's first blocks).
 __device__ __forceinline__ L2Rows l2_share(const RowsArg& r) {
   const int64_t b = blockIdx.x;
   if (r.l2_bytes == 0 || r.l2_blocks <= 0 || b >= r.l2_blocks || b >= r.rows) return L2Rows{};

@@ -35,9 +35,8 @@ struct RowsArg {
   int64_t cols = 0;
   int64_t stride_bytes = 0;
   DType dtype = DType::kFloat32;
-  // Set by the launchers only (l2_prefetch_rows in rows.cu): each row's first l2_bytes bytes are
-  // asked into L2 before the kernel's pdl_wait (0: not). l2_blocks > 0: the grid's first l2_blocks
-  // blocks share all the rows (kernels that read every row once); 0: a block asks for its own.
+  // Set by the launchers only (with_l2_prefetch, rows.cu): the grid's first l2_blocks blocks ask
+  // L2 for every row (l2_bytes bytes each) before the kernel's pdl_wait; l2_bytes 0: not.
   uint32_t l2_bytes = 0;
   int32_t l2_blocks = 0;
   static RowsArg of(const TensorView& t) {
@@ -233,8 +232,8 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest
 // rows at or past *row_limit (a device int32, e.g. P) are left untouched.
 // skip_unmapped: rows with map < 0 are left unwritten instead of zeroed.
 // scales: as for spread_rows.
-// reads_all_rows: the caller knows every row of src is read (sort_chunks, pad_to_alignment), so the
-// rows may be asked into L2 while the kernel before the gather runs (l2_prefetch_mode).
+// reads_all_rows: the caller knows every row of src is read (sort_chunks), so the rows may be asked
+// into L2 while the kernel before the gather runs (l2_prefetch_mode).
 void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
                  const int32_t* row_limit, void* stream, bool skip_unmapped = false,
                  const ScaleRowsArg* scales = nullptr, bool reads_all_rows = false);
@@ -323,6 +322,17 @@ bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunk
                   int32_t* inclusive_offsets = nullptr);
 // -1 the environment's choice (on unless PADMOE_CUDA_CHUNK_MAP=separate), 0 off, 1 on.
 void set_chunk_map_fused(int mode);
+// sort_chunks in one launch (sort_chunk_rows) when it fits: 1 <= C <= 1024, map_len == out_rows, the
+// sums within 32 bits, and not turned off (PADMOE_CUDA_CHUNK_ROWS=0, read once; set_chunk_rows(0),
+// tests; -1 the default). Every block lays out the chunks itself, then writes its rows' map entries
+// and moves its rows; block 0 writes inclusive_offsets. For unchecked sizes (or sizes checked on
+// the host): bad entries get what the layout + gather path gives them.
+bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, int64_t rows, int64_t out_rows,
+                    int64_t map_len);
+void set_chunk_rows(int mode);
+void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
+                     int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,
+                     int32_t* map, int32_t* inclusive_offsets, void* stream);
 // Checked mode, after chunk_layout: split sizes in [0, rows], sorted_index a
 // permutation, sum <= rows, P <= INT32_MAX, P <= output_rows (< 0: skipped).
 // The lowest code, then the lowest position, is reported. Synchronizes.

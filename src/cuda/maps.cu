@@ -2,9 +2,6 @@
 // sorted routing (dest_rows), pad's row map and offsets, unpad's inverse map.
 #include <cub/block/block_scan.cuh>
 
-#include <cstdlib>
-#include <string>
-
 #include "cuda/common.cuh"
 
 namespace padmoe {
@@ -83,9 +80,8 @@ constexpr int kMapScanExperts = 4096;
 
 __global__ void __launch_bounds__(kMapThreads)
     pad_map_scan_kernel(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
-                        int32_t* inclusive_offsets, bool early_trigger) {
-  pdl_wait();  // no early trigger by default: the gather that follows should not share SMs with 32 KiB blocks
-  if (early_trigger) pdl_trigger();  // small maps: the gather's blocks placed (and asking L2 for h) meanwhile
+                        int32_t* inclusive_offsets) {
+  pdl_wait();  // no early trigger: the gather that follows should not share SMs with 32 KiB blocks
   using Scan = cub::BlockScan<int, kMapThreads>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int32_t s_incl[kMapScanExperts];  // padded inclusive offsets
@@ -146,20 +142,6 @@ __global__ void invert_kernel(IndexRef map, int64_t map_len, int64_t original_si
   }
 }
 
-// Whether the one-launch pad map lets the gather's blocks in at its start (as pdl_begin does)
-// rather than as its blocks exit: PADMOE_CUDA_PAD_TRIGGER=early | exit (read once); unset: early
-// for maps of at most kEarlyMapRows rows (a few blocks: the carveout cost measured at deepseek-v3,
-// 63 blocks of 32 KiB, does not arise), so that the gather's L2 prefetch of h overlaps the map.
-constexpr int64_t kEarlyMapRows = 16384;
-bool pad_map_early_trigger(int64_t map_len) {
-  static const int env = [] {
-    const char* v = std::getenv("PADMOE_CUDA_PAD_TRIGGER");
-    if (v == nullptr) return -1;
-    return std::string(v) == "early" ? 1 : 0;
-  }();
-  return env >= 0 ? env == 1 : map_len <= kEarlyMapRows;
-}
-
 }  // namespace
 
 void build_dest_rows(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins, int64_t assignments,
@@ -176,7 +158,7 @@ void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, i
   int32_t* padded_excl = real_excl + num_experts;
   if (num_experts > 0 && num_experts <= kMapScanExperts && map_len > 0) {  // one launch
     launch_kernel("pad_map_scan_kernel", pad_map_scan_kernel, grid_for(map_len, kMapThreads, 4096), kMapThreads, 0, s,
-        counts, num_experts, alignment, map_len, map, inclusive_offsets, pad_map_early_trigger(map_len));
+        counts, num_experts, alignment, map_len, map, inclusive_offsets);
     return;
   }
   if (num_experts > 0) {

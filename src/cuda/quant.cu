@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 8)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out,
                         int zero_rows_each) {
-  pdl_begin(blockIdx.x < x.rows ? l2_row(x, blockIdx.x, 0, x.l2_bytes) : L2Rows{});
+  pdl_begin();
   const int64_t tokens = x.rows;
   if (blockIdx.x >= tokens) {
     zero_rows(y, sc, pad, zero_padding, zero_past_end, (static_cast<int64_t>(blockIdx.x) - tokens) * zero_rows_each,
@@ -402,10 +402,9 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   if (x.cols == 0 && scales.layout != ScaleLayout::kPerRow) return;  // no columns, no scale columns: nothing to write
   const bool vec_in = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.stride_bytes % 16 == 0;
   const bool vec_out = reinterpret_cast<uintptr_t>(y.data) % 8 == 0 && y.stride_bytes % 8 == 0;
-  const RowsArg xp = with_l2_prefetch(x, vec_in, 0);  // each token block its own row
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    launch_kernel("quant_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), xp,
+    launch_kernel("quant_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
         top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out, zero_each);
   };
   with_traits(x.dtype, [&](auto traits) {

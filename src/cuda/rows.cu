@@ -301,11 +301,7 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
     spread_kernel(RowsArg x, int top_k, DestArg dest, ScaleArg w, RowsArg y, PaddingRef pad,
                   bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots, ScaleRowsArg sc,
                   int slices, int64_t slice_units, int zero_rows) {
-  // a token block's slice of x[t] into L2 while the kernel ahead runs (x.l2_bytes: 16-byte units)
-  pdl_begin(blockIdx.x < x.rows * slices
-                ? l2_row(x, blockIdx.x / slices, static_cast<int64_t>(blockIdx.x % slices) * slice_units * 16,
-                         slice_units * 16)
-                : L2Rows{});
+  pdl_begin();
   using U = Unit<T, kVec>;
   const int64_t tokens = x.rows;
   const int64_t row_blocks = tokens * slices;
@@ -495,8 +491,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     spread_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y,
                        PaddingRef pad, bool zero_padding, bool zero_past_end, ScaleRowsArg sc, int64_t token_blocks,
                        int zero_rows) {
-  pdl_begin(blockIdx.x < token_blocks ? l2_rows(x, static_cast<int64_t>(blockIdx.x) * (kThreads / 32), kThreads / 32)
-                                      : L2Rows{});
+  pdl_begin();
   using U = Unit<T, kVec>;
   if (blockIdx.x >= token_blocks) {
     zero_padding_rows<U, kScales>(y, pad, zero_padding, zero_past_end,
@@ -1349,10 +1344,9 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
   if (blocks == 0 || (y.cols == 0 && dots.data == nullptr && !scale_cols)) return;  // H = 0 still writes zero dots
   const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
   const ScaleRowsArg sc = scales != nullptr ? *scales : ScaleRowsArg{};
-  const RowsArg xp = with_l2_prefetch(x, vec, 0);  // the block and warp spreads: each block its own rows
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    launch_kernel("spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), xp, top_k,
+    launch_kernel("spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x, top_k,
         dest, w, y, padding, zero_padding, zero_past_end, with, dots, sc, sl.slices, sl.slice_units, zero_rows);
   };
   if (dest.rows == nullptr) {  // the search form: the block kernel, or with dots the warp kernel
@@ -1394,7 +1388,7 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
     auto warp_launch = [&](auto tag) {
       using Tag = decltype(tag);
       launch_kernel("spread_warp_kernel", Tag::fn, static_cast<unsigned>(token_blocks + zero_blocks), kThreads, 0,
-          as_stream(stream), xp, top_k, dest.rows, w, y, padding, zero_padding, zero_past_end, sc, token_blocks,
+          as_stream(stream), x, top_k, dest.rows, w, y, padding, zero_padding, zero_past_end, sc, token_blocks,
           zero_rows);
     };
     if (scales != nullptr) {

@@ -2080,27 +2080,34 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
     const padmoe::PadResult cpu = padmoe::sort_chunks(hh, hs, cf.R, cf.m, hsi);
     ASSERT_EQ(cpu.padded.size(0), P);
     EXPECT_TRUE(rows_bitwise(cpu.padded, want.padded, P));
-    // the layout's fused map (one launch fewer; unchecked calls only) off and on
-    for (int fused : {0, 1})
+    // three forms (unchecked calls only; checked ones validate on the device first, then take form
+    // 0 or 1): 0 the layout, chunk_map, the gather; 1 the layout's fused map, the gather; 2 one
+    // launch (chunk_rows_kernel, C <= 1024)
+    for (int form : {0, 1, 2})
     for (bool checked : {true, false}) {
       for (bool zero_tail : {false, true}) {
-        SCOPED_TRACE("fused map " + std::to_string(fused));
-        padmoe::cuda::set_chunk_map_fused(fused);
-        padmoe::Options o;
-        o.check_data = checked;
-        o.zero_tail = zero_tail;
-        Tensor gpad = gpu_poison_rows(cf.dt, cap, H), gmap = gpu_poison_index(cap), goff = gpu_poison_index(cf.E);
-        padmoe::sort_chunks_out(dh, ds, cf.R, cf.m, dsi, gpad, gmap, goff, o);
-        padmoe::cuda::set_chunk_map_fused(-1);
-        Tensor cpad = poison_rows(cf.dt, cap, H), cmap = poison_index(cap), coff = poison_index(cf.E);
-        padmoe::sort_chunks_out(hh, hs, cf.R, cf.m, hsi, cpad, cmap, coff, o);
-        const Tensor hpad = to_cpu(gpad);
-        EXPECT_TRUE(all_same(hpad, cpad)) << "padded, checked=" << checked << " zero_tail=" << zero_tail;
-        EXPECT_TRUE(all_same(to_cpu(gmap), cmap)) << "permutation_map";
-        EXPECT_TRUE(all_same(to_cpu(goff), coff)) << "inclusive_offsets";
-        EXPECT_TRUE(rows_bitwise(hpad, want.padded, P));
-        EXPECT_TRUE(bytes_are(hpad, P, cap, zero_tail ? 0x00 : kPoison)) << "rows past P";
-        EXPECT_EQ(index_to_vec(to_cpu(goff)), want.inclusive_offsets);
+        for (bool zero_padding : {true, false}) {
+          SCOPED_TRACE("form " + std::to_string(form) + (zero_padding ? "" : " zero_padding off"));
+          padmoe::cuda::set_chunk_map_fused(form == 0 ? 0 : 1);
+          padmoe::cuda::set_chunk_rows(form == 2 ? 1 : 0);
+          padmoe::Options o;
+          o.check_data = checked;
+          o.zero_tail = zero_tail;
+          o.zero_padding = zero_padding;
+          Tensor gpad = gpu_poison_rows(cf.dt, cap, H), gmap = gpu_poison_index(cap), goff = gpu_poison_index(cf.E);
+          padmoe::sort_chunks_out(dh, ds, cf.R, cf.m, dsi, gpad, gmap, goff, o);
+          padmoe::cuda::set_chunk_map_fused(-1);
+          padmoe::cuda::set_chunk_rows(-1);
+          Tensor cpad = poison_rows(cf.dt, cap, H), cmap = poison_index(cap), coff = poison_index(cf.E);
+          padmoe::sort_chunks_out(hh, hs, cf.R, cf.m, hsi, cpad, cmap, coff, o);
+          const Tensor hpad = to_cpu(gpad);
+          EXPECT_TRUE(all_same(hpad, cpad)) << "padded, checked=" << checked << " zero_tail=" << zero_tail;
+          EXPECT_TRUE(all_same(to_cpu(gmap), cmap)) << "permutation_map";
+          EXPECT_TRUE(all_same(to_cpu(goff), coff)) << "inclusive_offsets";
+          if (zero_padding) EXPECT_TRUE(rows_bitwise(hpad, want.padded, P));
+          EXPECT_TRUE(bytes_are(hpad, P, cap, zero_tail && zero_padding ? 0x00 : kPoison)) << "rows past P";
+          EXPECT_EQ(index_to_vec(to_cpu(goff)), want.inclusive_offsets);
+        }
       }
     }
     const padmoe::PadResult gpu = padmoe::sort_chunks(dh, ds, cf.R, cf.m, dsi);
