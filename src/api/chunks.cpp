@@ -232,11 +232,12 @@ void run_sort(const Checker& c, const ChunkGrid& g, const ChunkLayout& l, const 
     // Unvalidated sizes go through the layout, the checks, then the map: nothing but the scratch is
     // written before the checks pass. Otherwise the layout may write the map itself.
     const bool validate = options.check_data && !l.known;  // sizes not yet seen on the host
-    if (!validate && cuda::chunk_rows_fit(g.chunks, static_cast<int>(g.ranks), alignment, received.shape[0],
-                                          padded.shape[0], map_len)) {  // one launch: layout, map and rows
-      cuda::sort_chunk_rows(cuda::RowsArg::of(received), s, order, g.chunks, static_cast<int>(g.ranks), alignment,
-                            cuda::RowsArg::of(padded), options.zero_tail, /*skip_unmapped=*/!options.zero_padding, map,
-                            offs, options.stream);
+    const cuda::RowsArg src = cuda::RowsArg::of(received), dst = cuda::RowsArg::of(padded);
+    if (!validate && map_len == padded.shape[0] &&
+        cuda::chunk_rows_fit(g.chunks, static_cast<int>(g.ranks), alignment, src, dst)) {
+      // one launch: the layout, the map and the rows
+      cuda::sort_chunk_rows(src, s, order, g.chunks, static_cast<int>(g.ranks), alignment, dst, options.zero_tail,
+                            /*skip_unmapped=*/!options.zero_padding, map, offs, options.stream);
       return;
     }
     cuda::Scratch scratch(options, cuda::chunk_workspace_bytes(g.chunks), received.device.index);

@@ -1056,6 +1056,8 @@ int sm_count() {
   }();
   return sms;
 }
+}  // namespace
+
 // The L2's bytes on the current device when first asked (50 MiB, an H200's, if unknown).
 int64_t l2_cache_bytes() {
   static const int64_t bytes = [] {
@@ -1069,6 +1071,7 @@ int64_t l2_cache_bytes() {
   }();
   return bytes;
 }
+namespace {
 std::atomic<int> g_l2_prefetch{-1};  // set_l2_prefetch; -1: the environment's choice
 // About 4 blocks an SM: below it a block a token leaves the GPU part idle.
 int few_tokens_blocks() { return 4 * sm_count(); }
