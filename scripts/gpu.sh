@@ -23,7 +23,8 @@
 #        PADMOE_GPU_TEST_FILTER='ReduceShapes*:DotKernels*:Determinism*' PADMOE_BENCH_PRESETS=decode
 #        scripts/gpu.sh tests bench. Through the device tool: OUT=$OUT PADMOE_GPU_LOGS=/tmp/gpu-logs, so that
 #        only gpu-logs.tgz comes back (one file), and every step's output is in the call's printed tail.
-#        PADMOE_TORCH_BENCH=0 the python stage's bench_torch.py, PADMOE_BUILD_TARGETS the CMake
+#        PADMOE_TORCH_BENCH=0 the python stage's bench_torch.py, PADMOE_PYTEST_ARGS its pytest selection (default
+#        python/tests: the whole suite, which runs past one call's deadline on CUDA), PADMOE_BUILD_TARGETS the CMake
 #        targets built (all; padmoe_cli padmoe_bandwidth for bench / profile / ab alone). profile: ncu (clocks left alone) on
 #        the kernels of make_plan, dispatch and combine_backward at deepseek-v3
 #        and decode (PADMOE_PROFILE_SPECS="PRESET:OP ..." to choose; PADMOE_PROFILE_KERNELS a
@@ -168,7 +169,9 @@ if want triton; then
   cat "$out/triton-bench.log"
 fi
 if want python; then
-  run pytest-cuda env PYTHONPATH="$pyt" python3 -m pytest python/tests -q -rs
+  # PADMOE_PYTEST_ARGS: what pytest runs (default the whole python/tests, which takes longer than one
+  # device call's 540 s on CUDA; e.g. "python/tests/test_torch_ops.py -k sort_chunks")
+  run pytest-cuda env PYTHONPATH="$pyt" python3 -m pytest ${PADMOE_PYTEST_ARGS:-python/tests} -q -rs
   tail -n 5 "$out/pytest-cuda.log" 2>/dev/null
   # padmoe.torch as users see it: per op the kernels' GPU time (profiler), one eager call with the
   # host included, and CUDA-graph replay; the MoE block with grouped_mm experts.

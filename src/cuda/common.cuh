@@ -53,7 +53,7 @@ __device__ __forceinline__ void pdl_begin() {
 // bench/results/cuda-h200-2026-12-03-sixteenth.md) it pays only behind a long wait: sort_chunks'
 // gather behind its one-block layout kernel, decode 24.9 -> 23.4 us in a graph. A prefetch shortly
 // before the loads of the same lines costs: dispatch behind make_plan at decode 22.9 -> 23.6 us,
-// pad_to_alignment's gather 28.2 -> 28.6 (behind an early-triggered map) and 30.1 (after it).
+// pad_to_alignment's gather 28.1 -> 28.6 (behind an early-triggered map) and 30.1 (after it).
 __device__ __forceinline__ void l2_prefetch(const char* p, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
