@@ -673,6 +673,28 @@ int main(int argc, char** argv) {
         both("unpad_from_alignment (2A rows)", 2.0 * A * row, [&](cudaStream_t st) {
           route_reduce_kernel<<<static_cast<unsigned>(A), 256, 0, st>>>(b, nullptr, c, dest, sh.units, 1, sink);
         });
+        // sort_chunks' rows as padmoe bench's decode workload has them (A = 2048 received rows into
+        // Pc = 2272 padded rows: R = 8 ranks, 32 local experts, alignment 16), a row a block by a
+        // map with no layout ahead of it: the one-launch form's bound (added 2026-12-03)
+        const int pc = static_cast<int>(A) + 224, cpads = pc - static_cast<int>(A);
+        std::vector<int> cperm(pc);
+        for (int i = 0; i < pc; ++i) cperm[i] = i;
+        for (int i = pc - 1; i > 0; --i) {
+          st = st * 6364136223846793005ull + 1442695040888963407ull;
+          std::swap(cperm[i], cperm[static_cast<int>((st >> 33) % static_cast<unsigned long long>(i + 1))]);
+        }
+        int *cdest = nullptr, *cpad = nullptr;
+        CHECK(cudaMalloc(&cdest, A * sizeof(int)));
+        CHECK(cudaMalloc(&cpad, cpads * sizeof(int)));
+        CHECK(cudaMemcpy(cdest, cperm.data(), A * sizeof(int), cudaMemcpyHostToDevice));
+        CHECK(cudaMemcpy(cpad, cperm.data() + A, cpads * sizeof(int), cudaMemcpyHostToDevice));
+        const unsigned chunk_blocks = static_cast<unsigned>(A + (cpads + zero_rows - 1) / zero_rows);
+        both("sort_chunks (A + Pc rows, Pc = A + 224)", (double(A) + pc) * row, [&](cudaStream_t st) {
+          route_spread_kernel<<<chunk_blocks, 256, 0, st>>>(c, b, cdest, cpad, sh.units, 1, static_cast<int>(A), cpads,
+                                                             zero_rows);
+        });
+        CHECK(cudaFree(cdest));
+        CHECK(cudaFree(cpad));
       }
       both("combine(w), bf16 arithmetic (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
         route_reduce_bf16_kernel<false, true><<<sh.T, 256, 0, st>>>(b, nullptr, weights, c, nullptr, dest, sh.units,

@@ -485,7 +485,6 @@ int chunk_rows_waves() {
   return w;
 }
 // Rows a block moves at a time, and the blocks that fit on the device at once.
-template <typename W>
 int chunk_rows_per_block(int words) {
   const int per = kRowThreads * kRowUnits / (words > 0 ? words : 1);
   return per < 1 ? 1 : (per > kRowMaxRows ? kRowMaxRows : per);
@@ -509,7 +508,7 @@ void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int 
                        int32_t* inclusive_offsets, cudaStream_t s) {
   const int64_t row_bytes = out.cols * static_cast<int64_t>(element_size(out.dtype));
   const int words = static_cast<int>(row_bytes / static_cast<int64_t>(sizeof(W)));
-  const int per_block = chunk_rows_per_block<W>(words);
+  const int per_block = chunk_rows_per_block(words);
   // the blocks that fit at once (each lays the chunks out once, then strides over the rows)
   const int resident = chunk_rows_resident<W>();
   const int64_t row_groups = index::ceil_div(out.rows, per_block);
