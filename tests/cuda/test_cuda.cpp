@@ -2049,6 +2049,7 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
     int R, E, m;
     DType dt, sdt;
     bool sorted, two_d;
+    int64_t H = 0;  // 0: 66 for float32, else 256
   };
   const std::vector<Cfg> cfgs = {
       {8, 4, 16, DType::kBFloat16, DType::kInt32, false, true},  {8, 32, 128, DType::kBFloat16, DType::kInt64, false, false},
@@ -2056,12 +2057,15 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
       {4, 8, 1, DType::kFloat32, DType::kInt32, true, false},    {3, 5, 16, DType::kFloat8E4M3, DType::kInt64, true, true},
       {64, 16, 16, DType::kBFloat16, DType::kInt32, false, true}, {2, 3, 4, DType::kFloat8E5M2, DType::kInt32, false, false},
       {16, 70, 8, DType::kFloat32, DType::kInt64, true, false},  // C = 1120 > the scan's 1024 threads
-      {16, 160, 8, DType::kBFloat16, DType::kInt32, true, true}};  // C = 2560: past the shared-memory layout
+      {16, 160, 8, DType::kBFloat16, DType::kInt32, true, true},  // C = 2560: past the shared-memory layout
+      // rows that are not 16-byte multiples: the one-launch form's 1- and 2-byte words (added
+      // 2026-12-03, after the session's last device call: first run by the next session)
+      {8, 32, 16, DType::kFloat8E4M3, DType::kInt32, false, true, 33}, {4, 16, 8, DType::kBFloat16, DType::kInt64, true, false, 35}};
   for (const Cfg& cf : cfgs) {
     SCOPED_TRACE("R=" + std::to_string(cf.R) + " E=" + std::to_string(cf.E) + " m=" + std::to_string(cf.m) + " " +
                  dname(cf.dt) + (cf.sorted ? " sorted" : ""));
     Rng rng(static_cast<uint64_t>(cf.R * 1000 + cf.E * 10 + cf.m));
-    const int64_t C = static_cast<int64_t>(cf.R) * cf.E, H = cf.dt == DType::kFloat32 ? 66 : 256;
+    const int64_t C = static_cast<int64_t>(cf.R) * cf.E, H = cf.H > 0 ? cf.H : (cf.dt == DType::kFloat32 ? 66 : 256);
     const std::vector<int64_t> sizes = sort_chunks_sizes(C, cf.m, rng);
     const int64_t sum = std::accumulate(sizes.begin(), sizes.end(), int64_t{0}), N = sum + 3;
     std::vector<int64_t> perm(static_cast<size_t>(C));
