@@ -1560,7 +1560,7 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
   // every row of src read: the grid's first blocks (at most two an SM, all placed at once) ask L2
   // for all of them before the wait
   const int share = static_cast<int>(std::min<int64_t>(blocks, 2 * static_cast<int64_t>(sm_count())));
-  const RowsArg from = reads_all_rows ? with_l2_prefetch(src, vec, share) : with_l2_prefetch(src, false, 0);
+  const RowsArg from = reads_all_rows ? with_l2_prefetch(src, vec, share) : src;
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("gather_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), from, map, s,
