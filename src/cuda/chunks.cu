@@ -325,7 +325,7 @@ constexpr int kRowMaxRows = 8;
 template <typename W>
 __global__ void __launch_bounds__(kRowThreads)
     chunk_rows_kernel(RowsArg src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, RowsArg out,
-                      int row_words, int rows_per_block, bool zero_tail, bool skip_unmapped, int32_t* map,
+                      int words, int rows_per_block, bool zero_tail, bool skip_unmapped, int32_t* map,
                       int32_t* inclusive_offsets) {
   pdl_begin(l2_share(src));
   __shared__ LayoutSmem<kRowThreads, kRowPer> s;
@@ -340,7 +340,6 @@ __global__ void __launch_bounds__(kRowThreads)
   }
   positions_to_smem(s, i0, i1, prow, psrc, n);
   const int64_t limit = zero_tail ? out.rows : (padded_total < out.rows ? padded_total : out.rows);
-  const int words = row_words;
   for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < out.rows;
        r0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
     const int nrows = out.rows - r0 < rows_per_block ? static_cast<int>(out.rows - r0) : rows_per_block;
@@ -435,6 +434,12 @@ int64_t read_index(IndexRef r, int64_t i, cudaStream_t s) {
   return r.wide ? v : n;
 }
 
+// Whether every sum of the layout fits in 32 bits (the shared-memory layouts' int32 arrays): at
+// most C * (rows + 1) real rows (sizes are clamped at rows + 1), plus alignment - 1 a group.
+bool layout_sums_fit_32(int64_t num_chunks, int64_t groups, int alignment, int64_t rows) {
+  return (rows + 1) * num_chunks + groups * alignment < 2147483647LL;
+}
+
 // PADMOE_CUDA_CHUNK_LAYOUT=global: the global-memory layout kernel at every size (measurements).
 bool smem_layout() {
   static const bool on = [] {
@@ -492,12 +497,12 @@ int chunk_rows_per_block(int words) {
 template <typename W>
 int chunk_rows_resident() {
   static const int resident = [] {
-    int dev = 0, sms = 132, per_sm = 4;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_rows_kernel<W>, kRowThreads, 0) != cudaSuccess) {
+    int per_sm = 4;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_rows_kernel<W>, kRowThreads, 0) != cudaSuccess) {
       cudaGetLastError();
+      per_sm = 4;
     }
-    return std::max(1, sms) * std::max(1, per_sm);
+    return std::max(1, sm_count()) * std::max(1, per_sm);
   }();
   return resident;
 }
@@ -528,7 +533,7 @@ bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, const Rows
   const int mode = chunk_rows_mode();
   if (mode == 0 || num_chunks < 1 || num_chunks > kRowChunks || num_ranks < 1) return false;
   const int64_t groups = num_chunks / num_ranks;
-  if ((rows + 1) * num_chunks + groups * alignment >= 2147483647LL || out_rows >= 2147483647LL) return false;
+  if (!layout_sums_fit_32(num_chunks, groups, alignment, rows) || out_rows >= 2147483647LL) return false;
   // the default: received rows of at most the L2's size (measured on the H200, 2026-12-03: decode,
   // 29 MiB of rows, sort_chunks 23.3 -> 21.8 us in a graph; deepseek-v3 / qwen3-30b-a3b /
   // mixtral-8x7b, hundreds of MiB, 1.06-1.10x -> 1.13-1.20x the floor; nothing measured between)
@@ -568,7 +573,7 @@ bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunk
   // shared memory when the chunks fit and every sum (at most C * (rows + 1) real rows, plus
   // alignment - 1 a group) fits in 32 bits
   const int64_t groups = num_chunks / num_ranks;
-  const bool small = num_chunks <= kSmemChunks && (rows + 1) * num_chunks + groups * alignment < 2147483647LL;
+  const bool small = num_chunks <= kSmemChunks && layout_sums_fit_32(num_chunks, groups, alignment, rows);
   if (small && smem_layout()) {
     const bool fuse = map != nullptr && map_len <= kFusedMapRows && fused_chunk_map();
     launch_kernel("layout_smem_kernel", layout_smem_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index,

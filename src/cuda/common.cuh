@@ -186,7 +186,9 @@ __device__ __forceinline__ L2Rows l2_share(const RowsArg& r) {
   return L2Rows{row_ptr(r, b), r.stride_bytes * r.l2_blocks, static_cast<int>(n), r.l2_bytes};
 }
 
-// The L2's bytes on the current device when first asked (50 MiB, an H200's, if unknown). Host code.
+// The multiprocessors (132, an H200's, if unknown) and the L2's bytes (50 MiB if unknown) of the
+// current device when first asked. Host code (rows.cu).
+int sm_count();
 int64_t l2_cache_bytes();
 
 // r with l2_bytes / l2_blocks set where l2_prefetch_mode() allows it (vec: 16-byte rows; blocks:

@@ -324,8 +324,9 @@ bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunk
 void set_chunk_map_fused(int mode);
 // sort_chunks in one launch (sort_chunk_rows) when it fits: 1 <= C <= 1024, the sums within 32
 // bits, and by default received rows of at most the L2's size (small batches: decode); src: the
-// received rows, out: padded (the map has as many entries as it has rows). PADMOE_CUDA_CHUNK_ROWS=0 | all (read once) or set_chunk_rows(0 off | 1 wherever
-// it fits | 2 the default rule; -1 the environment's choice). Every block lays out the chunks
+// received rows, out: padded (the map has as many entries as it has rows).
+// PADMOE_CUDA_CHUNK_ROWS=0 | all (read once) or set_chunk_rows(0 off | 1 wherever it fits | 2 the
+// default rule; -1 the environment's choice). Every block lays out the chunks
 // itself, then writes its rows' map entries and moves its rows; block 0 writes inclusive_offsets.
 // For unchecked sizes (or sizes checked on the host): bad entries get what the layout + gather
 // path gives them.

@@ -1044,6 +1044,8 @@ struct Slicing {
   int64_t slice_units = 0;
 };
 std::atomic<int> g_slice_blocks{-1};  // set_slice_blocks: -1 the default
+}  // namespace
+
 // The multiprocessors of the current device when first asked (132, an H200's, if unknown).
 int sm_count() {
   static const int sms = [] {
@@ -1056,7 +1058,6 @@ int sm_count() {
   }();
   return sms;
 }
-}  // namespace
 
 // The L2's bytes on the current device when first asked (50 MiB, an H200's, if unknown).
 int64_t l2_cache_bytes() {
