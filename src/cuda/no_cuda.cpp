@@ -42,6 +42,9 @@ void sort_chunk_rows(const RowsArg&, IndexRef, IndexRef, int64_t, int, int, cons
                      void*) {
   unavailable("sort_chunks");
 }
+bool unpad_rows_fit(int64_t, const RowsArg&) { return false; }
+void set_unpad_rows(int) {}
+void unpad_rows(const RowsArg&, IndexRef, int64_t, ScaleArg, const RowsArg&, void*) { unavailable("unpad_rows"); }
 int l2_prefetch_mode() { return 0; }
 void set_l2_prefetch(int) {}
 void set_plan_match(int) {}

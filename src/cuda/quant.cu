@@ -97,13 +97,14 @@ __device__ __forceinline__ uint32_t fp8_hw_pair(float a, float b, bool e5m2) {
   return r;
 }
 
-__device__ __forceinline__ void store_scale_one(const QuantScalesArg& sc, int64_t r) {
+// Scale row r's entries c0, c0 + step, ... set to 1.
+__device__ __forceinline__ void store_scale_one(const QuantScalesArg& sc, int64_t r, int c0, int step) {
   if (sc.layout == ScaleLayout::kMxE8M0) {
     uint8_t* d = static_cast<uint8_t*>(sc.data) + r * sc.cols;
-    for (int64_t c = 0; c < sc.cols; ++c) d[c] = quant::kE8M0One;
+    for (int64_t c = c0; c < sc.cols; c += step) d[c] = quant::kE8M0One;
   } else {
     uint32_t* d = static_cast<uint32_t*>(sc.data) + r * sc.cols;
-    for (int64_t c = 0; c < sc.cols; ++c) d[c] = quant::kFloatOneBits;
+    for (int64_t c = c0; c < sc.cols; c += step) d[c] = quant::kFloatOneBits;
   }
 }
 
@@ -162,7 +163,11 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
       else p[u] = 0;
     }
   }
-  if (threadIdx.x < nrows && s_zero[threadIdx.x]) store_scale_one(sc, first + threadIdx.x);
+  // the zeroed rows' scales (1), over the block's threads row by row (one thread a row looped over
+  // a row's 224 E8M0 bytes at decode's H = 7168)
+  for (int row = 0; row < nrows; ++row) {
+    if (s_zero[row]) store_scale_one(sc, first + row, static_cast<int>(threadIdx.x), kThreads);
+  }
 }
 
 // One thread's kCols columns (in a run of lanes covering whole scale blocks: every lane of the
@@ -233,19 +238,21 @@ template <typename T, int kMode, int kFast>
 __global__ void __launch_bounds__(kThreads, 8)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out,
-                        int zero_rows_each) {
+                        int zero_rows_each, int slices) {
   pdl_begin();
-  const int64_t tokens = x.rows;
-  if (blockIdx.x >= tokens) {
-    zero_rows(y, sc, pad, zero_padding, zero_past_end, (static_cast<int64_t>(blockIdx.x) - tokens) * zero_rows_each,
-              zero_rows_each);
+  const int64_t token_blocks = x.rows * slices;
+  if (blockIdx.x >= token_blocks) {
+    zero_rows(y, sc, pad, zero_padding, zero_past_end,
+              (static_cast<int64_t>(blockIdx.x) - token_blocks) * zero_rows_each, zero_rows_each);
     return;
   }
   using M = ModeTraits<kMode>;
   __shared__ int64_t s_dest[kGroupK];
   __shared__ uint32_t s_warp[kThreads / 32];
   const quant::Fp8Format fmt = quant::fp8_format(sc.e5m2);
-  const int64_t t = blockIdx.x, hidden = x.cols;
+  // slices > 1 (block scales only): block (t, j) quantizes steps j, j + slices, ... of token t's row
+  const int64_t t = blockIdx.x / slices, hidden = x.cols;
+  const int64_t first_step = static_cast<int64_t>(blockIdx.x % slices) * kStepCols;
   const char* src = row_ptr(x, t);
   const int lane = threadIdx.x % 32;
 
@@ -280,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 8)
     if (kMode == kPerRowMode && threadIdx.x < nk && s_dest[threadIdx.x] >= 0) {
       static_cast<float*>(sc.data)[s_dest[threadIdx.x]] = row_div;
     }
-    for (int64_t base = 0; base < hidden; base += kStepCols) {  // every lane runs the step's shuffles
+    for (int64_t base = first_step; base < hidden; base += kStepCols * static_cast<int64_t>(slices)) {  // every lane runs the step's shuffles
       const int64_t c0 = base + threadIdx.x * kCols;
       float f[kCols];
       load_cols<T>(src, c0, hidden, vec_in, f);
@@ -322,6 +329,28 @@ int quant_fast() {
     return f >= 0 && f <= 3 ? f : 3;
   }();
   return n;
+}
+
+// Blocks a token row (block scales only; per-row scales reduce the whole row in one block): at
+// small T the row's steps of kStepCols columns go to blocks of their own, when every step of every
+// token then has its block within 8 blocks an SM (decode: 256 tokens, 4 steps of H = 7168 -> 1024
+// blocks), else 1. PADMOE_CUDA_QUANT_SLICES=N (read once) forces N (1: off), at most the steps; or
+// set_quant_slices (tests; -1 the default).
+std::atomic<int> g_quant_slices{-1};
+int quant_slices(int64_t tokens, int64_t hidden, ScaleLayout layout) {
+  if (layout == ScaleLayout::kPerRow || tokens <= 0) return 1;
+  const int64_t steps = index::ceil_div(hidden, static_cast<int64_t>(kStepCols));
+  if (steps <= 1) return 1;
+  int forced = g_quant_slices.load(std::memory_order_relaxed);
+  if (forced < 0) {
+    static const int env = [] {
+      const char* v = std::getenv("PADMOE_CUDA_QUANT_SLICES");
+      return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : -1;
+    }();
+    forced = env;
+  }
+  if (forced > 0) return static_cast<int>(std::min<int64_t>(forced, steps));
+  return tokens * steps <= 8 * static_cast<int64_t>(sm_count()) ? static_cast<int>(steps) : 1;
 }
 
 // Every float32 bit pattern but the NaNs (a quotient of a finite block is never NaN), in
@@ -383,6 +412,8 @@ int64_t fp8_convert_mismatches(bool e5m2, uint32_t* first_bits, int64_t* compare
   return static_cast<int64_t>(counts[0]);
 }
 
+void set_quant_slices(int n) { g_quant_slices.store(n < 1 ? -1 : n, std::memory_order_relaxed); }
+
 void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, const RowsArg& y,
                           const QuantScalesArg& scales, const PaddingRef& padding, bool zero_padding,
                           bool zero_past_end, void* stream) {
@@ -397,7 +428,8 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   const int zero_each = forced ? std::min(kZeroRows, small_rule)
                                : (small_rule < kZeroRows && scales.layout == ScaleLayout::kMxE8M0 ? 4 : kZeroRows);
   const int64_t zero_blocks = !identity && (zero_padding || zero_past_end) ? index::ceil_div(y.rows, zero_each) : 0;
-  const int64_t blocks = tokens + zero_blocks;
+  const int slices = quant_slices(tokens, x.cols, scales.layout);
+  const int64_t blocks = tokens * slices + zero_blocks;
   if (blocks == 0) return;
   if (x.cols == 0 && scales.layout != ScaleLayout::kPerRow) return;  // no columns, no scale columns: nothing to write
   const bool vec_in = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.stride_bytes % 16 == 0;
@@ -405,7 +437,7 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("quant_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
-        top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out, zero_each);
+        top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out, zero_each, slices);
   };
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);
