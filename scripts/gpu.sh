@@ -89,7 +89,7 @@ fi
 if want tests; then
   [ "${PADMOE_CPU_TESTS:-1}" = "1" ] && run cpu-tests ctest --test-dir "$build" -j "$(nproc)" --output-on-failure
   run gpu-tests "$build/padmoe_cuda_tests" --gtest_filter="${PADMOE_GPU_TEST_FILTER:-*}"
-  subset=${PADMOE_SANITIZE_FILTER:-'Determinism*:CheckedMode*:CudaGraph*:CpuVsGpuEdge*:PlanKernels*:RowSlices*:DotKernels*:ReduceShapes*:Pdl*:SortChunksGpu*:DestSearch*:RowDots*:PlanAndDispatchGpu*'}
+  subset=${PADMOE_SANITIZE_FILTER:-'Determinism*:CheckedMode*:CudaGraph*:CpuVsGpuEdge*:PlanKernels*:RowSlices*:DotKernels*:ReduceShapes*:Pdl*:SortChunksGpu*:DestSearch*:RowDots*:PlanAndDispatchGpu*:PadUnpadGpu*'}
   [ "${PADMOE_SANITIZE:-1}" = "1" ] && run memcheck compute-sanitizer --tool memcheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
   [ "${PADMOE_SANITIZE:-1}" = "1" ] && run racecheck compute-sanitizer --tool racecheck --error-exitcode 3 "$build/padmoe_cuda_tests" --gtest_filter="$subset"
 fi

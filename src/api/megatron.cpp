@@ -100,25 +100,16 @@ void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const Ten
                                                        padded.shape[0], scratch.get(), options.stream),
                               detail::ViolationNames{"tokens_per_expert", 0, "padded"});
     }
+    cuda::Scratch scratch(options, cuda::pad_workspace_bytes(static_cast<int>(experts)), h.device.index);
     int32_t* map = permutation_map.data_as<int32_t>();
     int32_t* offs = inclusive_offsets.data_as<int32_t>();
-    const cuda::RowsArg src = cuda::RowsArg::of(h), dst = cuda::RowsArg::of(padded);
-    // pad is sort_chunks with one rank (a chunk an expert, in order): its one launch where it fits
-    // (counts unchecked or already validated; rows past P untouched, as below)
-    if (scales == nullptr && experts > 0 && permutation_map.shape[0] == padded.shape[0] &&
-        cuda::chunk_rows_fit(experts, 1, alignment, src, dst)) {
-      cuda::sort_chunk_rows(src, counts, cuda::IndexRef{}, experts, 1, alignment, dst, /*zero_tail=*/false,
-                            /*skip_unmapped=*/!options.zero_padding, map, offs, options.stream);
-      return;
-    }
-    cuda::Scratch scratch(options, cuda::pad_workspace_bytes(static_cast<int>(experts)), h.device.index);
-    cuda::pad_map(counts, static_cast<int>(experts), alignment, permutation_map.shape[0], map, offs, scratch.get(),
-                  options.stream);
+    cuda::pad_map(counts, static_cast<int>(experts), alignment, permutation_map.shape[0], h.shape[0], map, offs,
+                  scratch.get(), options.stream);
     if (experts > 0) {  // no experts: P = 0, no row of `padded` is touched
       const cuda::ScaleRowsArg sc =
           scales ? detail::cuda_scale_rows(scales->src, scales->dst, scales->spec) : cuda::ScaleRowsArg{};
-      cuda::gather_rows(src, cuda::IndexRef{map, false}, cuda::ScaleArg{}, false, dst, padded.shape[0],
-                        offs + experts - 1, options.stream,
+      cuda::gather_rows(cuda::RowsArg::of(h), cuda::IndexRef{map, false}, cuda::ScaleArg{}, false,
+                        cuda::RowsArg::of(padded), padded.shape[0], offs + experts - 1, options.stream,
                         /*skip_unmapped=*/!options.zero_padding, scales ? &sc : nullptr);
     }
     return;
@@ -233,25 +224,6 @@ void check_unpad_inputs(const Checker& c, const TensorView& padded, const Tensor
   }
 }
 
-// unpad's rows (inputs checked but the map's entries): on CUDA in one launch where it fits (each
-// block finds its rows' entries in the map itself, after the checked mode's validation), else the
-// inverse map, then the gather.
-void run_unpad(const Checker& c, const TensorView& padded, const TensorView& permutation_map,
-               const std::optional<TensorView>& probs, const TensorView& out, const Options& options) {
-  const int64_t rows = padded.shape[0], original_size = out.shape[0];
-  if (padded.device.is_cuda()) {
-    const cuda::RowsArg dst = cuda::RowsArg::of(out);
-    if (cuda::unpad_rows_fit(rows, dst)) {
-      inverse_map(c, permutation_map, rows, original_size, padded.device, options, /*build_on_device=*/false);
-      cuda::unpad_rows(cuda::RowsArg::of(padded), cuda::IndexRef::of(permutation_map), rows,
-                       probs ? cuda::ScaleArg{probs->data, probs->dtype} : cuda::ScaleArg{}, dst, options.stream);
-      return;
-    }
-  }
-  const Inverse inverse = inverse_map(c, permutation_map, rows, original_size, padded.device, options);
-  run_gather(padded, inverse.data, probs, false, out, original_size, options);
-}
-
 }  // namespace
 
 void pad_to_alignment_out(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
@@ -291,15 +263,17 @@ void unpad_from_alignment_out(const TensorView& padded, const TensorView& permut
   check_unpad_inputs(c, padded, permutation_map, probs, original_size);
   c.row_output(out, "out", original_size, /*at_least=*/false, padded.shape[1], padded.dtype);
   c.same_device(out, "out", padded.device);
-  run_unpad(c, padded, permutation_map, probs, out, options);
+  const Inverse inverse = inverse_map(c, permutation_map, padded.shape[0], original_size, padded.device, options);
+  run_gather(padded, inverse.data, probs, false, out, original_size, options);
 }
 
 Tensor unpad_from_alignment(const TensorView& padded, const TensorView& permutation_map, int64_t original_size,
                             const std::optional<TensorView>& probs, const Options& options) {
   Checker c("unpad_from_alignment");
   check_unpad_inputs(c, padded, permutation_map, probs, original_size);
+  const Inverse inverse = inverse_map(c, permutation_map, padded.shape[0], original_size, padded.device, options);
   Tensor out = Tensor::empty(padded.dtype, {original_size, padded.shape[1]}, padded.device);
-  run_unpad(c, padded, permutation_map, probs, out, options);
+  run_gather(padded, inverse.data, probs, false, out, original_size, options);
   return out;
 }
 

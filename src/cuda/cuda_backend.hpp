@@ -238,16 +238,6 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
                  const int32_t* row_limit, void* stream, bool skip_unmapped = false,
                  const ScaleRowsArg* scales = nullptr, bool reads_all_rows = false);
 
-// Unpad in one launch: out[n] = src[p] * s[n] for the p with map[p] == n (the largest, for a map
-// that names n twice), zero for rows no entry names; no inverse map launched ahead. Each block
-// reads the whole map and moves its own rows. unpad_rows_fit: map_len <= 16384, out's rows over
-// the resident blocks at most 64 a block, and by default map_len <= 8192 (decode).
-// PADMOE_CUDA_UNPAD_ROWS=0 | all (read once) or set_unpad_rows(0 off | 1 wherever it fits | 2 the
-// default rule; -1 the environment's choice); PADMOE_CUDA_UNPAD_SPAN=N rows a block.
-bool unpad_rows_fit(int64_t map_len, const RowsArg& out);
-void set_unpad_rows(int mode);
-void unpad_rows(const RowsArg& src, IndexRef map, int64_t map_len, ScaleArg s, const RowsArg& out, void* stream);
-
 // L2 prefetch before the wait: 0 off, 1 the default rule (PDL on and the rows at most 60% of the
 // L2), 2 at every size. PADMOE_CUDA_PREFETCH=0|all (read once); set_l2_prefetch (tests: -1 the
 // default).
@@ -262,11 +252,12 @@ void gather_rows_dots(const RowsArg& src, IndexRef map, ScaleArg s, const RowsAr
 
 // --- Megatron maps ----------------------------------------------------------------
 // From counts[E]: inclusive_offsets[E] (padded inclusive cumsum) and
-// map[p] for p < map_len: source row or -1 (padding and p >= P).
+// map[p] for p < map_len: source row or -1 (padding, p >= P, and sources outside the `rows` rows of
+// the input: bad unchecked counts).
 // workspace: pad_workspace_bytes(E). One launch for E <= 4096 (each block scans the counts),
 // two above (a one-block scan, then the map).
 size_t pad_workspace_bytes(int num_experts);
-void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
+void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, int64_t rows, int32_t* map,
              int32_t* inclusive_offsets, void* workspace, void* stream);
 // inverse[n] = p for map[p] == n, else -1 (n < original_size).
 void invert_map(IndexRef map, int64_t map_len, int64_t original_size, int32_t* inverse, void* stream);

@@ -55,9 +55,11 @@ __global__ void __launch_bounds__(kScanThreads)
 }
 
 // map[p]: expert e = first with inclusive_offsets[e] > p; the source row while
-// inside e's count, else -1; -1 at or past P.
+// inside e's count, else -1; -1 at or past P, and for a source row outside [0, rows) (bad
+// unchecked counts only: the gather then reads nothing past the input).
 __global__ void pad_map_kernel(IndexRef counts, int num_experts, const int32_t* inclusive_offsets,
-                               const int32_t* real_excl, const int32_t* padded_excl, int64_t map_len, int32_t* map) {
+                               const int32_t* real_excl, const int32_t* padded_excl, int64_t map_len, int64_t rows,
+                               int32_t* map) {
   pdl_begin();
   const int64_t padded = num_experts > 0 ? inclusive_offsets[num_experts - 1] : 0;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < map_len;
@@ -66,7 +68,8 @@ __global__ void pad_map_kernel(IndexRef counts, int num_experts, const int32_t* 
     if (p < padded) {
       const int64_t e = index::find_segment(inclusive_offsets, num_experts, p);
       const int64_t local = p - padded_excl[e];
-      if (local < load_index(counts, e)) v = static_cast<int32_t>(real_excl[e] + local);
+      const int64_t from = real_excl[e] + local;
+      if (local < load_index(counts, e) && from >= 0 && from < rows) v = static_cast<int32_t>(from);
     }
     map[p] = v;
   }
@@ -79,7 +82,7 @@ constexpr int kMapThreads = 256;
 constexpr int kMapScanExperts = 4096;
 
 __global__ void __launch_bounds__(kMapThreads)
-    pad_map_scan_kernel(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
+    pad_map_scan_kernel(IndexRef counts, int num_experts, int alignment, int64_t map_len, int64_t rows, int32_t* map,
                         int32_t* inclusive_offsets) {
   pdl_wait();  // no early trigger: the gather that follows should not share SMs with 32 KiB blocks
   using Scan = cub::BlockScan<int, kMapThreads>;
@@ -119,7 +122,8 @@ __global__ void __launch_bounds__(kMapThreads)
       const int64_t e = index::find_segment(s_incl, num_experts, p);
       const int64_t local = p - index::segment_start(s_incl, e);
       const int64_t next = e + 1 < num_experts ? s_real[e + 1] : real_total;  // real exclusive end of e
-      if (local < next - s_real[e]) v = static_cast<int32_t>(s_real[e] + local);
+      const int64_t from = s_real[e] + local;
+      if (local < next - s_real[e] && from >= 0 && from < rows) v = static_cast<int32_t>(from);
     }
     map[p] = v;
   }
@@ -151,14 +155,14 @@ void build_dest_rows(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef
       indices, bin_ids, bins, padded_bins, num_experts, assignments, dest_rows);
 }
 
-void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, int32_t* map,
+void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, int64_t rows, int32_t* map,
              int32_t* inclusive_offsets, void* workspace, void* stream) {
   const cudaStream_t s = as_stream(stream);
   int32_t* real_excl = static_cast<int32_t*>(workspace);
   int32_t* padded_excl = real_excl + num_experts;
   if (num_experts > 0 && num_experts <= kMapScanExperts && map_len > 0) {  // one launch
     launch_kernel("pad_map_scan_kernel", pad_map_scan_kernel, grid_for(map_len, kMapThreads, 4096), kMapThreads, 0, s,
-        counts, num_experts, alignment, map_len, map, inclusive_offsets);
+        counts, num_experts, alignment, map_len, rows, map, inclusive_offsets);
     return;
   }
   if (num_experts > 0) {
@@ -167,7 +171,7 @@ void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, i
   }
   if (map_len > 0) {
     launch_kernel("pad_map_kernel", pad_map_kernel, grid_for(map_len, 256, 4096), 256, 0, s, counts, num_experts,
-        inclusive_offsets, real_excl, padded_excl, map_len, map);
+        inclusive_offsets, real_excl, padded_excl, map_len, rows, map);
   }
 }
 

@@ -42,9 +42,6 @@ void sort_chunk_rows(const RowsArg&, IndexRef, IndexRef, int64_t, int, int, cons
                      void*) {
   unavailable("sort_chunks");
 }
-bool unpad_rows_fit(int64_t, const RowsArg&) { return false; }
-void set_unpad_rows(int) {}
-void unpad_rows(const RowsArg&, IndexRef, int64_t, ScaleArg, const RowsArg&, void*) { unavailable("unpad_rows"); }
 int l2_prefetch_mode() { return 0; }
 void set_l2_prefetch(int) {}
 void set_plan_match(int) {}
@@ -75,7 +72,7 @@ void gather_rows_dots(const RowsArg&, IndexRef, ScaleArg, const RowsArg&, int64_
                       int64_t, void*) {
   unavailable("gather_rows_dots");
 }
-void pad_map(IndexRef, int, int, int64_t, int32_t*, int32_t*, void*, void*) { unavailable("pad_map"); }
+void pad_map(IndexRef, int, int, int64_t, int64_t, int32_t*, int32_t*, void*, void*) { unavailable("pad_map"); }
 void invert_map(IndexRef, int64_t, int64_t, int32_t*, void*) { unavailable("invert_map"); }
 Violation validate_top_experts(IndexRef, int64_t, int, void*, void*) { unavailable("validate"); }
 Violation validate_routing_ids(IndexRef, int64_t, int64_t, bool, IndexRef, int, void*, void*) { unavailable("validate"); }

@@ -238,12 +238,15 @@ template <typename T, int kMode, int kFast>
 __global__ void __launch_bounds__(kThreads, 8)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out,
-                        int zero_rows_each, int slices) {
+                        int zero_rows_each, int slices, int zero_first) {
   pdl_begin();
+  // zero_first > 0: the grid's first zero_first blocks are the zero blocks, else they come after
+  // the token blocks
   const int64_t token_blocks = x.rows * slices;
-  if (blockIdx.x >= token_blocks) {
-    zero_rows(y, sc, pad, zero_padding, zero_past_end,
-              (static_cast<int64_t>(blockIdx.x) - token_blocks) * zero_rows_each, zero_rows_each);
+  const int64_t b = zero_first > 0 ? static_cast<int64_t>(blockIdx.x) - zero_first : blockIdx.x;
+  if (b < 0 || b >= token_blocks) {
+    const int64_t z = b < 0 ? blockIdx.x : b - token_blocks;
+    zero_rows(y, sc, pad, zero_padding, zero_past_end, z * zero_rows_each, zero_rows_each);
     return;
   }
   using M = ModeTraits<kMode>;
@@ -251,8 +254,8 @@ __global__ void __launch_bounds__(kThreads, 8)
   __shared__ uint32_t s_warp[kThreads / 32];
   const quant::Fp8Format fmt = quant::fp8_format(sc.e5m2);
   // slices > 1 (block scales only): block (t, j) quantizes steps j, j + slices, ... of token t's row
-  const int64_t t = blockIdx.x / slices, hidden = x.cols;
-  const int64_t first_step = static_cast<int64_t>(blockIdx.x % slices) * kStepCols;
+  const int64_t t = b / slices, hidden = x.cols;
+  const int64_t first_step = (b % slices) * kStepCols;
   const char* src = row_ptr(x, t);
   const int lane = threadIdx.x % 32;
 
@@ -412,6 +415,15 @@ int64_t fp8_convert_mismatches(bool e5m2, uint32_t* first_bits, int64_t* compare
   return static_cast<int64_t>(counts[0]);
 }
 
+// PADMOE_CUDA_QUANT_ZERO_FIRST=1 (read once): the zero blocks first in the grid (measurements).
+static bool quant_zero_first() {
+  static const bool on = [] {
+    const char* v = std::getenv("PADMOE_CUDA_QUANT_ZERO_FIRST");
+    return v != nullptr && std::atoi(v) == 1;
+  }();
+  return on;
+}
+
 void set_quant_slices(int n) { g_quant_slices.store(n < 1 ? -1 : n, std::memory_order_relaxed); }
 
 void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, const RowsArg& y,
@@ -437,7 +449,8 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("quant_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
-        top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out, zero_each, slices);
+        top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out, zero_each, slices,
+        quant_zero_first() ? static_cast<int>(zero_blocks) : 0);
   };
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);

@@ -868,71 +868,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Unpad in one launch (unpad_rows): out[n] = src[p] (* s[n]) for the p with map[p] == n (the
-// largest such p: only a bad unchecked map names a row twice), zero when no entry names n; no
-// inverse map is built ahead of it (invert_map's fill and inversion: two launches and their waits
-// before the gather). Block b owns out rows [b * span, (b + 1) * span), span <= kInvRows: it reads
-// every map entry (map_len <= kInvMapEntries; at decode 4128 entries, 16 KiB, from L2), keeps in
-// shared memory the entries that name its rows, then moves them as gather_kernel does. Entries
-// outside [0, out.rows) name nothing (as invert_map skips them).
-constexpr int kInvRows = 64;
-constexpr int kInvItems = 8;  // map entries a thread in flight
-constexpr int64_t kInvMapEntries = 16384;
-constexpr int64_t kInvDefaultEntries = 8192;
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kThreads)
-    unpad_rows_kernel(RowsArg src, IndexRef map, int map_len, ScaleArg s, RowsArg out, int span) {
-  pdl_begin();
-  using U = Unit<T, kVec>;
-  __shared__ int s_from[kInvRows];
-  __shared__ float s_scale[kInvRows];
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * span;
-  if (n0 >= out.rows) return;
-  const int nrows = out.rows - n0 < span ? static_cast<int>(out.rows - n0) : span;
-  const int lo = static_cast<int>(n0), hi = lo + nrows;  // out.rows < 2^31 (unpad_rows_fit)
-  for (int q = threadIdx.x; q < nrows; q += kThreads) s_from[q] = -1;
-  __syncthreads();
-  for (int base = 0; base < map_len; base += kThreads * kInvItems) {
-    int v[kInvItems];
-#pragma unroll
-    for (int j = 0; j < kInvItems; ++j) {  // loads first
-      const int i = base + j * kThreads + static_cast<int>(threadIdx.x);
-      v[j] = i < map_len ? load_index32(map, i) : -1;
-    }
-#pragma unroll
-    for (int j = 0; j < kInvItems; ++j) {
-      const int i = base + j * kThreads + static_cast<int>(threadIdx.x);
-      if (v[j] >= lo && v[j] < hi) atomicMax(&s_from[v[j] - lo], i);  // integer: order-independent
-    }
-  }
-  __syncthreads();
-  for (int q = threadIdx.x; q < nrows; q += kThreads) s_scale[q] = s_from[q] < 0 ? 0.0f : load_scale(s, n0 + q);
-  __syncthreads();
-  const int units = static_cast<int>(units_of<U>(out));
-  const int n = nrows * units;
-  for (int base = 0; base < n; base += kChunkUnits) {
-    typename U::Raw v[kRegUnits];
-#pragma unroll
-    for (int j = 0; j < kRegUnits; ++j) {
-      const int i = base + j * kThreads + static_cast<int>(threadIdx.x);
-      if (i < n) {
-        const int row = i / units;
-        const int from = s_from[row];
-        v[j] = from < 0 ? U::zero() : U::load(row_ptr(src, from), i - row * units);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kRegUnits; ++j) {
-      const int i = base + j * kThreads + static_cast<int>(threadIdx.x);
-      if (i < n) {
-        const int row = i / units;
-        const bool plain = s.data == nullptr || s_from[row] < 0;
-        U::store(row_ptr(out, n0 + row), i - row * units, plain ? v[j] : U::scale(v[j], s_scale[row]));
-      }
-    }
-  }
-}
-
 // Gather with dots, a warp an output row (unpad's backward with grad_probs): row r takes
 // src[from] * s[from] (from = map[r]; zero for from < 0 or past src's rows) and
 // dots[from] = <dots_with[r], src[from]> from the same read of src[from] (so src is read
@@ -1076,10 +1011,6 @@ struct WarpDotsTag {
 template <typename T, bool kVec>
 struct GatherTag {
   static constexpr auto fn = gather_kernel<T, kVec, false>;
-};
-template <typename T, bool kVec>
-struct UnpadRowsTag {
-  static constexpr auto fn = unpad_rows_kernel<T, kVec>;
 };
 template <typename T, bool kVec>
 struct ScaledGatherTag {
@@ -1638,80 +1569,6 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
   };
   if (scales != nullptr) pick<ScaledGatherTag>(out.dtype, vec, launch);
   else pick<GatherTag>(out.dtype, vec, launch);
-}
-
-namespace {
-// PADMOE_CUDA_UNPAD_ROWS=0 | all (read once) or set_unpad_rows(0 | 1 | 2) (tests); the rows a
-// block, PADMOE_CUDA_UNPAD_SPAN (read once; 0 or unset: as many as spread the rows over the blocks
-// that fit at once, at least kInvMinSpan).
-std::atomic<int> g_unpad_rows{-1};
-int unpad_rows_mode() {  // 0 off, 1 wherever it fits, 2 the default rule
-  const int set = g_unpad_rows.load(std::memory_order_relaxed);
-  if (set >= 0) return set;
-  static const int env = [] {
-    const char* v = std::getenv("PADMOE_CUDA_UNPAD_ROWS");
-    if (v == nullptr) return 2;
-    return std::string(v) == "all" ? 1 : (std::atoi(v) == 0 ? 0 : 2);
-  }();
-  return env;
-}
-constexpr int kInvMinSpan = 2;
-int unpad_span_env() {
-  static const int v = [] {
-    const char* e = std::getenv("PADMOE_CUDA_UNPAD_SPAN");
-    const int n = e != nullptr ? std::atoi(e) : 0;
-    return n > 0 && n <= kInvRows ? n : 0;
-  }();
-  return v;
-}
-// The blocks of unpad_rows_kernel that fit on the device at once.
-int unpad_rows_resident(DType dtype, bool vec) {
-  int per_sm = 0;
-  pick<UnpadRowsTag>(dtype, vec, [&](auto tag) {
-    using Tag = decltype(tag);
-    static const int n = [] {
-      int b = 0;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, Tag::fn, kThreads, 0) != cudaSuccess) {
-        cudaGetLastError();
-        b = 4;
-      }
-      return b > 0 ? b : 1;
-    }();
-    per_sm = n;
-  });
-  return std::max(1, sm_count()) * per_sm;
-}
-// Rows a block: the env's, else spread over the resident blocks (at least kInvMinSpan).
-int unpad_span(int64_t rows, int resident) {
-  if (unpad_span_env() > 0) return unpad_span_env();
-  const int64_t per = index::ceil_div(rows, static_cast<int64_t>(resident));
-  return static_cast<int>(std::min<int64_t>(kInvRows, std::max<int64_t>(kInvMinSpan, per)));
-}
-}  // namespace
-
-bool unpad_rows_fit(int64_t map_len, const RowsArg& out) {
-  const int mode = unpad_rows_mode();
-  if (mode == 0 || map_len > kInvMapEntries || out.rows >= 2147483647LL) return false;
-  // every block reads the whole map: a grid of the resident blocks, each at most kInvRows rows
-  const bool vec = rows_vectorizable(out);
-  if (out.rows > static_cast<int64_t>(kInvRows) * unpad_rows_resident(out.dtype, vec)) return false;
-  // the default: small maps (decode: 4128 entries), where the two map launches ahead of the gather
-  // cost more than each block's read of the map
-  return mode == 1 || map_len <= kInvDefaultEntries;
-}
-
-void set_unpad_rows(int mode) { g_unpad_rows.store(mode < -1 || mode > 2 ? -1 : mode, std::memory_order_relaxed); }
-
-void unpad_rows(const RowsArg& src, IndexRef map, int64_t map_len, ScaleArg s, const RowsArg& out, void* stream) {
-  if (out.rows == 0 || out.cols == 0) return;
-  const bool vec = rows_vectorizable(src) && rows_vectorizable(out);
-  const int span = unpad_span(out.rows, unpad_rows_resident(out.dtype, vec));
-  const int64_t blocks = index::ceil_div(out.rows, static_cast<int64_t>(span));
-  pick<UnpadRowsTag>(out.dtype, vec, [&](auto tag) {
-    using Tag = decltype(tag);
-    launch_kernel("unpad_rows_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), src,
-        map, static_cast<int>(map_len), s, out, span);
-  });
 }
 
 void gather_rows_dots(const RowsArg& src, IndexRef map, ScaleArg s, const RowsArg& out, int64_t rows,
