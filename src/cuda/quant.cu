@@ -234,28 +234,28 @@ __device__ __forceinline__ void quantize_cols(const float (&f)[kCols], const qua
 // qwen3-30b-a3b 1.48x -> 1.41x, deepseek-v3 1.29x -> 1.30x. Loading the first step before the
 // destinations are staged (so that the two loads overlap) was slower: 1.93x at 48 registers,
 // 1.65x capped at 32.
-template <typename T, int kMode, int kFast>
+template <typename T, int kMode, int kFast, bool kSliced>
 __global__ void __launch_bounds__(kThreads, 8)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out,
-                        int zero_rows_each, int slices, int zero_first) {
+                        int zero_rows_each, int slices) {
   pdl_begin();
-  // zero_first > 0: the grid's first zero_first blocks are the zero blocks, else they come after
-  // the token blocks
-  const int64_t token_blocks = x.rows * slices;
-  const int64_t b = zero_first > 0 ? static_cast<int64_t>(blockIdx.x) - zero_first : blockIdx.x;
-  if (b < 0 || b >= token_blocks) {
-    const int64_t z = b < 0 ? blockIdx.x : b - token_blocks;
-    zero_rows(y, sc, pad, zero_padding, zero_past_end, z * zero_rows_each, zero_rows_each);
+  // kSliced (small T, block scales): block (t, j) of the first T * slices quantizes steps j,
+  // j + slices, ... of token t's row; otherwise a block a token (slices unused: this form's code is
+  // the one measured within 32 registers above)
+  const int64_t token_blocks = kSliced ? x.rows * slices : x.rows;
+  if (blockIdx.x >= token_blocks) {
+    zero_rows(y, sc, pad, zero_padding, zero_past_end, (static_cast<int64_t>(blockIdx.x) - token_blocks) * zero_rows_each,
+              zero_rows_each);
     return;
   }
   using M = ModeTraits<kMode>;
   __shared__ int64_t s_dest[kGroupK];
   __shared__ uint32_t s_warp[kThreads / 32];
   const quant::Fp8Format fmt = quant::fp8_format(sc.e5m2);
-  // slices > 1 (block scales only): block (t, j) quantizes steps j, j + slices, ... of token t's row
-  const int64_t t = b / slices, hidden = x.cols;
-  const int64_t first_step = (b % slices) * kStepCols;
+  const int64_t t = kSliced ? static_cast<int>(blockIdx.x) / slices : blockIdx.x, hidden = x.cols;
+  const int64_t first_step = kSliced ? static_cast<int64_t>(static_cast<int>(blockIdx.x) % slices) * kStepCols : 0;
+  const int64_t step_cols = kSliced ? static_cast<int64_t>(kStepCols) * slices : kStepCols;
   const char* src = row_ptr(x, t);
   const int lane = threadIdx.x % 32;
 
@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 8)
     if (kMode == kPerRowMode && threadIdx.x < nk && s_dest[threadIdx.x] >= 0) {
       static_cast<float*>(sc.data)[s_dest[threadIdx.x]] = row_div;
     }
-    for (int64_t base = first_step; base < hidden; base += kStepCols * static_cast<int64_t>(slices)) {  // every lane runs the step's shuffles
+    for (int64_t base = first_step; base < hidden; base += step_cols) {  // every lane runs the step's shuffles
       const int64_t c0 = base + threadIdx.x * kCols;
       float f[kCols];
       load_cols<T>(src, c0, hidden, vec_in, f);
@@ -312,9 +312,9 @@ __global__ void __launch_bounds__(kThreads, 8)
   }
 }
 
-template <typename T, int kMode, int kFast>
+template <typename T, int kMode, int kFast, bool kSliced>
 struct QuantTag {
-  static constexpr auto fn = quant_spread_kernel<T, kMode, kFast>;
+  static constexpr auto fn = quant_spread_kernel<T, kMode, kFast, kSliced>;
 };
 
 // PADMOE_CUDA_QUANT_FAST=0..3 (read once) or set_quant_fast (tests): the kFast bits; default 3,
@@ -415,15 +415,6 @@ int64_t fp8_convert_mismatches(bool e5m2, uint32_t* first_bits, int64_t* compare
   return static_cast<int64_t>(counts[0]);
 }
 
-// PADMOE_CUDA_QUANT_ZERO_FIRST=1 (read once): the zero blocks first in the grid (measurements).
-static bool quant_zero_first() {
-  static const bool on = [] {
-    const char* v = std::getenv("PADMOE_CUDA_QUANT_ZERO_FIRST");
-    return v != nullptr && std::atoi(v) == 1;
-  }();
-  return on;
-}
-
 void set_quant_slices(int n) { g_quant_slices.store(n < 1 ? -1 : n, std::memory_order_relaxed); }
 
 void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, const RowsArg& y,
@@ -431,14 +422,17 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
                           bool zero_past_end, void* stream) {
   const int64_t tokens = x.rows;
   const bool identity = dest == nullptr;
-  // Rows a zero block clears: kZeroRows, and 4 for MXFP8 scales at small T (below ~4 tokens an SM:
+  // Rows a zero block clears: kZeroRows, and 4 for block scales at small T (below ~4 tokens an SM:
   // where the spreads' rule gives fewer than kZeroRows). Measured on the H200 at decode (2026-12-03,
-  // graph us, 4 / 8 / 16 / 32 rows a block): quant-mxfp8 18.4 / 21.1-21.8 / 21.5 / 22.4, quant-128
-  // 14.5 / 16.0-16.2 / 13.5 / 13.7. PADMOE_CUDA_ZERO_ROWS overrides (at most kZeroRows).
+  // graph us, 4 / 8 / 16 / 32 rows a block, a block a token row): quant-mxfp8 18.4 / 21.1-21.8 /
+  // 21.5 / 22.4, quant-128 14.5 / 16.0-16.2 / 13.5 / 13.7; with the row's steps in blocks of their
+  // own (quant_slices, the seventeenth session): quant-128 12.6 / 13.6 / 14.1 / 17.1, quant-mxfp8
+  // 12.2 / 13.9 / 16.0 / - (4 was already its rule: 12.1). PADMOE_CUDA_ZERO_ROWS overrides (at most
+  // kZeroRows).
   const int small_rule = zero_rows_per_block(tokens, y.cols);  // y: 1-byte codes
   static const bool forced = std::getenv("PADMOE_CUDA_ZERO_ROWS") != nullptr;  // read once
   const int zero_each = forced ? std::min(kZeroRows, small_rule)
-                               : (small_rule < kZeroRows && scales.layout == ScaleLayout::kMxE8M0 ? 4 : kZeroRows);
+                               : (small_rule < kZeroRows && scales.layout != ScaleLayout::kPerRow ? 4 : kZeroRows);
   const int64_t zero_blocks = !identity && (zero_padding || zero_past_end) ? index::ceil_div(y.rows, zero_each) : 0;
   const int slices = quant_slices(tokens, x.cols, scales.layout);
   const int64_t blocks = tokens * slices + zero_blocks;
@@ -449,20 +443,24 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("quant_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
-        top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out, zero_each, slices,
-        quant_zero_first() ? static_cast<int>(zero_blocks) : 0);
+        top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out, zero_each, slices);
   };
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);
     const int fast = quant_fast();
     auto by_mode = [&](auto mode) {
       constexpr int kM = decltype(mode)::value;
-      switch (fast) {
-        case 1: launch(QuantTag<T, kM, kHwConvert>{}); break;
-        case 2: launch(QuantTag<T, kM, kMxMultiply>{}); break;
-        case 3: launch(QuantTag<T, kM, kHwConvert | kMxMultiply>{}); break;
-        default: launch(QuantTag<T, kM, 0>{}); break;
-      }
+      auto by_fast = [&](auto sliced) {
+        constexpr bool kS = decltype(sliced)::value && kM != kPerRowMode;  // per-row scales: never sliced
+        switch (fast) {
+          case 1: launch(QuantTag<T, kM, kHwConvert, kS>{}); break;
+          case 2: launch(QuantTag<T, kM, kMxMultiply, kS>{}); break;
+          case 3: launch(QuantTag<T, kM, kHwConvert | kMxMultiply, kS>{}); break;
+          default: launch(QuantTag<T, kM, 0, kS>{}); break;
+        }
+      };
+      if (slices > 1) by_fast(std::true_type{});
+      else by_fast(std::false_type{});
     };
     switch (scales.layout) {
       case ScaleLayout::kPerRow: by_mode(std::integral_constant<int, kPerRowMode>{}); break;
