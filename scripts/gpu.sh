@@ -35,7 +35,8 @@
 #        source counters name source lines (where warps stall). triton: padmoe.triton's tests natively and
 #        bench/bench_triton.py (PADMOE_TRITON_SWEEP=1 adds its launch sweep).
 #        ep: padmoe.torch.distributed over NCCL: its tests on the GPUs present (one GPU: the group
-#        of one and the CUDA-graph capture), bench/bench_ep.py on 2, 4 and 8 GPUs (those present).
+#        of one and the CUDA-graph capture), then every test with CUDA tensors over gloo (ranks
+#        sharing the GPUs), bench/bench_ep.py on 2, 4 and 8 GPUs (those present).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dest=${OUT:-gpu-out}
@@ -203,6 +204,11 @@ if want ep; then
   # sync-free mode's CUDA-graph capture; the tests of more ranks than GPUs skip themselves).
   run ep-tests env PYTHONPATH="$pyt" PADMOE_EP_BACKEND=nccl python3 -m pytest python/tests/test_distributed.py -q -rs
   tail -n 3 "$out/ep-tests.log" 2>/dev/null
+  # every multi-rank test with CUDA tensors over gloo (2 and 4 ranks sharing the GPUs present): padmoe's
+  # CUDA kernels on each rank, the rows through host memory
+  run ep-tests-gloo-cuda env PYTHONPATH="$pyt" PADMOE_EP_BACKEND=gloo PADMOE_EP_DEVICE=cuda \
+    python3 -m pytest python/tests/test_distributed.py -q -rs
+  tail -n 3 "$out/ep-tests-gloo-cuda.log" 2>/dev/null
   if [ "$gpus" -lt 2 ]; then
     step ep-bench; echo "ep-bench: skipped ($gpus GPU: the exchange between GPUs needs 2 or more)"
   else

@@ -10,7 +10,9 @@ batch from a seed, takes its own slice of tokens (uneven, one rank empty), and c
 - the sync-free mode with drops against a loop reference of the capacity per (source rank, expert);
 - bad input: a clear error on every rank, no hang.
 
-On GPUs the same workers run over NCCL (``PADMOE_EP_BACKEND=nccl``, one GPU per rank).
+On GPUs the same workers run over NCCL (``PADMOE_EP_BACKEND=nccl``, one GPU per rank), or over gloo
+with CUDA tensors (``PADMOE_EP_DEVICE=cuda``: several ranks may share one GPU, so the CUDA kernels
+run in every multi-rank test on a single GPU; gloo moves the rows through host memory).
 """
 
 import math
@@ -30,6 +32,9 @@ pytest.importorskip("padmoe.torch")
 import torch.multiprocessing as mp  # noqa: E402
 
 BACKEND = os.environ.get("PADMOE_EP_BACKEND", "gloo")
+# PADMOE_EP_DEVICE=cuda with gloo: the rows are CUDA tensors (padmoe's CUDA kernels on every rank,
+# gloo moving them through host memory), every rank on GPU rank % count: several ranks on one GPU
+DEVICE = "cuda" if BACKEND == "nccl" else os.environ.get("PADMOE_EP_DEVICE", "cpu")
 JOIN_S = 240
 
 
@@ -43,6 +48,8 @@ def _entry(rank, world, store, backend, name, args, errdir):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        elif DEVICE == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         globals()[name](rank, world, *args)
@@ -58,6 +65,8 @@ def run(tmp_path, world, name, *args):
     """Run ``name(rank, world, *args)`` on ``world`` processes; fail with every rank's traceback."""
     if BACKEND == "nccl" and torch.cuda.device_count() < world:
         pytest.skip(f"{world} ranks over NCCL need {world} GPUs")
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("PADMOE_EP_DEVICE=cuda: no GPU")
     errdir = tmp_path / "errors"
     errdir.mkdir(exist_ok=True)
     ctx = mp.start_processes(_entry, args=(world, str(tmp_path / "store"), BACKEND, name, args, str(errdir)),
@@ -86,7 +95,7 @@ def run(tmp_path, world, name, *args):
 
 
 def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if BACKEND == "nccl" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if DEVICE == "cuda" else torch.device("cpu")
 
 
 def _batch(world, E, K, H, dtype, seed=0, tokens=None, skip_expert=None):

@@ -1,4 +1,5 @@
-"""padmoe.torch.distributed: expert parallelism over torch.distributed (NCCL on GPUs, gloo on the CPU).
+"""padmoe.torch.distributed: expert parallelism over torch.distributed (NCCL on GPUs, gloo on the CPU;
+gloo also moves CUDA tensors, through host memory).
 
 Each of the R ranks of a process group routes its own tokens; every expert lives on one rank.
 ``dispatch`` sends each token row to the ranks that hold its top-k experts and returns this
@@ -195,9 +196,14 @@ class ExpertParallel:
             send_id[e] = i
         self._send_id = None if send_id == list(range(E)) else send_id  # None: the identity
         self._maps = {}
-        backend = dist.get_backend(group)
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend).lower()
-                       else torch.device("cpu"))
+        # The metadata's device (counts, configurations): the GPU for NCCL alone, else the CPU. The
+        # rows: CUDA tensors with NCCL; CPU or CUDA tensors with gloo (gloo moves CUDA tensors
+        # through host memory: for tests and machines without NCCL, not for speed); a mixed
+        # backend ("cpu:gloo,cuda:nccl") takes each to its own.
+        backend = str(dist.get_backend(group)).lower()
+        nccl_only = "nccl" in backend and "gloo" not in backend and "cpu" not in backend
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl_only else torch.device("cpu")
+        self._row_devices = ("cuda",) if nccl_only else ("cpu", "cuda")
         # Every rank must build the same configuration.
         conf = [E, self.alignment, 0 if mode == "exact" else 1, -1 if capacity is None else int(capacity),
                 0 if drop_policy == "position" else 1] + ranks
@@ -244,9 +250,9 @@ class ExpertParallel:
             raise ValueError(f"{op}: top_experts: has {top_experts.shape[0]} rows but x has {x.shape[0]} tokens")
         if top_experts.device != x.device:
             raise ValueError(f"{op}: top_experts: on {top_experts.device}, x on {x.device}")
-        if x.device.type != self.device.type:
-            raise ValueError(f"{op}: x: on {x.device}, but the process group's backend moves {self.device.type} "
-                             "tensors")
+        if x.device.type not in self._row_devices:
+            raise ValueError(f"{op}: x: on {x.device}, but the process group's backend moves "
+                             f"{' or '.join(self._row_devices)} tensors")
         if weights is not None and weights.numel() != top_experts.numel():
             raise ValueError(f"{op}: weights: expected {top_experts.numel()} entries (one per assignment, "
                              f"[T, K] or [T*K]), got shape {tuple(weights.shape)}")
