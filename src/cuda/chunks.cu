@@ -322,70 +322,17 @@ constexpr int kRowPer = 4;
 constexpr int kRowChunks = kRowThreads * kRowPer;
 constexpr int kRowUnits = 4;  // words a thread in flight
 constexpr int kRowMaxRows = 8;
-
-// Words [base, base + kRowThreads * kRowUnits) of `nrows` rows whose row i is src row from[i]
-// (-1: zeros), into v (thread's share); and their stores to out row to[i] (-1: none).
 template <typename W>
-__device__ __forceinline__ void load_words(const RowsArg& src, const int32_t* from, int words, int total_words, int base,
-                                           W (&v)[kRowUnits]) {
-#pragma unroll
-  for (int k = 0; k < kRowUnits; ++k) {
-    const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
-    if (i < total_words) {
-      const int row = i / words;
-      const int32_t f = from[row];
-      if (f >= 0) v[k] = reinterpret_cast<const W*>(row_ptr(src, f))[i - row * words];
-      else memset(&v[k], 0, sizeof(W));
-    }
-  }
-}
-template <typename W>
-__device__ __forceinline__ void store_words(const RowsArg& out, int64_t r0, const int32_t* to, int words,
-                                            int total_words, int base, const W (&v)[kRowUnits]) {
-#pragma unroll
-  for (int k = 0; k < kRowUnits; ++k) {
-    const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
-    if (i < total_words) {
-      const int row = i / words;
-      const int64_t t = to == nullptr ? r0 + row : static_cast<int64_t>(to[row]);
-      if (t >= 0) reinterpret_cast<W*>(row_ptr(out, t))[i - row * words] = v[k];
-    }
-  }
-}
-
-// by_source (sorted_index absent only): the row pass goes over the received rows in their own
-// order instead of the output's. A block's first rows do not depend on the layout, so it loads
-// their first words before laying the chunks out (the loads in flight during the scans); each row's
-// destination is then found in the layout (the source chunk by a search over the exclusive sums,
-// the chunk's output position r*groups+g -> g*ranks+r), and map[dest] written beside it. A second
-// pass over the output rows writes map -1 and the zero rows where no source row lands (padding,
-// past P, sources past the input).
-// by_source is its own instantiation (its preloaded words held over the layout: 64 registers
-// unbounded, against the output-order form's 40), bounded to 5 blocks an SM.
-template <typename W, bool by_source>
-__global__ void __launch_bounds__(kRowThreads, by_source ? 5 : 0)
+__global__ void __launch_bounds__(kRowThreads)
     chunk_rows_kernel(RowsArg src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, RowsArg out,
                       int words, int rows_per_block, bool zero_tail, bool skip_unmapped, int32_t* map,
                       int32_t* inclusive_offsets) {
   pdl_begin(l2_share(src));
   __shared__ LayoutSmem<kRowThreads, kRowPer> s;
   __shared__ int32_t s_from[kRowMaxRows];
-  __shared__ int32_t s_to[kRowMaxRows];
   const int groups = c / ranks;
   const int per = (c + kRowThreads - 1) / kRowThreads;  // <= kRowPer
   const int i0 = min(c, static_cast<int>(threadIdx.x) * per), i1 = min(c, i0 + per);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * rows_per_block;
-  // by_source: the block's first received rows, their first words loaded before the layout
-  W first[kRowUnits] = {};
-  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
-  if constexpr (by_source) {
-    if (s0 < src.rows) {
-      const int first_rows = static_cast<int>(min(static_cast<int64_t>(rows_per_block), src.rows - s0));
-      if (threadIdx.x < static_cast<unsigned>(first_rows)) s_from[threadIdx.x] = static_cast<int32_t>(s0 + threadIdx.x);
-      __syncthreads();
-      load_words<W>(src, s_from, words, first_rows * words, 0, first);
-    }
-  }
   int prow[kRowPer], psrc[kRowPer], n[kRowPer], real = 0;
   const int padded_total = layout_in_smem(s, sizes, sorted, c, ranks, alignment, src.rows, i0, i1, prow, psrc, n, &real);
   if (blockIdx.x == 0) {
@@ -393,56 +340,15 @@ __global__ void __launch_bounds__(kRowThreads, by_source ? 5 : 0)
   }
   positions_to_smem(s, i0, i1, prow, psrc, n);
   const int64_t limit = zero_tail ? out.rows : (padded_total < out.rows ? padded_total : out.rows);
-  if constexpr (by_source) {
-    // s.excl: each chunk's first received row (source order); s.size / s.greal: each output
-    // position's first padded row and size (positions_to_smem)
-    for (int64_t r0 = s0; r0 < src.rows; r0 += stride) {
-      const int nrows = src.rows - r0 < rows_per_block ? static_cast<int>(src.rows - r0) : rows_per_block;
-      __syncthreads();  // s_from / s_to of the previous round read
-      if (threadIdx.x < static_cast<unsigned>(nrows)) {
-        const int64_t i = r0 + threadIdx.x;
-        int32_t to = -1;
-        int lo = 0, hi = c;  // the first chunk whose rows start past i (s.excl[0] = 0: lo >= 1)
-        while (lo < hi) {
-          const int mid = lo + (hi - lo) / 2;
-          if (s.excl[mid] > i) hi = mid; else lo = mid + 1;
-        }
-        if (i < real && lo > 0) {
-          const int ch = lo - 1, j = (ch % groups) * ranks + ch / groups;
-          const int local = static_cast<int>(i - s.excl[ch]);
-          const int64_t dest = static_cast<int64_t>(s.size[j]) + local;
-          if (local < s.greal[j] && dest < out.rows) {
-            to = static_cast<int32_t>(dest);
-            map[dest] = static_cast<int32_t>(i);
-          }
-        }
-        s_from[threadIdx.x] = to >= 0 ? static_cast<int32_t>(i) : -1;
-        s_to[threadIdx.x] = to;
-      }
-      __syncthreads();
-      const int total_words = nrows * words;
-      for (int base = 0; base < total_words; base += kRowThreads * kRowUnits) {
-        W v[kRowUnits];
-        if (r0 == s0 && base == 0) {
-#pragma unroll
-          for (int k = 0; k < kRowUnits; ++k) v[k] = first[k];
-        } else {
-          load_words<W>(src, s_from, words, total_words, base, v);
-        }
-        store_words<W>(out, 0, s_to, words, total_words, base, v);
-      }
-    }
-  }
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < out.rows; r0 += stride) {
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < out.rows;
+       r0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
     const int nrows = out.rows - r0 < rows_per_block ? static_cast<int>(out.rows - r0) : rows_per_block;
     __syncthreads();  // s_from of the previous round read
     if (threadIdx.x < static_cast<unsigned>(nrows)) {
       const int64_t p = r0 + threadIdx.x;
       const int32_t from = chunk_source_row(s, c, padded_total, src.rows, p);
-      if (!by_source || from < 0) map[p] = from;
+      map[p] = from;
       s_from[threadIdx.x] = from;
-      // by_source: only the rows no source lands in (zeros; none when skip_unmapped)
-      if (by_source) s_to[threadIdx.x] = from >= 0 || skip_unmapped ? -1 : static_cast<int32_t>(p);
     }
     __syncthreads();
     if (r0 >= limit) continue;
@@ -450,13 +356,16 @@ __global__ void __launch_bounds__(kRowThreads, by_source ? 5 : 0)
     const int total_words = moving * words;
     for (int base = 0; base < total_words; base += kRowThreads * kRowUnits) {
       W v[kRowUnits];
-      if (by_source) {
 #pragma unroll
-        for (int k = 0; k < kRowUnits; ++k) memset(&v[k], 0, sizeof(W));
-        store_words<W>(out, 0, s_to, words, total_words, base, v);
-        continue;
+      for (int k = 0; k < kRowUnits; ++k) {
+        const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
+        if (i < total_words) {
+          const int row = i / words;
+          const int32_t from = s_from[row];
+          if (from >= 0) v[k] = reinterpret_cast<const W*>(row_ptr(src, from))[i - row * words];
+          else memset(&v[k], 0, sizeof(W));
+        }
       }
-      load_words<W>(src, s_from, words, total_words, base, v);
 #pragma unroll
       for (int k = 0; k < kRowUnits; ++k) {
         const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
@@ -585,32 +494,17 @@ int chunk_rows_per_block(int words) {
   const int per = kRowThreads * kRowUnits / (words > 0 ? words : 1);
   return per < 1 ? 1 : (per > kRowMaxRows ? kRowMaxRows : per);
 }
-template <typename W, bool by_source>
+template <typename W>
 int chunk_rows_resident() {
   static const int resident = [] {
     int per_sm = 4;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_rows_kernel<W, by_source>, kRowThreads, 0) !=
-        cudaSuccess) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_rows_kernel<W>, kRowThreads, 0) != cudaSuccess) {
       cudaGetLastError();
       per_sm = 4;
     }
     return std::max(1, sm_count()) * std::max(1, per_sm);
   }();
   return resident;
-}
-
-// The one launch's row pass in the received rows' order (sorted_index absent): PADMOE_CUDA_CHUNK_SOURCE=0|1
-// (read once) or set_chunk_rows_by_source(0 | 1) (tests); default: kDefaultBySource.
-constexpr bool kDefaultBySource = false;
-std::atomic<int> g_chunk_by_source{-1};  // -1: the environment's choice
-bool chunk_rows_by_source() {
-  const int set = g_chunk_by_source.load(std::memory_order_relaxed);
-  if (set >= 0) return set == 1;
-  static const bool on = [] {
-    const char* v = std::getenv("PADMOE_CUDA_CHUNK_SOURCE");
-    return v == nullptr ? kDefaultBySource : std::atoi(v) != 0;
-  }();
-  return on;
 }
 
 template <typename W>
@@ -620,17 +514,15 @@ void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int 
   const int64_t row_bytes = out.cols * static_cast<int64_t>(element_size(out.dtype));
   const int words = static_cast<int>(row_bytes / static_cast<int64_t>(sizeof(W)));
   const int per_block = chunk_rows_per_block(words);
-  const bool by_source = sorted.data == nullptr && chunk_rows_by_source();
   // the blocks that fit at once (each lays the chunks out once, then strides over the rows)
-  const int resident = by_source ? chunk_rows_resident<W, true>() : chunk_rows_resident<W, false>();
+  const int resident = chunk_rows_resident<W>();
   const int64_t row_groups = index::ceil_div(out.rows, per_block);
   const int grid = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(row_groups, static_cast<int64_t>(resident) * chunk_rows_waves())));
   // every row of src is read once: the first blocks ask L2 for them before the wait
   const RowsArg from = with_l2_prefetch(src, std::is_same<W, uint4>::value, std::min(grid, resident / 2 > 0 ? resident / 2 : 1));
-  launch_kernel("chunk_rows_kernel", by_source ? chunk_rows_kernel<W, true> : chunk_rows_kernel<W, false>, grid,
-      kRowThreads, 0, s, from, sizes, sorted, c, ranks, alignment, out, words, per_block, zero_tail, skip_unmapped, map,
-      inclusive_offsets);
+  launch_kernel("chunk_rows_kernel", chunk_rows_kernel<W>, grid, kRowThreads, 0, s, from, sizes, sorted, c, ranks,
+      alignment, out, words, per_block, zero_tail, skip_unmapped, map, inclusive_offsets);
 }
 
 }  // namespace
@@ -649,9 +541,6 @@ bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, const Rows
 }
 
 void set_chunk_rows(int mode) { g_chunk_rows.store(mode < -1 || mode > 2 ? -1 : mode, std::memory_order_relaxed); }
-void set_chunk_rows_by_source(int mode) {
-  g_chunk_by_source.store(mode < -1 || mode > 1 ? -1 : mode, std::memory_order_relaxed);
-}
 
 void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
                      int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,

@@ -333,8 +333,6 @@ void set_chunk_map_fused(int mode);
 // path gives them.
 bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, const RowsArg& src, const RowsArg& out);
 void set_chunk_rows(int mode);
-// The one launch's row pass in the received rows' order (no sorted_index): -1 the default, 0 off, 1 on.
-void set_chunk_rows_by_source(int mode);
 void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
                      int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,
                      int32_t* map, int32_t* inclusive_offsets, void* stream);

@@ -163,10 +163,18 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
       else p[u] = 0;
     }
   }
-  // the zeroed rows' scales (1), over the block's threads row by row (one thread a row looped over
-  // a row's 224 E8M0 bytes at decode's H = 7168)
-  for (int row = 0; row < nrows; ++row) {
-    if (s_zero[row]) store_scale_one(sc, first + row, static_cast<int>(threadIdx.x), kThreads);
+  // the zeroed rows' scales (1): rows of at most 64 entries one thread a row (looped over the row),
+  // longer rows over the block's threads row by row. Measured on the H200 (2026-12-04, graph x
+  // floor, bench/results/cuda-h200-2026-12-04-eighteenth.md), one thread a row / row by row:
+  // qwen3-30b-a3b (16 and 64 entries) quant-128 1.42 / 1.57, quant-mxfp8 1.47 / 1.59; mixtral-8x7b
+  // (32 entries) quant-128 1.54 / 1.60; deepseek-v3 and decode MXFP8 (224 entries) 1.50 / 1.31 and
+  // 18.5 / 12.2 us; a flattened (row, entry) loop was between the two everywhere.
+  if (sc.cols <= 64) {
+    if (threadIdx.x < static_cast<unsigned>(nrows) && s_zero[threadIdx.x]) store_scale_one(sc, first + threadIdx.x, 0, 1);
+  } else {
+    for (int row = 0; row < nrows; ++row) {
+      if (s_zero[row]) store_scale_one(sc, first + row, static_cast<int>(threadIdx.x), kThreads);
+    }
   }
 }
 

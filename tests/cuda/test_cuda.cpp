@@ -2086,16 +2086,14 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
     EXPECT_TRUE(rows_bitwise(cpu.padded, want.padded, P));
     // three forms (unchecked calls only; checked ones validate on the device first, then take form
     // 0 or 1): 0 the layout, chunk_map, the gather; 1 the layout's fused map, the gather; 2 one
-    // launch (chunk_rows_kernel, C <= 1024); 3 one launch, the row pass in the received rows' order
-    // (without sorted_index; with it form 3 is form 2)
-    for (int form : {0, 1, 2, 3})
+    // launch (chunk_rows_kernel, C <= 1024)
+    for (int form : {0, 1, 2})
     for (bool checked : {true, false}) {
       for (bool zero_tail : {false, true}) {
         for (bool zero_padding : {true, false}) {
           SCOPED_TRACE("form " + std::to_string(form) + (zero_padding ? "" : " zero_padding off"));
           padmoe::cuda::set_chunk_map_fused(form == 0 ? 0 : 1);
-          padmoe::cuda::set_chunk_rows(form >= 2 ? 1 : 0);
-          padmoe::cuda::set_chunk_rows_by_source(form == 3 ? 1 : 0);
+          padmoe::cuda::set_chunk_rows(form == 2 ? 1 : 0);
           padmoe::Options o;
           o.check_data = checked;
           o.zero_tail = zero_tail;
@@ -2104,7 +2102,6 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
           padmoe::sort_chunks_out(dh, ds, cf.R, cf.m, dsi, gpad, gmap, goff, o);
           padmoe::cuda::set_chunk_map_fused(-1);
           padmoe::cuda::set_chunk_rows(-1);
-          padmoe::cuda::set_chunk_rows_by_source(-1);
           Tensor cpad = poison_rows(cf.dt, cap, H), cmap = poison_index(cap), coff = poison_index(cf.E);
           padmoe::sort_chunks_out(hh, hs, cf.R, cf.m, hsi, cpad, cmap, coff, o);
           const Tensor hpad = to_cpu(gpad);
