@@ -327,6 +327,43 @@ __global__ void route_spread_read_kernel(const uint4* x, const uint4* other, uin
   if (dot == 0x9e3779b9u) sink[0] = dot;
 }
 
+// dispatch(fp8+scales)'s traffic: block t < T moves its 1-byte row (units 16-byte units) and its
+// scale row (scols float32 entries, 1x128 blocks) to its K destinations; blocks past T zero
+// `zero_rows` padding rows each and set their scale entries to 1. `quant`: x holds bf16 rows (2 *
+// units 16-byte units) and each code is the high byte of its bf16 value (the quantizing
+// dispatch's bytes, read bf16 / write codes + scales, with none of its arithmetic: no amax, no
+// division, no conversion), the scale written 1. (added 2026-12-04; first run by the next session)
+__global__ void route_spread_scaled_kernel(const uint4* x, const float* xs, uint4* y, float* ys, const int* dest,
+                                           const int* pad, int units, int scols, int K, int T, int pads, int zero_rows,
+                                           bool quant) {
+  if (static_cast<int>(blockIdx.x) >= T) {
+    zero_pad_rows(y, pad, units, T, pads, zero_rows);
+    const int p0 = (static_cast<int>(blockIdx.x) - T) * zero_rows;
+    for (int q = p0; q < p0 + zero_rows && q < pads; ++q) {
+      for (int i = threadIdx.x; i < scols; i += blockDim.x) ys[static_cast<size_t>(pad[q]) * scols + i] = 1.0f;
+    }
+    return;
+  }
+  const size_t t = blockIdx.x;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) {
+    uint4 v;
+    if (quant) {  // 16 bf16 values (two units of the bf16 row) -> 16 bytes: each value's high byte
+      const uint4 a = x[t * 2 * units + 2 * u], b = x[t * 2 * units + 2 * u + 1];
+      auto hi = [](unsigned w0, unsigned w1) {
+        return (w0 >> 8 & 0xffu) | (w0 >> 24 & 0xffu) << 8 | (w1 >> 8 & 0xffu) << 16 | (w1 >> 24 & 0xffu) << 24;
+      };
+      v = make_uint4(hi(a.x, a.y), hi(a.z, a.w), hi(b.x, b.y), hi(b.z, b.w));
+    } else {
+      v = x[t * units + u];
+    }
+    for (int c = 0; c < K; ++c) y[static_cast<size_t>(dest[t * K + c]) * units + u] = v;
+  }
+  for (int i = threadIdx.x; i < scols; i += blockDim.x) {
+    const float sv = quant ? 1.0f : xs[t * scols + i];
+    for (int c = 0; c < K; ++c) ys[static_cast<size_t>(dest[t * K + c]) * scols + i] = sv;
+  }
+}
+
 // make_plan's skeleton at T = 16384, K = 8, E = 256: the fused plan's memory phases with no
 // ranking (what a one-launch plan cannot skip). Every block counts its chunk of ids into a
 // shared histogram with integer atomics and writes its counts, waits at a grid barrier, reads
@@ -661,6 +698,29 @@ int main(int argc, char** argv) {
       both("dispatch, 1-byte rows (T + P rows)", (double(sh.T) + sh.P) * row / 2, [&](cudaStream_t st) {
         route_spread_kernel<<<spread_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units / 2, sh.K, sh.T, pads, zero_rows);
       });
+      if (graph) {
+        // dispatch(fp8+scales) with its scale rows (1x128 blocks of the H-byte rows: H / 128 float32
+        // entries a row), and the quantizing dispatch's bytes (bf16 rows read, codes + scales written,
+        // no arithmetic): the decode bounds of those two ops (added 2026-12-04)
+        const int scols = sh.units * 16 / 2 / 128;
+        float *xs = nullptr, *ys = nullptr;
+        CHECK(cudaMalloc(&xs, size_t(sh.T) * scols * sizeof(float)));
+        CHECK(cudaMalloc(&ys, size_t(sh.P) * scols * sizeof(float)));
+        CHECK(cudaMemset(xs, 0, size_t(sh.T) * scols * sizeof(float)));
+        const double scale_row = scols * 4.0;
+        both("dispatch(fp8+scales), 1-byte rows + scale rows (T + P rows)",
+             (double(sh.T) + sh.P) * (row / 2 + scale_row), [&](cudaStream_t st) {
+               route_spread_scaled_kernel<<<spread_blocks, 256, 0, st>>>(c, xs, b, ys, dest, pad, sh.units / 2, scols,
+                                                                         sh.K, sh.T, pads, zero_rows, false);
+             });
+        both("quantizing dispatch's bytes, no arithmetic (T bf16 + P code rows)",
+             double(sh.T) * row + double(sh.P) * (row / 2 + scale_row), [&](cudaStream_t st) {
+               route_spread_scaled_kernel<<<spread_blocks, 256, 0, st>>>(c, nullptr, b, ys, dest, pad, sh.units / 2,
+                                                                         scols, sh.K, sh.T, pads, zero_rows, true);
+             });
+        CHECK(cudaFree(xs));
+        CHECK(cudaFree(ys));
+      }
       both("combine (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
         route_reduce_kernel<<<sh.T, 256, 0, st>>>(b, nullptr, c, dest, sh.units, sh.K, sink);
       });
