@@ -698,10 +698,10 @@ int main(int argc, char** argv) {
       both("dispatch, 1-byte rows (T + P rows)", (double(sh.T) + sh.P) * row / 2, [&](cudaStream_t st) {
         route_spread_kernel<<<spread_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units / 2, sh.K, sh.T, pads, zero_rows);
       });
-      if (graph) {
+      {
         // dispatch(fp8+scales) with its scale rows (1x128 blocks of the H-byte rows: H / 128 float32
         // entries a row), and the quantizing dispatch's bytes (bf16 rows read, codes + scales written,
-        // no arithmetic): the decode bounds of those two ops (added 2026-12-04)
+        // no arithmetic): bounds of those two ops at each preset (added 2026-12-04)
         const int scols = sh.units * 16 / 2 / 128;
         float *xs = nullptr, *ys = nullptr;
         CHECK(cudaMalloc(&xs, size_t(sh.T) * scols * sizeof(float)));
