@@ -389,6 +389,13 @@ def w_bad_input(rank, world):
         # a top-k that differs
         kk = 1 if rank == 0 else K
         _expect_error(lambda: ep.dispatch(torch.randn(3, H, device=dev), ids[:, :kk], w[:, :kk]), "top_k")
+        # rows on a device the backend does not move (meta), on one rank: it names the device, the
+        # others name the rank
+        on_meta = rank == 0
+        msg = _expect_error(lambda: ep.dispatch(torch.empty(3, H, device="meta") if on_meta else
+                                                torch.randn(3, H, device=dev), ids.to("meta") if on_meta else ids,
+                                                w.to("meta") if on_meta else w))
+        assert ("x: on meta" in msg) if on_meta else ("rank 0 rejected" in msg), msg
         # an expert id out of range on one rank: it names the id, the others name the rank
         bad = ids.clone()
         if rank == 1:
