@@ -242,8 +242,10 @@ __device__ __forceinline__ void quantize_cols(const float (&f)[kCols], const qua
 // qwen3-30b-a3b 1.48x -> 1.41x, deepseek-v3 1.29x -> 1.30x. Loading the first step before the
 // destinations are staged (so that the two loads overlap) was slower: 1.93x at 48 registers,
 // 1.65x capped at 32.
-template <typename T, int kMode, int kFast, bool kSliced>
-__global__ void __launch_bounds__(kThreads, 8)
+// kLoose (kSliced only): registers for 6 blocks an SM (40) instead of 8 (32, where the sliced form
+// spills 8-16 bytes); quant_loose() chooses.
+template <typename T, int kMode, int kFast, bool kSliced, bool kLoose = false>
+__global__ void __launch_bounds__(kThreads, kLoose ? 6 : 8)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out,
                         int zero_rows_each, int slices) {
@@ -320,10 +322,23 @@ __global__ void __launch_bounds__(kThreads, 8)
   }
 }
 
-template <typename T, int kMode, int kFast, bool kSliced>
+template <typename T, int kMode, int kFast, bool kSliced, bool kLoose = false>
 struct QuantTag {
-  static constexpr auto fn = quant_spread_kernel<T, kMode, kFast, kSliced>;
+  static constexpr auto fn = quant_spread_kernel<T, kMode, kFast, kSliced, kLoose>;
 };
+
+// The sliced form at 6 blocks an SM (kLoose) for 1x128 block scales, at 8 for MXFP8:
+// PADMOE_CUDA_QUANT_LOOSE=0/1 (read once) forces one for both. Measured on the H200 at decode
+// (2026-12-04, graph us, two rounds, bench/results/cuda-h200-2026-12-04-nineteenth.md): 6 against
+// 8 blocks an SM, quant-128 12.7 / 12.5 against 13.3 / 13.3, quant-mxfp8 12.4 / 12.3 against
+// 12.2 / 12.3.
+bool quant_loose(ScaleLayout layout) {
+  static const int env = [] {
+    const char* v = std::getenv("PADMOE_CUDA_QUANT_LOOSE");
+    return v == nullptr ? -1 : (std::atoi(v) != 0 ? 1 : 0);
+  }();
+  return env >= 0 ? env == 1 : layout == ScaleLayout::kBlock128;
+}
 
 // PADMOE_CUDA_QUANT_FAST=0..3 (read once) or set_quant_fast (tests): the kFast bits; default 3,
 // both. Measured on the H200 (2026-12-03, bench/results/cuda-h200-2026-12-03.md): the hardware
@@ -458,17 +473,19 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
     const int fast = quant_fast();
     auto by_mode = [&](auto mode) {
       constexpr int kM = decltype(mode)::value;
-      auto by_fast = [&](auto sliced) {
+      auto by_fast = [&](auto sliced, auto loose) {
         constexpr bool kS = decltype(sliced)::value && kM != kPerRowMode;  // per-row scales: never sliced
+        constexpr bool kL = kS && decltype(loose)::value;
         switch (fast) {
-          case 1: launch(QuantTag<T, kM, kHwConvert, kS>{}); break;
-          case 2: launch(QuantTag<T, kM, kMxMultiply, kS>{}); break;
-          case 3: launch(QuantTag<T, kM, kHwConvert | kMxMultiply, kS>{}); break;
-          default: launch(QuantTag<T, kM, 0, kS>{}); break;
+          case 1: launch(QuantTag<T, kM, kHwConvert, kS, kL>{}); break;
+          case 2: launch(QuantTag<T, kM, kMxMultiply, kS, kL>{}); break;
+          case 3: launch(QuantTag<T, kM, kHwConvert | kMxMultiply, kS, kL>{}); break;
+          default: launch(QuantTag<T, kM, 0, kS, kL>{}); break;
         }
       };
-      if (slices > 1) by_fast(std::true_type{});
-      else by_fast(std::false_type{});
+      if (slices > 1 && quant_loose(scales.layout)) by_fast(std::true_type{}, std::true_type{});
+      else if (slices > 1) by_fast(std::true_type{}, std::false_type{});
+      else by_fast(std::false_type{}, std::false_type{});
     };
     switch (scales.layout) {
       case ScaleLayout::kPerRow: by_mode(std::integral_constant<int, kPerRowMode>{}); break;
