@@ -219,6 +219,51 @@ TEST(QuantDispatch, SaturatingConversionMatchesTheReferenceOnEveryBf16AndRandomF
   EXPECT_EQ(padmoe::quant::fp8_saturate(std::ldexp(3.0f, -10), e4), 0x02);  // 1.5 * 2^-9: tie -> 2 * 2^-9
 }
 
+// The CPU backend's vectorized element loop (quant::quantize_elements: integer rounding for normal
+// targets, a float add for subnormal ones) against fp8_saturate(x / divisor): every rounding cut
+// of every binade (each cut position, the kept bits around it, the remainder at 0, 1, half - 1,
+// half, half + 1 and all ones), both signs, NaN and infinity, random floats, and divisors that
+// are not 1 (blockwise scales and MXFP8 powers of two).
+TEST(QuantDispatch, BatchConversionMatchesTheElementOne) {
+  for (bool e5m2 : {false, true}) {
+    SCOPED_TRACE(e5m2 ? "e5m2" : "e4m3");
+    const padmoe::quant::Fp8Format fmt = padmoe::quant::fp8_format(e5m2);
+    std::vector<float> xs;
+    for (uint32_t field = 0; field < 256; ++field) {
+      for (uint32_t cut = 1; cut <= 24; ++cut) {
+        const uint32_t half = 1u << (cut - 1), low = (cut >= 23 ? 0x800000u : (1u << cut)) - 1u;
+        for (uint32_t hi = 0; hi < 8; ++hi) {
+          for (uint32_t lo : {0u, 1u, half - 1u, half, half + 1u, low}) {
+            const uint32_t mant = ((cut >= 23 ? 0u : hi << cut) | (lo & low)) & 0x7fffffu;
+            for (uint32_t sign : {0u, 0x80000000u}) xs.push_back(num::bits_float(sign | field << 23 | mant));
+          }
+        }
+      }
+    }
+    Rng rng(91);
+    for (int i = 0; i < 200000; ++i) xs.push_back(num::bits_float(static_cast<uint32_t>(rng.next())));
+    for (int i = 0; i < 200000; ++i) xs.push_back(static_cast<float>(rng.uniform(-600.0, 600.0)));
+    xs.push_back(INFINITY);
+    xs.push_back(-INFINITY);
+    xs.push_back(NAN);
+    for (float divisor : {1.0f, 0.5f, 3.0f, 0.0078125f, 1.3e-7f, 2.2e5f, std::ldexp(1.0f, -127)}) {
+      SCOPED_TRACE(divisor);
+      // odd lengths and offsets: the batch's chunk edges and a tail
+      const int64_t n = static_cast<int64_t>(xs.size()) - 3;
+      std::vector<uint8_t> got(static_cast<size_t>(n));
+      padmoe::quant::quantize_elements(xs.data() + 3, divisor, n, fmt, got.data());
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = xs[static_cast<size_t>(i + 3)];
+        const uint8_t want = padmoe::quant::quantize_element(x, divisor, false, fmt);
+        if (got[static_cast<size_t>(i)] != want) {
+          FAIL() << "x bits 0x" << std::hex << num::float_bits(x) << ": 0x" << int(got[static_cast<size_t>(i)])
+                 << ", element form 0x" << int(want);
+        }
+      }
+    }
+  }
+}
+
 // --- values by hand -----------------------------------------------------------------------
 
 TEST(QuantDispatch, HandComputedBlocks) {

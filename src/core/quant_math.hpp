@@ -145,5 +145,49 @@ PADMOE_HD uint8_t quantize_element(float x, float divisor, bool bad, const Fp8Fo
   return bad ? kFp8NaN : fp8_saturate(div_rn(x, divisor), fmt);
 }
 
+#if !defined(__CUDA_ARCH__)
+// Host only: codes[i] = quantize_element(x[i], divisor, false, fmt) for n elements, in a form the
+// compiler vectorizes (the CPU backend's element loop; fp8_saturate's per-element shifts and
+// selects around a trapping float division are not). Same bits, by another route:
+//   a normal target (|q| >= 2^min_e): round |q|'s bits to man_bits mantissa bits, ties to even,
+//     by the integer add (a + 2^(s-1) - 1 + bit s of a) >> s, s = 23 - man_bits, then move the
+//     exponent from float32's bias to the format's (a carry into the next binade lands right);
+//   a subnormal target: |q| + M in float32 with M = 2^(min_e - man_bits + 23), whose ulp is the
+//     format's subnormal step, so the add rounds |q| to that step, ties to even (the default
+//     rounding mode), and bits(|q| + M) - bits(M) is the code;
+//   |q| >= max saturates, NaN gives 0x7f, the sign is kept.
+// The float work (the division and the add) runs in a loop with no selects, the integer selects
+// in a second one, over chunks of kFp8Batch. QuantDispatch.BatchConversionMatchesTheElementOne
+// compares it with fp8_saturate (every mantissa of every binade near the formats' ranges, the
+// rest sampled, both signs); the same comparison over all 2^32 patterns passed once by hand.
+constexpr int kFp8Batch = 256;
+inline void quantize_elements(const float* __restrict x, float divisor, int64_t n, const Fp8Format& fmt,
+                              uint8_t* __restrict codes) {
+  const int min_e = 1 - fmt.bias;
+  const uint32_t min_normal = static_cast<uint32_t>(min_e + 127) << 23;
+  const uint32_t magic_bits = static_cast<uint32_t>(min_e - fmt.man_bits + 23 + 127) << 23;
+  const float magic = float_of(magic_bits);
+  const uint32_t sh = static_cast<uint32_t>(23 - fmt.man_bits), below_half = (1u << (sh - 1)) - 1u;
+  const uint32_t rebias = static_cast<uint32_t>(127 - fmt.bias) << fmt.man_bits;
+  const uint32_t max_bits = fmt.max_bits, max_code = fmt.max_code;
+  uint32_t qb[kFp8Batch], sb[kFp8Batch];
+  for (int64_t i0 = 0; i0 < n; i0 += kFp8Batch) {
+    const int64_t m = n - i0 < kFp8Batch ? n - i0 : kFp8Batch;
+    for (int64_t i = 0; i < m; ++i) {
+      const uint32_t q = bits_of(x[i0 + i] / divisor);
+      qb[i] = q;
+      sb[i] = bits_of(float_of(q & 0x7fffffffu) + magic);
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      const uint32_t q = qb[i], sign = (q >> 24) & 0x80u, a = q & 0x7fffffffu;
+      const uint32_t normal = ((a + below_half + ((a >> sh) & 1u)) >> sh) - rebias;
+      uint32_t mag = a < min_normal ? sb[i] - magic_bits : normal;
+      mag = a >= max_bits ? max_code : mag;
+      codes[i0 + i] = static_cast<uint8_t>(a > kFloatInfBits ? kFp8NaN : (sign | mag));
+    }
+  }
+}
+#endif
+
 }  // namespace quant
 }  // namespace padmoe

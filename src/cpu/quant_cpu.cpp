@@ -60,7 +60,8 @@ void quantize_row(const char* src, DType dtype, int64_t hidden, const QuantScale
       divisor = quant::block_scale(amax, fmt);
       std::memcpy(scale_row + 4 * b, &divisor, 4);
     }
-    for (int64_t c = c0; c < c1; ++c) codes[c] = quant::quantize_element(vals[c], divisor, bad, fmt);
+    if (bad) std::memset(codes + c0, quant::kFp8NaN, static_cast<size_t>(c1 - c0));
+    else quant::quantize_elements(vals + c0, divisor, c1 - c0, fmt, codes + c0);
   }
 }
 
