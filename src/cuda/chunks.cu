@@ -322,12 +322,15 @@ constexpr int kRowPer = 4;
 constexpr int kRowChunks = kRowThreads * kRowPer;
 constexpr int kRowUnits = 4;  // words a thread in flight
 constexpr int kRowMaxRows = 8;
-template <typename W>
-__global__ void __launch_bounds__(kRowThreads)
-    chunk_rows_kernel(RowsArg src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, RowsArg out,
-                      int words, int rows_per_block, bool zero_tail, bool skip_unmapped, int32_t* map,
-                      int32_t* inclusive_offsets) {
-  pdl_begin(l2_share(src));
+// kRowwise (chunk_rows_rowwise_kernel, for rows of at least kRowThreads words; chunk_rows_rowwise()
+// chooses): the block's rows moved one at a time, word u by thread u mod kRowThreads, kRowUnits words in flight a thread, with
+// no division: the flattened (row, word) loop divides by `words` twice a word (14% of the samples
+// of decode's sort_chunks under ncu, 2026-12-04).
+template <typename W, bool kRowwise>
+__device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks,
+                                                int alignment, const RowsArg& out, int words, int rows_per_block,
+                                                bool zero_tail, bool skip_unmapped, int32_t* map,
+                                                int32_t* inclusive_offsets) {
   __shared__ LayoutSmem<kRowThreads, kRowPer> s;
   __shared__ int32_t s_from[kRowMaxRows];
   const int groups = c / ranks;
@@ -353,6 +356,31 @@ __global__ void __launch_bounds__(kRowThreads)
     __syncthreads();
     if (r0 >= limit) continue;
     const int moving = limit - r0 < nrows ? static_cast<int>(limit - r0) : nrows;
+    if constexpr (kRowwise) {
+      for (int row = 0; row < moving; ++row) {
+        const int32_t from = s_from[row];
+        if (skip_unmapped && from < 0) continue;
+        const W* in = reinterpret_cast<const W*>(row_ptr(src, from < 0 ? 0 : from));
+        W* to = reinterpret_cast<W*>(row_ptr(out, r0 + row));
+        for (int u0 = 0; u0 < words; u0 += kRowThreads * kRowUnits) {
+          W v[kRowUnits];
+#pragma unroll
+          for (int k = 0; k < kRowUnits; ++k) {
+            const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
+            if (u < words) {
+              if (from >= 0) v[k] = in[u];
+              else memset(&v[k], 0, sizeof(W));
+            }
+          }
+#pragma unroll
+          for (int k = 0; k < kRowUnits; ++k) {
+            const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
+            if (u < words) to[u] = v[k];
+          }
+        }
+      }
+      continue;
+    }
     const int total_words = moving * words;
     for (int base = 0; base < total_words; base += kRowThreads * kRowUnits) {
       W v[kRowUnits];
@@ -377,6 +405,25 @@ __global__ void __launch_bounds__(kRowThreads)
       }
     }
   }
+}
+
+template <typename W>
+__global__ void __launch_bounds__(kRowThreads)
+    chunk_rows_kernel(RowsArg src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, RowsArg out,
+                      int words, int rows_per_block, bool zero_tail, bool skip_unmapped, int32_t* map,
+                      int32_t* inclusive_offsets) {
+  pdl_begin(l2_share(src));
+  chunk_rows_body<W, false>(src, sizes, sorted, c, ranks, alignment, out, words, rows_per_block, zero_tail,
+                            skip_unmapped, map, inclusive_offsets);
+}
+template <typename W>
+__global__ void __launch_bounds__(kRowThreads, 6)  // 40 registers, 6 blocks an SM, as chunk_rows_kernel
+    chunk_rows_rowwise_kernel(RowsArg src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment,
+                              RowsArg out, int words, int rows_per_block, bool zero_tail, bool skip_unmapped,
+                              int32_t* map, int32_t* inclusive_offsets) {
+  pdl_begin(l2_share(src));
+  chunk_rows_body<W, true>(src, sizes, sorted, c, ranks, alignment, out, words, rows_per_block, zero_tail,
+                           skip_unmapped, map, inclusive_offsets);
 }
 
 __device__ __forceinline__ void report(Key* key, int code, int64_t pos) {
@@ -507,6 +554,21 @@ int chunk_rows_resident() {
   return resident;
 }
 
+// The row-by-row form of chunk_rows_kernel (kRowwise) for rows of at least kRowThreads words:
+// PADMOE_CUDA_CHUNK_ROWWISE=1 (read once) or set_chunk_rowwise(1) (tests); default off (written
+// 2026-12-04, not yet measured).
+std::atomic<int> g_chunk_rowwise{-1};  // -1: the environment's choice
+bool chunk_rows_rowwise(int words) {
+  if (words < kRowThreads) return false;
+  const int set = g_chunk_rowwise.load(std::memory_order_relaxed);
+  if (set >= 0) return set == 1;
+  static const bool env = [] {
+    const char* v = std::getenv("PADMOE_CUDA_CHUNK_ROWWISE");
+    return v != nullptr && std::atoi(v) != 0;
+  }();
+  return env;
+}
+
 template <typename W>
 void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment,
                        const RowsArg& out, bool zero_tail, bool skip_unmapped, int32_t* map,
@@ -521,8 +583,9 @@ void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int 
       std::max<int64_t>(1, std::min<int64_t>(row_groups, static_cast<int64_t>(resident) * chunk_rows_waves())));
   // every row of src is read once: the first blocks ask L2 for them before the wait
   const RowsArg from = with_l2_prefetch(src, std::is_same<W, uint4>::value, std::min(grid, resident / 2 > 0 ? resident / 2 : 1));
-  launch_kernel("chunk_rows_kernel", chunk_rows_kernel<W>, grid, kRowThreads, 0, s, from, sizes, sorted, c, ranks,
-      alignment, out, words, per_block, zero_tail, skip_unmapped, map, inclusive_offsets);
+  auto* kernel = chunk_rows_rowwise(words) ? chunk_rows_rowwise_kernel<W> : chunk_rows_kernel<W>;
+  launch_kernel("chunk_rows_kernel", kernel, grid, kRowThreads, 0, s, from, sizes, sorted, c, ranks, alignment, out,
+      words, per_block, zero_tail, skip_unmapped, map, inclusive_offsets);
 }
 
 }  // namespace
@@ -541,6 +604,8 @@ bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, const Rows
 }
 
 void set_chunk_rows(int mode) { g_chunk_rows.store(mode < -1 || mode > 2 ? -1 : mode, std::memory_order_relaxed); }
+
+void set_chunk_rowwise(int mode) { g_chunk_rowwise.store(mode == 0 || mode == 1 ? mode : -1, std::memory_order_relaxed); }
 
 void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
                      int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,
