@@ -323,9 +323,9 @@ constexpr int kRowChunks = kRowThreads * kRowPer;
 constexpr int kRowUnits = 4;  // words a thread in flight
 constexpr int kRowMaxRows = 8;
 // kRowwise (chunk_rows_rowwise_kernel, for rows of at least kRowThreads words; chunk_rows_rowwise()
-// chooses): the block's rows moved one at a time, word u by thread u mod kRowThreads, kRowUnits words in flight a thread, with
-// no division: the flattened (row, word) loop divides by `words` twice a word (14% of the samples
-// of decode's sort_chunks under ncu, 2026-12-04).
+// chooses): the block's rows moved one at a time, word u by thread u mod kRowThreads, kRowUnits
+// words in flight a thread, with no division: the flattened (row, word) loop divides by `words`
+// twice a word (14% of the samples of decode's sort_chunks under ncu, 2026-12-04).
 template <typename W, bool kRowwise>
 __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks,
                                                 int alignment, const RowsArg& out, int words, int rows_per_block,
