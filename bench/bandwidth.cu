@@ -332,7 +332,7 @@ __global__ void route_spread_read_kernel(const uint4* x, const uint4* other, uin
 // `zero_rows` padding rows each and set their scale entries to 1. `quant`: x holds bf16 rows (2 *
 // units 16-byte units) and each code is the high byte of its bf16 value (the quantizing
 // dispatch's bytes, read bf16 / write codes + scales, with none of its arithmetic: no amax, no
-// division, no conversion), the scale written 1. (added 2026-12-04; first run by the next session)
+// division, no conversion), the scale written 1. (added 2026-12-04; first run 2026-12-04, the nineteenth session)
 __global__ void route_spread_scaled_kernel(const uint4* x, const float* xs, uint4* y, float* ys, const int* dest,
                                            const int* pad, int units, int scols, int K, int T, int pads, int zero_rows,
                                            bool quant) {

@@ -557,17 +557,8 @@ int chunk_rows_resident() {
 // The row-by-row form of chunk_rows_kernel (kRowwise) for rows of at least kRowThreads words:
 // PADMOE_CUDA_CHUNK_ROWWISE=1 (read once) or set_chunk_rowwise(1) (tests); default off (written
 // 2026-12-04, not yet measured).
-std::atomic<int> g_chunk_rowwise{-1};  // -1: the environment's choice
-bool chunk_rows_rowwise(int words) {
-  if (words < kRowThreads) return false;
-  const int set = g_chunk_rowwise.load(std::memory_order_relaxed);
-  if (set >= 0) return set == 1;
-  static const bool env = [] {
-    const char* v = std::getenv("PADMOE_CUDA_CHUNK_ROWWISE");
-    return v != nullptr && std::atoi(v) != 0;
-  }();
-  return env;
-}
+VariantSwitch g_chunk_rowwise{"PADMOE_CUDA_CHUNK_ROWWISE"};
+bool chunk_rows_rowwise(int words) { return words >= kRowThreads && g_chunk_rowwise.on(); }
 
 template <typename W>
 void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment,
@@ -605,7 +596,7 @@ bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, const Rows
 
 void set_chunk_rows(int mode) { g_chunk_rows.store(mode < -1 || mode > 2 ? -1 : mode, std::memory_order_relaxed); }
 
-void set_chunk_rowwise(int mode) { g_chunk_rowwise.store(mode == 0 || mode == 1 ? mode : -1, std::memory_order_relaxed); }
+void set_chunk_rowwise(int mode) { g_chunk_rowwise.set(mode); }
 
 void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
                      int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,

@@ -6,7 +6,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -25,6 +28,30 @@ inline void check_cuda(cudaError_t err, const char* what) {
 #define PADMOE_CUDA_CHECK(expr) ::padmoe::cuda::check_cuda((expr), #expr)
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// A kernel variant's on/off switch for measurements (host side): set(1) / set(0) from a test hook,
+// set(-1) back to the environment's choice, which is the variable `env` nonzero (read once; off
+// when unset).
+class VariantSwitch {
+ public:
+  explicit VariantSwitch(const char* env) : env_(env) {}
+  bool on() const {
+    const int s = set_.load(std::memory_order_relaxed);
+    if (s >= 0) return s == 1;
+    std::call_once(read_, [this] {
+      const char* v = std::getenv(env_);
+      from_env_ = v != nullptr && std::atoi(v) != 0;
+    });
+    return from_env_;
+  }
+  void set(int mode) { set_.store(mode == 0 || mode == 1 ? mode : -1, std::memory_order_relaxed); }
+
+ private:
+  const char* env_;
+  std::atomic<int> set_{-1};
+  mutable std::once_flag read_;
+  mutable bool from_env_ = false;
+};
 
 // Programmatic dependent launch (sm_90 and up). Every padmoe kernel starts with pdl_begin():
 // it waits until the kernel before it in the stream has finished and its writes are visible

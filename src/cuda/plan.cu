@@ -927,16 +927,8 @@ bool plan_ballot(int num_experts) {
 
 // The fused kernel's ranking after the grid barrier's arrival (kLate): PADMOE_CUDA_PLAN_LATE=1
 // (read once) or set_plan_late (tests); default off (written 2026-12-04, not yet measured).
-std::atomic<int> g_plan_late{-1};  // -1: the environment's choice
-bool plan_late() {
-  const int set = g_plan_late.load(std::memory_order_relaxed);
-  if (set >= 0) return set == 1;
-  static const bool on = [] {
-    const char* v = std::getenv("PADMOE_CUDA_PLAN_LATE");
-    return v != nullptr && std::atoi(v) != 0;
-  }();
-  return on;
-}
+VariantSwitch g_plan_late{"PADMOE_CUDA_PLAN_LATE"};
+bool plan_late() { return g_plan_late.on(); }
 
 // PADMOE_CUDA_PLAN_SMALL: 0 sends one chunk (A <= 2048) to the fused kernel instead of the small
 // one; 16, 32 or 64 the small kernel's blocks (a warp's rounds over 1, 2 or 4 blocks). Measured on
@@ -1151,7 +1143,7 @@ void set_plan_small(int blocks) {
   g_plan_small.store(blocks < 0 ? -2 : small_shift_of(blocks), std::memory_order_relaxed);
 }
 
-void set_plan_late(int mode) { g_plan_late.store(mode == 0 || mode == 1 ? mode : -1, std::memory_order_relaxed); }
+void set_plan_late(int mode) { g_plan_late.set(mode); }
 
 void set_plan_packed(int mode) { g_plan_packed.store(mode == 0 || mode == 1 ? mode : -2, std::memory_order_relaxed); }
 

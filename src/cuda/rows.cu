@@ -287,6 +287,18 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
   }
 }
 
+// reg[j] = unit c + j * kThreads + threadIdx.x of row `src` (those below `units`): a thread's
+// kRegUnits loads of one chunk, issued together.
+template <typename U>
+__device__ __forceinline__ void load_chunk_units(const char* src, int64_t c, int64_t units,
+                                                 typename U::Raw (&reg)[kRegUnits]) {
+#pragma unroll
+  for (int j = 0; j < kRegUnits; ++j) {
+    const int64_t u = c + j * kThreads + threadIdx.x;
+    if (u < units) reg[j] = U::load(src, u);
+  }
+}
+
 // kScales: the token's scale row is copied to its K destinations by the same
 // block (the plain instantiation has none of it).
 // kDots: the dots_with rows are read and dotted (a template parameter, so the plain
@@ -323,14 +335,7 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
   constexpr bool want_dots = kDots;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   typename U::Raw reg[kRegUnits];
-  auto load_chunk = [&](int64_t c) {
-#pragma unroll
-    for (int j = 0; j < kRegUnits; ++j) {
-      const int64_t u = c + j * kThreads + threadIdx.x;
-      if (u < units) reg[j] = U::load(src, u);
-    }
-  };
-  load_chunk(u0);  // issued before the destinations are staged: the two loads overlap
+  load_chunk_units<U>(src, u0, units, reg);  // issued before the destinations are staged: the two loads overlap
   const bool own_scale = kScales && slice == 0 && threadIdx.x < sc.cols;
   const uint32_t my_scale = own_scale ? load_scale_entry(sc, t, threadIdx.x) : 0u;
   for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
@@ -352,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, kDots && kDotBatch == 1 ? 3 : 1)  //
       }
     }
     for (int64_t c = u0; c < units; c += kChunkUnits) {
-      if (c > u0 || k0 > 0) load_chunk(c);
+      if (c > u0 || k0 > 0) load_chunk_units<U>(src, c, units, reg);
       if (kDots) {
         // kDotBatch destinations at a time: their dots_with rows are all loaded before the
         // first store and dot, so a thread keeps kDotBatch * kRegUnits loads in flight
@@ -502,14 +507,7 @@ __global__ void __launch_bounds__(kThreads, 4)  // 64 registers: 4 blocks an SM
   const char* src = row_ptr(x, t);
   const int64_t units = units_of<U>(y);
   typename U::Raw reg[kRegUnits];
-  auto load_chunk = [&](int64_t c) {
-#pragma unroll
-    for (int j = 0; j < kRegUnits; ++j) {
-      const int64_t u = c + j * kThreads + threadIdx.x;
-      if (u < units) reg[j] = U::load(src, u);
-    }
-  };
-  load_chunk(0);  // with the destinations' loads below: the two latencies overlap
+  load_chunk_units<U>(src, 0, units, reg);  // with the destinations' loads below: the two latencies overlap
   const bool own_scale = kScales && threadIdx.x < sc.cols;
   const uint32_t my_scale = own_scale ? load_scale_entry(sc, t, threadIdx.x) : 0u;
   int32_t r[kDirectK];
@@ -539,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, 4)  // 64 registers: 4 blocks an SM
     }
   }
   for (int64_t c = 0; c < units; c += kChunkUnits) {
-    if (c > 0) load_chunk(c);
+    if (c > 0) load_chunk_units<U>(src, c, units, reg);
 #pragma unroll
     for (int q = 0; q < kDirectK; ++q) {
       if (r[q] < 0) continue;
@@ -1410,19 +1408,10 @@ void set_spread_warp(int units) {
 // The block spread with its destinations in registers (spread_direct_kernel; top_k <= 8, no dots, no
 // slices): PADMOE_CUDA_SPREAD_DIRECT=1 (read once) or set_spread_direct(1) (tests); default off.
 namespace {
-std::atomic<int> g_spread_direct{-1};  // -1: the environment's choice
-bool spread_direct() {
-  const int set = g_spread_direct.load(std::memory_order_relaxed);
-  if (set >= 0) return set == 1;
-  static const bool env = [] {
-    const char* v = std::getenv("PADMOE_CUDA_SPREAD_DIRECT");
-    return v != nullptr && std::atoi(v) != 0;
-  }();
-  return env;
-}
+VariantSwitch g_spread_direct{"PADMOE_CUDA_SPREAD_DIRECT"};
 }  // namespace
 
-void set_spread_direct(int mode) { g_spread_direct.store(mode == 0 || mode == 1 ? mode : -1, std::memory_order_relaxed); }
+void set_spread_direct(int mode) { g_spread_direct.set(mode); }
 
 void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, const RowsArg& y,
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
@@ -1501,7 +1490,7 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
     }
     return;
   }
-  if (dots.data == nullptr && sl.slices == 1 && top_k <= kDirectK && spread_direct()) {
+  if (dots.data == nullptr && sl.slices == 1 && top_k <= kDirectK && g_spread_direct.on()) {
     auto direct_launch = [&](auto tag) {
       using Tag = decltype(tag);
       launch_kernel("spread_direct_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
