@@ -169,9 +169,6 @@ void set_slice_blocks(int blocks);
 // rows of at most 8 KiB, K copies of at most 32 KiB and 16 tokens an SM or more; else the block
 // kernel). The same bits every way.
 void set_spread_warp(int units);
-// The block spread with each token's destinations in registers (top_k <= 8, no dots; tests;
-// overrides PADMOE_CUDA_SPREAD_DIRECT): 1 on, 0 off, -1 the default (off). Same results every way.
-void set_spread_direct(int mode);
 // Dot-product kernels (tests, benchmarks; overrides PADMOE_CUDA_DOTS): -1 chosen by shape (the
 // default: row_dots and spreads with dots a warp an assignment; reduce with dots a block a
 // token in the warp kernel's form for few tokens (under ~4 blocks an SM), a warp a token

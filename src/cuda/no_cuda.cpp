@@ -30,7 +30,6 @@ void make_plan(IndexRef, int64_t, int, int, int, const PlanView&, const PlanLayo
 void set_plan_kernel(int) {}
 void set_slice_blocks(int) {}
 void set_spread_warp(int) {}
-void set_spread_direct(int) {}
 void set_dot_kernels(int) {}
 void set_row_dots(int) {}
 void set_dest_search(int) {}

@@ -485,72 +485,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   if (lane == 0) store_float(dots, a, r < 0 ? 0.0f : partial);
 }
 
-// The block spread with each token's destinations read by every thread from dest (top_k <= 8: a
-// broadcast load each, kept in registers) instead of staged in shared memory behind two barriers;
-// no dots, no slices, dest given. kScales: the token's scale row moves with it, entry i by thread i
-// (as spread_kernel). spread_direct() chooses (written 2026-12-04, not yet measured: ncu put 17%
-// of decode dispatch(fp8+scales)'s samples on the staging's barrier and shared reads).
-constexpr int kDirectK = 8;
-template <typename T, bool kVec, bool kScales>
-__global__ void __launch_bounds__(kThreads, 4)  // 64 registers: 4 blocks an SM
-    spread_direct_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y,
-                         PaddingRef pad, bool zero_padding, bool zero_past_end, ScaleRowsArg sc, int zero_rows) {
-  pdl_begin();
-  using U = Unit<T, kVec>;
-  const int64_t tokens = x.rows;
-  if (blockIdx.x >= tokens) {
-    zero_padding_rows<U, kScales>(y, pad, zero_padding, zero_past_end,
-                                  (static_cast<int64_t>(blockIdx.x) - tokens) * zero_rows, zero_rows, sc);
-    return;
-  }
-  const int64_t t = blockIdx.x;
-  const char* src = row_ptr(x, t);
-  const int64_t units = units_of<U>(y);
-  typename U::Raw reg[kRegUnits];
-  load_chunk_units<U>(src, 0, units, reg);  // with the destinations' loads below: the two latencies overlap
-  const bool own_scale = kScales && threadIdx.x < sc.cols;
-  const uint32_t my_scale = own_scale ? load_scale_entry(sc, t, threadIdx.x) : 0u;
-  int32_t r[kDirectK];
-  float wk[kDirectK];
-#pragma unroll
-  for (int q = 0; q < kDirectK; ++q) {
-    r[q] = -1;
-    wk[q] = 1.0f;
-    if (q < top_k) {
-      const int64_t a = index::assignment_id(t, q, top_k);
-      const int32_t v = dest[a];
-      r[q] = v < 0 || v >= y.rows ? -1 : v;  // outside y: only with unchecked bad input
-      if (w.data != nullptr) wk[q] = load_scale(w, a);
-    }
-  }
-  if (kScales) {  // entry i by thread i (entries past kThreads: a load each)
-#pragma unroll
-    for (int q = 0; q < kDirectK; ++q) {
-      if (own_scale && r[q] >= 0) store_scale_entry(sc, r[q], threadIdx.x, my_scale);
-    }
-    for (int64_t i = kThreads + threadIdx.x; i < sc.cols; i += kThreads) {
-      const uint32_t v = load_scale_entry(sc, t, i);
-#pragma unroll
-      for (int q = 0; q < kDirectK; ++q) {
-        if (r[q] >= 0) store_scale_entry(sc, r[q], i, v);
-      }
-    }
-  }
-  for (int64_t c = 0; c < units; c += kChunkUnits) {
-    if (c > 0) load_chunk_units<U>(src, c, units, reg);
-#pragma unroll
-    for (int q = 0; q < kDirectK; ++q) {
-      if (r[q] < 0) continue;
-      char* out = row_ptr(y, r[q]);
-#pragma unroll
-      for (int j = 0; j < kRegUnits; ++j) {
-        const int64_t u = c + j * kThreads + threadIdx.x;
-        if (u < units) U::store(out, u, w.data == nullptr ? reg[j] : U::scale(reg[j], wk[q]));
-      }
-    }
-  }
-}
-
 // Spread without dots, a warp a token (short rows: fp8 rows, the `_scaled` ops): warp t loads
 // x[t] in rounds of kUnits 16-byte units a lane (every load of a round before its first store) and
 // stores each round to the token's K destinations (scaled by w), with no shared memory and no
@@ -1052,13 +986,6 @@ template <typename T, bool kVec>
 struct ScaledSpreadTag {
   static constexpr auto fn = spread_kernel<T, kVec, true, false>;
 };
-template <bool kScales>
-struct DirectSpread {
-  template <typename T, bool kVec>
-  struct Tag {
-    static constexpr auto fn = spread_direct_kernel<T, kVec, kScales>;
-  };
-};
 // Reduce: kUnits 16-byte units per thread and chunk, kBatch source rows
 // loaded before the first add. Measured on the H200 (bf16, combine): top-2
 // rows of 8 KiB run best at (2, 2) (1.05x the copy floor; (2, 8) 1.61x, the
@@ -1405,14 +1332,6 @@ void set_spread_warp(int units) {
   g_spread_warp.store(units == 0 || units == 4 || units == 8 ? units : -1, std::memory_order_relaxed);
 }
 
-// The block spread with its destinations in registers (spread_direct_kernel; top_k <= 8, no dots, no
-// slices): PADMOE_CUDA_SPREAD_DIRECT=1 (read once) or set_spread_direct(1) (tests); default off.
-namespace {
-VariantSwitch g_spread_direct{"PADMOE_CUDA_SPREAD_DIRECT"};
-}  // namespace
-
-void set_spread_direct(int mode) { g_spread_direct.set(mode); }
-
 void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, const RowsArg& y,
                  const PaddingRef& padding, bool zero_padding, bool zero_past_end, const RowsArg* dots_with,
                  FloatOutArg dots, void* stream, const ScaleRowsArg* scales) {
@@ -1488,16 +1407,6 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
       if (warp_units == 4) pick<SpreadWarp<false, 4>::Tag>(x.dtype, vec, warp_launch);
       else pick<SpreadWarp<false, 8>::Tag>(x.dtype, vec, warp_launch);
     }
-    return;
-  }
-  if (dots.data == nullptr && sl.slices == 1 && top_k <= kDirectK && g_spread_direct.on()) {
-    auto direct_launch = [&](auto tag) {
-      using Tag = decltype(tag);
-      launch_kernel("spread_direct_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
-          top_k, dest.rows, w, y, padding, zero_padding, zero_past_end, sc, zero_rows);
-    };
-    if (scales != nullptr) pick<DirectSpread<true>::Tag>(x.dtype, vec, direct_launch);
-    else pick<DirectSpread<false>::Tag>(x.dtype, vec, direct_launch);
     return;
   }
   if (scales != nullptr) pick<ScaledSpreadTag>(x.dtype, vec, launch);  // never with dots

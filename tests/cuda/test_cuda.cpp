@@ -696,21 +696,17 @@ TEST(RowSlices, MatchNoSlicingAndCpu) {
       const Outs cpu = op.second.second();
       std::vector<Outs> runs;
       // no slices, the default, as many as the row allows; then the spreads a warp a token (4 and
-      // 8 units a lane; top_k 40: two rounds of 32 destinations); then the block spread with its
-      // destinations in registers (direct; top_k <= 8, else the staged kernel)
-      struct Setting { int blocks, warp, direct; };
-      const Setting settings[] = {{0, 0, 0}, {-1, 0, 0}, {1 << 20, 0, 0}, {-1, 4, 0}, {-1, 8, 0}, {0, 0, 1}};
-      for (const Setting& st : settings) {
-        padmoe::cuda::set_slice_blocks(st.blocks);
-        padmoe::cuda::set_spread_warp(st.warp);
-        padmoe::cuda::set_spread_direct(st.direct);
+      // 8 units a lane; top_k 40: two rounds of 32 destinations)
+      const std::pair<int, int> settings[] = {{0, 0}, {-1, 0}, {1 << 20, 0}, {-1, 4}, {-1, 8}};
+      for (const auto& [blocks, warp] : settings) {
+        padmoe::cuda::set_slice_blocks(blocks);
+        padmoe::cuda::set_spread_warp(warp);
         Outs g = op.second.first();
         for (auto& t : g) t = to_cpu(t);
         runs.push_back(std::move(g));
       }
       padmoe::cuda::set_slice_blocks(-1);
       padmoe::cuda::set_spread_warp(-1);
-      padmoe::cuda::set_spread_direct(-1);
       for (size_t r = 0; r < runs.size(); ++r) {
         for (size_t i = 0; i < cpu.size(); ++i) {
           EXPECT_TRUE(all_same(runs[r][i], runs[0][i])) << "output " << i << ", run " << r << " vs no slicing";
@@ -2313,10 +2309,9 @@ TEST(Fp8ScalesGpu, EveryScaledOpMatchesCpuBitwise) {
           SCOPED_TRACE("variant " + std::to_string(variant));
           Tensor cy = poison_rows(dt, rows, H), cs = fp8_poison_scales(l, rows, H);
           padmoe::dispatch_scaled_out(hx, cplan.view(), hs, cy, cs, o);
-          for (int warp : {-1, 0, 4, 8, 1}) {  // the default, the block spread, a warp a token; 1: the direct spread
+          for (int warp : {-1, 0, 4, 8}) {  // the default, the block spread, a warp a token
             SCOPED_TRACE("spread warp " + std::to_string(warp));
-            padmoe::cuda::set_spread_warp(warp == 1 ? 0 : warp);
-            padmoe::cuda::set_spread_direct(warp == 1 ? 1 : -1);
+            padmoe::cuda::set_spread_warp(warp);
             Tensor gy = gpu_poison_rows(dt, rows, H), gs = to_gpu(fp8_poison_scales(l, rows, H));
             padmoe::dispatch_scaled_out(dx, gp.view, ds, gy, gs, o);
             EXPECT_TRUE(all_same(to_cpu(gy), cy)) << "dispatch rows";
@@ -2327,7 +2322,6 @@ TEST(Fp8ScalesGpu, EveryScaledOpMatchesCpuBitwise) {
             EXPECT_TRUE(all_same(to_cpu(ggs), cs)) << "padded_gather scales";
           }
           padmoe::cuda::set_spread_warp(-1);
-          padmoe::cuda::set_spread_direct(-1);
 
           // pad the expert-grouped rows, then unpad them (every other map entry dropped: unnamed rows)
           std::vector<float> hf;
