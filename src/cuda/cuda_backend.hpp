@@ -128,10 +128,6 @@ void set_plan_small(int blocks);
 // (16-bit pairs where a block's counts fit, up to 31 chunks a block, for E >= 64), 1 pairs
 // wherever they fit, 0 one int an expert. Same results every way.
 void set_plan_packed(int mode);
-// The fused plan's ranking after the grid barrier's arrival (tests; overrides PADMOE_CUDA_PLAN_LATE):
-// 1 on (where there is a grid barrier and one chunk a block), 0 off, -1 the default (off). Same
-// results every way.
-void set_plan_late(int mode);
 // Fixed capacity C (one launch): `out` (segments exactly C rows, P = E * C) and
 // the given layouts from `full`, a plan of the same routing at alignment 1
 // holding every kept assignment. Each expert keeps its first C sorted

@@ -379,11 +379,7 @@ __device__ __forceinline__ void plan_store_counts(int e, int E, int count, int p
 // kBallot: the warp's equal keys found by one ballot a key bit (ALU work at full rate) instead
 // of __match_any_sync, whose latency grows with the distinct keys in the warp (about 30 of 32 at
 // E = 256); plan_ballot() chooses.
-// kLate (a grid barrier and one chunk a block only; plan_late() chooses): the block's counts come
-// from a shared-memory histogram (integer atomics: exact counts in any order), are published, and
-// the block arrives at the grid barrier before it ranks its chunk; the ranking (ballots, per-warp
-// counters, the warps' offsets) runs while the other blocks arrive, and the block waits after it.
-template <bool kBallot, bool kLate = false>
+template <bool kBallot>
 __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 registers), as the residency assumes
     plan_fused_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int chunks_per_block,
                       int replica_shift, int num_experts, int alignment, int32_t* block_counts, int32_t* local_rank,
@@ -419,52 +415,15 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
 #pragma unroll
   for (int j = 0; j < kFusedItems; ++j) keys[j] = ranks[j] = -1;
 
-  const int G = static_cast<int>(gridDim.x) >> replica_shift;  // blocks of distinct chunks
-  // packed_counts (a block's counts below 2^16): experts 2p and 2p + 1 in one int, low and high
-  // half ([G, ceil(E / 2)]): half the bytes every block reads after the barrier (128 blocks read
-  // the whole matrix) and half the loads a thread
-  const int EP = (E + 1) / 2;
-  auto publish = [&] {  // this block's counts (s_run) to block_counts, by the chunk's first replica
-    if (replica != 0) return;
-    if (packed_counts) {
-      for (int q = threadIdx.x; q < EP; q += kFusedThreads) {
-        const unsigned hi = 2 * q + 1 < E ? static_cast<unsigned>(s_run[2 * q + 1]) : 0u;
-        block_counts[static_cast<int64_t>(cb) * EP + q] = static_cast<int32_t>(static_cast<unsigned>(s_run[2 * q]) | (hi << 16));
-      }
-    } else {
-      for (int e = threadIdx.x; e < E; e += kFusedThreads) block_counts[static_cast<int64_t>(cb) * E + e] = s_run[e];
-    }
-  };
-
   // 1. rank every assignment of the block's chunks among its expert (assignment order)
   for (int e = threadIdx.x; e < E; e += kFusedThreads) s_run[e] = 0;
-  int early[kFusedItems];  // kLate: the chunk's keys, loaded once for the histogram and the ranking
-  cooperative_groups::grid_group::arrival_token token{};
-  if constexpr (kLate) {
-    const int64_t base = static_cast<int64_t>(c_begin) * kChunk + warp * kFusedPerWarp;
-#pragma unroll
-    for (int j = 0; j < kFusedItems; ++j) {
-      const int64_t a = base + j * 32 + lane;
-      const int key = c_begin < c_end && a < assignments ? static_cast<int>(remap.local(load_index(ids, a))) : -1;
-      early[j] = key >= 0 && key < E ? key : -1;
-    }
-    __syncthreads();  // s_run cleared
-#pragma unroll
-    for (int j = 0; j < kFusedItems; ++j) {
-      if (early[j] >= 0) atomicAdd(&s_run[early[j]], 1);
-    }
-    __syncthreads();
-    publish();
-    token = cooperative_groups::this_grid().barrier_arrive();
-  }
   for (int c = c_begin; c < c_end; ++c) {
     const int64_t base = static_cast<int64_t>(c) * kChunk + warp * kFusedPerWarp;
     int k[kFusedItems];
 #pragma unroll
     for (int j = 0; j < kFusedItems; ++j) {  // loads first
       const int64_t a = base + j * 32 + lane;
-      if constexpr (kLate) k[j] = early[j];
-      else k[j] = a < assignments ? static_cast<int>(remap.local(load_index(ids, a))) : -1;
+      k[j] = a < assignments ? static_cast<int>(remap.local(load_index(ids, a))) : -1;
     }
     {  // kFusedWarps * E ints: a multiple of 4, in 16-byte stores
       int4* wc4 = reinterpret_cast<int4*>(s_wc);
@@ -511,13 +470,13 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
       int n[kFusedWarps];
 #pragma unroll
       for (int w = 0; w < kFusedWarps; ++w) n[w] = s_wc[w * E + e];  // loads first, then the stores
-      int run = kLate ? 0 : s_run[e];  // kLate: one chunk, s_run already its counts
+      int run = s_run[e];
 #pragma unroll
       for (int w = 0; w < kFusedWarps; ++w) {
         s_wc[w * E + e] = run;
         run += n[w];
       }
-      if (!kLate) s_run[e] = run;
+      s_run[e] = run;
     }
     __syncthreads();
 #pragma unroll
@@ -535,10 +494,22 @@ __global__ void __launch_bounds__(kFusedThreads, 2)  // two blocks an SM (64 reg
   }
 
   // 2. expert totals and this block's offsets
-  if constexpr (kLate) {
-    cooperative_groups::this_grid().barrier_wait(std::move(token));
-  } else if (G > 1) {
-    publish();
+  const int G = static_cast<int>(gridDim.x) >> replica_shift;  // blocks of distinct chunks
+  // packed_counts (a block's counts below 2^16): experts 2p and 2p + 1 in one int, low and high
+  // half ([G, ceil(E / 2)]): half the bytes every block reads after the barrier (128 blocks read
+  // the whole matrix) and half the loads a thread
+  const int EP = (E + 1) / 2;
+  if (G > 1) {
+    if (replica == 0) {
+      if (packed_counts) {
+        for (int q = threadIdx.x; q < EP; q += kFusedThreads) {
+          const unsigned hi = 2 * q + 1 < E ? static_cast<unsigned>(s_run[2 * q + 1]) : 0u;
+          block_counts[static_cast<int64_t>(cb) * EP + q] = static_cast<int32_t>(static_cast<unsigned>(s_run[2 * q]) | (hi << 16));
+        }
+      } else {
+        for (int e = threadIdx.x; e < E; e += kFusedThreads) block_counts[static_cast<int64_t>(cb) * E + e] = s_run[e];
+      }
+    }
     cooperative_groups::this_grid().sync();
   }
   const int e = threadIdx.x;
@@ -865,8 +836,7 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
   if (dev < 0 || dev >= kMaxDevices) return 0;
   FusedLimits& f = g_fused[dev];
   std::call_once(f.attr_once, [] {
-    for (auto kernel : {plan_fused_kernel<true>, plan_fused_kernel<false>, plan_fused_kernel<true, true>,
-                        plan_fused_kernel<false, true>}) {
+    for (auto kernel : {plan_fused_kernel<true>, plan_fused_kernel<false>}) {
       PADMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(fused_smem_bytes(kFusedMaxExperts))));
     }
@@ -924,11 +894,6 @@ bool plan_ballot(int num_experts) {
   const int forced = set != -2 ? set : env;
   return forced >= 0 ? forced == 1 : num_experts >= 64;
 }
-
-// The fused kernel's ranking after the grid barrier's arrival (kLate): PADMOE_CUDA_PLAN_LATE=1
-// (read once) or set_plan_late (tests); default off (written 2026-12-04, not yet measured).
-VariantSwitch g_plan_late{"PADMOE_CUDA_PLAN_LATE"};
-bool plan_late() { return g_plan_late.on(); }
 
 // PADMOE_CUDA_PLAN_SMALL: 0 sends one chunk (A <= 2048) to the fused kernel instead of the small
 // one; 16, 32 or 64 the small kernel's blocks (a warp's rounds over 1, 2 or 4 blocks). Measured on
@@ -1143,8 +1108,6 @@ void set_plan_small(int blocks) {
   g_plan_small.store(blocks < 0 ? -2 : small_shift_of(blocks), std::memory_order_relaxed);
 }
 
-void set_plan_late(int mode) { g_plan_late.set(mode); }
-
 void set_plan_packed(int mode) { g_plan_packed.store(mode == 0 || mode == 1 ? mode : -2, std::memory_order_relaxed); }
 
 void set_plan_kernel(int mode) { g_plan_mode.store(mode < -1 ? -1 : mode, std::memory_order_relaxed); }
@@ -1214,9 +1177,7 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     int32_t pad_src = padding_source;
     int64_t capacity = row_capacity;
     int packed = plan_packed(per_block, num_experts) ? 1 : 0;
-    const bool late = per_block == 1 && distinct > 1 && plan_late();  // a grid barrier, one chunk a block
-    auto* fused = plan_ballot(num_experts) ? (late ? plan_fused_kernel<true, true> : plan_fused_kernel<true>)
-                                           : (late ? plan_fused_kernel<false, true> : plan_fused_kernel<false>);
+    auto* fused = plan_ballot(num_experts) ? plan_fused_kernel<true> : plan_fused_kernel<false>;
     if (distinct == 1) {  // no grid barrier: an ordinary launch
       launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
           per_block, shift, n_experts, align, block_counts, local_rank, capacity, tokens, bins, ptokens, pbins,

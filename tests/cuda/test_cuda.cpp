@@ -599,20 +599,15 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
     // plan paths: split, the default, fused on 1 and 3 blocks; the fused one also with either key
     // search forced and with its block counts unpacked; the small one (one chunk) on 16 and 64
     // blocks as well as the default 32
-    // (and the fused one with its ranking after the barrier's arrival, late = 1, with either key search
-    // and unpacked counts)
-    struct Path { int mode, match, small, packed = -1, late = -1; };
+    struct Path { int mode, match, small, packed = -1; };
     for (const Path pm : {Path{-1, -1, -1}, {0, -1, -1}, {0, 0, -1}, {0, 1, -1}, {1, -1, -1}, {3, -1, -1},
-                          {0, -1, 16}, {0, -1, 64}, {0, -1, -1, 0}, {3, -1, -1, 0}, {0, -1, -1, 1},
-                          {0, -1, -1, -1, 1}, {0, 0, -1, -1, 1}, {0, -1, -1, 0, 1}}) {
+                          {0, -1, 16}, {0, -1, 64}, {0, -1, -1, 0}, {3, -1, -1, 0}, {0, -1, -1, 1}}) {
       const int mode = pm.mode;
       SCOPED_TRACE("T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " E=" + std::to_string(c.E) +
                    " m=" + std::to_string(c.m) + " global=" + std::to_string(c.global) +
                    " mode=" + std::to_string(mode) + " match=" + std::to_string(pm.match) +
-                   " small=" + std::to_string(pm.small) + " packed=" + std::to_string(pm.packed) +
-                   " late=" + std::to_string(pm.late));
+                   " small=" + std::to_string(pm.small) + " packed=" + std::to_string(pm.packed));
       padmoe::cuda::set_plan_packed(pm.packed);
-      padmoe::cuda::set_plan_late(pm.late);
       padmoe::cuda::set_plan_kernel(mode);
       padmoe::cuda::set_plan_match(pm.match);
       padmoe::cuda::set_plan_small(pm.small);
@@ -639,7 +634,6 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
     padmoe::cuda::set_plan_match(-1);
     padmoe::cuda::set_plan_small(-1);
     padmoe::cuda::set_plan_packed(-1);
-    padmoe::cuda::set_plan_late(-1);
   }
   // the CPU plan itself against the reference on one case (the others: CpuVsGpu)
   const std::vector<int64_t> te = make_routing(2049, 1, 16, Dist::kSkewed, 2065);
