@@ -371,30 +371,15 @@ __global__ void route_spread_scaled_kernel(const uint4* x, const float* xs, uint
 // expert, each half the blocks, 16 loads in flight), scans the totals (cub), then places its
 // ids by shared atomics (unordered: no stable rank) and writes one int each.
 // `counts_only`: stop after the grid barrier (launch + id loads + histogram + barrier).
-// `full` (not null): the plan's own writes instead of one int an id: the scan carries real and
-// padded counts (alignment 16), every id writes indices and bin_ids at its sorted position,
-// row_sources at its padded row and dest at its own index, each expert's padding rows and the rows
-// from P to the bound A + 15 E get row_sources -1 (a warp an expert, block e mod G; the rest strided
-// over the grid), and block 0 writes the four count vectors:
-// make_plan's memory traffic with no ranking (added 2026-12-04; first run by the next session).
-struct PlanWrites {
-  int* indices;
-  int* bin_ids;
-  int* row_sources;
-  int* vectors;  // [4][E]
-};
 constexpr int kSkeletonThreads = 512;
 __global__ void __launch_bounds__(kSkeletonThreads)
-    plan_skeleton_kernel(const int* ids, int* counts, int* dest, int A, int E, int chunk, bool counts_only,
-                         PlanWrites full) {
+    plan_skeleton_kernel(const int* ids, int* counts, int* dest, int A, int E, int chunk, bool counts_only) {
   using Scan = cub::BlockScan<int, kSkeletonThreads>;
-  using Scan2 = cub::BlockScan<long long, kSkeletonThreads>;
-  __shared__ typename Scan2::TempStorage scan2_storage;
   __shared__ typename Scan::TempStorage scan_storage;
   extern __shared__ int sh[];
   int* hist = sh;      // [E]
   int* base = sh + E;  // [E]
-  int* half = sh + 2 * E;  // [2][E]: the second thread's sums (then, `full`: pbase, pstart; sh + 4E: counts)
+  int* half = sh + 2 * E;  // [2][E]: the second thread's sums
   for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   const int begin = static_cast<int>(blockIdx.x) * chunk;
@@ -441,61 +426,16 @@ __global__ void __launch_bounds__(kSkeletonThreads)
   } else {
     total = before = 0;
   }
-  if (full.indices == nullptr) {
-    int excl = 0;
-    Scan(scan_storage).ExclusiveSum(total, excl);
-    if (e < E) {
-      base[e] = excl + before;  // exclusive prefix + this block's column prefix
-      hist[e] = 0;
-    }
-    __syncthreads();
-    int k = 0;
-    for (int i = begin + threadIdx.x; i < end && k < n; i += blockDim.x, ++k) {
-      dest[i] = base[mine[k]] + atomicAdd(&hist[mine[k]], 1);
-    }
-    return;
-  }
-  // real counts in the low word, padded (alignment 16) in the high word, as padmoe's plan scans them
-  const int padded = (total + 15) / 16 * 16;
-  const long long packed = (static_cast<long long>(padded) << 32) | static_cast<unsigned>(total);
-  long long excl = 0, sum = 0;
-  Scan2(scan2_storage).ExclusiveSum(packed, excl, sum);
-  int* pbase = half;  // [E] padded row of this block's first of e (half's sums are read above)
-  int* pstart = half + E;  // [E] e's first padded row
-  __syncthreads();  // half's sums read by every thread
-  const int real_excl = static_cast<int>(excl & 0xffffffffll), padded_excl = static_cast<int>(excl >> 32);
+  int excl = 0;
+  Scan(scan_storage).ExclusiveSum(total, excl);
   if (e < E) {
-    base[e] = real_excl + before;
-    pbase[e] = padded_excl + before;
-    pstart[e] = padded_excl;
+    base[e] = excl + before;  // exclusive prefix + this block's column prefix
     hist[e] = 0;
-    sh[4 * E + e] = total;  // e's count, for the fills
-    if (cb == 0) {
-      full.vectors[e] = total;
-      full.vectors[E + e] = real_excl + total;
-      full.vectors[2 * E + e] = padded;
-      full.vectors[3 * E + e] = padded_excl + padded;
-    }
   }
   __syncthreads();
   int k = 0;
   for (int i = begin + threadIdx.x; i < end && k < n; i += blockDim.x, ++k) {
-    const int x_ = mine[k], r = atomicAdd(&hist[x_], 1);
-    const int pos = base[x_] + r, row = pbase[x_] + r;
-    full.indices[pos] = i;
-    full.bin_ids[pos] = x_;
-    full.row_sources[row] = i;
-    dest[i] = row;
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int x_ = cb + G * warp; x_ < E; x_ += G * (kSkeletonThreads / 32)) {
-    const int c = sh[4 * E + x_], p0 = pstart[x_];
-    for (int r = p0 + c + lane; r < p0 + (c + 15) / 16 * 16; r += 32) full.row_sources[r] = -1;
-  }
-  // rows at or past P up to the bound A + 15 E (as padmoe's plan fills its row_sources), strided over the grid
-  const int P = static_cast<int>(sum >> 32), bound = A + 15 * E;
-  for (int r = P + cb * kSkeletonThreads + static_cast<int>(threadIdx.x); r < bound; r += G * kSkeletonThreads) {
-    full.row_sources[r] = -1;
+    dest[i] = base[mine[k]] + atomicAdd(&hist[mine[k]], 1);
   }
 }
 
@@ -875,34 +815,26 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&d_ids, A * sizeof(int)));
     CHECK(cudaMalloc(&d_counts, size_t(G) * E * sizeof(int)));
     CHECK(cudaMalloc(&d_dest, A * sizeof(int)));
-    PlanWrites writes{};  // the plan's arrays for the `full` form (P <= A + E * 15 rows)
-    CHECK(cudaMalloc(&writes.indices, A * sizeof(int)));
-    CHECK(cudaMalloc(&writes.bin_ids, A * sizeof(int)));
-    CHECK(cudaMalloc(&writes.row_sources, (A + size_t(E) * 15) * sizeof(int)));
-    CHECK(cudaMalloc(&writes.vectors, 4 * size_t(E) * sizeof(int)));
     CHECK(cudaMemcpy(d_ids, ids.data(), A * sizeof(int), cudaMemcpyHostToDevice));
     int coop = 0, dev = 0, per_sm = 0;
     CHECK(cudaGetDevice(&dev));
     CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
-    const size_t smem = 5 * E * sizeof(int);
+    const size_t smem = 4 * E * sizeof(int);
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_skeleton_kernel, threads, smem));
     if (coop != 0 && per_sm * prop.multiProcessorCount >= G) {
       std::printf("make_plan's skeleton, A = 131072, E = 256, 128 blocks of 512 (one launch, grid barrier):\n");
-      for (const int form : {0, 1, 2}) {  // counts only, one int an id, the plan's writes
+      for (const bool counts_only : {true, false}) {
         int a_ = A, e_ = E, c_ = chunk;
-        bool co = form == 0;
+        bool co = counts_only;
         const int* pi = d_ids;
         int* pc = d_counts;
         int* pd = d_dest;
-        PlanWrites pw = form == 2 ? writes : PlanWrites{};
-        void* args[] = {&pi, &pc, &pd, &a_, &e_, &c_, &co, &pw};
+        void* args[] = {&pi, &pc, &pd, &a_, &e_, &c_, &co};
         auto launch = [&](cudaStream_t s) {
           CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(plan_skeleton_kernel), dim3(G),
                                             dim3(threads), args, smem, s));
         };
-        const char* what = form == 0   ? "  ids + histogram + grid barrier"
-                           : form == 1 ? "  + column reads, scan, placement"
-                                       : "  + the plan's writes (4 ints an id, padding rows, counts)";
+        const char* what = counts_only ? "  ids + histogram + grid barrier" : "  + column reads, scan, placement";
         char label[96];
         std::snprintf(label, sizeof label, "%s", what);
         report(label, 0.0, time_ms([&] { launch(cudaStream_t{}); }, iters));
@@ -910,29 +842,18 @@ int main(int argc, char** argv) {
         greport(label, 0.0, graph_us(launch, 10, iters));
         std::snprintf(label, sizeof label, "%s, a graph each", what);
         greport(label, 0.0, graphs_us(launch, 10, iters));
-        if (form == 0) continue;
-        // the placement's result: every id a distinct row (below A for form 1; form 2: below P, and
-        // row_sources[row] holds the id back)
-        std::vector<int> got(A), rows(A + size_t(E) * 15);
-        CHECK(cudaMemcpy(got.data(), d_dest, A * sizeof(int), cudaMemcpyDeviceToHost));
-        if (form == 2) {
-          CHECK(cudaMemcpy(rows.data(), writes.row_sources, rows.size() * sizeof(int), cudaMemcpyDeviceToHost));
-        }
-        const size_t limit = form == 1 ? size_t(A) : rows.size();
-        std::vector<char> seen(limit, 0);
-        int bad = 0;
-        for (int i = 0; i < A; ++i) {
-          const int v = got[i];
-          if (v < 0 || size_t(v) >= limit || seen[v] || (form == 2 && rows[v] != i)) ++bad;
-          else seen[v] = 1;
-        }
-        if (bad != 0) std::printf("  skeleton form %d WRONG: %d ids\n", form, bad);
       }
+      // the placement's result: every row below A taken once
+      std::vector<int> got(A);
+      CHECK(cudaMemcpy(got.data(), d_dest, A * sizeof(int), cudaMemcpyDeviceToHost));
+      std::vector<char> seen(A, 0);
+      int bad = 0;
+      for (int v : got) {
+        if (v < 0 || v >= A || seen[v]) ++bad;
+        else seen[v] = 1;
+      }
+      if (bad != 0) std::printf("  skeleton placement WRONG: %d rows\n", bad);
     }
-    CHECK(cudaFree(writes.indices));
-    CHECK(cudaFree(writes.bin_ids));
-    CHECK(cudaFree(writes.row_sources));
-    CHECK(cudaFree(writes.vectors));
     CHECK(cudaFree(d_ids));
     CHECK(cudaFree(d_counts));
     CHECK(cudaFree(d_dest));
