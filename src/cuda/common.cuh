@@ -30,17 +30,17 @@ inline void check_cuda(cudaError_t err, const char* what) {
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
 // A kernel variant's on/off switch for measurements (host side): set(1) / set(0) from a test hook,
-// set(-1) back to the environment's choice, which is the variable `env` nonzero (read once; off
-// when unset).
+// set(-1) back to the environment's choice, which is the variable `env` nonzero (read once;
+// `default_on` when unset).
 class VariantSwitch {
  public:
-  explicit VariantSwitch(const char* env) : env_(env) {}
+  explicit VariantSwitch(const char* env, bool default_on = false) : env_(env), default_on_(default_on) {}
   bool on() const {
     const int s = set_.load(std::memory_order_relaxed);
     if (s >= 0) return s == 1;
     std::call_once(read_, [this] {
       const char* v = std::getenv(env_);
-      from_env_ = v != nullptr && std::atoi(v) != 0;
+      from_env_ = v != nullptr && *v != '\0' ? std::atoi(v) != 0 : default_on_;
     });
     return from_env_;
   }
@@ -48,6 +48,7 @@ class VariantSwitch {
 
  private:
   const char* env_;
+  bool default_on_;
   std::atomic<int> set_{-1};
   mutable std::once_flag read_;
   mutable bool from_env_ = false;
