@@ -2,7 +2,8 @@
 """Render `padmoe bench --device cuda --json` files (one per preset) into a markdown table.
 
 Usage: bench/render_cuda_results.py DIR > table.md   (DIR holds bench-<preset>.json)
-A second table gives the CUDA-graph replay column (graph_us, warm L2) when the files have it.
+A second table gives the CUDA-graph replay column (graph_us, warm L2) when the files have it, a third
+the in-graph column (in_graph_us: 20 calls captured in one graph, per call).
 """
 import json
 import pathlib
@@ -34,6 +35,10 @@ def main(folder: str) -> None:
     if all(o.get("graph_us") is not None for p in PRESETS for o in data[p]["ops"]):
         print("Replayed from a CUDA graph (" + first.get("graph_timing", "graph replay") + "):\n")
         table(data, first, ["graph µs", "×floor"], lambda o: [f"{o['graph_us']:.1f}", f"{o['graph_over_floor']:.2f}"])
+    if all(o.get("in_graph_us") is not None for p in PRESETS for o in data[p]["ops"]):
+        print("20 calls captured in one graph, per call (the op inside a larger captured step):\n")
+        table(data, first, ["in-graph µs", "×floor"],
+              lambda o: [f"{o['in_graph_us']:.1f}", f"{o['in_graph_over_floor']:.2f}"])
     print("Workloads: " + "; ".join(
         f"{p}: T={data[p]['workload']['tokens']}, E={data[p]['workload']['experts']}, K={data[p]['workload']['top_k']}, "
         f"H={data[p]['workload']['hidden']}, alignment {data[p]['workload']['alignment']}, P={data[p]['workload']['padded_rows']}"

@@ -60,7 +60,7 @@ run() {  # run a step, keep going, remember failures (skipped past the deadline)
   if late; then echo "$name: SKIPPED (past PADMOE_GPU_DEADLINE=$deadline s)"; status=1; return; fi
   if bounded "$@" > "$out/$name.log" 2>&1; then echo "$name: ok"; else echo "$name: FAILED (rc $?)"; tail -n 30 "$out/$name.log"; status=1; fi
 }
-ops_table() {  # a `padmoe bench --json` file's ops: us, x floor, graph us, graph x floor (--head: card and columns first)
+ops_table() {  # a `padmoe bench --json` file's ops: us, x floor, graph us, graph x floor, in-graph us, x floor (--head: card and columns first)
   python3 - "$@" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -68,10 +68,10 @@ def f(v, n=1):
     return "-" if v is None else f"{v:.{n}f}"
 if "--head" in sys.argv[2:]:
     print(f"{d.get('card')}  copy {d.get('copy_tbps', 0):.2f} TB/s  {d['workload']['label']}")
-    print(f"  {'op':<38} {'us':>8} {'floor':>6} {'graph us':>9} {'graph/floor':>6}")
+    print(f"  {'op':<38} {'us':>8} {'floor':>6} {'graph us':>9} {'graph/floor':>6} {'in-graph':>9} {'/floor':>6}")
 for o in d["ops"]:
     print(f"  {o['name']:<38} {f(o.get('us')):>8} {f(o.get('time_over_floor'), 2):>6} {f(o.get('graph_us')):>9}"
-          f" {f(o.get('graph_over_floor'), 2):>6}")
+          f" {f(o.get('graph_over_floor'), 2):>6} {f(o.get('in_graph_us')):>9} {f(o.get('in_graph_over_floor'), 2):>6}")
 PY
 }
 

@@ -102,6 +102,7 @@ struct BenchRecord {
   std::string error;
   double graph_us = -1;     // --device cuda: per graph replay; -1 when not captured
   size_t graph_nodes = 0;   // nodes of its graph
+  double in_graph_us = -1;  // --device cuda: per call, kGraphInner calls captured in one graph; -1 when not
   std::string graph_error;  // why not (the capture's error)
 };
 
@@ -117,6 +118,11 @@ constexpr int64_t kL2FlushBytes = int64_t{256} << 20;
 // calls, divided by kGraphReplays; median of --iters samples after --warmup
 // replays. No L2 flush: a serving loop replays its decode step with warm caches.
 constexpr int kGraphReplays = 10;
+// `in-graph us`: kGraphInner calls of the op captured into one graph, a sample is CUDA events around
+// one replay divided by kGraphInner (median of max(3, iters / 5) samples): the op inside a larger
+// captured step, with no graph launch of its own per call; the way ../shared/bench/user_bench.py's
+// --graphs figures (and the decode baselines) were taken.
+constexpr int kGraphInner = 20;
 
 // Cold L2 without dirty lines: a read-only pass over 256 MiB of scratch rows
 // (padmoe's own wgrad: 1024 rows x 128 KiB of y and of grad, 1024 floats
@@ -247,6 +253,12 @@ int cmd_bench(const Args& args) {
         r.graph_nodes = graph->nodes;
         if (graph->exec != nullptr) {
           r.graph_us = median(gpu_graph_replay_us(*d.gpu, *graph, warmup, iters, kGraphReplays));
+          const std::unique_ptr<GpuGraph> many = gpu_capture_graph(*d.gpu, [&] {
+            for (int k = 0; k < kGraphInner; ++k) op.run(d);
+          });
+          if (many->exec != nullptr) {
+            r.in_graph_us = median(gpu_graph_replay_us(*d.gpu, *many, 1, std::max(3, iters / 5), 1)) / kGraphInner;
+          }
         } else {
           r.graph_error = graph->error;
         }
@@ -269,7 +281,9 @@ int cmd_bench(const Args& args) {
       "each op captured once into a CUDA graph (cudaStreamCaptureModeGlobal; plan+dispatch+combine: one graph of its "
       "three launches, plan+dispatch and dispatch+combine of their two); per replay: CUDA events around " + std::to_string(kGraphReplays) +
       " back-to-back cudaGraphLaunch calls / " + std::to_string(kGraphReplays) +
-      ", median of iters samples after warmup replays; warm L2 (no flush), as a serving loop replays a decode step";
+      ", median of iters samples after warmup replays; warm L2 (no flush), as a serving loop replays a decode step; "
+      "in_graph_us: " + std::to_string(kGraphInner) + " calls captured in one graph, one replay / " +
+      std::to_string(kGraphInner) + " per sample, median of max(3, iters / 5) samples";
   if (json) {
     std::printf("{\"command\": \"bench\", \"date\": \"%s\", \"device\": \"%s\", \"card\": %s,\n"
                 " \"workload\": {\"label\": \"%s\", \"tokens\": %" PRId64
@@ -312,6 +326,10 @@ int cmd_bench(const Args& args) {
                            ", \"graph_over_floor\": " +
                            (graphed ? json_num(r.graph_us / r.floor_us) : std::string("null")) +
                            ", \"graph_nodes\": " + (graphed ? std::to_string(r.graph_nodes) : std::string("null")) +
+                           ", \"in_graph_us\": " +
+                           (r.in_graph_us >= 0 ? json_num(r.in_graph_us) : std::string("null")) +
+                           ", \"in_graph_over_floor\": " +
+                           (r.in_graph_us >= 0 ? json_num(r.in_graph_us / r.floor_us) : std::string("null")) +
                            ", \"graph_error\": " +
                            (r.graph_error.empty() ? std::string("null") : "\"" + json_escape(r.graph_error) + "\"") +
                            ", "
@@ -354,8 +372,9 @@ int cmd_bench(const Args& args) {
     }
     std::printf("\n");
     if (with_graph) {
-      std::printf("%-38s %10s %8s %10s %10s %9s %10s %11s %12s\n", "op", "us", "TB/s", "floor us", "time/floor",
-                  "%copy", "graph us", "graph/floor", with_reference ? "reference us" : "");
+      std::printf("%-38s %10s %8s %10s %10s %9s %10s %11s %12s %14s %12s\n", "op", "us", "TB/s", "floor us",
+                  "time/floor", "%copy", "graph us", "graph/floor", "in-graph us", "in-graph/floor",
+                  with_reference ? "reference us" : "");
     } else {
       std::printf("%-38s %10s %8s %10s %10s %9s %12s\n", "op", "us", "TB/s", "floor us", "time/floor", "%copy",
                   with_reference ? "reference us" : "");
@@ -369,8 +388,11 @@ int cmd_bench(const Args& args) {
                   r.us / r.floor_us, 100.0 * r.copy_us / r.us);
       if (with_graph) {
         const bool graphed = r.graph_us >= 0;
-        std::printf("%10s %11s ", graphed ? fmt("%.1f", r.graph_us).c_str() : "-",
-                    graphed ? fmt("%.2f", r.graph_us / r.floor_us).c_str() : "-");
+        const bool inner = r.in_graph_us >= 0;
+        std::printf("%10s %11s %12s %14s ", graphed ? fmt("%.1f", r.graph_us).c_str() : "-",
+                    graphed ? fmt("%.2f", r.graph_us / r.floor_us).c_str() : "-",
+                    inner ? fmt("%.1f", r.in_graph_us).c_str() : "-",
+                    inner ? fmt("%.2f", r.in_graph_us / r.floor_us).c_str() : "-");
       }
       std::printf("%12s\n", r.ref_us >= 0 ? fmt("%.0f", r.ref_us).c_str() : "");
     }
@@ -383,9 +405,13 @@ int cmd_bench(const Args& args) {
           "plan+dispatch+combine\n"
           "  is one graph of its three launches (the decode step's routing), plan+dispatch and dispatch+combine one of\n"
           "  their two. graph/floor = graph us / floor us (below 1 where the bytes stay in L2).\n"
+          "in-graph us = per call with %d calls captured in one graph and replayed once (median of max(3, iters / 5)): "
+          "the op inside a\n"
+          "  larger captured step, without a graph launch of its own (how ../shared/bench/user_bench.py --graphs "
+          "times).\n"
           "  - = not capturable (the op synchronizes the host, allocates or reads back to the host): the capture's "
           "error below.\n",
-          kGraphReplays);
+          kGraphReplays, kGraphInner);
       bool header = false;
       for (const BenchRecord& r : records) {
         if (!r.error.empty() || r.graph_error.empty()) continue;

@@ -11,7 +11,8 @@
 //                  workspace, and the floor is padmoe::copy's device->device
 //                  bandwidth measured in the same run; each op is also
 //                  captured once into a CUDA graph and its warm back-to-back
-//                  replays timed (`graph us`, `graph/floor`; --no-graph skips).
+//                  replays timed (`graph us`, `graph/floor`), and 20 calls
+//                  captured into one graph (`in-graph us`; --no-graph skips both).
 //   padmoe plan    print and validate the tile plan of SPEC section 6.
 //   padmoe presets list the workload presets (src/workload).
 //
@@ -69,7 +70,7 @@ bench:
   --iters N              timed runs per op; the median is reported (default 10;
                          50 on cuda, timed with CUDA events, cold L2)
   --no-reference         skip timing the single-threaded CPU reference loops
-  --no-graph             cuda: skip the CUDA-graph replay column (graph us)
+  --no-graph             cuda: skip the CUDA-graph replay columns (graph us, in-graph us)
   --ops A,B,...          only these ops (names as printed, e.g. combine(w),make_plan)
   --json                 print one JSON object instead of the table
 
