@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import _C
+from . import _arrays as _arrays_module
 from ._arrays import NUMPY, arrays_of
 
 INT32_MAX = 2**31 - 1
@@ -196,3 +197,6 @@ class Plan:
                 f"alignment={self.alignment}, capacity={self.capacity}, "
                 + (f"expert_capacity={cap}, " if cap is not None else "")
                 + f"arrays={type(self.indices).__module__.split('.')[0]}:{dev})")
+
+
+_arrays_module._plan_type = Plan  # native_args reads a Plan's eight arrays as one list
