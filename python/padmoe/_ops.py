@@ -724,9 +724,14 @@ def pad_to_alignment(hidden_states: Array, tokens_per_expert: Array, alignment: 
         if not counts_ok:
             return 0
         try:
-            return arrays.padded_total(tokens_per_expert, int(alignment))
+            p = arrays.padded_total(tokens_per_expert, int(alignment))
         except (TypeError, ValueError, RuntimeError):
             return 0  # e.g. a float dtype: the native op reports it
+        # valid counts (each >= 0, summing to at most N) give P <= N + E*(alignment - 1): above that the
+        # counts are bad, and the native op names the entry; no output of P rows is allocated first
+        bound = (int(hidden_states.shape[0]) if ndim(hidden_states) >= 1 else 0) + \
+            int(tokens_per_expert.shape[0]) * (int(alignment) - 1)
+        return p if 0 <= p <= bound else 0
 
     padded = _padded_out(arrays, op, hidden_states, rows, out_p, p_of)
     permutation_map = out_m if out_m is not None else arrays.empty((int(padded.shape[0]),), arrays.int32, hidden_states)
@@ -831,10 +836,13 @@ def _host_ints(a):
     return np.asarray(a).astype(np.int64).reshape(-1)
 
 
-def _chunk_total(split_sizes, num_ranks: int, alignment: int, sorted_index) -> int:
-    """sort_chunks' P on the host (0 on bad input: the native op then reports it)."""
+def _chunk_total(split_sizes, num_ranks: int, alignment: int, sorted_index, received_rows: int) -> int:
+    """sort_chunks' P on the host (0 on bad input: the native op then reports it, and no output of
+    P rows is allocated first: sizes that are negative, or sum above the received rows, are bad)."""
     try:
-        sizes = _host_ints(split_sizes).clip(min=0)
+        sizes = _host_ints(split_sizes)
+        if sizes.shape[0] and (sizes.min() < 0 or sizes.max() > received_rows or int(sizes.sum()) > received_rows):
+            return 0
         c, r, m = sizes.shape[0], int(num_ranks), int(alignment)
         if r < 1 or m < 1 or c % r != 0:
             return 0
@@ -878,7 +886,8 @@ def sort_chunks(received: Array, split_sizes: Array, num_ranks: int, alignment: 
     received, split_sizes, sorted_index, out_p, out_m, out_o = prepare(
         arrays, received, split_sizes, sorted_index, out_p, out_m, out_o)
     padded = _padded_out(arrays, op, received, rows, out_p,
-                         lambda: _chunk_total(split_sizes, num_ranks, alignment, sorted_index))
+                         lambda: _chunk_total(split_sizes, num_ranks, alignment, sorted_index,
+                                              int(received.shape[0]) if ndim(received) >= 1 else 0))
     permutation_map = out_m if out_m is not None else arrays.empty((int(padded.shape[0]),), arrays.int32, received)
     if out_o is None:
         c = 1

@@ -899,14 +899,29 @@ std::tuple<Tensor, Tensor, Tensor> moe_align_kernel(const Tensor& ids_in, int64_
 
 // Megatron drop-ins ------------------------------------------------------------------
 
-// P = sum of round_up(max(count, 0), alignment) on the host (CUDA: reads the counts, one synchronization).
-int64_t padded_total(const Tensor& counts, int64_t alignment) {
+// P = sum of round_up(count, alignment) on the host (CUDA: reads the counts, one synchronization).
+// The counts are checked here, before P rows are allocated, as padmoe checks them (the same words):
+// an entry that is negative or above the `rows` of hidden_states, or a sum above them, would size
+// the output from bad data (a count of 2^31 - 1 asked for a 137 GB tensor before the op's own check).
+int64_t padded_total(const char* op, const Tensor& counts, int64_t alignment, int64_t rows) {
   if (counts.dim() != 1 || alignment < 1) return 0;
   if (counts.scalar_type() != at::kInt && counts.scalar_type() != at::kLong) return 0;  // padmoe reports it
-  int64_t total = 0;
-  for (int64_t v : host_values(counts, 0, counts.numel())) {
-    v = std::max<int64_t>(v, 0);
+  const std::vector<int64_t> n = host_values(counts, 0, counts.numel());
+  for (size_t e = 0; e < n.size(); ++e) {
+    if (n[e] < 0) value_error(op, "tokens_per_expert", "entry " + std::to_string(e) + " is negative (" + std::to_string(n[e]) + ")");
+    if (n[e] > rows) {
+      value_error(op, "tokens_per_expert", "entry " + std::to_string(e) + " (" + std::to_string(n[e]) + ") exceeds the " +
+                                               std::to_string(rows) + " rows of hidden_states");
+    }
+  }
+  int64_t total = 0, real = 0;
+  for (int64_t v : n) {
+    real += v;
     total += (v + alignment - 1) / alignment * alignment;
+  }
+  if (real > rows) {
+    value_error(op, "tokens_per_expert", "sums to " + std::to_string(real) + " but hidden_states has " +
+                                             std::to_string(rows) + " rows");
   }
   return total;
 }
@@ -915,7 +930,7 @@ std::tuple<Tensor, Tensor, Tensor> pad_kernel(const Tensor& h_in, const Tensor& 
                                               int64_t check, bool zero_padding) {
   const char* op = "pad_to_alignment";
   Tensor tpe = index_arg(tpe_in);
-  const int64_t p = padded_total(tpe, alignment);
+  const int64_t p = padded_total(op, tpe, alignment, h_in.dim() >= 1 ? h_in.size(0) : 0);
   check_rows_fit(op, "tokens_per_expert", p);
   const int64_t e = tpe.dim() == 1 ? tpe.numel() : 0;
   Tensor h = is_f64(h_in) ? h_in : rows_arg(h_in);
@@ -1340,12 +1355,34 @@ Tensor unpad_autograd(const Tensor& padded, const Tensor& map, int64_t original_
 // unpad_from_alignment(grad, permutation_map, N) (the unsort), the inverse move.
 
 // P on the host from split_sizes (and sorted_index); 0 on bad input (padmoe then reports it).
-int64_t chunk_total(const Tensor& sizes, int64_t num_ranks, int64_t alignment, const OptTensor& sorted) {
+// P of sort_chunks from the host's copy of the sizes (CUDA: one synchronization), the sizes checked
+// first as padmoe checks them (negative, above the `rows` of received, summing above them): sizes
+// from bad data must not size the output.
+int64_t chunk_total(const char* op, const Tensor& sizes, int64_t num_ranks, int64_t alignment, const OptTensor& sorted,
+                    int64_t rows) {
   auto is_index = [](const Tensor& t) { return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong; };
   if (num_ranks < 1 || alignment < 1 || !is_index(sizes) || sizes.dim() < 1 || sizes.dim() > 2) return 0;
   const int64_t c = sizes.numel();
   if (c % num_ranks != 0) return 0;
   const std::vector<int64_t> n = host_values(sizes.reshape({-1}), 0, c);
+  const int64_t groups = c / num_ranks;
+  auto at = [&](int64_t i) {  // as padmoe names a chunk: [rank, expert] of split_sizes' row-major position
+    return "[" + std::to_string(i / groups) + ", " + std::to_string(i % groups) + "]";
+  };
+  for (int64_t i = 0; i < c; ++i) {
+    if (n[i] < 0) value_error(op, "split_sizes", "entry " + at(i) + " is negative (" + std::to_string(n[i]) + ")");
+  }
+  int64_t real = 0;
+  for (int64_t i = 0; i < c; ++i) {
+    if (n[i] > rows) {
+      value_error(op, "split_sizes", "entry " + at(i) + " (" + std::to_string(n[i]) + ") exceeds the " +
+                                         std::to_string(rows) + " rows of received");
+    }
+    real += n[i];
+  }
+  if (real > rows) {
+    value_error(op, "split_sizes", "sums to " + std::to_string(real) + " but received has " + std::to_string(rows) + " rows");
+  }
   std::vector<int64_t> order(static_cast<size_t>(c));
   if (sorted && sorted->defined()) {
     if (!is_index(*sorted) || sorted->dim() != 1 || sorted->numel() != c) return 0;
@@ -1373,7 +1410,8 @@ std::tuple<Tensor, Tensor, Tensor> sort_chunks_kernel(const Tensor& received_in,
   Tensor sizes = index_arg(sizes_in);
   OptTensor sorted = sorted_in && sorted_in->defined() ? OptTensor(index_arg(*sorted_in)) : std::nullopt;
   if (num_ranks < 1) value_error(op, "num_ranks", "must be >= 1, got " + std::to_string(num_ranks));
-  const int64_t p = rows >= 0 ? rows : chunk_total(sizes, num_ranks, alignment, sorted);
+  const int64_t p = rows >= 0 ? rows : chunk_total(op, sizes, num_ranks, alignment, sorted,
+                                                   received_in.dim() >= 1 ? received_in.size(0) : 0);
   check_rows_fit(op, rows >= 0 ? "rows" : "split_sizes", p);
   const int64_t e = sizes.numel() / num_ranks;
   Tensor h = is_f64(received_in) ? received_in : rows_arg(received_in);
@@ -1776,7 +1814,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> pad_scaled_kernel(const Tensor& h_in,
                                                              int64_t check, bool zero_padding) {
   const char* op = "pad_to_alignment";
   Tensor tpe = index_arg(tpe_in);
-  const int64_t p = padded_total(tpe, alignment);
+  const int64_t p = padded_total(op, tpe, alignment, h_in.dim() >= 1 ? h_in.size(0) : 0);
   check_rows_fit(op, "tokens_per_expert", p);
   const int64_t e = tpe.dim() == 1 ? tpe.numel() : 0;
   Tensor h = rows_arg(h_in), hs = scales_arg(h_scales);

@@ -111,3 +111,38 @@ def test_plan_object_whose_sizes_overflow_is_a_value_error():
         padmoe.combine(np.zeros((0, 0), np.float32), plan, out=np.zeros((0, 0), np.float32))
     with pytest.raises(ValueError, match=r"combine: plan\.num_tokens: size overflow"):
         padmoe.combine(torch.zeros(0, 0), plan, out=torch.zeros(0, 0))
+
+
+@pytest.mark.parametrize("api", ["torch", "numpy"])
+def test_counts_are_checked_before_they_size_the_output(api):
+    """pad_to_alignment / sort_chunks size their output from counts read on the host: a count of
+    2^31 - 1 against one row asked for a 128 GiB tensor (MemoryError / torch's allocator error)
+    before the op's own check ran. Now the counts are checked first, with the op's own words."""
+    h = torch.randn(1, 16)
+    r = torch.randn(4, 8)
+    cases = [
+        ("pad", [2**31 - 1], r"pad_to_alignment: tokens_per_expert: entry 0 \(2147483647\) exceeds the 1 rows"),
+        ("pad", [-3], r"pad_to_alignment: tokens_per_expert: entry 0 is negative \(-3\)"),
+        ("sort", [1, 2**31 - 1, 1, 1], r"sort_chunks: split_sizes: entry \[0, 1\] \(2147483647\) exceeds the 4 rows"),
+        ("sort", [3, 3, 0, 0], r"sort_chunks: split_sizes: sums to 6 but received has 4 rows"),
+        ("sort", [1, 1, -1, 1], r"sort_chunks: split_sizes: entry \[1, 0\] is negative \(-1\)"),
+    ]
+    for op, counts, msg in cases:
+        c = torch.tensor(counts, dtype=torch.int32)
+        with pytest.raises(ValueError, match=msg):
+            if op == "pad":
+                if api == "torch":
+                    pt.pad_to_alignment(h, c, 1)
+                else:
+                    padmoe.pad_to_alignment(h.numpy(), c.numpy(), 1)
+            elif api == "torch":
+                pt.sort_chunks(r, c, 2, 1)
+            else:
+                padmoe.sort_chunks(r.numpy(), c.numpy(), 2, 1)
+    # valid counts still pass (a zero-count expert, fewer rows used than held)
+    if api == "torch":
+        padded, pmap, offs = pt.pad_to_alignment(h, torch.tensor([0, 1], dtype=torch.int32), 2)
+    else:
+        padded, pmap, offs = padmoe.pad_to_alignment(h.numpy(), np.array([0, 1], np.int32), 2)
+    assert list(np.asarray(pmap)) == [0, -1] and list(np.asarray(offs)) == [0, 2]
+    assert np.array_equal(np.asarray(padded)[0], h.numpy()[0]) and not np.asarray(padded)[1].any()
