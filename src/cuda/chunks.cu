@@ -326,7 +326,7 @@ constexpr int kRowMaxRows = 8;
 // chooses): the block's rows moved one at a time, word u by thread u mod kRowThreads, kRowUnits
 // words in flight a thread, with no division: the flattened (row, word) loop divides by `words`
 // twice a word (14% of the samples of decode's sort_chunks under ncu, 2026-12-04).
-template <typename W, bool kRowwise>
+template <typename W, bool kRowwise, bool kPairs = false>
 __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks,
                                                 int alignment, const RowsArg& out, int words, int rows_per_block,
                                                 bool zero_tail, bool skip_unmapped, int32_t* map,
@@ -343,64 +343,102 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
   }
   positions_to_smem(s, i0, i1, prow, psrc, n);
   const int64_t limit = zero_tail ? out.rows : (padded_total < out.rows ? padded_total : out.rows);
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < out.rows;
-       r0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
-    const int nrows = out.rows - r0 < rows_per_block ? static_cast<int>(out.rows - r0) : rows_per_block;
-    __syncthreads();  // s_from of the previous round read
-    if (threadIdx.x < static_cast<unsigned>(nrows)) {
-      const int64_t p = r0 + threadIdx.x;
-      const int32_t from = chunk_source_row(s, c, padded_total, src.rows, p);
-      map[p] = from;
-      s_from[threadIdx.x] = from;
-    }
-    __syncthreads();
-    if (r0 >= limit) continue;
-    const int moving = limit - r0 < nrows ? static_cast<int>(limit - r0) : nrows;
-    if constexpr (kRowwise) {
-      for (int row = 0; row < moving; ++row) {
-        const int32_t from = s_from[row];
-        if (skip_unmapped && from < 0) continue;
-        const W* in = reinterpret_cast<const W*>(row_ptr(src, from < 0 ? 0 : from));
-        W* to = reinterpret_cast<W*>(row_ptr(out, r0 + row));
-        for (int u0 = 0; u0 < words; u0 += kRowThreads * kRowUnits) {
-          W v[kRowUnits];
+  if constexpr (kRowwise) {
+    // kRowMaxRows / rows_per_block rounds of the grid-stride loop at a time: their rows' sources
+    // found and their map entries written behind one pair of barriers, then the rows moved back to
+    // back (a warp's next loads issue right after its stores), instead of two barriers and a
+    // search between every round (decode: about 5 rounds a block). kPairs: two rows' words loaded
+    // before either is stored (twice the bytes in flight a thread).
+    __shared__ int32_t s_row[kRowMaxRows];  // the batch's output rows in order, -1 at or past `limit` (out.rows < 2^31)
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * rows_per_block;
+    const int rounds = kRowMaxRows / rows_per_block;  // rows_per_block <= 4 here (words >= kRowThreads)
+    const int batch = rounds * rows_per_block;
+    for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < out.rows; r0 += stride * rounds) {
+      __syncthreads();  // s_from / s_row of the previous batch read
+      if (threadIdx.x < static_cast<unsigned>(batch)) {
+        const int k = static_cast<int>(threadIdx.x) / rows_per_block, i = static_cast<int>(threadIdx.x) - k * rows_per_block;
+        const int64_t p = r0 + k * stride + i;
+        int32_t from = -1;
+        if (p < out.rows) {
+          from = chunk_source_row(s, c, padded_total, src.rows, p);
+          map[p] = from;
+        }
+        s_from[threadIdx.x] = from;
+        s_row[threadIdx.x] = p < limit ? static_cast<int32_t>(p) : -1;
+      }
+      __syncthreads();
+      constexpr int kStep = kPairs ? 2 : 1;
+      for (int j = 0; j < batch; j += kStep) {  // the rows increase with j: once one is past `limit`, all after are
+        int32_t p[kStep], from[kStep];
+        bool move[kStep];
 #pragma unroll
-          for (int k = 0; k < kRowUnits; ++k) {
-            const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
-            if (u < words) {
-              if (from >= 0) v[k] = in[u];
-              else memset(&v[k], 0, sizeof(W));
+        for (int h = 0; h < kStep; ++h) {
+          p[h] = j + h < batch ? s_row[j + h] : -1;
+          from[h] = p[h] >= 0 ? s_from[j + h] : -1;
+          move[h] = p[h] >= 0 && !(skip_unmapped && from[h] < 0);
+        }
+        if (p[0] < 0) break;
+        for (int u0 = 0; u0 < words; u0 += kRowThreads * kRowUnits) {
+          W v[kStep][kRowUnits];
+#pragma unroll
+          for (int h = 0; h < kStep; ++h) {  // every load of the step before its first store
+            const W* in = reinterpret_cast<const W*>(row_ptr(src, from[h] < 0 ? 0 : from[h]));
+#pragma unroll
+            for (int q = 0; q < kRowUnits; ++q) {
+              const int u = u0 + q * kRowThreads + static_cast<int>(threadIdx.x);
+              if (move[h] && u < words) {
+                if (from[h] >= 0) v[h][q] = in[u];
+                else memset(&v[h][q], 0, sizeof(W));
+              }
             }
           }
 #pragma unroll
-          for (int k = 0; k < kRowUnits; ++k) {
-            const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
-            if (u < words) to[u] = v[k];
+          for (int h = 0; h < kStep; ++h) {
+            W* to = reinterpret_cast<W*>(row_ptr(out, p[h] < 0 ? 0 : p[h]));
+#pragma unroll
+            for (int q = 0; q < kRowUnits; ++q) {
+              const int u = u0 + q * kRowThreads + static_cast<int>(threadIdx.x);
+              if (move[h] && u < words) to[u] = v[h][q];
+            }
           }
         }
       }
-      continue;
     }
-    const int total_words = moving * words;
-    for (int base = 0; base < total_words; base += kRowThreads * kRowUnits) {
-      W v[kRowUnits];
-#pragma unroll
-      for (int k = 0; k < kRowUnits; ++k) {
-        const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
-        if (i < total_words) {
-          const int row = i / words;
-          const int32_t from = s_from[row];
-          if (from >= 0) v[k] = reinterpret_cast<const W*>(row_ptr(src, from))[i - row * words];
-          else memset(&v[k], 0, sizeof(W));
-        }
+  } else {  // the flattened (row, word) loop
+    for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < out.rows;
+         r0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+      const int nrows = out.rows - r0 < rows_per_block ? static_cast<int>(out.rows - r0) : rows_per_block;
+      __syncthreads();  // s_from of the previous round read
+      if (threadIdx.x < static_cast<unsigned>(nrows)) {
+        const int64_t p = r0 + threadIdx.x;
+        const int32_t from = chunk_source_row(s, c, padded_total, src.rows, p);
+        map[p] = from;
+        s_from[threadIdx.x] = from;
       }
-#pragma unroll
-      for (int k = 0; k < kRowUnits; ++k) {
-        const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
-        if (i < total_words) {
-          const int row = i / words;
-          if (skip_unmapped && s_from[row] < 0) continue;
-          reinterpret_cast<W*>(row_ptr(out, r0 + row))[i - row * words] = v[k];
+      __syncthreads();
+      if (r0 >= limit) continue;
+      const int moving = limit - r0 < nrows ? static_cast<int>(limit - r0) : nrows;
+      const int total_words = moving * words;
+      for (int base = 0; base < total_words; base += kRowThreads * kRowUnits) {
+        W v[kRowUnits];
+  #pragma unroll
+        for (int k = 0; k < kRowUnits; ++k) {
+          const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
+          if (i < total_words) {
+            const int row = i / words;
+            const int32_t from = s_from[row];
+            if (from >= 0) v[k] = reinterpret_cast<const W*>(row_ptr(src, from))[i - row * words];
+            else memset(&v[k], 0, sizeof(W));
+          }
+        }
+  #pragma unroll
+        for (int k = 0; k < kRowUnits; ++k) {
+          const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
+          if (i < total_words) {
+            const int row = i / words;
+            if (skip_unmapped && s_from[row] < 0) continue;
+            reinterpret_cast<W*>(row_ptr(out, r0 + row))[i - row * words] = v[k];
+          }
         }
       }
     }
@@ -416,14 +454,16 @@ __global__ void __launch_bounds__(kRowThreads)
   chunk_rows_body<W, false>(src, sizes, sorted, c, ranks, alignment, out, words, rows_per_block, zero_tail,
                             skip_unmapped, map, inclusive_offsets);
 }
-template <typename W>
-__global__ void __launch_bounds__(kRowThreads, 6)  // 40 registers, 6 blocks an SM, as chunk_rows_kernel
+// kPairs: 4 blocks an SM (64 registers; at 40 the two rows' words spilled 72 bytes), so that each
+// thread's two rows fit; the grid is the blocks that fit at once either way (chunk_rows_resident).
+template <typename W, bool kPairs>
+__global__ void __launch_bounds__(kRowThreads, kPairs ? 4 : 6)  // 6: 40 registers, as chunk_rows_kernel
     chunk_rows_rowwise_kernel(RowsArg src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment,
                               RowsArg out, int words, int rows_per_block, bool zero_tail, bool skip_unmapped,
                               int32_t* map, int32_t* inclusive_offsets) {
   pdl_begin(l2_share(src));
-  chunk_rows_body<W, true>(src, sizes, sorted, c, ranks, alignment, out, words, rows_per_block, zero_tail,
-                           skip_unmapped, map, inclusive_offsets);
+  chunk_rows_body<W, true, kPairs>(src, sizes, sorted, c, ranks, alignment, out, words, rows_per_block, zero_tail,
+                                   skip_unmapped, map, inclusive_offsets);
 }
 
 __device__ __forceinline__ void report(Key* key, int code, int64_t pos) {
@@ -541,11 +581,13 @@ int chunk_rows_per_block(int words) {
   const int per = kRowThreads * kRowUnits / (words > 0 ? words : 1);
   return per < 1 ? 1 : (per > kRowMaxRows ? kRowMaxRows : per);
 }
-template <typename W>
+// The blocks of kKernel that fit at once (each lays the chunks out once, then strides over the
+// rows), counted once per kernel.
+template <auto kKernel>
 int chunk_rows_resident() {
   static const int resident = [] {
     int per_sm = 4;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_rows_kernel<W>, kRowThreads, 0) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kRowThreads, 0) != cudaSuccess) {
       cudaGetLastError();
       per_sm = 4;
     }
@@ -560,6 +602,10 @@ int chunk_rows_resident() {
 // 24.5 -> 24.0 us eager, 21.7-22.0 -> 21.1-21.2 us replayed from a graph.
 VariantSwitch g_chunk_rowwise{"PADMOE_CUDA_CHUNK_ROWWISE", true};
 bool chunk_rows_rowwise(int words) { return words >= kRowThreads && g_chunk_rowwise.on(); }
+// The row-by-row form with two rows' words in flight a thread (kPairs): PADMOE_CUDA_CHUNK_PAIRS=1
+// (read once) or set_chunk_pairs(1) (tests); default off (written 2026-12-04, not yet measured:
+// ncu put a quarter of decode sort_chunks' samples on the stores waiting for their loads).
+VariantSwitch g_chunk_pairs{"PADMOE_CUDA_CHUNK_PAIRS"};
 
 template <typename W>
 void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment,
@@ -568,14 +614,18 @@ void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int 
   const int64_t row_bytes = out.cols * static_cast<int64_t>(element_size(out.dtype));
   const int words = static_cast<int>(row_bytes / static_cast<int64_t>(sizeof(W)));
   const int per_block = chunk_rows_per_block(words);
-  // the blocks that fit at once (each lays the chunks out once, then strides over the rows)
-  const int resident = chunk_rows_resident<W>();
+  // the form, and the blocks of it that fit at once (each lays the chunks out once, then strides over the rows)
+  const bool rowwise = chunk_rows_rowwise(words), pairs = rowwise && g_chunk_pairs.on();
+  auto* kernel = !rowwise ? chunk_rows_kernel<W> : pairs ? chunk_rows_rowwise_kernel<W, true>
+                                                         : chunk_rows_rowwise_kernel<W, false>;
+  const int resident = !rowwise ? chunk_rows_resident<chunk_rows_kernel<W>>()
+                       : pairs  ? chunk_rows_resident<chunk_rows_rowwise_kernel<W, true>>()
+                                : chunk_rows_resident<chunk_rows_rowwise_kernel<W, false>>();
   const int64_t row_groups = index::ceil_div(out.rows, per_block);
   const int grid = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(row_groups, static_cast<int64_t>(resident) * chunk_rows_waves())));
   // every row of src is read once: the first blocks ask L2 for them before the wait
   const RowsArg from = with_l2_prefetch(src, std::is_same<W, uint4>::value, std::min(grid, resident / 2 > 0 ? resident / 2 : 1));
-  auto* kernel = chunk_rows_rowwise(words) ? chunk_rows_rowwise_kernel<W> : chunk_rows_kernel<W>;
   launch_kernel("chunk_rows_kernel", kernel, grid, kRowThreads, 0, s, from, sizes, sorted, c, ranks, alignment, out,
       words, per_block, zero_tail, skip_unmapped, map, inclusive_offsets);
 }
@@ -598,6 +648,8 @@ bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, const Rows
 void set_chunk_rows(int mode) { g_chunk_rows.store(mode < -1 || mode > 2 ? -1 : mode, std::memory_order_relaxed); }
 
 void set_chunk_rowwise(int mode) { g_chunk_rowwise.set(mode); }
+
+void set_chunk_pairs(int mode) { g_chunk_pairs.set(mode); }
 
 void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
                      int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,
