@@ -343,11 +343,10 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
   }
   positions_to_smem(s, i0, i1, prow, psrc, n);
   const int64_t limit = zero_tail ? out.rows : (padded_total < out.rows ? padded_total : out.rows);
-  if constexpr (kRowwise) {
-    // kRowMaxRows / rows_per_block rounds of the grid-stride loop at a time: their rows' sources
-    // found and their map entries written behind one pair of barriers, then the rows moved back to
-    // back (a warp's next loads issue right after its stores), instead of two barriers and a
-    // search between every round (decode: about 5 rounds a block). kPairs: two rows' words loaded
+  if constexpr (kPairs) {
+    // kPairs (a variant of the row-by-row form, off by default): kRowMaxRows / rows_per_block rounds
+    // of the grid-stride loop at a time, their rows' sources found and their map entries written
+    // behind one pair of barriers, then the rows moved two at a time, both rows' words loaded
     // before either is stored (twice the bytes in flight a thread).
     __shared__ int32_t s_row[kRowMaxRows];  // the batch's output rows in order, -1 at or past `limit` (out.rows < 2^31)
     const int64_t stride = static_cast<int64_t>(gridDim.x) * rows_per_block;
@@ -367,7 +366,7 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
         s_row[threadIdx.x] = p < limit ? static_cast<int32_t>(p) : -1;
       }
       __syncthreads();
-      constexpr int kStep = kPairs ? 2 : 1;
+      constexpr int kStep = 2;
       for (int j = 0; j < batch; j += kStep) {  // the rows increase with j: once one is past `limit`, all after are
         int32_t p[kStep], from[kStep];
         bool move[kStep];
@@ -404,7 +403,7 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
         }
       }
     }
-  } else {  // the flattened (row, word) loop
+  } else {
     for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < out.rows;
          r0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
       const int nrows = out.rows - r0 < rows_per_block ? static_cast<int>(out.rows - r0) : rows_per_block;
@@ -418,10 +417,35 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
       __syncthreads();
       if (r0 >= limit) continue;
       const int moving = limit - r0 < nrows ? static_cast<int>(limit - r0) : nrows;
+      if constexpr (kRowwise) {
+        for (int row = 0; row < moving; ++row) {
+          const int32_t from = s_from[row];
+          if (skip_unmapped && from < 0) continue;
+          const W* in = reinterpret_cast<const W*>(row_ptr(src, from < 0 ? 0 : from));
+          W* to = reinterpret_cast<W*>(row_ptr(out, r0 + row));
+          for (int u0 = 0; u0 < words; u0 += kRowThreads * kRowUnits) {
+            W v[kRowUnits];
+#pragma unroll
+            for (int k = 0; k < kRowUnits; ++k) {
+              const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
+              if (u < words) {
+                if (from >= 0) v[k] = in[u];
+                else memset(&v[k], 0, sizeof(W));
+              }
+            }
+#pragma unroll
+            for (int k = 0; k < kRowUnits; ++k) {
+              const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
+              if (u < words) to[u] = v[k];
+            }
+          }
+        }
+        continue;
+      }
       const int total_words = moving * words;
       for (int base = 0; base < total_words; base += kRowThreads * kRowUnits) {
         W v[kRowUnits];
-  #pragma unroll
+#pragma unroll
         for (int k = 0; k < kRowUnits; ++k) {
           const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
           if (i < total_words) {
@@ -431,7 +455,7 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
             else memset(&v[k], 0, sizeof(W));
           }
         }
-  #pragma unroll
+#pragma unroll
         for (int k = 0; k < kRowUnits; ++k) {
           const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
           if (i < total_words) {
