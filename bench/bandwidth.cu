@@ -34,6 +34,16 @@ __global__ void write_kernel(uint4* dst, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) dst[i] = z;
 }
 
+// One thread busy for `ns` nanoseconds of the GPU's global timer: a stand-in for a kernel of a
+// known duration (make_plan's at decode) in front of a traffic pattern.
+__global__ void spin_kernel(unsigned long long ns) {
+  unsigned long long t0 = 0, t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
 __global__ void read_kernel(const uint4* src, size_t n, unsigned* sink) {
   unsigned acc = 0;
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -773,6 +783,14 @@ int main(int argc, char** argv) {
         both("dispatch + combine(w) (T + P, A + T rows)", dc_moved, dispatch_combine);
         both("empty + dispatch + combine(w)", dc_moved, [&](cudaStream_t st) {
           write_kernel<<<1, 32, 0, st>>>(b, 0);
+          dispatch_combine(st);
+        });
+        // behind a kernel of make_plan's own duration at decode (3.7 us of GPU time, CUPTI,
+        // 2026-12-04): plan + dispatch + combine's bound for a plan that takes its measured time
+        // and a dispatch that starts after it (added 2026-12-04; first run by the next session)
+        both("spin 3.7 us alone", 0.0, [&](cudaStream_t st) { spin_kernel<<<1, 1, 0, st>>>(3700); });
+        both("spin 3.7 us + dispatch + combine(w)", dc_moved, [&](cudaStream_t st) {
+          spin_kernel<<<1, 1, 0, st>>>(3700);
           dispatch_combine(st);
         });
       }
