@@ -247,7 +247,14 @@ def experts_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: O
     weights = top_k_weights if weighting != "none" else None
     r = pt.Routing.from_topk(top_k_index, weights, num_experts, alignment, check=check, drop_invalid=drop_invalid)
     offs = r.offsets
-    rows = r.dispatch(x, weighted=(weighting == "before"))
+    # With no gradient to take (generation, serving: no_grad / inference_mode) the padding rows and
+    # the rows past P are left unwritten: the GEMMs, the activation and `post` work row by row and
+    # combine reads real rows only, so their contents reach nothing (at decode those rows outnumber
+    # the real ones). A weight gradient sums over every row of a segment, so with gradients they are
+    # zero, as Routing.dispatch writes them by default.
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, up, down, up_bias, down_bias, weights))
+    rows = r.dispatch(x, weighted=(weighting == "before"), zero_padding=grads)
     h = _gemm(rows, up, offs, transposed, gemm)
     if up_bias is not None:
         h = h + _row_bias(up_bias, r.row_experts)

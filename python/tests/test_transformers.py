@@ -582,6 +582,41 @@ def test_grouped_experts_against_loop(case, gemm, device):
         assert _rel(p.grad, leaves[n].grad) < 2e-6, n
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", sorted(GE_CASES))
+def test_grouped_experts_inference_leaves_padding_unwritten(case, device, monkeypatch):
+    """With no gradient to take, the experts' dispatch leaves padding rows and rows past P unwritten
+    (combine reads real rows only); with one, they are zero. The outputs are the same either way."""
+    kw = GE_CASES[case]
+    torch.manual_seed(0)
+    mod = pt.GroupedExperts(E, H, I, alignment=4, **{k: v for k, v in kw.items() if k != "gate_fn"}).to(device)
+    g = torch.Generator().manual_seed(11)
+    t = 13
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]).to(device)
+    w = torch.rand(t, K, generator=g).softmax(-1).to(device)
+    x = torch.randn(t, H, generator=g).to(device)
+    seen = []
+    real = pt.Routing.dispatch
+
+    def spy(self, xx, weighted=False, zero_padding=True):
+        seen.append(zero_padding)
+        y = real(self, xx, weighted=weighted, zero_padding=zero_padding)
+        if not zero_padding:  # what the rows nobody reads may hold: NaN must not reach the output
+            keep = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
+            keep[self.plan.dest_rows.long()[self.plan.dest_rows >= 0]] = True
+            y = torch.where(keep.unsqueeze(1), y, float("nan"))
+        return y
+
+    monkeypatch.setattr(pt.Routing, "dispatch", spy)
+    with torch.no_grad():
+        out_inference = mod(x, idx, w)
+    out_grad = mod(x, idx, w)  # parameters require grad: padding rows zeroed
+    assert seen == [False, True]
+    assert out_grad.requires_grad and not out_inference.requires_grad
+    assert torch.isfinite(out_inference).all()
+    assert torch.equal(out_inference, out_grad.detach())
+
+
 def test_grouped_experts_validation_and_compile():
     with pytest.raises(ValueError, match="activation"):
         pt.GroupedExperts(E, H, I, activation="swoosh")
