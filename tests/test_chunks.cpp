@@ -98,6 +98,7 @@ TEST_P(SortChunksGrid, MatchesReferenceAndRoundTrips) {
   const ref::PadResult want = ref::sort_chunks(hf, H, sizes, R, m, nullptr);
   const PadResult r = padmoe::sort_chunks(h, st, R, m);
   ASSERT_EQ(r.padded.size(0), want.padded_rows);
+  EXPECT_EQ(padmoe::sort_chunks_rows(h, st, R, m), want.padded_rows);  // P for a caller that allocates
   EXPECT_EQ(index_to_vec(r.permutation_map), want.permutation_map);
   EXPECT_EQ(index_to_vec(r.inclusive_offsets), want.inclusive_offsets);
   EXPECT_TRUE(rows_bitwise(r.padded, want.padded, want.padded_rows));
@@ -370,8 +371,12 @@ TEST(SortChunks, BadInputNamedAndNothingWritten) {
     EXPECT_TRUE(throws_error(c.f, c.needles)) << c.what;
     EXPECT_TRUE(untouched()) << c.what;
   }
-  // The allocating form reports the same errors.
+  // The allocating form, and sort_chunks_rows (P for a caller that allocates), report the same errors.
   EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks(h, neg, 2, 4); }, {"entry [0, 1] is negative"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(h, neg, 2, 4); }, {"sort_chunks: split_sizes: entry [0, 1] is negative"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(h, huge, 2, 4); }, {"split_sizes: entry [0, 2] (11) exceeds the 10 rows"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(h, total, 2, 4); }, {"split_sizes: sums to 12 but received has 10 rows"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(h, good, 2, 4, perm_rep.view()); }, {"chunk 2 appears"}));
   EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks(h, good, 2, 4, perm_rep.view()); }, {"chunk 2 appears"}));
   // A good call afterwards works (the buffers were really untouched and usable).
   padmoe::sort_chunks_out(h, good, 2, 4, std::nullopt, padded, map, offs);

@@ -38,6 +38,25 @@ TEST(Megatron, Counts342Alignment8) {
     if (map[static_cast<size_t>(p)] < 0) EXPECT_TRUE(bytes_are(r.padded, p, p + 1, 0x00)) << "row " << p;
 }
 
+// P for a caller that allocates the outputs itself (padmoe.torch): the op's value, and the op's
+// errors before anything is sized from the counts.
+TEST(Megatron, PadRowsIsTheOpsPAfterItsChecks) {
+  const int64_t N = 9, H = 4;
+  const Tensor h = rows_from_float(tagged_rows(N, H, DType::kFloat32), DType::kFloat32, N, H);
+  EXPECT_EQ(padmoe::pad_to_alignment_rows(h, index_tensor({3, 4, 2}, DType::kInt64), 8), 24);
+  EXPECT_EQ(padmoe::pad_to_alignment_rows(h, index_tensor({0, 5, 0}, DType::kInt32), 8), 8);
+  EXPECT_EQ(padmoe::pad_to_alignment_rows(h, index_tensor({3, 4, 2}, DType::kInt32), 1), 9);
+  EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment_rows(h, index_tensor({1, -2}, DType::kInt32), 4); },
+                           {"pad_to_alignment: tokens_per_expert: entry 1 is negative (-2)"}));
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::pad_to_alignment_rows(h, index_tensor({2147483647}, DType::kInt32), 1); },
+      {"pad_to_alignment: tokens_per_expert: entry 0 (2147483647) exceeds the 9 rows of hidden_states"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment_rows(h, index_tensor({5, 5}, DType::kInt64), 2); },
+                           {"tokens_per_expert: sums to 10 but hidden_states has 9 rows"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment_rows(h, index_tensor({3, 4}, DType::kInt32), 0); },
+                           {"alignment: must be >= 1"}));
+}
+
 TEST(Megatron, Counts050GivesEightRows) {
   const std::vector<int64_t> counts = {0, 5, 0};
   const int64_t N = 5, H = 3;

@@ -389,6 +389,11 @@ PadResult pad_to_alignment(const TensorView& hidden_states, const TensorView& to
 void pad_to_alignment_out(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
                           const TensorView& padded, const TensorView& permutation_map,
                           const TensorView& inclusive_offsets, const Options& options = {});
+// P for these inputs, after every check pad_to_alignment makes before it allocates (on CUDA the
+// counts are read to the host: one synchronization): how a caller that allocates the outputs
+// itself sizes them, so that counts from bad data never size an allocation.
+int64_t pad_to_alignment_rows(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
+                              const Options& options = {});
 
 // out[map[p]] = padded[p] (* probs[map[p]]) for every map[p] >= 0; rows no
 // entry names are zero. out has original_size rows. Entries of map must be
@@ -581,6 +586,10 @@ void sort_chunks_out(const TensorView& received, const TensorView& split_sizes, 
                      const Options& options = {});
 // Host-side bound on P: received_rows + (num_chunks / num_ranks) * (alignment - 1).
 int64_t sort_chunks_capacity(int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment);
+// P for these inputs, after every check sort_chunks makes before it allocates (on CUDA the sizes
+// and sorted_index are read to the host: one synchronization); see pad_to_alignment_rows.
+int64_t sort_chunks_rows(const TensorView& received, const TensorView& split_sizes, int num_ranks, int alignment,
+                         const std::optional<TensorView>& sorted_index = std::nullopt, const Options& options = {});
 // CUDA scratch bytes sort_chunks_out needs for num_chunks chunks (0 on the CPU).
 size_t sort_chunks_workspace_bytes(int64_t num_chunks);
 

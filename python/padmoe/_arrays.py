@@ -36,11 +36,6 @@ class NumpyArrays:
     def item(self, a, index: int) -> int:
         return int(a[index])
 
-    def padded_total(self, counts, alignment: int) -> int:
-        """sum(round_up(max(count, 0), alignment)) on the host."""
-        c = np.maximum(np.asarray(counts).astype(np.int64), 0)
-        return int(np.sum((c + alignment - 1) // alignment * alignment))
-
 
 class TorchArrays:
     """Outputs as torch tensors on the input's device; CUDA work runs on the
@@ -76,10 +71,6 @@ class TorchArrays:
 
     def item(self, a, index: int) -> int:
         return int(a[index].item())  # on CUDA: one synchronization
-
-    def padded_total(self, counts, alignment: int) -> int:
-        c = counts.to(self.torch.int64).clamp(min=0)
-        return int(((c + alignment - 1) // alignment * alignment).sum().item())
 
 
 NUMPY = NumpyArrays()

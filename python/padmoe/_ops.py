@@ -718,20 +718,9 @@ def pad_to_alignment(hidden_states: Array, tokens_per_expert: Array, alignment: 
         out_p, out_m, out_o = _split_out(op, out, 3)
     hidden_states, tokens_per_expert, out_p, out_m, out_o = prepare(
         arrays, hidden_states, tokens_per_expert, out_p, out_m, out_o)
-    counts_ok = ndim(tokens_per_expert) == 1 and int(alignment) >= 1
-
-    def p_of():
-        if not counts_ok:
-            return 0
-        try:
-            p = arrays.padded_total(tokens_per_expert, int(alignment))
-        except (TypeError, ValueError, RuntimeError):
-            return 0  # e.g. a float dtype: the native op reports it
-        # valid counts (each >= 0, summing to at most N) give P <= N + E*(alignment - 1): above that the
-        # counts are bad, and the native op names the entry; no output of P rows is allocated first
-        bound = (int(hidden_states.shape[0]) if ndim(hidden_states) >= 1 else 0) + \
-            int(tokens_per_expert.shape[0]) * (int(alignment) - 1)
-        return p if 0 <= p <= bound else 0
+    def p_of():  # P after the op's own checks: counts from bad data never size the output
+        return _C.pad_to_alignment_rows(hidden_states, tokens_per_expert, alignment,
+                                        **_options(arrays, hidden_states, check, num_threads, workspace, stream))
 
     padded = _padded_out(arrays, op, hidden_states, rows, out_p, p_of)
     permutation_map = out_m if out_m is not None else arrays.empty((int(padded.shape[0]),), arrays.int32, hidden_states)
@@ -827,37 +816,6 @@ def sort_chunks_capacity(received_rows: int, num_chunks: int, num_ranks: int, al
     return _C.sort_chunks_capacity(received_rows, num_chunks, num_ranks, alignment)
 
 
-def _host_ints(a):
-    """An index array's values as a flat int64 numpy array (CUDA tensors: one copy to the host)."""
-    import numpy as np
-
-    if hasattr(a, "detach"):
-        a = a.detach().to("cpu").numpy()
-    return np.asarray(a).astype(np.int64).reshape(-1)
-
-
-def _chunk_total(split_sizes, num_ranks: int, alignment: int, sorted_index, received_rows: int) -> int:
-    """sort_chunks' P on the host (0 on bad input: the native op then reports it, and no output of
-    P rows is allocated first: sizes that are negative, or sum above the received rows, are bad)."""
-    try:
-        sizes = _host_ints(split_sizes)
-        if sizes.shape[0] and (sizes.min() < 0 or sizes.max() > received_rows or int(sizes.sum()) > received_rows):
-            return 0
-        c, r, m = sizes.shape[0], int(num_ranks), int(alignment)
-        if r < 1 or m < 1 or c % r != 0:
-            return 0
-        if sorted_index is not None:
-            order = _host_ints(sorted_index)
-            if order.shape[0] != c or (c and (order.min() < 0 or order.max() >= c)):
-                return 0
-        else:
-            order = (lambda j: (j % r) * (c // r) + j // r)(__import__("numpy").arange(c))
-        groups = sizes[order].reshape(c // r, r).sum(axis=1)
-        return int(((groups + m - 1) // m * m).sum())
-    except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
-        return 0
-
-
 def sort_chunks(received: Array, split_sizes: Array, num_ranks: int, alignment: int,
                 sorted_index: Optional[Array] = None, *, rows: Optional[int] = None,
                 out: Optional[Tuple[Array, Array, Array]] = None, check: bool = True, num_threads: int = 0,
@@ -885,9 +843,10 @@ def sort_chunks(received: Array, split_sizes: Array, num_ranks: int, alignment: 
     out_p, out_m, out_o = _split_out(op, out, 3)
     received, split_sizes, sorted_index, out_p, out_m, out_o = prepare(
         arrays, received, split_sizes, sorted_index, out_p, out_m, out_o)
-    padded = _padded_out(arrays, op, received, rows, out_p,
-                         lambda: _chunk_total(split_sizes, num_ranks, alignment, sorted_index,
-                                              int(received.shape[0]) if ndim(received) >= 1 else 0))
+    padded = _padded_out(arrays, op, received, rows, out_p,  # P after the op's own checks
+                         lambda: _C.sort_chunks_rows(received, split_sizes, num_ranks, alignment, sorted_index,
+                                                     **_options(arrays, received, check, num_threads, workspace,
+                                                                stream)))
     permutation_map = out_m if out_m is not None else arrays.empty((int(padded.shape[0]),), arrays.int32, received)
     if out_o is None:
         c = 1

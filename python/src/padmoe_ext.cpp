@@ -589,6 +589,19 @@ NB_MODULE(_C, m) {
       nb::arg("permutation_map"), nb::arg("inclusive_offsets"), PADMOE_OPTIONS);
 
   m.def(
+      "pad_to_alignment_rows",
+      [](const In& hidden_states, const In& tokens_per_expert, int alignment, PADMOE_OPTION_PARAMS) {
+        const char* op = "pad_to_alignment";
+        const TensorView vh = to_view(hidden_states, op, "hidden_states"),
+                         vt = to_view(tokens_per_expert, op, "tokens_per_expert");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        return padmoe::pad_to_alignment_rows(vh, vt, alignment, o);
+      },
+      nb::arg("hidden_states"), nb::arg("tokens_per_expert"), nb::arg("alignment"), PADMOE_OPTIONS,
+      "P for these inputs, after pad_to_alignment's checks (CUDA: one synchronization).");
+
+  m.def(
       "unpad_from_alignment_out",
       [](const In& padded, const In& permutation_map, const OptIn& probs, const Out& out, PADMOE_OPTION_PARAMS) {
         const char* op = "unpad_from_alignment";
@@ -635,6 +648,20 @@ NB_MODULE(_C, m) {
       nb::arg("received"), nb::arg("split_sizes"), nb::arg("num_ranks"), nb::arg("alignment"),
       nb::arg("sorted_index").none(), nb::arg("padded"), nb::arg("permutation_map"), nb::arg("inclusive_offsets"),
       PADMOE_OPTIONS);
+  m.def(
+      "sort_chunks_rows",
+      [](const In& received, const In& split_sizes, int num_ranks, int alignment, const OptIn& sorted_index,
+         PADMOE_OPTION_PARAMS) {
+        const char* op = "sort_chunks";
+        const TensorView vr = to_view(received, op, "received"), vs = to_view(split_sizes, op, "split_sizes");
+        const auto vsi = opt_view(sorted_index, op, "sorted_index");
+        const padmoe::Options o = PADMOE_OPTS(op);
+        nb::gil_scoped_release release;
+        return padmoe::sort_chunks_rows(vr, vs, num_ranks, alignment, vsi, o);
+      },
+      nb::arg("received"), nb::arg("split_sizes"), nb::arg("num_ranks"), nb::arg("alignment"),
+      nb::arg("sorted_index").none(), PADMOE_OPTIONS,
+      "P for these inputs, after sort_chunks' checks (CUDA: one synchronization).");
   m.def(
       "sort_chunks_capacity",
       [](int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment) {

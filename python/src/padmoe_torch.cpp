@@ -899,41 +899,27 @@ std::tuple<Tensor, Tensor, Tensor> moe_align_kernel(const Tensor& ids_in, int64_
 
 // Megatron drop-ins ------------------------------------------------------------------
 
-// P = sum of round_up(count, alignment) on the host (CUDA: reads the counts, one synchronization).
-// The counts are checked here, before P rows are allocated, as padmoe checks them (the same words):
-// an entry that is negative or above the `rows` of hidden_states, or a sum above them, would size
-// the output from bad data (a count of 2^31 - 1 asked for a 137 GB tensor before the op's own check).
-int64_t padded_total(const char* op, const Tensor& counts, int64_t alignment, int64_t rows) {
-  if (counts.dim() != 1 || alignment < 1) return 0;
-  if (counts.scalar_type() != at::kInt && counts.scalar_type() != at::kLong) return 0;  // padmoe reports it
-  const std::vector<int64_t> n = host_values(counts, 0, counts.numel());
-  for (size_t e = 0; e < n.size(); ++e) {
-    if (n[e] < 0) value_error(op, "tokens_per_expert", "entry " + std::to_string(e) + " is negative (" + std::to_string(n[e]) + ")");
-    if (n[e] > rows) {
-      value_error(op, "tokens_per_expert", "entry " + std::to_string(e) + " (" + std::to_string(n[e]) + ") exceeds the " +
-                                               std::to_string(rows) + " rows of hidden_states");
-    }
-  }
-  int64_t total = 0, real = 0;
-  for (int64_t v : n) {
-    real += v;
-    total += (v + alignment - 1) / alignment * alignment;
-  }
-  if (real > rows) {
-    value_error(op, "tokens_per_expert", "sums to " + std::to_string(real) + " but hidden_states has " +
-                                             std::to_string(rows) + " rows");
-  }
-  return total;
+// P from padmoe's host read of the counts (CUDA: one synchronization), after the checks the op
+// makes before it allocates, in its words: counts from bad data must not size the outputs (a count
+// of 2^31 - 1 once asked for a 137 GB tensor before the op's own check). float64 rows: their
+// float32 stand-in of no columns (shadow).
+int64_t pad_rows(const char* op, const Tensor& h, const Tensor& tpe, int64_t alignment, int64_t check) {
+  int64_t p = 0;
+  native([&] {
+    p = padmoe::pad_to_alignment_rows(is_f64(h) ? shadow(h) : view(h, op, "hidden_states"),
+                                      view(tpe, op, "tokens_per_expert"), static_cast<int>(alignment),
+                                      options_for(h, check));
+  });
+  return p;
 }
 
 std::tuple<Tensor, Tensor, Tensor> pad_kernel(const Tensor& h_in, const Tensor& tpe_in, int64_t alignment,
                                               int64_t check, bool zero_padding) {
   const char* op = "pad_to_alignment";
   Tensor tpe = index_arg(tpe_in);
-  const int64_t p = padded_total(op, tpe, alignment, h_in.dim() >= 1 ? h_in.size(0) : 0);
-  check_rows_fit(op, "tokens_per_expert", p);
-  const int64_t e = tpe.dim() == 1 ? tpe.numel() : 0;
   Tensor h = is_f64(h_in) ? h_in : rows_arg(h_in);
+  const int64_t p = pad_rows(op, h, tpe, alignment, check);
+  const int64_t e = tpe.dim() == 1 ? tpe.numel() : 0;
   Tensor map = at::empty({p}, h.options().dtype(at::kInt));
   Tensor offs = at::empty({e}, h.options().dtype(at::kInt));
   if (is_f64(h)) {  // the map and offsets from padmoe on float32 rows of no columns, then an exact move
@@ -1354,54 +1340,6 @@ Tensor unpad_autograd(const Tensor& padded, const Tensor& map, int64_t original_
 // past P zeroed (zero_tail): static shapes, no synchronization with check=0. Its backward is
 // unpad_from_alignment(grad, permutation_map, N) (the unsort), the inverse move.
 
-// P on the host from split_sizes (and sorted_index); 0 on bad input (padmoe then reports it).
-// P of sort_chunks from the host's copy of the sizes (CUDA: one synchronization), the sizes checked
-// first as padmoe checks them (negative, above the `rows` of received, summing above them): sizes
-// from bad data must not size the output.
-int64_t chunk_total(const char* op, const Tensor& sizes, int64_t num_ranks, int64_t alignment, const OptTensor& sorted,
-                    int64_t rows) {
-  auto is_index = [](const Tensor& t) { return t.scalar_type() == at::kInt || t.scalar_type() == at::kLong; };
-  if (num_ranks < 1 || alignment < 1 || !is_index(sizes) || sizes.dim() < 1 || sizes.dim() > 2) return 0;
-  const int64_t c = sizes.numel();
-  if (c % num_ranks != 0) return 0;
-  const std::vector<int64_t> n = host_values(sizes.reshape({-1}), 0, c);
-  const int64_t groups = c / num_ranks;
-  auto at = [&](int64_t i) {  // as padmoe names a chunk: [rank, expert] of split_sizes' row-major position
-    return "[" + std::to_string(i / groups) + ", " + std::to_string(i % groups) + "]";
-  };
-  for (int64_t i = 0; i < c; ++i) {
-    if (n[i] < 0) value_error(op, "split_sizes", "entry " + at(i) + " is negative (" + std::to_string(n[i]) + ")");
-  }
-  int64_t real = 0;
-  for (int64_t i = 0; i < c; ++i) {
-    if (n[i] > rows) {
-      value_error(op, "split_sizes", "entry " + at(i) + " (" + std::to_string(n[i]) + ") exceeds the " +
-                                         std::to_string(rows) + " rows of received");
-    }
-    real += n[i];
-  }
-  if (real > rows) {
-    value_error(op, "split_sizes", "sums to " + std::to_string(real) + " but received has " + std::to_string(rows) + " rows");
-  }
-  std::vector<int64_t> order(static_cast<size_t>(c));
-  if (sorted && sorted->defined()) {
-    if (!is_index(*sorted) || sorted->dim() != 1 || sorted->numel() != c) return 0;
-    order = host_values(*sorted, 0, c);
-  } else {
-    for (int64_t j = 0; j < c; ++j) order[j] = (j % num_ranks) * (c / num_ranks) + j / num_ranks;
-  }
-  int64_t total = 0;
-  for (int64_t g = 0; g < c / num_ranks; ++g) {
-    int64_t rows = 0;
-    for (int64_t j = g * num_ranks; j < (g + 1) * num_ranks; ++j) {
-      if (order[j] < 0 || order[j] >= c) return 0;
-      rows += std::max<int64_t>(n[order[j]], 0);
-    }
-    total += (rows + alignment - 1) / alignment * alignment;
-  }
-  return total;
-}
-
 std::tuple<Tensor, Tensor, Tensor> sort_chunks_kernel(const Tensor& received_in, const Tensor& sizes_in,
                                                       int64_t num_ranks, int64_t alignment,
                                                       const OptTensor& sorted_in, int64_t check, bool zero_padding,
@@ -1410,11 +1348,20 @@ std::tuple<Tensor, Tensor, Tensor> sort_chunks_kernel(const Tensor& received_in,
   Tensor sizes = index_arg(sizes_in);
   OptTensor sorted = sorted_in && sorted_in->defined() ? OptTensor(index_arg(*sorted_in)) : std::nullopt;
   if (num_ranks < 1) value_error(op, "num_ranks", "must be >= 1, got " + std::to_string(num_ranks));
-  const int64_t p = rows >= 0 ? rows : chunk_total(op, sizes, num_ranks, alignment, sorted,
-                                                   received_in.dim() >= 1 ? received_in.size(0) : 0);
-  check_rows_fit(op, rows >= 0 ? "rows" : "split_sizes", p);
-  const int64_t e = sizes.numel() / num_ranks;
   Tensor h = is_f64(received_in) ? received_in : rows_arg(received_in);
+  // P from padmoe's host read of the sizes (CUDA: one synchronization), after the checks the op
+  // makes before it allocates: sizes from bad data must not size the outputs
+  int64_t p = rows;
+  if (rows >= 0) {
+    check_rows_fit(op, "rows", rows);
+  } else {
+    native([&] {
+      p = padmoe::sort_chunks_rows(is_f64(h) ? shadow(h) : view(h, op, "received"), view(sizes, op, "split_sizes"),
+                                   static_cast<int>(num_ranks), static_cast<int>(alignment),
+                                   opt_view(sorted, op, "sorted_index"), options_for(h, check));
+    });
+  }
+  const int64_t e = sizes.numel() / num_ranks;
   Tensor map = at::empty({p}, h.options().dtype(at::kInt));
   Tensor offs = at::empty({e}, h.options().dtype(at::kInt));
   c10::OptionalDeviceGuard guard(h.device());
@@ -1814,10 +1761,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> pad_scaled_kernel(const Tensor& h_in,
                                                              int64_t check, bool zero_padding) {
   const char* op = "pad_to_alignment";
   Tensor tpe = index_arg(tpe_in);
-  const int64_t p = padded_total(op, tpe, alignment, h_in.dim() >= 1 ? h_in.size(0) : 0);
-  check_rows_fit(op, "tokens_per_expert", p);
-  const int64_t e = tpe.dim() == 1 ? tpe.numel() : 0;
   Tensor h = rows_arg(h_in), hs = scales_arg(h_scales);
+  const int64_t p = pad_rows(op, h, tpe, alignment, check);
+  const int64_t e = tpe.dim() == 1 ? tpe.numel() : 0;
   Tensor padded = at::empty({p, h.dim() == 2 ? h.size(1) : 0}, h.options());
   Tensor ps = scales_like(hs, p);
   Tensor map = at::empty({p}, h.options().dtype(at::kInt));

@@ -309,6 +309,14 @@ PadResult sort_chunks(const TensorView& received, const TensorView& split_sizes,
   return r;
 }
 
+int64_t sort_chunks_rows(const TensorView& received, const TensorView& split_sizes, int num_ranks, int alignment,
+                         const std::optional<TensorView>& sorted_index, const Options& options) {
+  Checker c("sort_chunks");
+  TensorView sizes;
+  const ChunkGrid g = check_chunk_shapes(c, received, split_sizes, num_ranks, alignment, sorted_index, sizes);
+  return chunk_inputs(c, g, received, sizes, sorted_index, alignment, options, true).padded_rows;
+}
+
 int64_t sort_chunks_capacity(int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment) {
   const int64_t groups = num_ranks >= 1 ? num_chunks / num_ranks : num_chunks;
   return index::capacity_bound(received_rows, groups, alignment);

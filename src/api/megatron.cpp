@@ -255,6 +255,12 @@ PadResult pad_to_alignment(const TensorView& hidden_states, const TensorView& to
   return r;
 }
 
+int64_t pad_to_alignment_rows(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
+                              const Options& options) {
+  Checker c("pad_to_alignment");
+  return check_pad_inputs(c, hidden_states, tokens_per_expert, alignment, options, true).padded_rows;
+}
+
 void unpad_from_alignment_out(const TensorView& padded, const TensorView& permutation_map,
                               const std::optional<TensorView>& probs, const TensorView& out, const Options& options) {
   Checker c("unpad_from_alignment");
