@@ -122,7 +122,7 @@ def native_args(args, op="padmoe"):
     requires grad, and refuses one on another device with BufferError): at
     decode sizes this function was 12 of the 19 µs of a ``padmoe.dispatch``
     call on torch tensors (2-core CPU box, 2026-12-04)."""
-    export = _capsule_export if _capsule_export is not None else _torch_capsule_maker()
+    export = _torch_capsule_maker()
     if export is None:
         return args
     tensor, to_dlpack = export
