@@ -207,6 +207,30 @@ __global__ void route_spread_kernel(const uint4* x, uint4* y, const int* dest, c
   }
 }
 
+// route_spread_kernel behind the chunk layout's dependency (sort_chunks' one-launch form, where
+// no row can be written before the chunks are laid out): every block first reads the 256 split
+// sizes and scans them (one cub::BlockScan of 256 threads, the least of the op's three scans), and
+// its rows' destinations wait on the scan (shifted by total - expect_total, 0 at run time).
+__global__ void __launch_bounds__(256) scanned_spread_kernel(const uint4* x, uint4* y, const int* dest,
+                                                            const int* pad, const int* sizes, int expect_total,
+                                                            int units, int T, int pads, int zero_rows) {
+  using Scan = cub::BlockScan<int, 256>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int s_shift;
+  int excl = 0, total = 0;
+  Scan(tmp).ExclusiveSum(sizes[threadIdx.x], excl, total);
+  if (threadIdx.x == 0) s_shift = total - expect_total;
+  __syncthreads();
+  const int shift = s_shift;
+  if (static_cast<int>(blockIdx.x) >= T) {
+    zero_pad_rows(y, pad + shift, units, T, pads, zero_rows);
+    return;
+  }
+  const size_t t = blockIdx.x;
+  const size_t to = static_cast<size_t>(dest[t + shift]) * units;
+  for (int u = threadIdx.x; u < units; u += blockDim.x) y[to + u] = x[t * units + u];
+}
+
 // combine (partner = nullptr) / gather or dispatch backward with dots (partner: x[t] read too):
 // block t reads its K rows of y (every load before the first add) and writes out[t].
 __global__ void route_reduce_kernel(const uint4* y, const uint4* partner, uint4* out, const int* dest, int units,
@@ -763,6 +787,16 @@ int main(int argc, char** argv) {
           route_spread_kernel<<<chunk_blocks, 256, 0, st>>>(c, b, cdest, cpad, sh.units, 1, static_cast<int>(A), cpads,
                                                              zero_rows);
         });
+        // the same behind the layout's dependency (scanned_spread_kernel): 256 chunks of 8 rows
+        int* csizes = nullptr;
+        std::vector<int> eight(256, static_cast<int>(A) / 256);
+        CHECK(cudaMalloc(&csizes, 256 * sizeof(int)));
+        CHECK(cudaMemcpy(csizes, eight.data(), 256 * sizeof(int), cudaMemcpyHostToDevice));
+        both("sort_chunks behind a scan of its 256 sizes in every block", (double(A) + pc) * row, [&](cudaStream_t st) {
+          scanned_spread_kernel<<<chunk_blocks, 256, 0, st>>>(c, b, cdest, cpad, csizes, 256 * (static_cast<int>(A) / 256),
+                                                               sh.units, static_cast<int>(A), cpads, zero_rows);
+        });
+        CHECK(cudaFree(csizes));
         CHECK(cudaFree(cdest));
         CHECK(cudaFree(cpad));
       }
@@ -787,7 +821,7 @@ int main(int argc, char** argv) {
         });
         // behind a kernel of make_plan's own duration at decode (3.7 us of GPU time, CUPTI,
         // 2026-12-04): plan + dispatch + combine's bound for a plan that takes its measured time
-        // and a dispatch that starts after it (added 2026-12-04; first run by the next session)
+        // and a dispatch that starts after it (2026-12-04: 31.6-31.7 us in a graph of 10, 4.4-4.5 the spin alone)
         both("spin 3.7 us alone", 0.0, [&](cudaStream_t st) { spin_kernel<<<1, 1, 0, st>>>(3700); });
         both("spin 3.7 us + dispatch + combine(w)", dc_moved, [&](cudaStream_t st) {
           spin_kernel<<<1, 1, 0, st>>>(3700);

@@ -326,7 +326,7 @@ constexpr int kRowMaxRows = 8;
 // chooses): the block's rows moved one at a time, word u by thread u mod kRowThreads, kRowUnits
 // words in flight a thread, with no division: the flattened (row, word) loop divides by `words`
 // twice a word (14% of the samples of decode's sort_chunks under ncu, 2026-12-04).
-template <typename W, bool kRowwise, bool kPairs = false>
+template <typename W, bool kRowwise>
 __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks,
                                                 int alignment, const RowsArg& out, int words, int rows_per_block,
                                                 bool zero_tail, bool skip_unmapped, int32_t* map,
@@ -343,126 +343,75 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
   }
   positions_to_smem(s, i0, i1, prow, psrc, n);
   const int64_t limit = zero_tail ? out.rows : (padded_total < out.rows ? padded_total : out.rows);
-  if constexpr (kPairs) {
-    // kPairs (a variant of the row-by-row form, off by default): kRowMaxRows / rows_per_block rounds
-    // of the grid-stride loop at a time, their rows' sources found and their map entries written
-    // behind one pair of barriers, then the rows moved two at a time, both rows' words loaded
-    // before either is stored (twice the bytes in flight a thread).
-    __shared__ int32_t s_row[kRowMaxRows];  // the batch's output rows in order, -1 at or past `limit` (out.rows < 2^31)
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * rows_per_block;
-    const int rounds = kRowMaxRows / rows_per_block;  // rows_per_block <= 4 here (words >= kRowThreads)
-    const int batch = rounds * rows_per_block;
-    for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < out.rows; r0 += stride * rounds) {
-      __syncthreads();  // s_from / s_row of the previous batch read
-      if (threadIdx.x < static_cast<unsigned>(batch)) {
-        const int k = static_cast<int>(threadIdx.x) / rows_per_block, i = static_cast<int>(threadIdx.x) - k * rows_per_block;
-        const int64_t p = r0 + k * stride + i;
-        int32_t from = -1;
-        if (p < out.rows) {
-          from = chunk_source_row(s, c, padded_total, src.rows, p);
-          map[p] = from;
-        }
-        s_from[threadIdx.x] = from;
-        s_row[threadIdx.x] = p < limit ? static_cast<int32_t>(p) : -1;
-      }
-      __syncthreads();
-      constexpr int kStep = 2;
-      for (int j = 0; j < batch; j += kStep) {  // the rows increase with j: once one is past `limit`, all after are
-        int32_t p[kStep], from[kStep];
-        bool move[kStep];
-#pragma unroll
-        for (int h = 0; h < kStep; ++h) {
-          p[h] = j + h < batch ? s_row[j + h] : -1;
-          from[h] = p[h] >= 0 ? s_from[j + h] : -1;
-          move[h] = p[h] >= 0 && !(skip_unmapped && from[h] < 0);
-        }
-        if (p[0] < 0) break;
-        for (int u0 = 0; u0 < words; u0 += kRowThreads * kRowUnits) {
-          W v[kStep][kRowUnits];
-#pragma unroll
-          for (int h = 0; h < kStep; ++h) {  // every load of the step before its first store
-            const W* in = reinterpret_cast<const W*>(row_ptr(src, from[h] < 0 ? 0 : from[h]));
-#pragma unroll
-            for (int q = 0; q < kRowUnits; ++q) {
-              const int u = u0 + q * kRowThreads + static_cast<int>(threadIdx.x);
-              if (move[h] && u < words) {
-                if (from[h] >= 0) v[h][q] = in[u];
-                else memset(&v[h][q], 0, sizeof(W));
-              }
-            }
-          }
-#pragma unroll
-          for (int h = 0; h < kStep; ++h) {
-            W* to = reinterpret_cast<W*>(row_ptr(out, p[h] < 0 ? 0 : p[h]));
-#pragma unroll
-            for (int q = 0; q < kRowUnits; ++q) {
-              const int u = u0 + q * kRowThreads + static_cast<int>(threadIdx.x);
-              if (move[h] && u < words) to[u] = v[h][q];
-            }
-          }
-        }
-      }
+  // Rows at or past `limit` (P, or the output's end) with zero_tail off: only their map entries
+  // (-1) are written, thread by thread over the grid, not a round of barriers for every
+  // rows_per_block of them (decode: 5888 capacity rows, 2272 of them below P; 21.3 -> 20.6 us in one
+  // graph, H200, 2026-12-04).
+  if (limit < out.rows && !zero_tail) {
+    for (int64_t p = limit + static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x; p < out.rows;
+         p += static_cast<int64_t>(gridDim.x) * kRowThreads) {
+      map[p] = -1;
     }
-  } else {
-    for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < out.rows;
-         r0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
-      const int nrows = out.rows - r0 < rows_per_block ? static_cast<int>(out.rows - r0) : rows_per_block;
-      __syncthreads();  // s_from of the previous round read
-      if (threadIdx.x < static_cast<unsigned>(nrows)) {
-        const int64_t p = r0 + threadIdx.x;
-        const int32_t from = chunk_source_row(s, c, padded_total, src.rows, p);
-        map[p] = from;
-        s_from[threadIdx.x] = from;
+  }
+  const int64_t rounds_end = zero_tail ? out.rows : limit;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < rounds_end;
+       r0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+    const int nrows = rounds_end - r0 < rows_per_block ? static_cast<int>(rounds_end - r0) : rows_per_block;
+    __syncthreads();  // s_from of the previous round read
+    if (threadIdx.x < static_cast<unsigned>(nrows)) {
+      const int64_t p = r0 + threadIdx.x;
+      const int32_t from = chunk_source_row(s, c, padded_total, src.rows, p);
+      map[p] = from;
+      s_from[threadIdx.x] = from;
+    }
+    __syncthreads();
+    if (r0 >= limit) continue;
+    const int moving = limit - r0 < nrows ? static_cast<int>(limit - r0) : nrows;
+    if constexpr (kRowwise) {
+      for (int row = 0; row < moving; ++row) {
+        const int32_t from = s_from[row];
+        if (skip_unmapped && from < 0) continue;
+        const W* in = reinterpret_cast<const W*>(row_ptr(src, from < 0 ? 0 : from));
+        W* to = reinterpret_cast<W*>(row_ptr(out, r0 + row));
+        for (int u0 = 0; u0 < words; u0 += kRowThreads * kRowUnits) {
+          W v[kRowUnits];
+#pragma unroll
+          for (int k = 0; k < kRowUnits; ++k) {
+            const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
+            if (u < words) {
+              if (from >= 0) v[k] = in[u];
+              else memset(&v[k], 0, sizeof(W));
+            }
+          }
+#pragma unroll
+          for (int k = 0; k < kRowUnits; ++k) {
+            const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
+            if (u < words) to[u] = v[k];
+          }
+        }
       }
-      __syncthreads();
-      if (r0 >= limit) continue;
-      const int moving = limit - r0 < nrows ? static_cast<int>(limit - r0) : nrows;
-      if constexpr (kRowwise) {
-        for (int row = 0; row < moving; ++row) {
+      continue;
+    }
+    const int total_words = moving * words;
+    for (int base = 0; base < total_words; base += kRowThreads * kRowUnits) {
+      W v[kRowUnits];
+#pragma unroll
+      for (int k = 0; k < kRowUnits; ++k) {
+        const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
+        if (i < total_words) {
+          const int row = i / words;
           const int32_t from = s_from[row];
-          if (skip_unmapped && from < 0) continue;
-          const W* in = reinterpret_cast<const W*>(row_ptr(src, from < 0 ? 0 : from));
-          W* to = reinterpret_cast<W*>(row_ptr(out, r0 + row));
-          for (int u0 = 0; u0 < words; u0 += kRowThreads * kRowUnits) {
-            W v[kRowUnits];
-#pragma unroll
-            for (int k = 0; k < kRowUnits; ++k) {
-              const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
-              if (u < words) {
-                if (from >= 0) v[k] = in[u];
-                else memset(&v[k], 0, sizeof(W));
-              }
-            }
-#pragma unroll
-            for (int k = 0; k < kRowUnits; ++k) {
-              const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
-              if (u < words) to[u] = v[k];
-            }
-          }
+          if (from >= 0) v[k] = reinterpret_cast<const W*>(row_ptr(src, from))[i - row * words];
+          else memset(&v[k], 0, sizeof(W));
         }
-        continue;
       }
-      const int total_words = moving * words;
-      for (int base = 0; base < total_words; base += kRowThreads * kRowUnits) {
-        W v[kRowUnits];
 #pragma unroll
-        for (int k = 0; k < kRowUnits; ++k) {
-          const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
-          if (i < total_words) {
-            const int row = i / words;
-            const int32_t from = s_from[row];
-            if (from >= 0) v[k] = reinterpret_cast<const W*>(row_ptr(src, from))[i - row * words];
-            else memset(&v[k], 0, sizeof(W));
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < kRowUnits; ++k) {
-          const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
-          if (i < total_words) {
-            const int row = i / words;
-            if (skip_unmapped && s_from[row] < 0) continue;
-            reinterpret_cast<W*>(row_ptr(out, r0 + row))[i - row * words] = v[k];
-          }
+      for (int k = 0; k < kRowUnits; ++k) {
+        const int i = base + k * kRowThreads + static_cast<int>(threadIdx.x);
+        if (i < total_words) {
+          const int row = i / words;
+          if (skip_unmapped && s_from[row] < 0) continue;
+          reinterpret_cast<W*>(row_ptr(out, r0 + row))[i - row * words] = v[k];
         }
       }
     }
@@ -478,16 +427,101 @@ __global__ void __launch_bounds__(kRowThreads)
   chunk_rows_body<W, false>(src, sizes, sorted, c, ranks, alignment, out, words, rows_per_block, zero_tail,
                             skip_unmapped, map, inclusive_offsets);
 }
-// kPairs: 4 blocks an SM (64 registers; at 40 the two rows' words spilled 72 bytes), so that each
-// thread's two rows fit; the grid is the blocks that fit at once either way (chunk_rows_resident).
-template <typename W, bool kPairs>
-__global__ void __launch_bounds__(kRowThreads, kPairs ? 4 : 6)  // 6: 40 registers, as chunk_rows_kernel
+template <typename W>
+__global__ void __launch_bounds__(kRowThreads, 6)  // 6: 40 registers, as chunk_rows_kernel
     chunk_rows_rowwise_kernel(RowsArg src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment,
                               RowsArg out, int words, int rows_per_block, bool zero_tail, bool skip_unmapped,
                               int32_t* map, int32_t* inclusive_offsets) {
   pdl_begin(l2_share(src));
-  chunk_rows_body<W, true, kPairs>(src, sizes, sorted, c, ranks, alignment, out, words, rows_per_block, zero_tail,
-                                   skip_unmapped, map, inclusive_offsets);
+  chunk_rows_body<W, true>(src, sizes, sorted, c, ranks, alignment, out, words, rows_per_block, zero_tail,
+                           skip_unmapped, map, inclusive_offsets);
+}
+
+// The one launch without sorted_index for C <= kRowThreads chunks and rows of at least kRowThreads
+// words, with the layout in one block scan: thread t puts chunk t's size in shared memory and, for
+// group t, sums its R sizes there (the within-group starts to shared memory, the group's padded
+// size); one scan of the two packed into 64 bits (each sum fits in 32: layout_sums_fit_32) gives
+// every chunk's source start and every group's first padded row. Then one output row a block a
+// round, every thread finding its source itself (two binary searches in shared memory) with no
+// barrier; rows past P with zero_tail off get their map entry only. The default where it applies
+// (g_chunk_one_scan): measured on the H200 (2026-12-04, session 21 call 7, two rounds each), decode
+// sort_chunks 20.6 -> 18.3-18.4 us in one graph, 22.9 -> 21.2 eager (chunk_rows_rowwise_kernel
+// with the same tail rule); the bandwidth pattern of a scan in every block ahead of one row a
+// block ran at 16.5 us against 16.2 with no scan.
+template <typename W>
+__global__ void __launch_bounds__(kRowThreads)
+    chunk_rows_one_scan_kernel(RowsArg src, IndexRef sizes, int c, int ranks, int alignment, RowsArg out,
+                               int words, bool zero_tail, bool skip_unmapped, int32_t* map,
+                               int32_t* inclusive_offsets) {
+  pdl_begin(l2_share(src));
+  using Scan = cub::BlockScan<unsigned long long, kRowThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int s_size[kRowThreads], s_excl[kRowThreads], s_inner[kRowThreads], s_pstart[kRowThreads];
+  const int t = static_cast<int>(threadIdx.x), groups = c / ranks;
+  const int mine = t < c ? static_cast<int>(clamped_size(sizes, t, src.rows)) : 0;
+  if (t < c) s_size[t] = mine;
+  __syncthreads();
+  int padded = 0;
+  if (t < groups) {  // from shared memory: a loop over global loads would wait on each in turn
+    int run = 0;
+    for (int r = 0; r < ranks; ++r) {
+      const int i = r * groups + t;
+      s_inner[i] = run;
+      run += s_size[i];
+    }
+    padded = round_up_32(run, alignment);
+  }
+  const unsigned long long packed = (static_cast<unsigned long long>(padded) << 32) | static_cast<unsigned>(mine);
+  unsigned long long excl = 0, total = 0;
+  Scan(storage).ExclusiveSum(packed, excl, total);
+  if (t < c) s_excl[t] = static_cast<int>(excl & 0xffffffffu);
+  if (t < groups) s_pstart[t] = static_cast<int>(excl >> 32);
+  const int padded_total = static_cast<int>(total >> 32);
+  __syncthreads();
+  if (blockIdx.x == 0 && t < groups) inclusive_offsets[t] = s_pstart[t] + padded;
+  const int64_t limit = zero_tail ? out.rows : (padded_total < out.rows ? padded_total : out.rows);
+  for (int64_t p = limit + static_cast<int64_t>(blockIdx.x) * kRowThreads + t; p < out.rows;
+       p += static_cast<int64_t>(gridDim.x) * kRowThreads) {
+    map[p] = -1;  // past P with zero_tail off
+  }
+  for (int64_t p = blockIdx.x; p < limit; p += gridDim.x) {
+    int32_t from = -1;
+    if (p < padded_total) {
+      int lo = 0, hi = groups;  // the last group starting at or before p
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (s_pstart[mid] <= p) lo = mid; else hi = mid;
+      }
+      const int g = lo, local = static_cast<int>(p) - s_pstart[g];
+      int rlo = 0, rhi = ranks;  // the last rank of group g whose rows start at or before local
+      while (rhi - rlo > 1) {
+        const int mid = (rlo + rhi) / 2;
+        if (s_inner[mid * groups + g] <= local) rlo = mid; else rhi = mid;
+      }
+      const int i = rlo * groups + g, off = local - s_inner[i];
+      if (off < s_size[i] && static_cast<int64_t>(s_excl[i]) + off < src.rows) from = s_excl[i] + off;
+    }
+    if (t == 0) map[p] = from;
+    if (skip_unmapped && from < 0) continue;
+    const W* in = reinterpret_cast<const W*>(row_ptr(src, from < 0 ? 0 : from));
+    W* to = reinterpret_cast<W*>(row_ptr(out, p));
+    for (int u0 = 0; u0 < words; u0 += kRowThreads * kRowUnits) {
+      W v[kRowUnits];
+#pragma unroll
+      for (int k = 0; k < kRowUnits; ++k) {
+        const int u = u0 + k * kRowThreads + t;
+        if (u < words) {
+          if (from >= 0) v[k] = in[u];
+          else memset(&v[k], 0, sizeof(W));
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kRowUnits; ++k) {
+        const int u = u0 + k * kRowThreads + t;
+        if (u < words) to[u] = v[k];
+      }
+    }
+  }
 }
 
 __device__ __forceinline__ void report(Key* key, int code, int64_t pos) {
@@ -626,10 +660,9 @@ int chunk_rows_resident() {
 // 24.5 -> 24.0 us eager, 21.7-22.0 -> 21.1-21.2 us replayed from a graph.
 VariantSwitch g_chunk_rowwise{"PADMOE_CUDA_CHUNK_ROWWISE", true};
 bool chunk_rows_rowwise(int words) { return words >= kRowThreads && g_chunk_rowwise.on(); }
-// The row-by-row form with two rows' words in flight a thread (kPairs): PADMOE_CUDA_CHUNK_PAIRS=1
-// (read once) or set_chunk_pairs(1) (tests); default off (written 2026-12-04, not yet measured:
-// ncu put a quarter of decode sort_chunks' samples on the stores waiting for their loads).
-VariantSwitch g_chunk_pairs{"PADMOE_CUDA_CHUNK_PAIRS"};
+// The one-scan form (chunk_rows_one_scan_kernel) where it applies: PADMOE_CUDA_CHUNK_ONE_SCAN=0 (read
+// once) or set_chunk_one_scan(0) (tests) the row-by-row form instead.
+VariantSwitch g_chunk_one_scan{"PADMOE_CUDA_CHUNK_ONE_SCAN", true};
 
 template <typename W>
 void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment,
@@ -639,12 +672,21 @@ void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int 
   const int words = static_cast<int>(row_bytes / static_cast<int64_t>(sizeof(W)));
   const int per_block = chunk_rows_per_block(words);
   // the form, and the blocks of it that fit at once (each lays the chunks out once, then strides over the rows)
-  const bool rowwise = chunk_rows_rowwise(words), pairs = rowwise && g_chunk_pairs.on();
-  auto* kernel = !rowwise ? chunk_rows_kernel<W> : pairs ? chunk_rows_rowwise_kernel<W, true>
-                                                         : chunk_rows_rowwise_kernel<W, false>;
-  const int resident = !rowwise ? chunk_rows_resident<chunk_rows_kernel<W>>()
-                       : pairs  ? chunk_rows_resident<chunk_rows_rowwise_kernel<W, true>>()
-                                : chunk_rows_resident<chunk_rows_rowwise_kernel<W, false>>();
+  if (sorted.data == nullptr && c <= kRowThreads && words >= kRowThreads && g_chunk_one_scan.on()) {
+    // one row a block a round: as many blocks as rows, up to 8 times those that fit at once
+    const int64_t most = static_cast<int64_t>(chunk_rows_resident<chunk_rows_one_scan_kernel<W>>()) * 8;
+    const int64_t p_bound = src.rows + static_cast<int64_t>(c / ranks) * (alignment - 1);  // P with valid sizes
+    const int64_t rows = zero_tail ? out.rows : std::min(out.rows, p_bound);
+    const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, most)));
+    const RowsArg from = with_l2_prefetch(src, std::is_same<W, uint4>::value, grid);
+    launch_kernel("chunk_rows_one_scan_kernel", chunk_rows_one_scan_kernel<W>, grid, kRowThreads, 0, s, from, sizes, c,
+        ranks, alignment, out, words, zero_tail, skip_unmapped, map, inclusive_offsets);
+    return;
+  }
+  const bool rowwise = chunk_rows_rowwise(words);
+  auto* kernel = rowwise ? chunk_rows_rowwise_kernel<W> : chunk_rows_kernel<W>;
+  const int resident = rowwise ? chunk_rows_resident<chunk_rows_rowwise_kernel<W>>()
+                               : chunk_rows_resident<chunk_rows_kernel<W>>();
   const int64_t row_groups = index::ceil_div(out.rows, per_block);
   const int grid = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(row_groups, static_cast<int64_t>(resident) * chunk_rows_waves())));
@@ -673,7 +715,7 @@ void set_chunk_rows(int mode) { g_chunk_rows.store(mode < -1 || mode > 2 ? -1 : 
 
 void set_chunk_rowwise(int mode) { g_chunk_rowwise.set(mode); }
 
-void set_chunk_pairs(int mode) { g_chunk_pairs.set(mode); }
+void set_chunk_one_scan(int mode) { g_chunk_one_scan.set(mode); }
 
 void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
                      int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,

@@ -336,9 +336,10 @@ void set_chunk_rows(int mode);
 // The one launch's rows moved one at a time (rows of at least 256 words; tests; overrides
 // PADMOE_CUDA_CHUNK_ROWWISE): 1 on, 0 off, -1 the default (on). Same results every way.
 void set_chunk_rowwise(int mode);
-// The row-by-row form with two rows in flight a thread (tests; overrides PADMOE_CUDA_CHUNK_PAIRS): 1 on,
-// 0 off, -1 the default (off). Same results every way.
-void set_chunk_pairs(int mode);
+// The one launch with its layout in one block scan, for calls without sorted_index and at most 256
+// chunks, rows of at least 256 words (tests; overrides PADMOE_CUDA_CHUNK_ONE_SCAN): 1 on, 0 off, -1
+// the default (on). Same results every way.
+void set_chunk_one_scan(int mode);
 void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
                      int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,
                      int32_t* map, int32_t* inclusive_offsets, void* stream);

@@ -39,7 +39,7 @@ void set_pdl(int) {}
 bool chunk_rows_fit(int64_t, int, int, const RowsArg&, const RowsArg&) { return false; }
 void set_chunk_rows(int) {}
 void set_chunk_rowwise(int) {}
-void set_chunk_pairs(int) {}
+void set_chunk_one_scan(int) {}
 void sort_chunk_rows(const RowsArg&, IndexRef, IndexRef, int64_t, int, int, const RowsArg&, bool, bool, int32_t*, int32_t*,
                      void*) {
   unavailable("sort_chunks");

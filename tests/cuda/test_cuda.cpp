@@ -2063,7 +2063,9 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
       {8, 32, 16, DType::kFloat8E4M3, DType::kInt32, false, true, 33}, {4, 16, 8, DType::kBFloat16, DType::kInt64, true, false, 35},
       // rows of 256 words and more (the one launch's row-by-row form, forms 3 and 4): 300 16-byte
       // words, and 1101 4-byte words
-      {8, 8, 16, DType::kBFloat16, DType::kInt32, false, true, 2400}, {4, 6, 8, DType::kFloat32, DType::kInt64, true, false, 1101}};
+      {8, 8, 16, DType::kBFloat16, DType::kInt32, false, true, 2400}, {4, 6, 8, DType::kFloat32, DType::kInt64, true, false, 1101},
+      // form 4's bounds: C = 256 chunks with 256-word rows, and 4-byte words with no sorted_index
+      {8, 32, 16, DType::kBFloat16, DType::kInt64, false, false, 2048}, {4, 6, 8, DType::kFloat32, DType::kInt32, false, true, 1101}};
   for (const Cfg& cf : cfgs) {
     SCOPED_TRACE("R=" + std::to_string(cf.R) + " E=" + std::to_string(cf.E) + " m=" + std::to_string(cf.m) + " " +
                  dname(cf.dt) + (cf.sorted ? " sorted" : ""));
@@ -2090,7 +2092,9 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
     // five forms (unchecked calls only; checked ones validate on the device first, then take form
     // 0 or 1): 0 the layout, chunk_map, the gather; 1 the layout's fused map, the gather; 2 one
     // launch (chunk_rows_kernel, C <= 1024), the flattened loop; 3 the one launch moving a row at a
-    // time (rows of 256 words and more; else form 2); 4 the same with two rows in flight (pairs)
+    // time (rows of 256 words and more; else form 2); 4 the layout in one block scan, one row a
+    // block (chunk_rows_one_scan_kernel: no sorted_index, C <= 256, rows of 256 words and more;
+    // else form 3). Form 4 is the default where it applies: the allocating call below takes it.
     for (int form : {0, 1, 2, 3, 4})
     for (bool checked : {true, false}) {
       for (bool zero_tail : {false, true}) {
@@ -2099,7 +2103,7 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
           padmoe::cuda::set_chunk_map_fused(form == 0 ? 0 : 1);
           padmoe::cuda::set_chunk_rows(form >= 2 ? 1 : 0);
           padmoe::cuda::set_chunk_rowwise(form >= 3 ? 1 : 0);
-          padmoe::cuda::set_chunk_pairs(form == 4 ? 1 : 0);
+          padmoe::cuda::set_chunk_one_scan(form == 4 ? 1 : 0);
           padmoe::Options o;
           o.check_data = checked;
           o.zero_tail = zero_tail;
@@ -2109,7 +2113,7 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
           padmoe::cuda::set_chunk_map_fused(-1);
           padmoe::cuda::set_chunk_rows(-1);
           padmoe::cuda::set_chunk_rowwise(-1);
-          padmoe::cuda::set_chunk_pairs(-1);
+          padmoe::cuda::set_chunk_one_scan(-1);
           Tensor cpad = poison_rows(cf.dt, cap, H), cmap = poison_index(cap), coff = poison_index(cf.E);
           padmoe::sort_chunks_out(hh, hs, cf.R, cf.m, hsi, cpad, cmap, coff, o);
           const Tensor hpad = to_cpu(gpad);

@@ -440,6 +440,20 @@ std::vector<OpCase> op_table() {
          combine_out(d.out_rows_R, plan, W(d.weights), d.out_rows_T, d.opt);
        },
        composite_expect});
+  // The same with the inference dispatch (padding rows and rows past P left unwritten: combine
+  // reads real rows only), as GroupedExperts and the transformers experts run with no gradient.
+  ops.push_back(
+      {"plan+dispatch(no-pad)+combine", "make_plan + (T*H + A*H)*s + (A*H + T*H)*s (the three rules summed)",
+       [=](const Dims& d) { return plan_bytes(d) + (d.T * d.H + d.A * d.H) * d.s + scatter_bytes(d); },
+       [](Data& d) {
+         make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), d.opt);
+         const PlanView plan = d.plan_out.view();
+         Options o = d.opt;
+         o.zero_padding = false;
+         dispatch_out(d.x, plan, W(), d.out_rows_R, o);
+         combine_out(d.out_rows_R, plan, W(d.weights), d.out_rows_T, d.opt);
+       },
+       composite_expect});
   // The same two steps as one call (make_plan_and_dispatch).
   ops.push_back(
       {"make_plan_and_dispatch", "make_plan + (T*H + P*H)*s (as plan+dispatch)",
