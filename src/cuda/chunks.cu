@@ -322,6 +322,28 @@ constexpr int kRowPer = 4;
 constexpr int kRowChunks = kRowThreads * kRowPer;
 constexpr int kRowUnits = 4;  // words a thread in flight
 constexpr int kRowMaxRows = 8;
+// Block-wide: row `to` = row `in` (zero when from < 0), word u by thread u mod kRowThreads, kRowUnits
+// words in flight a thread (the row-by-row and one-scan forms' row move).
+template <typename W>
+__device__ __forceinline__ void move_row(const W* in, W* to, int32_t from, int words) {
+  for (int u0 = 0; u0 < words; u0 += kRowThreads * kRowUnits) {
+    W v[kRowUnits];
+#pragma unroll
+    for (int k = 0; k < kRowUnits; ++k) {
+      const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
+      if (u < words) {
+        if (from >= 0) v[k] = in[u];
+        else memset(&v[k], 0, sizeof(W));
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kRowUnits; ++k) {
+      const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
+      if (u < words) to[u] = v[k];
+    }
+  }
+}
+
 // kRowwise (chunk_rows_rowwise_kernel, for rows of at least kRowThreads words; chunk_rows_rowwise()
 // chooses): the block's rows moved one at a time, word u by thread u mod kRowThreads, kRowUnits
 // words in flight a thread, with no division: the flattened (row, word) loop divides by `words`
@@ -372,23 +394,7 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
         const int32_t from = s_from[row];
         if (skip_unmapped && from < 0) continue;
         const W* in = reinterpret_cast<const W*>(row_ptr(src, from < 0 ? 0 : from));
-        W* to = reinterpret_cast<W*>(row_ptr(out, r0 + row));
-        for (int u0 = 0; u0 < words; u0 += kRowThreads * kRowUnits) {
-          W v[kRowUnits];
-#pragma unroll
-          for (int k = 0; k < kRowUnits; ++k) {
-            const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
-            if (u < words) {
-              if (from >= 0) v[k] = in[u];
-              else memset(&v[k], 0, sizeof(W));
-            }
-          }
-#pragma unroll
-          for (int k = 0; k < kRowUnits; ++k) {
-            const int u = u0 + k * kRowThreads + static_cast<int>(threadIdx.x);
-            if (u < words) to[u] = v[k];
-          }
-        }
+        move_row(in, reinterpret_cast<W*>(row_ptr(out, r0 + row)), from, words);
       }
       continue;
     }
@@ -504,23 +510,7 @@ __global__ void __launch_bounds__(kRowThreads)
     if (t == 0) map[p] = from;
     if (skip_unmapped && from < 0) continue;
     const W* in = reinterpret_cast<const W*>(row_ptr(src, from < 0 ? 0 : from));
-    W* to = reinterpret_cast<W*>(row_ptr(out, p));
-    for (int u0 = 0; u0 < words; u0 += kRowThreads * kRowUnits) {
-      W v[kRowUnits];
-#pragma unroll
-      for (int k = 0; k < kRowUnits; ++k) {
-        const int u = u0 + k * kRowThreads + t;
-        if (u < words) {
-          if (from >= 0) v[k] = in[u];
-          else memset(&v[k], 0, sizeof(W));
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kRowUnits; ++k) {
-        const int u = u0 + k * kRowThreads + t;
-        if (u < words) to[u] = v[k];
-      }
-    }
+    move_row(in, reinterpret_cast<W*>(row_ptr(out, p)), from, words);
   }
 }
 
