@@ -322,6 +322,16 @@ constexpr int kRowPer = 4;
 constexpr int kRowChunks = kRowThreads * kRowPer;
 constexpr int kRowUnits = 4;  // words a thread in flight
 constexpr int kRowMaxRows = 8;
+// Grid-wide (blocks of kRowThreads): map[p] = -1 for p in [first, rows), thread by thread. The rows
+// past `limit` of both one-launch forms: with zero_tail off only their map entries are written, not
+// a round of the row pass for each (decode: 5888 capacity rows, 2272 of them below P; the
+// row-by-row form 21.3 -> 20.6 us in one graph, H200, 2026-12-04).
+__device__ __forceinline__ void unmap_tail(int32_t* map, int64_t first, int64_t rows) {
+  for (int64_t p = first + static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x; p < rows;
+       p += static_cast<int64_t>(gridDim.x) * kRowThreads) {
+    map[p] = -1;
+  }
+}
 // Block-wide: row `to` = row `in` (zero when from < 0), word u by thread u mod kRowThreads, kRowUnits
 // words in flight a thread (the row-by-row and one-scan forms' row move).
 template <typename W>
@@ -365,20 +375,10 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
   }
   positions_to_smem(s, i0, i1, prow, psrc, n);
   const int64_t limit = zero_tail ? out.rows : (padded_total < out.rows ? padded_total : out.rows);
-  // Rows at or past `limit` (P, or the output's end) with zero_tail off: only their map entries
-  // (-1) are written, thread by thread over the grid, not a round of barriers for every
-  // rows_per_block of them (decode: 5888 capacity rows, 2272 of them below P; 21.3 -> 20.6 us in one
-  // graph, H200, 2026-12-04).
-  if (limit < out.rows && !zero_tail) {
-    for (int64_t p = limit + static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x; p < out.rows;
-         p += static_cast<int64_t>(gridDim.x) * kRowThreads) {
-      map[p] = -1;
-    }
-  }
-  const int64_t rounds_end = zero_tail ? out.rows : limit;
-  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < rounds_end;
+  unmap_tail(map, limit, out.rows);
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block; r0 < limit;
        r0 += static_cast<int64_t>(gridDim.x) * rows_per_block) {
-    const int nrows = rounds_end - r0 < rows_per_block ? static_cast<int>(rounds_end - r0) : rows_per_block;
+    const int nrows = limit - r0 < rows_per_block ? static_cast<int>(limit - r0) : rows_per_block;
     __syncthreads();  // s_from of the previous round read
     if (threadIdx.x < static_cast<unsigned>(nrows)) {
       const int64_t p = r0 + threadIdx.x;
@@ -387,10 +387,8 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
       s_from[threadIdx.x] = from;
     }
     __syncthreads();
-    if (r0 >= limit) continue;
-    const int moving = limit - r0 < nrows ? static_cast<int>(limit - r0) : nrows;
     if constexpr (kRowwise) {
-      for (int row = 0; row < moving; ++row) {
+      for (int row = 0; row < nrows; ++row) {
         const int32_t from = s_from[row];
         if (skip_unmapped && from < 0) continue;
         const W* in = reinterpret_cast<const W*>(row_ptr(src, from < 0 ? 0 : from));
@@ -398,7 +396,7 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
       }
       continue;
     }
-    const int total_words = moving * words;
+    const int total_words = nrows * words;
     for (int base = 0; base < total_words; base += kRowThreads * kRowUnits) {
       W v[kRowUnits];
 #pragma unroll
@@ -486,10 +484,7 @@ __global__ void __launch_bounds__(kRowThreads)
   __syncthreads();
   if (blockIdx.x == 0 && t < groups) inclusive_offsets[t] = s_pstart[t] + padded;
   const int64_t limit = zero_tail ? out.rows : (padded_total < out.rows ? padded_total : out.rows);
-  for (int64_t p = limit + static_cast<int64_t>(blockIdx.x) * kRowThreads + t; p < out.rows;
-       p += static_cast<int64_t>(gridDim.x) * kRowThreads) {
-    map[p] = -1;  // past P with zero_tail off
-  }
+  unmap_tail(map, limit, out.rows);
   for (int64_t p = blockIdx.x; p < limit; p += gridDim.x) {
     int32_t from = -1;
     if (p < padded_total) {
