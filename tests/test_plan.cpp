@@ -203,14 +203,22 @@ TEST_P(MakePlan, LayoutsMatchReference) {
     EXPECT_EQ(index_to_vec(be), ref::block_experts(te, E, m, R));
     EXPECT_EQ(index_to_vec(pt), std::vector<int64_t>{r.padded_rows});
   }
+  // vLLM's ignore_invalid_experts map: the even experts local in reverse order, the odd ones elsewhere
+  std::vector<int64_t> map(static_cast<size_t>(E), -1);
+  for (int e = 0; e < E; e += 2) map[static_cast<size_t>(e)] = (E - 1 - e) / 2;
+  const Tensor map_t = index_matrix(map, 1, E, idx);
+  const padmoe::TensorView map_view = padmoe::TensorView::contiguous(map_t.data(), idx, {E});
   for (bool pad : {false, true}) {
-    SCOPED_TRACE(pad ? "pad_sorted_ids" : "unpadded");
-    const ref::AlignedBlocks want = ref::moe_align_block_size(te, m, E, pad);
-    const padmoe::AlignedBlocks got = padmoe::moe_align_block_size(tet, m, E, pad);
-    EXPECT_EQ(index_to_vec(got.sorted_token_ids), want.sorted_token_ids);
-    EXPECT_EQ(index_to_vec(got.expert_ids), want.expert_ids);
-    EXPECT_EQ(index_to_vec(got.num_tokens_post_padded), std::vector<int64_t>{want.num_tokens_post_padded});
-    EXPECT_EQ(got.sorted_token_ids.view().numel(), padmoe::aligned_rows_bound(A, E, m, pad));
+    for (bool mapped : {false, true}) {
+      SCOPED_TRACE(std::string(pad ? "pad_sorted_ids" : "unpadded") + (mapped ? ", expert_map" : ""));
+      const ref::AlignedBlocks want = ref::moe_align_block_size(te, m, E, pad, mapped ? &map : nullptr);
+      const padmoe::AlignedBlocks got = mapped ? padmoe::moe_align_block_size(tet, m, E, map_view, pad)
+                                               : padmoe::moe_align_block_size(tet, m, E, pad);
+      EXPECT_EQ(index_to_vec(got.sorted_token_ids), want.sorted_token_ids);
+      EXPECT_EQ(index_to_vec(got.expert_ids), want.expert_ids);
+      EXPECT_EQ(index_to_vec(got.num_tokens_post_padded), std::vector<int64_t>{want.num_tokens_post_padded});
+      EXPECT_EQ(got.sorted_token_ids.view().numel(), padmoe::aligned_rows_bound(A, E, m, pad));
+    }
   }
 }
 
@@ -227,11 +235,18 @@ TEST(PlanLayouts, HandExample) {
   const padmoe::AlignedBlocks r = padmoe::moe_align_block_size(top, 4, 3);
   // R = 6 + min(6, 3) * 3 = 15; sentinel 6
   EXPECT_EQ(index_to_vec(r.sorted_token_ids), (std::vector<int64_t>{1, 2, 5, 6, 0, 3, 4, 6, 6, 6, 6, 6, 6, 6, 6}));
-  EXPECT_EQ(index_to_vec(r.expert_ids), (std::vector<int64_t>{0, 1, -1, -1}));
+  EXPECT_EQ(index_to_vec(r.expert_ids), (std::vector<int64_t>{0, 1, 0, 0}));  // 0 past P, as vLLM's kernel
   EXPECT_EQ(index_to_vec(r.num_tokens_post_padded), std::vector<int64_t>{8});
   const padmoe::AlignedBlocks p = padmoe::moe_align_block_size(top, 4, 3, /*pad_sorted_ids=*/true);
   EXPECT_EQ(p.sorted_token_ids.view().numel(), 16);
   EXPECT_EQ(p.expert_ids.view().numel(), 4);
+  // expert_map {-1, 0, 1}: expert 0's assignments {1, 2, 5} get no entry; expert 1's are local 0
+  const Tensor map = index_matrix({-1, 0, 1}, 1, 3, DType::kInt64);
+  const padmoe::AlignedBlocks m = padmoe::moe_align_block_size(
+      top, 4, 3, padmoe::TensorView::contiguous(map.data(), DType::kInt64, {3}));
+  EXPECT_EQ(index_to_vec(m.sorted_token_ids), (std::vector<int64_t>{0, 3, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6}));
+  EXPECT_EQ(index_to_vec(m.expert_ids), (std::vector<int64_t>{0, 0, 0, 0}));
+  EXPECT_EQ(index_to_vec(m.num_tokens_post_padded), std::vector<int64_t>{4});
 }
 
 TEST(PlanLayouts, BadInputNamesTheArgument) {
@@ -239,6 +254,14 @@ TEST(PlanLayouts, BadInputNamesTheArgument) {
   EXPECT_TRUE(throws_error([&] { padmoe::moe_align_block_size(top, 0, 3); }, {"moe_align_block_size", "block_size"}));
   EXPECT_TRUE(throws_error([&] { padmoe::moe_align_block_size(top, 4, 1); },
                            {"moe_align_block_size", "top_experts", "outside [0, 1)"}));
+  const Tensor bad_map = index_matrix({0, 3, -1}, 1, 3, DType::kInt32);
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::moe_align_block_size(top, 4, 3, padmoe::TensorView::contiguous(bad_map.data(), DType::kInt32, {3})); },
+      {"moe_align_block_size", "expert_map", "entry 1 is 3"}));
+  const Tensor short_map = index_matrix({0, 1}, 1, 2, DType::kInt32);
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::moe_align_block_size(top, 4, 3, padmoe::TensorView::contiguous(short_map.data(), DType::kInt32, {2})); },
+      {"moe_align_block_size", "expert_map"}));
   padmoe::Plan plan = padmoe::Plan::empty(3, 2, 3, 4);
   Tensor short_rows = poison_index(plan.capacity() - 1);
   padmoe::PlanLayouts l;

@@ -149,8 +149,8 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
 //   row_experts   [R]: the expert of each padded row, -1 on padding rows and
 //                 rows at or past P (DeepGEMM's contiguous grouped layout).
 //   block_experts [ceil(R / m)]: the expert of each block of m rows, -1 for
-//                 blocks at or past P / m (vLLM's expert_ids; m = alignment =
-//                 the block size).
+//                 blocks at or past P / m (vLLM's expert_ids, m = alignment =
+//                 the block size; moe_align_block_size writes 0 there, as vLLM).
 //   padded_total  [1]: P (vLLM's num_tokens_post_padded), on the device.
 // On CUDA make_plan_out accepts a row_sources of at least
 // A + min(A, E) * (m - 1) entries (aligned_rows_bound: vLLM's
@@ -219,11 +219,19 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
 // vLLM / SGLang's moe_align_block_size(topk_ids, block_size, num_experts)
 // contract, from one make_plan: sorted_token_ids [R] (the assignment ids
 // t*K+k of each expert in stable order, each expert padded to a multiple of
-// block_size with the sentinel A), expert_ids [ceil(R / block_size)] (-1
-// past the last block), num_tokens_post_padded [1] = P, with
+// block_size with the sentinel A), expert_ids [ceil(R / block_size)] (each
+// block's expert; 0 for the blocks at or past P, as vLLM's and SGLang's
+// kernels write), num_tokens_post_padded [1] = P, with
 // R = A + min(A, E) * (block_size - 1), rounded up to block_size when
 // pad_sorted_ids. padmoe keeps assignment order within an expert (vLLM's
-// atomic kernel does not promise an order).
+// atomic kernel does not promise an order). Ids outside [0, E) are an error
+// naming the first one (vLLM's kernel skips ids >= E and reads out of bounds
+// on negative ones).
+//
+// With expert_map ([E] int32/int64 on top_experts' device: local id in
+// [0, E), or -1): vLLM's ignore_invalid_experts=True. Assignments whose expert
+// maps to -1 get no entry; the others are grouped, padded and ordered by their
+// local id, and expert_ids hold local ids. R is the same bound.
 struct AlignedBlocks {
   Tensor sorted_token_ids, expert_ids, num_tokens_post_padded;
 };
@@ -238,6 +246,13 @@ AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size
 void moe_align_block_size_out(const TensorView& top_experts, int block_size, int num_experts,
                               const TensorView& sorted_token_ids, const TensorView& expert_ids,
                               const TensorView& num_tokens_post_padded, const Options& options = {});
+AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size, int num_experts,
+                                   const TensorView& expert_map, bool pad_sorted_ids = false,
+                                   const Options& options = {});
+void moe_align_block_size_out(const TensorView& top_experts, int block_size, int num_experts,
+                              const TensorView& expert_map, const TensorView& sorted_token_ids,
+                              const TensorView& expert_ids, const TensorView& num_tokens_post_padded,
+                              const Options& options = {});
 
 // ---------------------------------------------------------------------------
 // 2. MegaBlocks family (input in token order)

@@ -276,17 +276,22 @@ def aligned_rows_bound(assignments: int, num_experts: int, block_size: int, pad_
 
 
 def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int, expert_map: Optional[Array] = None,
-                         pad_sorted_ids: bool = False, *, check: bool = True, num_threads: int = 0,
-                         workspace: Optional[Array] = None, stream: Optional[int] = None) -> Tuple[Array, Array, Array]:
-    """vLLM's ``moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None)``:
-    ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``, int32 on ``topk_ids``' device.
+                         pad_sorted_ids: bool = False, ignore_invalid_experts: bool = False, *, check: bool = True,
+                         num_threads: int = 0, workspace: Optional[Array] = None,
+                         stream: Optional[int] = None) -> Tuple[Array, Array, Array]:
+    """vLLM's ``moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
+    pad_sorted_ids=False, ignore_invalid_experts=False)``: ``(sorted_token_ids, expert_ids,
+    num_tokens_post_padded)``, int32 on ``topk_ids``' device.
 
     ``sorted_token_ids[R]`` (R = :func:`aligned_rows_bound`): each expert's assignment ids
     ``t*K + k`` in ascending order (stable; vLLM's atomic kernel promises no order), the expert's run
     padded to a multiple of ``block_size`` with the sentinel ``T*K``, then the sentinel to the end.
-    ``expert_ids[ceil(R / block_size)]``: the expert of each block; -1 for blocks at or past P.
-    ``num_tokens_post_padded[1]``: P. ``expert_map`` (global id -> local id, -1 for experts of other
-    ranks): applied to ``expert_ids`` afterwards, as vLLM does (blocks past P stay -1)."""
+    ``expert_ids[ceil(R / block_size)]``: the expert of each block; 0 for blocks at or past P (as
+    vLLM's and SGLang's kernels). ``num_tokens_post_padded[1]``: P. ``expert_map`` (global id ->
+    local id, -1 for experts of other ranks): with ``ignore_invalid_experts=False`` applied to every
+    entry of ``expert_ids`` afterwards, as vLLM does; with ``True`` the assignments of experts mapped
+    to -1 get no entry and the rest are grouped and ordered by their local id (vLLM's kernel with the
+    map). Ids outside ``[0, num_experts)`` are a ``ValueError`` (vLLM's kernel skips them)."""
     op = "moe_align_block_size"
     arrays = arrays_of(topk_ids, op, "topk_ids")
     (topk_ids,) = prepare(arrays, topk_ids)
@@ -300,21 +305,21 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int, exp
     sorted_ids = arrays.empty((r,), arrays.int32, topk_ids)
     expert_ids = arrays.empty((-(-r // m),), arrays.int32, topk_ids)
     post = arrays.empty((1,), arrays.int32, topk_ids)
-    _C.moe_align_block_size_out(topk_ids, block_size, num_experts, sorted_ids, expert_ids, post,
+    in_kernel = expert_map if ignore_invalid_experts else None
+    _C.moe_align_block_size_out(topk_ids, block_size, num_experts, sorted_ids, expert_ids, post, in_kernel,
                                 **_options(arrays, topk_ids, check, num_threads, workspace, stream))
-    if expert_map is not None:
+    if expert_map is not None and not ignore_invalid_experts:
         expert_ids = _map_experts(expert_ids, expert_map)
     return sorted_ids, expert_ids, post
 
 
 def _map_experts(expert_ids, expert_map):
+    """vLLM's ``expert_map[expert_ids]`` (every entry, as the blocks past P hold 0), int32."""
     if hasattr(expert_ids, "new_full"):  # torch
         import torch
-        mapped = expert_map.to(device=expert_ids.device, dtype=torch.int32)[expert_ids.clamp(min=0).long()]
-        return torch.where(expert_ids >= 0, mapped, expert_ids)
+        return expert_map.to(device=expert_ids.device, dtype=torch.int32)[expert_ids.long()]
     import numpy as np
-    emap = np.asarray(expert_map, dtype=np.int32)
-    return np.where(expert_ids >= 0, emap[np.maximum(expert_ids, 0)], expert_ids).astype(np.int32)
+    return np.asarray(expert_map, dtype=np.int32)[expert_ids]
 
 
 # ---------------------------------------------------------------------------

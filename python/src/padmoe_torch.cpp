@@ -872,7 +872,7 @@ Tensor padded_scatter_wgrad_kernel(const Tensor& y_in, const Tensor& grad_in, co
 // vLLM's moe_align_block_size ---------------------------------------------------------
 
 std::tuple<Tensor, Tensor, Tensor> moe_align_kernel(const Tensor& ids_in, int64_t block_size, int64_t num_experts,
-                                                    bool pad_sorted_ids, int64_t check) {
+                                                    bool pad_sorted_ids, int64_t check, const OptTensor& map_in) {
   const char* op = "moe_align_block_size";
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
   if (block_size < 1 || block_size > kMax) value_error(op, "block_size", "must be in [1, 2^31), got " + std::to_string(block_size));
@@ -889,8 +889,12 @@ std::tuple<Tensor, Tensor, Tensor> moe_align_kernel(const Tensor& ids_in, int64_
   Tensor post = at::empty({1}, int32);
   c10::OptionalDeviceGuard guard(ids.device());
   const padmoe::Options o = options_for(ids, check);
+  // vLLM's ignore_invalid_experts=True: assignments of experts mapped to -1 get no entry
+  Tensor map;
+  if (map_in && map_in->defined()) map = index_arg(*map_in);
   native([&] {
     padmoe::moe_align_block_size_out(view(ids, op, "topk_ids"), static_cast<int>(block_size), static_cast<int>(num_experts),
+                                     map.defined() ? view(map, op, "expert_map") : padmoe::TensorView{},
                                      view(sorted, op, "sorted_token_ids"), view(experts, op, "expert_ids"),
                                      view(post, op, "num_tokens_post_padded"), o);
   });
@@ -1469,7 +1473,7 @@ TORCH_LIBRARY(padmoe, m) {
   m.def("unpad_from_alignment_backward(Tensor grad_out, Tensor padded_output, Tensor permutation_map, Tensor? probs, "
         "bool need_pgrad, int check=2) -> (Tensor, Tensor)");
   m.def("moe_align_block_size(Tensor topk_ids, int block_size, int num_experts, bool pad_sorted_ids=False, "
-        "int check=2) -> (Tensor, Tensor, Tensor)");
+        "int check=2, Tensor? expert_map=None) -> (Tensor, Tensor, Tensor)");
   m.def("sort_chunks(Tensor received, Tensor split_sizes, int num_ranks, int alignment, Tensor? sorted_index=None, "
         "int check=2, bool zero_padding=True, int rows=-1) -> (Tensor, Tensor, Tensor)");
 }

@@ -14,24 +14,32 @@ import padmoe.torch as pt  # noqa: E402
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and padmoe.has_cuda() else [])
 
 
-def ref_align(top, block, E, pad_sorted_ids=False, expert_map=None):
-    """vLLM's documented semantics, in plain loops."""
+def ref_align(top, block, E, pad_sorted_ids=False, expert_map=None, ignore_invalid_experts=False):
+    """vLLM's semantics (its kernel and its test's golden function), in plain loops: experts in id
+    order (their local id with ignore_invalid_experts, where a -1 drops the assignment), each run
+    padded to whole blocks, the sentinel A elsewhere, expert 0 for the blocks past P; without
+    ignore_invalid_experts a map is applied to every block afterwards."""
     flat = [int(v) for v in np.asarray(top).reshape(-1)]
     A = len(flat)
     size = A + min(A, E) * (block - 1)
     if pad_sorted_ids:
         size = -(-size // block) * block
+    key = flat
+    if expert_map is not None and ignore_invalid_experts:
+        key = [int(expert_map[e]) for e in flat]
     sorted_ids = [A] * size
-    expert_ids = [-1] * (-(-size // block))
+    expert_ids = [0] * (-(-size // block))
     start = 0
     for e in range(E):
-        mine = [a for a in range(A) if flat[a] == e]
+        mine = [a for a in range(A) if key[a] == e]
         for i, a in enumerate(mine):
             sorted_ids[start + i] = a
         end = start + -(-len(mine) // block) * block
         for b in range(start // block, end // block):
-            expert_ids[b] = e if expert_map is None else int(expert_map[e])
+            expert_ids[b] = e
         start = end
+    if expert_map is not None and not ignore_invalid_experts:
+        expert_ids = [int(expert_map[e]) for e in expert_ids]
     return sorted_ids, expert_ids, [start]
 
 
@@ -86,11 +94,14 @@ def test_torch_moe_align_block_size_with_expert_map(device, case):
     local = torch.randperm(E, generator=g)[: max(1, E // 2)]
     emap[local] = torch.arange(local.numel(), dtype=torch.int32)
     for expert_map in (None, emap.to(device)):
-        for fn in (pt.moe_align_block_size, padmoe.moe_align_block_size):
-            s, e, n = fn(top, block, E, expert_map)
-            ws, we, wn = ref_align(top.cpu(), block, E, False, None if expert_map is None else emap.tolist())
-            assert s.device.type == device and e.device.type == device
-            assert s.cpu().tolist() == ws and e.cpu().tolist() == we and n.cpu().tolist() == wn
+        for ignore in (False, True):
+            for pad in (False, True):
+                for fn in (pt.moe_align_block_size, padmoe.moe_align_block_size):
+                    s, e, n = fn(top, block, E, expert_map, pad, ignore)
+                    ws, we, wn = ref_align(top.cpu(), block, E, pad, None if expert_map is None else emap.tolist(),
+                                           ignore)
+                    assert s.device.type == device and e.device.type == device
+                    assert s.cpu().tolist() == ws and e.cpu().tolist() == we and n.cpu().tolist() == wn
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -100,6 +111,14 @@ def test_torch_moe_align_block_size_compiles_and_opchecks(device):
     for got, want in zip(f(top), pt.moe_align_block_size(top, 16, 16)):
         assert torch.equal(got, want)
     torch.library.opcheck(torch.ops.padmoe.moe_align_block_size.default, (top, 16, 16, False, 1),
+                          test_utils=("test_schema", "test_faketensor"))
+    emap = torch.arange(16, dtype=torch.int32, device=device).flip(0)
+    emap[::3] = -1
+    g = torch.compile(lambda t, m: pt.moe_align_block_size(t, 16, 16, m, ignore_invalid_experts=True, check=False),
+                      fullgraph=True, backend="aot_eager")
+    for got, want in zip(g(top, emap), pt.moe_align_block_size(top, 16, 16, emap, ignore_invalid_experts=True)):
+        assert torch.equal(got, want)
+    torch.library.opcheck(torch.ops.padmoe.moe_align_block_size.default, (top, 16, 16, False, 1, emap),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -133,6 +152,13 @@ def test_bad_input_names_the_argument():
         pt.moe_align_block_size(torch.from_numpy(top), 0, 2)
     with pytest.raises(ValueError, match="moe_align_block_size: topk_ids"):
         pt.moe_align_block_size(torch.zeros(4, dtype=torch.int64), 4, 2)
+    for fn, m in ((padmoe.moe_align_block_size, np.array([0, 2], dtype=np.int32)),
+                  (pt.moe_align_block_size, torch.tensor([0, 2], dtype=torch.int32))):
+        args = (torch.from_numpy(top),) if fn is pt.moe_align_block_size else (top,)
+        with pytest.raises(ValueError, match="moe_align_block_size: expert_map: entry 1 is 2"):
+            fn(*args, 4, 2, m, ignore_invalid_experts=True)
+        with pytest.raises(ValueError, match="moe_align_block_size: expert_map"):
+            fn(*args, 4, 2, m[:1], ignore_invalid_experts=True)
 
 
 @pytest.mark.parametrize("device", ["numpy"] + DEVICES)

@@ -127,6 +127,7 @@ struct Routing {
   DropPolicy policy = DropPolicy::kPosition;
   TensorView probs;    // kProbs only
   TensorView dropped;  // optional output
+  const char* map_name = "plan_options.expert_map";  // in errors (moe_align_block_size: "expert_map")
 };
 
 // An optional argument is unset when default-constructed (no data, 0-D).
@@ -134,15 +135,16 @@ bool is_set(const TensorView& t) { return !(t.data == nullptr && t.ndim == 0); }
 
 // PlanOptions' shapes, dtypes, devices and sizes (no pass over data), for A assignments.
 Routing check_plan_options(const Checker& c, const PlanOptions& po, int64_t a_count, int num_experts, int alignment,
-                           Device device) {
+                           Device device, const char* map_name = "plan_options.expert_map") {
   Routing r;
+  r.map_name = map_name;
   const int64_t global = po.global_experts == 0 ? num_experts : po.global_experts;
   if (po.global_experts < 0) c.value_error("plan_options.global_experts", "must be >= 0, got " + std::to_string(po.global_experts));
   r.remap.global = global;
   r.remap.local_experts = num_experts;
   if (is_set(po.expert_map)) {
-    c.index_vector(po.expert_map, "plan_options.expert_map", global);
-    c.same_device(po.expert_map, "plan_options.expert_map", device);
+    c.index_vector(po.expert_map, map_name, global);
+    c.same_device(po.expert_map, map_name, device);
     if (po.first_expert != 0) {
       c.value_error("plan_options.first_expert", "must be 0 with an expert_map, got " + std::to_string(po.first_expert));
     }
@@ -222,7 +224,7 @@ PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int
                                                          {r.remap.global}, top_experts.device));
     for (int64_t g = 0; g < r.remap.global; ++g) {
       if (map[g] < -1 || map[g] >= num_experts) {
-        c.value_error("plan_options.expert_map", "entry " + std::to_string(g) + " is " + std::to_string(map[g]) +
+        c.value_error(r.map_name, "entry " + std::to_string(g) + " is " + std::to_string(map[g]) +
                                                      ", outside [-1, " + std::to_string(num_experts) + ")");
       }
     }
@@ -276,7 +278,7 @@ void validate_ids_on_device(const Checker& c, const TensorView& top_experts, con
                                                        r.remap.global, !r.drop_invalid, map, num_experts,
                                                        scratch.get(), options.stream);
   if (v.code == cuda::kExpertMapOutOfRange) {
-    detail::raise_violation(c, v, detail::ViolationNames{"plan_options.expert_map", num_experts});
+    detail::raise_violation(c, v, detail::ViolationNames{r.map_name, num_experts});
   }
   detail::raise_violation(c, v, detail::ViolationNames{"top_experts", r.remap.global, "out.row_sources", s.top_k});
 }
@@ -469,12 +471,24 @@ int64_t aligned_rows_bound(int64_t assignments, int num_experts, int block_size,
   return pad_sorted_ids ? index::round_up(rows, m) : rows;
 }
 
-void moe_align_block_size_out(const TensorView& top_experts, int block_size, int num_experts,
-                              const TensorView& sorted_token_ids, const TensorView& expert_ids,
-                              const TensorView& num_tokens_post_padded, const Options& options) {
+namespace {
+
+// moe_align_block_size_out, with vLLM's expert_map (ignore_invalid_experts) when expert_map is set.
+void align_blocks_out(const TensorView& top_experts, int block_size, int num_experts, const TensorView& expert_map,
+                      const TensorView& sorted_token_ids, const TensorView& expert_ids,
+                      const TensorView& num_tokens_post_padded, const Options& options) {
   Checker c("moe_align_block_size");
   if (block_size < 1) c.value_error("block_size", "must be >= 1, got " + std::to_string(block_size));
-  const PlanShape s = check_top_experts(c, top_experts, num_experts, block_size);
+  const bool mapped = is_set(expert_map);
+  Routing r = plain_routing(num_experts);
+  if (mapped) {
+    const PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, block_size);
+    PlanOptions po;
+    po.expert_map = expert_map;  // [E] -> local id in [0, E) or -1; ids outside [0, E) stay errors
+    r = check_plan_options(c, po, shape.tokens * shape.top_k, num_experts, block_size, top_experts.device,
+                           "expert_map");
+  }
+  const PlanShape s = check_top_experts(c, top_experts, num_experts, block_size, r);
   const int64_t a_count = s.tokens * s.top_k;
   const Device device = top_experts.device;
   c.int32_output(sorted_token_ids, "sorted_token_ids", aligned_rows_bound(a_count, num_experts, block_size),
@@ -519,12 +533,36 @@ void moe_align_block_size_out(const TensorView& top_experts, int block_size, int
   PlanLayouts layouts;
   layouts.block_experts = expert_ids;
   layouts.padded_total = num_tokens_post_padded;
-  // padding rows of sorted_token_ids hold the sentinel A (such a row_sources is no plan's: kept internal)
-  run_make_plan(c, top_experts, s, num_experts, block_size, plan, options, layouts, static_cast<int32_t>(a_count));
+  // padding rows of sorted_token_ids hold the sentinel A (such a row_sources is no plan's: kept internal);
+  // a sentinel >= 0 also makes the blocks past P 0 (index::block_expert_past_end)
+  run_make_plan(c, top_experts, s, num_experts, block_size, plan, options, layouts, static_cast<int32_t>(a_count),
+                mapped ? &r : nullptr);
+}
+
+}  // namespace
+
+void moe_align_block_size_out(const TensorView& top_experts, int block_size, int num_experts,
+                              const TensorView& sorted_token_ids, const TensorView& expert_ids,
+                              const TensorView& num_tokens_post_padded, const Options& options) {
+  align_blocks_out(top_experts, block_size, num_experts, TensorView{}, sorted_token_ids, expert_ids,
+                   num_tokens_post_padded, options);
+}
+
+void moe_align_block_size_out(const TensorView& top_experts, int block_size, int num_experts,
+                              const TensorView& expert_map, const TensorView& sorted_token_ids,
+                              const TensorView& expert_ids, const TensorView& num_tokens_post_padded,
+                              const Options& options) {
+  align_blocks_out(top_experts, block_size, num_experts, expert_map, sorted_token_ids, expert_ids,
+                   num_tokens_post_padded, options);
 }
 
 AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size, int num_experts,
                                    bool pad_sorted_ids, const Options& options) {
+  return moe_align_block_size(top_experts, block_size, num_experts, TensorView{}, pad_sorted_ids, options);
+}
+
+AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size, int num_experts,
+                                   const TensorView& expert_map, bool pad_sorted_ids, const Options& options) {
   Checker c("moe_align_block_size");
   if (block_size < 1) c.value_error("block_size", "must be >= 1, got " + std::to_string(block_size));
   // sizes only: moe_align_block_size_out checks the ids
@@ -535,8 +573,8 @@ AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size
   r.sorted_token_ids = Tensor::empty(DType::kInt32, {rows}, top_experts.device);
   r.expert_ids = Tensor::empty(DType::kInt32, {index::ceil_div(rows, block_size)}, top_experts.device);
   r.num_tokens_post_padded = Tensor::empty(DType::kInt32, {1}, top_experts.device);
-  moe_align_block_size_out(top_experts, block_size, num_experts, r.sorted_token_ids.view(), r.expert_ids.view(),
-                           r.num_tokens_post_padded.view(), options);
+  align_blocks_out(top_experts, block_size, num_experts, expert_map, r.sorted_token_ids.view(), r.expert_ids.view(),
+                   r.num_tokens_post_padded.view(), options);
   return r;
 }
 

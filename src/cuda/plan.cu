@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
   if (block_experts != nullptr) {
     for (int64_t b = padded_total / alignment + static_cast<int64_t>(blockIdx.x) * kPlaceThreads + threadIdx.x;
          b < blocks; b += stride) {
-      block_experts[b] = -1;
+      block_experts[b] = index::block_expert_past_end(padding_source);
     }
   }
 }
@@ -351,7 +351,7 @@ __device__ __forceinline__ void plan_fills(const int* s_pstart, const int* s_cou
   }
   if (block_experts != nullptr) {
     for (unsigned b = static_cast<unsigned>(padded_total) / ualign + start; b < nblocks; b += stride) {
-      block_experts[b] = -1;
+      block_experts[b] = index::block_expert_past_end(padding_source);
     }
   }
 }
@@ -1096,7 +1096,9 @@ __global__ void __launch_bounds__(kCapThreads)
     if (row_experts != nullptr) row_experts[r] = -1;
   }
   if (block_experts != nullptr) {
-    for (int64_t b = padded_total / alignment + start; b < blocks; b += stride) block_experts[b] = -1;
+    for (int64_t b = padded_total / alignment + start; b < blocks; b += stride) {
+      block_experts[b] = index::block_expert_past_end(padding_source);
+    }
   }
 }
 

@@ -388,19 +388,32 @@ std::vector<int64_t> block_experts(const std::vector<int64_t>& top_experts, int 
 }
 
 AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int block_size, int num_experts,
-                                   bool pad_sorted_ids) {
+                                   bool pad_sorted_ids, const std::vector<int64_t>* expert_map) {
   const int64_t a = static_cast<int64_t>(top_experts.size());
   int64_t size = a + std::min<int64_t>(a, num_experts) * (block_size - 1);
   if (pad_sorted_ids) size = up(size, block_size);
+  // vLLM's kernel: each assignment counted under its expert (its local id with a map; -1: none),
+  // experts in id order, each run padded to whole blocks; every other entry the sentinel A, every
+  // block past the runs expert 0.
+  std::vector<std::vector<int64_t>> lists(static_cast<size_t>(num_experts));
+  for (int64_t i = 0; i < a; ++i) {
+    int64_t e = top_experts[static_cast<size_t>(i)];
+    require(e >= 0 && e < num_experts, "expert id out of range");
+    if (expert_map != nullptr) e = (*expert_map)[static_cast<size_t>(e)];
+    if (e < 0) continue;
+    require(e < num_experts, "expert_map entry out of range");
+    lists[static_cast<size_t>(e)].push_back(i);
+  }
   AlignedBlocks r;
   r.sorted_token_ids.assign(static_cast<size_t>(size), a);
-  r.expert_ids = block_experts(top_experts, num_experts, block_size, size);
-  const auto lists = by_expert(top_experts, num_experts);
+  r.expert_ids.assign(static_cast<size_t>((size + block_size - 1) / block_size), 0);
   int64_t start = 0;
   for (int e = 0; e < num_experts; ++e) {
     const auto& l = lists[static_cast<size_t>(e)];
     for (size_t i = 0; i < l.size(); ++i) r.sorted_token_ids[static_cast<size_t>(start) + i] = l[i];
-    start += up(static_cast<int64_t>(l.size()), block_size);
+    const int64_t end = start + up(static_cast<int64_t>(l.size()), block_size);
+    for (int64_t b = start / block_size; b < end / block_size; ++b) r.expert_ids[static_cast<size_t>(b)] = e;
+    start = end;
   }
   r.num_tokens_post_padded = start;
   return r;

@@ -1028,15 +1028,26 @@ TEST(CpuVsGpuEdge, PlanLayoutsAndAlignedBlocks) {
     std::vector<int64_t> rows_src = p.row_sources;
     rows_src.resize(static_cast<size_t>(R), -1);
     EXPECT_EQ(index_to_vec(to_cpu(rs)), rows_src);
-    const ref::AlignedBlocks want = ref::moe_align_block_size(te, c.m, c.E, false);
-    EXPECT_EQ(index_to_vec(to_cpu(l.block_experts)), want.expert_ids);
+    EXPECT_EQ(index_to_vec(to_cpu(l.block_experts)), ref::block_experts(te, c.E, c.m, R));  // -1 past P
     EXPECT_EQ(index_to_vec(to_cpu(l.padded_total)), std::vector<int64_t>{p.padded_rows});
+    // vLLM's ignore_invalid_experts map: every third expert elsewhere, the rest local in reverse order
+    std::vector<int64_t> map(static_cast<size_t>(c.E), -1);
+    int64_t next = 0;
+    for (int e = c.E - 1; e >= 0; --e) {
+      if (e % 3 != 1) map[static_cast<size_t>(e)] = next++;
+    }
+    const Tensor dmap = to_gpu(index_matrix(map, 1, c.E, DType::kInt32));
+    const padmoe::TensorView map_view = padmoe::TensorView::contiguous(dmap.data(), DType::kInt32, {c.E}, dmap.device());
     for (bool pad : {false, true}) {
-      const ref::AlignedBlocks w = ref::moe_align_block_size(te, c.m, c.E, pad);
-      const padmoe::AlignedBlocks g = padmoe::moe_align_block_size(dte, c.m, c.E, pad);
-      EXPECT_EQ(index_to_vec(to_cpu(g.sorted_token_ids)), w.sorted_token_ids);
-      EXPECT_EQ(index_to_vec(to_cpu(g.expert_ids)), w.expert_ids);
-      EXPECT_EQ(index_to_vec(to_cpu(g.num_tokens_post_padded)), std::vector<int64_t>{w.num_tokens_post_padded});
+      for (bool mapped : {false, true}) {
+        SCOPED_TRACE(std::string(pad ? "pad_sorted_ids" : "unpadded") + (mapped ? ", expert_map" : ""));
+        const ref::AlignedBlocks w = ref::moe_align_block_size(te, c.m, c.E, pad, mapped ? &map : nullptr);
+        const padmoe::AlignedBlocks g = mapped ? padmoe::moe_align_block_size(dte, c.m, c.E, map_view, pad)
+                                               : padmoe::moe_align_block_size(dte, c.m, c.E, pad);
+        EXPECT_EQ(index_to_vec(to_cpu(g.sorted_token_ids)), w.sorted_token_ids);
+        EXPECT_EQ(index_to_vec(to_cpu(g.expert_ids)), w.expert_ids);  // 0 past P, as vLLM
+        EXPECT_EQ(index_to_vec(to_cpu(g.num_tokens_post_padded)), std::vector<int64_t>{w.num_tokens_post_padded});
+      }
     }
   }
 }

@@ -266,7 +266,7 @@ def _(hidden_states, tokens_per_expert, alignment, check=2, zero_padding=True):
 
 
 @torch.library.register_fake("padmoe::moe_align_block_size")
-def _(topk_ids, block_size, num_experts, pad_sorted_ids=False, check=2):
+def _(topk_ids, block_size, num_experts, pad_sorted_ids=False, check=2, expert_map=None):
     a = topk_ids.numel()
     r = a + min(a, num_experts) * (block_size - 1)
     if pad_sorted_ids:
@@ -628,24 +628,30 @@ def unsort_chunks(padded: Tensor, permutation_map: Tensor, received_rows: int, p
 
 
 def moe_align_block_size(topk_ids: Tensor, block_size: int, num_experts: int, expert_map: Optional[Tensor] = None,
-                         pad_sorted_ids: bool = False, *, check: Optional[bool] = None):
-    """vLLM / SGLang ``moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None)`` ->
-    ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``, int32 on ``topk_ids``' device, from
-    one make_plan (no host synchronization with ``check=False``; static shapes under torch.compile).
+                         pad_sorted_ids: bool = False, ignore_invalid_experts: bool = False, *,
+                         check: Optional[bool] = None):
+    """vLLM / SGLang ``moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
+    pad_sorted_ids=False, ignore_invalid_experts=False)`` -> ``(sorted_token_ids, expert_ids,
+    num_tokens_post_padded)``, int32 on ``topk_ids``' device, from one make_plan (no host
+    synchronization with ``check=False``; static shapes under torch.compile).
 
     ``sorted_token_ids[R]``, ``R = T*K + min(T*K, E) * (block_size - 1)`` (rounded up to
     ``block_size`` with ``pad_sorted_ids``): each expert's flattened assignment ids ``t*K + k`` in
     ascending order (stable; vLLM's atomic kernel promises no order within an expert), padded to a
     multiple of ``block_size`` with the sentinel ``T*K``, then the sentinel to the end.
-    ``expert_ids[ceil(R / block_size)]``: each block's expert, -1 for blocks at or past
-    ``num_tokens_post_padded``. ``expert_map`` (global -> local expert id, -1 not local) is
-    applied to ``expert_ids`` afterwards as vLLM does (blocks past P stay -1)."""
+    ``expert_ids[ceil(R / block_size)]``: each block's expert, 0 for blocks at or past
+    ``num_tokens_post_padded`` (as vLLM's and SGLang's kernels write). ``expert_map`` (global ->
+    local expert id, -1 not local): with ``ignore_invalid_experts=False`` applied to every entry of
+    ``expert_ids`` afterwards, as vLLM does; with ``True`` handed to the kernel, as vLLM's: the
+    assignments of experts mapped to -1 get no entry, the rest are grouped and ordered by local id,
+    and ``expert_ids`` hold local ids. Ids outside ``[0, num_experts)`` are a ``ValueError`` when
+    checked (vLLM's kernel skips them)."""
     default = 0 if _compiling() else _eager_check
+    in_kernel = expert_map if ignore_invalid_experts else None
     sorted_ids, expert_ids, post = _OPS_ALIGN(topk_ids, int(block_size), int(num_experts), bool(pad_sorted_ids),
-                                              _mode(check, default))
-    if expert_map is not None:
-        mapped = expert_map.to(device=expert_ids.device, dtype=torch.int32)[expert_ids.clamp(min=0).long()]
-        expert_ids = torch.where(expert_ids >= 0, mapped, expert_ids)
+                                              _mode(check, default), in_kernel)
+    if expert_map is not None and not ignore_invalid_experts:
+        expert_ids = expert_map.to(device=expert_ids.device, dtype=torch.int32)[expert_ids.long()]
     return sorted_ids, expert_ids, post
 
 
