@@ -238,3 +238,51 @@ def test_torch_zero_padding_false_real_rows_and_gradients(device):
     assert torch.equal(f(x)[real], want[real])
     torch.library.opcheck(torch.ops.padmoe.dispatch.default, (x, p.packed, None, K, E, m, 1, False),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def ref_batched_align(max_tokens, block, counts):
+    """vLLM's batched layout, in plain loops: expert e's rows e * max_tokens + j back to back, each run
+    padded to whole blocks; the sentinel E * max_tokens and block id -1 elsewhere."""
+    E = len(counts)
+    size = -(-max_tokens // block) * block * E
+    sorted_ids = [E * max_tokens] * size
+    block_ids = [-1] * (size // block)
+    i = 0
+    for e, n in enumerate(counts):
+        for j in range(n):
+            sorted_ids[i + j] = e * max_tokens + j
+        end = i + -(-n // block) * block
+        for b in range(i // block, end // block):
+            block_ids[b] = e
+        i = end
+    return sorted_ids, block_ids, [i]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_tokens", [13, 16, 512])
+@pytest.mark.parametrize("E", [1, 8, 64])
+@pytest.mark.parametrize("block", [8, 64])
+@pytest.mark.parametrize("empty", [False, True])
+def test_batched_moe_align_block_size(device, max_tokens, E, block, empty):
+    g = torch.Generator().manual_seed(max_tokens * 1000 + E * 10 + block)
+    counts = torch.randint(0, max_tokens + 1, (E,), generator=g, dtype=torch.int32)
+    if empty:
+        counts[torch.randperm(E, generator=g)[: E // 2]] = 0
+    s, b, n = pt.batched_moe_align_block_size(max_tokens, block, counts.to(device))
+    ws, wb, wn = ref_batched_align(max_tokens, block, counts.tolist())
+    assert s.dtype == b.dtype == n.dtype == torch.int32 and s.device.type == device
+    assert s.cpu().tolist() == ws and b.cpu().tolist() == wb and n.cpu().tolist() == wn
+
+
+def test_batched_moe_align_block_size_compiles_and_checks():
+    counts = torch.tensor([3, 0, 16, 5], dtype=torch.int32)
+    f = torch.compile(lambda c: pt.batched_moe_align_block_size(16, 8, c, check=False), fullgraph=True,
+                      backend="aot_eager")
+    for got, want in zip(f(counts), pt.batched_moe_align_block_size(16, 8, counts)):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="batched_moe_align_block_size: expert_num_tokens: entry 1 is 17"):
+        pt.batched_moe_align_block_size(16, 8, torch.tensor([3, 17, -1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="batched_moe_align_block_size: block_size"):
+        pt.batched_moe_align_block_size(16, 0, counts)
+    s, b, n = pt.batched_moe_align_block_size(16, 8, torch.zeros(0, dtype=torch.int32))
+    assert s.numel() == 0 and b.numel() == 0 and n.tolist() == [0]

@@ -91,6 +91,7 @@ __all__ = [
     "pad_to_alignment",
     "unpad_from_alignment",
     "moe_align_block_size",
+    "batched_moe_align_block_size",
     "sort_chunks",
     "unsort_chunks",
 ]
@@ -653,6 +654,60 @@ def moe_align_block_size(topk_ids: Tensor, block_size: int, num_experts: int, ex
     if expert_map is not None and not ignore_invalid_experts:
         expert_ids = expert_map.to(device=expert_ids.device, dtype=torch.int32)[expert_ids.long()]
     return sorted_ids, expert_ids, post
+
+
+def batched_moe_align_block_size(max_tokens_per_batch: int, block_size: int, expert_num_tokens: Tensor, *,
+                                 check: Optional[bool] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """vLLM's ``batched_moe_align_block_size(max_tokens_per_batch, block_size, expert_num_tokens)`` for
+    the batched layout (expert e's tokens at rows ``e * max_tokens_per_batch + j``, ``j <
+    expert_num_tokens[e]``) -> ``(sorted_ids, block_ids, num_tokens_post_pad)``, int32 on the counts'
+    device, in a few torch ops with no host synchronization when unchecked (graph-capturable).
+
+    With ``N = ceil(max_tokens_per_batch / block_size) * block_size * E`` (``E =
+    expert_num_tokens.numel()``): ``sorted_ids[N]`` holds each expert's row ids in order, its run
+    padded to a multiple of ``block_size``, runs back to back, the sentinel ``E *
+    max_tokens_per_batch`` elsewhere; ``block_ids[N / block_size]`` each block's expert, -1 past
+    the runs; ``num_tokens_post_pad[1]`` the padded total. Checked (eager, as ``check=None``
+    reads it; one synchronization on CUDA): every count in ``[0, max_tokens_per_batch]``, a
+    ``ValueError`` naming the first one outside (vLLM does not check)."""
+    op = "batched_moe_align_block_size"
+    max_tokens, block = int(max_tokens_per_batch), int(block_size)
+    if block < 1:
+        raise ValueError(f"{op}: block_size: must be >= 1, got {block}")
+    if max_tokens < 0:
+        raise ValueError(f"{op}: max_tokens_per_batch: must be >= 0, got {max_tokens}")
+    if expert_num_tokens.dim() != 1 or expert_num_tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: expert_num_tokens: expected a 1-D int32 or int64 tensor, got "
+                         f"{expert_num_tokens.dtype} of shape {list(expert_num_tokens.shape)}")
+    e_count = expert_num_tokens.numel()
+    size = -(-max_tokens // block) * block * e_count
+    if size > 2**31 - 1:
+        raise ValueError(f"{op}: sorted_ids: size overflow: {size} entries do not fit the int32 outputs")
+    counts = expert_num_tokens.to(torch.int64)
+    if not _compiling() and _triton_check(check, expert_num_tokens) and e_count:
+        bad = (counts < 0) | (counts > max_tokens)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{op}: expert_num_tokens: entry {i} is {int(counts[i])}, outside "
+                             f"[0, max_tokens_per_batch = {max_tokens}]")
+    device = expert_num_tokens.device
+    sentinel = e_count * max_tokens
+    if e_count == 0:
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        return empty, empty.clone(), torch.zeros(1, dtype=torch.int32, device=device)
+    padded = (counts + (block - 1)) // block * block
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    pos = torch.arange(size, dtype=torch.int64, device=device)
+    owner = torch.searchsorted(ends, pos, right=True)  # the expert whose run holds position p (E past P)
+    mine = owner.clamp(max=e_count - 1)
+    j = pos - starts[mine]
+    valid = (owner < e_count) & (j < counts[mine])
+    sorted_ids = torch.where(valid, mine * max_tokens + j, torch.full_like(pos, sentinel)).to(torch.int32)
+    first = torch.arange(0, size, block, dtype=torch.int64, device=device)
+    block_owner = torch.searchsorted(ends, first, right=True)
+    block_ids = torch.where(block_owner < e_count, block_owner, torch.full_like(block_owner, -1)).to(torch.int32)
+    return sorted_ids, block_ids, ends[-1:].to(torch.int32)
 
 
 # ---------------------------------------------------------------------------
