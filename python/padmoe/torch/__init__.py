@@ -695,18 +695,19 @@ def batched_moe_align_block_size(max_tokens_per_batch: int, block_size: int, exp
     if e_count == 0:
         empty = torch.empty(0, dtype=torch.int32, device=device)
         return empty, empty.clone(), torch.zeros(1, dtype=torch.int32, device=device)
+    # Block by block: ends are multiples of block_size, so every block lies in one expert's run (or
+    # past them all); only the final [blocks, block_size] fill touches N entries.
     padded = (counts + (block - 1)) // block * block
     ends = torch.cumsum(padded, 0)
-    starts = ends - padded
-    pos = torch.arange(size, dtype=torch.int64, device=device)
-    owner = torch.searchsorted(ends, pos, right=True)  # the expert whose run holds position p (E past P)
+    first = torch.arange(0, size, block, dtype=torch.int64, device=device)  # each block's first position
+    owner = torch.searchsorted(ends, first, right=True)  # its expert (E past the runs)
     mine = owner.clamp(max=e_count - 1)
-    j = pos - starts[mine]
-    valid = (owner < e_count) & (j < counts[mine])
-    sorted_ids = torch.where(valid, mine * max_tokens + j, torch.full_like(pos, sentinel)).to(torch.int32)
-    first = torch.arange(0, size, block, dtype=torch.int64, device=device)
-    block_owner = torch.searchsorted(ends, first, right=True)
-    block_ids = torch.where(block_owner < e_count, block_owner, torch.full_like(block_owner, -1)).to(torch.int32)
+    offset = first - (ends - padded)[mine]  # the block's first position inside its expert's run
+    live = torch.where(owner < e_count, counts[mine] - offset, torch.zeros_like(offset))  # real rows in the block
+    lane = torch.arange(block, dtype=torch.int64, device=device)
+    ids = (mine * max_tokens + offset).unsqueeze(1) + lane
+    sorted_ids = torch.where(lane < live.unsqueeze(1), ids, sentinel).reshape(-1).to(torch.int32)
+    block_ids = torch.where(owner < e_count, owner, -1).to(torch.int32)
     return sorted_ids, block_ids, ends[-1:].to(torch.int32)
 
 
