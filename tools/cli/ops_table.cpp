@@ -8,6 +8,22 @@
 
 namespace cli {
 
+namespace {
+
+// The decode step's routing: make_plan into the output plan, an unweighted dispatch on it (padding
+// rows zeroed, or left unwritten as the inference dispatch), then the weighted combine of the
+// dispatched rows, back to back.
+void plan_dispatch_combine(Data& d, bool zero_padding) {
+  make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), d.opt);
+  const PlanView plan = d.plan_out.view();
+  Options o = d.opt;
+  o.zero_padding = zero_padding;
+  dispatch_out(d.x, plan, std::nullopt, d.out_rows_R, o);
+  combine_out(d.out_rows_R, plan, std::optional<TensorView>(d.weights), d.out_rows_T, d.opt);
+}
+
+}  // namespace
+
 std::vector<OpCase> op_table() {
   using W = std::optional<TensorView>;
   std::vector<OpCase> ops;
@@ -433,26 +449,14 @@ std::vector<OpCase> op_table() {
   ops.push_back(
       {"plan+dispatch+combine", "make_plan + (T*H + P*H)*s + (A*H + T*H)*s (the three rules summed)",
        [=](const Dims& d) { return plan_bytes(d) + gather_bytes(d) + scatter_bytes(d); },
-       [](Data& d) {
-         make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), d.opt);
-         const PlanView plan = d.plan_out.view();
-         dispatch_out(d.x, plan, W(), d.out_rows_R, d.opt);
-         combine_out(d.out_rows_R, plan, W(d.weights), d.out_rows_T, d.opt);
-       },
+       [](Data& d) { plan_dispatch_combine(d, /*zero_padding=*/true); },
        composite_expect});
   // The same with the inference dispatch (padding rows and rows past P left unwritten: combine
   // reads real rows only), as GroupedExperts and the transformers experts run with no gradient.
   ops.push_back(
       {"plan+dispatch(no-pad)+combine", "make_plan + (T*H + A*H)*s + (A*H + T*H)*s (the three rules summed)",
        [=](const Dims& d) { return plan_bytes(d) + (d.T * d.H + d.A * d.H) * d.s + scatter_bytes(d); },
-       [](Data& d) {
-         make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), d.opt);
-         const PlanView plan = d.plan_out.view();
-         Options o = d.opt;
-         o.zero_padding = false;
-         dispatch_out(d.x, plan, W(), d.out_rows_R, o);
-         combine_out(d.out_rows_R, plan, W(d.weights), d.out_rows_T, d.opt);
-       },
+       [](Data& d) { plan_dispatch_combine(d, /*zero_padding=*/false); },
        composite_expect});
   // The same two steps as one call (make_plan_and_dispatch).
   ops.push_back(

@@ -74,6 +74,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from padmoe._ops import _map_experts
 from padmoe._plan import Plan
 
 __all__ = [
@@ -652,7 +653,7 @@ def moe_align_block_size(topk_ids: Tensor, block_size: int, num_experts: int, ex
     sorted_ids, expert_ids, post = _OPS_ALIGN(topk_ids, int(block_size), int(num_experts), bool(pad_sorted_ids),
                                               _mode(check, default), in_kernel)
     if expert_map is not None and not ignore_invalid_experts:
-        expert_ids = expert_map.to(device=expert_ids.device, dtype=torch.int32)[expert_ids.long()]
+        expert_ids = _map_experts(expert_ids, expert_map)
     return sorted_ids, expert_ids, post
 
 
