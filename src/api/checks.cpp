@@ -1,6 +1,8 @@
 // checks.cpp — SPEC section 5, in one place.
 #include "api/checks.hpp"
 
+#include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <string>
 
@@ -128,6 +130,77 @@ void check_int32_extent(const Checker& c, const char* what, int64_t value) {
   if (value > std::numeric_limits<int32_t>::max()) {
     c.value_error(what, "size overflow: " + str(value) + " does not fit the int32 index outputs");
   }
+}
+
+namespace {
+
+// The bytes a view addresses, as `rows` runs of `row_bytes` bytes, `stride` bytes apart, from `lo`.
+struct Span {
+  intptr_t lo = 0;
+  int64_t rows = 0, row_bytes = 0, stride = 0;
+  intptr_t hi() const { return lo + static_cast<intptr_t>((rows - 1) * stride + row_bytes); }
+};
+
+Span span_of(const TensorView& t) {
+  Span s;
+  if (t.data == nullptr || t.numel() == 0) return s;
+  const int64_t e = static_cast<int64_t>(element_size(t.dtype));
+  s.lo = reinterpret_cast<intptr_t>(t.data);
+  if (t.ndim == 2 && (t.shape[1] <= 1 || t.strides[1] == 1) && t.strides[0] >= t.shape[1]) {
+    s.rows = t.shape[0];
+    s.row_bytes = t.shape[1] * e;
+    s.stride = t.strides[0] * e;
+    return s;
+  }
+  int64_t last = 0;  // any other layout: one run up to its last element
+  for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * (t.strides[d] < 0 ? -t.strides[d] : t.strides[d]);
+  s.rows = 1;
+  s.row_bytes = (last + 1) * e;
+  s.stride = s.row_bytes;
+  return s;
+}
+
+int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0)) ? 1 : 0); }
+
+bool spans_overlap(const Span& a, const Span& b) {
+  if (a.rows == 0 || b.rows == 0 || a.hi() <= b.lo || b.hi() <= a.lo) return false;
+  if (a.rows > 1 && b.rows > 1 && a.stride != b.stride) return true;  // runs of two strides: the ranges decide
+  const int64_t s = a.rows > 1 ? a.stride : b.rows > 1 ? b.stride : 0;
+  if (s == 0 || a.row_bytes > s || b.row_bytes > s) return true;
+  // rows i of a and j of b meet iff -b.row_bytes < d + (j - i) * s < a.row_bytes, d = b.lo - a.lo
+  const int64_t d = static_cast<int64_t>(b.lo - a.lo);
+  const int64_t k_lo = -floor_div(d + b.row_bytes - 1, s);  // smallest k with d + k*s > -b.row_bytes
+  const int64_t k_hi = floor_div(a.row_bytes - 1 - d, s);   // largest k with d + k*s < a.row_bytes
+  return std::max(k_lo, -(a.rows - 1)) <= std::min(k_hi, b.rows - 1);
+}
+
+}  // namespace
+
+void check_disjoint(const Checker& c, const TensorView& out, const char* name, const TensorView& other,
+                    const char* other_name) {
+  if (spans_overlap(span_of(out), span_of(other))) {
+    c.value_error(name, std::string("shares memory with ") + other_name +
+                            ": outputs must not overlap the inputs or each other");
+  }
+}
+
+int64_t checked_add(const Checker& c, const char* what, int64_t a, int64_t b) {
+  if (a > std::numeric_limits<int64_t>::max() - b) {
+    c.value_error(what, "size overflow: " + str(a) + " + " + str(b) + " does not fit 64 bits");
+  }
+  return a + b;
+}
+
+int64_t checked_mul(const Checker& c, const char* what, int64_t a, int64_t b) {
+  if (b != 0 && a > std::numeric_limits<int64_t>::max() / b) {
+    c.value_error(what, "size overflow: " + str(a) + " x " + str(b) + " does not fit 64 bits");
+  }
+  return a * b;
+}
+
+int64_t checked_round_up(const Checker& c, const char* what, int64_t x, int64_t m) {
+  const int64_t q = x / m + (x % m != 0 ? 1 : 0);  // ceil(x / m) without forming x + m - 1
+  return checked_mul(c, what, q, m);
 }
 
 void require_backend(const Checker& c, Device device) {

@@ -129,5 +129,21 @@ std::vector<T> host_vector(const Checker& c, const char* what, int64_t n, T init
 // Size-overflow guard: padded rows and assignment ids must fit int32 outputs.
 void check_int32_extent(const Checker& c, const char* what, int64_t value);
 
+// Outputs never share memory with the op's inputs or with each other: an aliased call would
+// read what it had already written, in an order that depends on the backend and its threads.
+// Raises "<op>: <name>: shares memory with <other>" when any byte `out` addresses is one that
+// `other` addresses (row views of one stride exactly, row by row: column slices of one buffer
+// side by side do not overlap). Unset and empty views overlap nothing.
+void check_disjoint(const Checker& c, const TensorView& out, const char* name, const TensorView& other,
+                    const char* other_name);
+
+// Size arithmetic on non-negative int64 operands, checked: the exact result, or the error
+// "<op>: <what>: size overflow: ..." (an unchecked sum or product of legal sizes, e.g. rows of
+// zero columns, can pass 2^63 and wrap).
+int64_t checked_add(const Checker& c, const char* what, int64_t a, int64_t b);
+int64_t checked_mul(const Checker& c, const char* what, int64_t a, int64_t b);
+// The smallest multiple of m (>= 1) at least x (>= 0).
+int64_t checked_round_up(const Checker& c, const char* what, int64_t x, int64_t m);
+
 }  // namespace detail
 }  // namespace padmoe

@@ -136,7 +136,7 @@ ChunkLayout host_layout(const Checker& c, const ChunkGrid& g, int64_t rows, cons
   int64_t total = 0;
   for (int64_t i = 0; i < C; ++i) {
     src_excl[i] = total;
-    total += sizes[i];  // each entry <= rows: no overflow
+    total = detail::checked_add(c, "split_sizes", total, sizes[i]);  // entries <= rows, but rows may be ~2^63
   }
   if (total > rows) {
     c.value_error("split_sizes", "sums to " + str(total) + " but received has " + str(rows) + " rows");
@@ -154,9 +154,9 @@ ChunkLayout host_layout(const Checker& c, const ChunkGrid& g, int64_t rows, cons
       l.row_begin[j] = row;
       l.src_begin[j] = src_excl[order[j]];
       l.size[j] = sizes[order[j]];
-      row += l.size[j];
+      row += l.size[j];  // <= the sum of the sizes, checked above
     }
-    row = start + index::round_up(row - start, alignment);
+    row = detail::checked_add(c, "split_sizes", start, detail::checked_round_up(c, "split_sizes", row - start, alignment));
     l.offsets[grp] = row;
   }
   l.padded_rows = row;
@@ -318,8 +318,14 @@ int64_t sort_chunks_rows(const TensorView& received, const TensorView& split_siz
 }
 
 int64_t sort_chunks_capacity(int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment) {
-  const int64_t groups = num_ranks >= 1 ? num_chunks / num_ranks : num_chunks;
-  return index::capacity_bound(received_rows, groups, alignment);
+  Checker c("sort_chunks_capacity");
+  if (received_rows < 0) c.value_error("received_rows", "must be >= 0, got " + str(received_rows));
+  if (num_chunks < 0) c.value_error("num_chunks", "must be >= 0, got " + str(num_chunks));
+  if (num_ranks < 1) c.value_error("num_ranks", "must be >= 1, got " + str(num_ranks));
+  c.alignment(alignment);
+  const int64_t groups = num_chunks / num_ranks;
+  return detail::checked_add(c, "received_rows", received_rows,
+                             detail::checked_mul(c, "num_chunks", groups, int64_t{alignment} - 1));
 }
 
 size_t sort_chunks_workspace_bytes(int64_t num_chunks) { return cuda::chunk_workspace_bytes(num_chunks); }

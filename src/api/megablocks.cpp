@@ -48,6 +48,9 @@ struct Routed {
   std::shared_ptr<cuda::Scratch> scratch;
   cuda::DestArg search;  // the sorted form searched by the row kernels (search.indices set), else dest_rows
   cuda::DestArg dest() const { return search.indices.data != nullptr ? search : cuda::DestArg(dest_rows); }
+  // the routing inputs as given (both backends), for the outputs' overlap checks
+  const PlanView* given_plan = nullptr;
+  TensorView given_indices, given_bin_ids, given_bins, given_padded_bins;
 };
 
 // MegaBlocks arguments. `device` is the row tensors' device.
@@ -58,6 +61,10 @@ Routed routed_from_sorted(const Checker& c, const TensorView& indices, const Ten
   detail::require_backend(c, device);
   Routed r;
   r.top_k = top_k;
+  r.given_indices = indices;
+  r.given_bin_ids = bin_ids;
+  r.given_bins = bins;
+  r.given_padded_bins = padded_bins;
   if (device.is_cuda()) {
     detail::check_sorted_shapes(c, indices, bin_ids, bins, padded_bins, top_k);
     r.on_cuda = true;
@@ -84,6 +91,7 @@ Routed routed_from_plan(const Checker& c, const PlanView& plan, Device device) {
   c.same_device(plan.dest_rows, "plan.dest_rows", device);
   detail::require_backend(c, device);
   Routed r;
+  r.given_plan = &plan;
   r.tokens = plan.num_tokens;
   r.top_k = plan.top_k;
   r.assignments = detail::plan_assignments(c, plan);  // sizes checked before any product is used
@@ -257,14 +265,33 @@ Device rows_device(const Checker& c, const TensorView& rows) {
 }
 
 // Outputs: padded rows [>= P, H], token rows [T, H], per-assignment floats [A].
-void check_padded_out(const Checker& c, const TensorView& t, const char* name, Routed& r, const TensorView& like) {
+// A row output shares no memory with the routing arrays or the rows `like` (named like_name).
+void check_row_out_disjoint(const Checker& c, const TensorView& t, const char* name, const Routed& r,
+                            const TensorView& like, const char* like_name) {
+  detail::check_disjoint(c, t, name, like, like_name);
+  if (r.given_plan != nullptr) {
+    const PlanView& p = *r.given_plan;
+    const TensorView* fields[] = {&p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins,
+                                  &p.padded_tokens_per_expert, &p.padded_bins, &p.dest_rows, &p.row_sources};
+    for (const TensorView* f : fields) detail::check_disjoint(c, t, name, *f, "plan");
+  }
+  detail::check_disjoint(c, t, name, r.given_indices, "indices");
+  detail::check_disjoint(c, t, name, r.given_bin_ids, "bin_ids");
+  detail::check_disjoint(c, t, name, r.given_bins, "bins");
+  detail::check_disjoint(c, t, name, r.given_padded_bins, "padded_bins");
+}
+void check_padded_out(const Checker& c, const TensorView& t, const char* name, Routed& r, const TensorView& like,
+                      const char* like_name) {
   c.row_output(t, name, padded_rows_known(r, t.shape[0], name) ? r.padded_rows : 0, /*at_least=*/true, like.shape[1],
                like.dtype);
   c.same_device(t, name, like.device);
+  check_row_out_disjoint(c, t, name, r, like, like_name);
 }
-void check_token_out(const Checker& c, const TensorView& t, const char* name, const Routed& r, const TensorView& like) {
+void check_token_out(const Checker& c, const TensorView& t, const char* name, const Routed& r, const TensorView& like,
+                     const char* like_name) {
   c.row_output(t, name, r.tokens, /*at_least=*/false, like.shape[1], like.dtype);
   c.same_device(t, name, like.device);
+  check_row_out_disjoint(c, t, name, r, like, like_name);
 }
 // An optional weight-gradient output; an empty TensorView{} (no data, no dims) skips it.
 bool check_weight_grad_out(const Checker& c, const TensorView& t, const char* name, const Routed& r,
@@ -345,7 +372,7 @@ void padded_gather_out(const TensorView& x, const TensorView& indices, const Ten
                        const std::optional<TensorView>& weights, const TensorView& y, const Options& options) {
   Checker c("padded_gather");
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
-  check_padded_out(c, y, "y", r, x);
+  check_padded_out(c, y, "y", r, x, "x");
   prepare(c, r, options);
   run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
 }
@@ -367,7 +394,7 @@ void padded_scatter_out(const TensorView& y, const TensorView& indices, const Te
                         const TensorView& padded_bins, int top_k, const TensorView& out, const Options& options) {
   Checker c("padded_scatter");
   Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, weights, options);
-  check_token_out(c, out, "out", r, y);
+  check_token_out(c, out, "out", r, y, "y");
   prepare(c, r, options);
   run_reduce(r, y, weights, out, options);
 }
@@ -441,7 +468,7 @@ void padded_gather_backward_out(const TensorView& grad_y, const TensorView& x, c
   Checker c("padded_gather_backward");
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
-  check_token_out(c, grad_x, "grad_x", r, x);
+  check_token_out(c, grad_x, "grad_x", r, x, "x");
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, x);
   prepare(c, r, options);
   run_spread_backward(r, grad_y, x, weights, grad_x, want_gw ? &grad_weights : nullptr, options);
@@ -466,7 +493,7 @@ void padded_scatter_backward_out(const TensorView& grad_out, const TensorView& y
   Checker c("padded_scatter_backward");
   Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
-  check_padded_out(c, grad_y, "grad_y", r, y);
+  check_padded_out(c, grad_y, "grad_y", r, y, "y");
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, y);
   prepare(c, r, options);
   run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
@@ -495,7 +522,7 @@ void dispatch_out(const TensorView& x, const PlanView& plan, const std::optional
                   const TensorView& y, const Options& options) {
   Checker c("dispatch");
   Routed r = dispatch_inputs(c, x, plan, weights);
-  check_padded_out(c, y, "y", r, x);
+  check_padded_out(c, y, "y", r, x, "x");
   prepare(c, r, options);
   run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
 }
@@ -515,7 +542,7 @@ void combine_out(const TensorView& y, const PlanView& plan, const std::optional<
                  const TensorView& out, const Options& options) {
   Checker c("combine");
   Routed r = combine_inputs(c, y, plan, weights);
-  check_token_out(c, out, "out", r, y);
+  check_token_out(c, out, "out", r, y, "y");
   prepare(c, r, options);
   run_reduce(r, y, weights, out, options);
 }
@@ -536,7 +563,7 @@ void combine_backward_out(const TensorView& grad_out, const TensorView& y, const
   Checker c("combine_backward");
   Routed r = combine_inputs(c, y, plan, std::nullopt);
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
-  check_padded_out(c, grad_y, "grad_y", r, y);
+  check_padded_out(c, grad_y, "grad_y", r, y, "y");
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, y);
   prepare(c, r, options);
   run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
@@ -561,7 +588,7 @@ void dispatch_backward_out(const TensorView& grad_y, const TensorView& x, const 
   Checker c("dispatch_backward");
   Routed r = dispatch_inputs(c, x, plan, std::nullopt);
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
-  check_token_out(c, grad_x, "grad_x", r, x);
+  check_token_out(c, grad_x, "grad_x", r, x, "x");
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, x);
   prepare(c, r, options);
   run_spread_backward(r, grad_y, x, weights, grad_x, want_gw ? &grad_weights : nullptr, options);
@@ -589,7 +616,7 @@ void padded_gather_scaled_out(const TensorView& x, const TensorView& indices, co
   Checker c("padded_gather");
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
-  check_padded_out(c, y, "y", r, x);
+  check_padded_out(c, y, "y", r, x, "x");
   detail::check_scales_out(c, y_scales, "y_scales", y.shape[0], spec, x.device);
   prepare(c, r, options);
   const ScalePair sp{x_scales, y_scales, spec};
@@ -615,7 +642,7 @@ void dispatch_scaled_out(const TensorView& x, const PlanView& plan, const Tensor
   Checker c("dispatch");
   Routed r = dispatch_inputs(c, x, plan, std::nullopt);
   const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
-  check_padded_out(c, y, "y", r, x);
+  check_padded_out(c, y, "y", r, x, "x");
   detail::check_scales_out(c, y_scales, "y_scales", y.shape[0], spec, x.device);
   prepare(c, r, options);
   const ScalePair sp{x_scales, y_scales, spec};
@@ -669,7 +696,7 @@ void dispatch_quantized_out(const TensorView& x, const PlanView& plan, const Ten
   const bool e5m2 = detail::check_fp8_dtype(c, y.dtype, "y");
   TensorView like = x;  // y: x's columns in the float8 dtype
   like.dtype = y.dtype;
-  check_padded_out(c, y, "y", r, like);
+  check_padded_out(c, y, "y", r, like, "x");
   const detail::ScaleSpec spec = detail::check_scales(c, y_scales, "y_scales", y.shape[0], x.shape[1], x.device);
   prepare(c, r, options);
   run_quant_spread(r, x, y, y_scales, spec, e5m2, options);

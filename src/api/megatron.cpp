@@ -52,9 +52,10 @@ PadShape pad_counts(const Checker& c, const TensorView& h, const detail::IndexRe
       c.value_error("tokens_per_expert", "entry " + std::to_string(e) + " (" + std::to_string(n) +
                                              ") exceeds the " + std::to_string(h.shape[0]) + " rows of hidden_states");
     }
-    total += n;
+    total = detail::checked_add(c, "tokens_per_expert", total, n);  // entries <= rows, but rows may be ~2^63
     s.counts[e] = n;
-    s.padded_rows += index::round_up(n, alignment);
+    s.padded_rows = detail::checked_add(c, "tokens_per_expert", s.padded_rows,
+                                        detail::checked_round_up(c, "tokens_per_expert", n, alignment));
     s.padded_incl[e] = s.padded_rows;
   }
   if (total > h.shape[0]) {

@@ -1,6 +1,7 @@
 // plan.cpp — make_plan: check, size, dispatch to the backend.
 #include <limits>
 #include <memory>
+#include <new>
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -32,7 +33,29 @@ PlanView Plan::view() const {
   return v;
 }
 
-Plan Plan::empty(int64_t num_tokens, int top_k, int num_experts, int alignment, Device device) {
+namespace {
+
+// The size helpers' arguments: T >= 0, K >= 1, E >= 0, m >= 1; returns A = T * K (checked).
+int64_t helper_assignments(const Checker& c, int64_t num_tokens, int top_k, int num_experts, int alignment) {
+  if (num_tokens < 0) c.value_error("num_tokens", "must be >= 0, got " + std::to_string(num_tokens));
+  if (top_k < 1) c.value_error("top_k", "must be >= 1, got " + std::to_string(top_k));
+  if (num_experts < 0) c.value_error("num_experts", "must be >= 0, got " + std::to_string(num_experts));
+  c.alignment(alignment);
+  return detail::checked_mul(c, "num_tokens", num_tokens, top_k);
+}
+
+// A + E * (m - 1), checked.
+int64_t checked_capacity_bound(const Checker& c, int64_t assignments, int num_experts, int alignment) {
+  return detail::checked_add(c, "num_experts", assignments,
+                             detail::checked_mul(c, "num_experts", num_experts, int64_t{alignment} - 1));
+}
+
+}  // namespace
+
+namespace {
+
+// A plan's arrays on `device`, uninitialized, with `rows` row_sources (sizes already checked).
+Plan allocate_plan(int64_t num_tokens, int top_k, int num_experts, int alignment, int64_t rows, Device device) {
   const int64_t a_count = num_tokens * top_k;
   Plan plan;
   plan.num_tokens = num_tokens;
@@ -46,8 +69,19 @@ Plan Plan::empty(int64_t num_tokens, int top_k, int num_experts, int alignment, 
   plan.padded_tokens_per_expert = Tensor::empty(DType::kInt32, {num_experts}, device);
   plan.padded_bins = Tensor::empty(DType::kInt32, {num_experts}, device);
   plan.dest_rows = Tensor::empty(DType::kInt32, {a_count}, device);
-  plan.row_sources = Tensor::empty(DType::kInt32, {plan.capacity()}, device);
+  plan.row_sources = Tensor::empty(DType::kInt32, {rows}, device);
   return plan;
+}
+
+}  // namespace
+
+Plan Plan::empty(int64_t num_tokens, int top_k, int num_experts, int alignment, Device device) {
+  Checker c("Plan::empty");
+  const int64_t a_count = helper_assignments(c, num_tokens, top_k, num_experts, alignment);
+  detail::check_int32_extent(c, "num_tokens", a_count);
+  const int64_t rows = checked_capacity_bound(c, a_count, num_experts, alignment);
+  detail::check_int32_extent(c, "capacity", rows);
+  return allocate_plan(num_tokens, top_k, num_experts, alignment, rows, device);
 }
 
 int64_t Plan::capacity() const {
@@ -56,7 +90,9 @@ int64_t Plan::capacity() const {
 }
 
 int64_t capacity_bound(int64_t num_tokens, int top_k, int num_experts, int alignment) {
-  return index::capacity_bound(num_tokens * top_k, num_experts, alignment);
+  Checker c("capacity_bound");
+  return checked_capacity_bound(c, helper_assignments(c, num_tokens, top_k, num_experts, alignment), num_experts,
+                                alignment);
 }
 
 int64_t padded_rows(const PlanView& plan, const Options& options) {
@@ -76,8 +112,10 @@ int64_t padded_rows(const PlanView& plan, const Options& options) {
 }
 
 size_t workspace_bound(int64_t num_tokens, int top_k, int num_experts, int alignment) {
-  const int64_t a_count = num_tokens * top_k;
-  const int64_t rows = index::capacity_bound(a_count, num_experts, alignment);
+  Checker c("workspace_bound");
+  const int64_t a_count = helper_assignments(c, num_tokens, top_k, num_experts, alignment);
+  const int64_t rows = checked_capacity_bound(c, a_count, num_experts, alignment);
+  detail::check_int32_extent(c, "capacity", rows);  // the byte counts below stay far from overflow
   const size_t plan = cuda::plan_workspace_bytes(a_count, num_experts);
   const size_t checks = cuda::validate_workspace_bytes(std::max(a_count, rows));
   const size_t maps = static_cast<size_t>(std::max(a_count, rows)) * 4 + cuda::pad_workspace_bytes(num_experts);
@@ -114,9 +152,15 @@ PlanShape check_top_experts_shape(const Checker& c, const TensorView& top_expert
   const int64_t a_count = tokens * k;
   if (top_experts.data == nullptr && a_count > 0) c.value_error("top_experts", "null data pointer");
   detail::check_int32_extent(c, "top_experts", a_count);
-  detail::check_int32_extent(c, "capacity", index::capacity_bound(a_count, num_experts, alignment));
   detail::require_backend(c, top_experts.device);
-  return PlanShape{tokens, static_cast<int>(k), aligned_rows_bound(a_count, num_experts, alignment)};
+  // P <= A + min(A, E) * (m - 1): at most min(A, E) segments are padded, each by at most m - 1 rows
+  const int64_t min_ae = std::min<int64_t>(a_count, num_experts);
+  return PlanShape{tokens, static_cast<int>(k), a_count + min_ae * (int64_t{alignment} - 1)};
+}
+
+// The allocating forms size row_sources by capacity_bound(): it must fit the int32 index outputs.
+void check_capacity_fits(const Checker& c, const PlanShape& s, int num_experts, int alignment) {
+  detail::check_int32_extent(c, "capacity", checked_capacity_bound(c, s.tokens * s.top_k, num_experts, alignment));
 }
 
 // PlanOptions resolved after checking: the id map, and the drop rules.
@@ -127,6 +171,8 @@ struct Routing {
   DropPolicy policy = DropPolicy::kPosition;
   TensorView probs;    // kProbs only
   TensorView dropped;  // optional output
+  TensorView map;      // expert_map as given (unset: none)
+  const char* probs_name = "plan_options.probs";  // in the overlap errors
   const char* map_name = "plan_options.expert_map";  // in errors (moe_align_block_size: "expert_map")
 };
 
@@ -148,6 +194,7 @@ Routing check_plan_options(const Checker& c, const PlanOptions& po, int64_t a_co
     if (po.first_expert != 0) {
       c.value_error("plan_options.first_expert", "must be 0 with an expert_map, got " + std::to_string(po.first_expert));
     }
+    r.map = po.expert_map;
     r.remap.map = po.expert_map.data;
     r.remap.map_wide = po.expert_map.dtype == DType::kInt64;
   } else {
@@ -203,7 +250,11 @@ Routing plain_routing(int num_experts) {
 PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int num_experts, int alignment,
                             const Routing& r) {
   PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, alignment);
-  if (r.capacity >= 0) shape.padded_rows = r.capacity * num_experts;
+  if (r.capacity >= 0) {
+    shape.padded_rows = r.capacity * num_experts;  // fits int32: check_plan_options
+  } else if (top_experts.device.is_cuda()) {
+    detail::check_int32_extent(c, "capacity", shape.padded_rows);  // P is not known on the host: its bound
+  }
   if (top_experts.device.is_cuda()) return shape;
   const int64_t k = shape.top_k, a_count = shape.tokens * k;
   const detail::IndexReader ids(top_experts);
@@ -231,7 +282,8 @@ PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int
   }
   if (r.capacity >= 0) return shape;
   int64_t padded = 0;
-  for (int64_t n : counts) padded += index::round_up(n, alignment);
+  for (int64_t n : counts) padded += index::round_up(n, alignment);  // <= A + min(A, E) * (m - 1) < 2^62
+  detail::check_int32_extent(c, "capacity", padded);
   return PlanShape{shape.tokens, shape.top_k, padded};
 }
 
@@ -267,6 +319,28 @@ void check_layouts(const Checker& c, const PlanLayouts& l, const PlanView& out, 
   }
 }
 
+// The outputs (the plan, the given layouts, the dropped count) share no memory with each other or
+// with the inputs (the ids, the expert map, the probs).
+void check_plan_disjoint(const Checker& c, const TensorView& top_experts, const PlanView& out,
+                         const PlanLayouts& l, const Routing& r) {
+  const std::pair<const TensorView*, const char*> outs[] = {
+      {&out.indices, "out.indices"},     {&out.bin_ids, "out.bin_ids"},
+      {&out.tokens_per_expert, "out.tokens_per_expert"}, {&out.bins, "out.bins"},
+      {&out.padded_tokens_per_expert, "out.padded_tokens_per_expert"}, {&out.padded_bins, "out.padded_bins"},
+      {&out.dest_rows, "out.dest_rows"}, {&out.row_sources, "out.row_sources"},
+      {&l.row_experts, "layouts.row_experts"}, {&l.block_experts, "layouts.block_experts"},
+      {&l.padded_total, "layouts.padded_total"}, {&r.dropped, "plan_options.dropped"}};
+  const std::pair<const TensorView*, const char*> ins[] = {
+      {&top_experts, "top_experts"}, {&r.map, r.map_name}, {&r.probs, r.probs_name}};
+  const size_t n = sizeof(outs) / sizeof(outs[0]);
+  for (size_t i = 0; i < n; ++i) {
+    for (const auto& in : ins) detail::check_disjoint(c, *outs[i].first, outs[i].second, *in.first, in.second);
+    for (size_t j = 0; j < i; ++j) {
+      detail::check_disjoint(c, *outs[i].first, outs[i].second, *outs[j].first, outs[j].second);
+    }
+  }
+}
+
 // CUDA checked mode: the ids (and an expert map) validated on the device, one synchronization.
 void validate_ids_on_device(const Checker& c, const TensorView& top_experts, const PlanShape& s, int num_experts,
                             const Routing& r, const Options& options) {
@@ -299,6 +373,10 @@ void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanSh
   std::vector<int32_t> host;
   std::unique_ptr<cuda::Scratch> dev;
   PlanView full = out;
+  full.num_tokens = s.tokens;  // the checked sizes, never the caller's view fields
+  full.top_k = s.top_k;
+  full.num_experts = num_experts;
+  full.alignment = alignment;
   if (capped) {
     const int64_t ints = 4 * a_count + 4 * static_cast<int64_t>(num_experts);
     int32_t* base = nullptr;
@@ -329,13 +407,19 @@ void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanSh
   const PlanLayouts plan_layouts = capped ? PlanLayouts{} : layouts;
   int32_t* dropped = r.dropped.data_as<int32_t>();
   if (!cuda_dev) {
-    cpu::make_plan(top_experts.data, wide, s.tokens, s.top_k, num_experts, plan_alignment, full, plan_layouts,
-                   capped ? -1 : padding_source, r.remap, options.num_threads);
-    if (capped) {
-      cpu::apply_capacity(full, cpu::Scale{r.probs.data, r.probs.dtype}, r.capacity, r.policy == DropPolicy::kProbs,
-                          alignment, out, layouts, padding_source, dropped, options.num_threads);
-    } else if (dropped != nullptr) {
-      *dropped = 0;
+    try {  // the backend's host scratch (counts and offsets of E entries a worker, the probs' keys)
+      cpu::make_plan(top_experts.data, wide, s.tokens, s.top_k, num_experts, plan_alignment, full, plan_layouts,
+                     capped ? -1 : padding_source, r.remap, options.num_threads);
+      if (capped) {
+        cpu::apply_capacity(full, a_count, num_experts, cpu::Scale{r.probs.data, r.probs.dtype}, r.capacity,
+                            r.policy == DropPolicy::kProbs, alignment, out, layouts, padding_source, dropped,
+                            options.num_threads);
+      } else if (dropped != nullptr) {
+        *dropped = 0;
+      }
+    } catch (const std::bad_alloc&) {
+      c.fail(ErrorKind::kRuntime, "num_experts", "out of host memory for the plan's scratch (" +
+                                                     std::to_string(num_experts) + " experts)");
     }
     return;
   }
@@ -346,7 +430,7 @@ void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanSh
                     capped ? -1 : padding_source, r.remap, full.row_sources.shape[0], scratch.get(), options.stream);
   }
   if (capped) {
-    cuda::apply_capacity(full, a_count, cuda::ScaleArg{r.probs.data, r.probs.dtype}, r.capacity,
+    cuda::apply_capacity(full, a_count, num_experts, cuda::ScaleArg{r.probs.data, r.probs.dtype}, r.capacity,
                          r.policy == DropPolicy::kProbs, alignment, out, layouts, padding_source,
                          out.row_sources.shape[0], dropped, options.stream);
   } else if (dropped != nullptr) {
@@ -361,6 +445,7 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
   Checker c("make_plan");
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
   check_plan_outputs(c, out, s, num_experts, top_experts.device);
+  check_plan_disjoint(c, top_experts, out, {}, plain_routing(num_experts));
   run_make_plan(c, top_experts, s, num_experts, alignment, out, options);
 }
 
@@ -370,12 +455,18 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
   check_plan_outputs(c, out, s, num_experts, top_experts.device);
   check_layouts(c, layouts, out, alignment, top_experts.device);
+  check_plan_disjoint(c, top_experts, out, layouts, plain_routing(num_experts));
   run_make_plan(c, top_experts, s, num_experts, alignment, out, options, layouts);
 }
 
 int64_t plan_rows_bound(int64_t num_tokens, int top_k, int num_experts, int alignment, const PlanOptions& po) {
-  if (po.expert_capacity >= 0) return po.expert_capacity * std::max(0, num_experts);
-  return capacity_bound(num_tokens, top_k, num_experts, alignment);
+  Checker c("plan_rows_bound");
+  const int64_t a_count = helper_assignments(c, num_tokens, top_k, num_experts, alignment);
+  if (po.expert_capacity < -1) {
+    c.value_error("plan_options.expert_capacity", "must be >= 0 (or -1: none), got " + std::to_string(po.expert_capacity));
+  }
+  if (po.expert_capacity >= 0) return detail::checked_mul(c, "plan_options.expert_capacity", po.expert_capacity, num_experts);
+  return checked_capacity_bound(c, a_count, num_experts, alignment);
 }
 
 void make_plan_out(const TensorView& top_experts, int num_experts, int alignment, const PlanView& out,
@@ -387,6 +478,7 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment, r);
   check_plan_outputs(c, out, s, num_experts, top_experts.device);
   check_layouts(c, layouts, out, alignment, top_experts.device);
+  check_plan_disjoint(c, top_experts, out, layouts, r);
   run_make_plan(c, top_experts, s, num_experts, alignment, out, options, layouts, -1, &r);
 }
 
@@ -397,10 +489,11 @@ Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, co
   const Routing r = check_plan_options(c, plan_options, shape.tokens * shape.top_k, num_experts, alignment,
                                        top_experts.device);
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment, r);
-  Plan plan = Plan::empty(s.tokens, s.top_k, num_experts, alignment, top_experts.device);
-  if (r.capacity >= 0) {
-    plan.row_sources = Tensor::empty(DType::kInt32, {r.capacity * num_experts}, top_experts.device);
-  }
+  if (r.capacity < 0) check_capacity_fits(c, s, num_experts, alignment);
+  // E * C rows with a capacity (checked to fit int32 with the options), else the capacity bound
+  const int64_t rows = r.capacity >= 0 ? r.capacity * num_experts
+                                       : index::capacity_bound(s.tokens * s.top_k, num_experts, alignment);
+  Plan plan = allocate_plan(s.tokens, s.top_k, num_experts, alignment, rows, top_experts.device);
   run_make_plan(c, top_experts, s, num_experts, alignment, plan.view(), options, {}, -1, &r);
   return plan;
 }
@@ -448,6 +541,19 @@ void make_plan_and_dispatch_out(const TensorView& x, const TensorView& top_exper
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
   check_plan_outputs(c, out, s, num_experts, top_experts.device);
   check_plan_dispatch_rows(c, x, weights, &y, out.row_sources.shape[0], s, top_experts.device);
+  Routing rows = plain_routing(num_experts);  // the plan's arrays apart from x and the weights too
+  rows.map = x;
+  rows.map_name = "x";
+  if (weights) rows.probs = *weights;
+  rows.probs_name = "weights";
+  check_plan_disjoint(c, top_experts, out, {}, rows);
+  const TensorView* plan_arrays[] = {&out.indices, &out.bin_ids, &out.tokens_per_expert, &out.bins,
+                                     &out.padded_tokens_per_expert, &out.padded_bins, &out.dest_rows,
+                                     &out.row_sources};
+  for (const TensorView* a : plan_arrays) detail::check_disjoint(c, y, "y", *a, "out");
+  detail::check_disjoint(c, y, "y", x, "x");
+  detail::check_disjoint(c, y, "y", top_experts, "top_experts");
+  if (weights) detail::check_disjoint(c, y, "y", *weights, "weights");
   run_plan_dispatch(c, x, top_experts, s, num_experts, alignment, out, weights, y, options);
 }
 
@@ -456,6 +562,7 @@ PlannedRows make_plan_and_dispatch(const TensorView& x, const TensorView& top_ex
   Checker c("make_plan_and_dispatch");
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
   check_plan_dispatch_rows(c, x, weights, nullptr, 0, s, top_experts.device);
+  check_capacity_fits(c, s, num_experts, alignment);
   PlannedRows r;
   r.plan = Plan::empty(s.tokens, s.top_k, num_experts, alignment, top_experts.device);
   r.y = Tensor::empty(x.dtype, {r.plan.capacity(), x.shape[1]}, x.device);
@@ -466,9 +573,14 @@ PlannedRows make_plan_and_dispatch(const TensorView& x, const TensorView& top_ex
 }
 
 int64_t aligned_rows_bound(int64_t assignments, int num_experts, int block_size, bool pad_sorted_ids) {
-  const int64_t m = std::max(1, block_size);
-  const int64_t rows = assignments + std::min<int64_t>(assignments, std::max(0, num_experts)) * (m - 1);
-  return pad_sorted_ids ? index::round_up(rows, m) : rows;
+  Checker c("aligned_rows_bound");
+  if (assignments < 0) c.value_error("assignments", "must be >= 0, got " + std::to_string(assignments));
+  if (num_experts < 0) c.value_error("num_experts", "must be >= 0, got " + std::to_string(num_experts));
+  if (block_size < 1) c.value_error("block_size", "must be >= 1, got " + std::to_string(block_size));
+  const int64_t m = block_size;
+  const int64_t padding = std::min<int64_t>(assignments, num_experts) * (m - 1);  // < 2^31 * 2^31
+  const int64_t rows = detail::checked_add(c, "assignments", assignments, padding);
+  return pad_sorted_ids ? detail::checked_round_up(c, "assignments", rows, m) : rows;
 }
 
 namespace {
@@ -499,6 +611,14 @@ void align_blocks_out(const TensorView& top_experts, int block_size, int num_exp
   c.same_device(sorted_token_ids, "sorted_token_ids", device);
   c.same_device(expert_ids, "expert_ids", device);
   c.same_device(num_tokens_post_padded, "num_tokens_post_padded", device);
+  const std::pair<const TensorView*, const char*> outs[] = {
+      {&sorted_token_ids, "sorted_token_ids"}, {&expert_ids, "expert_ids"},
+      {&num_tokens_post_padded, "num_tokens_post_padded"}};
+  for (int i = 0; i < 3; ++i) {
+    detail::check_disjoint(c, *outs[i].first, outs[i].second, top_experts, "top_experts");
+    detail::check_disjoint(c, *outs[i].first, outs[i].second, expert_map, "expert_map");
+    for (int j = 0; j < i; ++j) detail::check_disjoint(c, *outs[i].first, outs[i].second, *outs[j].first, outs[j].second);
+  }
   // The plan's other arrays are scratch: 3 of A entries, 4 of E.
   const int64_t ints = 3 * a_count + 4 * static_cast<int64_t>(num_experts);
   std::vector<int32_t> host;
@@ -581,6 +701,7 @@ AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size
 Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, const Options& options) {
   Checker c("make_plan");
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
+  check_capacity_fits(c, s, num_experts, alignment);
   Plan plan = Plan::empty(s.tokens, s.top_k, num_experts, alignment, top_experts.device);
   run_make_plan(c, top_experts, s, num_experts, alignment, plan.view(), options);
   return plan;

@@ -80,9 +80,11 @@ void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k
 // assignment). Each expert keeps its first C sorted assignments, or with
 // by_probs the C with the largest probs (ties: lower assignment id), in
 // assignment order; *dropped (when not null) = the number it dropped.
-void apply_capacity(const PlanView& full, Scale probs, int64_t capacity, bool by_probs, int alignment,
-                    const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int32_t* dropped,
-                    int threads);
+// The sizes are the checked arguments' (A assignments, E experts): a PlanView's own scalar fields
+// are the caller's and are never read here.
+void apply_capacity(const PlanView& full, int64_t assignments, int num_experts, Scale probs, int64_t capacity,
+                    bool by_probs, int alignment, const PlanView& out, const PlanLayouts& layouts,
+                    int32_t padding_source, int32_t* dropped, int threads);
 
 // Token-driven spread (dispatch / padded_gather / grad of combine):
 //   y[dest[t*K+k]] = x[t] * w(t*K+k) for every k with dest >= 0;

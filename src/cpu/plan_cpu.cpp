@@ -147,11 +147,11 @@ uint32_t order_key(float f) {
 
 }  // namespace
 
-void apply_capacity(const PlanView& full, Scale probs, int64_t capacity, bool by_probs, int alignment,
-                    const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, int32_t* dropped,
-                    int threads) {
-  const int64_t a_count = full.num_tokens * full.top_k;
-  const int64_t experts = full.num_experts;
+void apply_capacity(const PlanView& full, int64_t assignments, int num_experts, Scale probs, int64_t capacity,
+                    bool by_probs, int alignment, const PlanView& out, const PlanLayouts& layouts,
+                    int32_t padding_source, int32_t* dropped, int threads) {
+  const int64_t a_count = assignments;
+  const int64_t experts = num_experts;
   const int64_t cap = capacity;
   const int32_t* f_indices = full.indices.data_as<const int32_t>();
   const int32_t* f_counts = full.tokens_per_expert.data_as<const int32_t>();
@@ -170,6 +170,9 @@ void apply_capacity(const PlanView& full, Scale probs, int64_t capacity, bool by
   const int64_t blocks = layouts.block_experts.numel();
 
   std::vector<int64_t> full_start(static_cast<size_t>(experts)), kept_start(static_cast<size_t>(experts));
+  // by_probs: each expert's keys and their selection copy in its own slice of [A] (no allocation
+  // inside the workers, whose exceptions the pool cannot carry)
+  std::vector<uint32_t> key_space(by_probs ? static_cast<size_t>(2 * a_count) : 0);
   int64_t full_total = 0, kept_total = 0, drops = 0;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t n = f_counts[e], kept = std::min(n, cap);
@@ -190,27 +193,27 @@ void apply_capacity(const PlanView& full, Scale probs, int64_t capacity, bool by
   const int workers = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(resolve_threads(threads), std::max<int64_t>(experts, a_count / 16384))));
   parallel_run(workers, [&](int w) {
-    std::vector<uint32_t> keys;
     const index::Range er = index::work_range(w, workers, experts);
     for (int64_t e = er.begin; e < er.end; ++e) {
       const int32_t* seg = f_indices + full_start[e];
       const int64_t n = f_counts[e];
+      uint32_t* keys = key_space.data() + full_start[e];
+      uint32_t* sorted = keys + a_count;
       // Kept: key above the threshold, or equal to it and among the first `equal_kept` equal ones.
       uint32_t threshold = 0;
       int64_t equal_kept = n;
       const bool select = by_probs && n > cap;
       if (select) {
-        keys.resize(static_cast<size_t>(n));
         for (int64_t i = 0; i < n; ++i) keys[i] = order_key(probs.at(seg[i]));
         if (cap == 0) {
           equal_kept = 0;
           threshold = 0xffffffffu;
         } else {
-          std::vector<uint32_t> sorted(keys);
-          std::nth_element(sorted.begin(), sorted.begin() + (cap - 1), sorted.end(), std::greater<uint32_t>());
+          std::copy(keys, keys + n, sorted);
+          std::nth_element(sorted, sorted + (cap - 1), sorted + n, std::greater<uint32_t>());
           threshold = sorted[cap - 1];
           int64_t above = 0;
-          for (uint32_t k : keys) above += k > threshold;
+          for (int64_t i = 0; i < n; ++i) above += keys[i] > threshold;
           equal_kept = cap - above;
         }
       }

@@ -88,7 +88,8 @@ void quantize_spread_rows(const RowsRef& x, int top_k, const int32_t* dest, cons
     std::vector<unsigned char> srow(static_cast<size_t>(scale_bytes));
     const index::Range tr = index::work_range(wid, workers, tokens);
     for (int64_t t = tr.begin; t < tr.end; ++t) {
-      quantize_row(x.row(t), x.dtype, hidden, s, vals.data(), codes.data(), srow.data());
+      // rows of no columns may have null data: no pointer arithmetic on it
+      quantize_row(hidden > 0 ? x.row(t) : nullptr, x.dtype, hidden, s, vals.data(), codes.data(), srow.data());
       for (int k = 0; k < top_k; ++k) {
         const int64_t r = dest == nullptr ? t : dest[index::assignment_id(t, k, top_k)];
         if (r < 0) continue;

@@ -134,9 +134,10 @@ void set_plan_packed(int mode);
 // assignments, or with by_probs the C with the largest probs (ties: lower
 // assignment id), in assignment order; *dropped (device, when not null) = the
 // number dropped.
-void apply_capacity(const PlanView& full, int64_t assignments, ScaleArg probs, int64_t capacity, bool by_probs,
-                    int alignment, const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
-                    int64_t row_capacity, int32_t* dropped, void* stream);
+// The sizes are the checked arguments' (A, E): a PlanView's scalar fields are never read.
+void apply_capacity(const PlanView& full, int64_t assignments, int num_experts, ScaleArg probs, int64_t capacity,
+                    bool by_probs, int alignment, const PlanView& out, const PlanLayouts& layouts,
+                    int32_t padding_source, int64_t row_capacity, int32_t* dropped, void* stream);
 
 // --- routing ------------------------------------------------------------------
 // dest_rows[indices[i]] = padded_start(e) + i - real_start(e), e = bin_ids[i] (entries with

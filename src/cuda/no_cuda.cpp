@@ -49,8 +49,8 @@ void set_l2_prefetch(int) {}
 void set_plan_match(int) {}
 void set_plan_small(int) {}
 void set_plan_packed(int) {}
-void apply_capacity(const PlanView&, int64_t, ScaleArg, int64_t, bool, int, const PlanView&, const PlanLayouts&, int32_t,
-                    int64_t, int32_t*, void*) {
+void apply_capacity(const PlanView&, int64_t, int, ScaleArg, int64_t, bool, int, const PlanView&, const PlanLayouts&,
+                    int32_t, int64_t, int32_t*, void*) {
   unavailable("make_plan");
 }
 void build_dest_rows(IndexRef, IndexRef, IndexRef, IndexRef, int64_t, int, int32_t*, void*) {

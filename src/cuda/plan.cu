@@ -1236,13 +1236,13 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
       layouts.block_experts.data_as<int32_t>(), layouts.block_experts.numel(), layouts.padded_total.data_as<int32_t>());
 }
 
-void apply_capacity(const PlanView& full, int64_t assignments, ScaleArg probs, int64_t capacity, bool by_probs,
-                    int alignment, const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
-                    int64_t row_capacity, int32_t* dropped, void* stream) {
-  const int grid = full.num_experts > 0 ? full.num_experts : 1;
+void apply_capacity(const PlanView& full, int64_t assignments, int num_experts, ScaleArg probs, int64_t capacity,
+                    bool by_probs, int alignment, const PlanView& out, const PlanLayouts& layouts,
+                    int32_t padding_source, int64_t row_capacity, int32_t* dropped, void* stream) {
+  const int grid = num_experts > 0 ? num_experts : 1;
   launch_kernel("plan_capacity_kernel", plan_capacity_kernel, grid, kCapThreads, 0, as_stream(stream),
       full.indices.data_as<const int32_t>(), full.tokens_per_expert.data_as<const int32_t>(),
-      full.dest_rows.data_as<const int32_t>(), assignments, full.num_experts, probs, capacity, by_probs, alignment,
+      full.dest_rows.data_as<const int32_t>(), assignments, num_experts, probs, capacity, by_probs, alignment,
       row_capacity, out.tokens_per_expert.data_as<int32_t>(), out.bins.data_as<int32_t>(),
       out.padded_tokens_per_expert.data_as<int32_t>(), out.padded_bins.data_as<int32_t>(),
       out.indices.data_as<int32_t>(), out.bin_ids.data_as<int32_t>(), out.dest_rows.data_as<int32_t>(),

@@ -1245,6 +1245,40 @@ TEST(RoutingOptionsGpu, MatchesCpuAndReference) {
   }
 }
 
+// The capacity pass sizes its grid and reads by the checked arguments, never by the output view's
+// own scalar fields (they are the caller's: defaults, or far larger than the buffers).
+TEST(RoutingOptionsGpu, CapacityPlanIgnoresTheViewFields) {
+  REQUIRE_GPU();
+  const int64_t T = 4;
+  const int K = 1, E = 10, m = 128;
+  const std::vector<int64_t> te = {6, 7, 0, 1};
+  ref::RoutingOptions r;
+  r.global_experts = 17;
+  r.first_expert = 6;
+  r.expert_capacity = 384;
+  const ref::RoutedPlan want = ref::make_plan(te, T, K, E, m, r);
+  padmoe::PlanOptions o;
+  o.global_experts = 17;
+  o.first_expert = 6;
+  o.expert_capacity = 384;
+  const Tensor hte = index_matrix(te, T, K, DType::kInt32);
+  const padmoe::Plan cpu = padmoe::make_plan(hte, E, m, o);
+  const Tensor dte = to_gpu(hte);
+  const int64_t R = int64_t{E} * 384;
+  for (int fields = 0; fields < 3; ++fields) {
+    SCOPED_TRACE("view fields " + std::to_string(fields));
+    GpuPlan g = gpu_plan_buffers(T, K, E, m, R);
+    g.view.num_tokens = fields == 0 ? 0 : fields == 1 ? T : 1000;
+    g.view.top_k = fields == 0 ? 1 : fields == 1 ? K : 7;
+    g.view.num_experts = fields == 0 ? 0 : fields == 1 ? 40 : 1 << 20;
+    g.view.alignment = fields == 0 ? 1 : fields == 1 ? m : 3;
+    GpuLayouts l = gpu_layout_buffers(R, m);
+    padmoe::make_plan_out(dte, E, m, g.view, l.view, o);
+    expect_plan_equal(g.view, cpu, want.plan, "capacity plan");
+    EXPECT_EQ(index_to_vec(to_cpu(l.padded_total))[0], R);
+  }
+}
+
 std::string plan_error(const std::function<void()>& f) {
   try {
     f();

@@ -1,0 +1,407 @@
+// fuzz_plan.cpp — a bounded-time fuzzer of make_plan's routing options (expert map, local range,
+// invalid ids, capacity, drop policy, dropped count), its layouts and moe_align_block_size, as a
+// hostile caller would call them: random sizes and options, some valid and some not, output
+// buffers exact, larger or one entry short, output views whose scalar fields hold anything.
+//
+// Every valid call must equal the reference (src/reference, written from the contract) bit for bit,
+// layouts included; every invalid call must throw padmoe::Error and leave every output untouched.
+// Run under AddressSanitizer + UBSan by CI's sanitizer job (ctest fuzz_plan_options).
+//
+// Usage: padmoe_fuzz_plan [--seconds S] [--seed N] [--iterations N]
+//   stops at the first of S seconds (default 20) or N iterations; exit 0 when every case passed,
+//   1 with the failing case printed.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "padmoe/error.hpp"
+#include "padmoe/ops.hpp"
+#include "padmoe/tensor.hpp"
+#include "reference/reference.hpp"
+
+namespace {
+
+using padmoe::DType;
+using padmoe::Tensor;
+using padmoe::TensorView;
+namespace ref = padmoe::ref;
+
+constexpr int32_t kPoison = 0x5A5A5A5A;
+
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  uint64_t next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  int64_t below(int64_t n) { return n <= 0 ? 0 : static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
+  bool chance(int percent) { return below(100) < percent; }
+  template <class T>
+  T pick(std::initializer_list<T> v) {
+    return *(v.begin() + below(static_cast<int64_t>(v.size())));
+  }
+};
+
+std::string describe_ids(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size() && i < 64; ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s + (v.size() > 64 ? ",...]" : "]");
+}
+
+// An int32 output buffer filled with the poison.
+Tensor poisoned(int64_t n) {
+  Tensor t = Tensor::empty(DType::kInt32, {n});
+  int32_t* p = t.data_as<int32_t>();
+  for (int64_t i = 0; i < n; ++i) p[i] = kPoison;
+  return t;
+}
+
+std::vector<int64_t> read(const Tensor& t) {
+  const int32_t* p = t.data_as<const int32_t>();
+  return std::vector<int64_t>(p, p + t.view().numel());
+}
+
+bool untouched(const Tensor& t) {
+  const int32_t* p = t.data_as<const int32_t>();
+  for (int64_t i = 0; i < t.view().numel(); ++i) {
+    if (p[i] != kPoison) return false;
+  }
+  return true;
+}
+
+Tensor index_tensor(const std::vector<int64_t>& v, DType dtype, std::initializer_list<int64_t> shape) {
+  Tensor t = Tensor::empty(dtype, shape);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (dtype == DType::kInt64) t.data_as<int64_t>()[i] = v[i];
+    else t.data_as<int32_t>()[i] = static_cast<int32_t>(v[i]);
+  }
+  return t;
+}
+
+struct Failure {
+  std::string what;
+};
+
+[[noreturn]] void fail(const std::string& what) { throw Failure{what}; }
+
+void expect_equal(const std::vector<int64_t>& got, const std::vector<int64_t>& want, const char* name) {
+  if (got.size() != want.size()) fail(std::string(name) + ": size " + std::to_string(got.size()) + " vs " +
+                                      std::to_string(want.size()));
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i]) {
+      fail(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(got[i]) + ", want " +
+           std::to_string(want[i]));
+    }
+  }
+}
+
+// The expected layouts of a reference plan over R rows at alignment m.
+std::vector<int64_t> want_row_experts(const ref::Plan& p, int64_t R) {
+  std::vector<int64_t> rows(static_cast<size_t>(R), -1);
+  int64_t e = 0;
+  for (int64_t row = 0; row < std::min(R, p.padded_rows); ++row) {
+    while (p.padded_bins[e] <= row) ++e;
+    if (p.row_sources[row] >= 0) rows[row] = e;
+  }
+  return rows;
+}
+
+std::vector<int64_t> want_block_experts(const ref::Plan& p, int64_t blocks, int m, int64_t past_end) {
+  std::vector<int64_t> out(static_cast<size_t>(blocks), past_end);
+  for (int64_t b = 0; b < blocks && b * m < p.padded_rows; ++b) {
+    int64_t e = 0;
+    while (p.padded_bins[e] <= b * m) ++e;
+    out[b] = e;
+  }
+  return out;
+}
+
+struct Stats {
+  int64_t valid = 0, invalid = 0;
+};
+
+// One make_plan_out (or allocating make_plan) call with random options.
+void plan_case(Rng& rng, Stats& st, std::string& log) {
+  const bool big = rng.chance(2);  // sometimes several CPU workers
+  const int64_t T = big ? 8192 + rng.below(8192) : rng.below(rng.chance(20) ? 2000 : 40);
+  const int K = static_cast<int>(1 + rng.below(big ? 4 : 8));
+  const int E = static_cast<int>(1 + rng.below(rng.chance(10) ? 300 : 12));
+  const int m = rng.pick<int>({1, 1, 2, 3, 4, 8, 16, 128});
+  const int64_t A = T * K;
+  const int extra = static_cast<int>(rng.below(3) == 0 ? 0 : rng.below(20));
+  const int G = rng.chance(20) ? 0 : E + extra;  // 0: E
+  const int64_t Gv = G == 0 ? E : G;
+  ref::RoutingOptions r;
+  padmoe::PlanOptions po;
+  bool valid = true;
+  r.global_experts = G;
+  po.global_experts = G;
+  if (rng.chance(3)) {
+    po.global_experts = -1 - static_cast<int>(rng.below(3));
+    valid = false;
+  }
+  // local experts: a map, a range, or the identity
+  std::vector<int64_t> map;
+  const int how = static_cast<int>(rng.below(3));
+  DType map_dtype = rng.chance(50) ? DType::kInt32 : DType::kInt64;
+  if (how == 0) {
+    map.assign(static_cast<size_t>(Gv), -1);
+    for (int e = 0; e < E; ++e) {
+      if (rng.chance(85)) map[rng.below(Gv)] = e;
+    }
+    if (rng.chance(5)) {
+      map[rng.below(Gv)] = rng.pick<int64_t>({int64_t{E}, -2, int64_t{E} + 7, int64_t{1} << 33});
+      valid = false;
+      if (map_dtype == DType::kInt32) map_dtype = DType::kInt64;  // the value must survive the dtype
+    }
+    r.expert_map = map;
+    if (rng.chance(3)) {
+      po.first_expert = 1;
+      valid = false;
+    }
+  } else if (how == 1) {
+    const int64_t first = rng.below(Gv - E + 1);
+    r.first_expert = static_cast<int>(first);
+    po.first_expert = static_cast<int>(first);
+    if (rng.chance(4)) {
+      po.first_expert = rng.chance(50) ? -1 : static_cast<int>(Gv - E + 1);
+      valid = false;
+    }
+  }
+  // ids: valid, or some outside [0, G) (dropped with drop_invalid)
+  r.drop_invalid = po.drop_invalid = rng.chance(25);
+  std::vector<int64_t> ids(static_cast<size_t>(A));
+  const bool stray = rng.chance(10);
+  for (auto& id : ids) id = stray && rng.chance(5) ? rng.pick<int64_t>({-1, Gv, Gv + 3, -100}) : rng.below(Gv);
+  bool any_stray = false;
+  for (int64_t id : ids) any_stray |= id < 0 || id >= Gv;
+  if (any_stray && !r.drop_invalid) valid = false;
+  // capacity and drop policy
+  std::vector<float> probs;
+  bool with_probs = false;
+  if (rng.chance(45)) {
+    int64_t C = m * rng.below(rng.chance(10) ? 3 : 12);
+    if (rng.chance(4) && m > 1) C += 1;  // alignment must divide it
+    if (rng.chance(2)) C = -2 - rng.below(5);
+    if (C < -1 || (C >= 0 && C % m != 0)) valid = false;
+    r.expert_capacity = po.expert_capacity = C;
+    if (rng.chance(40)) {
+      r.by_probs = with_probs = true;
+      po.drop_policy = padmoe::DropPolicy::kProbs;
+      probs.resize(static_cast<size_t>(A));
+      for (auto& p : probs) p = rng.chance(30) ? static_cast<float>(rng.below(4)) / 4.0f : static_cast<float>(rng.below(1 << 20)) / (1 << 20);
+      r.probs = probs;
+    }
+  } else if (rng.chance(3)) {
+    po.drop_policy = padmoe::DropPolicy::kProbs;  // no capacity: an error
+    valid = false;
+    with_probs = true;
+    probs.assign(static_cast<size_t>(A), 0.5f);
+  }
+  Tensor probs_t, map_t, dropped = poisoned(1);
+  if (with_probs) {
+    probs_t = Tensor::empty(DType::kFloat32, {A});
+    std::copy(probs.begin(), probs.end(), probs_t.data_as<float>());
+    po.probs = probs_t;
+  }
+  if (!map.empty()) {
+    std::vector<int64_t> m2 = map;
+    if (rng.chance(3)) {  // a short map
+      m2.pop_back();
+      valid = false;
+    }
+    map_t = index_tensor(m2, map_dtype, {static_cast<int64_t>(m2.size())});
+    po.expert_map = map_t;
+  }
+  const bool want_dropped = rng.chance(50);
+  if (want_dropped) po.dropped = dropped;
+  const DType id_dtype = rng.chance(50) ? DType::kInt32 : DType::kInt64;
+  const Tensor top = index_tensor(ids, id_dtype, {T, K});
+
+  log = "make_plan T=" + std::to_string(T) + " K=" + std::to_string(K) + " E=" + std::to_string(E) +
+        " m=" + std::to_string(m) + " G=" + std::to_string(po.global_experts) + " first=" +
+        std::to_string(po.first_expert) + " map=" + (map.empty() ? "none" : describe_ids(map)) +
+        " drop_invalid=" + std::to_string(po.drop_invalid) + " C=" + std::to_string(po.expert_capacity) +
+        " probs=" + std::to_string(with_probs) + " ids=" + describe_ids(ids);
+
+  ref::RoutedPlan want;
+  if (valid) want = ref::make_plan(ids, T, K, E, m, r);
+  const bool capped = po.expert_capacity >= 0;
+  // the rows row_sources needs: E * C, or P (CPU)
+  const int64_t need = valid ? (capped ? want.plan.capacity : want.plan.padded_rows) : A + int64_t{E} * (m - 1);
+  if (rng.chance(25)) {  // the allocating form
+    try {
+      const padmoe::Plan got = padmoe::make_plan(top, E, m, po);
+      if (!valid) fail("an invalid call returned a plan");
+      expect_equal(read(got.indices), want.plan.indices, "indices");
+      expect_equal(read(got.bin_ids), want.plan.bin_ids, "bin_ids");
+      expect_equal(read(got.tokens_per_expert), want.plan.tokens_per_expert, "tokens_per_expert");
+      expect_equal(read(got.bins), want.plan.bins, "bins");
+      expect_equal(read(got.padded_tokens_per_expert), want.plan.padded_tokens_per_expert, "padded_tokens_per_expert");
+      expect_equal(read(got.padded_bins), want.plan.padded_bins, "padded_bins");
+      expect_equal(read(got.dest_rows), want.plan.dest_rows, "dest_rows");
+      expect_equal(read(got.row_sources), want.plan.row_sources, "row_sources");
+      if (want_dropped) expect_equal(read(dropped), {want.dropped}, "dropped");
+    } catch (const padmoe::Error& e) {
+      if (valid) fail(std::string("a valid call threw: ") + e.what());
+      if (!untouched(dropped)) fail("an invalid call wrote dropped");
+    }
+    (valid ? st.valid : st.invalid) += 1;
+    return;
+  }
+  int64_t R = need + (rng.chance(50) ? 0 : rng.below(2 * m + 3));
+  bool short_rows = false;
+  if (need > 0 && rng.chance(4)) {
+    R = need - 1;
+    short_rows = true;
+  }
+  Tensor indices = poisoned(A), bin_ids = poisoned(A), dest = poisoned(A), rows = poisoned(R);
+  Tensor tpe = poisoned(E), bins = poisoned(E), ptpe = poisoned(E), pbins = poisoned(E);
+  padmoe::PlanView out;
+  out.indices = indices;
+  out.bin_ids = bin_ids;
+  out.tokens_per_expert = tpe;
+  out.bins = bins;
+  out.padded_tokens_per_expert = ptpe;
+  out.padded_bins = pbins;
+  out.dest_rows = dest;
+  out.row_sources = rows;
+  // the view's scalar fields are the caller's: make_plan_out never reads them
+  out.num_tokens = rng.pick<int64_t>({0, T, T + 1000, -7, int64_t{1} << 40});
+  out.top_k = rng.pick<int>({0, 1, K, 64, -1});
+  out.num_experts = rng.pick<int>({0, E, 4 * E + 30, 1 << 20, -3});
+  out.alignment = rng.pick<int>({0, 1, m, 1 << 30});
+  padmoe::PlanLayouts layouts;
+  const int64_t blocks = (R + m - 1) / m;
+  Tensor row_experts = poisoned(R), block_experts = poisoned(blocks), total = poisoned(1);
+  const bool with_rows = rng.chance(50), with_blocks = rng.chance(50), with_total = rng.chance(50);
+  if (with_rows) layouts.row_experts = row_experts;
+  if (with_blocks) layouts.block_experts = block_experts;
+  if (with_total) layouts.padded_total = total;
+  padmoe::Options opt;
+  opt.num_threads = static_cast<int>(rng.below(4));
+  const bool expect_ok = valid && !short_rows;
+  try {
+    padmoe::make_plan_out(top, E, m, out, layouts, po, opt);
+    if (!expect_ok) fail(short_rows ? "a short row_sources was accepted" : "an invalid call returned");
+    ref::Plan p = want.plan;
+    p.row_sources.resize(static_cast<size_t>(R), -1);
+    expect_equal(read(indices), p.indices, "indices");
+    expect_equal(read(bin_ids), p.bin_ids, "bin_ids");
+    expect_equal(read(tpe), p.tokens_per_expert, "tokens_per_expert");
+    expect_equal(read(bins), p.bins, "bins");
+    expect_equal(read(ptpe), p.padded_tokens_per_expert, "padded_tokens_per_expert");
+    expect_equal(read(pbins), p.padded_bins, "padded_bins");
+    expect_equal(read(dest), p.dest_rows, "dest_rows");
+    expect_equal(read(rows), p.row_sources, "row_sources");
+    if (want_dropped) expect_equal(read(dropped), {want.dropped}, "dropped");
+    if (with_rows) expect_equal(read(row_experts), want_row_experts(p, R), "row_experts");
+    if (with_blocks) expect_equal(read(block_experts), want_block_experts(p, blocks, m, -1), "block_experts");
+    if (with_total) expect_equal(read(total), {p.padded_rows}, "padded_total");
+  } catch (const padmoe::Error& e) {
+    if (expect_ok) fail(std::string("a valid call threw: ") + e.what());
+    const Tensor* all[] = {&indices, &bin_ids, &dest, &rows, &tpe, &bins, &ptpe, &pbins, &row_experts,
+                           &block_experts, &total, &dropped};
+    for (const Tensor* t : all) {
+      if (!untouched(*t)) fail(std::string("an invalid call wrote an output before failing: ") + e.what());
+    }
+  }
+  (expect_ok ? st.valid : st.invalid) += 1;
+}
+
+// One moe_align_block_size call (vLLM's contract), with and without expert_map.
+void align_case(Rng& rng, Stats& st, std::string& log) {
+  const int64_t T = rng.below(rng.chance(20) ? 600 : 30);
+  const int K = static_cast<int>(1 + rng.below(8));
+  const int E = static_cast<int>(1 + rng.below(rng.chance(10) ? 300 : 16));
+  const int bs = rng.pick<int>({1, 2, 3, 16, 64, 128});
+  const int64_t A = T * K;
+  bool valid = true;
+  std::vector<int64_t> ids(static_cast<size_t>(A));
+  for (auto& id : ids) id = rng.chance(1) ? rng.pick<int64_t>({-1, int64_t{E}}) : rng.below(E);
+  for (int64_t id : ids) valid &= id >= 0 && id < E;
+  std::vector<int64_t> map;
+  if (rng.chance(40)) {
+    map.assign(static_cast<size_t>(E), -1);
+    for (int e = 0; e < E; ++e) {
+      if (rng.chance(60)) map[e] = rng.below(E);
+    }
+    if (rng.chance(5)) {
+      map[rng.below(E)] = rng.pick<int64_t>({int64_t{E}, -2});
+      valid = false;
+    }
+  }
+  const bool pad = rng.chance(50);
+  log = "moe_align_block_size T=" + std::to_string(T) + " K=" + std::to_string(K) + " E=" + std::to_string(E) +
+        " bs=" + std::to_string(bs) + " pad=" + std::to_string(pad) + " map=" +
+        (map.empty() ? "none" : describe_ids(map)) + " ids=" + describe_ids(ids);
+  const Tensor top = index_tensor(ids, rng.chance(50) ? DType::kInt32 : DType::kInt64, {T, K});
+  Tensor map_t;
+  if (!map.empty()) map_t = index_tensor(map, DType::kInt64, {E});
+  const TensorView map_v = map.empty() ? TensorView{} : map_t.view();
+  const int64_t R = padmoe::aligned_rows_bound(A, E, bs, pad);
+  Tensor sorted = poisoned(R), experts = poisoned((R + bs - 1) / bs), total = poisoned(1);
+  try {
+    padmoe::moe_align_block_size_out(top, bs, E, map_v, sorted, experts, total);
+    if (!valid) fail("an invalid call returned");
+    const ref::AlignedBlocks want = ref::moe_align_block_size(ids, bs, E, pad, map.empty() ? nullptr : &map);
+    expect_equal(read(sorted), want.sorted_token_ids, "sorted_token_ids");
+    expect_equal(read(experts), want.expert_ids, "expert_ids");
+    expect_equal(read(total), {want.num_tokens_post_padded}, "num_tokens_post_padded");
+  } catch (const padmoe::Error& e) {
+    if (valid) fail(std::string("a valid call threw: ") + e.what());
+    if (!untouched(sorted) || !untouched(experts) || !untouched(total)) {
+      fail(std::string("an invalid call wrote an output before failing: ") + e.what());
+    }
+  }
+  (valid ? st.valid : st.invalid) += 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  double seconds = 20;
+  uint64_t seed = 1;
+  int64_t iterations = std::numeric_limits<int64_t>::max();
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--seconds") seconds = std::atof(argv[i + 1]);
+    else if (a == "--seed") seed = std::strtoull(argv[i + 1], nullptr, 10);
+    else if (a == "--iterations") iterations = std::atoll(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "usage: %s [--seconds S] [--seed N] [--iterations N]\n", argv[0]);
+      return 2;
+    }
+  }
+  const auto start = std::chrono::steady_clock::now();
+  Stats st;
+  int64_t it = 0;
+  for (; it < iterations; ++it) {
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >= seconds) break;
+    Rng rng(seed + static_cast<uint64_t>(it) * 7919);
+    std::string log;
+    try {
+      if (rng.chance(70)) plan_case(rng, st, log);
+      else align_case(rng, st, log);
+    } catch (const Failure& f) {
+      std::fprintf(stderr, "fuzz_plan: FAILED at iteration %lld (seed %llu): %s\n  case: %s\n",
+                   static_cast<long long>(it), static_cast<unsigned long long>(seed), f.what.c_str(), log.c_str());
+      return 1;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "fuzz_plan: FAILED at iteration %lld (seed %llu): a non-padmoe exception: %s\n  case: %s\n",
+                   static_cast<long long>(it), static_cast<unsigned long long>(seed), e.what(), log.c_str());
+      return 1;
+    }
+  }
+  std::printf("fuzz_plan: %lld cases, %lld valid checked against the reference, %lld invalid rejected untouched\n",
+              static_cast<long long>(it), static_cast<long long>(st.valid), static_cast<long long>(st.invalid));
+  return 0;
+}
