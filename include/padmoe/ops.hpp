@@ -127,13 +127,20 @@ struct Plan {
   int64_t capacity() const;
 };
 
-// Host-side bound on P.
+// Host-side bound on P: A + E * (alignment - 1). The size helpers here (capacity_bound,
+// workspace_bound, plan_rows_bound, aligned_rows_bound, sort_chunks_capacity, Plan::empty) check
+// their arguments and throw padmoe::Error ("<helper>: <argument>: size overflow") rather than
+// return a bound that does not fit 64 bits.
 int64_t capacity_bound(int64_t num_tokens, int top_k, int num_experts, int alignment);
 
 // P = padded_bins[E-1], read on the host (on CUDA this synchronizes the stream).
 int64_t padded_rows(const PlanView& plan, const Options& options = {});
 int64_t padded_rows(const Plan& plan, const Options& options = {});
 
+// Every _out form writes by its checked arguments and the output arrays' shapes: an output
+// PlanView's scalar fields are never read. Outputs must not share memory with the inputs or with
+// each other (refused as "<op>: <output>: shares memory with <input>").
+//
 // make_plan(top_experts[T, K] int32|int64, E, m): SPEC section 1. On CUDA,
 // out.row_sources needs at least capacity_bound() entries (P is not known on
 // the host); in unchecked mode an expert id outside [0, E) is dropped

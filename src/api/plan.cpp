@@ -488,8 +488,8 @@ Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, co
   const PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, alignment);
   const Routing r = check_plan_options(c, plan_options, shape.tokens * shape.top_k, num_experts, alignment,
                                        top_experts.device);
+  if (r.capacity < 0) check_capacity_fits(c, shape, num_experts, alignment);  // sizes before the data
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment, r);
-  if (r.capacity < 0) check_capacity_fits(c, s, num_experts, alignment);
   // E * C rows with a capacity (checked to fit int32 with the options), else the capacity bound
   const int64_t rows = r.capacity >= 0 ? r.capacity * num_experts
                                        : index::capacity_bound(s.tokens * s.top_k, num_experts, alignment);
@@ -560,9 +560,9 @@ void make_plan_and_dispatch_out(const TensorView& x, const TensorView& top_exper
 PlannedRows make_plan_and_dispatch(const TensorView& x, const TensorView& top_experts, int num_experts,
                                    int alignment, const std::optional<TensorView>& weights, const Options& options) {
   Checker c("make_plan_and_dispatch");
+  check_capacity_fits(c, check_top_experts_shape(c, top_experts, num_experts, alignment), num_experts, alignment);
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
   check_plan_dispatch_rows(c, x, weights, nullptr, 0, s, top_experts.device);
-  check_capacity_fits(c, s, num_experts, alignment);
   PlannedRows r;
   r.plan = Plan::empty(s.tokens, s.top_k, num_experts, alignment, top_experts.device);
   r.y = Tensor::empty(x.dtype, {r.plan.capacity(), x.shape[1]}, x.device);
@@ -700,8 +700,8 @@ AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size
 
 Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, const Options& options) {
   Checker c("make_plan");
+  check_capacity_fits(c, check_top_experts_shape(c, top_experts, num_experts, alignment), num_experts, alignment);
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
-  check_capacity_fits(c, s, num_experts, alignment);
   Plan plan = Plan::empty(s.tokens, s.top_k, num_experts, alignment, top_experts.device);
   run_make_plan(c, top_experts, s, num_experts, alignment, plan.view(), options);
   return plan;
