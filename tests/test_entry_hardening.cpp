@@ -325,6 +325,43 @@ TEST(EntryHardening, AliasedOutputsAreRefusedDisjointSlicesAccepted) {
   EXPECT_TRUE(throws_error([&] { padmoe::combine_out(y1, plan.view(), std::nullopt, out_on_plan); },
                            {"combine: out: shares memory with plan"}, kValue));
   EXPECT_TRUE(same_bytes(buf, before));
+  // weight gradients over the weights; pad_to_alignment's map over its counts (the counts are the
+  // map's first entries); sort_chunks' offsets
+  // inside its sizes; a copy onto itself shifted by one element
+  Tensor w = vec_from_float(random_values(T * K, DType::kFloat32, rng, 0, 1), DType::kFloat32);
+  const Tensor w_before = vec_from_float(vec_to_float(w), DType::kFloat32);
+  Tensor y2 = padmoe::dispatch(x_in, plan.view(), TensorView(w));
+  Tensor out2 = padmoe::combine(y2, plan.view(), TensorView(w));
+  Tensor gy = poison_rows(DType::kFloat32, y2.size(0), H);
+  EXPECT_TRUE(throws_error([&] { padmoe::combine_backward_out(out2, y2, plan.view(), TensorView(w), gy, w); },
+                           {"combine_backward: grad_weights: shares memory with weights"}, kValue));
+  EXPECT_TRUE(same_bytes(w, w_before));
+  std::vector<int64_t> counts = {4, 0, 2};
+  const Tensor h = rows_from_float(random_values(6 * H, DType::kFloat32, rng), DType::kFloat32, 6, H);
+  const int64_t P = padmoe::pad_to_alignment_rows(h, index_tensor(counts, DType::kInt32), 4);
+  Tensor padded = poison_rows(DType::kFloat32, P, H), offs = poison_index(3);
+  Tensor big_tpe = index_tensor(std::vector<int64_t>(static_cast<size_t>(P), 0), DType::kInt32);
+  std::copy(counts.begin(), counts.end(), big_tpe.data_as<int32_t>());
+  const TensorView counts_view = TensorView::contiguous(big_tpe.data_as<int32_t>(), DType::kInt32, {3});
+  const TensorView map_view = TensorView::contiguous(big_tpe.data_as<int32_t>(), DType::kInt32, {P});
+  EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment_out(h, counts_view, 4, padded, map_view, offs); },
+                           {"pad_to_alignment: permutation_map: shares memory with tokens_per_expert"}, kValue));
+  EXPECT_TRUE(all_bytes_are(padded, kPoison));
+  std::vector<int64_t> split = {2, 1, 1, 2};
+  Tensor sizes = index_tensor(split, DType::kInt32);
+  Tensor sorted_rows = poison_rows(DType::kFloat32, padmoe::sort_chunks_capacity(6, 4, 2, 4), H);
+  Tensor smap = poison_index(sorted_rows.size(0));
+  const TensorView offs_on_sizes = TensorView::contiguous(sizes.data_as<int32_t>() + 2, DType::kInt32, {2});
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::sort_chunks_out(h, sizes, 2, 4, std::nullopt, sorted_rows, smap, offs_on_sizes); },
+      {"sort_chunks: inclusive_offsets: shares memory with split_sizes"}, kValue));
+  EXPECT_TRUE(all_bytes_are(sorted_rows, kPoison));
+  std::vector<int64_t> seq = {1, 2, 3, 4, 5};
+  Tensor line = index_tensor(seq, DType::kInt32);
+  const TensorView head = TensorView::contiguous(line.data_as<int32_t>(), DType::kInt32, {4});
+  const TensorView tail = TensorView::contiguous(line.data_as<int32_t>() + 1, DType::kInt32, {4});
+  EXPECT_TRUE(throws_error([&] { padmoe::copy(head, tail); }, {"copy: dst: shares memory with src"}, kValue));
+  EXPECT_EQ(index_to_vec(line), seq);
   // x in columns [0, H), y in columns [H, 2H) of the same rows: disjoint, accepted, the same as apart
   const TensorView y_beside = TensorView::matrix(buf.data_as<float>() + H, DType::kFloat32, R, H, 2 * H);
   padmoe::Options o;

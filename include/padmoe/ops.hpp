@@ -138,8 +138,9 @@ int64_t padded_rows(const PlanView& plan, const Options& options = {});
 int64_t padded_rows(const Plan& plan, const Options& options = {});
 
 // Every _out form writes by its checked arguments and the output arrays' shapes: an output
-// PlanView's scalar fields are never read. Outputs must not share memory with the inputs or with
-// each other (refused as "<op>: <output>: shares memory with <input>").
+// PlanView's scalar fields are never read. In every _out form (and copy) outputs must not share
+// memory with the inputs or with each other (refused as "<op>: <output>: shares memory with
+// <input>"); column slices of one buffer side by side do not overlap.
 //
 // make_plan(top_experts[T, K] int32|int64, E, m): SPEC section 1. On CUDA,
 // out.row_sources needs at least capacity_bound() entries (P is not known on

@@ -184,6 +184,18 @@ void check_disjoint(const Checker& c, const TensorView& out, const char* name, c
   }
 }
 
+void check_disjoint_all(const Checker& c, std::initializer_list<Named> outputs, std::initializer_list<Named> inputs) {
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    if (o->view == nullptr) continue;
+    for (const Named& in : inputs) {
+      if (in.view != nullptr) check_disjoint(c, *o->view, o->name, *in.view, in.name);
+    }
+    for (auto p = outputs.begin(); p != o; ++p) {
+      if (p->view != nullptr) check_disjoint(c, *o->view, o->name, *p->view, p->name);
+    }
+  }
+}
+
 int64_t checked_add(const Checker& c, const char* what, int64_t a, int64_t b) {
   if (a > std::numeric_limits<int64_t>::max() - b) {
     c.value_error(what, "size overflow: " + str(a) + " + " + str(b) + " does not fit 64 bits");

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <new>
 #include <optional>
 #include <stdexcept>
@@ -136,6 +137,16 @@ void check_int32_extent(const Checker& c, const char* what, int64_t value);
 // side by side do not overlap). Unset and empty views overlap nothing.
 void check_disjoint(const Checker& c, const TensorView& out, const char* name, const TensorView& other,
                     const char* other_name);
+
+// An op's argument for check_disjoint_all: its view (null: absent) and its name.
+struct Named {
+  const TensorView* view;
+  const char* name;
+};
+inline Named named(const TensorView& t, const char* name) { return Named{&t, name}; }
+inline Named named(const std::optional<TensorView>& t, const char* name) { return Named{t ? &*t : nullptr, name}; }
+// check_disjoint for every output against every input and every other output, in the order given.
+void check_disjoint_all(const Checker& c, std::initializer_list<Named> outputs, std::initializer_list<Named> inputs);
 
 // Size arithmetic on non-negative int64 operands, checked: the exact result, or the error
 // "<op>: <what>: size overflow: ..." (an unchecked sum or product of legal sizes, e.g. rows of

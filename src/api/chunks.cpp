@@ -283,6 +283,10 @@ void sort_chunks_out(const TensorView& received, const TensorView& split_sizes, 
   c.same_device(padded, "padded", received.device);
   c.same_device(permutation_map, "permutation_map", received.device);
   c.same_device(inclusive_offsets, "inclusive_offsets", received.device);
+  detail::check_disjoint_all(c, {detail::named(padded, "padded"), detail::named(permutation_map, "permutation_map"),
+                                 detail::named(inclusive_offsets, "inclusive_offsets")},
+                             {detail::named(received, "received"), detail::named(split_sizes, "split_sizes"),
+                              detail::named(sorted_index, "sorted_index")});
   const ChunkLayout l = chunk_inputs(c, g, received, sizes, sorted_index, alignment, options, false);
   if (l.known && padded.shape[0] < l.padded_rows) {  // in the device validation's words
     c.value_error("padded", "output capacity: needs at least " + str(l.padded_rows) + " rows, got " +

@@ -23,6 +23,7 @@ void copy(const TensorView& src, const TensorView& dst, const Options& options) 
   if (!dst.is_contiguous()) c.value_error("dst", "expected a contiguous tensor");
   detail::require_backend(c, src.device);
   detail::require_backend(c, dst.device);
+  detail::check_disjoint(c, dst, "dst", src, "src");
   const int64_t bytes = src.numel() * static_cast<int64_t>(element_size(src.dtype));
   if (src.device.is_cuda() || dst.device.is_cuda()) {  // any direction, ordered on options.stream
     cuda::copy_bytes(dst.data, dst.device, src.data, src.device, static_cast<size_t>(bytes), options.stream);

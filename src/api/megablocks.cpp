@@ -265,33 +265,36 @@ Device rows_device(const Checker& c, const TensorView& rows) {
 }
 
 // Outputs: padded rows [>= P, H], token rows [T, H], per-assignment floats [A].
-// A row output shares no memory with the routing arrays or the rows `like` (named like_name).
-void check_row_out_disjoint(const Checker& c, const TensorView& t, const char* name, const Routed& r,
-                            const TensorView& like, const char* like_name) {
-  detail::check_disjoint(c, t, name, like, like_name);
-  if (r.given_plan != nullptr) {
-    const PlanView& p = *r.given_plan;
-    const TensorView* fields[] = {&p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins,
-                                  &p.padded_tokens_per_expert, &p.padded_bins, &p.dest_rows, &p.row_sources};
-    for (const TensorView* f : fields) detail::check_disjoint(c, t, name, *f, "plan");
-  }
-  detail::check_disjoint(c, t, name, r.given_indices, "indices");
-  detail::check_disjoint(c, t, name, r.given_bin_ids, "bin_ids");
-  detail::check_disjoint(c, t, name, r.given_bins, "bins");
-  detail::check_disjoint(c, t, name, r.given_padded_bins, "padded_bins");
-}
-void check_padded_out(const Checker& c, const TensorView& t, const char* name, Routed& r, const TensorView& like,
-                      const char* like_name) {
+void check_padded_out(const Checker& c, const TensorView& t, const char* name, Routed& r, const TensorView& like) {
   c.row_output(t, name, padded_rows_known(r, t.shape[0], name) ? r.padded_rows : 0, /*at_least=*/true, like.shape[1],
                like.dtype);
   c.same_device(t, name, like.device);
-  check_row_out_disjoint(c, t, name, r, like, like_name);
 }
-void check_token_out(const Checker& c, const TensorView& t, const char* name, const Routed& r, const TensorView& like,
-                     const char* like_name) {
+void check_token_out(const Checker& c, const TensorView& t, const char* name, const Routed& r, const TensorView& like) {
   c.row_output(t, name, r.tokens, /*at_least=*/false, like.shape[1], like.dtype);
   c.same_device(t, name, like.device);
-  check_row_out_disjoint(c, t, name, r, like, like_name);
+}
+// The outputs share no memory with each other, with the inputs or with the routing arrays.
+void outputs_disjoint(const Checker& c, const Routed& r, std::initializer_list<detail::Named> outputs,
+                      std::initializer_list<detail::Named> inputs) {
+  detail::check_disjoint_all(c, outputs, inputs);
+  detail::Named routing[12];  // no allocation: these checks run on every call
+  int n = 0;
+  if (r.given_plan != nullptr) {
+    const PlanView& p = *r.given_plan;
+    for (const TensorView* f : {&p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins, &p.padded_tokens_per_expert,
+                                &p.padded_bins, &p.dest_rows, &p.row_sources}) {
+      routing[n++] = detail::Named{f, "plan"};
+    }
+  }
+  routing[n++] = detail::named(r.given_indices, "indices");
+  routing[n++] = detail::named(r.given_bin_ids, "bin_ids");
+  routing[n++] = detail::named(r.given_bins, "bins");
+  routing[n++] = detail::named(r.given_padded_bins, "padded_bins");
+  for (const detail::Named& o : outputs) {
+    if (o.view == nullptr) continue;
+    for (int i = 0; i < n; ++i) detail::check_disjoint(c, *o.view, o.name, *routing[i].view, routing[i].name);
+  }
 }
 // An optional weight-gradient output; an empty TensorView{} (no data, no dims) skips it.
 bool check_weight_grad_out(const Checker& c, const TensorView& t, const char* name, const Routed& r,
@@ -372,7 +375,8 @@ void padded_gather_out(const TensorView& x, const TensorView& indices, const Ten
                        const std::optional<TensorView>& weights, const TensorView& y, const Options& options) {
   Checker c("padded_gather");
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
-  check_padded_out(c, y, "y", r, x, "x");
+  check_padded_out(c, y, "y", r, x);
+  outputs_disjoint(c, r, {detail::named(y, "y")}, {detail::named(x, "x"), detail::named(weights, "weights")});
   prepare(c, r, options);
   run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
 }
@@ -394,7 +398,8 @@ void padded_scatter_out(const TensorView& y, const TensorView& indices, const Te
                         const TensorView& padded_bins, int top_k, const TensorView& out, const Options& options) {
   Checker c("padded_scatter");
   Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, weights, options);
-  check_token_out(c, out, "out", r, y, "y");
+  check_token_out(c, out, "out", r, y);
+  outputs_disjoint(c, r, {detail::named(out, "out")}, {detail::named(y, "y"), detail::named(weights, "weights")});
   prepare(c, r, options);
   run_reduce(r, y, weights, out, options);
 }
@@ -418,6 +423,7 @@ void padded_scatter_wgrad_out(const TensorView& y, const TensorView& grad, const
   pair_inputs(c, r, grad, "grad", y, "y", std::nullopt);
   c.float_output(wgrad, "wgrad", r.assignments, y.dtype);
   c.same_device(wgrad, "wgrad", y.device);
+  outputs_disjoint(c, r, {detail::named(wgrad, "wgrad")}, {detail::named(y, "y"), detail::named(grad, "grad")});
   prepare(c, r, options);
   run_dots(r, y, grad, wgrad, options);
 }
@@ -468,8 +474,11 @@ void padded_gather_backward_out(const TensorView& grad_y, const TensorView& x, c
   Checker c("padded_gather_backward");
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
-  check_token_out(c, grad_x, "grad_x", r, x, "x");
+  check_token_out(c, grad_x, "grad_x", r, x);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, x);
+  outputs_disjoint(c, r, {detail::named(grad_x, "grad_x"), detail::named(grad_weights, "grad_weights")},
+                   {detail::named(grad_y, "grad_y"), detail::Named{want_gw ? &x : nullptr, "x"},  // read for grad_weights
+                    detail::named(weights, "weights")});
   prepare(c, r, options);
   run_spread_backward(r, grad_y, x, weights, grad_x, want_gw ? &grad_weights : nullptr, options);
 }
@@ -493,8 +502,11 @@ void padded_scatter_backward_out(const TensorView& grad_out, const TensorView& y
   Checker c("padded_scatter_backward");
   Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
-  check_padded_out(c, grad_y, "grad_y", r, y, "y");
+  check_padded_out(c, grad_y, "grad_y", r, y);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, y);
+  outputs_disjoint(c, r, {detail::named(grad_y, "grad_y"), detail::named(grad_weights, "grad_weights")},
+                   {detail::named(grad_out, "grad_out"), detail::Named{want_gw ? &y : nullptr, "y"},  // read for grad_weights
+                    detail::named(weights, "weights")});
   prepare(c, r, options);
   run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
 }
@@ -522,7 +534,8 @@ void dispatch_out(const TensorView& x, const PlanView& plan, const std::optional
                   const TensorView& y, const Options& options) {
   Checker c("dispatch");
   Routed r = dispatch_inputs(c, x, plan, weights);
-  check_padded_out(c, y, "y", r, x, "x");
+  check_padded_out(c, y, "y", r, x);
+  outputs_disjoint(c, r, {detail::named(y, "y")}, {detail::named(x, "x"), detail::named(weights, "weights")});
   prepare(c, r, options);
   run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
 }
@@ -542,7 +555,8 @@ void combine_out(const TensorView& y, const PlanView& plan, const std::optional<
                  const TensorView& out, const Options& options) {
   Checker c("combine");
   Routed r = combine_inputs(c, y, plan, weights);
-  check_token_out(c, out, "out", r, y, "y");
+  check_token_out(c, out, "out", r, y);
+  outputs_disjoint(c, r, {detail::named(out, "out")}, {detail::named(y, "y"), detail::named(weights, "weights")});
   prepare(c, r, options);
   run_reduce(r, y, weights, out, options);
 }
@@ -563,8 +577,11 @@ void combine_backward_out(const TensorView& grad_out, const TensorView& y, const
   Checker c("combine_backward");
   Routed r = combine_inputs(c, y, plan, std::nullopt);
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
-  check_padded_out(c, grad_y, "grad_y", r, y, "y");
+  check_padded_out(c, grad_y, "grad_y", r, y);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, y);
+  outputs_disjoint(c, r, {detail::named(grad_y, "grad_y"), detail::named(grad_weights, "grad_weights")},
+                   {detail::named(grad_out, "grad_out"), detail::Named{want_gw ? &y : nullptr, "y"},  // read for grad_weights
+                    detail::named(weights, "weights")});
   prepare(c, r, options);
   run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
 }
@@ -588,8 +605,11 @@ void dispatch_backward_out(const TensorView& grad_y, const TensorView& x, const 
   Checker c("dispatch_backward");
   Routed r = dispatch_inputs(c, x, plan, std::nullopt);
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
-  check_token_out(c, grad_x, "grad_x", r, x, "x");
+  check_token_out(c, grad_x, "grad_x", r, x);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, x);
+  outputs_disjoint(c, r, {detail::named(grad_x, "grad_x"), detail::named(grad_weights, "grad_weights")},
+                   {detail::named(grad_y, "grad_y"), detail::Named{want_gw ? &x : nullptr, "x"},  // read for grad_weights
+                    detail::named(weights, "weights")});
   prepare(c, r, options);
   run_spread_backward(r, grad_y, x, weights, grad_x, want_gw ? &grad_weights : nullptr, options);
 }
@@ -616,8 +636,9 @@ void padded_gather_scaled_out(const TensorView& x, const TensorView& indices, co
   Checker c("padded_gather");
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
-  check_padded_out(c, y, "y", r, x, "x");
+  check_padded_out(c, y, "y", r, x);
   detail::check_scales_out(c, y_scales, "y_scales", y.shape[0], spec, x.device);
+  outputs_disjoint(c, r, {detail::named(y, "y"), detail::named(y_scales, "y_scales")}, {detail::named(x, "x"), detail::named(x_scales, "x_scales")});
   prepare(c, r, options);
   const ScalePair sp{x_scales, y_scales, spec};
   run_spread(r, x, std::nullopt, y, nullptr, nullptr, options, options.zero_padding, &sp);
@@ -642,8 +663,9 @@ void dispatch_scaled_out(const TensorView& x, const PlanView& plan, const Tensor
   Checker c("dispatch");
   Routed r = dispatch_inputs(c, x, plan, std::nullopt);
   const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
-  check_padded_out(c, y, "y", r, x, "x");
+  check_padded_out(c, y, "y", r, x);
   detail::check_scales_out(c, y_scales, "y_scales", y.shape[0], spec, x.device);
+  outputs_disjoint(c, r, {detail::named(y, "y"), detail::named(y_scales, "y_scales")}, {detail::named(x, "x"), detail::named(x_scales, "x_scales")});
   prepare(c, r, options);
   const ScalePair sp{x_scales, y_scales, spec};
   run_spread(r, x, std::nullopt, y, nullptr, nullptr, options, options.zero_padding, &sp);
@@ -696,8 +718,9 @@ void dispatch_quantized_out(const TensorView& x, const PlanView& plan, const Ten
   const bool e5m2 = detail::check_fp8_dtype(c, y.dtype, "y");
   TensorView like = x;  // y: x's columns in the float8 dtype
   like.dtype = y.dtype;
-  check_padded_out(c, y, "y", r, like, "x");
+  check_padded_out(c, y, "y", r, like);
   const detail::ScaleSpec spec = detail::check_scales(c, y_scales, "y_scales", y.shape[0], x.shape[1], x.device);
+  outputs_disjoint(c, r, {detail::named(y, "y"), detail::named(y_scales, "y_scales")}, {detail::named(x, "x")});
   prepare(c, r, options);
   run_quant_spread(r, x, y, y_scales, spec, e5m2, options);
 }

@@ -239,6 +239,9 @@ void pad_to_alignment_out(const TensorView& hidden_states, const TensorView& tok
   c.same_device(padded, "padded", hidden_states.device);
   c.same_device(permutation_map, "permutation_map", hidden_states.device);
   c.same_device(inclusive_offsets, "inclusive_offsets", hidden_states.device);
+  detail::check_disjoint_all(c, {detail::named(padded, "padded"), detail::named(permutation_map, "permutation_map"),
+                                 detail::named(inclusive_offsets, "inclusive_offsets")},
+                             {detail::named(hidden_states, "hidden_states"), detail::named(tokens_per_expert, "tokens_per_expert")});
   run_pad(c, s, hidden_states, tokens_per_expert, alignment, padded, permutation_map, inclusive_offsets, options);
 }
 
@@ -270,6 +273,8 @@ void unpad_from_alignment_out(const TensorView& padded, const TensorView& permut
   check_unpad_inputs(c, padded, permutation_map, probs, original_size);
   c.row_output(out, "out", original_size, /*at_least=*/false, padded.shape[1], padded.dtype);
   c.same_device(out, "out", padded.device);
+  detail::check_disjoint_all(c, {detail::named(out, "out")},
+                             {detail::named(padded, "padded"), detail::named(permutation_map, "permutation_map"), detail::named(probs, "probs")});
   const Inverse inverse = inverse_map(c, permutation_map, padded.shape[0], original_size, padded.device, options);
   run_gather(padded, inverse.data, probs, false, out, original_size, options);
 }
@@ -303,6 +308,10 @@ void pad_to_alignment_scaled_out(const TensorView& hidden_states, const TensorVi
   c.same_device(padded, "padded", hidden_states.device);
   c.same_device(permutation_map, "permutation_map", hidden_states.device);
   c.same_device(inclusive_offsets, "inclusive_offsets", hidden_states.device);
+  detail::check_disjoint_all(c, {detail::named(padded, "padded"), detail::named(padded_scales, "padded_scales"),
+                                 detail::named(permutation_map, "permutation_map"), detail::named(inclusive_offsets, "inclusive_offsets")},
+                             {detail::named(hidden_states, "hidden_states"), detail::named(tokens_per_expert, "tokens_per_expert"),
+                              detail::named(hidden_scales, "hidden_scales")});
   const ScalePair sp{hidden_scales, padded_scales, spec};
   run_pad(c, s, hidden_states, tokens_per_expert, alignment, padded, permutation_map, inclusive_offsets, options, &sp);
 }
@@ -338,6 +347,9 @@ void unpad_from_alignment_scaled_out(const TensorView& padded, const TensorView&
   c.row_output(out, "out", original_size, /*at_least=*/false, padded.shape[1], padded.dtype);
   c.same_device(out, "out", padded.device);
   detail::check_scales_out(c, out_scales, "out_scales", original_size, spec, padded.device);
+  detail::check_disjoint_all(c, {detail::named(out, "out"), detail::named(out_scales, "out_scales")},
+                             {detail::named(padded, "padded"), detail::named(permutation_map, "permutation_map"),
+                              detail::named(padded_scales, "padded_scales")});
   const Inverse inverse = inverse_map(c, permutation_map, padded.shape[0], original_size, padded.device, options);
   const ScalePair sp{padded_scales, out_scales, spec};
   run_gather(padded, inverse.data, std::nullopt, false, out, original_size, options, &sp);
@@ -425,6 +437,9 @@ void unpad_from_alignment_backward_out(const TensorView& grad_out, const TensorV
     c.float_output(grad_probs, "grad_probs", grad_out.shape[0], padded.dtype);
     c.same_device(grad_probs, "grad_probs", padded.device);
   }
+  detail::check_disjoint_all(c, {detail::named(grad_padded, "grad_padded"), detail::named(grad_probs, "grad_probs")},
+                             {detail::named(grad_out, "grad_out"), detail::named(padded, "padded_output"),
+                              detail::named(permutation_map, "permutation_map"), detail::named(probs, "probs")});
   const Inverse inverse = unpad_backward_inputs(c, grad_out, padded, permutation_map, probs, options);
   run_unpad_backward(grad_out, padded, permutation_map, inverse, probs, grad_padded, want_gp ? &grad_probs : nullptr,
                      options);

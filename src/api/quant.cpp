@@ -79,6 +79,7 @@ void quantize_out(const TensorView& x, const TensorView& y, const TensorView& y_
   c.row_output(y, "y", x.shape[0], /*at_least=*/false, x.shape[1], y.dtype);
   c.same_device(y, "y", x.device);
   const detail::ScaleSpec spec = detail::check_scales(c, y_scales, "y_scales", x.shape[0], x.shape[1], x.device);
+  detail::check_disjoint_all(c, {detail::named(y, "y"), detail::named(y_scales, "y_scales")}, {detail::named(x, "x")});
   run_quantize(x, y, y_scales, spec, e5m2, options);
 }
 
