@@ -41,6 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from padmoe._args import int_arg
+from padmoe._plan import INT32_MAX
+
 Tensor = torch.Tensor
 
 __all__ = ["GroupedExperts", "experts_forward", "grouped_mm_usable", "ACTIVATIONS"]
@@ -322,6 +325,12 @@ class GroupedExperts(nn.Module):
                  alignment: Optional[int] = None, gemm: str = "auto", check: Optional[bool] = None,
                  device=None, dtype=None):
         super().__init__()
+        op = "GroupedExperts"
+        num_experts = int_arg(op, "num_experts", num_experts, 1, INT32_MAX)  # padmoe's plans index experts in int32
+        hidden_size = int_arg(op, "hidden_size", hidden_size, 1)
+        intermediate_size = int_arg(op, "intermediate_size", intermediate_size, 1)
+        if alignment is not None:
+            alignment = int_arg(op, "alignment", alignment, 1, INT32_MAX)
         if isinstance(activation, str):
             if activation not in ACTIVATIONS:
                 raise ValueError(f"GroupedExperts: activation: unknown name {activation!r} "
@@ -381,6 +390,9 @@ class GroupedExperts(nn.Module):
         return self.act_fn(g) * u
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Optional[Tensor] = None) -> Tensor:
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"GroupedExperts: hidden_states: expected [..., hidden_size = {self.hidden_size}], got "
+                             f"shape {list(hidden_states.shape)}")
         return experts_forward(
             hidden_states, top_k_index, top_k_weights, self.up_weight, self.down_proj, up_bias=self.up_bias,
             down_bias=getattr(self, "down_proj_bias", None), transposed=self.transposed,

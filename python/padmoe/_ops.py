@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from . import _C as _native_module
+from ._args import check_expert_map, checked_rows, map_experts, no_cols
 from ._arrays import arrays_of, last_entry, native_args, ndim, prepare
 from ._plan import INT32_MAX, Plan
 
@@ -288,12 +289,16 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int, exp
     padded to a multiple of ``block_size`` with the sentinel ``T*K``, then the sentinel to the end.
     ``expert_ids[ceil(R / block_size)]``: the expert of each block; 0 for blocks at or past P (as
     vLLM's and SGLang's kernels). ``num_tokens_post_padded[1]``: P. ``expert_map`` (global id ->
-    local id, -1 for experts of other ranks): with ``ignore_invalid_experts=False`` applied to every
-    entry of ``expert_ids`` afterwards, as vLLM does; with ``True`` the assignments of experts mapped
-    to -1 get no entry and the rest are grouped and ordered by their local id (vLLM's kernel with the
-    map). Ids outside ``[0, num_experts)`` are a ``ValueError`` (vLLM's kernel skips them)."""
+    local id, -1 for experts of other ranks; ``[num_experts]`` int32/int64, entries in ``[-1, num_experts)``):
+    with ``ignore_invalid_experts=False`` applied to every entry of ``expert_ids`` afterwards, as vLLM
+    does; with ``True`` the assignments of experts mapped to -1 get no entry and the rest are grouped
+    and ordered by their local id (vLLM's kernel with the map). Ids outside ``[0, num_experts)`` are a
+    ``ValueError`` (vLLM's kernel skips them)."""
     op = "moe_align_block_size"
     arrays = arrays_of(topk_ids, op, "topk_ids")
+    remap = expert_map is not None and not ignore_invalid_experts  # (the kernel checks a map it is given)
+    if remap:  # before anything runs; a CUDA map's entries only with check (one synchronization)
+        check_expert_map(op, expert_map, num_experts, bool(check) or not getattr(expert_map, "is_cuda", False))
     (topk_ids,) = prepare(arrays, topk_ids)
     a = 1
     for n in topk_ids.shape:
@@ -308,18 +313,7 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int, exp
     in_kernel = expert_map if ignore_invalid_experts else None
     _C.moe_align_block_size_out(topk_ids, block_size, num_experts, sorted_ids, expert_ids, post, in_kernel,
                                 **_options(arrays, topk_ids, check, num_threads, workspace, stream))
-    if expert_map is not None and not ignore_invalid_experts:
-        expert_ids = _map_experts(expert_ids, expert_map)
-    return sorted_ids, expert_ids, post
-
-
-def _map_experts(expert_ids, expert_map):
-    """vLLM's ``expert_map[expert_ids]`` (every entry, as the blocks past P hold 0), int32."""
-    if hasattr(expert_ids, "new_full"):  # torch
-        import torch
-        return expert_map.to(device=expert_ids.device, dtype=torch.int32)[expert_ids.long()]
-    import numpy as np
-    return np.asarray(expert_map, dtype=np.int32)[expert_ids]
+    return sorted_ids, map_experts(expert_ids, expert_map) if remap else expert_ids, post
 
 
 # ---------------------------------------------------------------------------
@@ -348,23 +342,22 @@ def padded_gather(x: Array, indices: Array, bin_ids: Array, bins: Array, padded_
     (``out=(y, y_scales)``)."""
     op = "padded_gather"
     arrays = arrays_of(x, op, "x")
+    out_y, out_s = out, None
     if scales is not None:
         _no_weights_with_scales(op, "weights", weights)
         out_y, out_s = _split_out(op, out, 2)
-        x, indices, bin_ids, bins, padded_bins, scales, out_y, out_s = prepare(
-            arrays, x, indices, bin_ids, bins, padded_bins, scales, out_y, out_s)
-        y = _padded_out(arrays, op, x, rows, out_y, lambda: last_entry(arrays, padded_bins))
+    x, indices, bin_ids, bins, padded_bins, weights, scales, out_y, out_s = prepare(
+        arrays, x, indices, bin_ids, bins, padded_bins, weights, scales, out_y, out_s)
+    opts = _options(arrays, x, check, num_threads, workspace, stream, zero_tail, zero_padding)
+    y = _padded_out(arrays, op, x, rows, out_y, lambda: checked_rows(  # (the scaled op checks x and the routing alike)
+        arrays, x, last_entry(arrays, padded_bins), opts, lambda y0: _C.padded_gather_out(
+            no_cols(x, _tokens(indices, top_k)), indices, bin_ids, bins, padded_bins, top_k, weights, y0, **opts)))
+    if scales is not None:
         ys = _scales_out(arrays, scales, y.shape[0], x, out_s)
         _C.padded_gather_scaled_out(x, indices, bin_ids, bins, padded_bins, top_k, _native_scales(arrays, scales), y,
-                                    _native_scales(arrays, ys),
-                                    **_options(arrays, x, check, num_threads, workspace, stream, zero_tail,
-                                               zero_padding))
+                                    _native_scales(arrays, ys), **opts)
         return y, ys
-    x, indices, bin_ids, bins, padded_bins, weights, out = prepare(
-        arrays, x, indices, bin_ids, bins, padded_bins, weights, out)
-    y = _padded_out(arrays, op, x, rows, out, lambda: last_entry(arrays, padded_bins))
-    _C.padded_gather_out(x, indices, bin_ids, bins, padded_bins, top_k, weights, y,
-                         **_options(arrays, x, check, num_threads, workspace, stream, zero_tail, zero_padding))
+    _C.padded_gather_out(x, indices, bin_ids, bins, padded_bins, top_k, weights, y, **opts)
     return y
 
 
@@ -380,10 +373,13 @@ def padded_scatter(y: Array, indices: Array, bin_ids: Array, weights: Optional[A
     arrays = arrays_of(y, op, "y")
     y, indices, bin_ids, weights, bins, padded_bins, out = prepare(
         arrays, y, indices, bin_ids, weights, bins, padded_bins, out)
-    if out is None:
-        out = arrays.empty((_tokens(indices, top_k), _cols(y)), y.dtype, y)
-    _C.padded_scatter_out(y, indices, bin_ids, weights, bins, padded_bins, top_k, out,
-                          **_options(arrays, y, check, num_threads, workspace, stream))
+    opts = _options(arrays, y, check, num_threads, workspace, stream)
+    t = _tokens(indices, top_k)
+    if out is None and ndim(y) == 2 and int(y.shape[0]) < t:  # y needs P >= A >= T rows: [T, H] fits, or y is bad
+        checked_rows(arrays, y, t, opts, lambda o0: _C.padded_scatter_out(
+            no_cols(y), indices, bin_ids, weights, bins, padded_bins, top_k, o0, **opts))
+    out = out if out is not None else arrays.empty((t, _cols(y)), y.dtype, y)
+    _C.padded_scatter_out(y, indices, bin_ids, weights, bins, padded_bins, top_k, out, **opts)
     return out
 
 
@@ -423,11 +419,16 @@ def padded_gather_backward(grad_y: Array, x: Array, indices: Array, bin_ids: Arr
     out_x, out_w = _split_out(op, out, 2)
     grad_y, x, indices, bin_ids, bins, padded_bins, weights, out_x, out_w = prepare(
         arrays, grad_y, x, indices, bin_ids, bins, padded_bins, weights, out_x, out_w)
-    grad_x = out_x if out_x is not None else arrays.empty((_tokens(indices, top_k), _cols(x)), x.dtype, x)
+    opts = _options(arrays, x, check, num_threads, workspace, stream)
+    t = _tokens(indices, top_k)
+    if out_x is None and ndim(x) == 2 and int(x.shape[0]) < t:  # x needs T rows: [T, H] fits, or the op rejects x
+        checked_rows(arrays, x, t, opts, lambda g0: _C.padded_gather_backward_out(
+            grad_y, x, indices, bin_ids, bins, padded_bins, top_k, weights, g0, None, **opts))
+    grad_x = out_x if out_x is not None else arrays.empty((t, _cols(x)), x.dtype, x)
     a = int(indices.shape[0]) if ndim(indices) == 1 else 0
     grad_w = _weight_grad(arrays, x, weights, out_w if out is not None else _UNSET, a)
     _C.padded_gather_backward_out(grad_y, x, indices, bin_ids, bins, padded_bins, top_k, weights, grad_x, grad_w,
-                                  **_options(arrays, x, check, num_threads, workspace, stream))
+                                  **opts)
     return grad_x, grad_w
 
 
@@ -449,11 +450,15 @@ def padded_scatter_backward(grad_out: Array, y: Array, indices: Array, bin_ids: 
     out_y, out_w = _split_out(op, out, 2)
     grad_out, y, indices, bin_ids, weights, bins, padded_bins, out_y, out_w = prepare(
         arrays, grad_out, y, indices, bin_ids, weights, bins, padded_bins, out_y, out_w)
-    grad_y = _padded_out(arrays, op, y, rows, out_y, lambda: last_entry(arrays, padded_bins))
+    opts = _options(arrays, y, check, num_threads, workspace, stream, zero_tail)
+    grad_y = _padded_out(arrays, op, y, rows, out_y, lambda: checked_rows(
+        arrays, y, last_entry(arrays, padded_bins), opts, lambda g0: _C.padded_scatter_backward_out(
+            no_cols(grad_out, _tokens(indices, top_k)), no_cols(y), indices, bin_ids, weights, bins, padded_bins,
+            top_k, g0, None, **opts)))
     a = int(indices.shape[0]) if ndim(indices) == 1 else 0
     grad_w = _weight_grad(arrays, y, weights, out_w if out is not None else _UNSET, a)
     _C.padded_scatter_backward_out(grad_out, y, indices, bin_ids, weights, bins, padded_bins, top_k, grad_y, grad_w,
-                                   **_options(arrays, y, check, num_threads, workspace, stream, zero_tail))
+                                   **opts)
     return grad_y, grad_w
 
 

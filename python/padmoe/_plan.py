@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import _C
 from . import _arrays as _arrays_module
 from ._arrays import NUMPY, arrays_of
 
@@ -157,7 +156,8 @@ class Plan:
         num_tokens, top_k, num_experts, alignment = int(num_tokens), int(top_k), int(num_experts), int(alignment)
         a = max(num_tokens * top_k, 0)
         e = max(num_experts, 0)
-        cap = max(_C.capacity_bound(num_tokens, top_k, num_experts, alignment), 0)
+        # capacity_bound's formula on the clamped sizes, in Python ints (no overflow, no error of its own)
+        cap = max(a + e * (max(alignment, 1) - 1), 0)
         if expert_capacity is not None and int(expert_capacity) >= 0:
             cap = e * int(expert_capacity)
         # Sizes are checked before anything is allocated (the library would reject them after a

@@ -359,6 +359,10 @@ bool is_f64(const Tensor& t) { return t.scalar_type() == at::kDouble; }
 
 // float64 rows get padmoe's checks too: the op runs on float32 stand-ins of the same shape with
 // no columns (nothing read or written, every index check made), then the float64 formula runs.
+// Outputs whose rows the data sizes, from this many bytes up, are allocated only after the op's
+// checks passed (below it the op's checks raise the same error after a small allocation).
+constexpr int64_t kCheckBeforeBytes = int64_t{1} << 28;
+
 TensorView shadow(const Tensor& t, int64_t rows = -1) {
   TensorView v;
   v.data = nullptr;
@@ -446,8 +450,12 @@ Tensor plan_workspace(const Tensor& top, int64_t t, int64_t k, int64_t e, int64_
   if (!top.is_cuda()) return Tensor();
   size_t bytes = 0;
   native([&] {
-    bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e),
-                                    static_cast<int>(alignment));
+    try {
+      bytes = padmoe::workspace_bound(t, static_cast<int>(std::max<int64_t>(k, 1)), static_cast<int>(e),
+                                      static_cast<int>(alignment));
+    } catch (const padmoe::Error&) {
+      bytes = 0;  // sizes the op rejects: it names them in its own words
+    }
   });
   return bytes > 0 ? at::empty({static_cast<int64_t>(bytes)}, top.options().dtype(at::kByte)) : Tensor();
 }
@@ -721,10 +729,22 @@ Tensor padded_gather_kernel(const Tensor& x_in, const Tensor& indices_in, const 
   const bool f64 = is_f64(x_in);
   Tensor x = f64 ? x_in : rows_arg(x_in);
   OptTensor w = scale_arg(weights);
-  Tensor y = f64 ? Tensor() : at::empty({p, x.dim() == 2 ? x.size(1) : 0}, x.options());
   c10::OptionalDeviceGuard guard(x.device());
   padmoe::Options o = options_for(x, check);
   o.zero_padding = zero_padding || f64;  // float64 rows are moved by torch below (padding zero)
+  const int64_t cols = x.dim() == 2 ? x.size(1) : 0;
+  if (!f64 && p * std::max<int64_t>(cols, 1) * static_cast<int64_t>(x.element_size()) >= kCheckBeforeBytes) {
+    // P comes from the data: a large output only after the op's checks passed on column-less
+    // stand-ins (a bad bins[0] beside padded_bins[-1] = 2^31 - 1 is the op's ValueError, not an
+    // out-of-memory error); the op proper then skips the device validation
+    native([&] {
+      padmoe::padded_gather_out(shadow(x), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
+                                view(bins, op, "bins"), view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+                                opt_view(w, op, "weights"), shadow_rows(p, x), o);
+    });
+    o.check_data = false;
+  }
+  Tensor y = f64 ? Tensor() : at::empty({p, cols}, x.options());
   native([&] {
     padmoe::padded_gather_out(f64 ? shadow(x) : view(x, op, "x"), view(indices, op, "indices"),
                               view(bin_ids, op, "bin_ids"), view(bins, op, "bins"),

@@ -74,7 +74,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from padmoe._ops import _map_experts
+from padmoe._args import check_expert_map, int_arg, map_experts
 from padmoe._plan import Plan
 
 __all__ = [
@@ -646,14 +646,23 @@ def moe_align_block_size(topk_ids: Tensor, block_size: int, num_experts: int, ex
     local expert id, -1 not local): with ``ignore_invalid_experts=False`` applied to every entry of
     ``expert_ids`` afterwards, as vLLM does; with ``True`` handed to the kernel, as vLLM's: the
     assignments of experts mapped to -1 get no entry, the rest are grouped and ordered by local id,
-    and ``expert_ids`` hold local ids. Ids outside ``[0, num_experts)`` are a ``ValueError`` when
-    checked (vLLM's kernel skips them)."""
-    default = 0 if _compiling() else _eager_check
+    and ``expert_ids`` hold local ids. Either way the map must be ``[num_experts]`` int32/int64 (always
+    checked) with entries in ``[-1, num_experts)`` (checked with the op's data: on CUDA in checked mode,
+    one synchronization). Ids outside ``[0, num_experts)`` are a ``ValueError`` when checked (vLLM's
+    kernel skips them)."""
+    compiling = _compiling()
+    default = 0 if compiling else _eager_check
+    if expert_map is not None and not isinstance(expert_map, Tensor):
+        raise TypeError(f"moe_align_block_size: expert_map: expected a torch tensor, got {type(expert_map).__name__}")
+    remap = expert_map is not None and not ignore_invalid_experts  # (the operator checks a map it is given)
+    if remap:  # before the operator runs; entries as the op's data are (never under torch.compile)
+        check_expert_map("moe_align_block_size", expert_map, num_experts,
+                         not compiling and _triton_check(check, expert_map))
     in_kernel = expert_map if ignore_invalid_experts else None
     sorted_ids, expert_ids, post = _OPS_ALIGN(topk_ids, int(block_size), int(num_experts), bool(pad_sorted_ids),
                                               _mode(check, default), in_kernel)
-    if expert_map is not None and not ignore_invalid_experts:
-        expert_ids = _map_experts(expert_ids, expert_map)
+    if remap:
+        expert_ids = map_experts(expert_ids, expert_map)
     return sorted_ids, expert_ids, post
 
 
@@ -672,14 +681,15 @@ def batched_moe_align_block_size(max_tokens_per_batch: int, block_size: int, exp
     reads it; one synchronization on CUDA): every count in ``[0, max_tokens_per_batch]``, a
     ``ValueError`` naming the first one outside (vLLM does not check)."""
     op = "batched_moe_align_block_size"
-    max_tokens, block = int(max_tokens_per_batch), int(block_size)
-    if block < 1:
-        raise ValueError(f"{op}: block_size: must be >= 1, got {block}")
-    if max_tokens < 0:
-        raise ValueError(f"{op}: max_tokens_per_batch: must be >= 0, got {max_tokens}")
-    if expert_num_tokens.dim() != 1 or expert_num_tokens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{op}: expert_num_tokens: expected a 1-D int32 or int64 tensor, got "
-                         f"{expert_num_tokens.dtype} of shape {list(expert_num_tokens.shape)}")
+    max_tokens = int_arg(op, "max_tokens_per_batch", max_tokens_per_batch, 0)
+    block = int_arg(op, "block_size", block_size, 1)
+    if not isinstance(expert_num_tokens, Tensor):
+        raise TypeError(f"{op}: expert_num_tokens: expected a torch tensor, got {type(expert_num_tokens).__name__}")
+    if expert_num_tokens.dim() != 1:
+        raise ValueError(f"{op}: expert_num_tokens: expected a 1-D tensor, got shape {list(expert_num_tokens.shape)}")
+    if expert_num_tokens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: expert_num_tokens: expected int32 or int64, got "
+                        f"{str(expert_num_tokens.dtype).replace('torch.', '')}")
     e_count = expert_num_tokens.numel()
     size = -(-max_tokens // block) * block * e_count
     if size > 2**31 - 1:

@@ -55,6 +55,8 @@ import torch
 import torch.distributed as dist
 
 import padmoe.torch as pt
+from padmoe._args import int_arg
+from padmoe._plan import INT32_MAX
 
 __all__ = ["ExpertParallel", "EPRouting"]
 
@@ -139,34 +141,38 @@ class ExpertParallel:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ExpertParallel: torch.distributed is not initialized "
                                "(call torch.distributed.init_process_group first)")
+        op = "ExpertParallel"
+        # Sizes first, as integers that fit the int32 ids and counts of padmoe's plans: the placement
+        # below builds lists of E entries.
+        E = int_arg(op, "num_experts", num_experts, 1, INT32_MAX)
+        alignment = int_arg(op, "alignment", alignment, 1, INT32_MAX)
+        if capacity is not None:
+            capacity = int_arg(op, "capacity", capacity, 1, INT32_MAX)
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        E, R = int(num_experts), self.world_size
-        if E < 1:
-            raise ValueError(f"ExpertParallel: num_experts: expected at least 1, got {num_experts}")
-        if int(alignment) < 1:
-            raise ValueError(f"ExpertParallel: alignment: expected at least 1, got {alignment}")
+        R = self.world_size
         if mode not in ("exact", "sync_free"):
             raise ValueError(f"ExpertParallel: mode: expected 'exact' or 'sync_free', got {mode!r}")
         if drop_policy not in ("position", "probs"):
             raise ValueError(f"ExpertParallel: drop_policy: expected 'position' or 'probs', got {drop_policy!r}")
         if mode == "exact" and capacity is not None:
             raise ValueError("ExpertParallel: capacity: only with mode='sync_free' (the exact mode drops nothing)")
-        if mode == "sync_free" and (capacity is None or int(capacity) < 1):
-            raise ValueError(f"ExpertParallel: capacity: mode='sync_free' needs a capacity of at least 1 row per "
-                             f"(source rank, expert), got {capacity}")
+        if mode == "sync_free" and capacity is None:
+            raise ValueError("ExpertParallel: capacity: mode='sync_free' needs a capacity of at least 1 row per "
+                             "(source rank, expert), got None")
         if expert_ranks is None:
             if E % R:
                 raise ValueError(f"ExpertParallel: num_experts: {E} experts do not divide over {R} ranks "
                                  "(pass expert_ranks= for an uneven placement)")
             ranks = [e * R // E for e in range(E)]
         else:
-            ranks = [int(v) for v in (expert_ranks.tolist() if isinstance(expert_ranks, Tensor) else expert_ranks)]
+            ranks = list(expert_ranks.tolist() if isinstance(expert_ranks, Tensor) else expert_ranks)
             if len(ranks) != E:
                 raise ValueError(f"ExpertParallel: expert_ranks: expected {E} entries (one per expert), got "
                                  f"{len(ranks)}")
-            for e, q in enumerate(ranks):
+            for e in range(E):
+                q = ranks[e] = int_arg(op, f"expert_ranks: entry {e}", ranks[e])
                 if not 0 <= q < R:
                     raise ValueError(f"ExpertParallel: expert_ranks: entry {e} is {q}, outside [0, {R})")
             held = set(ranks)
@@ -175,9 +181,9 @@ class ExpertParallel:
                     raise ValueError(f"ExpertParallel: expert_ranks: rank {q} holds no expert (every rank of the "
                                      "group must hold at least one)")
         self.num_experts = E
-        self.alignment = int(alignment)
+        self.alignment = alignment
         self.mode = mode
-        self.capacity = None if capacity is None else int(capacity)
+        self.capacity = capacity
         self.drop_policy = drop_policy
         self.check = check
         self.expert_ranks = ranks
