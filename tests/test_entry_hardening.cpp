@@ -20,34 +20,6 @@ namespace {
 constexpr int kValue = static_cast<int>(padmoe::ErrorKind::kValue);
 constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
 
-::testing::AssertionResult same_as(const TensorView& v, const std::vector<int64_t>& want, const char* what) {
-  const std::vector<int64_t> got = index_to_vec(v);
-  if (got != want) {
-    for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
-      if (got[i] != want[i]) {
-        return ::testing::AssertionFailure() << what << "[" << i << "] = " << got[i] << ", want " << want[i];
-      }
-    }
-    return ::testing::AssertionFailure() << what << ": " << got.size() << " entries, want " << want.size();
-  }
-  return ::testing::AssertionSuccess();
-}
-
-::testing::AssertionResult plan_is(const padmoe::PlanView& v, const ref::Plan& p) {
-  const std::pair<const TensorView*, const std::vector<int64_t>*> fields[] = {
-      {&v.indices, &p.indices},     {&v.bin_ids, &p.bin_ids},
-      {&v.tokens_per_expert, &p.tokens_per_expert}, {&v.bins, &p.bins},
-      {&v.padded_tokens_per_expert, &p.padded_tokens_per_expert}, {&v.padded_bins, &p.padded_bins},
-      {&v.dest_rows, &p.dest_rows}, {&v.row_sources, &p.row_sources}};
-  const char* names[] = {"indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert",
-                         "padded_bins", "dest_rows", "row_sources"};
-  for (int i = 0; i < 8; ++i) {
-    auto ok = same_as(*fields[i].first, *fields[i].second, names[i]);
-    if (!ok) return ok;
-  }
-  return ::testing::AssertionSuccess();
-}
-
 // Poisoned output arrays for a plan of T*K assignments, E experts and R row_sources, with the
 // view's scalar fields set by the caller.
 struct OutPlan {
@@ -104,15 +76,15 @@ TEST(EntryHardening, CapacityPlanReadsTheCheckedSizesNotTheViewFields) {
         l.padded_total = total;
       }
       padmoe::make_plan_out(top, E, m, out.view, l, o);
-      EXPECT_TRUE(plan_is(out.view, want.plan));
+      EXPECT_TRUE(plan_equals(out.view, want.plan));
       if (layouts) {
         std::vector<int64_t> rows(static_cast<size_t>(R), -1), blocks(static_cast<size_t>(R / m));
         for (int64_t row = 0; row < R; ++row) {
           if (want.plan.row_sources[row] >= 0) rows[row] = row / 384;
         }
         for (int64_t b = 0; b < R / m; ++b) blocks[b] = b * m / 384;
-        EXPECT_TRUE(same_as(row_experts, rows, "row_experts"));
-        EXPECT_TRUE(same_as(block_experts, blocks, "block_experts"));
+        EXPECT_TRUE(same_vec(row_experts, rows, "row_experts"));
+        EXPECT_TRUE(same_vec(block_experts, blocks, "block_experts"));
         EXPECT_EQ(index_to_vec(total)[0], R);
       }
     }
@@ -130,7 +102,7 @@ TEST(EntryHardening, CapacityPlanReadsTheCheckedSizesNotTheViewFields) {
   OutPlan out(T * K, E, int64_t{E} * 128);
   out.view.num_experts = 40;
   padmoe::make_plan_out(top, E, m, out.view, {}, o);
-  EXPECT_TRUE(plan_is(out.view, want_p.plan));
+  EXPECT_TRUE(plan_equals(out.view, want_p.plan));
 }
 
 std::string error_of(const std::function<void()>& f) {
@@ -220,8 +192,8 @@ TEST(EntryHardening, BoundsAdmitWhatFits) {
   const padmoe::AlignedBlocks got = padmoe::moe_align_block_size(top, bs, E);
   const ref::AlignedBlocks want = ref::moe_align_block_size(te, bs, E, false);
   EXPECT_EQ(got.sorted_token_ids.view().numel(), int64_t{bs});
-  EXPECT_TRUE(same_as(got.sorted_token_ids, want.sorted_token_ids, "sorted_token_ids"));
-  EXPECT_TRUE(same_as(got.expert_ids, want.expert_ids, "expert_ids"));
+  EXPECT_TRUE(same_vec(got.sorted_token_ids, want.sorted_token_ids, "sorted_token_ids"));
+  EXPECT_TRUE(same_vec(got.expert_ids, want.expert_ids, "expert_ids"));
   EXPECT_EQ(index_to_vec(got.num_tokens_post_padded)[0], want.num_tokens_post_padded);
   // the same sizes through make_plan_out (CPU: row_sources of P entries)
   OutPlan out(1, E, bs);
@@ -243,7 +215,7 @@ TEST(EntryHardening, BoundsAdmitWhatFits) {
   r.expert_capacity = 0;
   const ref::RoutedPlan want2 = ref::make_plan(te2, 3, 2, 4, 1 << 30, r);
   EXPECT_EQ(plan.capacity(), 0);
-  EXPECT_TRUE(plan_is(plan.view(), want2.plan));
+  EXPECT_TRUE(plan_equals(plan.view(), want2.plan));
   EXPECT_EQ(index_to_vec(dropped)[0], 6);
 }
 

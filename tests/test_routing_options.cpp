@@ -10,34 +10,6 @@ namespace {
 using padmoe::DropPolicy;
 using padmoe::PlanOptions;
 
-::testing::AssertionResult same_vec(const TensorView& v, const std::vector<int64_t>& want, const char* what) {
-  const std::vector<int64_t> got = index_to_vec(v);
-  if (got.size() != want.size()) {
-    return ::testing::AssertionFailure() << what << ": " << got.size() << " entries, want " << want.size();
-  }
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (got[i] != want[i]) {
-      return ::testing::AssertionFailure() << what << "[" << i << "] = " << got[i] << ", want " << want[i];
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
-
-::testing::AssertionResult plan_equals(const padmoe::PlanView& v, const ref::Plan& p) {
-  const std::pair<const TensorView*, const std::vector<int64_t>*> fields[] = {
-      {&v.indices, &p.indices},     {&v.bin_ids, &p.bin_ids},
-      {&v.tokens_per_expert, &p.tokens_per_expert}, {&v.bins, &p.bins},
-      {&v.padded_tokens_per_expert, &p.padded_tokens_per_expert}, {&v.padded_bins, &p.padded_bins},
-      {&v.dest_rows, &p.dest_rows}, {&v.row_sources, &p.row_sources}};
-  const char* names[] = {"indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert",
-                         "padded_bins", "dest_rows", "row_sources"};
-  for (int i = 0; i < 8; ++i) {
-    auto ok = same_vec(*fields[i].first, *fields[i].second, names[i]);
-    if (!ok) return ok;
-  }
-  return ::testing::AssertionSuccess();
-}
-
 // Ids in [lo, hi) (so some are invalid when lo < 0 or hi > G), K distinct per token where possible.
 std::vector<int64_t> ids_in(int64_t T, int K, int64_t lo, int64_t hi, uint64_t seed) {
   Rng rng(seed);

@@ -26,6 +26,7 @@
 #include "padmoe/ops.hpp"
 #include "padmoe/tensor.hpp"
 #include "reference/reference.hpp"
+#include "rng.hpp"
 
 namespace pt {
 
@@ -38,24 +39,8 @@ namespace num = padmoe::numeric;
 constexpr unsigned char kPoison = 0xFF;       // rows: NaN in every float format
 constexpr unsigned char kIndexPoison = 0x5A;  // index buffers: 0x5A5A5A5A (never a valid value here)
 
-// ---------------------------------------------------------------------------
-// A seeded RNG (splitmix64), independent of the workload library.
-// ---------------------------------------------------------------------------
-struct Rng {
-  uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 0x1234567ull) {}
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  int64_t below(int64_t n) { return n <= 0 ? 0 : static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
-  // uniform in [lo, hi)
-  double uniform(double lo = -1.0, double hi = 1.0) {
-    return lo + (hi - lo) * (static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0));
-  }
-};
+// The seeded RNG: rng.hpp.
+
 
 inline int mantissa_bits(DType d) {  // p: precision incl. the implicit bit
   switch (d) {
@@ -400,6 +385,35 @@ inline std::vector<double> ref_scatter_abs(const std::vector<float>& y, int64_t 
   std::vector<float> aw;
   if (w) aw = abs_of(*w);
   return ref::padded_scatter(abs_of(y), H, p, w ? &aw : nullptr);
+}
+
+// An index view equals `want` entry for entry; a plan view equals a reference plan, all eight arrays.
+inline ::testing::AssertionResult same_vec(const TensorView& v, const std::vector<int64_t>& want, const char* what) {
+  const std::vector<int64_t> got = index_to_vec(v);
+  if (got.size() != want.size()) {
+    return ::testing::AssertionFailure() << what << ": " << got.size() << " entries, want " << want.size();
+  }
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i]) {
+      return ::testing::AssertionFailure() << what << "[" << i << "] = " << got[i] << ", want " << want[i];
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+inline ::testing::AssertionResult plan_equals(const padmoe::PlanView& v, const ref::Plan& p) {
+  const std::pair<const TensorView*, const std::vector<int64_t>*> fields[] = {
+      {&v.indices, &p.indices},     {&v.bin_ids, &p.bin_ids},
+      {&v.tokens_per_expert, &p.tokens_per_expert}, {&v.bins, &p.bins},
+      {&v.padded_tokens_per_expert, &p.padded_tokens_per_expert}, {&v.padded_bins, &p.padded_bins},
+      {&v.dest_rows, &p.dest_rows}, {&v.row_sources, &p.row_sources}};
+  const char* names[] = {"indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert",
+                         "padded_bins", "dest_rows", "row_sources"};
+  for (int i = 0; i < 8; ++i) {
+    auto ok = same_vec(*fields[i].first, *fields[i].second, names[i]);
+    if (!ok) return ok;
+  }
+  return ::testing::AssertionSuccess();
 }
 
 }  // namespace pt

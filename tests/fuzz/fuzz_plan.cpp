@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "padmoe/ops.hpp"
 #include "padmoe/tensor.hpp"
 #include "reference/reference.hpp"
+#include "rng.hpp"
 
 namespace {
 
@@ -33,22 +35,12 @@ namespace ref = padmoe::ref;
 
 constexpr int32_t kPoison = 0x5A5A5A5A;
 
-struct Rng {
-  uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  int64_t below(int64_t n) { return n <= 0 ? 0 : static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
-  bool chance(int percent) { return below(100) < percent; }
-  template <class T>
-  T pick(std::initializer_list<T> v) {
-    return *(v.begin() + below(static_cast<int64_t>(v.size())));
-  }
-};
+// A chance in percent, and one of a list, from the tests' seeded RNG.
+bool chance(pt::Rng& rng, int percent) { return rng.below(100) < percent; }
+template <class T>
+T pick(pt::Rng& rng, std::initializer_list<T> v) {
+  return *(v.begin() + rng.below(static_cast<int64_t>(v.size())));
+}
 
 std::string describe_ids(const std::vector<int64_t>& v) {
   std::string s = "[";
@@ -129,41 +121,41 @@ struct Stats {
 };
 
 // One make_plan_out (or allocating make_plan) call with random options.
-void plan_case(Rng& rng, Stats& st, std::string& log) {
-  const bool big = rng.chance(2);  // sometimes several CPU workers
-  const int64_t T = big ? 8192 + rng.below(8192) : rng.below(rng.chance(20) ? 2000 : 40);
+void plan_case(pt::Rng& rng, Stats& st, std::string& log) {
+  const bool big = chance(rng, 2);  // sometimes several CPU workers
+  const int64_t T = big ? 8192 + rng.below(8192) : rng.below(chance(rng, 20) ? 2000 : 40);
   const int K = static_cast<int>(1 + rng.below(big ? 4 : 8));
-  const int E = static_cast<int>(1 + rng.below(rng.chance(10) ? 300 : 12));
-  const int m = rng.pick<int>({1, 1, 2, 3, 4, 8, 16, 128});
+  const int E = static_cast<int>(1 + rng.below(chance(rng, 10) ? 300 : 12));
+  const int m = pick<int>(rng, {1, 1, 2, 3, 4, 8, 16, 128});
   const int64_t A = T * K;
   const int extra = static_cast<int>(rng.below(3) == 0 ? 0 : rng.below(20));
-  const int G = rng.chance(20) ? 0 : E + extra;  // 0: E
+  const int G = chance(rng, 20) ? 0 : E + extra;  // 0: E
   const int64_t Gv = G == 0 ? E : G;
   ref::RoutingOptions r;
   padmoe::PlanOptions po;
   bool valid = true;
   r.global_experts = G;
   po.global_experts = G;
-  if (rng.chance(3)) {
+  if (chance(rng, 3)) {
     po.global_experts = -1 - static_cast<int>(rng.below(3));
     valid = false;
   }
   // local experts: a map, a range, or the identity
   std::vector<int64_t> map;
   const int how = static_cast<int>(rng.below(3));
-  DType map_dtype = rng.chance(50) ? DType::kInt32 : DType::kInt64;
+  DType map_dtype = chance(rng, 50) ? DType::kInt32 : DType::kInt64;
   if (how == 0) {
     map.assign(static_cast<size_t>(Gv), -1);
     for (int e = 0; e < E; ++e) {
-      if (rng.chance(85)) map[rng.below(Gv)] = e;
+      if (chance(rng, 85)) map[rng.below(Gv)] = e;
     }
-    if (rng.chance(5)) {
-      map[rng.below(Gv)] = rng.pick<int64_t>({int64_t{E}, -2, int64_t{E} + 7, int64_t{1} << 33});
+    if (chance(rng, 5)) {
+      map[rng.below(Gv)] = pick<int64_t>(rng, {int64_t{E}, -2, int64_t{E} + 7, int64_t{1} << 33});
       valid = false;
       if (map_dtype == DType::kInt32) map_dtype = DType::kInt64;  // the value must survive the dtype
     }
     r.expert_map = map;
-    if (rng.chance(3)) {
+    if (chance(rng, 3)) {
       po.first_expert = 1;
       valid = false;
     }
@@ -171,36 +163,36 @@ void plan_case(Rng& rng, Stats& st, std::string& log) {
     const int64_t first = rng.below(Gv - E + 1);
     r.first_expert = static_cast<int>(first);
     po.first_expert = static_cast<int>(first);
-    if (rng.chance(4)) {
-      po.first_expert = rng.chance(50) ? -1 : static_cast<int>(Gv - E + 1);
+    if (chance(rng, 4)) {
+      po.first_expert = chance(rng, 50) ? -1 : static_cast<int>(Gv - E + 1);
       valid = false;
     }
   }
   // ids: valid, or some outside [0, G) (dropped with drop_invalid)
-  r.drop_invalid = po.drop_invalid = rng.chance(25);
+  r.drop_invalid = po.drop_invalid = chance(rng, 25);
   std::vector<int64_t> ids(static_cast<size_t>(A));
-  const bool stray = rng.chance(10);
-  for (auto& id : ids) id = stray && rng.chance(5) ? rng.pick<int64_t>({-1, Gv, Gv + 3, -100}) : rng.below(Gv);
+  const bool stray = chance(rng, 10);
+  for (auto& id : ids) id = stray && chance(rng, 5) ? pick<int64_t>(rng, {-1, Gv, Gv + 3, -100}) : rng.below(Gv);
   bool any_stray = false;
   for (int64_t id : ids) any_stray |= id < 0 || id >= Gv;
   if (any_stray && !r.drop_invalid) valid = false;
   // capacity and drop policy
   std::vector<float> probs;
   bool with_probs = false;
-  if (rng.chance(45)) {
-    int64_t C = m * rng.below(rng.chance(10) ? 3 : 12);
-    if (rng.chance(4) && m > 1) C += 1;  // alignment must divide it
-    if (rng.chance(2)) C = -2 - rng.below(5);
+  if (chance(rng, 45)) {
+    int64_t C = m * rng.below(chance(rng, 10) ? 3 : 12);
+    if (chance(rng, 4) && m > 1) C += 1;  // alignment must divide it
+    if (chance(rng, 2)) C = -2 - rng.below(5);
     if (C < -1 || (C >= 0 && C % m != 0)) valid = false;
     r.expert_capacity = po.expert_capacity = C;
-    if (rng.chance(40)) {
+    if (chance(rng, 40)) {
       r.by_probs = with_probs = true;
       po.drop_policy = padmoe::DropPolicy::kProbs;
       probs.resize(static_cast<size_t>(A));
-      for (auto& p : probs) p = rng.chance(30) ? static_cast<float>(rng.below(4)) / 4.0f : static_cast<float>(rng.below(1 << 20)) / (1 << 20);
+      for (auto& p : probs) p = chance(rng, 30) ? static_cast<float>(rng.below(4)) / 4.0f : static_cast<float>(rng.below(1 << 20)) / (1 << 20);
       r.probs = probs;
     }
-  } else if (rng.chance(3)) {
+  } else if (chance(rng, 3)) {
     po.drop_policy = padmoe::DropPolicy::kProbs;  // no capacity: an error
     valid = false;
     with_probs = true;
@@ -214,16 +206,16 @@ void plan_case(Rng& rng, Stats& st, std::string& log) {
   }
   if (!map.empty()) {
     std::vector<int64_t> m2 = map;
-    if (rng.chance(3)) {  // a short map
+    if (chance(rng, 3)) {  // a short map
       m2.pop_back();
       valid = false;
     }
     map_t = index_tensor(m2, map_dtype, {static_cast<int64_t>(m2.size())});
     po.expert_map = map_t;
   }
-  const bool want_dropped = rng.chance(50);
+  const bool want_dropped = chance(rng, 50);
   if (want_dropped) po.dropped = dropped;
-  const DType id_dtype = rng.chance(50) ? DType::kInt32 : DType::kInt64;
+  const DType id_dtype = chance(rng, 50) ? DType::kInt32 : DType::kInt64;
   const Tensor top = index_tensor(ids, id_dtype, {T, K});
 
   log = "make_plan T=" + std::to_string(T) + " K=" + std::to_string(K) + " E=" + std::to_string(E) +
@@ -237,7 +229,7 @@ void plan_case(Rng& rng, Stats& st, std::string& log) {
   const bool capped = po.expert_capacity >= 0;
   // the rows row_sources needs: E * C, or P (CPU)
   const int64_t need = valid ? (capped ? want.plan.capacity : want.plan.padded_rows) : A + int64_t{E} * (m - 1);
-  if (rng.chance(25)) {  // the allocating form
+  if (chance(rng, 25)) {  // the allocating form
     try {
       const padmoe::Plan got = padmoe::make_plan(top, E, m, po);
       if (!valid) fail("an invalid call returned a plan");
@@ -257,9 +249,9 @@ void plan_case(Rng& rng, Stats& st, std::string& log) {
     (valid ? st.valid : st.invalid) += 1;
     return;
   }
-  int64_t R = need + (rng.chance(50) ? 0 : rng.below(2 * m + 3));
+  int64_t R = need + (chance(rng, 50) ? 0 : rng.below(2 * m + 3));
   bool short_rows = false;
-  if (need > 0 && rng.chance(4)) {
+  if (need > 0 && chance(rng, 4)) {
     R = need - 1;
     short_rows = true;
   }
@@ -275,14 +267,14 @@ void plan_case(Rng& rng, Stats& st, std::string& log) {
   out.dest_rows = dest;
   out.row_sources = rows;
   // the view's scalar fields are the caller's: make_plan_out never reads them
-  out.num_tokens = rng.pick<int64_t>({0, T, T + 1000, -7, int64_t{1} << 40});
-  out.top_k = rng.pick<int>({0, 1, K, 64, -1});
-  out.num_experts = rng.pick<int>({0, E, 4 * E + 30, 1 << 20, -3});
-  out.alignment = rng.pick<int>({0, 1, m, 1 << 30});
+  out.num_tokens = pick<int64_t>(rng, {0, T, T + 1000, -7, int64_t{1} << 40});
+  out.top_k = pick<int>(rng, {0, 1, K, 64, -1});
+  out.num_experts = pick<int>(rng, {0, E, 4 * E + 30, 1 << 20, -3});
+  out.alignment = pick<int>(rng, {0, 1, m, 1 << 30});
   padmoe::PlanLayouts layouts;
   const int64_t blocks = (R + m - 1) / m;
   Tensor row_experts = poisoned(R), block_experts = poisoned(blocks), total = poisoned(1);
-  const bool with_rows = rng.chance(50), with_blocks = rng.chance(50), with_total = rng.chance(50);
+  const bool with_rows = chance(rng, 50), with_blocks = chance(rng, 50), with_total = chance(rng, 50);
   if (with_rows) layouts.row_experts = row_experts;
   if (with_blocks) layouts.block_experts = block_experts;
   if (with_total) layouts.padded_total = total;
@@ -318,32 +310,32 @@ void plan_case(Rng& rng, Stats& st, std::string& log) {
 }
 
 // One moe_align_block_size call (vLLM's contract), with and without expert_map.
-void align_case(Rng& rng, Stats& st, std::string& log) {
-  const int64_t T = rng.below(rng.chance(20) ? 600 : 30);
+void align_case(pt::Rng& rng, Stats& st, std::string& log) {
+  const int64_t T = rng.below(chance(rng, 20) ? 600 : 30);
   const int K = static_cast<int>(1 + rng.below(8));
-  const int E = static_cast<int>(1 + rng.below(rng.chance(10) ? 300 : 16));
-  const int bs = rng.pick<int>({1, 2, 3, 16, 64, 128});
+  const int E = static_cast<int>(1 + rng.below(chance(rng, 10) ? 300 : 16));
+  const int bs = pick<int>(rng, {1, 2, 3, 16, 64, 128});
   const int64_t A = T * K;
   bool valid = true;
   std::vector<int64_t> ids(static_cast<size_t>(A));
-  for (auto& id : ids) id = rng.chance(1) ? rng.pick<int64_t>({-1, int64_t{E}}) : rng.below(E);
+  for (auto& id : ids) id = chance(rng, 1) ? pick<int64_t>(rng, {-1, int64_t{E}}) : rng.below(E);
   for (int64_t id : ids) valid &= id >= 0 && id < E;
   std::vector<int64_t> map;
-  if (rng.chance(40)) {
+  if (chance(rng, 40)) {
     map.assign(static_cast<size_t>(E), -1);
     for (int e = 0; e < E; ++e) {
-      if (rng.chance(60)) map[e] = rng.below(E);
+      if (chance(rng, 60)) map[e] = rng.below(E);
     }
-    if (rng.chance(5)) {
-      map[rng.below(E)] = rng.pick<int64_t>({int64_t{E}, -2});
+    if (chance(rng, 5)) {
+      map[rng.below(E)] = pick<int64_t>(rng, {int64_t{E}, -2});
       valid = false;
     }
   }
-  const bool pad = rng.chance(50);
+  const bool pad = chance(rng, 50);
   log = "moe_align_block_size T=" + std::to_string(T) + " K=" + std::to_string(K) + " E=" + std::to_string(E) +
         " bs=" + std::to_string(bs) + " pad=" + std::to_string(pad) + " map=" +
         (map.empty() ? "none" : describe_ids(map)) + " ids=" + describe_ids(ids);
-  const Tensor top = index_tensor(ids, rng.chance(50) ? DType::kInt32 : DType::kInt64, {T, K});
+  const Tensor top = index_tensor(ids, chance(rng, 50) ? DType::kInt32 : DType::kInt64, {T, K});
   Tensor map_t;
   if (!map.empty()) map_t = index_tensor(map, DType::kInt64, {E});
   const TensorView map_v = map.empty() ? TensorView{} : map_t.view();
@@ -386,10 +378,10 @@ int main(int argc, char** argv) {
   int64_t it = 0;
   for (; it < iterations; ++it) {
     if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >= seconds) break;
-    Rng rng(seed + static_cast<uint64_t>(it) * 7919);
+    pt::Rng rng(seed + static_cast<uint64_t>(it) * 7919);
     std::string log;
     try {
-      if (rng.chance(70)) plan_case(rng, st, log);
+      if (chance(rng, 70)) plan_case(rng, st, log);
       else align_case(rng, st, log);
     } catch (const Failure& f) {
       std::fprintf(stderr, "fuzz_plan: FAILED at iteration %lld (seed %llu): %s\n  case: %s\n",
