@@ -104,7 +104,7 @@ def worker(rank, world, args, store, out_md):
     dist.all_gather_into_tensor(counts.view(-1), torch.bincount(ids.reshape(-1), minlength=E).to(torch.int64))
     q0, q1 = rank * (E // world), (rank + 1) * (E // world)
     split_sizes = counts[:, q0:q1].to(torch.int32).contiguous()
-    y_back = torch.empty(r.plan.capacity, H, dtype=dtype, device=dev)
+    y_back = torch.empty(r.plan.padded_rows_bound, H, dtype=dtype, device=dev)
 
     def local_dispatch():  # the padmoe ops of a dispatch step, without the exchanges
         plan = pt.make_plan(ids, E, 1, check=False)

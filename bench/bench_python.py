@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""padmoe's Python API vs plain PyTorch eager (python/padmoe/eager.py), side by side,
+"""padmoe's Python API vs plain PyTorch eager (python/padmoe/reference.py), side by side,
 against the copy-bandwidth floor of SPEC section 7.
 
 For each preset it builds a seeded random routing (top-k distinct experts per token from
 ``torch.randn(T, E).topk``, softmax weights over the K picked logits), then times every op
-once through ``padmoe`` and once through ``padmoe.eager`` in the same run, and measures the
+once through ``padmoe`` and once through ``padmoe.reference`` in the same run, and measures the
 device-to-device copy bandwidth (``dst.copy_(src)``, read + written bytes over time) in the
 same run. Per op it reports the median time, TB/s (floor bytes / time) and time over the
 floor time (floor bytes / copy bandwidth), for both sides.
@@ -21,7 +21,7 @@ buffer before every timed call (outside the timed region) to start with a cold L
 runs, the median of ``--iters`` runs. CPU: ``time.perf_counter`` around each call, median,
 warm caches (no flush). padmoe calls run unchecked (``check=False``, the sync-free fast path)
 into outputs allocated once before timing (``out=`` where the API takes it, else
-``rows=plan.capacity``), with a caller workspace when the API takes one; the eager ops
+``rows=plan.padded_rows_bound``), with a caller workspace when the API takes one; the eager ops
 allocate their outputs and read P on the host (``.item()``), as MegaBlocks / Megatron do in
 eager mode. Before timing, each op's padmoe and eager outputs are compared (the ``check``
 column).
@@ -110,7 +110,7 @@ def floor_bytes(op: str, T: int, E: int, K: int, H: int, m: int, P: int, s: int)
 
 
 def load_eager():
-    """python/padmoe/eager.py from this checkout, loaded by path (needs nothing native)."""
+    """python/padmoe/reference.py from this checkout, loaded by path (needs nothing native)."""
     path = REPO / "python" / "padmoe" / "eager.py"
     spec = importlib.util.spec_from_file_location("padmoe_eager_bench", path)
     module = importlib.util.module_from_spec(spec)
@@ -274,7 +274,7 @@ def run_preset(name: str, cfg: Dict[str, int], args, eager, padmoe, timer: Timer
 
     eplan = eager.make_plan(top, E, m)
     P = int(eplan.padded_bins[-1])
-    capacity = eplan.capacity
+    capacity = eplan.padded_rows_bound
     y = eager.dispatch(x, eplan)  # [P, H]: the input of combine / scatter / combine_backward
     tpe = eplan.tokens_per_expert
     padded, pmap, _ = eager.pad_to_alignment(hidden, tpe, m)  # [P, H], [P]: the input of unpad
@@ -302,12 +302,13 @@ def run_preset(name: str, cfg: Dict[str, int], args, eager, padmoe, timer: Timer
             common["workspace"] = ws
             padmoe_notes.append("caller workspace")
         pplan = pm.make_plan(top, E, m, check=False)
-        cap = pplan.capacity
+        import padmoe.torch as pt  # noqa: F401 (registers torch.ops.padmoe)
+        tplan = pt.make_plan(top, E, m, check=False)
+        cap = pplan.padded_rows_bound
         assert cap == capacity, (cap, capacity)
         # outputs allocated once, capacity rows where P is unknown on the host
         y_cap = torch.empty(cap, H, dtype=dtype, device=device)
         out_t = torch.empty(T, H, dtype=dtype, device=device)
-        gy_cap = torch.empty(cap, H, dtype=dtype, device=device)
         gw = torch.empty(A, dtype=w.dtype, device=device)
         pad_cap = torch.empty(cap, H, dtype=dtype, device=device)
         map_cap = torch.empty(cap, dtype=torch.int32, device=device)
@@ -332,7 +333,6 @@ def run_preset(name: str, cfg: Dict[str, int], args, eager, padmoe, timer: Timer
         k_plan = kw(pm.make_plan, out=plan_out)
         k_disp = kw(pm.dispatch, out=y_cap, rows=cap)
         k_comb = kw(pm.combine, out=out_t)
-        k_cbwd = kw(pm.combine_backward, out=(gy_cap, gw), rows=cap)
         k_gath = kw(pm.padded_gather, out=y_cap, rows=cap)
         k_scat = kw(pm.padded_scatter, out=out_t)
         k_pad = kw(pm.pad_to_alignment, out=(pad_cap, map_cap, offs), rows=cap)
@@ -341,7 +341,10 @@ def run_preset(name: str, cfg: Dict[str, int], args, eager, padmoe, timer: Timer
             "make_plan": lambda: pm.make_plan(top, E, m, **k_plan),
             "dispatch": lambda: pm.dispatch(x, pplan, **k_disp),
             "combine(w)": lambda: pm.combine(y, pplan, w, **k_comb),
-            "combine_backward(w)": lambda: pm.combine_backward(grad_out, y, pplan, w, **k_cbwd),
+            # padmoe.combine_backward takes numpy arrays only; on torch tensors it is padmoe.torch's
+            # operator, what autograd runs for padmoe.torch.combine
+            "combine_backward(w)": lambda: torch.ops.padmoe.combine_backward.default(
+                grad_out, y, tplan.packed, w, K, E, m, None, True, 0, cap),
             "padded_gather": lambda: pm.padded_gather(x, *pip, K, **k_gath),
             "padded_scatter(w)": lambda: pm.padded_scatter(y, pip[0], pip[1], w, pip[2], pip[3], K, **k_scat),
             "pad_to_alignment": lambda: pm.pad_to_alignment(hidden, pplan.tokens_per_expert, m, **k_pad),
@@ -350,7 +353,7 @@ def run_preset(name: str, cfg: Dict[str, int], args, eager, padmoe, timer: Timer
         if "out" in k_disp:
             padmoe_notes.append("outputs preallocated (out=)")
         else:
-            padmoe_notes.append("rows=plan.capacity")
+            padmoe_notes.append("rows=plan.padded_rows_bound")
 
         # correctness: padmoe against eager on this workload (padded outputs: the first P rows)
         if not args.no_check:
@@ -477,7 +480,7 @@ def render_markdown(report: Dict[str, Any]) -> str:
               "(for grad_weights) + grad_y's P rows written (as `padmoe bench`). unpad counts all P padded rows "
               "read, as the task asked (`padmoe bench` counts only the N real rows).",
               "- padmoe: `check=False` (unchecked, sync-free), outputs allocated once before timing (`out=`, "
-              "capacity rows where P is unknown on the host). eager (python/padmoe/eager.py) allocates its "
+              "capacity rows where P is unknown on the host). eager (python/padmoe/reference.py) allocates its "
               "outputs on every call, zero-fills padded outputs before writing them, and reads P (or the "
               "valid-row count) on the host with `.item()` / `nonzero`, as MegaBlocks and Megatron do in eager "
               "mode; its make_plan is sync-free.",

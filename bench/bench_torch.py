@@ -14,7 +14,7 @@ returns them, ``check=False``):
 - ``graph``: ``--graph-inner`` calls captured in one CUDA graph and replayed, per call
   (static-shape ops only: the drop-ins read P on the host and cannot be captured).
 
-Also: the same routing written in plain PyTorch (padmoe.eager, and a transformers-style sort /
+Also: the same routing written in plain PyTorch (padmoe.reference, and a transformers-style sort /
 index_select / index_add), and with ``--moe`` a Mixtral-style MoE block (router, routing,
 two grouped_mm expert GEMMs, combine; T=4096, H=1024, F=1024, E=16, K=2) forward + backward
 with padmoe's routing against the plain-PyTorch routing, eager and under torch.compile.
@@ -189,7 +189,7 @@ def run_preset(name, cfg, args, bw, pt, pe):
                                                                  ref.padded_bins, K, check=False), False),
         ("pad_to_alignment", lambda: pt.pad_to_alignment(xs, tpe, m, check=False), False),
         ("unpad_from_alignment", lambda: pt.unpad_from_alignment(padded, pmap, A, probs, check=False), False),
-        ("eager: Routing forward (padmoe.eager)", eager_routing_fwd, False),
+        ("eager: Routing forward (padmoe.reference)", eager_routing_fwd, False),
         ("eager: sort/index_select/index_add forward+backward", transformers_style_fwd_bwd, False),
     ]
     rows = []
@@ -340,7 +340,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench_torch.py needs a CUDA device", file=sys.stderr)
         return 2
-    import padmoe.eager as pe
+    import padmoe.reference as pe
     import padmoe.torch as pt
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy {bw / 1e12:.2f} TB/s  torch {torch.__version__}", flush=True)

@@ -20,9 +20,8 @@ eager's (max |diff| / max |eager|) so a broken one does not post a time.
     python bench/bench_transformers.py --device cpu --tokens 1024 --iters 3
     python bench/bench_transformers.py --markdown out.md    # also write a markdown table
 
-padmoe options: ``--alignment`` (default 16 on CUDA, 1 on the CPU), ``PADMOE_TORCH_CHECK=0`` in the
-environment (or ``--no-check``) turns padmoe's CUDA data checks (one synchronization per op) off,
-as a training loop would.
+padmoe options: ``--alignment`` (default 16 on CUDA, 1 on the CPU); ``--no-check`` turns padmoe's
+CUDA data checks (one synchronization per op) off, as a training loop would.
 """
 
 from __future__ import annotations
@@ -77,11 +76,8 @@ def run(args):
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     import padmoe.integrations.transformers as ptf
-    import padmoe.torch as pt
 
-    if args.no_check:
-        pt.set_default_check(False)
-    ptf.register(alignment=args.alignment)
+    ptf.register(alignment=args.alignment, check=False if args.no_check else None)
     model, block, x = build(args)
     available = sorted(set(ALL_EXPERTS_FUNCTIONS.keys()) | {"eager"})
     impls = ["padmoe", "grouped_mm", "eager"] + (["batched_mm"] if args.batched else [])
@@ -176,7 +172,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batched", action="store_true", help="also time transformers' batched_mm (memory hungry)")
-    ap.add_argument("--no-check", action="store_true", help="padmoe.torch.set_default_check(False)")
+    ap.add_argument("--no-check", action="store_true", help="no padmoe data checks (check=False)")
     ap.add_argument("--markdown", default=None, help="write the results as a markdown table to this file")
     args = ap.parse_args(argv)
     print(f"MixtralSparseMoeBlock T={args.tokens} H={args.hidden} I={args.ffn} E={args.experts} K={args.top_k} "

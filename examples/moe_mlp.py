@@ -73,7 +73,7 @@ class _DispatchFn(torch.autograd.Function):
     def forward(ctx, x, weights, plan):
         x_ = x.detach().contiguous()
         w_ = None if weights is None else weights.detach().contiguous()
-        y = padmoe.dispatch(x_, plan, w_, out=_zero_rows(x_, plan.capacity))
+        y = padmoe.dispatch(x_, plan, w_, out=_zero_rows(x_, plan.padded_rows_bound))
         ctx.plan = plan
         ctx.save_for_backward(x_, w_)
         return y

@@ -1,96 +1,119 @@
 """padmoe: padded Mixture-of-Experts token routing (CPU and CUDA).
 
-Framework-neutral API: every function takes numpy arrays or torch tensors and
-returns arrays of the same framework (torch tensors on the input's device).
-Outputs are allocated here and filled by padmoe's native ``_out`` ops
-(``padmoe._C``), which never copy their inputs (arrays cross by DLPack).
+This module is the framework-neutral API: numpy arrays in, numpy arrays out. The functions that
+:mod:`padmoe.torch` (the PyTorch API: autograd, torch.compile, CUDA graphs) also has take torch
+tensors too, with the same arguments, defaults and results, and return torch tensors on the
+input's device; ``quantize`` and ``make_plan_layouts``, which padmoe.torch does not have, refuse a
+torch tensor with a message that names padmoe.torch. Outputs are allocated here and filled by padmoe's
+native ``_out`` ops (``padmoe._C``), which never copy their inputs (arrays cross by DLPack).
 
     import numpy as np, padmoe
     top = np.array([[0, 2], [1, 0], [2, 2]], dtype=np.int32)    # [T, K] router top-k ids
     w = np.full(top.size, 0.5, dtype=np.float32)               # [T*K] router weights
     x = np.random.rand(3, 8).astype(np.float32)                 # [T, H]
     plan = padmoe.make_plan(top, num_experts=4, alignment=4)
-    y = padmoe.dispatch(x, plan)                                # [P, H], expert-grouped, padded
+    y = padmoe.dispatch(x, plan)                                # [plan.padded_rows_bound, H], rows past P zero
     out = padmoe.combine(y, plan, w)                            # [T, H], weighted top-k sum
 
-Ops (arguments in the order of padmoe/ops.hpp): :func:`make_plan`,
-:func:`make_plan_and_dispatch` (make_plan then dispatch in one call),
-:func:`padded_gather`, :func:`padded_scatter`, :func:`padded_scatter_wgrad`,
-:func:`padded_gather_backward`, :func:`padded_scatter_backward`,
-:func:`dispatch`, :func:`combine`, :func:`combine_backward`,
-:func:`dispatch_backward`, :func:`dispatch_quantized` (:func:`quantize`), :func:`pad_to_alignment`,
-:func:`unpad_from_alignment`, :func:`unpad_from_alignment_backward`,
-:func:`copy`; the expert-parallel chunk sort :func:`sort_chunks` / :func:`unsort_chunks`
-(:func:`sort_chunks_capacity`); layouts other kernels consume :func:`make_plan_layouts`,
-:func:`moe_align_block_size`; sizes :func:`capacity_bound`, :func:`workspace_bound`,
-:func:`aligned_rows_bound`;
-:func:`has_cuda`. See the docstring of ``padmoe._ops`` for the options every
-op takes (``check``, ``num_threads``, ``workspace``, ``stream``, ``rows``,
-``out``) and the error mapping.
+docs/python.md has the whole Python API in one table; every function's docstring gives its
+semantics, and ``padmoe._common``'s the options every op takes (``check``, ``num_threads``,
+``workspace``, ``stream``, ``rows``, ``out``) and the error mapping.
 """
 
+import warnings as _warnings
+
 from . import _C
-from ._ops import (
-    aligned_rows_bound,
-    capacity_bound,
+from ._dropin_ops import (
+    copy,
+    pad_to_alignment,
+    pad_to_alignment_scaled,
+    padded_gather,
+    padded_gather_backward,
+    padded_gather_scaled,
+    padded_scatter,
+    padded_scatter_backward,
+    padded_scatter_wgrad,
+    sort_chunks,
+    unpad_from_alignment,
+    unpad_from_alignment_backward,
+    unpad_from_alignment_scaled,
+    unsort_chunks,
+)
+from ._plan import Plan
+from ._plan_ops import (
     combine,
     combine_backward,
-    copy,
     dispatch,
     dispatch_backward,
     dispatch_quantized,
-    has_cuda,
+    dispatch_scaled,
     make_plan,
     make_plan_and_dispatch,
     make_plan_layouts,
     moe_align_block_size,
-    pad_to_alignment,
-    padded_gather,
-    padded_gather_backward,
-    padded_scatter,
-    padded_scatter_backward,
-    padded_scatter_wgrad,
     quantize,
-    sort_chunks,
-    sort_chunks_capacity,
-    unpad_from_alignment,
-    unpad_from_alignment_backward,
-    unsort_chunks,
+)
+from ._sizes import (
+    aligned_rows_bound,
+    capacity_bound,  # noqa: F401 (deprecated alias)
+    has_cuda,
+    padded_rows_bound,
+    sort_chunks_capacity,  # noqa: F401 (deprecated alias)
+    sort_chunks_rows_bound,
     workspace_bound,
 )
-from ._plan import Plan
 
-plan_tiles = _C.plan_tiles  # the tile planner of SPEC section 6 (padmoe/tiling.hpp), as a dict
+
+
+def tile_config(target: str, op: str, hidden: int, dtype: str, cores: int = 0) -> dict:
+    """The tile configuration of a kernel launch (the C++ planner of padmoe/tiling.hpp), as a dict, for
+    ``target`` ``"cpu"``, ``"ascend-a2"`` or ``"gpu"``, ``op`` ``"gather"`` / ``"scatter"`` /
+    ``"wgrad"``, the hidden size and the row dtype's name; ``cores`` 0: the target's default."""
+    try:
+        return _C.plan_tiles(target, op, hidden, dtype, cores)
+    except (ValueError, TypeError) as e:  # the C++ planner's name in its messages
+        raise type(e)(str(e).replace("plan_tiles:", "tile_config:", 1)) from None
+
+
+def plan_tiles(*args, **kwargs):
+    """Deprecated name of :func:`tile_config` (removed in the next release)."""
+    _warnings.warn("padmoe.plan_tiles is deprecated: use padmoe.tile_config", DeprecationWarning, stacklevel=2)
+    return tile_config(*args, **kwargs)
+
 
 __version__ = _C.__version__
 
 __all__ = [
     "Plan",
     "aligned_rows_bound",
-    "capacity_bound",
     "combine",
     "combine_backward",
     "copy",
     "dispatch",
     "dispatch_backward",
     "dispatch_quantized",
+    "dispatch_scaled",
     "has_cuda",
     "make_plan",
     "make_plan_and_dispatch",
     "make_plan_layouts",
     "moe_align_block_size",
     "pad_to_alignment",
+    "pad_to_alignment_scaled",
     "padded_gather",
     "padded_gather_backward",
+    "padded_gather_scaled",
+    "padded_rows_bound",
     "padded_scatter",
     "padded_scatter_backward",
     "padded_scatter_wgrad",
-    "plan_tiles",
     "quantize",
     "sort_chunks",
-    "sort_chunks_capacity",
+    "sort_chunks_rows_bound",
+    "tile_config",
     "unpad_from_alignment",
     "unpad_from_alignment_backward",
+    "unpad_from_alignment_scaled",
     "unsort_chunks",
     "workspace_bound",
     "__version__",

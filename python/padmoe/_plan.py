@@ -1,8 +1,9 @@
-"""The routing plan (SPEC section 1) as a Python object."""
+"""The routing plan as a Python object, and the packed form padmoe.torch's operators take."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import warnings
+from typing import Any, Optional, Tuple
 
 from . import _arrays as _arrays_module
 from ._arrays import NUMPY, arrays_of
@@ -21,6 +22,42 @@ PLAN_ARRAYS = (
 )
 
 
+def rows_bound(num_tokens: int, top_k: int, num_experts: int, alignment: int,
+               expert_capacity: Optional[int] = None) -> int:
+    """Host-side bound on P, the rows of the padded buffers: ``T*K + E*(alignment-1)``, or ``E*C`` for a
+    plan with an expert capacity C (then exactly P). Plain Python ints (no overflow, no checks)."""
+    if expert_capacity is not None:
+        return num_experts * expert_capacity
+    return num_tokens * top_k + num_experts * (alignment - 1)
+
+
+def packed_plan_layout(num_tokens: int, top_k: int, num_experts: int, alignment: int,
+                       expert_capacity: Optional[int] = None) -> Tuple[Tuple[str, int, int], ...]:
+    """The packed plan: the eight arrays back to back in one int32 tensor, as ``(name, offset,
+    length)`` in order: ``indices``, ``bin_ids`` [A]; ``tokens_per_expert``, ``bins``,
+    ``padded_tokens_per_expert``, ``padded_bins`` [E]; ``dest_rows`` [A]; ``row_sources``
+    [:func:`rows_bound`]. The one Python definition (the C++ binding has the other, and a
+    test checks that the two agree)."""
+    a, e = num_tokens * top_k, num_experts
+    rows = rows_bound(num_tokens, top_k, num_experts, alignment, expert_capacity)
+    out, offset = [], 0
+    for name, length in zip(PLAN_ARRAYS, (a, a, e, e, e, e, a, rows)):
+        out.append((name, offset, length))
+        offset += length
+    return tuple(out)
+
+
+def packed_plan_sizes(numel: int, top_k: int, num_experts: int, alignment: int,
+                      expert_capacity: Optional[int] = None) -> Tuple[int, int, int]:
+    """``(T, A, rows)`` of a packed plan of ``numel`` entries: the inverse of
+    :func:`packed_plan_layout`'s total ``3*A + 4*E + rows`` (what the fake kernels read)."""
+    if expert_capacity is not None:
+        a = (numel - num_experts * (4 + expert_capacity)) // 3
+        return a // top_k, a, num_experts * expert_capacity
+    a = (numel - num_experts * (alignment + 3)) // 4
+    return a // top_k, a, a + num_experts * (alignment - 1)
+
+
 def _array_field(i: int, name: str):
     def get(self):
         return self.arrays[i]
@@ -36,7 +73,7 @@ class Plan:
     """A routing plan: eight int32 arrays (numpy arrays or torch tensors, all
     on one device) and the sizes they were made for. The one plan type of the
     Python package: ``padmoe.make_plan``, ``padmoe.torch.make_plan`` and
-    ``padmoe.eager.make_plan`` all return it.
+    ``padmoe.reference.make_plan`` all return it.
 
     ``indices[A]``
         assignment ids ``a = t*K + k`` stable-sorted by expert.
@@ -49,14 +86,14 @@ class Plan:
         ``padded_bins[-1]`` is P, the number of padded rows (grouped-GEMM offsets).
     ``dest_rows[A]``
         the padded row of each assignment.
-    ``row_sources[capacity]``
+    ``row_sources[padded_rows_bound]``
         the assignment stored in each padded row, -1 for padding rows and rows
         at or past P.
 
     A plan made with routing options (``padmoe.make_plan(..., expert_map=..., expert_capacity=...)``)
     may have dropped assignments: ``dest_rows`` -1, no sorted position (positions past ``bins[-1]``
     hold -1), counts and padding over kept assignments only. With ``expert_capacity`` C every
-    segment is exactly C rows (P = E*C, ``capacity`` = E*C) and ``dropped`` is a [1] int32 array on
+    segment is exactly C rows (P = ``padded_rows_bound`` = E*C) and ``dropped`` is a [1] int32 array on
     the plan's device: the number of assignments the capacity dropped (no synchronization).
 
     ``arrays`` is the list of the eight, in that order. A plan made by
@@ -86,7 +123,7 @@ class Plan:
                      expert_capacity: Optional[int] = None, dropped: Any = None) -> "Plan":
         """A plan around padmoe.torch's packed form: one int32 tensor holding the eight arrays back to
         back (``indices, bin_ids`` [A], the four [E] arrays, ``dest_rows`` [A], ``row_sources``
-        [capacity]); the arrays are views of it, made on first use."""
+        [padded_rows_bound]); the arrays are views of it, made on first use."""
         p = cls.__new__(cls)
         p._arrays = None
         p.packed = packed
@@ -102,8 +139,9 @@ class Plan:
     def arrays(self) -> list:
         """The eight arrays, in the order of the field list above."""
         if self._arrays is None:
-            a, e = self.num_tokens * self.top_k, self.num_experts
-            self._arrays = list(self.packed.split([a, a, e, e, e, e, a, self.capacity]))
+            layout = packed_plan_layout(self.num_tokens, self.top_k, self.num_experts, self.alignment,
+                                        self.expert_capacity)
+            self._arrays = list(self.packed.split([length for _, _, length in layout]))
         return self._arrays
 
     indices = _array_field(0, "indices")
@@ -121,13 +159,18 @@ class Plan:
         return self.num_tokens * self.top_k
 
     @property
-    def capacity(self) -> int:
+    def padded_rows_bound(self) -> int:
         """Host-side bound on P: ``A + E*(alignment-1)`` (no synchronization); ``E*C`` for a plan
-        made with ``expert_capacity`` C (then exactly P). Allocate padded outputs with
-        ``rows=plan.capacity`` to avoid reading P."""
-        if getattr(self, "expert_capacity", None) is not None:
-            return self.num_experts * self.expert_capacity
-        return self.num_tokens * self.top_k + self.num_experts * (self.alignment - 1)  # = _C.capacity_bound
+        made with ``expert_capacity`` C (then exactly P). The row count of every padded output
+        of the plan ops (``dispatch``, ``make_plan_and_dispatch``, ``dispatch_quantized``)."""
+        return rows_bound(self.num_tokens, self.top_k, self.num_experts, self.alignment,
+                                 getattr(self, "expert_capacity", None))
+
+    @property
+    def capacity(self) -> int:
+        """Deprecated name of :attr:`padded_rows_bound` (removed in the next release)."""
+        warnings.warn("Plan.capacity is deprecated: use Plan.padded_rows_bound", DeprecationWarning, stacklevel=2)
+        return self.padded_rows_bound
 
     def padded_rows(self) -> int:
         """P = ``padded_bins[-1]`` read on the host (on CUDA: synchronizes the
@@ -142,7 +185,7 @@ class Plan:
         """Uninitialized plan buffers for ``make_plan(..., out=plan)``: allocate
         once, refill every step (e.g. inside a CUDA graph). The arrays are of
         ``like``'s framework and device (numpy on the CPU when ``like`` is None);
-        ``row_sources`` has ``capacity`` entries."""
+        ``row_sources`` has ``padded_rows_bound`` entries."""
         for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1),
                                    ("num_experts", num_experts, 1), ("alignment", alignment, 1)):
             if int(value) < least:
@@ -156,7 +199,7 @@ class Plan:
         num_tokens, top_k, num_experts, alignment = int(num_tokens), int(top_k), int(num_experts), int(alignment)
         a = max(num_tokens * top_k, 0)
         e = max(num_experts, 0)
-        # capacity_bound's formula on the clamped sizes, in Python ints (no overflow, no error of its own)
+        # padded_rows_bound's formula on the clamped sizes, in Python ints (no overflow, no error of its own)
         cap = max(a + e * (max(alignment, 1) - 1), 0)
         if expert_capacity is not None and int(expert_capacity) >= 0:
             cap = e * int(expert_capacity)
@@ -194,7 +237,7 @@ class Plan:
         dev = getattr(self.indices, "device", "cpu")
         cap = getattr(self, "expert_capacity", None)
         return (f"Plan(num_tokens={self.num_tokens}, top_k={self.top_k}, num_experts={self.num_experts}, "
-                f"alignment={self.alignment}, capacity={self.capacity}, "
+                f"alignment={self.alignment}, padded_rows_bound={self.padded_rows_bound}, "
                 + (f"expert_capacity={cap}, " if cap is not None else "")
                 + f"arrays={type(self.indices).__module__.split('.')[0]}:{dev})")
 

@@ -2,7 +2,7 @@
 (SPEC section 6), as Triton kernels. Tested in Triton's interpreter on the CPU (CI) and natively on an
 H200; not run on an Ascend NPU (none reachable). docs/ascend.md says what ran where.
 
-The launch follows padmoe's tile planner (``padmoe.plan_tiles``; target ``gpu`` for CUDA tensors with
+The launch follows padmoe's tile planner (``padmoe.tile_config``; target ``gpu`` for CUDA tensors with
 the device's SM count, ``ascend-a2`` otherwise): ``programs`` programs, each over one contiguous range
 ``[pid*B, min((pid+1)*B, N))``, ``B = ceil(N / programs)``, stepping ``sub_block_rows`` rows and
 ``block_x`` columns at a time. Two passes:
@@ -340,7 +340,7 @@ def _pow2_at_most(n: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _planned(op: str, hidden: int, dtype_name: str, target: str, cores: int) -> dict:
-    c = dict(padmoe.plan_tiles(target, op, hidden, dtype_name, cores))
+    c = dict(padmoe.tile_config(target, op, hidden, dtype_name, cores))
     c["sub_block_rows"] = max(1, _pow2_at_most(int(c["sub_block_rows"])))
     c["block_x"] = max(16, _pow2_at_most(int(c["block_x"])))
     c["target"] = target
@@ -355,7 +355,7 @@ def _device_cores(index: int) -> int:
 
 def tile_config(op: str, hidden: int, dtype: torch.dtype, target: Optional[str] = None, cores: int = 0,
                 device: Optional[torch.device] = None) -> dict:
-    """padmoe's tile planner (``padmoe.plan_tiles``) for this op, as the kernels launch it.
+    """padmoe's tile planner (``padmoe.tile_config``) for this op, as the kernels launch it.
 
     ``target`` None: ``"gpu"`` for CUDA tensors (``cores`` = the device's SM count, queried at run
     time), ``"ascend-a2"`` otherwise (the interpreter runs the NPU's configuration; 48 vector cores

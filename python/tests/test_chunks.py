@@ -81,10 +81,10 @@ def test_numpy_matches_reference(R, E, m, sdtype, flat):
     np.testing.assert_array_equal(padded, want_p.astype(np.float32))
     np.testing.assert_array_equal(pmap, want_map)
     np.testing.assert_array_equal(offs, want_off)
-    # rows=capacity: map -1 past P, padded rows past P zero with zero_tail
-    cap = padmoe.sort_chunks_capacity(received.shape[0], R * E, R, m)
+    # rows=the bound: map -1 past P, padded rows past P zero
+    cap = padmoe.sort_chunks_rows_bound(received.shape[0], R * E, R, m)
     assert cap == received.shape[0] + E * (m - 1)
-    p2, m2, o2 = padmoe.sort_chunks(received, s, R, m, rows=cap, zero_tail=True)
+    p2, m2, o2 = padmoe.sort_chunks(received, s, R, m, rows=cap)
     P = want_map.shape[0]
     assert p2.shape == (cap, received.shape[1])
     np.testing.assert_array_equal(p2[:P], want_p.astype(np.float32))
@@ -198,7 +198,7 @@ def test_torch_forward_matches_reference(device, dtype):
     np.testing.assert_array_equal(padded.float().cpu().numpy(), want_p)
     np.testing.assert_array_equal(pmap.cpu().numpy(), want_map)
     np.testing.assert_array_equal(offs.cpu().numpy(), want_off)
-    cap = padmoe.sort_chunks_capacity(h.shape[0], sizes.numel(), 4, 8)
+    cap = padmoe.sort_chunks_rows_bound(h.shape[0], sizes.numel(), 4, 8)
     p2, m2, o2 = pt.sort_chunks(h, sizes.to(torch.int32), 4, 8, rows=cap)
     P = want_map.shape[0]
     assert p2.shape == (cap, h.shape[1])
@@ -254,7 +254,7 @@ def test_torch_gradcheck_float64(device, sorted_index):
     si = torch.tensor(rng.permutation(6), device=device) if sorted_index else None
     h = h.requires_grad_()
     assert torch.autograd.gradcheck(lambda a: pt.sort_chunks(a, sizes, 3, 4, si)[0], (h,))
-    cap = padmoe.sort_chunks_capacity(h.shape[0], 6, 3, 4)
+    cap = padmoe.sort_chunks_rows_bound(h.shape[0], 6, 3, 4)
     assert torch.autograd.gradcheck(lambda a: pt.sort_chunks(a, sizes, 3, 4, si, rows=cap)[0], (h,))
     padded, pmap, _ = pt.sort_chunks(h.detach(), sizes, 3, 4, si)
     y = (padded + 0.5).requires_grad_()
@@ -271,7 +271,7 @@ def test_torch_gradcheck_float64(device, sorted_index):
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_compile_static_rows(device):
     h, sizes, _ = torch_problem(device, torch.float32, seed=2)
-    cap = padmoe.sort_chunks_capacity(h.shape[0], sizes.numel(), 4, 8)
+    cap = padmoe.sort_chunks_rows_bound(h.shape[0], sizes.numel(), 4, 8)
 
     def step(x, s):
         padded, pmap, offs = pt.sort_chunks(x, s, 4, 8, rows=cap)
@@ -289,7 +289,7 @@ def test_torch_compile_static_rows(device):
 @pytestmark_torch
 def test_torch_opcheck():
     h, sizes, _ = torch_problem("cpu", torch.float32, seed=5)
-    cap = padmoe.sort_chunks_capacity(h.shape[0], sizes.numel(), 4, 8)
+    cap = padmoe.sort_chunks_rows_bound(h.shape[0], sizes.numel(), 4, 8)
     op = torch.ops.padmoe.sort_chunks.default
     torch.library.opcheck(op, (h, sizes, 4, 8, None, 2, True, cap))
 

@@ -1,4 +1,4 @@
-"""Tests of padmoe.eager (the plain-PyTorch ops) against plain-Python loops in float64.
+"""Tests of padmoe.reference (the plain-PyTorch ops) against plain-Python loops in float64.
 
 The reference loops below are written straight from SPEC.md sections 1-3 and share no
 code with eager.py (dest_rows, for instance, comes from walking the experts in order,
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-_EAGER_PATH = pathlib.Path(__file__).resolve().parents[1] / "padmoe" / "eager.py"
+_EAGER_PATH = pathlib.Path(__file__).resolve().parents[1] / "padmoe" / "reference.py"
 _spec = importlib.util.spec_from_file_location("padmoe_eager_under_test", _EAGER_PATH)
 eager = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(eager)
@@ -268,7 +268,7 @@ def test_make_plan(case, index_dtype, device):
         assert got.device.type == device, f"{field}: on {got.device}"
         assert got.cpu().tolist() == ref[field], f"{field}: {got.cpu().tolist()} != {ref[field]}"
     assert (plan.num_tokens, plan.top_k, plan.num_experts, plan.alignment) == (T, K, E, m)
-    assert plan.capacity == T * K + E * (m - 1) == len(ref["row_sources"])
+    assert plan.padded_rows_bound == T * K + E * (m - 1) == len(ref["row_sources"])
 
 
 def test_make_plan_stable_on_ties():

@@ -1,6 +1,5 @@
-"""Rows moved with their scales (issue 11, item 1): the ``scales=`` keyword of padmoe.dispatch /
-padded_gather / pad_to_alignment / unpad_from_alignment (numpy and torch inputs) and of the
-padmoe.torch ops (float8 e4m3 / e5m2 rows; float32 per-row / per-128-column scales, MXFP8 E8M0
+"""Rows moved with their scales: dispatch_scaled / padded_gather_scaled / pad_to_alignment_scaled /
+unpad_from_alignment_scaled (numpy and torch inputs) and the same padmoe.torch ops (float8 e4m3 / e5m2 rows; float32 per-row / per-128-column scales, MXFP8 E8M0
 scales as uint8 or torch.float8_e8m0fnu), against a byte-level numpy reference written here:
 data rows bitwise, scale rows byte for byte, padding rows zero with a scale that decodes to 1."""
 
@@ -110,22 +109,23 @@ def test_numpy_dispatch_and_gather(layout, hidden):
     x = c.rng.uniform(-1, 1, size=(c.T, c.H)).astype(np.float16)
     xs = make_scales(c.rng, layout, c.T, c.H)
     srcs = spread_sources(c.ref)
-    y, ys = padmoe.dispatch(x, c.plan, scales=xs)
-    assert y.shape == (c.P, c.H) and ys.shape == (c.P,) + xs.shape[1:] and ys.dtype == xs.dtype
+    bound = c.plan.padded_rows_bound
+    y, ys = padmoe.dispatch_scaled(x, c.plan, xs)
+    assert y.shape == (bound, c.H) and ys.shape == (bound,) + xs.shape[1:] and ys.dtype == xs.dtype
     expect(y, ys, x, xs, srcs, layout, c.H)
-    g, gs = padmoe.padded_gather(x, c.ref["indices"], c.ref["bin_ids"], c.ref["bins"], c.ref["padded_bins"], c.K,
-                                 scales=xs)
-    np.testing.assert_array_equal(g, y)
-    np.testing.assert_array_equal(gs, ys)
-    # capacity-sized outputs: rows past P untouched, or zero / scale 1 with zero_tail
-    cap = c.plan.capacity
-    for zero_tail in (False, True):
-        out = (poison((cap, c.H), np.float16), poison((cap,) + xs.shape[1:], xs.dtype))
-        y2, ys2 = padmoe.dispatch(x, c.plan, scales=xs, out=out, zero_tail=zero_tail)
+    g, gs = padmoe.padded_gather_scaled(x, c.ref["indices"], c.ref["bin_ids"], c.ref["bins"], c.ref["padded_bins"],
+                                        c.K, xs)
+    assert g.shape[0] == gs.shape[0] == c.P
+    np.testing.assert_array_equal(g, y[:c.P])
+    np.testing.assert_array_equal(gs, ys[:c.P])
+    # rows past P: zero with scale 1, or untouched with zero_padding=False
+    for zero_padding in (True, False):
+        out = (poison((bound, c.H), np.float16), poison((bound,) + xs.shape[1:], xs.dtype))
+        y2, ys2 = padmoe.dispatch_scaled(x, c.plan, xs, out=out, zero_padding=zero_padding)
         assert y2 is out[0] and ys2 is out[1]
-        expect(y2, ys2, x, xs, srcs, layout, c.H)
         tail_rows, tail_scales = as_bytes(y2)[c.P:], as_bytes(ys2)[c.P:]
-        if zero_tail:
+        if zero_padding:
+            expect(y2, ys2, x, xs, srcs, layout, c.H)
             assert not tail_rows.any()
             assert (tail_scales == one_row(layout, cols_of(layout, c.H))).all()
         else:
@@ -139,7 +139,7 @@ def test_numpy_zero_padding_false_leaves_padding_unwritten(layout):
     xs = make_scales(c.rng, layout, c.T, c.H)
     y = poison((c.P, c.H), np.float32)
     ys = poison((c.P,) + xs.shape[1:], xs.dtype)
-    padmoe.dispatch(x, c.plan, scales=xs, out=(y, ys), zero_padding=False)
+    padmoe.dispatch_scaled(x, c.plan, xs, out=(y, ys), zero_padding=False)
     real = np.array([s >= 0 for s in spread_sources(c.ref)])
     assert (~real).any()
     expect(y, ys, x, xs, spread_sources(c.ref), layout, c.H, real_only=real)
@@ -154,7 +154,7 @@ def test_numpy_pad_and_unpad(layout):
     n, h, m = int(counts.sum()) + 3, 160, 8  # 3 trailing rows ignored
     hidden = rng.uniform(-1, 1, size=(n, h)).astype(np.float16)
     hs = make_scales(rng, layout, n, h)
-    padded, ps, pmap, offs = padmoe.pad_to_alignment(hidden, counts, m, scales=hs)
+    padded, ps, pmap, offs = padmoe.pad_to_alignment_scaled(hidden, counts, m, hs)
     want_padded, want_map, want_offs = ref.pad(hidden, counts, m)
     np.testing.assert_array_equal(pmap, want_map)
     np.testing.assert_array_equal(offs, want_offs)
@@ -162,7 +162,7 @@ def test_numpy_pad_and_unpad(layout):
     # unpad with some entries dropped: those rows get zero data and scale 1
     drop = pmap.copy()
     drop[::3] = -1
-    out, os_ = padmoe.unpad_from_alignment(padded, drop, n, scales=ps)
+    out, os_ = padmoe.unpad_from_alignment_scaled(padded, drop, n, ps)
     assert out.shape == (n, h) and os_.shape == (n,) + hs.shape[1:]
     srcs = unpad_sources(drop, n)
     assert any(s < 0 for s in srcs)
@@ -173,22 +173,17 @@ def test_numpy_bad_scales_are_named_errors():
     c = Case(seed=5)
     x = np.zeros((c.T, c.H), dtype=np.float16)
     with pytest.raises(ValueError, match=r"dispatch: x_scales: float32 scales must be .*ceil\(H/128\)\] = \[rows, 2\]"):
-        padmoe.dispatch(x, c.plan, scales=np.zeros((c.T, 3), dtype=np.float32))
+        padmoe.dispatch_scaled(x, c.plan, np.zeros((c.T, 3), dtype=np.float32))
     with pytest.raises(ValueError, match=r"x_scales: uint8 \(E8M0\) scales must be \[rows, ceil\(H/32\)\] = \[rows, 7\]"):
-        padmoe.dispatch(x, c.plan, scales=np.zeros((c.T, 4), dtype=np.uint8))
+        padmoe.dispatch_scaled(x, c.plan, np.zeros((c.T, 4), dtype=np.uint8))
     with pytest.raises(TypeError, match=r"x_scales: expected float32 scales .* got float16"):
-        padmoe.dispatch(x, c.plan, scales=np.zeros((c.T,), dtype=np.float16))
+        padmoe.dispatch_scaled(x, c.plan, np.zeros((c.T,), dtype=np.float16))
     with pytest.raises(ValueError, match=r"x_scales: expected 41 rows"):
-        padmoe.dispatch(x, c.plan, scales=np.zeros((c.T - 1,), dtype=np.float32))
-    with pytest.raises(ValueError, match=r"dispatch: scales: not with weights"):
-        padmoe.dispatch(x, c.plan, np.ones(c.T * c.K, dtype=np.float32), scales=np.zeros(c.T, dtype=np.float32))
-    with pytest.raises(ValueError, match=r"unpad_from_alignment: scales: not with probs"):
-        padmoe.unpad_from_alignment(x, np.arange(c.T, dtype=np.int32), c.T, np.ones(c.T, dtype=np.float32),
-                                    scales=np.zeros(c.T, dtype=np.float32))
+        padmoe.dispatch_scaled(x, c.plan, np.zeros((c.T - 1,), dtype=np.float32))
     y = np.full((c.P, c.H), 7, dtype=np.float16)
     with pytest.raises(ValueError, match=r"y_scales: expected the input scales' layout"):
-        padmoe.dispatch(x, c.plan, scales=np.zeros((c.T, 2), dtype=np.float32),
-                        out=(y, np.zeros(c.P, dtype=np.float32)))
+        padmoe.dispatch_scaled(x, c.plan, np.zeros((c.T, 2), dtype=np.float32),
+                               out=(y, np.zeros(c.P, dtype=np.float32)))
     assert (y == 7).all()  # nothing written before the error
 
 
@@ -234,33 +229,34 @@ def test_torch_float8_every_op(dtype, layout):
     srcs = spread_sources(c.ref)
     tplan = pt.make_plan(torch.from_numpy(c.top), c.E, c.m)
 
-    # padmoe.torch.dispatch: capacity rows, rows past P zero with scale 1
-    y, ys = pt.dispatch(x, tplan, scales=xs)
-    assert y.dtype == dtype and ys.dtype == xs.dtype and y.shape[0] == ys.shape[0] == tplan.capacity
+    # padmoe.torch.dispatch_scaled: padded_rows_bound rows, rows past P zero with scale 1
+    y, ys = pt.dispatch_scaled(x, tplan, xs)
+    assert y.dtype == dtype and ys.dtype == xs.dtype and y.shape[0] == ys.shape[0] == tplan.padded_rows_bound
     expect(y, ys, x, xs, srcs, lay, c.H)
     assert not as_bytes(y)[c.P:].any()
     assert (as_bytes(ys)[c.P:] == one_row(lay, cols_of(lay, c.H))).all()
 
     # the numpy-layer functions on torch tensors agree
-    y2, ys2 = padmoe.dispatch(x, padmoe.make_plan(torch.from_numpy(c.top), c.E, c.m), scales=xs)
+    y2, ys2 = padmoe.dispatch_scaled(x, padmoe.make_plan(torch.from_numpy(c.top), c.E, c.m), xs)
     expect(y2, ys2, x, xs, srcs, lay, c.H)
+    assert torch.equal(y2.view(torch.uint8), y.view(torch.uint8)) and torch.equal(ys2, ys)
 
     idx = {k: torch.from_numpy(c.ref[k]) for k in ("indices", "bin_ids", "bins", "padded_bins")}
-    g, gs = pt.padded_gather(x, idx["indices"], idx["bin_ids"], idx["bins"], idx["padded_bins"], c.K, scales=xs)
+    g, gs = pt.padded_gather_scaled(x, idx["indices"], idx["bin_ids"], idx["bins"], idx["padded_bins"], c.K, xs)
     assert g.shape[0] == c.P
     expect(g, gs, x, xs, srcs, lay, c.H)
 
     counts = torch.tensor([3, 0, 9, 4], dtype=torch.int32)
     h = f8_rows(c.rng, (16, c.H), dtype)
     hs = torch_scales(c.rng, lay, 16, c.H, layout == "mx-e8m0fnu")
-    padded, ps, pmap, offs = pt.pad_to_alignment(h, counts, 8, scales=hs)
+    padded, ps, pmap, offs = pt.pad_to_alignment_scaled(h, counts, 8, hs)
     _, want_map, want_offs = ref.pad(np.zeros((16, 1)), counts.numpy(), 8)
     np.testing.assert_array_equal(pmap.numpy(), want_map)
     np.testing.assert_array_equal(offs.numpy(), want_offs)
     expect(padded, ps, h, hs, list(want_map), lay, c.H)
     drop = pmap.clone()
     drop[::2] = -1
-    out, os_ = pt.unpad_from_alignment(padded, drop, 16, scales=ps)
+    out, os_ = pt.unpad_from_alignment_scaled(padded, drop, 16, ps)
     expect(out, os_, padded, ps, unpad_sources(drop.tolist(), 16), lay, c.H)
 
 
@@ -271,14 +267,14 @@ def test_torch_errors_and_no_autograd():
     x = torch.zeros(c.T, c.H, dtype=torch.bfloat16, requires_grad=True)
     xs = torch.ones(c.T)
     with pytest.raises(NotImplementedError, match="dispatch: rows moved with their scales are not differentiable"):
-        pt.dispatch(x, tplan, scales=xs)
+        pt.dispatch_scaled(x, tplan, xs)
     with torch.no_grad():
-        y, ys = pt.dispatch(x, tplan, scales=xs)
+        y, ys = pt.dispatch_scaled(x, tplan, xs)
     assert not y.requires_grad and not ys.requires_grad
-    with pytest.raises(ValueError, match="dispatch: scales: not with weights"):
-        pt.dispatch(x.detach(), tplan, torch.ones(c.T * c.K), scales=xs)
     with pytest.raises(ValueError, match=r"dispatch: x_scales: float32 scales must be"):
-        pt.dispatch(x.detach(), tplan, scales=torch.ones(c.T, 5))
+        pt.dispatch_scaled(x.detach(), tplan, torch.ones(c.T, 5))
+    with pytest.raises(TypeError, match="scales"):
+        pt.dispatch(x.detach(), tplan, scales=xs)  # the keyword is gone: a scaled dispatch is its own function
 
 
 def test_torch_compile_traces_the_scaled_ops():
@@ -289,7 +285,7 @@ def test_torch_compile_traces_the_scaled_ops():
     xs = torch_scales(c.rng, "block128", c.T, c.H)
 
     def step(x, xs):
-        y, ys = pt.dispatch(x, tplan, scales=xs)
+        y, ys = pt.dispatch_scaled(x, tplan, xs)
         return y, ys
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -302,8 +298,8 @@ def test_torch_compile_traces_the_scaled_ops():
     hs = torch_scales(c.rng, "mx", 16, c.H)
 
     def pad_unpad(h, hs):
-        padded, ps, pmap, _ = pt.pad_to_alignment(h, counts, 16, scales=hs)
-        return pt.unpad_from_alignment(padded, pmap, 16, scales=ps)
+        padded, ps, pmap, _ = pt.pad_to_alignment_scaled(h, counts, 16, hs)
+        return pt.unpad_from_alignment_scaled(padded, pmap, 16, ps)
 
     out, os_ = torch.compile(pad_unpad, backend="aot_eager", fullgraph=False)(h, hs)
     assert torch.equal(out, h) and torch.equal(os_, hs)
@@ -312,13 +308,13 @@ def test_torch_compile_traces_the_scaled_ops():
 def test_opcheck_scaled_ops():
     _ptorch()
     c = Case(seed=19, hidden=64)
-    from padmoe.torch import _packed
+    from padmoe.torch._common import packed as _packed
     import padmoe.torch as pt
     tplan = pt.make_plan(torch.from_numpy(c.top), c.E, c.m)
     x = torch.randn(c.T, c.H, dtype=torch.bfloat16)
     xs = torch.rand(c.T, 1)
     torch.library.opcheck(torch.ops.padmoe.dispatch_scaled.default,
-                          (x, _packed(tplan), xs, c.K, c.E, c.m, 2, True),
+                          (x, _packed(tplan), xs, c.K, c.E, c.m, None, 2, True),
                           test_utils=("test_schema", "test_faketensor"))
     counts = torch.tensor([5, 3, 0, 8], dtype=torch.int32)
     h = torch.randn(16, c.H, dtype=torch.float16)

@@ -9,7 +9,7 @@ import pytest
 import padmoe
 
 torch = pytest.importorskip("torch")
-import padmoe.eager as pe  # noqa: E402
+import padmoe.reference as pe  # noqa: E402
 import padmoe.torch as pt  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def test_float64_rows_get_the_same_checks():
     broken[dest_at + 1] = broken[dest_at]
     for dt in (torch.float32, torch.float64):
         with pytest.raises(ValueError, match=r"dispatch: plan\."):
-            torch.ops.padmoe.dispatch(x.to(dt), broken, None, 2, 3, 2, 1)
+            torch.ops.padmoe.dispatch(x.to(dt), broken, None, 2, 3, 2, None, 1)
 
 
 def test_negative_original_size_is_a_value_error():

@@ -185,7 +185,7 @@ def test_zero_padding_false_leaves_padding_rows_unwritten(device):
         return np.asarray(a.cpu() if device != "numpy" else a)
 
     want = host(padmoe.dispatch(x, plan))
-    y = padmoe.dispatch(x, plan, out=nan_rows(plan.capacity), zero_padding=False)
+    y = padmoe.dispatch(x, plan, out=nan_rows(plan.padded_rows_bound), zero_padding=False)
     got = host(y)
     real = [r for r in range(P) if rs[r] >= 0]
     assert np.array_equal(got[real], want[real]) and np.isnan(got[pad_rows]).all()
@@ -236,7 +236,7 @@ def test_torch_zero_padding_false_real_rows_and_gradients(device):
     f = torch.compile(lambda a: pt.dispatch(a, p, check=False, zero_padding=False), fullgraph=True,
                       backend="aot_eager")
     assert torch.equal(f(x)[real], want[real])
-    torch.library.opcheck(torch.ops.padmoe.dispatch.default, (x, p.packed, None, K, E, m, 1, False),
+    torch.library.opcheck(torch.ops.padmoe.dispatch.default, (x, p.packed, None, K, E, m, None, 1, False),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -53,8 +53,8 @@ def test_version_matches_cmake_project():
 
 def test_sizes_and_flags():
     assert isinstance(padmoe.has_cuda(), bool)
-    assert padmoe.capacity_bound(37, 3, 6, 4) == 37 * 3 + 6 * 3
-    assert padmoe.capacity_bound(5, 2, 4, 1) == 10
+    assert padmoe.padded_rows_bound(37, 3, 6, 4) == 37 * 3 + 6 * 3
+    assert padmoe.padded_rows_bound(5, 2, 4, 1) == 10
     ws = padmoe.workspace_bound(37, 3, 6, 4)
     assert isinstance(ws, int) and ws > 0
     assert padmoe.workspace_bound(1000, 8, 64, 128) >= ws
@@ -76,12 +76,12 @@ def test_make_plan_fields(index_dtype, alignment):
         assert isinstance(got, np.ndarray) and got.dtype == np.int32, name
         np.testing.assert_array_equal(got, r.ref[name], err_msg=name)
     assert plan.tokens_per_expert[2] == 0  # the empty expert
-    assert plan.row_sources.shape == (plan.capacity,)
+    assert plan.row_sources.shape == (plan.padded_rows_bound,)
     np.testing.assert_array_equal(plan.row_sources[: r.P], r.ref["row_sources"])
     assert (plan.row_sources[r.P:] == -1).all()
     assert (plan.num_tokens, plan.top_k, plan.num_experts, plan.alignment) == (r.T, r.K, r.E, alignment)
     assert plan.num_assignments == r.A
-    assert plan.capacity == r.A + r.E * (alignment - 1)
+    assert plan.padded_rows_bound == r.A + r.E * (alignment - 1)
     assert plan.padded_rows() == r.P
 
 
@@ -109,7 +109,7 @@ def test_empty_routing():
     np.testing.assert_array_equal(plan.bins, [0, 0, 0])
     x = np.zeros((0, 5), dtype=np.float32)
     y = padmoe.dispatch(x, plan)
-    assert y.shape == (0, 5)
+    assert y.shape == (3 * 7, 5) and not y.any()  # padded_rows_bound rows, all past P
     assert padmoe.combine(y, plan).shape == (0, 5)
 
 
@@ -137,8 +137,11 @@ def test_padded_gather(routing, dtype, wmode):
     else:
         assert_close(y, expected, dtype)
         np.testing.assert_array_equal(y, ref.gather_f32(x, r.ref, w).astype(dtype))  # one float32 product
-    # the fused form agrees bit for bit
-    np.testing.assert_array_equal(padmoe.dispatch(x, plan, w), y)
+    # the fused form agrees bit for bit, with its rows past P zero
+    fused = padmoe.dispatch(x, plan, w)
+    assert fused.shape == (plan.padded_rows_bound, r.H)
+    np.testing.assert_array_equal(fused[: r.P], y)
+    assert not fused[r.P:].any()
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -228,7 +231,8 @@ def test_scatter_backward_and_combine_backward(routing, dtype, wmode):
         assert gw.dtype == w.dtype
         assert_close(gw, ref.wgrad(y, grad_out, r.ref), w.dtype)
     cy, cw = padmoe.combine_backward(grad_out, y, plan, w)
-    np.testing.assert_array_equal(cy, gy)
+    assert cy.shape == (plan.padded_rows_bound, r.H) and not cy[r.P:].any()
+    np.testing.assert_array_equal(cy[: r.P], gy)
     if w is None:
         assert cw is None
     else:
@@ -316,32 +320,35 @@ def test_rows_capacity_form(routing):
     x = rows(r.rng, (r.T, r.H), np.float32)
     w = weights_for(r, "float32", np.float32)
     exact = ref.gather(x, r.ref, w)
-    assert plan.capacity > r.P
-    y = padmoe.dispatch(x, plan, w, rows=plan.capacity)
-    assert y.shape == (plan.capacity, r.H)
+    assert plan.padded_rows_bound > r.P
+    y = padmoe.dispatch(x, plan, w, rows=plan.padded_rows_bound)
+    assert y.shape == (plan.padded_rows_bound, r.H)
     np.testing.assert_allclose(y[: r.P], exact, rtol=1e-6, atol=1e-6)
-    y2 = padmoe.padded_gather(x, *sorted_args(plan), r.K, w, rows=plan.capacity)
+    y2 = padmoe.padded_gather(x, *sorted_args(plan), r.K, w, rows=plan.padded_rows_bound)
     np.testing.assert_array_equal(y2[: r.P], y[: r.P])
-    # rows past P are left untouched
-    sentinel = np.full((plan.capacity, r.H), 777.0, dtype=np.float32)
+    # rows past P are zero, or left untouched with zero_padding=False
+    sentinel = np.full((plan.padded_rows_bound, r.H), 777.0, dtype=np.float32)
     got = padmoe.dispatch(x, plan, w, out=sentinel)
     assert got is sentinel
     np.testing.assert_array_equal(sentinel[: r.P], y[: r.P])
+    assert (sentinel[r.P:] == 0).all()
+    sentinel[:] = 777.0
+    padmoe.dispatch(x, plan, w, out=sentinel, zero_padding=False)
     assert (sentinel[r.P:] == 777.0).all()
 
     grad_out = rows(r.rng, (r.T, r.H), np.float32)
-    gy, gw = padmoe.combine_backward(grad_out, y, plan, w, rows=plan.capacity)
-    assert gy.shape == (plan.capacity, r.H)
+    gy, gw = padmoe.combine_backward(grad_out, y, plan, w, rows=plan.padded_rows_bound)
+    assert gy.shape == (plan.padded_rows_bound, r.H)
     np.testing.assert_allclose(gy[: r.P], ref.gather(grad_out, r.ref, w), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(gw, ref.wgrad(y[: r.P], grad_out, r.ref), rtol=1e-5, atol=1e-5)
     sy, _ = padmoe.padded_scatter_backward(grad_out, y, plan.indices, plan.bin_ids, w, plan.bins,
-                                           plan.padded_bins, r.K, rows=plan.capacity)
+                                           plan.padded_bins, r.K, rows=plan.padded_rows_bound)
     np.testing.assert_array_equal(sy[: r.P], gy[: r.P])
     # combine reads only the real rows of a capacity-sized y
     np.testing.assert_allclose(padmoe.combine(y, plan, w), ref.scatter(exact, r.ref, w), rtol=1e-5, atol=1e-5)
 
     with pytest.raises(ValueError, match="rows= or out="):
-        padmoe.dispatch(x, plan, rows=plan.capacity, out=sentinel)
+        padmoe.dispatch(x, plan, rows=plan.padded_rows_bound, out=sentinel)
     with pytest.raises(ValueError, match="y"):
         padmoe.dispatch(x, plan, rows=r.P - 1)  # short output
 
@@ -410,10 +417,10 @@ def test_read_only_inputs(routing):
     x.setflags(write=False)
     w.setflags(write=False)
     y = padmoe.dispatch(x, plan, w)
-    np.testing.assert_allclose(y, ref.gather(x, r.ref, w), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y[: r.P], ref.gather(x, r.ref, w), rtol=1e-6, atol=1e-6)
     y.setflags(write=False)
     out = padmoe.combine(y, plan, w)
-    np.testing.assert_allclose(out, ref.scatter(y, r.ref, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, ref.scatter(y[: r.P], r.ref, w), rtol=1e-5, atol=1e-5)
     gy, gw = padmoe.combine_backward(out, y, plan, w)
     assert gy.flags.writeable and gw.flags.writeable
     # a read-only output is refused

@@ -84,7 +84,7 @@ def test_numpy_matches_make_plan_dispatch_and_reference(case, idtype, dtype, wei
     x = rows(rng, (T, 24), dtype)
     w = rng.uniform(0.1, 1.0, size=T * K).astype(np.float32) if weighted else None
 
-    plan, y = padmoe.make_plan_and_dispatch(x, top, E, alignment, w)
+    y, plan = padmoe.make_plan_and_dispatch(x, top, E, alignment, w)
     assert type(plan) is padmoe.Plan
     assert (plan.num_tokens, plan.top_k, plan.num_experts, plan.alignment) == (T, K, E, alignment)
     # bit for bit: make_plan + dispatch
@@ -97,12 +97,13 @@ def test_numpy_matches_make_plan_dispatch_and_reference(case, idtype, dtype, wei
                                   y2.view(np.uint16 if dtype == np.float16 else np.uint32))
     # the independent reference: the stable counting sort of plain loops
     r = ref.make_plan(top64, E, alignment)
-    assert y.shape == (r["P"], 24)
-    check_plan_against_ref(plan, r, capacity(T, K, E, alignment))
-    np.testing.assert_array_equal(y, ref_y(x, r, w, r["P"]))
+    bound = capacity(T, K, E, alignment)
+    assert y.shape == (bound, 24) and plan.padded_rows_bound == bound
+    check_plan_against_ref(plan, r, bound)
+    np.testing.assert_array_equal(y, ref_y(x, r, w, bound))  # rows at or past P zero
 
 
-def test_numpy_rows_out_and_zero_tail():
+def test_numpy_rows_and_out():
     rng = np.random.default_rng(3)
     top = random_top_experts(rng, 17, 2, 6, skip_expert=1)
     x = rows(rng, (17, 8), np.float32)
@@ -111,31 +112,32 @@ def test_numpy_rows_out_and_zero_tail():
     cap = capacity(17, 2, E, m)
     r = ref.make_plan(top, E, m)
     want = ref_y(x, r, w, cap)
-    # rows=capacity: no P read; zero_tail zeroes the rows at or past P
-    plan, y = padmoe.make_plan_and_dispatch(x, top, E, m, w, rows=cap, zero_tail=True)
-    assert y.shape == (cap, 8)
-    np.testing.assert_array_equal(y, want)
+    # rows: at least the bound (P is not known before the call); rows at or past P zero
+    y, plan = padmoe.make_plan_and_dispatch(x, top, E, m, w, rows=cap + 2)
+    assert y.shape == (cap + 2, 8)
+    np.testing.assert_array_equal(y[:cap], want)
+    assert np.all(y[cap:] == 0)
     check_plan_against_ref(plan, r, cap)
-    with pytest.raises(ValueError, match=rf"{OP}: rows: must be >= plan.capacity = {cap}"):
+    with pytest.raises(ValueError, match=rf"{OP}: rows: must be >= plan.padded_rows_bound = {cap}"):
         padmoe.make_plan_and_dispatch(x, top, E, m, rows=r["P"])
     # caller-owned buffers (either may be None), filled and returned
     out_plan = padmoe.Plan.empty(17, 2, E, m)
     out_y = np.full((cap + 3, 8), 7.0, dtype=np.float32)
-    plan2, y2 = padmoe.make_plan_and_dispatch(x, top, E, m, w, out=(out_plan, out_y), zero_tail=True)
+    y2, plan2 = padmoe.make_plan_and_dispatch(x, top, E, m, w, out=(out_y, out_plan))
     assert plan2 is out_plan and y2 is out_y
     np.testing.assert_array_equal(y2[:cap], want)
-    assert np.all(y2[cap:] == 0)  # zero_tail: every row of y at or past P
+    assert np.all(y2[cap:] == 0)  # every row of y at or past P
     check_plan_against_ref(plan2, r, cap)
-    _, y3 = padmoe.make_plan_and_dispatch(x, top, E, m, out=(None, np.empty((cap, 8), np.float32)))
+    y3, _ = padmoe.make_plan_and_dispatch(x, top, E, m, out=(np.empty((cap, 8), np.float32), None))
     np.testing.assert_array_equal(y3[: r["P"]], ref_y(x, r, None, r["P"]))
     with pytest.raises(ValueError, match=rf"{OP}: out: the plan buffers are for"):
-        padmoe.make_plan_and_dispatch(x, top, E, m + 1, out=(out_plan, None))
+        padmoe.make_plan_and_dispatch(x, top, E, m + 1, out=(None, out_plan))
     with pytest.raises(ValueError, match="rows= or out="):
-        padmoe.make_plan_and_dispatch(x, top, E, m, rows=cap, out=(None, out_y))
+        padmoe.make_plan_and_dispatch(x, top, E, m, rows=cap, out=(out_y, None))
     # zero_padding=False: padding rows left unwritten, exactly as dispatch's
     a = np.full((cap, 8), 5.0, dtype=np.float32)
     b = a.copy()
-    padmoe.make_plan_and_dispatch(x, top, E, m, w, out=(None, a), zero_padding=False)
+    padmoe.make_plan_and_dispatch(x, top, E, m, w, out=(a, None), zero_padding=False)
     padmoe.dispatch(x, padmoe.make_plan(top, E, m), w, out=b, zero_padding=False)
     np.testing.assert_array_equal(a, b)
     real = np.zeros(cap, dtype=bool)
@@ -146,12 +148,10 @@ def test_numpy_rows_out_and_zero_tail():
 def test_numpy_no_tokens():
     top = np.zeros((0, 2), dtype=np.int32)
     x = np.zeros((0, 5), dtype=np.float32)
-    plan, y = padmoe.make_plan_and_dispatch(x, top, 3, 8)
-    assert y.shape == (0, 5) and plan.padded_rows() == 0
+    y, plan = padmoe.make_plan_and_dispatch(x, top, 3, 8)
+    assert y.shape == (21, 5) and np.all(y == 0) and plan.padded_rows() == 0
     np.testing.assert_array_equal(plan.bins, [0, 0, 0])
     assert plan.row_sources.shape == (3 * 7,) and np.all(plan.row_sources == -1)
-    _, y = padmoe.make_plan_and_dispatch(x, top, 3, 8, rows=21, zero_tail=True)
-    assert y.shape == (21, 5) and np.all(y == 0)
 
 
 def _poisoned_outputs(T, K, E, m, H):
@@ -177,28 +177,28 @@ def test_numpy_errors_before_outputs_are_written():
         bad[4, 1] = E + 2
         plan, y = _poisoned_outputs(T, K, E, m, H)
         with pytest.raises(ValueError) as e:
-            padmoe.make_plan_and_dispatch(x, bad, E, m, w, out=(plan, y))
+            padmoe.make_plan_and_dispatch(x, bad, E, m, w, out=(y, plan))
         msg = str(e.value)
         assert msg.startswith(f"{OP}: top_experts:"), msg
         assert "[4, 1]" in msg and str(E + 2) in msg
         assert _untouched(plan, y)
         bad[4, 1] = -1
         with pytest.raises(ValueError, match=rf"{OP}: top_experts: .*\[4, 1\]"):
-            padmoe.make_plan_and_dispatch(x, bad, E, m, out=(plan, y))
+            padmoe.make_plan_and_dispatch(x, bad, E, m, out=(y, plan))
         assert _untouched(plan, y)
     # x with the wrong row count, weights of the wrong length, a wrong dtype: nothing written
     plan, y = _poisoned_outputs(T, K, E, m, H)
     with pytest.raises(ValueError, match=rf"{OP}: x:"):
-        padmoe.make_plan_and_dispatch(rows(rng, (T + 1, H), np.float32), top, E, m, out=(plan, y))
+        padmoe.make_plan_and_dispatch(rows(rng, (T + 1, H), np.float32), top, E, m, out=(y, plan))
     assert _untouched(plan, y)
     with pytest.raises(ValueError, match=rf"{OP}: weights:"):
-        padmoe.make_plan_and_dispatch(x, top, E, m, w[:-1], out=(plan, y))
+        padmoe.make_plan_and_dispatch(x, top, E, m, w[:-1], out=(y, plan))
     assert _untouched(plan, y)
     with pytest.raises(TypeError, match=rf"{OP}: x:"):
-        padmoe.make_plan_and_dispatch(x.astype(np.int32), top, E, m, out=(plan, None))
+        padmoe.make_plan_and_dispatch(x.astype(np.int32), top, E, m, out=(None, plan))
     assert _untouched(plan, y)
     with pytest.raises(ValueError, match=rf"{OP}: y:"):
-        padmoe.make_plan_and_dispatch(x, top, E, m, out=(plan, y[:-1]))  # fewer rows than row_sources
+        padmoe.make_plan_and_dispatch(x, top, E, m, out=(y[:-1], plan))  # fewer rows than row_sources
     assert _untouched(plan, y)
     with pytest.raises(ValueError, match=rf"{OP}: num_experts"):
         padmoe.make_plan_and_dispatch(x, top, 0, m)
@@ -216,7 +216,7 @@ def test_numpy_layer_on_torch_tensors():
     w = torch.from_numpy(rng.uniform(0.1, 1.0, size=42).astype(np.float32))
     for ids in (torch.from_numpy(top), torch.from_numpy(top).long()):
         for weights in (None, w, w.to(torch.bfloat16)):
-            plan, y = padmoe.make_plan_and_dispatch(x, ids, 6, 16, weights)
+            y, plan = padmoe.make_plan_and_dispatch(x, ids, 6, 16, weights)
             p2 = padmoe.make_plan(ids, 6, 16)
             y2 = padmoe.dispatch(x, p2, weights)
             assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and torch.equal(y, y2)
@@ -224,7 +224,7 @@ def test_numpy_layer_on_torch_tensors():
                 assert torch.equal(getattr(plan, name), getattr(p2, name)), name
             r = ref.make_plan(top, 6, 16)
             check_plan_against_ref(plan, r, capacity(21, 2, 6, 16))
-            want = _torch_ref_y(x, torch.from_numpy(r["dest_rows"]), 2, weights, r["P"])
+            want = _torch_ref_y(x, torch.from_numpy(r["dest_rows"]), 2, weights, capacity(21, 2, 6, 16))
             assert torch.equal(y, want)
 
 
@@ -290,9 +290,9 @@ def test_torch_matches_make_plan_dispatch_and_reference(device, case, idtype, dt
     y, plan = pt.make_plan_and_dispatch(x, top, E, alignment, w)
     assert type(plan) is padmoe.Plan and plan.packed is not None
     cap = capacity(T, K, E, alignment)
-    assert plan.capacity == cap and y.shape == (cap, 20) and y.dtype == x.dtype and y.device == x.device
+    assert plan.padded_rows_bound == cap and y.shape == (cap, 20) and y.dtype == x.dtype and y.device == x.device
     assert not y.requires_grad and not plan.packed.requires_grad
-    # bit for bit: padmoe.torch.make_plan + dispatch (plan.capacity rows, rows at or past P zero)
+    # bit for bit: padmoe.torch.make_plan + dispatch (plan.padded_rows_bound rows, rows at or past P zero)
     p2 = pt.make_plan(top, E, alignment)
     assert plan.packed.dtype == torch.int32 and torch.equal(plan.packed, p2.packed)
     assert torch.equal(y, pt.dispatch(x, p2, w))
@@ -452,7 +452,8 @@ def test_torch_entry_point_falls_back(device):
         y, plan = pt.make_plan_and_dispatch(x, top, 4, 2)
         assert torch.equal(y, want_y) and torch.equal(plan.packed, want_plan.packed)
     # a bool where an int is expected: not taken by the entry point, the OpOverload's answer
-    y, packed = pt._native.make_plan_and_dispatch(x, top, 4, 2, None, True, True)
+    from padmoe import _torch_ops
+    y, packed = _torch_ops.make_plan_and_dispatch(x, top, 4, 2, None, True, True)
     assert torch.equal(y, want_y) and torch.equal(packed, want_plan.packed)
 
 
@@ -581,7 +582,7 @@ def test_cuda_deepseek_shapes(T, idtype, weighted, check):
     r = _np_stable_plan(top.cpu().numpy(), E, m)
     for name in PLAN_FIELDS:
         np.testing.assert_array_equal(getattr(plan, name).cpu().numpy(), r[name], err_msg=name)
-    want = _torch_ref_y(x.cpu(), torch.from_numpy(r["dest_rows"]), K, None if w is None else w.cpu(), plan.capacity)
+    want = _torch_ref_y(x.cpu(), torch.from_numpy(r["dest_rows"]), K, None if w is None else w.cpu(), plan.padded_rows_bound)
     assert torch.equal(y.cpu(), want)
     # the array layer on the same tensors: P rows
     plan3, y3 = padmoe.make_plan_and_dispatch(x, top, E, m, w)

@@ -191,11 +191,13 @@ def test_numpy_matches_reference(layout, fmt, dtype, hidden):
     x = make_values(c.rng, c.T, c.H, dtype, fmt)
     want_c, want_s = dispatch_ref(x.astype(np.float32), c.ref, layout, fmt)
     y, ys = padmoe.dispatch_quantized(x, c.plan, scale_layout=layout, fp8=fmt)
-    assert y.dtype == np.uint8 and y.shape == (c.P, c.H)
-    assert ys.shape[0] == c.P and ys.dtype == (np.uint8 if layout == "mxfp8" else np.float32)
+    bound = c.plan.padded_rows_bound
+    assert y.dtype == np.uint8 and y.shape == (bound, c.H)
+    assert ys.shape[0] == bound and ys.dtype == (np.uint8 if layout == "mxfp8" else np.float32)
     assert ys.ndim == (1 if layout == "row" else 2)
-    np.testing.assert_array_equal(y, want_c)
-    np.testing.assert_array_equal(as_bytes(ys), want_s)
+    np.testing.assert_array_equal(y[: c.P], want_c)
+    np.testing.assert_array_equal(as_bytes(ys)[: c.P], want_s)
+    assert not y[c.P:].any()
     # quantize alone: the token rows' codes and scales
     q, qs = padmoe.quantize(x, scale_layout=layout, fp8=fmt)
     tc, ts = quantize_ref(x.astype(np.float32), layout, fmt)
@@ -204,19 +206,19 @@ def test_numpy_matches_reference(layout, fmt, dtype, hidden):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_numpy_capacity_zero_tail_and_zero_padding(layout):
+def test_numpy_rows_past_p_and_zero_padding(layout):
     c = Case(seed=5, hidden=160)
     x = make_values(c.rng, c.T, c.H, np.float16, "e4m3")
     want_c, want_s = dispatch_ref(x.astype(np.float32), c.ref, layout, "e4m3")
-    cap = c.plan.capacity
+    cap = c.plan.padded_rows_bound
     assert cap > c.P
-    for zero_tail in (False, True):
-        y, ys = padmoe.dispatch_quantized(x, c.plan, scale_layout=layout, rows=cap, zero_tail=zero_tail)
+    for rows in (None, cap + 3):
+        y, ys = padmoe.dispatch_quantized(x, c.plan, scale_layout=layout, rows=rows)
+        assert y.shape[0] == ys.shape[0] == (cap if rows is None else rows)
         np.testing.assert_array_equal(y[: c.P], want_c)
         np.testing.assert_array_equal(as_bytes(ys)[: c.P], want_s)
-        if zero_tail:
-            assert not y[c.P:].any()
-            assert (as_bytes(ys)[c.P:] == want_s[[r for r in range(c.P) if c.ref["row_sources"][r] < 0][0]]).all()
+        assert not y[c.P:].any()  # rows past P: zero codes, the padding rows' scale
+        assert (as_bytes(ys)[c.P:] == want_s[[r for r in range(c.P) if c.ref["row_sources"][r] < 0][0]]).all()
     # zero_padding=False: padding rows (and their scales) left as they were
     y = np.full((cap, c.H), 0xAB, dtype=np.uint8)
     ys = np.full((cap,) if layout == "row" else (cap, want_s.shape[1] // (1 if layout == "mxfp8" else 4)), 0xCD,
@@ -239,13 +241,13 @@ def test_numpy_empty_expert_no_tokens_no_columns():
     x = make_values(c.rng, c.T, c.H, np.float32, "e5m2")
     y, ys = padmoe.dispatch_quantized(x, c.plan, scale_layout="mxfp8", fp8="e5m2")
     want_c, want_s = dispatch_ref(x, c.ref, "mxfp8", "e5m2")
-    np.testing.assert_array_equal(y, want_c)
-    np.testing.assert_array_equal(ys, want_s)
+    np.testing.assert_array_equal(y[: c.P], want_c)
+    np.testing.assert_array_equal(ys[: c.P], want_s)
     empty = padmoe.make_plan(np.zeros((0, 2), np.int32), 4, 8)
     y0, ys0 = padmoe.dispatch_quantized(np.zeros((0, 64), np.float16), empty)
-    assert y0.shape == (0, 64) and ys0.shape == (0, 1)
+    assert y0.shape == (4 * 7, 64) and ys0.shape == (4 * 7, 1) and not y0.any()
     yr, ysr = padmoe.dispatch_quantized(np.zeros((c.T, 0), np.float16), c.plan, scale_layout="row")
-    assert yr.shape == (c.P, 0) and (ysr == 1.0).all()
+    assert yr.shape == (c.plan.padded_rows_bound, 0) and (ysr == 1.0).all()
 
 
 def test_numpy_bad_inputs_are_named_errors():
@@ -297,8 +299,8 @@ def test_torch_bf16_matches_reference_and_two_pass(layout, fmt):
     assert np.array_equal(x.float().numpy(), xf, equal_nan=True)  # the values are exact in bf16
     want_c, want_s = dispatch_ref(xf, c.ref, layout, fmt)
     tplan = pt.make_plan(torch.from_numpy(c.top), c.E, c.m)
-    y, ys = pt.dispatch_quantized(x, tplan, scale_layout=layout, dtype=TORCH_FP8[fmt])
-    assert y.dtype == TORCH_FP8[fmt] and y.shape == (tplan.capacity, c.H) and ys.shape[0] == tplan.capacity
+    y, ys = pt.dispatch_quantized(x, tplan, scale_layout=layout, fp8=fmt)
+    assert y.dtype == TORCH_FP8[fmt] and y.shape == (tplan.padded_rows_bound, c.H) and ys.shape[0] == tplan.padded_rows_bound
     np.testing.assert_array_equal(as_bytes(y)[: c.P], want_c)
     np.testing.assert_array_equal(as_bytes(ys)[: c.P], want_s)
     assert not as_bytes(y)[c.P:].any()
@@ -307,12 +309,14 @@ def test_torch_bf16_matches_reference_and_two_pass(layout, fmt):
     y2, ys2 = padmoe.dispatch_quantized(x, padmoe.make_plan(torch.from_numpy(c.top), c.E, c.m), scale_layout=layout,
                                         fp8=fmt)
     assert y2.dtype == TORCH_FP8[fmt]
-    np.testing.assert_array_equal(as_bytes(y2), want_c)
-    # the two-pass way: quantize, then move rows + scales with dispatch(scales=)
-    q, qs = padmoe.quantize(x, scale_layout=layout, fp8=fmt)
-    y3, ys3 = padmoe.dispatch(q, padmoe.make_plan(torch.from_numpy(c.top), c.E, c.m), scales=qs)
-    np.testing.assert_array_equal(as_bytes(y3), want_c)
-    np.testing.assert_array_equal(as_bytes(ys3), want_s)
+    np.testing.assert_array_equal(as_bytes(y2), as_bytes(y))
+    # the two-pass way: quantize (numpy), then move rows + scales with dispatch_scaled
+    q, qs = padmoe.quantize(xf, scale_layout=layout, fp8=fmt)
+    y3, ys3 = pt.dispatch_scaled(torch.from_numpy(q).view(TORCH_FP8[fmt]), tplan, torch.from_numpy(qs))
+    np.testing.assert_array_equal(as_bytes(y3), as_bytes(y))
+    np.testing.assert_array_equal(as_bytes(ys3), as_bytes(ys))
+    with pytest.raises(TypeError, match=r"quantize: x: got a torch tensor; .*padmoe\.torch"):
+        padmoe.quantize(x, scale_layout=layout, fp8=fmt)
 
 
 def test_torch_e8m0_view_decodes_to_powers_of_two():
@@ -341,7 +345,7 @@ def test_torch_compile_fullgraph_and_no_grad():
 
     def step(x):
         y, ys = pt.dispatch_quantized(x, tplan, scale_layout="mxfp8")
-        z, zs = pt.dispatch_quantized(x, tplan, scale_layout="block128", dtype=torch.float8_e5m2)
+        z, zs = pt.dispatch_quantized(x, tplan, scale_layout="block128", fp8="e5m2")
         return y, ys, z, zs
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -360,5 +364,10 @@ def test_torch_compile_fullgraph_and_no_grad():
         pt.dispatch_quantized(xg, tplan)
     with pytest.raises(ValueError, match="scale_layout"):
         pt.dispatch_quantized(x, tplan, scale_layout="tensor")
-    with pytest.raises(TypeError, match="dispatch_quantized: dtype"):
+    with pytest.raises(ValueError, match="dispatch_quantized: fp8: expected 'e4m3' or 'e5m2'"):
+        pt.dispatch_quantized(x, tplan, fp8="float16")
+    with pytest.warns(DeprecationWarning, match="dtype= is deprecated"):
+        z, _ = pt.dispatch_quantized(x, tplan, dtype=torch.float8_e5m2)
+    assert z.dtype == torch.float8_e5m2
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="dispatch_quantized: dtype"):
         pt.dispatch_quantized(x, tplan, dtype=torch.float16)

@@ -119,7 +119,7 @@ def test_numpy_make_plan_options(case, alignment):
     want, dropped = ref_routed(top, 5, alignment, **kwargs_of(c, probs))
     plan = padmoe.make_plan(top, 5, alignment, **kwargs_of(c, probs))
     assert_plan(plan, want)
-    assert plan.capacity == want["row_sources"].shape[0]
+    assert plan.padded_rows_bound == want["row_sources"].shape[0]
     if c.get("expert_capacity") is not None:
         assert int(plan.dropped[0]) == dropped
     # make_plan_layouts with the same options: the same plan, and its row layout
@@ -193,7 +193,7 @@ def test_torch_routing_drops_contribute_nothing_with_gradients(device):
                                drop_policy="probs", probs=w.detach().float().cpu().numpy())
     assert_plan(r.plan, want)
     assert int(r.plan.dropped[0]) == dropped > 0
-    scale = torch.arange(1, r.capacity + 1, dtype=torch.float64, device=device)[:, None]
+    scale = torch.arange(1, r.padded_rows_bound + 1, dtype=torch.float64, device=device)[:, None]
     out = r.combine(r.dispatch(x) * scale)
     # reference: out[t] = sum over kept k of w * x[t] * (dest + 1)
     dest = torch.as_tensor(want["dest_rows"], device=device).view(tokens, k)

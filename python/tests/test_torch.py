@@ -61,8 +61,10 @@ def test_dispatch_combine_and_backward(device, dtype, weighted):
     w = w if weighted else None
     wn = None if w is None else w.cpu().numpy()
     plan = padmoe.make_plan(top, r.E, r.m)
-    y = padmoe.dispatch(x, plan, w)
-    assert isinstance(y, torch.Tensor) and y.device == x.device and y.dtype == dtype and y.shape == (r.P, r.H)
+    y_all = padmoe.dispatch(x, plan, w)
+    assert isinstance(y_all, torch.Tensor) and y_all.device == x.device and y_all.dtype == dtype
+    assert y_all.shape == (plan.padded_rows_bound, r.H) and not y_all[r.P:].any()
+    y = y_all[: r.P]
     exp_y = ref.gather(t64(x), r.ref, wn)
     if w is None:
         np.testing.assert_array_equal(t64(y), exp_y)
@@ -78,8 +80,10 @@ def test_dispatch_combine_and_backward(device, dtype, weighted):
     assert torch.equal(s, out)
 
     grad_out = torch.from_numpy(r.rng.uniform(-1, 1, size=(r.T, r.H))).to(device, dtype)
-    gy, gw = padmoe.combine_backward(grad_out, y, plan, w)
-    assert gy.device == x.device and gy.dtype == dtype
+    gy_all, gw = padmoe.combine_backward(grad_out, y, plan, w)
+    assert gy_all.device == x.device and gy_all.dtype == dtype
+    assert gy_all.shape == (plan.padded_rows_bound, r.H) and not gy_all[r.P:].any()
+    gy = gy_all[: r.P]
     np.testing.assert_allclose(t64(gy), ref.gather(t64(grad_out), r.ref, wn), **TORCH_TOL[dtype])
     gx, gxw = padmoe.dispatch_backward(gy, x, plan, w)
     np.testing.assert_allclose(t64(gx), ref.scatter(t64(gy), r.ref, wn), **TORCH_TOL[dtype])
@@ -96,7 +100,7 @@ def test_dispatch_combine_and_backward(device, dtype, weighted):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_capacity_rows_without_checks(device):
-    """The no-synchronization path: plan buffers, rows=plan.capacity, check=False."""
+    """The no-synchronization path: plan buffers, rows=plan.padded_rows_bound, check=False."""
     r, top, x, w = setup(device, torch.float32)
     plan = padmoe.Plan.empty(r.T, r.K, r.E, r.m, like=top)
     kw = {"check": False}
@@ -104,8 +108,8 @@ def test_capacity_rows_without_checks(device):
         ws = torch.empty(padmoe.workspace_bound(r.T, r.K, r.E, r.m), dtype=torch.uint8, device=device)
         kw["workspace"] = ws
     padmoe.make_plan(top, r.E, r.m, out=plan, **kw)
-    y = padmoe.dispatch(x, plan, w, rows=plan.capacity, **kw)
-    assert y.shape == (plan.capacity, r.H)
+    y = padmoe.dispatch(x, plan, w, rows=plan.padded_rows_bound, **kw)
+    assert y.shape == (plan.padded_rows_bound, r.H)
     out = padmoe.combine(y, plan, w, **kw)
     exp_y = ref.gather(t64(x), r.ref, w.cpu().numpy())
     np.testing.assert_allclose(t64(y[: r.P]), exp_y, rtol=1e-6, atol=1e-6)
@@ -163,7 +167,7 @@ def test_cpu_extras():
         except TypeError as e:  # a torch whose DLPack export lacks float8
             pytest.skip(f"float8 through DLPack: {e}")
         assert y8.dtype == f8
-        np.testing.assert_array_equal(t64(y8.float()), ref.gather(t64(x8.float()), r.ref))
+        np.testing.assert_array_equal(t64(y8[: r.P].float()), ref.gather(t64(x8.float()), r.ref))
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and padmoe's CUDA backend")
@@ -172,7 +176,7 @@ def test_cuda_side_stream():
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         plan = padmoe.make_plan(top, r.E, r.m)
-        y = padmoe.dispatch(x, plan, w, rows=plan.capacity)
+        y = padmoe.dispatch(x, plan, w, rows=plan.padded_rows_bound)
         out = padmoe.combine(y, plan, w)
     s.synchronize()
     exp_y = ref.gather(t64(x), r.ref, w.cpu().numpy())

@@ -1,15 +1,16 @@
 """padmoe.torch's native operators: what a user wiring padmoe into a model hits (mixed weight
 dtypes, strided router outputs, early weight checks, the Routing object), which operators a
 routing step runs, torch.compile of a whole MoE layer, and the unboxed Python entry points'
-fallback to the OpOverloads. References: padmoe.eager (plain PyTorch) and plain loops."""
+fallback to the OpOverloads. References: padmoe.reference (plain PyTorch) and plain loops."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import padmoe  # noqa: E402
-import padmoe.eager as pe  # noqa: E402
+import padmoe.reference as pe  # noqa: E402
 import padmoe.torch as pt  # noqa: E402
+from padmoe import _torch_ops  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 DEVICES = ["cpu"]
@@ -48,11 +49,11 @@ def test_one_plan_type():
     assert type(padmoe.make_plan(top, 6, 4)) is padmoe.Plan
     assert pe.Plan is padmoe.Plan and pt.Plan is padmoe.Plan
     p = pt.make_plan(top, 6, 4)
-    assert p.arrays[6] is p.dest_rows and p.capacity == 19 * 2 + 6 * 3
+    assert p.arrays[6] is p.dest_rows and p.padded_rows_bound == 19 * 2 + 6 * 3
     # padmoe.torch's plan: the eight arrays are views of one packed int32 tensor
     assert p.packed.dtype == torch.int32 and p.packed.numel() == 4 * 38 + 6 * (4 + 3)
     assert torch.equal(torch.cat(p.arrays), p.packed)
-    assert p.row_sources.numel() == p.capacity
+    assert p.row_sources.numel() == p.padded_rows_bound
 
 
 # ---------------------------------------------------------------------------
@@ -129,13 +130,13 @@ def test_routing_exposes_what_a_layer_needs(device):
     E, m = 6, 4
     r = pt.Routing.from_topk(top, probs, E, m)
     ref = pe.make_plan(top, E, m)
-    assert (r.num_experts, r.top_k, r.num_tokens, r.capacity) == (E, 2, 19, 19 * 2 + E * (m - 1))
+    assert (r.num_experts, r.top_k, r.num_tokens, r.padded_rows_bound) == (E, 2, 19, 19 * 2 + E * (m - 1))
     P = int(ref.padded_bins[-1])
     assert isinstance(r.padded_rows, torch.Tensor) and r.padded_rows.dim() == 0
     assert r.padded_rows.device == top.device and int(r.padded_rows) == P
     assert torch.equal(r.offsets, ref.padded_bins) and torch.equal(r.tokens_per_expert, ref.tokens_per_expert)
     # row_experts: expert of each padded row, -1 on padding rows and past P (plain loop over the plan)
-    want = [-1] * r.capacity
+    want = [-1] * r.padded_rows_bound
     start = 0
     for e in range(E):
         count, padded = int(ref.tokens_per_expert[e]), int(ref.padded_tokens_per_expert[e])
@@ -185,7 +186,7 @@ def test_routing_forward_backward_runs_only_padmoe_ops(device):
     kernels = [op for op in log.ops if op not in views]
     assert kernels == ["padmoe.make_plan", "padmoe.dispatch", "padmoe.combine", "padmoe.combine_backward",
                        "padmoe.dispatch_backward"], log.ops
-    # the gradients those five ops produced, against plain-PyTorch autograd (padmoe.eager)
+    # the gradients those five ops produced, against plain-PyTorch autograd (padmoe.reference)
     ex = x.clone().requires_grad_(True)
     ew = probs.clone().requires_grad_(True)
     ep = pe.make_plan(top, 6, 4)
@@ -215,8 +216,8 @@ def test_entry_points_fall_back_for_subclasses_and_modes(device):
         assert torch.equal(pt.dispatch(x, plan), want)
         assert torch.equal(pt.combine(want, plan, probs), pt.combine(want, plan, probs.reshape(-1)))
     # a bool where an int is expected (not taken by the entry point: the OpOverload's answer)
-    assert torch.equal(pt._native.dispatch(x, plan.packed, None, 2, 6, 4, True), want)
-    # a plan without the packed form (padmoe.eager's): packed on the way, same result
+    assert torch.equal(_torch_ops.dispatch(x, plan.packed, None, 2, 6, 4, None, True), want)
+    # a plan without the packed form (padmoe.reference's): packed on the way, same result
     assert torch.equal(pt.dispatch(x, pe.make_plan(top, 6, 4)), want)
     with pytest.raises(TypeError, match="dispatch: x"):
         pt.dispatch(x.int(), plan)
@@ -241,9 +242,9 @@ def test_opcheck_static_ops(device):
     xr = x.clone().requires_grad_(True)
     w = probs.reshape(-1).clone().requires_grad_(True)
     torch.library.opcheck(torch.ops.padmoe.make_plan.default, (top, 6, 4, 1, None))
-    torch.library.opcheck(torch.ops.padmoe.dispatch.default, (xr, plan.packed, None, 2, 6, 4, 1))
+    torch.library.opcheck(torch.ops.padmoe.dispatch.default, (xr, plan.packed, None, 2, 6, 4, None, 1))
     y = pt.dispatch(x, plan).requires_grad_(True)
-    torch.library.opcheck(torch.ops.padmoe.combine.default, (y, plan.packed, w, 2, 6, 4, 1))
+    torch.library.opcheck(torch.ops.padmoe.combine.default, (y, plan.packed, w, 2, 6, 4, None, 1))
 
 
 # ---------------------------------------------------------------------------

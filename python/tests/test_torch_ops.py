@@ -1,4 +1,4 @@
-"""padmoe.torch: the torch.library custom ops (forward vs padmoe.eager, autograd,
+"""padmoe.torch: the torch.library custom ops (forward vs padmoe.reference, autograd,
 gradcheck, torch.compile, CUDA graphs, errors)."""
 
 import pytest
@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import padmoe  # noqa: E402
-import padmoe.eager as pe  # noqa: E402
+import padmoe.reference as pe  # noqa: E402
 import padmoe.torch as pt  # noqa: E402
 
 DEVICES = ["cpu"]
@@ -66,7 +66,7 @@ def test_make_plan_matches_eager(device, idtype):
     plan, ref = pt.make_plan(top, E, m), pe.make_plan(top, E, m)
     for name in pe.Plan._fields[:8]:
         eq(getattr(plan, name), getattr(ref, name))
-    assert plan.capacity == top.numel() + E * (m - 1) == plan.row_sources.numel()
+    assert plan.padded_rows_bound == top.numel() + E * (m - 1) == plan.row_sources.numel()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -78,7 +78,7 @@ def test_dispatch_combine_forward(device, dtype, weighted):
     plan, ref = pt.make_plan(top, E, m), pe.make_plan(top, E, m)
     P = int(ref.padded_bins[-1])
     y = pt.dispatch(x, plan, w)
-    assert y.shape == (plan.capacity, x.shape[1]) and plan.capacity > P
+    assert y.shape == (plan.padded_rows_bound, x.shape[1]) and plan.padded_rows_bound > P
     eq(y[:P], pe.dispatch(x, ref, w))
     assert torch.all(y[P:] == 0)  # zero_tail: deterministic capacity-sized output
     close(pt.combine(y, plan, w), pe.combine(y[:P], ref, w), dtype)
@@ -120,7 +120,7 @@ def test_routing_object(device):
     eq(r.offsets, ref.padded_bins)
     eq(r.tokens_per_expert, ref.tokens_per_expert)
     y = r.dispatch(x)
-    assert y.shape[0] == r.capacity
+    assert y.shape[0] == r.padded_rows_bound
     close(r.combine(y * 2), pe.combine(pe.dispatch(x, ref) * 2, ref, w), torch.float32)
 
 
@@ -181,7 +181,7 @@ def eager_dispatch_combine(x, w, top, E, m):
     """Plain PyTorch with autograd: differentiable index ops, like eager MegaBlocks."""
     plan = pe.make_plan(top, E, m)
     dest = plan.dest_rows.long()
-    y = x.new_zeros(plan.capacity, x.shape[1]).index_copy(0, dest, x.repeat_interleave(top.shape[1], 0))
+    y = x.new_zeros(plan.padded_rows_bound, x.shape[1]).index_copy(0, dest, x.repeat_interleave(top.shape[1], 0))
     y = y * 1.5  # "expert"
     g = y.index_select(0, dest).float() * w.float().unsqueeze(1)
     return g.view(x.shape[0], top.shape[1], -1).sum(1).to(x.dtype)
@@ -197,7 +197,7 @@ def test_native_backward_static(device, dtype):
     close(out, rout, dtype)
     close(gx, rgx, dtype)
     close(gw, rgw, dtype)
-    # and the backward ops against padmoe.eager's backward formulas directly
+    # and the backward ops against padmoe.reference's backward formulas directly
     ref = pe.make_plan(top, E, m)
     P = int(ref.padded_bins[-1])
     y = pt.dispatch(x, plan)

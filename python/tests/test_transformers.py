@@ -28,7 +28,7 @@ except (ImportError, AttributeError):  # pragma: no cover
 
 import padmoe.torch as pt  # noqa: E402
 import padmoe.integrations.transformers as ptf  # noqa: E402
-from padmoe import _grouped  # noqa: E402
+from padmoe.torch import grouped as _grouped  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import padmoe  # noqa: E402
-import padmoe.eager as pe  # noqa: E402
+import padmoe.reference as pe  # noqa: E402
 
 ptr = pytest.importorskip("padmoe.triton")
 if ptr._interpreting():
@@ -154,12 +154,12 @@ def test_a_larger_batch_against_the_native_backend(shape, config):
 
 
 def test_tile_config_follows_the_planner():
-    c = padmoe.plan_tiles("ascend-a2", "wgrad", 7168, "bfloat16")
+    c = padmoe.tile_config("ascend-a2", "wgrad", 7168, "bfloat16")
     assert c["programs"] == 48 and c["sub_block_rows"] == 1  # H > block_x: one row at a time
     t = ptr.tile_config("gather", 7168, torch.bfloat16)
     assert t["programs"] == 48 and t["block_x"] & (t["block_x"] - 1) == 0 and t["block_x"] * 2 % 32 == 0
     assert t["target"] == "ascend-a2" and t["pass"] == "sorted"  # the seed's pass on the NPU configuration
-    gp = padmoe.plan_tiles("gpu", "gather", 4096, "bfloat16", 100)
+    gp = padmoe.tile_config("gpu", "gather", 4096, "bfloat16", 100)
     assert gp["programs"] % 100 == 0  # programs per SM times the SMs passed
     tg = ptr.tile_config("gather", 4096, torch.bfloat16, target="gpu", cores=100)
     assert tg["programs"] == gp["programs"] and tg["pass"] == "tokens"
@@ -167,9 +167,9 @@ def test_tile_config_follows_the_planner():
     if DEV == "cuda":
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         assert ptr.tile_config("scatter", 2048, torch.bfloat16, device="cuda")["programs"] == \
-            padmoe.plan_tiles("gpu", "scatter", 2048, "bfloat16", sms)["programs"]  # SMs queried at run time
-    with pytest.raises(ValueError, match="plan_tiles: target"):
-        padmoe.plan_tiles("tpu", "gather", 16, "float32")
+            padmoe.tile_config("gpu", "scatter", 2048, "bfloat16", sms)["programs"]  # SMs queried at run time
+    with pytest.raises(ValueError, match="tile_config: target"):
+        padmoe.tile_config("tpu", "gather", 16, "float32")
 
 
 def test_bad_input_is_padmoes_error():

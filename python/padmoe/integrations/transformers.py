@@ -22,7 +22,7 @@ experts and any scaling stay the model's own code. The decorator records the lay
 - ``has_post_expert_norm`` (newer transformers): ``post_expert_norm`` on each expert's output;
 - ``_is_expert_parallel`` (newer transformers): ids ``>= num_experts`` are other ranks' experts.
 
-:func:`padmoe_experts_forward` reads exactly these and runs :func:`padmoe._grouped.experts_forward`
+:func:`padmoe_experts_forward` reads exactly these and runs :func:`padmoe.torch.experts_forward`
 (the code of ``padmoe.torch.GroupedExperts``): padmoe's ``Routing`` (plan, dispatch, combine with the
 router weights), grouped GEMMs with ``offs = padded_bins`` where torch has them and a loop over
 segments otherwise. An experts module it cannot read (no such attributes, weights that are not 3D
@@ -46,7 +46,7 @@ except (ImportError, AttributeError) as _e:  # pragma: no cover (tested by the s
         "padmoe.integrations.transformers needs transformers >= 5 (its ExpertsInterface in "
         f"transformers.integrations.moe): {_e}") from _e
 
-from padmoe._grouped import experts_forward
+from padmoe.torch import experts_forward
 
 __all__ = ["register", "padmoe_experts_forward", "family_of", "UnsupportedExpertsError", "NAME"]
 
@@ -193,8 +193,8 @@ def register(name: str = NAME, *, alignment: Optional[int] = None, gemm: str = "
 
     ``alignment``: segment row multiple (default: 16 on CUDA, 1 elsewhere); ``gemm``: ``"auto"``
     (``grouped_mm`` where torch has a kernel for the inputs, else a loop over segments),
-    ``"grouped_mm"`` or ``"loop"``; ``check``: padmoe's data checks (``None``: its default, see
-    ``padmoe.torch.set_default_check``). The options apply to every model using the implementation."""
+    ``"grouped_mm"`` or ``"loop"``; ``check``: padmoe's data checks (``None``: checked in eager mode
+    except during CUDA-graph capture, never under torch.compile; ``False``: never). The options apply to every model using the implementation."""
     if gemm not in ("auto", "grouped_mm", "loop"):
         raise ValueError(f"register: gemm: expected 'auto', 'grouped_mm' or 'loop', got {gemm!r}")
     if alignment is not None and int(alignment) < 1:

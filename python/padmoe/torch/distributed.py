@@ -457,5 +457,5 @@ class EPRouting:
             ep._gather_agree(op, meta, err, _COMBINE_FIELDS)
         # The maps and the plan were built (and the plan checked) by dispatch: nothing to check again.
         back = pt.unpad_from_alignment(h, self._pmap, self._received, check=False)
-        y = _AllToAll.apply(back, self.send_splits, self.recv_splits, self.plan.capacity, ep.group)
+        y = _AllToAll.apply(back, self.send_splits, self.recv_splits, self.plan.padded_rows_bound, ep.group)
         return pt.combine(y, self.plan, self.weights if weighted else None, check=False)

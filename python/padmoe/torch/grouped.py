@@ -6,10 +6,10 @@ for people who build their own MoE layer, and the transformers integration
 transformers experts module. Data flow (T tokens, K top-k, E experts, H hidden, I intermediate)::
 
     r   = Routing.from_topk(top_k_index, top_k_weights, E, alignment)
-    xs  = r.dispatch(x)                      # [capacity, H] expert-grouped, padded (weighted=True: weights first)
-    h   = grouped_mm(xs, W_up, offs=r.offsets) (+ up_bias[r.row_experts])     # [capacity, 2I] or [capacity, I]
+    xs  = r.dispatch(x)                      # [rows, H] expert-grouped, padded (weighted=True: weights first)
+    h   = grouped_mm(xs, W_up, offs=r.offsets) (+ up_bias[r.row_experts])     # [rows, 2I] or [rows, I]
     a   = gate(h)  or  act(h)                # SwiGLU-style gate (or a custom one), or a plain activation
-    ys  = grouped_mm(a, W_down, offs=r.offsets) (+ down_bias[r.row_experts])   # [capacity, H]
+    ys  = grouped_mm(a, W_down, offs=r.offsets) (+ down_bias[r.row_experts])   # [rows, H]
     ys  = post(ys)                           # optional per-row post-expert norm
     out = r.combine(ys)                      # [T, H], weighted (after the experts) or a plain sum
 
@@ -43,6 +43,8 @@ from torch import nn
 
 from padmoe._args import int_arg
 from padmoe._plan import INT32_MAX
+
+from ._routing import Routing
 
 Tensor = torch.Tensor
 
@@ -232,7 +234,6 @@ def experts_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: O
         raise ValueError("padmoe experts: give exactly one of gate= (gated MLP) and activation= (ungated)")
     if weighting != "none" and top_k_weights is None:
         raise ValueError(f"padmoe experts: weighting={weighting!r} needs the router weights (got None)")
-    from padmoe import torch as pt  # noqa: WPS433 (padmoe.torch imports this module)
 
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
@@ -248,7 +249,7 @@ def experts_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: O
     if alignment is None:
         alignment = default_alignment(x.device)
     weights = top_k_weights if weighting != "none" else None
-    r = pt.Routing.from_topk(top_k_index, weights, num_experts, alignment, check=check, drop_invalid=drop_invalid)
+    r = Routing.from_topk(top_k_index, weights, num_experts, alignment, check=check, drop_invalid=drop_invalid)
     offs = r.offsets
     # With no gradient to take (generation, serving: no_grad / inference_mode) the padding rows and
     # the rows past P are left unwritten: the GEMMs, the activation and `post` work row by row and

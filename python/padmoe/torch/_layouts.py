@@ -1,0 +1,113 @@
+"""Block layouts for fused-MoE kernels: vLLM's / SGLang's moe_align_block_size and vLLM's batched form."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from padmoe._args import check_expert_map, int_arg, map_experts
+
+from ._common import Tensor, compiling, eager_mode, host_check, ops
+
+
+@torch.library.register_fake("padmoe::moe_align_block_size")
+def _(topk_ids, block_size, num_experts, pad_sorted_ids=False, check=2, expert_map=None):
+    a = topk_ids.numel()
+    r = a + min(a, num_experts) * (block_size - 1)
+    if pad_sorted_ids:
+        r = -(-r // block_size) * block_size
+    return (topk_ids.new_empty(r, dtype=torch.int32), topk_ids.new_empty(-(-r // block_size), dtype=torch.int32),
+            topk_ids.new_empty(1, dtype=torch.int32))
+
+
+def moe_align_block_size(topk_ids: Tensor, block_size: int, num_experts: int, expert_map: Optional[Tensor] = None,
+                         pad_sorted_ids: bool = False, ignore_invalid_experts: bool = False, *,
+                         check: Optional[bool] = None):
+    """vLLM / SGLang ``moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
+    pad_sorted_ids=False, ignore_invalid_experts=False)`` -> ``(sorted_token_ids, expert_ids,
+    num_tokens_post_padded)``, int32 on ``topk_ids``' device, from one make_plan (no host
+    synchronization with ``check=False``; static shapes under torch.compile).
+
+    ``sorted_token_ids[R]``, ``R = T*K + min(T*K, E) * (block_size - 1)`` (rounded up to
+    ``block_size`` with ``pad_sorted_ids``): each expert's flattened assignment ids ``t*K + k`` in
+    ascending order (stable; vLLM's atomic kernel promises no order within an expert), padded to a
+    multiple of ``block_size`` with the sentinel ``T*K``, then the sentinel to the end.
+    ``expert_ids[ceil(R / block_size)]``: each block's expert, 0 for blocks at or past
+    ``num_tokens_post_padded`` (as vLLM's and SGLang's kernels write). ``expert_map`` (global ->
+    local expert id, -1 not local): with ``ignore_invalid_experts=False`` applied to every entry of
+    ``expert_ids`` afterwards, as vLLM does; with ``True`` handed to the kernel, as vLLM's: the
+    assignments of experts mapped to -1 get no entry, the rest are grouped and ordered by local id,
+    and ``expert_ids`` hold local ids. Either way the map must be ``[num_experts]`` int32/int64 (always
+    checked) with entries in ``[-1, num_experts)`` (checked with the op's data: on CUDA in checked mode,
+    one synchronization). Ids outside ``[0, num_experts)`` are a ``ValueError`` when checked (vLLM's
+    kernel skips them)."""
+    compiling_now = compiling()
+    if expert_map is not None and not isinstance(expert_map, Tensor):
+        raise TypeError(f"moe_align_block_size: expert_map: expected a torch tensor, got {type(expert_map).__name__}")
+    remap = expert_map is not None and not ignore_invalid_experts  # (the operator checks a map it is given)
+    if remap:  # before the operator runs; entries as the op's data are (never under torch.compile)
+        check_expert_map("moe_align_block_size", expert_map, num_experts,
+                         not compiling_now and host_check(check, expert_map))
+    in_kernel = expert_map if ignore_invalid_experts else None
+    sorted_ids, expert_ids, post = ops.moe_align_block_size.default(topk_ids, int(block_size), int(num_experts),
+                                                                bool(pad_sorted_ids), eager_mode(check), in_kernel)
+    if remap:
+        expert_ids = map_experts(expert_ids, expert_map)
+    return sorted_ids, expert_ids, post
+
+
+def batched_moe_align_block_size(max_tokens_per_batch: int, block_size: int, expert_num_tokens: Tensor, *,
+                                 check: Optional[bool] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """vLLM's ``batched_moe_align_block_size(max_tokens_per_batch, block_size, expert_num_tokens)`` for
+    the batched layout (expert e's tokens at rows ``e * max_tokens_per_batch + j``, ``j <
+    expert_num_tokens[e]``) -> ``(sorted_ids, block_ids, num_tokens_post_pad)``, int32 on the counts'
+    device, in a few torch ops with no host synchronization when unchecked (graph-capturable).
+
+    With ``N = ceil(max_tokens_per_batch / block_size) * block_size * E`` (``E =
+    expert_num_tokens.numel()``): ``sorted_ids[N]`` holds each expert's row ids in order, its run
+    padded to a multiple of ``block_size``, runs back to back, the sentinel ``E *
+    max_tokens_per_batch`` elsewhere; ``block_ids[N / block_size]`` each block's expert, -1 past
+    the runs; ``num_tokens_post_pad[1]`` the padded total. Checked (eager, as ``check=None``
+    reads it; one synchronization on CUDA): every count in ``[0, max_tokens_per_batch]``, a
+    ``ValueError`` naming the first one outside (vLLM does not check)."""
+    op = "batched_moe_align_block_size"
+    max_tokens = int_arg(op, "max_tokens_per_batch", max_tokens_per_batch, 0)
+    block = int_arg(op, "block_size", block_size, 1)
+    if not isinstance(expert_num_tokens, Tensor):
+        raise TypeError(f"{op}: expert_num_tokens: expected a torch tensor, got {type(expert_num_tokens).__name__}")
+    if expert_num_tokens.dim() != 1:
+        raise ValueError(f"{op}: expert_num_tokens: expected a 1-D tensor, got shape {list(expert_num_tokens.shape)}")
+    if expert_num_tokens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: expert_num_tokens: expected int32 or int64, got "
+                        f"{str(expert_num_tokens.dtype).replace('torch.', '')}")
+    e_count = expert_num_tokens.numel()
+    size = -(-max_tokens // block) * block * e_count
+    if size > 2**31 - 1:
+        raise ValueError(f"{op}: sorted_ids: size overflow: {size} entries do not fit the int32 outputs")
+    counts = expert_num_tokens.to(torch.int64)
+    if not compiling() and host_check(check, expert_num_tokens) and e_count:
+        bad = (counts < 0) | (counts > max_tokens)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{op}: expert_num_tokens: entry {i} is {int(counts[i])}, outside "
+                             f"[0, max_tokens_per_batch = {max_tokens}]")
+    device = expert_num_tokens.device
+    sentinel = e_count * max_tokens
+    if e_count == 0:
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        return empty, empty.clone(), torch.zeros(1, dtype=torch.int32, device=device)
+    # Block by block: ends are multiples of block_size, so every block lies in one expert's run (or
+    # past them all); only the final [blocks, block_size] fill touches N entries.
+    padded = (counts + (block - 1)) // block * block
+    ends = torch.cumsum(padded, 0)
+    first = torch.arange(0, size, block, dtype=torch.int64, device=device)  # each block's first position
+    owner = torch.searchsorted(ends, first, right=True)  # its expert (E past the runs)
+    mine = owner.clamp(max=e_count - 1)
+    offset = first - (ends - padded)[mine]  # the block's first position inside its expert's run
+    live = torch.where(owner < e_count, counts[mine] - offset, torch.zeros_like(offset))  # real rows in the block
+    lane = torch.arange(block, dtype=torch.int64, device=device)
+    ids = (mine * max_tokens + offset).unsqueeze(1) + lane
+    sorted_ids = torch.where(lane < live.unsqueeze(1), ids, sentinel).reshape(-1).to(torch.int32)
+    block_ids = torch.where(owner < e_count, owner, -1).to(torch.int32)
+    return sorted_ids, block_ids, ends[-1:].to(torch.int32)
