@@ -56,15 +56,11 @@ def routed_plan(top_experts, weights, num_experts, alignment, check, expert_map,
 
 
 def plain_plan(top_experts, num_experts, alignment, check, weights=None) -> Plan:
+    """make_plan without routing options (``weights``: checked here, as Routing.from_topk's)."""
     op, default = call("make_plan")
-    p = op(top_experts, num_experts, alignment, mode(check, default), weights)
+    p = op(top_experts, num_experts, alignment, default if check is None else int(bool(check)), weights)
     t, k = top_experts.shape
     return Plan._from_packed(p, t, k, num_experts, alignment)
-
-
-def _has_options(expert_map, first_expert, global_experts, drop_invalid, expert_capacity, drop_policy, probs):
-    return (expert_map is not None or first_expert or global_experts or drop_invalid or expert_capacity is not None
-            or drop_policy != "position" or probs is not None)
 
 
 def make_plan(top_experts: Tensor, num_experts: int, alignment: int, *, check: Optional[bool] = None,
@@ -82,10 +78,15 @@ def make_plan(top_experts: Tensor, num_experts: int, alignment: int, *, check: O
     assignments (``drop_policy="position"``) or the C largest ``probs`` (``"probs"``), and
     ``plan.dropped`` ([1] int32, on the device) counts the dropped. The row ops treat a dropped
     assignment as absent: no row, zero contribution, zero weight gradient."""
-    if _has_options(expert_map, first_expert, global_experts, drop_invalid, expert_capacity, drop_policy, probs):
+    if (expert_map is not None or first_expert or global_experts or drop_invalid or expert_capacity is not None
+            or drop_policy != "position" or probs is not None):
         return routed_plan(top_experts, None, num_experts, alignment, check, expert_map, first_expert,
                            global_experts, drop_invalid, expert_capacity, drop_policy, probs)
-    return plain_plan(top_experts, num_experts, alignment, check)
+    # (plain_plan's body, inline: this is the hot path, about 0.1 us a Python call)
+    op, default = call("make_plan")
+    p = op(top_experts, num_experts, alignment, default if check is None else int(bool(check)), None)
+    t, k = top_experts.shape
+    return Plan._from_packed(p, t, k, num_experts, alignment)
 
 
 # ---------------------------------------------------------------------------
@@ -113,7 +114,10 @@ def dispatch(x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: 
     consumers that never read them; see Routing.dispatch). Differentiable wrt ``x`` and ``weights``
     (backward: the ``dispatch_backward`` operator)."""
     op, default = call("dispatch")
-    return op(x, packed(plan), weights, *plan_args(plan), mode(check, default), bool(zero_padding))
+    p = getattr(plan, "packed", None)
+    return op(x, packed(plan) if p is None else p, weights, plan.top_k, plan.num_experts, plan.alignment,
+              getattr(plan, "expert_capacity", None), default if check is None else int(bool(check)),
+              bool(zero_padding))
 
 
 def dispatch_backward(grad_y: Tensor, x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *,
@@ -171,7 +175,9 @@ def combine(y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: O
     Differentiable wrt ``y`` and ``weights`` (backward: ``combine_backward``, one read of the
     output gradient)."""
     op, default = call("combine")
-    return op(y, packed(plan), weights, *plan_args(plan), mode(check, default))
+    p = getattr(plan, "packed", None)
+    return op(y, packed(plan) if p is None else p, weights, plan.top_k, plan.num_experts, plan.alignment,
+              getattr(plan, "expert_capacity", None), default if check is None else int(bool(check)))
 
 
 def combine_backward(grad_out: Tensor, y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *,

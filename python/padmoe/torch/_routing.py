@@ -9,8 +9,8 @@ import torch
 
 from padmoe._plan import Plan
 
-from ._common import Tensor
-from ._plan_ops import combine, dispatch, plain_plan, routed_plan
+from ._common import Tensor, call
+from ._plan_ops import combine, dispatch, routed_plan
 
 
 class Routing:
@@ -52,8 +52,11 @@ class Routing:
                 or drop_policy != "position"):
             plan = routed_plan(top_experts, weights, num_experts, alignment, check, expert_map, first_expert,
                                global_experts, drop_invalid, expert_capacity, drop_policy, None)
-        else:
-            plan = plain_plan(top_experts, num_experts, alignment, check, weights)
+        else:  # plain_plan, inline (the hot path)
+            op, default = call("make_plan")
+            p = op(top_experts, num_experts, alignment, default if check is None else int(bool(check)), weights)
+            t, k = top_experts.shape
+            plan = Plan._from_packed(p, t, k, num_experts, alignment)
         r = cls.__new__(cls)
         r.plan = plan
         r.weights = weights
