@@ -12,7 +12,8 @@
 # (timeout) and skips the steps still to come, so that a call that runs long brings its logs back.
 # Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench profile ab python triton ep, or
 #        all (default all; profile and ab are never in all). ab: kernel variants timed
-#        against each other, PADMOE_AB="TAG=ENV=V[,ENV=V]@PRESET@OPS ..." (see the stage). PADMOE_CHECK_PRESETS the
+#        against each other, PADMOE_AB="TAG=KEY=V[,KEY=V]@PRESET@OPS ..." (`padmoe bench --variant`
+#        keys; see the stage). PADMOE_CHECK_PRESETS the
 #        checks stage's presets (default all five). PADMOE_SANITIZE=0 skips the
 #        sanitizer runs of the tests stage (PADMOE_SANITIZE_FILTER: their gtest filter), PADMOE_CPU_TESTS=0 its ctest run,
 #        PADMOE_GPU_TEST_FILTER the GPU suite's gtest filter (default all),
@@ -135,15 +136,16 @@ if want profile; then
   done
 fi
 if want ab; then
-  # Variants against each other in one run (each an environment knob read once per process):
-  # PADMOE_AB="NAME=ENV=VALUE[,ENV=VALUE]@PRESET@OPS ..." (OPS comma-separated, or all).
+  # Variants against each other in one run (each a kernel choice forced by `padmoe bench --variant`;
+  # `padmoe bench --variant help` lists the keys): PADMOE_AB="NAME=KEY=VALUE[,KEY=VALUE]@PRESET@OPS ..."
+  # (OPS comma-separated, or all; KEY=auto for the policy's choice, the baseline).
   for spec in ${PADMOE_AB:-}; do
     name=${spec%%@*}; rest=${spec#*@}; preset=${rest%%@*}; ops=${rest#*@}
-    envs=${name#*=}; tag=${name%%=*}
+    variants=${name#*=}; tag=${name%%=*}
     oparg=(); [ "$ops" != all ] && oparg=(--ops "$ops")
-    step "ab $tag ($envs) $preset"
+    step "ab $tag ($variants) $preset"
     if late; then echo "ab $tag: SKIPPED (past the deadline)"; status=1; continue; fi
-    bounded env $(echo "$envs" | tr ',' ' ') "$build/padmoe" bench --device cuda --preset "$preset" --no-reference --json \
+    bounded "$build/padmoe" bench --device cuda --preset "$preset" --no-reference --json --variant "$variants" \
       "${oparg[@]}" > "$out/ab-$tag-$preset.json" 2> "$out/ab-$tag-$preset.err" || { status=1; tail -n 5 "$out/ab-$tag-$preset.err"; }
     ops_table "$out/ab-$tag-$preset.json"
   done
@@ -181,7 +183,7 @@ if want python; then
       --out-md "$out/torch-bench.md" --out-json "$out/torch-bench.json" ${PADMOE_TORCHBENCH_ARGS:-}
     cat "$out/torch-bench.log"
   fi
-  # the per-op cold-L2 GPU figure beside padmoe.eager (bench_python.py) only when asked: PADMOE_PYBENCH=1
+  # the per-op cold-L2 GPU figure beside padmoe.reference (bench_python.py) only when asked: PADMOE_PYBENCH=1
   if [ "${PADMOE_PYBENCH:-0}" = "1" ]; then
     png=()
     python3 -c "import matplotlib" 2>/dev/null && png=(--out-png "$out/python-bench.png")

@@ -43,7 +43,7 @@ def kernel_bodies(text: str):
 
 
 def test_every_kernel_waits_for_its_predecessor_first():
-    files = sorted(SRC.glob("*.cu"))
+    files = sorted(SRC.glob("*.cu*"))
     assert files, SRC
     kernels = 0
     for f in files:
@@ -60,6 +60,6 @@ def test_every_kernel_waits_for_its_predecessor_first():
 
 
 def test_no_launch_skips_launch_kernel():
-    for f in sorted(SRC.glob("*.cu")):
+    for f in sorted(SRC.glob("*.cu*")):
         text = strip_comments(f.read_text())
         assert "<<<" not in text, f"{f.name}: a <<<...>>> launch (use launch_kernel)"

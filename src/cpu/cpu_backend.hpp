@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "core/backend_types.hpp"
 #include "padmoe/index_math.hpp"
 #include "padmoe/ops.hpp"
 #include "padmoe/tensor.hpp"
@@ -17,54 +18,11 @@
 namespace padmoe {
 namespace cpu {
 
-// A [rows, cols] row matrix with a byte row stride.
-struct RowsRef {
-  void* data = nullptr;
-  int64_t rows = 0;
-  int64_t cols = 0;
-  int64_t stride_bytes = 0;
-  DType dtype = DType::kFloat32;
-
-  static RowsRef of(const TensorView& t) {
-    return RowsRef{t.data, t.shape[0], t.shape[1],
-                   t.strides[0] * static_cast<int64_t>(element_size(t.dtype)), t.dtype};
-  }
-  char* row(int64_t r) const { return static_cast<char*>(data) + r * stride_bytes; }
-  int64_t row_bytes() const { return cols * static_cast<int64_t>(element_size(dtype)); }
-};
-
-// Optional per-row scale (router weights, probs): float32 or a row dtype.
-struct Scale {
-  const void* data = nullptr;
-  DType dtype = DType::kFloat32;
-  static Scale of(const std::optional<TensorView>& t) {
-    return t ? Scale{t->data, t->dtype} : Scale{};
-  }
-  bool present() const { return data != nullptr; }
-  float at(int64_t i) const;  // 1 when absent
-};
-
-// Optional per-assignment float output (weight gradients): float32 or a row dtype.
-struct FloatOut {
-  void* data = nullptr;
-  DType dtype = DType::kFloat32;
-  void store(int64_t i, float v) const;
-};
-
-// Optional scale rows moved with the data rows (the `_scaled` ops): src has
-// one contiguous row of `cols` entries per source row, dst one per output row;
-// `elem` bytes per entry (4: float32 scales, 1: E8M0 bytes). Output rows that
-// get zero data get `one` (the bits of a scale 1: 0x3f800000, or 127) in
-// every entry of their scale row.
-struct ScaleRows {
-  const void* src = nullptr;
-  void* dst = nullptr;
-  int64_t cols = 0;
-  int elem = 4;
-  uint32_t one = 0;
-  void copy(int64_t to, int64_t from) const;  // dst row `to` = src row `from`
-  void fill_one(int64_t to) const;            // dst row `to` = scale 1
-};
+// The argument types shared with the CUDA backend (core/backend_types.hpp).
+using backend::FloatOut;
+using backend::RowsRef;
+using backend::Scale;
+using backend::ScaleRows;
 
 // make_plan on validated top_experts ([A] int32 or int64 ids), mapped to the
 // plan's experts by `remap` (an id it maps to -1 is dropped: dest_rows -1, no

@@ -12,8 +12,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -317,7 +316,7 @@ __global__ void __launch_bounds__(kScanThreads)
 // were most of sort_chunks' time above the row pass. W: the word rows move in (uint4 for 16-byte
 // rows, else the element's size). Rows at or past P: zeroed when zero_tail (their map is -1), else
 // untouched; padding rows below P: zeroed, or left unwritten when skip_unmapped.
-constexpr int kRowThreads = 256;
+constexpr int kRowThreads = policy::kChunkRowThreads;
 constexpr int kRowPer = 4;
 constexpr int kRowChunks = kRowThreads * kRowPer;
 constexpr int kRowUnits = 4;  // words a thread in flight
@@ -354,7 +353,7 @@ __device__ __forceinline__ void move_row(const W* in, W* to, int32_t from, int w
   }
 }
 
-// kRowwise (chunk_rows_rowwise_kernel, for rows of at least kRowThreads words; chunk_rows_rowwise()
+// kRowwise (chunk_rows_rowwise_kernel, for rows of at least kRowThreads words; policy::chunk_rows_form
 // chooses): the block's rows moved one at a time, word u by thread u mod kRowThreads, kRowUnits
 // words in flight a thread, with no division: the flattened (row, word) loop divides by `words`
 // twice a word (14% of the samples of decode's sort_chunks under ncu, 2026-12-04).
@@ -448,7 +447,7 @@ __global__ void __launch_bounds__(kRowThreads, 6)  // 6: 40 registers, as chunk_
 // every chunk's source start and every group's first padded row. Then one output row a block a
 // round, every thread finding its source itself (two binary searches in shared memory) with no
 // barrier; rows past P with zero_tail off get their map entry only. The default where it applies
-// (g_chunk_one_scan): measured on the H200 (2026-12-04, session 21 call 7, two rounds each), decode
+// (policy::chunk_rows_form): measured on the H200 (cuda-h200-2026-12-04-twenty-first.md), decode
 // sort_chunks 20.6 -> 18.3-18.4 us in one graph, 22.9 -> 21.2 eager (chunk_rows_rowwise_kernel
 // with the same tail rule); the bandwidth pattern of a scan in every block ahead of one row a
 // block ran at 16.5 us against 16.2 with no scan.
@@ -570,55 +569,13 @@ bool layout_sums_fit_32(int64_t num_chunks, int64_t groups, int alignment, int64
   return (rows + 1) * num_chunks + groups * alignment < 2147483647LL;
 }
 
-// PADMOE_CUDA_CHUNK_LAYOUT=global: the global-memory layout kernel at every size (measurements).
-bool smem_layout() {
-  static const bool on = [] {
-    const char* v = std::getenv("PADMOE_CUDA_CHUNK_LAYOUT");
-    return v == nullptr || std::string(v) != "global";
-  }();
-  return on;
+// The layout block writes the map too (one launch fewer) up to policy::kChunkFusedMapRows map rows
+// (a block of 1024 threads, a binary search in shared memory per entry).
+constexpr int64_t kFusedMapRows = policy::kChunkFusedMapRows;
+bool fused_chunk_map(int64_t map_len) {
+  return overrides().chunk_map_fused.value_or(policy::chunk_map_fused(map_len)) && map_len <= kFusedMapRows;
 }
 
-// The fused map (the layout block writes the map too, one launch fewer), for map_len <=
-// kFusedMapRows (a block of 1024 threads, a binary search in shared memory per entry): on by
-// default since 2026-12-03 (H200, decode: sort_chunks 26.6 -> 24.7 us eager, 25.5 -> 24.9 us a
-// graph each); PADMOE_CUDA_CHUNK_MAP=separate (read once) or set_chunk_map_fused(0) (tests) turn
-// it off.
-constexpr int64_t kFusedMapRows = 16384;
-std::atomic<int> g_chunk_map_fused{-1};  // -1: the environment's choice
-bool fused_chunk_map() {
-  const int set = g_chunk_map_fused.load(std::memory_order_relaxed);
-  if (set >= 0) return set == 1;
-  static const bool on = [] {
-    const char* v = std::getenv("PADMOE_CUDA_CHUNK_MAP");
-    return v == nullptr || std::string(v) != "separate";
-  }();
-  return on;
-}
-
-// PADMOE_CUDA_CHUNK_ROWS=0 | all (read once) or set_chunk_rows(0 | 1) (tests): the layout launch
-// then the gather at every size, or the one launch wherever it fits; unset: the one launch for
-// received rows of at most the L2's size (chunk_rows_fit).
-std::atomic<int> g_chunk_rows{-1};  // -1: the environment's choice
-int chunk_rows_mode() {  // 0 off, 1 wherever it fits, 2 the default rule
-  const int set = g_chunk_rows.load(std::memory_order_relaxed);
-  if (set >= 0) return set;
-  static const int env = [] {
-    const char* v = std::getenv("PADMOE_CUDA_CHUNK_ROWS");
-    if (v == nullptr) return 2;
-    return std::string(v) == "all" ? 1 : (std::atoi(v) == 0 ? 0 : 2);
-  }();
-  return env;
-}
-// Blocks of chunk_rows_kernel a launch: PADMOE_CUDA_CHUNK_ROWS_WAVES (read once) times the blocks
-// that fit at once (1 by default).
-int chunk_rows_waves() {
-  static const int w = [] {
-    const char* v = std::getenv("PADMOE_CUDA_CHUNK_ROWS_WAVES");
-    return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : 1;
-  }();
-  return w;
-}
 // Rows a block moves at a time, and the blocks that fit on the device at once.
 int chunk_rows_per_block(int words) {
   const int per = kRowThreads * kRowUnits / (words > 0 ? words : 1);
@@ -639,16 +596,6 @@ int chunk_rows_resident() {
   return resident;
 }
 
-// The row-by-row form of chunk_rows_kernel (kRowwise) for rows of at least kRowThreads words, the
-// default; PADMOE_CUDA_CHUNK_ROWWISE=0 (read once) or set_chunk_rowwise(0) (tests) the flattened
-// loop. Measured on the H200 (2026-12-04, session 20 call 1, two rounds each): decode sort_chunks
-// 24.5 -> 24.0 us eager, 21.7-22.0 -> 21.1-21.2 us replayed from a graph.
-VariantSwitch g_chunk_rowwise{"PADMOE_CUDA_CHUNK_ROWWISE", true};
-bool chunk_rows_rowwise(int words) { return words >= kRowThreads && g_chunk_rowwise.on(); }
-// The one-scan form (chunk_rows_one_scan_kernel) where it applies: PADMOE_CUDA_CHUNK_ONE_SCAN=0 (read
-// once) or set_chunk_one_scan(0) (tests) the row-by-row form instead.
-VariantSwitch g_chunk_one_scan{"PADMOE_CUDA_CHUNK_ONE_SCAN", true};
-
 template <typename W>
 void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment,
                        const RowsArg& out, bool zero_tail, bool skip_unmapped, int32_t* map,
@@ -656,8 +603,14 @@ void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int 
   const int64_t row_bytes = out.cols * static_cast<int64_t>(element_size(out.dtype));
   const int words = static_cast<int>(row_bytes / static_cast<int64_t>(sizeof(W)));
   const int per_block = chunk_rows_per_block(words);
-  // the form, and the blocks of it that fit at once (each lays the chunks out once, then strides over the rows)
-  if (sorted.data == nullptr && c <= kRowThreads && words >= kRowThreads && g_chunk_one_scan.on()) {
+  // the form (policy::chunk_rows_form), and the blocks of it that fit at once (each lays the chunks
+  // out once, then strides over the rows)
+  const bool sorted_index = sorted.data != nullptr;
+  const policy::ChunkRowsForm form =
+      overrides().chunk_rows_form.has_value()
+          ? policy::chunk_rows_fit(*overrides().chunk_rows_form, sorted_index, c, words)
+          : policy::chunk_rows_form(sorted_index, c, words);
+  if (form == policy::ChunkRowsForm::kOneScan) {
     // one row a block a round: as many blocks as rows, up to 8 times those that fit at once
     const int64_t most = static_cast<int64_t>(chunk_rows_resident<chunk_rows_one_scan_kernel<W>>()) * 8;
     const int64_t p_bound = index::capacity_bound(src.rows, c / ranks, alignment);  // P with valid sizes
@@ -668,13 +621,13 @@ void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int 
         ranks, alignment, out, words, zero_tail, skip_unmapped, map, inclusive_offsets);
     return;
   }
-  const bool rowwise = chunk_rows_rowwise(words);
+  const bool rowwise = form == policy::ChunkRowsForm::kRowwise;
   auto* kernel = rowwise ? chunk_rows_rowwise_kernel<W> : chunk_rows_kernel<W>;
   const int resident = rowwise ? chunk_rows_resident<chunk_rows_rowwise_kernel<W>>()
                                : chunk_rows_resident<chunk_rows_kernel<W>>();
   const int64_t row_groups = index::ceil_div(out.rows, per_block);
   const int grid = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(row_groups, static_cast<int64_t>(resident) * chunk_rows_waves())));
+      std::max<int64_t>(1, std::min<int64_t>(row_groups, static_cast<int64_t>(resident))));
   // every row of src is read once: the first blocks ask L2 for them before the wait
   const RowsArg from = with_l2_prefetch(src, std::is_same<W, uint4>::value, std::min(grid, resident / 2 > 0 ? resident / 2 : 1));
   launch_kernel("chunk_rows_kernel", kernel, grid, kRowThreads, 0, s, from, sizes, sorted, c, ranks, alignment, out,
@@ -686,21 +639,13 @@ void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int 
 bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, const RowsArg& src, const RowsArg& out) {
   const int64_t rows = src.rows, out_rows = out.rows;
   const int64_t row_bytes = out.cols * static_cast<int64_t>(element_size(out.dtype));
-  const int mode = chunk_rows_mode();
-  if (mode == 0 || num_chunks < 1 || num_chunks > kRowChunks || num_ranks < 1) return false;
+  const std::optional<bool>& forced = overrides().chunk_rows;
+  if ((forced.has_value() && !*forced) || num_chunks < 1 || num_chunks > kRowChunks || num_ranks < 1) return false;
   const int64_t groups = num_chunks / num_ranks;
   if (!layout_sums_fit_32(num_chunks, groups, alignment, rows) || out_rows >= 2147483647LL) return false;
-  // the default: received rows of at most the L2's size (measured on the H200, 2026-12-03: decode,
-  // 29 MiB of rows, sort_chunks 23.3 -> 21.8 us in a graph; deepseek-v3 / qwen3-30b-a3b /
-  // mixtral-8x7b, hundreds of MiB, 1.06-1.10x -> 1.13-1.20x the floor; nothing measured between)
-  return mode == 1 || rows * row_bytes <= l2_cache_bytes();
+  // received rows of at most the L2's size (policy::chunk_rows_one_launch), or wherever it fits when forced
+  return forced.has_value() || policy::chunk_rows_one_launch(rows, row_bytes, device_policy());
 }
-
-void set_chunk_rows(int mode) { g_chunk_rows.store(mode < -1 || mode > 2 ? -1 : mode, std::memory_order_relaxed); }
-
-void set_chunk_rowwise(int mode) { g_chunk_rowwise.set(mode); }
-
-void set_chunk_one_scan(int mode) { g_chunk_one_scan.set(mode); }
 
 void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
                      int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,
@@ -734,8 +679,8 @@ bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunk
   // alignment - 1 a group) fits in 32 bits
   const int64_t groups = num_chunks / num_ranks;
   const bool small = num_chunks <= kSmemChunks && layout_sums_fit_32(num_chunks, groups, alignment, rows);
-  if (small && smem_layout()) {
-    const bool fuse = map != nullptr && map_len <= kFusedMapRows && fused_chunk_map();
+  if (small) {
+    const bool fuse = map != nullptr && fused_chunk_map(map_len);
     launch_kernel("layout_smem_kernel", layout_smem_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index,
         static_cast<int>(num_chunks), num_ranks, alignment, rows, l, static_cast<int>(fuse ? map_len : 0),
         fuse ? map : nullptr, fuse ? inclusive_offsets : nullptr);
@@ -744,10 +689,6 @@ bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunk
   launch_kernel("layout_kernel", layout_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index, num_chunks,
       num_ranks, alignment, rows, l);
   return false;
-}
-
-void set_chunk_map_fused(int mode) {
-  g_chunk_map_fused.store(mode < -1 || mode > 1 ? -1 : mode, std::memory_order_relaxed);
 }
 
 Violation validate_chunks(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int64_t rows,

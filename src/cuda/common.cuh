@@ -6,13 +6,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <mutex>
 #include <string>
 #include <utility>
 
+#include "core/kernel_overrides.hpp"
+#include "core/kernel_policy.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "padmoe/error.hpp"
 #include "padmoe/index_math.hpp"
@@ -29,38 +28,13 @@ inline void check_cuda(cudaError_t err, const char* what) {
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
-// A kernel variant's on/off switch for measurements (host side): set(1) / set(0) from a test hook,
-// set(-1) back to the environment's choice, which is the variable `env` nonzero (read once;
-// `default_on` when unset).
-class VariantSwitch {
- public:
-  explicit VariantSwitch(const char* env, bool default_on = false) : env_(env), default_on_(default_on) {}
-  bool on() const {
-    const int s = set_.load(std::memory_order_relaxed);
-    if (s >= 0) return s == 1;
-    std::call_once(read_, [this] {
-      const char* v = std::getenv(env_);
-      from_env_ = v != nullptr && *v != '\0' ? std::atoi(v) != 0 : default_on_;
-    });
-    return from_env_;
-  }
-  void set(int mode) { set_.store(mode == 0 || mode == 1 ? mode : -1, std::memory_order_relaxed); }
-
- private:
-  const char* env_;
-  bool default_on_;
-  std::atomic<int> set_{-1};
-  mutable std::once_flag read_;
-  mutable bool from_env_ = false;
-};
-
 // Programmatic dependent launch (sm_90 and up). Every padmoe kernel starts with pdl_begin():
 // it waits until the kernel before it in the stream has finished and its writes are visible
 // (griddepcontrol.wait), then lets the next kernel's blocks be scheduled (launch_dependents).
 // launch_kernel() launches with programmatic stream serialization, so the next kernel's launch
 // and block placement overlap the tail of this one instead of following it; no memory access
 // runs before the wait, so the stream order of every read and write is what it was. Without
-// the attribute (older devices, PADMOE_CUDA_PDL=0, set_pdl(0)) both instructions are no-ops.
+// the attribute (older devices, KernelOverrides::pdl false) both instructions are no-ops.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -109,7 +83,8 @@ __device__ __forceinline__ void pdl_begin(const L2Rows& rows) {
 // 976 us without PDL and 998 us with the early trigger (the gather's blocks, placed beside the
 // map's, presumably inherit its shared-memory carveout for the whole pass).
 
-// Whether launch_kernel asks for programmatic stream serialization on the current device.
+// Whether launch_kernel asks for programmatic stream serialization on the current device: on
+// devices of compute capability 9.0 and up unless KernelOverrides::pdl is false (memory.cu).
 bool pdl_enabled();
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
@@ -215,12 +190,16 @@ __device__ __forceinline__ L2Rows l2_share(const RowsArg& r) {
 }
 
 // The multiprocessors (132, an H200's, if unknown) and the L2's bytes (50 MiB if unknown) of the
-// current device when first asked. Host code (rows.cu).
+// current device when first asked. Host code (dispatch.cu).
 int sm_count();
 int64_t l2_cache_bytes();
+// What the kernel policy reads of the current device (sm_count, l2_cache_bytes, pdl_enabled).
+inline policy::Device device_policy() { return policy::Device{sm_count(), l2_cache_bytes(), pdl_enabled()}; }
+// The overrides set by tests and `padmoe bench --variant` (all unset by default).
+inline const detail::KernelOverrides& overrides() { return detail::kernel_overrides(); }
 
-// r with l2_bytes / l2_blocks set where l2_prefetch_mode() allows it (vec: 16-byte rows; blocks:
-// RowsArg::l2_blocks), else cleared. Host code (rows.cu).
+// r with l2_bytes / l2_blocks set where policy::l2_prefetch (or KernelOverrides::l2_prefetch)
+// allows it (vec: 16-byte rows; blocks: RowsArg::l2_blocks), else cleared. Host code (dispatch.cu).
 RowsArg with_l2_prefetch(const RowsArg& r, bool vec, int blocks);
 
 // P = padded_bins[E-1] (0 without experts).
@@ -234,9 +213,6 @@ __device__ __forceinline__ int64_t sorted_padded_row(const IndexRef& bins, const
   return index::padded_row(i, e == 0 ? 0 : load_index(bins, e - 1), e == 0 ? 0 : load_index(padded_bins, e - 1));
 }
 
-// Rows a spread's zero block clears (rows.cu; PADMOE_CUDA_ZERO_ROWS overrides): 32, or about 56 KiB
-// of rows (4 to 32) below ~4 tokens an SM. Host code.
-int zero_rows_per_block(int64_t tokens, int64_t row_bytes);
 
 // Whether padded row r (< P) is a padding row.
 __device__ __forceinline__ bool is_padding_row(const PaddingRef& p, int64_t r) {

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/backend_types.hpp"
 #include "padmoe/index_math.hpp"
 #include "padmoe/ops.hpp"
 #include "padmoe/tensor.hpp"
@@ -28,46 +29,14 @@ struct IndexRef {
   static IndexRef of(const TensorView& t) { return IndexRef{t.data, t.dtype == DType::kInt64}; }
 };
 
-// A [rows, cols] device row matrix with a byte row stride.
-struct RowsArg {
-  void* data = nullptr;
-  int64_t rows = 0;
-  int64_t cols = 0;
-  int64_t stride_bytes = 0;
-  DType dtype = DType::kFloat32;
-  // Set by the launchers only (with_l2_prefetch, rows.cu): the grid's first l2_blocks blocks ask
-  // L2 for every row (l2_bytes bytes each) before the kernel's pdl_wait; l2_bytes 0: not.
-  uint32_t l2_bytes = 0;
-  int32_t l2_blocks = 0;
-  static RowsArg of(const TensorView& t) {
-    return RowsArg{t.data, t.shape[0], t.shape[1], t.strides[0] * static_cast<int64_t>(element_size(t.dtype)),
-                   t.dtype};
-  }
-};
-
-// Optional per-row scale (weights / probs): float32 or a row dtype; data null = 1.
-struct ScaleArg {
-  const void* data = nullptr;
-  DType dtype = DType::kFloat32;
-};
-
-// Optional scale rows moved with the data rows (the `_scaled` ops): src one
-// contiguous row of `cols` entries per source row, dst one per output row,
-// `elem` bytes an entry (4: float32, 1: E8M0); rows that get zero data get
-// `one` (the bits of a scale 1) in every entry.
-struct ScaleRowsArg {
-  const void* src = nullptr;
-  void* dst = nullptr;
-  int64_t cols = 0;
-  int elem = 4;
-  uint32_t one = 0;
-};
-
-// Optional per-assignment float output: float32 or a row dtype; data null = skip.
-struct FloatOutArg {
-  void* data = nullptr;
-  DType dtype = DType::kFloat32;
-};
+// The argument types shared with the CPU backend (core/backend_types.hpp): a [rows, cols] device
+// row matrix with a byte row stride, an optional per-row scale (data null = 1), scale rows moved
+// with the data rows (the `_scaled` ops), an optional per-assignment float output (data null =
+// skip). The kernels take them by value.
+using RowsArg = backend::RowsRef;
+using ScaleArg = backend::Scale;
+using ScaleRowsArg = backend::ScaleRows;
+using FloatOutArg = backend::FloatOut;
 
 // --- memory -----------------------------------------------------------------
 void* device_alloc(size_t bytes, int device);  // cudaMalloc on `device`
@@ -103,8 +72,7 @@ constexpr int kPlanChunk = 2048;  // assignments sorted per block
 // Workspace bytes make_plan needs for A assignments over E experts.
 size_t plan_workspace_bytes(int64_t assignments, int num_experts);
 // Stable counting sort by expert: one launch for E <= 512 (cooperative when
-// it takes more than one block), two launches above or with
-// PADMOE_CUDA_PLAN=split. Ids are mapped to the plan's
+// it takes more than one block), two launches above (policy::plan_path). Ids are mapped to the plan's
 // experts by `remap`; one it maps to -1 (another rank's expert, an invalid id
 // the caller drops, or any id outside [0, E) unchecked) is dropped: dest_rows
 // -1, not counted, and positions past the kept count get indices = bin_ids = -1.
@@ -113,21 +81,6 @@ size_t plan_workspace_bytes(int64_t assignments, int num_experts);
 void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
                const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
                const index::ExpertRemap& remap, int64_t row_capacity, void* workspace, void* stream);
-// Which make_plan kernels run (tests, benchmarks; overrides PADMOE_CUDA_PLAN): -1 the
-// two-launch split path, 0 the fused launch (default), N > 0 the fused launch on at
-// most N blocks (several chunks a block).
-void set_plan_kernel(int mode);
-// How the fused plan finds equal keys in a warp (tests; overrides PADMOE_CUDA_PLAN_MATCH): -1 by
-// the expert count (the default: a ballot a key bit for E >= 64, __match_any_sync below), 0 the
-// match, 1 the ballot. Same results either way.
-void set_plan_match(int mode);
-// The small plan kernel for one chunk (A <= 2048; tests; overrides PADMOE_CUDA_PLAN_SMALL): 0 the
-// fused kernel instead, 16, 32 or 64 its blocks, -1 the default (32).
-void set_plan_small(int blocks);
-// The fused plan's per-block counts (tests; overrides PADMOE_CUDA_PLAN_PACKED): -1 the default
-// (16-bit pairs where a block's counts fit, up to 31 chunks a block, for E >= 64), 1 pairs
-// wherever they fit, 0 one int an expert. Same results every way.
-void set_plan_packed(int mode);
 // Fixed capacity C (one launch): `out` (segments exactly C rows, P = E * C) and
 // the given layouts from `full`, a plan of the same routing at alignment 1
 // holding every kept assignment. Each expert keeps its first C sorted
@@ -154,43 +107,6 @@ struct PaddingRef {
 };
 
 // --- row kernels ----------------------------------------------------------------
-// At small T the reduce kernels (ops without dot products) split each row over
-// several blocks so that about 4 blocks per multiprocessor run;
-// PADMOE_CUDA_SLICE_BLOCKS=N sets that target (0: no slicing), and
-// PADMOE_CUDA_SPREAD_SLICES=1 slices the spread kernels too (off by default:
-// slower on the H200). set_slice_blocks overrides the target (tests,
-// benchmarks; -1: back to the default); N > 0 there slices spreads as well.
-void set_slice_blocks(int blocks);
-// The spreads without dot products a warp a token, 4 or 8 16-byte units a lane and round (tests,
-// benchmarks; overrides PADMOE_CUDA_SPREAD_WARP): 0 the block kernel, -1 back to the default (8 for
-// rows of at most 8 KiB, K copies of at most 32 KiB and 16 tokens an SM or more; else the block
-// kernel). The same bits every way.
-void set_spread_warp(int units);
-// Dot-product kernels (tests, benchmarks; overrides PADMOE_CUDA_DOTS): -1 chosen by shape (the
-// default: row_dots and spreads with dots a warp an assignment; reduce with dots a block a
-// token in the warp kernel's form for few tokens (under ~4 blocks an SM), a warp a token
-// otherwise), 0 the block kernels everywhere; with the warp spreads and row_dots: 1 reduce's
-// wide (2, 8) shape, 2 reduce a warp a token, 3 reduce a block a token in the warp form, 4 the
-// same with two units a lane at a time (3's bits), each everywhere (the warp-form reduces for
-// top_k <= 8; above, the block kernel).
-void set_dot_kernels(int mode);
-// row_dots (padded_scatter_wgrad) for top_k <= 8 (tests, benchmarks; overrides PADMOE_CUDA_ROW_DOTS):
-// 0 a warp an assignment, 1 a block a token with every source row's unit loaded together; -1 back
-// to the default (1 for top_k > 2, else 0). Above top_k 8, and under set_dot_kernels(0), the
-// warp / block kernels as before.
-void set_row_dots(int mode);
-// The plain reduce's shape (tests, benchmarks; overrides PADMOE_CUDA_REDUCE_SHAPE): -1 chosen by
-// shape (the default: for top_k <= 8 a block a token in the warp kernel's form, with two units a
-// lane at a time below 2.5 tokens an SM and rows of 512 units or more, and below one token an SM
-// the block kernel with 8 source rows loaded together (top_k > 2); above top_k 8 the block
-// kernel), 0 the block kernel's (1, 4) shape everywhere, 1 (1, 8), 2 (2, 8), 3 (2, 4) for top_k >
-// 2, 4 a block a token (6: two units a lane at a time) and 5 a warp a token in the warp kernel's
-// form for top_k <= 8. Every shape gives the same bits.
-void set_reduce_shape(int shape);
-// Programmatic dependent launch (tests, benchmarks; overrides PADMOE_CUDA_PDL): 1 on (the
-// default on sm_90 and up), 0 off, -1 back to the default. Every kernel waits for the one
-// before it (griddepcontrol.wait) before its first memory access, so results do not change.
-void set_pdl(int mode);
 // Where the row kernels find assignment a's destination row: rows[a] (dest_rows, from a plan or
 // built by build_dest_rows), or, with rows null, by a search of the sorted form (MegaBlocks'
 // indices / bin_ids / bins / padded_bins): each block reads the whole of indices and bin_ids for
@@ -205,11 +121,10 @@ struct DestArg {
   DestArg() = default;
   DestArg(const int32_t* dest_rows) : rows(dest_rows) {}  // NOLINT(google-explicit-constructor)
 };
-// Whether the row kernels may search the sorted form instead of a dest_rows array: A <= 4096,
-// E <= 256, top_k <= 8 (PADMOE_CUDA_DEST_SEARCH=0, read once, or set_dest_search(0) turns it off;
-// set_dest_search(-1) back to the default).
+// Whether the row kernels may search the sorted form instead of a dest_rows array:
+// policy::dest_search_fits (A <= 4096, E <= 256, top_k <= 8) unless KernelOverrides::dest_search
+// is false.
 bool dest_search_fits(int64_t assignments, int num_experts, int top_k);
-void set_dest_search(int mode);
 // y[dest[a]] = x[a/K] * w(a) for dest >= 0; rows < P that are padding are zeroed,
 // and rows in [P, y.rows) too when zero_past_end (allocating forms). When
 // dots_with is given: dots[a] = <dots_with[dest[a]], x[a/K]> from the same read.
@@ -234,16 +149,10 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest
 // skip_unmapped: rows with map < 0 are left unwritten instead of zeroed.
 // scales: as for spread_rows.
 // reads_all_rows: the caller knows every row of src is read (sort_chunks), so the rows may be asked
-// into L2 while the kernel before the gather runs (l2_prefetch_mode).
+// into L2 while the kernel before the gather runs (policy::l2_prefetch).
 void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_source, const RowsArg& out, int64_t rows,
                  const int32_t* row_limit, void* stream, bool skip_unmapped = false,
                  const ScaleRowsArg* scales = nullptr, bool reads_all_rows = false);
-
-// L2 prefetch before the wait: 0 off, 1 the default rule (PDL on and the rows at most 60% of the
-// L2), 2 at every size. PADMOE_CUDA_PREFETCH=0|all (read once); set_l2_prefetch (tests: -1 the
-// default).
-int l2_prefetch_mode();
-void set_l2_prefetch(int mode);
 
 // Unpad's backward with dots, a warp a row: out[r] = src[map[r]] * s[map[r]] (zero for
 // map[r] < 0), r < rows, and dots[map[r]] = <dots_with[r], src[map[r]]>; dots[n] = 0 for
@@ -317,30 +226,18 @@ inline size_t chunk_workspace_bytes(int64_t num_chunks) {
 // as empty chunks, so an unchecked bad input cannot overflow or read out of bounds.
 // With map (the unchecked path: nothing is validated in between) it may also write the map and
 // inclusive_offsets, chunk_map's values, in the same launch, and returns true; then chunk_map is
-// not needed (the default for map_len <= 16384; PADMOE_CUDA_CHUNK_MAP=separate, set_chunk_map_fused:
-// tests and measurements).
+// not needed (policy::chunk_map_fused: map_len <= 16384).
 bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks, int alignment,
                   int64_t rows, void* workspace, void* stream, int64_t map_len = 0, int32_t* map = nullptr,
                   int32_t* inclusive_offsets = nullptr);
-// -1 the environment's choice (on unless PADMOE_CUDA_CHUNK_MAP=separate), 0 off, 1 on.
-void set_chunk_map_fused(int mode);
 // sort_chunks in one launch (sort_chunk_rows) when it fits: 1 <= C <= 1024, the sums within 32
-// bits, and by default received rows of at most the L2's size (small batches: decode); src: the
-// received rows, out: padded (the map has as many entries as it has rows).
-// PADMOE_CUDA_CHUNK_ROWS=0 | all (read once) or set_chunk_rows(0 off | 1 wherever it fits | 2 the
-// default rule; -1 the environment's choice). Every block lays out the chunks
+// bits, and received rows of at most the L2's size (policy::chunk_rows_one_launch: small batches,
+// decode); src: the received rows, out: padded (the map has as many entries as it has rows).
+// The kernel's form: policy::chunk_rows_form. Every block lays out the chunks
 // itself, then writes its rows' map entries and moves its rows; block 0 writes inclusive_offsets.
 // For unchecked sizes (or sizes checked on the host): bad entries get what the layout + gather
 // path gives them.
 bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, const RowsArg& src, const RowsArg& out);
-void set_chunk_rows(int mode);
-// The one launch's rows moved one at a time (rows of at least 256 words; tests; overrides
-// PADMOE_CUDA_CHUNK_ROWWISE): 1 on, 0 off, -1 the default (on). Same results every way.
-void set_chunk_rowwise(int mode);
-// The one launch with its layout in one block scan, for calls without sorted_index and at most 256
-// chunks, rows of at least 256 words (tests; overrides PADMOE_CUDA_CHUNK_ONE_SCAN): 1 on, 0 off, -1
-// the default (on). Same results every way.
-void set_chunk_one_scan(int mode);
 void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
                      int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,
                      int32_t* map, int32_t* inclusive_offsets, void* stream);

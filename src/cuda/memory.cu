@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 
 #include "cuda/common.cuh"
 
@@ -41,24 +42,16 @@ void memset_async(void* dst, int value, size_t bytes, void* stream) {
   if (bytes > 0) PADMOE_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, as_stream(stream)));
 }
 
-// Programmatic dependent launch: on by default on devices of compute capability 9.0 and up;
-// PADMOE_CUDA_PDL=0 (read once) or set_pdl(0) turns it off (measurements, tests).
+// Programmatic dependent launch: on devices of compute capability 9.0 and up (every kernel waits
+// for the one before it before its first memory access, so results do not change);
+// KernelOverrides::pdl false turns it off (tests, `padmoe bench --variant pdl=off`).
 namespace {
 constexpr int kPdlDevices = 64;
-std::atomic<int> g_pdl_forced{-1};      // -1: not set by set_pdl
 std::atomic<int> g_pdl_cc[kPdlDevices];  // 0: not asked; 1: sm_90+; -1: older
 }  // namespace
 
-void set_pdl(int mode) { g_pdl_forced.store(mode < 0 ? -1 : (mode > 0 ? 1 : 0), std::memory_order_relaxed); }
-
 bool pdl_enabled() {
-  const int forced = g_pdl_forced.load(std::memory_order_relaxed);
-  if (forced == 0) return false;
-  static const bool env_on = [] {
-    const char* v = std::getenv("PADMOE_CUDA_PDL");
-    return v == nullptr || std::atoi(v) != 0;
-  }();
-  if (forced < 0 && !env_on) return false;
+  if (!detail::kernel_overrides().pdl.value_or(true)) return false;
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kPdlDevices) {
     cudaGetLastError();
@@ -75,6 +68,49 @@ bool pdl_enabled() {
     g_pdl_cc[dev].store(cc, std::memory_order_relaxed);
   }
   return cc > 0;
+}
+
+// The multiprocessors of the current device when first asked (132, an H200's, if unknown).
+int sm_count() {
+  static const int sms = [] {
+    int dev = 0, n = 132;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+      cudaGetLastError();
+      n = 132;
+    }
+    return n;
+  }();
+  return sms;
+}
+
+// The L2's bytes on the current device when first asked (50 MiB, an H200's, if unknown).
+int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, dev) != cudaSuccess ||
+        n <= 0) {
+      cudaGetLastError();
+      n = 50 << 20;
+    }
+    return static_cast<int64_t>(n);
+  }();
+  return bytes;
+}
+
+RowsArg with_l2_prefetch(const RowsArg& r, bool vec, int blocks) {
+  RowsArg out = r;
+  out.l2_bytes = 0;
+  out.l2_blocks = 0;
+  const int64_t row_bytes = r.cols * static_cast<int64_t>(element_size(r.dtype));
+  const std::optional<bool>& forced = overrides().l2_prefetch;
+  if ((forced.has_value() && !*forced) || !vec || r.data == nullptr || r.rows <= 0 || row_bytes <= 0 ||
+      row_bytes % 16 != 0 || row_bytes > (int64_t{1} << 30)) {
+    return out;
+  }
+  if (!forced.has_value() && !policy::l2_prefetch(r.rows, row_bytes, device_policy())) return out;
+  out.l2_bytes = static_cast<uint32_t>(row_bytes);
+  out.l2_blocks = blocks;
+  return out;
 }
 
 void synchronize(void* stream) { PADMOE_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream))); }

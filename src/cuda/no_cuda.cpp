@@ -27,28 +27,12 @@ void make_plan(IndexRef, int64_t, int, int, int, const PlanView&, const PlanLayo
                int64_t, void*, void*) {
   unavailable("make_plan");
 }
-void set_plan_kernel(int) {}
-void set_slice_blocks(int) {}
-void set_spread_warp(int) {}
-void set_dot_kernels(int) {}
-void set_row_dots(int) {}
-void set_dest_search(int) {}
 bool dest_search_fits(int64_t, int, int) { return false; }
-void set_reduce_shape(int) {}
-void set_pdl(int) {}
 bool chunk_rows_fit(int64_t, int, int, const RowsArg&, const RowsArg&) { return false; }
-void set_chunk_rows(int) {}
-void set_chunk_rowwise(int) {}
-void set_chunk_one_scan(int) {}
 void sort_chunk_rows(const RowsArg&, IndexRef, IndexRef, int64_t, int, int, const RowsArg&, bool, bool, int32_t*, int32_t*,
                      void*) {
   unavailable("sort_chunks");
 }
-int l2_prefetch_mode() { return 0; }
-void set_l2_prefetch(int) {}
-void set_plan_match(int) {}
-void set_plan_small(int) {}
-void set_plan_packed(int) {}
 void apply_capacity(const PlanView&, int64_t, int, ScaleArg, int64_t, bool, int, const PlanView&, const PlanLayouts&,
                     int32_t, int64_t, int32_t*, void*) {
   unavailable("make_plan");
@@ -88,7 +72,6 @@ bool chunk_layout(IndexRef, IndexRef, int64_t, int, int, int64_t, void*, void*, 
   unavailable("chunk_layout");
   return false;
 }
-void set_chunk_map_fused(int) {}
 Violation validate_chunks(IndexRef, IndexRef, int64_t, int64_t, int64_t, void*, void*) { unavailable("validate"); }
 void chunk_map(const void*, int64_t, int, int64_t, int64_t, int32_t*, int32_t*, void*) { unavailable("chunk_map"); }
 

@@ -11,8 +11,6 @@ void quantize_spread_rows(const RowsArg&, int, const int32_t*, const RowsArg&, c
                           const PaddingRef&, bool, bool, void*) {
   throw Error(ErrorKind::kUnsupported, "quantize_spread_rows: padmoe was built without CUDA (PADMOE_CUDA=OFF)");
 }
-void set_quant_fast(int) {}
-void set_quant_slices(int) {}
 int64_t fp8_convert_mismatches(bool, uint32_t*, int64_t*) {
   throw Error(ErrorKind::kUnsupported, "fp8_convert_mismatches: padmoe was built without CUDA (PADMOE_CUDA=OFF)");
 }

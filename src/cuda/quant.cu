@@ -15,8 +15,6 @@
 // row first (a block reduction) and re-read it for the codes (L1/L2 hits).
 // Extra blocks of the same launch zero the padding rows (scale 1).
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 #include <memory>
 #include <type_traits>
 
@@ -31,8 +29,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kCols = 8;                     // columns per thread and step
 constexpr int kStepCols = kThreads * kCols;  // columns per step
+static_assert(kStepCols == policy::kQuantStepCols, "policy::quant_slices counts steps of kStepCols");
 constexpr int kGroupK = 64;                  // destinations staged at a time
-constexpr int kZeroRows = 32;                // rows per zero block
+constexpr int kZeroRows = policy::kZeroRows;  // rows per zero block
 
 enum Mode : int { kPerRowMode = 0, kBlock128Mode = 1, kMxMode = 2 };
 
@@ -80,8 +79,6 @@ __device__ __forceinline__ uint32_t lanes_max(uint32_t v) {
   for (int off = 1; off < kLanes; off <<= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
 }
-
-constexpr int kHwConvert = 1, kMxMultiply = 2;  // quant_spread_kernel's kFast bits
 
 // Two float32 -> two fp8 codes (a in the low byte): cvt.rn.satfinite (sm_89 and later) rounds to
 // nearest even and saturates to +-max, infinities too: quant::fp8_saturate for every non-NaN input.
@@ -181,13 +178,13 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
 // One thread's kCols columns (in a run of lanes covering whole scale blocks: every lane of the
 // warp calls it, for the shuffles) quantized: the codes packed 4 a word (lo: the first four),
 // and the scale block's scale bits (float32 bits, or the E8M0 byte; per-row mode: unused).
-template <int kMode, int kFast>
+template <int kMode>
 __device__ __forceinline__ void quantize_cols(const float (&f)[kCols], const quant::Fp8Format& fmt, bool e5m2,
                                               float row_div, bool row_bad, uint32_t& lo, uint32_t& hi,
                                               uint32_t& scale_bits) {
   using M = ModeTraits<kMode>;
   float divisor = row_div;
-  float inverse = 1.0f;  // kMxMultiply: 2^-X
+  float inverse = 1.0f;  // MXFP8: 2^-X
   bool bad = row_bad;
   scale_bits = 0;
   if (kMode != kPerRowMode) {
@@ -206,46 +203,30 @@ __device__ __forceinline__ void quantize_cols(const float (&f)[kCols], const qua
       scale_bits = quant::bits_of(divisor);
     }
   }
-  lo = 0;
-  hi = 0;
-  if (kFast != 0) {
-    float qv[kCols];
+  float qv[kCols];
 #pragma unroll
-    for (int i = 0; i < kCols; ++i) {
-      qv[i] = (kFast & kMxMultiply) && kMode == kMxMode ? f[i] * inverse : quant::div_rn(f[i], divisor);
-    }
-    uint32_t pairs[kCols / 2];
+  for (int i = 0; i < kCols; ++i) qv[i] = kMode == kMxMode ? f[i] * inverse : quant::div_rn(f[i], divisor);
+  uint32_t pairs[kCols / 2];
 #pragma unroll
-    for (int i = 0; i < kCols / 2; ++i) {
-      pairs[i] = (kFast & kHwConvert) ? fp8_hw_pair(qv[2 * i], qv[2 * i + 1], e5m2)
-                                      : quant::fp8_saturate(qv[2 * i], fmt) |
-                                            (static_cast<uint32_t>(quant::fp8_saturate(qv[2 * i + 1], fmt)) << 8);
-    }
-    lo = bad ? 0x7f7f7f7fu : pairs[0] | (pairs[1] << 16);
-    hi = bad ? 0x7f7f7f7fu : pairs[2] | (pairs[3] << 16);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kCols; ++i) {
-      const uint32_t code = quant::quantize_element(f[i], divisor, bad, fmt);
-      if (i < 4) lo |= code << (8 * i);
-      else hi |= code << (8 * (i - 4));
-    }
-  }
+  for (int i = 0; i < kCols / 2; ++i) pairs[i] = fp8_hw_pair(qv[2 * i], qv[2 * i + 1], e5m2);
+  lo = bad ? 0x7f7f7f7fu : pairs[0] | (pairs[1] << 16);
+  hi = bad ? 0x7f7f7f7fu : pairs[2] | (pairs[3] << 16);
 }
 
-// kFast: bit 1 (kHwConvert) converts the quotients with the hardware's cvt.rn.satfinite
-// (fp8_hw_pair), bit 2 (kMxMultiply) divides by MXFP8's power of two as a multiplication by its
-// inverse (exact: both are the rounding of the same real x * 2^-X). Either gives the same codes as
-// quant::quantize_element, bit for bit (fp8_convert_mismatches checks every float32 pattern).
+// The quotients are converted by the hardware's cvt.rn.satfinite (fp8_hw_pair), and MXFP8's
+// division by its power of two is a multiplication by the inverse (exact: both are the rounding of
+// the same real x * 2^-X): the codes of quant::quantize_element, bit for bit
+// (fp8_convert_mismatches checks every float32 pattern). Against quantize_element's software
+// conversion: dispatch(quant-128) mixtral-8x7b 3.18x -> 1.68x the floor (cuda-h200-2026-12-03.md).
 // Within 32 registers (8 blocks an SM: full occupancy). Measured on the H200 (2026-12-03) against
 // 38 registers (6 blocks an SM): dispatch(quant-128) mixtral-8x7b 1.68x -> 1.53x the floor,
 // qwen3-30b-a3b 1.48x -> 1.41x, deepseek-v3 1.29x -> 1.30x. Loading the first step before the
 // destinations are staged (so that the two loads overlap) was slower: 1.93x at 48 registers,
 // 1.65x capped at 32.
-// kLoose (kSliced only): registers for 6 blocks an SM (40) instead of 8 (32, where the sliced form
-// spills 8-16 bytes); quant_loose() chooses.
-template <typename T, int kMode, int kFast, bool kSliced, bool kLoose = false>
-__global__ void __launch_bounds__(kThreads, kLoose ? 6 : 8)
+// The sliced form with 1x128 block scales: registers for 6 blocks an SM (40) instead of 8 (32,
+// where the sliced form spills 8-16 bytes; policy::quant_loose).
+template <typename T, int kMode, bool kSliced>
+__global__ void __launch_bounds__(kThreads, kSliced && kMode == kBlock128Mode ? 6 : 8)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out,
                         int zero_rows_each, int slices) {
@@ -305,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, kLoose ? 6 : 8)
       float f[kCols];
       load_cols<T>(src, c0, hidden, vec_in, f);
       uint32_t lo, hi, scale_bits;
-      quantize_cols<kMode, kFast>(f, fmt, sc.e5m2, row_div, row_bad, lo, hi, scale_bits);
+      quantize_cols<kMode>(f, fmt, sc.e5m2, row_div, row_bad, lo, hi, scale_bits);
       if (c0 >= hidden) continue;  // no shuffles below in this step (a next step's run in every lane)
       const bool leader = kMode != kPerRowMode && lane % M::kLanes == 0;
       const int64_t scol = c0 / M::kBlockCols;
@@ -322,62 +303,10 @@ __global__ void __launch_bounds__(kThreads, kLoose ? 6 : 8)
   }
 }
 
-template <typename T, int kMode, int kFast, bool kSliced, bool kLoose = false>
+template <typename T, int kMode, bool kSliced>
 struct QuantTag {
-  static constexpr auto fn = quant_spread_kernel<T, kMode, kFast, kSliced, kLoose>;
+  static constexpr auto fn = quant_spread_kernel<T, kMode, kSliced>;
 };
-
-// The sliced form at 6 blocks an SM (kLoose) for 1x128 block scales, at 8 for MXFP8:
-// PADMOE_CUDA_QUANT_LOOSE=0/1 (read once) forces one for both. Measured on the H200 at decode
-// (2026-12-04, graph us, two rounds, bench/results/cuda-h200-2026-12-04-nineteenth.md): 6 against
-// 8 blocks an SM, quant-128 12.7 / 12.5 against 13.3 / 13.3, quant-mxfp8 12.4 / 12.3 against
-// 12.2 / 12.3.
-bool quant_loose(ScaleLayout layout) {
-  static const int env = [] {
-    const char* v = std::getenv("PADMOE_CUDA_QUANT_LOOSE");
-    return v == nullptr ? -1 : (std::atoi(v) != 0 ? 1 : 0);
-  }();
-  return env >= 0 ? env == 1 : layout == ScaleLayout::kBlock128;
-}
-
-// PADMOE_CUDA_QUANT_FAST=0..3 (read once) or set_quant_fast (tests): the kFast bits; default 3,
-// both. Measured on the H200 (2026-12-03, bench/results/cuda-h200-2026-12-03.md): the hardware
-// conversion took dispatch(quant-128) from 3.18x to 1.68x the copy floor at mixtral-8x7b (1.84x ->
-// 1.51x qwen3-30b-a3b, 1.88x -> 1.49x deepseek-v3, 2.66x -> 2.43x decode, graph), and the MXFP8
-// multiply dispatch(quant-mxfp8) at mixtral from 1.72x to 1.55x (no change elsewhere).
-std::atomic<int> g_quant_fast{-1};  // -1: the environment's choice
-int quant_fast() {
-  const int set = g_quant_fast.load(std::memory_order_relaxed);
-  if (set >= 0) return set;
-  static const int n = [] {
-    const char* v = std::getenv("PADMOE_CUDA_QUANT_FAST");
-    const int f = v == nullptr ? 3 : std::atoi(v);
-    return f >= 0 && f <= 3 ? f : 3;
-  }();
-  return n;
-}
-
-// Blocks a token row (block scales only; per-row scales reduce the whole row in one block): at
-// small T the row's steps of kStepCols columns go to blocks of their own, when every step of every
-// token then has its block within 8 blocks an SM (decode: 256 tokens, 4 steps of H = 7168 -> 1024
-// blocks), else 1. PADMOE_CUDA_QUANT_SLICES=N (read once) forces N (1: off), at most the steps; or
-// set_quant_slices (tests; -1 the default).
-std::atomic<int> g_quant_slices{-1};
-int quant_slices(int64_t tokens, int64_t hidden, ScaleLayout layout) {
-  if (layout == ScaleLayout::kPerRow || tokens <= 0) return 1;
-  const int64_t steps = index::ceil_div(hidden, static_cast<int64_t>(kStepCols));
-  if (steps <= 1) return 1;
-  int forced = g_quant_slices.load(std::memory_order_relaxed);
-  if (forced < 0) {
-    static const int env = [] {
-      const char* v = std::getenv("PADMOE_CUDA_QUANT_SLICES");
-      return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : -1;
-    }();
-    forced = env;
-  }
-  if (forced > 0) return static_cast<int>(std::min<int64_t>(forced, steps));
-  return tokens * steps <= 8 * static_cast<int64_t>(sm_count()) ? static_cast<int>(steps) : 1;
-}
 
 // Every float32 bit pattern but the NaNs (a quotient of a finite block is never NaN), in
 // fp8_hw_pair against quant::fp8_saturate: the mismatches counted, the smallest pattern kept.
@@ -413,8 +342,6 @@ __global__ void fp8_convert_check_kernel(bool e5m2, unsigned long long* count, u
 
 }  // namespace
 
-void set_quant_fast(int bits) { g_quant_fast.store(bits >= 0 && bits <= 3 ? bits : -1, std::memory_order_relaxed); }
-
 int64_t fp8_convert_mismatches(bool e5m2, uint32_t* first_bits, int64_t* compared) {
   const char* what = "fp8_convert_mismatches";
   struct Free {
@@ -438,26 +365,19 @@ int64_t fp8_convert_mismatches(bool e5m2, uint32_t* first_bits, int64_t* compare
   return static_cast<int64_t>(counts[0]);
 }
 
-void set_quant_slices(int n) { g_quant_slices.store(n < 1 ? -1 : n, std::memory_order_relaxed); }
-
 void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, const RowsArg& y,
                           const QuantScalesArg& scales, const PaddingRef& padding, bool zero_padding,
                           bool zero_past_end, void* stream) {
   const int64_t tokens = x.rows;
   const bool identity = dest == nullptr;
-  // Rows a zero block clears: kZeroRows, and 4 for block scales at small T (below ~4 tokens an SM:
-  // where the spreads' rule gives fewer than kZeroRows). Measured on the H200 at decode (2026-12-03,
-  // graph us, 4 / 8 / 16 / 32 rows a block, a block a token row): quant-mxfp8 18.4 / 21.1-21.8 /
-  // 21.5 / 22.4, quant-128 14.5 / 16.0-16.2 / 13.5 / 13.7; with the row's steps in blocks of their
-  // own (quant_slices, the seventeenth session): quant-128 12.6 / 13.6 / 14.1 / 17.1, quant-mxfp8
-  // 12.2 / 13.9 / 16.0 / - (4 was already its rule: 12.1). PADMOE_CUDA_ZERO_ROWS overrides (at most
-  // kZeroRows).
-  const int small_rule = zero_rows_per_block(tokens, y.cols);  // y: 1-byte codes
-  static const bool forced = std::getenv("PADMOE_CUDA_ZERO_ROWS") != nullptr;  // read once
-  const int zero_each = forced ? std::min(kZeroRows, small_rule)
-                               : (small_rule < kZeroRows && scales.layout != ScaleLayout::kPerRow ? 4 : kZeroRows);
+  // Rows a zero block clears and a token row's blocks: policy::quant_zero_rows, policy::quant_slices.
+  const policy::Device dev = device_policy();
+  const policy::QuantScaleKind kind = scales.layout == ScaleLayout::kPerRow   ? policy::QuantScaleKind::kPerRow
+                                      : scales.layout == ScaleLayout::kMxE8M0 ? policy::QuantScaleKind::kMx
+                                                                              : policy::QuantScaleKind::kBlock128;
+  const int zero_each = policy::quant_zero_rows(tokens, y.cols, kind, dev);  // y: 1-byte codes
   const int64_t zero_blocks = !identity && (zero_padding || zero_past_end) ? index::ceil_div(y.rows, zero_each) : 0;
-  const int slices = quant_slices(tokens, x.cols, scales.layout);
+  const int slices = policy::quant_slices(tokens, x.cols, kind == policy::QuantScaleKind::kPerRow, dev);
   const int64_t blocks = tokens * slices + zero_blocks;
   if (blocks == 0) return;
   if (x.cols == 0 && scales.layout != ScaleLayout::kPerRow) return;  // no columns, no scale columns: nothing to write
@@ -470,22 +390,15 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   };
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);
-    const int fast = quant_fast();
     auto by_mode = [&](auto mode) {
       constexpr int kM = decltype(mode)::value;
-      auto by_fast = [&](auto sliced, auto loose) {
-        constexpr bool kS = decltype(sliced)::value && kM != kPerRowMode;  // per-row scales: never sliced
-        constexpr bool kL = kS && decltype(loose)::value;
-        switch (fast) {
-          case 1: launch(QuantTag<T, kM, kHwConvert, kS, kL>{}); break;
-          case 2: launch(QuantTag<T, kM, kMxMultiply, kS, kL>{}); break;
-          case 3: launch(QuantTag<T, kM, kHwConvert | kMxMultiply, kS, kL>{}); break;
-          default: launch(QuantTag<T, kM, 0, kS, kL>{}); break;
+      if constexpr (kM != kPerRowMode) {  // per-row scales: never sliced
+        if (slices > 1) {
+          launch(QuantTag<T, kM, true>{});
+          return;
         }
-      };
-      if (slices > 1 && quant_loose(scales.layout)) by_fast(std::true_type{}, std::true_type{});
-      else if (slices > 1) by_fast(std::true_type{}, std::false_type{});
-      else by_fast(std::false_type{}, std::false_type{});
+      }
+      launch(QuantTag<T, kM, false>{});
     };
     switch (scales.layout) {
       case ScaleLayout::kPerRow: by_mode(std::integral_constant<int, kPerRowMode>{}); break;

@@ -30,13 +30,6 @@ struct QuantScalesArg {
 void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, const RowsArg& y,
                           const QuantScalesArg& scales, const PaddingRef& padding, bool zero_padding,
                           bool zero_past_end, void* stream);
-// The quantizing kernel's fast paths (bits: 1 the hardware's fp8 conversion, 2 MXFP8's division
-// as a multiplication by 2^-X): -1 the environment's (PADMOE_CUDA_QUANT_FAST, else 3, both),
-// 0..3 (tests; the same codes and scales every way).
-void set_quant_fast(int bits);
-// Blocks a token row of the quantizing spread with block scales at small T (see quant.cu): n >= 1
-// forces n (1: off), -1 the default rule (PADMOE_CUDA_QUANT_SLICES=N overrides it).
-void set_quant_slices(int n);
 // Tests: the float32 bit patterns (NaNs left out) whose fp8 code from the hardware conversion
 // differs from quant::fp8_saturate's (e4m3fn, or e5m2), with the smallest in *first_bits
 // (0xffffffff when none), and in *compared the patterns compared. Synchronizes the device.

@@ -28,6 +28,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "core/kernel_overrides.hpp"
+#include "core/kernel_policy.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/quant_backend.hpp"
 #include "test_util.hpp"
@@ -35,6 +37,12 @@
 
 namespace pt {
 namespace {
+
+// Kernel choices are forced through the internal overrides (default: the policy decides).
+namespace pol = padmoe::policy;
+using padmoe::detail::KernelOverrides;
+using padmoe::detail::ScopedKernelOverrides;
+KernelOverrides& kernel_overrides() { return padmoe::detail::kernel_overrides(); }
 
 // ---------------------------------------------------------------------------
 // Device helpers
@@ -597,20 +605,34 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
     cl.padded_total = ctot;
     padmoe::make_plan_out(hte, c.E, c.m, cpu.view(), cl, po);
     // plan paths: split, the default, fused on 1 and 3 blocks; the fused one also with either key
-    // search forced and with its block counts unpacked; the small one (one chunk) on 16 and 64
-    // blocks as well as the default 32
-    struct Path { int mode, match, small, packed = -1; };
-    for (const Path pm : {Path{-1, -1, -1}, {0, -1, -1}, {0, 0, -1}, {0, 1, -1}, {1, -1, -1}, {3, -1, -1},
-                          {0, -1, 16}, {0, -1, 64}, {0, -1, -1, 0}, {3, -1, -1, 0}, {0, -1, -1, 1}}) {
-      const int mode = pm.mode;
+    // search forced and with its block counts as ints and as pairs; one chunk through the fused
+    // kernel as well as the small one
+    struct Path {
+      const char* name;
+      std::optional<pol::PlanPath> path;
+      int blocks = 0;
+      std::optional<pol::PlanMatch> match;
+      std::optional<pol::PlanCounts> counts;
+    };
+    const Path paths[] = {{"split", pol::PlanPath::kSplit},
+                          {"default", std::nullopt},
+                          {"match", std::nullopt, 0, pol::PlanMatch::kMatchAny},
+                          {"ballot", std::nullopt, 0, pol::PlanMatch::kBallot},
+                          {"fused:1", pol::PlanPath::kFused, 1},
+                          {"fused:3", pol::PlanPath::kFused, 3},
+                          {"fused", pol::PlanPath::kFused},
+                          {"ints", std::nullopt, 0, std::nullopt, pol::PlanCounts::kInts},
+                          {"fused:3 ints", pol::PlanPath::kFused, 3, std::nullopt, pol::PlanCounts::kInts},
+                          {"pairs", std::nullopt, 0, std::nullopt, pol::PlanCounts::kPairs}};
+    for (const Path& pm : paths) {
       SCOPED_TRACE("T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " E=" + std::to_string(c.E) +
-                   " m=" + std::to_string(c.m) + " global=" + std::to_string(c.global) +
-                   " mode=" + std::to_string(mode) + " match=" + std::to_string(pm.match) +
-                   " small=" + std::to_string(pm.small) + " packed=" + std::to_string(pm.packed));
-      padmoe::cuda::set_plan_packed(pm.packed);
-      padmoe::cuda::set_plan_kernel(mode);
-      padmoe::cuda::set_plan_match(pm.match);
-      padmoe::cuda::set_plan_small(pm.small);
+                   " m=" + std::to_string(c.m) + " global=" + std::to_string(c.global) + " path=" + pm.name);
+      KernelOverrides ko;
+      ko.plan_path = pm.path;
+      ko.plan_fused_blocks = pm.blocks;
+      ko.plan_match = pm.match;
+      ko.plan_counts = pm.counts;
+      const ScopedKernelOverrides forced(ko);
       GpuPlan g = gpu_plan_buffers(c.T, c.K, c.E, c.m, R);
       GpuLayouts l = gpu_layout_buffers(R, c.m);
       padmoe::Options o;
@@ -630,10 +652,6 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
       EXPECT_TRUE(all_same(to_cpu(g2.dest_rows), cpu.dest_rows)) << "dest_rows, second run";
       EXPECT_TRUE(all_same(to_cpu(g2.row_sources), cpu.row_sources)) << "row_sources, second run";
     }
-    padmoe::cuda::set_plan_kernel(0);
-    padmoe::cuda::set_plan_match(-1);
-    padmoe::cuda::set_plan_small(-1);
-    padmoe::cuda::set_plan_packed(-1);
   }
   // the CPU plan itself against the reference on one case (the others: CpuVsGpu)
   const std::vector<int64_t> te = make_routing(2049, 1, 16, Dist::kSkewed, 2065);
@@ -641,11 +659,11 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
   EXPECT_EQ(index_to_vec(cpu.dest_rows), ref::make_plan(te, 2049, 1, 16, 4).dest_rows);
 }
 
-// Row slices (small T: a row split over several blocks) against no slicing and the CPU, bitwise:
-// the moves and sums without dot products (dispatch and gather forms, combine and scatter, the
-// unweighted backward ops), vectorized and element-wise rows, a row shorter than a slice, and
-// T below and above the slicing threshold. The weighted backward ops (dots) never slice; they
-// run here too, unchanged.
+// The plain reduce's row slices (small T: a row split over several blocks) against no slicing and
+// the CPU, bitwise, with the spreads a block and a warp a token: the moves and sums without dot
+// products (dispatch and gather forms, combine and scatter, the unweighted backward ops),
+// vectorized and element-wise rows, a row shorter than a slice, and T below and above the slicing
+// threshold. The weighted backward ops (dots) never slice; they run here too, unchanged.
 TEST(RowSlices, MatchNoSlicingAndCpu) {
   REQUIRE_GPU();
   struct Case { int64_t T, H; int K, E, m; DType dt; };
@@ -689,18 +707,23 @@ TEST(RowSlices, MatchNoSlicingAndCpu) {
       SCOPED_TRACE(op.first);
       const Outs cpu = op.second.second();
       std::vector<Outs> runs;
-      // no slices, the default, as many as the row allows; then the spreads a warp a token (4 and
-      // 8 units a lane; top_k 40: two rounds of 32 destinations)
-      const std::pair<int, int> settings[] = {{0, 0}, {-1, 0}, {1 << 20, 0}, {-1, 4}, {-1, 8}};
-      for (const auto& [blocks, warp] : settings) {
-        padmoe::cuda::set_slice_blocks(blocks);
-        padmoe::cuda::set_spread_warp(warp);
+      // the reduce with no slices, the default, as many as the row allows (the spreads a block a
+      // token); then the spreads a warp a token (top_k 40: two rounds of 32 destinations), and the
+      // policy's choice
+      const std::pair<int, std::optional<pol::SpreadKernel>> settings[] = {{0, pol::SpreadKernel::kBlock},
+                                                                         {-1, pol::SpreadKernel::kBlock},
+                                                                         {1 << 20, pol::SpreadKernel::kBlock},
+                                                                         {-1, pol::SpreadKernel::kWarp},
+                                                                         {-1, std::nullopt}};
+      for (const auto& [blocks, spread] : settings) {
+        KernelOverrides ko;
+        ko.reduce_slice_blocks = blocks;
+        ko.spread = spread;
+        const ScopedKernelOverrides forced(ko);
         Outs g = op.second.first();
         for (auto& t : g) t = to_cpu(t);
         runs.push_back(std::move(g));
       }
-      padmoe::cuda::set_slice_blocks(-1);
-      padmoe::cuda::set_spread_warp(-1);
       for (size_t r = 0; r < runs.size(); ++r) {
         for (size_t i = 0; i < cpu.size(); ++i) {
           EXPECT_TRUE(all_same(runs[r][i], runs[0][i])) << "output " << i << ", run " << r << " vs no slicing";
@@ -746,9 +769,9 @@ void expect_wgrad_near_float64(const std::vector<float>& got, const std::vector<
   }
 }
 
-// The families of dot-product kernels (set_dot_kernels: 0 a block a token, reduce's (1, 4)
-// shape; else spreads and row_dots a warp an assignment, and reduce: 1 its (2, 8) shape, 2 a
-// warp a token, 3 a block a token in the warp kernel's form) against the reference on the CPU-vs-GPU
+// The reduce with dots' kernels (KernelOverrides::reduce_dots: 0 a block a token at (1, 4), 1 the
+// same at (2, 8), 2 a warp a token, 3 a block a token in the warp kernel's form, 4 the same with two
+// units a lane at a time) against the reference on the CPU-vs-GPU
 // workloads with dots (wgrad, the weighted backward ops, unpad's backward with probs, whose fused
 // warp kernel runs in both), then each op twice, bitwise, in each mode at a decode-like shape.
 TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
@@ -757,9 +780,12 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
                                           "H4097", "H4096_vec", "align16_tiny_segments", "mb_T1024_H768_E64_K4",
                                           "only_last_expert"};
   std::vector<Tensor> family3;  // mode 4 (two units a lane) must give mode 3's bits
+  const pol::ReduceDotsKernel kernels[] = {pol::ReduceDotsKernel::kBlock, pol::ReduceDotsKernel::kBlockWide,
+                                           pol::ReduceDotsKernel::kTokenWarp, pol::ReduceDotsKernel::kTokenBlock,
+                                           pol::ReduceDotsKernel::kTokenBlockTwoUnits};
   for (int mode : {0, 1, 2, 3, 4}) {
     SCOPED_TRACE("dot kernels " + std::to_string(mode));
-    padmoe::cuda::set_dot_kernels(mode);
+    kernel_overrides().reduce_dots = kernels[mode];
     run_named_workloads(names, 11);
     // determinism: T = 300, K = 8, H = 7168 (both row-length rules), every dot op twice
     const int64_t T = 300, H = 7168;
@@ -796,17 +822,17 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
     // By shape (-1) at this T (about two tokens an SM on the H200, where the reduce with dots
     // loads two units a lane; the family depends on the card's SM count): run twice, bitwise;
     // and wgrad against float64 sums (rounded once to bf16, y's dtype).
-    padmoe::cuda::set_dot_kernels(-1);
+    kernel_overrides().reduce_dots.reset();
     const std::vector<Tensor> by_shape = run(), again = run();
     for (size_t i = 0; i < by_shape.size(); ++i) EXPECT_TRUE(all_same(by_shape[i], again[i])) << "by shape, output " << i;
     const Tensor dest = to_cpu(v.dest_rows);
     expect_wgrad_near_float64(vec_to_float(by_shape.back()), rows_to_float(to_cpu(dy)), rows_to_float(to_cpu(dx)),
                               static_cast<const int32_t*>(dest.data()), T, K, H, "wgrad by shape");
   }
-  padmoe::cuda::set_dot_kernels(-1);
+  kernel_overrides().reduce_dots.reset();
 }
 
-// row_dots' kernels (set_row_dots: 0 a warp an assignment, 1 a block a token with every source
+// row_dots' kernels (KernelOverrides::row_dots: 0 a warp an assignment, 1 a block a token with every source
 // row's unit loaded together) against the reference on the CPU-vs-GPU workloads (wgrad among the
 // ops), then wgrad at a decode-like shape against float64 sums, twice, bitwise.
 TEST(RowDots, EveryKernelMatchesReferenceAndRepeats) {
@@ -828,14 +854,14 @@ TEST(RowDots, EveryKernelMatchesReferenceAndRepeats) {
   const int32_t* d = static_cast<const int32_t*>(dest.data());
   for (int mode : {0, 1}) {
     SCOPED_TRACE("row dots " + std::to_string(mode));
-    padmoe::cuda::set_row_dots(mode);
+    kernel_overrides().row_dots = mode == 0 ? pol::RowDotsKernel::kAssignmentWarp : pol::RowDotsKernel::kTokenBlock;
     run_named_workloads(names, 13);
     auto run = [&] { return to_cpu(padmoe::padded_scatter_wgrad(dy, dx, v.indices, v.bin_ids, v.bins, v.padded_bins, K)); };
     const Tensor first = run(), second = run();
     EXPECT_TRUE(all_same(first, second)) << "wgrad twice";
     expect_wgrad_near_float64(vec_to_float(first), yv, xv, d, T, K, H, "wgrad");
   }
-  padmoe::cuda::set_row_dots(-1);
+  kernel_overrides().row_dots.reset();
 }
 
 // The MegaBlocks-argument ops find their rows by a search of the sorted form where A is small
@@ -849,7 +875,7 @@ TEST(DestSearch, BothFormsMatchReference) {
                                           "only_last_expert"};
   for (int mode : {0, -1}) {
     SCOPED_TRACE("dest search " + std::to_string(mode));
-    padmoe::cuda::set_dest_search(mode);
+    kernel_overrides().dest_search = mode == 0 ? std::optional<bool>(false) : std::nullopt;
     run_named_workloads(names, 19);
   }
   // T = 256, K = 8, E = 256, H = 7168 (decode): every MegaBlocks op, searched and built
@@ -884,9 +910,9 @@ TEST(DestSearch, BothFormsMatchReference) {
     o.push_back(to_cpu(padmoe::padded_scatter_wgrad(dy, dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K)));
     return o;
   };
-  padmoe::cuda::set_dest_search(0);
+  kernel_overrides().dest_search = false;
   const std::vector<Tensor> built = run();
-  padmoe::cuda::set_dest_search(-1);
+  kernel_overrides().dest_search.reset();
   const std::vector<Tensor> searched = run(), again = run();
   ASSERT_EQ(built.size(), searched.size());
   for (size_t i = 0; i < built.size(); ++i) {
@@ -926,7 +952,7 @@ TEST(DestSearch, BadUncheckedInputStaysInBounds) {
   constexpr int64_t kGuard = 8;
   for (int mode : {0, -1}) {
     SCOPED_TRACE("dest search " + std::to_string(mode));
-    padmoe::cuda::set_dest_search(mode);
+    kernel_overrides().dest_search = mode == 0 ? std::optional<bool>(false) : std::nullopt;
     Tensor gy = gpu_poison_rows(DType::kFloat32, P + kGuard, H);
     TensorView yv = gy.view();
     yv.shape[0] = P;
@@ -959,7 +985,7 @@ TEST(DestSearch, BadUncheckedInputStaysInBounds) {
       }
     }
   }
-  padmoe::cuda::set_dest_search(-1);
+  kernel_overrides().dest_search.reset();
 }
 
 // Every shape of the plain reduce (combine, padded_scatter, the unweighted backward ops): the
@@ -984,11 +1010,13 @@ TEST(ReduceShapes, MatchReferenceAndDefault) {
                                to_cpu(padmoe::padded_scatter(dy, v.indices, v.bin_ids, TensorView(dw), v.bins,
                                                              v.padded_bins, K))};
   };
-  padmoe::cuda::set_reduce_shape(-1);
+  kernel_overrides().reduce.reset();
   const std::vector<Tensor> want = run();
-  for (int shape : {0, 1, 2, 3, 4, 5, 6}) {
+  const pol::ReduceKernel shapes[] = {pol::ReduceKernel::kBlock, pol::ReduceKernel::kBlockWide,
+                                      pol::ReduceKernel::kTokenBlock, pol::ReduceKernel::kTokenBlockTwoUnits};
+  for (int shape = 0; shape < 4; ++shape) {
     SCOPED_TRACE("reduce shape " + std::to_string(shape));
-    padmoe::cuda::set_reduce_shape(shape);
+    kernel_overrides().reduce = shapes[shape];
     for (const Workload& wl : workloads()) {
       if (std::find(names.begin(), names.end(), wl.name) == names.end()) continue;
       for (const Combo& cb : combos_of(wl.name == "H3" ? 0 : 1)) run_cpu_vs_gpu(wl, cb, 13);
@@ -998,7 +1026,7 @@ TEST(ReduceShapes, MatchReferenceAndDefault) {
       for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(all_same(want[i], got[i])) << "output " << i << " run " << r;
     }
   }
-  padmoe::cuda::set_reduce_shape(-1);
+  kernel_overrides().reduce.reset();
 }
 
 
@@ -1418,7 +1446,7 @@ TEST(Pdl, ChainedOpsMatchWithAndWithoutPdl) {
   o.workspace_bytes = ws_bytes;
 
   auto chain = [&](int pdl) {
-    padmoe::cuda::set_pdl(pdl);
+    kernel_overrides().pdl = pdl != 0;
     GpuPlan gp = gpu_plan_buffers(T, K, E, m);
     const Tensor y = gpu_poison_rows(dt, cap, H), out = gpu_poison_rows(dt, T, H);
     const Tensor gy = gpu_poison_rows(dt, cap, H), gx = gpu_poison_rows(dt, T, H);
@@ -1442,7 +1470,7 @@ TEST(Pdl, ChainedOpsMatchWithAndWithoutPdl) {
   };
   const std::vector<Tensor> off = chain(0);
   const std::vector<Tensor> on = chain(1);
-  padmoe::cuda::set_pdl(-1);
+  kernel_overrides().pdl.reset();
   ASSERT_EQ(off.size(), on.size());
   for (size_t i = 0; i < off.size(); ++i) EXPECT_TRUE(all_same(off[i], on[i])) << "output " << i << " differs with PDL";
 
@@ -2145,20 +2173,20 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
       for (bool zero_tail : {false, true}) {
         for (bool zero_padding : {true, false}) {
           SCOPED_TRACE("form " + std::to_string(form) + (zero_padding ? "" : " zero_padding off"));
-          padmoe::cuda::set_chunk_map_fused(form == 0 ? 0 : 1);
-          padmoe::cuda::set_chunk_rows(form >= 2 ? 1 : 0);
-          padmoe::cuda::set_chunk_rowwise(form >= 3 ? 1 : 0);
-          padmoe::cuda::set_chunk_one_scan(form == 4 ? 1 : 0);
+          KernelOverrides ko;
+          ko.chunk_map_fused = form != 0;
+          ko.chunk_rows = form >= 2;
+          ko.chunk_rows_form = form == 4   ? pol::ChunkRowsForm::kOneScan
+                               : form == 3 ? pol::ChunkRowsForm::kRowwise
+                                           : pol::ChunkRowsForm::kFlat;
+          kernel_overrides() = ko;
           padmoe::Options o;
           o.check_data = checked;
           o.zero_tail = zero_tail;
           o.zero_padding = zero_padding;
           Tensor gpad = gpu_poison_rows(cf.dt, cap, H), gmap = gpu_poison_index(cap), goff = gpu_poison_index(cf.E);
           padmoe::sort_chunks_out(dh, ds, cf.R, cf.m, dsi, gpad, gmap, goff, o);
-          padmoe::cuda::set_chunk_map_fused(-1);
-          padmoe::cuda::set_chunk_rows(-1);
-          padmoe::cuda::set_chunk_rowwise(-1);
-          padmoe::cuda::set_chunk_one_scan(-1);
+          kernel_overrides() = KernelOverrides{};
           Tensor cpad = poison_rows(cf.dt, cap, H), cmap = poison_index(cap), coff = poison_index(cf.E);
           padmoe::sort_chunks_out(hh, hs, cf.R, cf.m, hsi, cpad, cmap, coff, o);
           const Tensor hpad = to_cpu(gpad);
@@ -2354,9 +2382,12 @@ TEST(Fp8ScalesGpu, EveryScaledOpMatchesCpuBitwise) {
           SCOPED_TRACE("variant " + std::to_string(variant));
           Tensor cy = poison_rows(dt, rows, H), cs = fp8_poison_scales(l, rows, H);
           padmoe::dispatch_scaled_out(hx, cplan.view(), hs, cy, cs, o);
-          for (int warp : {-1, 0, 4, 8}) {  // the default, the block spread, a warp a token
-            SCOPED_TRACE("spread warp " + std::to_string(warp));
-            padmoe::cuda::set_spread_warp(warp);
+          // the default, the block spread, a warp a token
+          for (const std::optional<pol::SpreadKernel> spread :
+               {std::optional<pol::SpreadKernel>(), std::optional<pol::SpreadKernel>(pol::SpreadKernel::kBlock),
+                std::optional<pol::SpreadKernel>(pol::SpreadKernel::kWarp)}) {
+            SCOPED_TRACE("spread " + std::string(!spread ? "default" : *spread == pol::SpreadKernel::kWarp ? "warp" : "block"));
+            kernel_overrides().spread = spread;
             Tensor gy = gpu_poison_rows(dt, rows, H), gs = to_gpu(fp8_poison_scales(l, rows, H));
             padmoe::dispatch_scaled_out(dx, gp.view, ds, gy, gs, o);
             EXPECT_TRUE(all_same(to_cpu(gy), cy)) << "dispatch rows";
@@ -2366,7 +2397,7 @@ TEST(Fp8ScalesGpu, EveryScaledOpMatchesCpuBitwise) {
             EXPECT_TRUE(all_same(to_cpu(ggy), cy)) << "padded_gather rows";
             EXPECT_TRUE(all_same(to_cpu(ggs), cs)) << "padded_gather scales";
           }
-          padmoe::cuda::set_spread_warp(-1);
+          kernel_overrides().spread.reset();
 
           // pad the expert-grouped rows, then unpad them (every other map entry dropped: unnamed rows)
           std::vector<float> hf;
@@ -2501,15 +2532,12 @@ TEST(QuantDispatchGpu, MatchesCpuAndReferenceBitwise) {
             padmoe::make_plan_out(to_gpu(hte), E, m, gp.view);
             const ref::QuantRows want = ref::dispatch_quantized(xf, H, p, static_cast<ref::QuantLayout>(static_cast<int>(l)),
                                                                 out == DType::kFloat8E5M2);
-            // 4-6: variant 0 with the fast paths 1-3 (0-3: the software path); 7: the default with
-            // zero_tail; 8: a block a token row (the default slices rows at small T: H = 2100 and
-            // 7168 here); 9: 3 blocks a row (H = 7168: 4 steps, uneven)
-            for (int variant = 0; variant < 10; ++variant) {
-              padmoe::cuda::set_quant_fast(variant >= 4 && variant <= 6 ? variant - 3 : variant < 4 ? 0 : -1);
-              padmoe::cuda::set_quant_slices(variant == 8 ? 1 : variant == 9 ? 3 : -1);
+            // 0 the defaults, 1 zero_padding off, 2 zero_tail, 3 unchecked (T = 97 at H = 2100 and
+            // 7168: the row's steps in blocks of their own, policy::quant_slices)
+            for (int variant = 0; variant < 4; ++variant) {
               padmoe::Options o;
               o.zero_padding = variant != 1;
-              o.zero_tail = variant == 2 || variant == 7;
+              o.zero_tail = variant == 2;
               o.check_data = variant != 3;
               SCOPED_TRACE("variant " + std::to_string(variant));
               Tensor cy = poison_rows(out, rows, H), cs = quant_poison_scales(l, rows, H);
@@ -2524,8 +2552,6 @@ TEST(QuantDispatchGpu, MatchesCpuAndReferenceBitwise) {
                 EXPECT_TRUE(std::equal(want.scales.begin(), want.scales.end(), gots.begin())) << "scales vs reference";
               }
             }
-            padmoe::cuda::set_quant_fast(-1);
-            padmoe::cuda::set_quant_slices(-1);
             // allocating forms, and quantize alone
             const padmoe::ScaledRows c = padmoe::dispatch_quantized(hx, cplan.view(), l, out);
             const padmoe::ScaledRows g = padmoe::dispatch_quantized(dx, gp.view, l, out);
@@ -2639,7 +2665,8 @@ TEST(L2Prefetch, OpsOnRowsJustWrittenMatchOffAndCpu) {
   o.check_data = false;
 
   auto chain = [&](int mode) {
-    padmoe::cuda::set_l2_prefetch(mode);
+    if (mode == 1) kernel_overrides().l2_prefetch.reset();
+    else kernel_overrides().l2_prefetch = mode == 2;
     GpuPlan gp = gpu_plan_buffers(T, K, E, m);
     const Tensor y = gpu_poison_rows(dt, cap, H), out = gpu_poison_rows(dt, T, H), y2 = gpu_poison_rows(dt, cap, H);
     const Tensor q = gpu_poison_rows(DType::kFloat8E4M3, cap, H), qs = to_gpu(quant_poison_scales(ql, cap, H));
@@ -2659,10 +2686,10 @@ TEST(L2Prefetch, OpsOnRowsJustWrittenMatchOffAndCpu) {
       r.push_back(to_cpu(*t));
     return r;
   };
-  padmoe::cuda::set_pdl(1);
+  kernel_overrides().pdl = true;
   const std::vector<Tensor> off = chain(0), rule = chain(1), all = chain(2);
-  padmoe::cuda::set_l2_prefetch(-1);
-  padmoe::cuda::set_pdl(-1);
+  kernel_overrides().l2_prefetch.reset();
+  kernel_overrides().pdl.reset();
   for (size_t i = 0; i < off.size(); ++i) {
     EXPECT_TRUE(all_same(off[i], rule[i])) << "output " << i << " differs with the default prefetch";
     EXPECT_TRUE(all_same(off[i], all[i])) << "output " << i << " differs with the prefetch at every size";

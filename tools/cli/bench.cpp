@@ -174,6 +174,7 @@ double measure_gpu_copy_gbps(Data& d, const std::function<void()>& flush) {
 }  // namespace
 
 int cmd_bench(const Args& args) {
+  const std::string variants = apply_variants(args);
   const Workload w = parse_workload(args);
   const bool on_gpu = w.device.is_cuda();
   const int warmup = static_cast<int>(args.get_int("warmup", on_gpu ? 5 : 2));
@@ -291,10 +292,11 @@ int cmd_bench(const Args& args) {
                 ", \"alignment\": %d, \"assignments\": %" PRId64 ", \"padded_rows\": %" PRId64
                 ", \"capacity\": %" PRId64
                 ", \"dtype\": \"%s\", \"device\": \"%s\", "
-                "\"seed\": %" PRIu64 "},\n",
+                "\"seed\": %" PRIu64 "},\n \"variant\": \"%s\",\n",
                 utc_now().c_str(), device_name(w.device).c_str(),
                 on_gpu ? ("\"" + json_escape(d.gpu->card) + "\"").c_str() : "null", json_escape(w.label).c_str(), w.T,
-                w.E, w.K, w.H, w.m, d.A, d.P, d.R, dtype_name(w.dtype), device_name(w.device).c_str(), w.seed);
+                w.E, w.K, w.H, w.m, d.A, d.P, d.R, dtype_name(w.dtype), device_name(w.device).c_str(), w.seed,
+                json_escape(variants).c_str());
     if (on_gpu) {
       std::printf(
           " \"timing\": \"%s\", \"cold_l2\": true, \"l2_flush_bytes\": %" PRId64
@@ -351,6 +353,7 @@ int cmd_bench(const Args& args) {
   }
 
   print_header("bench", d);
+  if (!variants.empty()) std::printf("variant: %s (kernel choices forced)\n", variants.c_str());
   if (on_gpu) {
     std::printf("device copy (the floor): %.3f TB/s (padmoe::copy device->device, 1 GiB, read + write bytes, CUDA "
                 "events, median of %d)\n",

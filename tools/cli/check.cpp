@@ -14,6 +14,7 @@
 namespace cli {
 
 int cmd_check(const Args& args) {
+  apply_variants(args);
   const Workload w = parse_workload(args);
   Data d = build_data(w, /*reference=*/true);
   print_header("check", d);

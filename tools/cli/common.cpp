@@ -1,10 +1,13 @@
 // common.cpp — the CLI's shared helpers (common.hpp).
 #include "common.hpp"
 
+#include "core/kernel_overrides.hpp"
+
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <ctime>
 #include <thread>
@@ -42,6 +45,29 @@ std::string fmt(const char* f, double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, f, v);
   return buf;
+}
+
+std::string apply_variants(const Args& args) {
+  const std::string all = args.get("variant", "");
+  if (all.empty()) return all;
+  if (all == "help") {
+    std::printf("--variant keys: %s\n", padmoe::detail::variant_keys().c_str());
+    std::exit(0);
+  }
+  padmoe::detail::KernelOverrides o = padmoe::detail::kernel_overrides();
+  size_t start = 0;
+  while (start <= all.size()) {
+    const size_t comma = all.find(',', start);
+    const std::string pair = all.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    const size_t eq = pair.find('=');
+    if (eq == std::string::npos) throw UsageError("--variant expects KEY=VALUE, got '" + pair + "'");
+    std::string error;
+    if (!padmoe::detail::set_kernel_variant(o, pair.substr(0, eq), pair.substr(eq + 1), &error)) throw UsageError(error);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  padmoe::detail::kernel_overrides() = o;
+  return all;
 }
 
 }  // namespace cli

@@ -59,6 +59,10 @@ DType parse_dtype(const std::string& s);
 int significand_bits(DType d);
 double half_min_subnormal(DType d);
 
+// --variant KEY=VALUE[,KEY=VALUE...]: the kernel overrides (src/core/kernel_overrides.hpp) for
+// this process; "help" prints the keys and exits. Returns the pairs as given ("" when none).
+std::string apply_variants(const Args& args);
+
 std::string utc_now();
 int hardware_threads();
 std::string fmt(const char* f, double v);

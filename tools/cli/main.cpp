@@ -73,6 +73,10 @@ bench:
   --no-graph             cuda: skip the CUDA-graph replay columns (graph us, in-graph us)
   --ops A,B,...          only these ops (names as printed, e.g. combine(w),make_plan)
   --json                 print one JSON object instead of the table
+  --variant KEY=VALUE    (check, bench) force one kernel choice for A/B timing, in place
+                         of the kernel policy's; repeat it or join pairs with ',' (e.g.
+                         --variant reduce=block-wide,pdl=off). Keys: `padmoe bench
+                         --variant help`
 
 plan:
   --target cpu|ascend-a2|gpu (default cpu)
@@ -86,7 +90,7 @@ exit status: 0 ok, 1 a check failed, 2 usage or setup error
 const std::set<std::string> kValueOptions = {"preset",    "tokens", "experts", "top-k", "hidden",
                                              "alignment", "dtype",  "device",  "seed",  "threads",
                                              "warmup",    "iters",  "target",  "op",    "cores",
-                                             "ops"};
+                                             "ops",       "variant"};
 const std::set<std::string> kFlagOptions = {"small", "json", "no-reference", "no-graph", "help"};
 
 Args parse_args(int argc, char** argv) {
@@ -115,6 +119,7 @@ Args parse_args(int argc, char** argv) {
         if (i + 1 >= argc) throw UsageError("--" + name + " needs a value");
         value = argv[++i];
       }
+      if (name == "variant" && args.values.count(name)) value = args.values[name] + "," + value;  // repeated
       args.values[name] = value;
     } else {
       throw UsageError("unknown option '--" + name + "'");
