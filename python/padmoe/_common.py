@@ -29,7 +29,9 @@ the drop-ins (padded_gather, pad_to_alignment, sort_chunks, padded_scatter_backw
 P rows, as MegaBlocks and Megatron have, which on CUDA reads P from the device (one
 synchronization). ``rows=n`` allocates n >= P rows instead. Rows at or past P are zero (with the
 padding rows; ``zero_padding=False`` leaves both unwritten). ``out=`` passes caller-owned outputs
-(a tuple shaped like the return value for the multi-output ops) and returns them.
+(a tuple shaped like the return value for the multi-output ops) and returns them; in a padded output
+given this way, rows at or past P are left as they are (nothing reads them; a buffer reused every
+step is not rewritten past P).
 
 Errors: ``ValueError`` (bad value or shape, e.g. an expert id out of range),
 ``TypeError`` (bad dtype or device), ``NotImplementedError`` (CUDA arrays in a
@@ -80,14 +82,17 @@ def _check_data(arrays, like, check) -> bool:
     return True
 
 
-def _options(arrays, like, check, num_threads, workspace, stream, zero_padding=True):
-    """The native op's keyword options. Rows at or past P are zeroed with the padding rows."""
+def _options(arrays, like, check, num_threads, workspace, stream, zero_padding=True, given=False):
+    """The native op's keyword options. Rows at or past P of a padded output padmoe allocates are
+    zeroed with the padding rows; in one the caller gives (``given``: ``out=``) they are left as they
+    are (a buffer reused every step needs no rewrite of rows nothing reads)."""
     if stream is None:
         stream = arrays.stream(like)
     if workspace is not None:
         workspace = arrays_of(workspace, "workspace", "workspace").prepare(workspace)
     return {"stream": int(stream), "check_data": _check_data(arrays, like, check), "num_threads": int(num_threads),
-            "workspace": workspace, "zero_tail": bool(zero_padding), "zero_padding": bool(zero_padding)}
+            "workspace": workspace, "zero_tail": bool(zero_padding) and not given,
+            "zero_padding": bool(zero_padding)}
 
 
 def numpy_only(op: str, arg: str, a, torch_way: str):

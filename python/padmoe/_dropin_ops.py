@@ -43,7 +43,7 @@ def padded_gather(x: Array, indices: Array, bin_ids: Array, bins: Array, padded_
     arrays = arrays_of(x, op, "x")
     x, indices, bin_ids, bins, padded_bins, weights, out = prepare(
         arrays, x, indices, bin_ids, bins, padded_bins, weights, out)
-    opts = _options(arrays, x, check, num_threads, workspace, stream, zero_padding)
+    opts = _options(arrays, x, check, num_threads, workspace, stream, zero_padding, out is not None)
     y = _gather_rows(arrays, op, x, indices, bin_ids, bins, padded_bins, top_k, weights, rows, out, opts)
     _C.padded_gather_out(x, indices, bin_ids, bins, padded_bins, top_k, weights, y, **opts)
     return y
@@ -63,7 +63,7 @@ def padded_gather_scaled(x: Array, indices: Array, bin_ids: Array, bins: Array, 
     out_y, out_s = _split_out(op, out, 2)
     x, indices, bin_ids, bins, padded_bins, x_scales, out_y, out_s = prepare(
         arrays, x, indices, bin_ids, bins, padded_bins, x_scales, out_y, out_s)
-    opts = _options(arrays, x, check, num_threads, workspace, stream, zero_padding)
+    opts = _options(arrays, x, check, num_threads, workspace, stream, zero_padding, out_y is not None)
     y = _gather_rows(arrays, op, x, indices, bin_ids, bins, padded_bins, top_k, None, rows, out_y, opts)
     ys = _scales_out(arrays, x_scales, y.shape[0], x, out_s)
     _C.padded_gather_scaled_out(x, indices, bin_ids, bins, padded_bins, top_k, _native_scales(arrays, x_scales), y,
@@ -161,7 +161,7 @@ def padded_scatter_backward(grad_out: Array, y: Array, indices: Array, bin_ids: 
     out_y, out_w = _split_out(op, out, 2)
     grad_out, y, indices, bin_ids, weights, bins, padded_bins, out_y, out_w = prepare(
         arrays, grad_out, y, indices, bin_ids, weights, bins, padded_bins, out_y, out_w)
-    opts = _options(arrays, y, check, num_threads, workspace, stream)
+    opts = _options(arrays, y, check, num_threads, workspace, stream, True, out_y is not None)
     grad_y = _padded_out(arrays, op, y, rows, out_y, lambda: int(y.shape[0]) if ndim(y) >= 1 else 0)
     a = int(indices.shape[0]) if ndim(indices) == 1 else 0
     grad_w = _weight_grad(arrays, y, weights, out_w if out is not None else _UNSET, a)
@@ -204,7 +204,7 @@ def pad_to_alignment(hidden_states: Array, tokens_per_expert: Array, alignment: 
     out_p, out_m, out_o = _split_out(op, out, 3)
     hidden_states, tokens_per_expert, out_p, out_m, out_o = prepare(
         arrays, hidden_states, tokens_per_expert, out_p, out_m, out_o)
-    opts = _options(arrays, hidden_states, check, num_threads, workspace, stream, zero_padding)
+    opts = _options(arrays, hidden_states, check, num_threads, workspace, stream, zero_padding, out_p is not None)
     padded, permutation_map, out_o = _pad_outputs(arrays, op, hidden_states, tokens_per_expert, alignment, rows,
                                                   out_p, out_m, out_o, opts)
     _C.pad_to_alignment_out(hidden_states, tokens_per_expert, alignment, padded, permutation_map, out_o, **opts)
@@ -224,7 +224,7 @@ def pad_to_alignment_scaled(hidden_states: Array, tokens_per_expert: Array, alig
     out_p, out_s, out_m, out_o = _split_out(op, out, 4)
     hidden_states, tokens_per_expert, hidden_scales, out_p, out_s, out_m, out_o = prepare(
         arrays, hidden_states, tokens_per_expert, hidden_scales, out_p, out_s, out_m, out_o)
-    opts = _options(arrays, hidden_states, check, num_threads, workspace, stream, zero_padding)
+    opts = _options(arrays, hidden_states, check, num_threads, workspace, stream, zero_padding, out_p is not None)
     padded, permutation_map, out_o = _pad_outputs(arrays, op, hidden_states, tokens_per_expert, alignment, rows,
                                                   out_p, out_m, out_o, opts)
     padded_scales = _scales_out(arrays, hidden_scales, padded.shape[0], hidden_states, out_s)
@@ -346,7 +346,8 @@ def sort_chunks(received: Array, split_sizes: Array, num_ranks: int, alignment: 
         e = c // int(num_ranks) if int(num_ranks) >= 1 else 0
         out_o = arrays.empty((max(e, 0),), arrays.int32, received)
     _C.sort_chunks_out(received, split_sizes, num_ranks, alignment, sorted_index, padded, permutation_map, out_o,
-                       **_options(arrays, received, check, num_threads, workspace, stream, zero_padding))
+                       **_options(arrays, received, check, num_threads, workspace, stream, zero_padding,
+                                  out_p is not None))
     return padded, permutation_map, out_o
 
 

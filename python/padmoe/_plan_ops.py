@@ -180,7 +180,8 @@ def dispatch(x: Array, plan: Plan, weights: Optional[Array] = None, *, check: Op
     arrays = arrays_of(x, op, "x")
     x, weights, out = prepare(arrays, x, weights, out)
     y = _padded_out(arrays, op, x, rows, out, _bound_rows(plan))
-    _C.dispatch_out(x, plan, weights, y, **_options(arrays, x, check, num_threads, workspace, stream, zero_padding))
+    _C.dispatch_out(x, plan, weights, y, **_options(arrays, x, check, num_threads, workspace, stream, zero_padding,
+                                                    out is not None))
     return y
 
 
@@ -200,7 +201,8 @@ def dispatch_scaled(x: Array, plan: Plan, x_scales: Array, *, check: Optional[bo
     y = _padded_out(arrays, op, x, rows, out_y, _bound_rows(plan))
     ys = _scales_out(arrays, x_scales, y.shape[0], x, out_s)
     _C.dispatch_scaled_out(x, plan, _native_scales(arrays, x_scales), y, _native_scales(arrays, ys),
-                           **_options(arrays, x, check, num_threads, workspace, stream, zero_padding))
+                           **_options(arrays, x, check, num_threads, workspace, stream, zero_padding,
+                                      out_y is not None))
     return y, ys
 
 
@@ -230,7 +232,8 @@ def make_plan_and_dispatch(x: Array, top_experts: Array, num_experts: int, align
         raise ValueError(f"{op}: rows: must be >= plan.padded_rows_bound = {slots}, got {int(rows)}")
     y = _padded_out(arrays, op, x, rows, out_y, lambda: slots)
     _C.make_plan_and_dispatch_out(x, top_experts, num_experts, alignment, plan, weights, y,
-                                  **_options(arrays, x, check, num_threads, workspace, stream, zero_padding))
+                                  **_options(arrays, x, check, num_threads, workspace, stream, zero_padding,
+                                             out_y is not None))
     return y, plan
 
 
@@ -317,7 +320,8 @@ def dispatch_quantized(x: Array, plan: Plan, *, scale_layout: str = "block128", 
         y = out_y
     ys = out_s if out_s is not None else _quant_scales_out(arrays, x, y.shape[0], scale_layout)
     _C.dispatch_quantized_out(x, plan, y, _native_scales(arrays, ys), _fp8_arg(arrays, y, fp8),
-                              **_options(arrays, x, check, num_threads, workspace, stream, zero_padding))
+                              **_options(arrays, x, check, num_threads, workspace, stream, zero_padding,
+                                         out_y is not None))
     return y, ys
 
 
@@ -369,7 +373,7 @@ def combine_backward(grad_out: Array, y: Array, plan: Plan, weights: Optional[Ar
     grad_y = _padded_out(arrays, op, y, rows, out_y, _bound_rows(plan))
     grad_w = _weight_grad(arrays, y, weights, out_w if out is not None else _UNSET, _plan_assignments(plan))
     _C.combine_backward_out(grad_out, y, plan, weights, grad_y, grad_w,
-                            **_options(arrays, y, check, num_threads, workspace, stream))
+                            **_options(arrays, y, check, num_threads, workspace, stream, True, out_y is not None))
     return grad_y, grad_w
 
 
