@@ -112,6 +112,11 @@ def test_torch_tensors_in_padmoe_give_padmoe_torch_results():
     for a, b in zip(padmoe.dispatch_backward(y, tx, plan, tw), pt.dispatch_backward(ty, tx, tplan, tw)):
         assert torch.equal(a, b)
     assert padmoe.dispatch_backward(y, tx, plan)[1] is None and pt.dispatch_backward(ty, tx, tplan)[1] is None
+    # any object with the plan's attributes is a plan (packed on the way)
+    from types import SimpleNamespace
+    duck = SimpleNamespace(num_tokens=13, top_k=2, num_experts=5, alignment=4,
+                           **{f: getattr(plan, f) for f in padmoe._plan.PLAN_ARRAYS})
+    assert torch.equal(pt.dispatch(tx, duck, tw), ty) and torch.equal(padmoe.dispatch(tx, duck, tw), ty)
     # numpy in, numpy out: the same values, the same shapes
     ny, nplan = padmoe.make_plan_and_dispatch(x, top, 5, 4, w)
     assert isinstance(ny, np.ndarray) and np.array_equal(ny, ty.numpy())

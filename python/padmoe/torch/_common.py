@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from padmoe import _torch_ops as _native  # loaded (and its operators registered) by padmoe.torch
-from padmoe._plan import packed_plan_sizes
+from padmoe._plan import PLAN_ARRAYS, packed_plan_sizes
 
 Tensor = torch.Tensor
 ops = torch.ops.padmoe
@@ -109,7 +109,7 @@ def packed(plan) -> Tensor:
     p = getattr(plan, "packed", None)
     if p is not None:
         return p
-    return torch.cat([a.reshape(-1).to(torch.int32) for a in plan.arrays])
+    return torch.cat([getattr(plan, f).reshape(-1).to(torch.int32) for f in PLAN_ARRAYS])
 
 
 def plan_args(plan):
