@@ -78,7 +78,7 @@ if _build_info is not None:
     _build_info.check_torch(torch.__version__)  # ImportError unless built against this very torch
 try:
     # Loading the module registers the operators with the dispatcher (TORCH_LIBRARY).
-    from padmoe import _torch_ops as _native
+    from padmoe import _torch_ops  # noqa: F401
 except ImportError as e:
     if _build_info is not None:
         raise ImportError(_build_info.torch_ops_error(torch.__version__, e)) from e

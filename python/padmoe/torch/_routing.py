@@ -52,7 +52,7 @@ class Routing:
                 or drop_policy != "position"):
             plan = routed_plan(top_experts, weights, num_experts, alignment, check, expert_map, first_expert,
                                global_experts, drop_invalid, expert_capacity, drop_policy, None)
-        else:  # plain_plan, inline (the hot path)
+        else:  # the plain plan with the weights checked, the operator called inline (the hot path)
             op, default = call("make_plan")
             p = op(top_experts, num_experts, alignment, default if check is None else int(bool(check)), weights)
             t, k = top_experts.shape
