@@ -235,7 +235,7 @@ TEST(PlanLayouts, HandExample) {
   const padmoe::AlignedBlocks r = padmoe::moe_align_block_size(top, 4, 3);
   // R = 6 + min(6, 3) * 3 = 15; sentinel 6
   EXPECT_EQ(index_to_vec(r.sorted_token_ids), (std::vector<int64_t>{1, 2, 5, 6, 0, 3, 4, 6, 6, 6, 6, 6, 6, 6, 6}));
-  EXPECT_EQ(index_to_vec(r.expert_ids), (std::vector<int64_t>{0, 1, 0, 0}));  // 0 past P, as vLLM's kernel
+  EXPECT_EQ(index_to_vec(r.expert_ids), (std::vector<int64_t>{0, 1, -1, -1}));  // -1 past P, as vLLM's kernel
   EXPECT_EQ(index_to_vec(r.num_tokens_post_padded), std::vector<int64_t>{8});
   const padmoe::AlignedBlocks p = padmoe::moe_align_block_size(top, 4, 3, /*pad_sorted_ids=*/true);
   EXPECT_EQ(p.sorted_token_ids.view().numel(), 16);
@@ -245,15 +245,52 @@ TEST(PlanLayouts, HandExample) {
   const padmoe::AlignedBlocks m = padmoe::moe_align_block_size(
       top, 4, 3, padmoe::TensorView::contiguous(map.data(), DType::kInt64, {3}));
   EXPECT_EQ(index_to_vec(m.sorted_token_ids), (std::vector<int64_t>{0, 3, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6}));
-  EXPECT_EQ(index_to_vec(m.expert_ids), (std::vector<int64_t>{0, 0, 0, 0}));
+  EXPECT_EQ(index_to_vec(m.expert_ids), (std::vector<int64_t>{0, -1, -1, -1}));
   EXPECT_EQ(index_to_vec(m.num_tokens_post_padded), std::vector<int64_t>{4});
+}
+
+// vLLM skips ids outside [0, E) in every mode: their assignments get no entry and count towards no
+// expert. The pattern of vLLM's own test (-1, -2, E and E + 7 among valid ids, or nothing else).
+TEST(PlanLayouts, SkipsIdsOutsideTheExperts) {
+  for (const int E : {8, 80}) {
+    for (const bool all_invalid : {false, true}) {
+      const int64_t T = 300, K = 4, A = T * K;
+      std::vector<int64_t> te(static_cast<size_t>(A));
+      for (int64_t i = 0; i < A; ++i) {
+        int64_t v = i % E;
+        if (all_invalid) v = i % 3 == 0 ? -1 : (i % 3 == 1 ? E : E + 7);
+        else if (i % 11 == 0) v = -1;
+        else if (i % 17 == 3) v = -2;
+        else if (i % 19 == 5) v = E;
+        else if (i % 23 == 7) v = E + 7;
+        te[static_cast<size_t>(i)] = v;
+      }
+      std::vector<int64_t> map(static_cast<size_t>(E), -1);
+      for (int e = 0; e < E; e += 2) map[static_cast<size_t>(e)] = e / 2;
+      for (const DType idx : {DType::kInt32, DType::kInt64}) {
+        const Tensor tet = index_matrix(te, T, static_cast<int>(K), idx);
+        const Tensor map_t = index_matrix(map, 1, E, idx);
+        const padmoe::TensorView map_view = padmoe::TensorView::contiguous(map_t.data(), idx, {E});
+        for (const bool mapped : {false, true}) {
+          SCOPED_TRACE("E " + std::to_string(E) + (all_invalid ? ", all invalid" : "") +
+                       (idx == DType::kInt64 ? ", int64" : ", int32") + (mapped ? ", expert_map" : ""));
+          const int block = E == 8 ? 16 : 8;
+          const ref::AlignedBlocks want = ref::moe_align_block_size(te, block, E, false, mapped ? &map : nullptr);
+          const padmoe::AlignedBlocks got = mapped ? padmoe::moe_align_block_size(tet, block, E, map_view)
+                                                   : padmoe::moe_align_block_size(tet, block, E);
+          EXPECT_EQ(index_to_vec(got.sorted_token_ids), want.sorted_token_ids);
+          EXPECT_EQ(index_to_vec(got.expert_ids), want.expert_ids);
+          EXPECT_EQ(index_to_vec(got.num_tokens_post_padded), std::vector<int64_t>{want.num_tokens_post_padded});
+          if (all_invalid) EXPECT_EQ(want.num_tokens_post_padded, 0);
+        }
+      }
+    }
+  }
 }
 
 TEST(PlanLayouts, BadInputNamesTheArgument) {
   const Tensor top = index_matrix({1, 0, 0, 1, 1, 0}, 3, 2, DType::kInt32);
   EXPECT_TRUE(throws_error([&] { padmoe::moe_align_block_size(top, 0, 3); }, {"moe_align_block_size", "block_size"}));
-  EXPECT_TRUE(throws_error([&] { padmoe::moe_align_block_size(top, 4, 1); },
-                           {"moe_align_block_size", "top_experts", "outside [0, 1)"}));
   const Tensor bad_map = index_matrix({0, 3, -1}, 1, 3, DType::kInt32);
   EXPECT_TRUE(throws_error(
       [&] { padmoe::moe_align_block_size(top, 4, 3, padmoe::TensorView::contiguous(bad_map.data(), DType::kInt32, {3})); },

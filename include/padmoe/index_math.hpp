@@ -89,12 +89,6 @@ struct ExpertRemap {
   }
 };
 
-// block_experts (vLLM's expert_ids) for the blocks at or past P / m: -1 in make_plan's layouts, and
-// 0 in moe_align_block_size, the one caller whose padding rows of row_sources hold a sentinel
-// (padding_source = A >= 0), since vLLM's and SGLang's kernels write 0 there and vLLM's tests
-// compare expert_ids whole.
-PADMOE_HD int32_t block_expert_past_end(int32_t padding_source) { return padding_source < 0 ? -1 : 0; }
-
 // A half-open range [begin, end).
 struct Range {
   int64_t begin;

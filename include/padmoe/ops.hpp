@@ -158,7 +158,7 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
 //                 rows at or past P (DeepGEMM's contiguous grouped layout).
 //   block_experts [ceil(R / m)]: the expert of each block of m rows, -1 for
 //                 blocks at or past P / m (vLLM's expert_ids, m = alignment =
-//                 the block size; moe_align_block_size writes 0 there, as vLLM).
+//                 the block size).
 //   padded_total  [1]: P (vLLM's num_tokens_post_padded), on the device.
 // On CUDA make_plan_out accepts a row_sources of at least
 // A + min(A, E) * (m - 1) entries (aligned_rows_bound: vLLM's
@@ -228,13 +228,12 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
 // contract, from one make_plan: sorted_token_ids [R] (the assignment ids
 // t*K+k of each expert in stable order, each expert padded to a multiple of
 // block_size with the sentinel A), expert_ids [ceil(R / block_size)] (each
-// block's expert; 0 for the blocks at or past P, as vLLM's and SGLang's
-// kernels write), num_tokens_post_padded [1] = P, with
-// R = A + min(A, E) * (block_size - 1), rounded up to block_size when
-// pad_sorted_ids. padmoe keeps assignment order within an expert (vLLM's
-// atomic kernel does not promise an order). Ids outside [0, E) are an error
-// naming the first one (vLLM's kernel skips ids >= E and reads out of bounds
-// on negative ones).
+// block's expert; -1 for the blocks at or past P, as vLLM's kernel writes),
+// num_tokens_post_padded [1] = P, with R = A + min(A, E) * (block_size - 1),
+// rounded up to block_size when pad_sorted_ids. padmoe keeps assignment order
+// within an expert (vLLM's atomic kernel does not promise an order). As in
+// vLLM, ids outside [0, E) are skipped: their assignments get no entry and
+// count towards no expert (make_plan, by contrast, rejects them).
 //
 // With expert_map ([E] int32/int64 on top_experts' device: local id in
 // [0, E), or -1): vLLM's ignore_invalid_experts=True. Assignments whose expert

@@ -58,24 +58,27 @@ def check_expert_map(op: str, expert_map, num_experts: int, entries: bool) -> No
 
 
 def map_experts(expert_ids, expert_map):
-    """vLLM's ``expert_map[expert_ids]`` for every entry (the blocks past P hold 0), int32, on
-    expert_ids' device. The gather reads only indices inside the map: expert_ids come from the op
-    in ``[0, num_experts)`` and the map's length is checked, but unchecked data on a CUDA device
-    must not be able to make an out-of-bounds gather (a device-side assert ends the process's CUDA
-    context); an index outside would give -1. Entries are not clamped: with checks off a bad entry
-    passes through (an int64 entry past int32 wraps)."""
+    """vLLM's ``expert_map[expert_ids]`` for every entry, int32, on expert_ids' device. The op's
+    expert_ids are in ``[0, num_experts)``, or -1 for the blocks past P, which torch's indexing (and
+    so vLLM) reads as the map's last entry: an index in ``[-n, 0)`` counts from the end here too.
+    The gather reads only indices inside the map: the map's length is checked, but unchecked data on
+    a CUDA device must not be able to make an out-of-bounds gather (a device-side assert ends the
+    process's CUDA context); an index outside ``[-n, n)`` gives -1. Entries are not clamped: with
+    checks off a bad entry passes through (an int64 entry past int32 wraps)."""
     n = int(expert_map.shape[0])
     if hasattr(expert_ids, "new_full"):  # torch
         import torch
         if n == 0:
             return torch.full_like(expert_ids, -1, dtype=torch.int32)
         idx = expert_ids.long()
+        idx = torch.where(idx < 0, idx + n, idx)
         inside = (idx >= 0) & (idx < n)
         table = expert_map.to(device=expert_ids.device, dtype=torch.int32)
         return torch.where(inside, table[torch.where(inside, idx, 0)], -1)
     if n == 0:
         return np.full(expert_ids.shape, -1, dtype=np.int32)
     idx = expert_ids.astype(np.int64)
+    idx = np.where(idx < 0, idx + n, idx)
     inside = (idx >= 0) & (idx < n)
     table = np.asarray(expert_map).astype(np.int32)
     return np.where(inside, table[np.where(inside, idx, 0)], -1).astype(np.int32)

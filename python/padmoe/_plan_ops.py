@@ -126,13 +126,14 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int, exp
     ``sorted_token_ids[R]`` (R = :func:`aligned_rows_bound`): each expert's assignment ids
     ``t*K + k`` in ascending order (stable; vLLM's atomic kernel promises no order), the expert's run
     padded to a multiple of ``block_size`` with the sentinel ``T*K``, then the sentinel to the end.
-    ``expert_ids[ceil(R / block_size)]``: the expert of each block; 0 for blocks at or past P (as
-    vLLM's and SGLang's kernels). ``num_tokens_post_padded[1]``: P. ``expert_map`` (global id ->
-    local id, -1 for experts of other ranks; ``[num_experts]`` int32/int64, entries in ``[-1, num_experts)``):
-    with ``ignore_invalid_experts=False`` applied to every entry of ``expert_ids`` afterwards, as vLLM
-    does; with ``True`` the assignments of experts mapped to -1 get no entry and the rest are grouped
-    and ordered by their local id (vLLM's kernel with the map). Ids outside ``[0, num_experts)`` are a
-    ``ValueError`` (vLLM's kernel skips them)."""
+    ``expert_ids[ceil(R / block_size)]``: the expert of each block; -1 for blocks at or past P (as
+    vLLM's kernel). ``num_tokens_post_padded[1]``: P. ``expert_map`` (global id -> local id, -1 for
+    experts of other ranks; ``[num_experts]`` int32/int64, entries in ``[-1, num_experts)``): with
+    ``ignore_invalid_experts=False`` applied to every entry of ``expert_ids`` afterwards, as vLLM
+    does (``expert_map[expert_ids]``: the blocks past P read the map's last entry); with ``True`` the
+    assignments of experts mapped to -1 get no entry and the rest are grouped and ordered by their
+    local id (vLLM's kernel with the map). As in vLLM, ids outside ``[0, num_experts)`` are skipped:
+    their assignments get no entry (``make_plan`` rejects them)."""
     op = "moe_align_block_size"
     arrays = arrays_of(topk_ids, op, "topk_ids")
     remap = expert_map is not None and not ignore_invalid_experts  # (the kernel checks a map it is given)

@@ -85,18 +85,20 @@ def test_valid_expert_map_still_maps_every_block(api):
     _, mapped, _ = fn(ids, 2, 4, m)
     plain, mapped = np.asarray(plain), np.asarray(mapped)
     assert mapped.dtype == np.int32
-    assert plain.tolist() == [0, 1, 2, 3, 0]  # one block of 2 rows per expert, then 0 past P
-    assert mapped.tolist() == [2, -1, 0, 1, 2]  # every block mapped, the one past P too (as vLLM)
+    assert plain.tolist() == [0, 1, 2, 3, -1]  # one block of 2 rows per expert, then -1 past P
+    # every block mapped, the one past P too: vLLM's expert_map[expert_ids] reads expert_map[-1] there
+    assert mapped.tolist() == [2, -1, 0, 1, 1]
 
 
 def test_expert_map_gather_stays_in_bounds():
     """The map's gather reads only indices inside the map, whatever expert_ids hold (no
-    out-of-bounds gather: on CUDA that is a device-side assert ending the CUDA context)."""
+    out-of-bounds gather: on CUDA that is a device-side assert ending the CUDA context). Indices in
+    [-n, 0) count from the end, as torch's indexing (vLLM's expert_map[expert_ids]) does."""
     table = torch.tensor([7, 8, 9, 10], dtype=torch.int64)
-    got = _args.map_experts(torch.tensor([0, 5, -1, 3], dtype=torch.int32), table)
-    assert got.dtype == torch.int32 and got.tolist() == [7, -1, -1, 10]
-    got = _args.map_experts(np.array([3, 4, -5, 1], np.int32), table.numpy())
-    assert got.dtype == np.int32 and got.tolist() == [10, -1, -1, 8]
+    got = _args.map_experts(torch.tensor([0, 5, -1, 3, -4, -5], dtype=torch.int32), table)
+    assert got.dtype == torch.int32 and got.tolist() == [7, -1, 10, 10, 7, -1]
+    got = _args.map_experts(np.array([3, 4, -5, 1, -1], np.int32), table.numpy())
+    assert got.dtype == np.int32 and got.tolist() == [10, -1, -1, 8, 10]
 
 
 @pytest.mark.parametrize("device", DEVICES)

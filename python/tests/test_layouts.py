@@ -1,7 +1,7 @@
-"""The layouts other kernels consume (issue "Routing features ...", item 6), against references written
-here from their owners' definitions: DeepGEMM's contiguous grouped layout (one int per padded row: its
-expert, -1 on padding) and vLLM's moe_align_block_size contract (sorted_token_ids padded per expert to
-the block size with the sentinel T*K, expert_ids per block, num_tokens_post_padded)."""
+"""The layouts other kernels consume, against references written here from their owners'
+definitions: DeepGEMM's contiguous grouped layout (one int per padded row: its expert, -1 on padding)
+and vLLM's moe_align_block_size contract (sorted_token_ids padded per expert to the block size with the
+sentinel T*K, expert_ids per block, num_tokens_post_padded), with the cases of vLLM's own test file."""
 
 import numpy as np
 import pytest
@@ -15,31 +15,32 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and padmoe.has_cuda()
 
 
 def ref_align(top, block, E, pad_sorted_ids=False, expert_map=None, ignore_invalid_experts=False):
-    """vLLM's semantics (its kernel and its test's golden function), in plain loops: experts in id
-    order (their local id with ignore_invalid_experts, where a -1 drops the assignment), each run
-    padded to whole blocks, the sentinel A elsewhere, expert 0 for the blocks past P; without
-    ignore_invalid_experts a map is applied to every block afterwards."""
-    flat = [int(v) for v in np.asarray(top).reshape(-1)]
-    A = len(flat)
+    """vLLM's semantics (its kernel, its Python wrapper and its test's golden function): ids outside
+    [0, E) skipped; experts in id order (their local id with ignore_invalid_experts, where a -1
+    drops the assignment), each run padded to whole blocks, the sentinel A elsewhere, -1 for the
+    blocks past P; without ignore_invalid_experts a map is applied to every block afterwards as
+    vLLM's ``expert_map[expert_ids]`` does (the blocks past P read the map's last entry)."""
+    flat = np.asarray(top).reshape(-1).astype(np.int64)
+    A = flat.size
     size = A + min(A, E) * (block - 1)
     if pad_sorted_ids:
         size = -(-size // block) * block
-    key = flat
+    key = np.where((flat >= 0) & (flat < E), flat, -1)
     if expert_map is not None and ignore_invalid_experts:
-        key = [int(expert_map[e]) for e in flat]
+        emap = np.asarray(expert_map, dtype=np.int64)
+        key = np.where(key >= 0, emap[np.maximum(key, 0)], -1)
     sorted_ids = [A] * size
-    expert_ids = [0] * (-(-size // block))
+    expert_ids = [-1] * (-(-size // block))
     start = 0
     for e in range(E):
-        mine = [a for a in range(A) if key[a] == e]
-        for i, a in enumerate(mine):
-            sorted_ids[start + i] = a
+        mine = np.flatnonzero(key == e).tolist()  # ascending assignment ids
+        sorted_ids[start:start + len(mine)] = mine
         end = start + -(-len(mine) // block) * block
         for b in range(start // block, end // block):
             expert_ids[b] = e
         start = end
     if expert_map is not None and not ignore_invalid_experts:
-        expert_ids = [int(expert_map[e]) for e in expert_ids]
+        expert_ids = [int(expert_map[e]) for e in expert_ids]  # e = -1: the last entry, as torch indexing
     return sorted_ids, expert_ids, [start]
 
 
@@ -104,6 +105,93 @@ def test_torch_moe_align_block_size_with_expert_map(device, case):
                     assert s.cpu().tolist() == ws and e.cpu().tolist() == we and n.cpu().tolist() == wn
 
 
+# The cases of vLLM's own test file (tests/kernels/moe/test_moe_align_block_size.py), compared entry
+# for entry with ref_align (vLLM's test compares expert_ids and the totals exactly and the tokens of
+# each expert as a set; padmoe's stable order makes sorted_token_ids exact too).
+def distinct_topk(T, K, E, seed):
+    """Each token's K experts distinct, as vLLM's test draws them (randperm(E)[:K])."""
+    rng = np.random.default_rng(seed)
+    return rng.random((T, E)).argsort(axis=1)[:, :K].astype(np.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [1, 3, 256, 2256, 4096])
+@pytest.mark.parametrize("K", [1, 2, 16, 32])
+@pytest.mark.parametrize("E", [32, 160, 256, 257])
+@pytest.mark.parametrize("block", [32, 128])
+def test_vllm_cases_moe_align_block_size(device, T, K, E, block):
+    top = distinct_topk(T, K, E, T * 1000 + K * 10 + E)
+    ids = torch.from_numpy(top).to(device)
+    for pad in (False, True):
+        s, e, n = pt.moe_align_block_size(ids, block, E, pad_sorted_ids=pad)
+        ws, we, wn = ref_align(top, block, E, pad)
+        assert s.dtype == e.dtype == n.dtype == torch.int32
+        assert n.cpu().tolist() == wn and e.cpu().tolist() == we and s.cpu().tolist() == ws
+        assert wn[0] % block == 0 and wn[0] >= T * K
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [16, 32, 2048])
+@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("E", [8, 64])
+def test_vllm_cases_with_expert_map(device, T, K, E):
+    top = distinct_topk(T, K, E, T + K + E)
+    emap = torch.full((E,), -1, dtype=torch.int32)
+    emap[0::2] = torch.arange((E + 1) // 2, dtype=torch.int32)  # the even experts local, in order
+    s, e, n = pt.moe_align_block_size(torch.from_numpy(top).to(device), 64, E, expert_map=emap.to(device),
+                                      ignore_invalid_experts=True)
+    ws, we, wn = ref_align(top, 64, E, False, emap.tolist(), True)
+    assert n.cpu().tolist() == wn and e.cpu().tolist() == we and s.cpu().tolist() == ws
+
+
+def invalid_topk(T, K, E, all_invalid):
+    """vLLM's test pattern: -1, -2, E and E + 7 among valid ids, or only invalid ones."""
+    flat = np.arange(T * K, dtype=np.int64) % E
+    if all_invalid:
+        flat[:] = -1
+        flat[1::3] = E
+        flat[2::3] = E + 7
+    else:
+        flat[0::11] = -1
+        flat[3::17] = -2
+        flat[5::19] = E
+        flat[7::23] = E + 7
+    return flat.reshape(T, K)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(8, 4, 8, 4), (300, 4, 8, 16), (8, 4, 80, 8)])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("use_map, ignore", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("all_invalid", [False, True])
+def test_vllm_cases_skip_ids_outside_the_experts(device, shape, dtype, use_map, ignore, all_invalid):
+    """Ids outside [0, E) are skipped in every mode, never an error, as vLLM's kernel does."""
+    T, K, E, block = shape
+    top = invalid_topk(T, K, E, all_invalid).astype(dtype)
+    emap = None
+    if use_map:
+        emap = np.full(E, -1, np.int32)
+        emap[0::2] = np.arange((E + 1) // 2)
+    for fn, arg, m in ((pt.moe_align_block_size, torch.from_numpy(top).to(device),
+                        None if emap is None else torch.from_numpy(emap).to(device)),
+                       (padmoe.moe_align_block_size, torch.from_numpy(top).to(device),
+                        None if emap is None else torch.from_numpy(emap).to(device))):
+        s, e, n = fn(arg, block, E, m, False, ignore)
+        ws, we, wn = ref_align(top, block, E, False, None if emap is None else emap.tolist(), ignore)
+        assert n.cpu().tolist() == wn and e.cpu().tolist() == we and s.cpu().tolist() == ws
+        if all_invalid:
+            assert wn == [0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vllm_cases_deterministic(device):
+    top = torch.from_numpy(np.random.default_rng(42).integers(0, 32, (128, 2)).astype(np.int32)).to(device)
+    first = pt.moe_align_block_size(top, 64, 32)
+    for _ in range(4):
+        for a, b in zip(first, pt.moe_align_block_size(top, 64, 32)):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_moe_align_block_size_compiles_and_opchecks(device):
     top = torch.from_numpy(routing(50, 2, 16, 3)).to(device)
@@ -146,8 +234,6 @@ def test_bad_input_names_the_argument():
     top = np.array([[1, 0], [0, 1]], dtype=np.int32)
     with pytest.raises(ValueError, match="moe_align_block_size: block_size"):
         padmoe.moe_align_block_size(top, 0, 2)
-    with pytest.raises(ValueError, match="moe_align_block_size: top_experts: expert id 1"):
-        padmoe.moe_align_block_size(top, 4, 1)
     with pytest.raises(ValueError, match="moe_align_block_size: block_size"):
         pt.moe_align_block_size(torch.from_numpy(top), 0, 2)
     with pytest.raises(ValueError, match="moe_align_block_size: topk_ids"):
@@ -260,8 +346,8 @@ def ref_batched_align(max_tokens, block, counts):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("max_tokens", [13, 16, 512])
-@pytest.mark.parametrize("E", [1, 8, 64])
-@pytest.mark.parametrize("block", [8, 64])
+@pytest.mark.parametrize("E", [1, 8, 16, 32, 64])
+@pytest.mark.parametrize("block", [8, 16, 32, 64])
 @pytest.mark.parametrize("empty", [False, True])
 def test_batched_moe_align_block_size(device, max_tokens, E, block, empty):
     g = torch.Generator().manual_seed(max_tokens * 1000 + E * 10 + block)

@@ -591,15 +591,14 @@ void align_blocks_out(const TensorView& top_experts, int block_size, int num_exp
                       const TensorView& num_tokens_post_padded, const Options& options) {
   Checker c("moe_align_block_size");
   if (block_size < 1) c.value_error("block_size", "must be >= 1, got " + std::to_string(block_size));
-  const bool mapped = is_set(expert_map);
-  Routing r = plain_routing(num_experts);
-  if (mapped) {
-    const PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, block_size);
-    PlanOptions po;
-    po.expert_map = expert_map;  // [E] -> local id in [0, E) or -1; ids outside [0, E) stay errors
-    r = check_plan_options(c, po, shape.tokens * shape.top_k, num_experts, block_size, top_experts.device,
-                           "expert_map");
-  }
+  // vLLM's kernel skips ids outside [0, E) (and, with a map, ids mapped to -1): such assignments get
+  // no entry. The map itself is checked: [E] entries in [-1, E).
+  const PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, block_size);
+  PlanOptions po;
+  po.expert_map = expert_map;
+  po.drop_invalid = true;
+  const Routing r = check_plan_options(c, po, shape.tokens * shape.top_k, num_experts, block_size,
+                                       top_experts.device, "expert_map");
   const PlanShape s = check_top_experts(c, top_experts, num_experts, block_size, r);
   const int64_t a_count = s.tokens * s.top_k;
   const Device device = top_experts.device;
@@ -653,10 +652,9 @@ void align_blocks_out(const TensorView& top_experts, int block_size, int num_exp
   PlanLayouts layouts;
   layouts.block_experts = expert_ids;
   layouts.padded_total = num_tokens_post_padded;
-  // padding rows of sorted_token_ids hold the sentinel A (such a row_sources is no plan's: kept internal);
-  // a sentinel >= 0 also makes the blocks past P 0 (index::block_expert_past_end)
+  // padding rows of sorted_token_ids hold the sentinel A (such a row_sources is no plan's: kept internal)
   run_make_plan(c, top_experts, s, num_experts, block_size, plan, options, layouts, static_cast<int32_t>(a_count),
-                mapped ? &r : nullptr);
+                &r);
 }
 
 }  // namespace

@@ -23,8 +23,7 @@ namespace cpu {
 namespace {
 
 // Worker w's share of the entries no kept assignment fills: sorted positions [kept, A) get -1,
-// row_sources / row_experts at or past P the padding source / -1, blocks at or past P / m
-// block_expert_past_end (-1; 0 for moe_align_block_size).
+// row_sources / row_experts at or past P the padding source / -1, blocks at or past P / m -1.
 void fill_plan_tails(int w, int workers, int64_t kept, int64_t a_count, int32_t* indices, int32_t* bin_ids,
                      int64_t padded_total, int64_t row_capacity, int32_t* row_sources, int32_t padding_source,
                      int32_t* row_experts, int32_t* block_experts, int64_t blocks, int alignment) {
@@ -41,8 +40,7 @@ void fill_plan_tails(int w, int workers, int64_t kept, int64_t a_count, int32_t*
   if (block_experts != nullptr) {
     const int64_t first = padded_total / alignment;
     const index::Range bt = index::work_range(w, workers, blocks - first);
-    const int32_t fill = index::block_expert_past_end(padding_source);
-    for (int64_t b = first + bt.begin; b < first + bt.end; ++b) block_experts[b] = fill;
+    for (int64_t b = first + bt.begin; b < first + bt.end; ++b) block_experts[b] = -1;
   }
 }
 

@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kCapThreads)
   }
   if (block_experts != nullptr) {
     for (int64_t b = padded_total / alignment + start; b < blocks; b += stride) {
-      block_experts[b] = index::block_expert_past_end(padding_source);
+      block_experts[b] = -1;
     }
   }
 }

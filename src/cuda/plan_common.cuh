@@ -98,7 +98,7 @@ __device__ __forceinline__ void plan_fills(const int* s_pstart, const int* s_cou
   }
   if (block_experts != nullptr) {
     for (unsigned b = static_cast<unsigned>(padded_total) / ualign + start; b < nblocks; b += stride) {
-      block_experts[b] = index::block_expert_past_end(padding_source);
+      block_experts[b] = -1;
     }
   }
 }

@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
   if (block_experts != nullptr) {
     for (int64_t b = padded_total / alignment + static_cast<int64_t>(blockIdx.x) * kPlaceThreads + threadIdx.x;
          b < blocks; b += stride) {
-      block_experts[b] = index::block_expert_past_end(padding_source);
+      block_experts[b] = -1;
     }
   }
 }

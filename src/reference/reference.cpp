@@ -392,13 +392,13 @@ AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int 
   const int64_t a = static_cast<int64_t>(top_experts.size());
   int64_t size = a + std::min<int64_t>(a, num_experts) * (block_size - 1);
   if (pad_sorted_ids) size = up(size, block_size);
-  // vLLM's kernel: each assignment counted under its expert (its local id with a map; -1: none),
-  // experts in id order, each run padded to whole blocks; every other entry the sentinel A, every
-  // block past the runs expert 0.
+  // vLLM's kernel: each assignment counted under its expert (its local id with a map; -1: none;
+  // an id outside [0, E): none), experts in id order, each run padded to whole blocks; every other
+  // entry the sentinel A, every block past the runs -1.
   std::vector<std::vector<int64_t>> lists(static_cast<size_t>(num_experts));
   for (int64_t i = 0; i < a; ++i) {
     int64_t e = top_experts[static_cast<size_t>(i)];
-    require(e >= 0 && e < num_experts, "expert id out of range");
+    if (e < 0 || e >= num_experts) continue;
     if (expert_map != nullptr) e = (*expert_map)[static_cast<size_t>(e)];
     if (e < 0) continue;
     require(e < num_experts, "expert_map entry out of range");
@@ -406,7 +406,7 @@ AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int 
   }
   AlignedBlocks r;
   r.sorted_token_ids.assign(static_cast<size_t>(size), a);
-  r.expert_ids.assign(static_cast<size_t>((size + block_size - 1) / block_size), 0);
+  r.expert_ids.assign(static_cast<size_t>((size + block_size - 1) / block_size), -1);
   int64_t start = 0;
   for (int e = 0; e < num_experts; ++e) {
     const auto& l = lists[static_cast<size_t>(e)];

@@ -111,7 +111,7 @@ UnpadGrads unpad_from_alignment_backward(const std::vector<float>& grad_out, con
 // multiple of m, one int per row: its expert, -1 on padding rows and past P)
 // and vLLM's moe_align_block_size contract (sorted_token_ids: per expert in
 // ascending id order, padded to a multiple of block_size with the sentinel A;
-// expert_ids per block, 0 past P; num_tokens_post_padded = P; buffer sizes
+// expert_ids per block, -1 past P; num_tokens_post_padded = P; buffer sizes
 // A + min(A, E)*(block-1), rounded up to block with pad_sorted_ids).
 std::vector<int64_t> row_experts(const std::vector<int64_t>& top_experts, int num_experts, int alignment,
                                  int64_t rows);
@@ -123,8 +123,8 @@ struct AlignedBlocks {
   std::vector<int64_t> sorted_token_ids, expert_ids;
   int64_t num_tokens_post_padded = 0;
 };
-// expert_ids: 0 for the blocks past P (vLLM's and SGLang's kernels). expert_map (vLLM's
-// ignore_invalid_experts): assignments counted under expert_map[e], none where it is -1.
+// expert_ids: -1 for the blocks past P (vLLM's kernel); ids outside [0, E) skipped. expert_map
+// (vLLM's ignore_invalid_experts): assignments counted under expert_map[e], none where it is -1.
 AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int block_size, int num_experts,
                                    bool pad_sorted_ids, const std::vector<int64_t>* expert_map = nullptr);
 

@@ -33,15 +33,16 @@ def moe_align_block_size(topk_ids: Tensor, block_size: int, num_experts: int, ex
     ``block_size`` with ``pad_sorted_ids``): each expert's flattened assignment ids ``t*K + k`` in
     ascending order (stable; vLLM's atomic kernel promises no order within an expert), padded to a
     multiple of ``block_size`` with the sentinel ``T*K``, then the sentinel to the end.
-    ``expert_ids[ceil(R / block_size)]``: each block's expert, 0 for blocks at or past
-    ``num_tokens_post_padded`` (as vLLM's and SGLang's kernels write). ``expert_map`` (global ->
-    local expert id, -1 not local): with ``ignore_invalid_experts=False`` applied to every entry of
-    ``expert_ids`` afterwards, as vLLM does; with ``True`` handed to the kernel, as vLLM's: the
-    assignments of experts mapped to -1 get no entry, the rest are grouped and ordered by local id,
-    and ``expert_ids`` hold local ids. Either way the map must be ``[num_experts]`` int32/int64 (always
-    checked) with entries in ``[-1, num_experts)`` (checked with the op's data: on CUDA in checked mode,
-    one synchronization). Ids outside ``[0, num_experts)`` are a ``ValueError`` when checked (vLLM's
-    kernel skips them)."""
+    ``expert_ids[ceil(R / block_size)]``: each block's expert, -1 for blocks at or past
+    ``num_tokens_post_padded`` (as vLLM's kernel writes). ``expert_map`` (global -> local expert id,
+    -1 not local): with ``ignore_invalid_experts=False`` applied to every entry of ``expert_ids``
+    afterwards, as vLLM does (``expert_map[expert_ids]``: the blocks past P read the map's last
+    entry); with ``True`` handed to the kernel, as vLLM's: the assignments of experts mapped to -1
+    get no entry, the rest are grouped and ordered by local id, and ``expert_ids`` hold local ids.
+    Either way the map must be ``[num_experts]`` int32/int64 (always checked) with entries in
+    ``[-1, num_experts)`` (checked with the op's data: on CUDA in checked mode, one
+    synchronization). As in vLLM, ids outside ``[0, num_experts)`` are skipped in every mode: their
+    assignments get no entry and count towards no expert (``make_plan`` rejects them)."""
     compiling_now = compiling()
     if expert_map is not None and not isinstance(expert_map, Tensor):
         raise TypeError(f"moe_align_block_size: expert_map: expected a torch tensor, got {type(expert_map).__name__}")
