@@ -20,13 +20,13 @@
 #include <vector>
 #include <algorithm>
 
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                      \
-      std::exit(1);                                                                      \
-    }                                                                                    \
+#define CHECK(x)                                                    \
+  do {                                                              \
+    cudaError_t e_ = (x);                                           \
+    if (e_ != cudaSuccess) {                                        \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                 \
+    }                                                               \
   } while (0)
 
 __global__ void write_kernel(uint4* dst, size_t n) {
@@ -188,14 +188,15 @@ __global__ void fan_out_read_kernel(const uint4* src, const uint4* other, uint4*
 __device__ void zero_pad_rows(uint4* y, const int* pad, int units, int T, int pads, int zero_rows) {
   const int p0 = (static_cast<int>(blockIdx.x) - T) * zero_rows;
   for (int q = p0; q < p0 + zero_rows && q < pads; ++q) {
-    for (int u = threadIdx.x; u < units; u += blockDim.x) y[static_cast<size_t>(pad[q]) * units + u] = make_uint4(0, 0, 0, 0);
+    for (int u = threadIdx.x; u < units; u += blockDim.x)
+      y[static_cast<size_t>(pad[q]) * units + u] = make_uint4(0, 0, 0, 0);
   }
 }
 
 // dispatch: block t < T reads row t and writes it to its K destinations; blocks past T zero
 // `zero_rows` padding rows each.
-__global__ void route_spread_kernel(const uint4* x, uint4* y, const int* dest, const int* pad, int units, int K,
-                                    int T, int pads, int zero_rows) {
+__global__ void route_spread_kernel(const uint4* x, uint4* y, const int* dest, const int* pad, int units, int K, int T,
+                                    int pads, int zero_rows) {
   if (static_cast<int>(blockIdx.x) >= T) {
     zero_pad_rows(y, pad, units, T, pads, zero_rows);
     return;
@@ -211,9 +212,9 @@ __global__ void route_spread_kernel(const uint4* x, uint4* y, const int* dest, c
 // no row can be written before the chunks are laid out): every block first reads the 256 split
 // sizes and scans them (one cub::BlockScan of 256 threads, the least of the op's three scans), and
 // its rows' destinations wait on the scan (shifted by total - expect_total, 0 at run time).
-__global__ void __launch_bounds__(256) scanned_spread_kernel(const uint4* x, uint4* y, const int* dest,
-                                                            const int* pad, const int* sizes, int expect_total,
-                                                            int units, int T, int pads, int zero_rows) {
+__global__ void __launch_bounds__(256)
+    scanned_spread_kernel(const uint4* x, uint4* y, const int* dest, const int* pad, const int* sizes, int expect_total,
+                          int units, int T, int pads, int zero_rows) {
   using Scan = cub::BlockScan<int, 256>;
   __shared__ typename Scan::TempStorage tmp;
   __shared__ int s_shift;
@@ -233,8 +234,8 @@ __global__ void __launch_bounds__(256) scanned_spread_kernel(const uint4* x, uin
 
 // combine (partner = nullptr) / gather or dispatch backward with dots (partner: x[t] read too):
 // block t reads its K rows of y (every load before the first add) and writes out[t].
-__global__ void route_reduce_kernel(const uint4* y, const uint4* partner, uint4* out, const int* dest, int units,
-                                    int K, unsigned* sink) {
+__global__ void route_reduce_kernel(const uint4* y, const uint4* partner, uint4* out, const int* dest, int units, int K,
+                                    unsigned* sink) {
   const size_t t = blockIdx.x;
   unsigned dot = 0;
   for (int u = threadIdx.x; u < units; u += blockDim.x) {
@@ -313,8 +314,8 @@ __global__ void route_reduce_bf16_kernel(const uint4* y, const uint4* g, const f
       }
     }
     if (kOut) {
-      out[t * units + u] = make_uint4(bf16_pair(acc[0], acc[1]), bf16_pair(acc[2], acc[3]),
-                                      bf16_pair(acc[4], acc[5]), bf16_pair(acc[6], acc[7]));
+      out[t * units + u] = make_uint4(bf16_pair(acc[0], acc[1]), bf16_pair(acc[2], acc[3]), bf16_pair(acc[4], acc[5]),
+                                      bf16_pair(acc[6], acc[7]));
     }
   }
   if (!kDots) return;
@@ -366,7 +367,7 @@ __global__ void route_spread_read_kernel(const uint4* x, const uint4* other, uin
 // `zero_rows` padding rows each and set their scale entries to 1. `quant`: x holds bf16 rows (2 *
 // units 16-byte units) and each code is the high byte of its bf16 value (the quantizing
 // dispatch's bytes, read bf16 / write codes + scales, with none of its arithmetic: no amax, no
-// division, no conversion), the scale written 1. (added 2026-12-04; first run 2026-12-04, the nineteenth session)
+// division, no conversion), the scale written 1.
 __global__ void route_spread_scaled_kernel(const uint4* x, const float* xs, uint4* y, float* ys, const int* dest,
                                            const int* pad, int units, int scols, int K, int T, int pads, int zero_rows,
                                            bool quant) {
@@ -575,16 +576,16 @@ int main(int argc, char** argv) {
     const size_t blocks = rows_out / copies;
     char label[80];
     std::snprintf(label, sizeof label, "fan-out 1 read : %d writes (14 KiB rows)", copies);
-    report(label, double(blocks) * units * 16 * (1 + copies),
-           time_ms([&] { fan_out_kernel<<<static_cast<unsigned>(blocks), 256>>>(a, b, units, copies, rows_out); },
-                   iters));
+    report(
+        label, double(blocks) * units * 16 * (1 + copies),
+        time_ms([&] { fan_out_kernel<<<static_cast<unsigned>(blocks), 256>>>(a, b, units, copies, rows_out); }, iters));
   }
   {  // mixtral-8x7b's dispatch: top-2, 8 KiB rows (H = 4096, bf16)
     const int units = 512;
     const size_t rows_out = n / units;
-    report("fan-out 1 : 2 (8 KiB rows)", double(rows_out / 2) * units * 16 * 3, time_ms([&] {
-             fan_out_kernel<<<static_cast<unsigned>(rows_out / 2), 256>>>(a, b, units, 2, rows_out);
-           }, iters));
+    report("fan-out 1 : 2 (8 KiB rows)", double(rows_out / 2) * units * 16 * 3,
+           time_ms([&] { fan_out_kernel<<<static_cast<unsigned>(rows_out / 2), 256>>>(a, b, units, 2, rows_out); },
+                   iters));
   }
   // the qwen3-30b-a3b row (H = 2048, bf16: 4 KiB) beside deepseek-v3's (14 KiB), top-8: the
   // fan-out of a dispatch, the fan-in of a combine, the fan-in with a partner row of a gather /
@@ -602,18 +603,21 @@ int main(int argc, char** argv) {
     for (bool partner : {false, true}) {
       const size_t blocks = rows / 8;  // b's first rows / 8 written, a's rows read at random
       std::snprintf(label, sizeof label, "fan-in 8 : 1%s (%d KiB rows)", partner ? " + partner row" : "", kb);
-      report(label, double(blocks) * units * 16 * (8 + 1 + (partner ? 1 : 0)), time_ms([&] {
-               fan_in_kernel<<<static_cast<unsigned>(blocks), 256>>>(a, b, units, 8, rows, partner);
-             }, iters));
+      report(label, double(blocks) * units * 16 * (8 + 1 + (partner ? 1 : 0)),
+             time_ms([&] { fan_in_kernel<<<static_cast<unsigned>(blocks), 256>>>(a, b, units, 8, rows, partner); },
+                     iters));
     }
     {
       // src and other share a (read only), b takes the writes: 1 + 8 reads, 8 writes a block
       const size_t blocks = rows / 16;
       std::snprintf(label, sizeof label, "fan-out 1 : 8 reading 8 (%d KiB rows)", kb);
-      report(label, double(blocks) * units * 16 * 17, time_ms([&] {
-               fan_out_read_kernel<<<static_cast<unsigned>(blocks), 256>>>(a + rows / 2 * units, a, b, units, 8,
-                                                                           rows / 2, sink);
-             }, iters));
+      report(label, double(blocks) * units * 16 * 17,
+             time_ms(
+                 [&] {
+                   fan_out_read_kernel<<<static_cast<unsigned>(blocks), 256>>>(a + rows / 2 * units, a, b, units, 8,
+                                                                               rows / 2, sink);
+                 },
+                 iters));
     }
   }
   {
@@ -625,14 +629,18 @@ int main(int argc, char** argv) {
       const size_t blocks = rows_out / copies;
       char label[80];
       std::snprintf(label, sizeof label, "fan-out 1 : %d, bulk copies (TMA)", copies);
-      report(label, double(blocks) * units * 16 * (1 + copies), time_ms([&] {
-               fan_out_bulk_kernel<<<static_cast<unsigned>(blocks), 32, row_bytes>>>(
-                   reinterpret_cast<const char*>(a), reinterpret_cast<char*>(b), row_bytes, copies, rows_out);
-             }, iters));
+      report(label, double(blocks) * units * 16 * (1 + copies),
+             time_ms(
+                 [&] {
+                   fan_out_bulk_kernel<<<static_cast<unsigned>(blocks), 32, row_bytes>>>(
+                       reinterpret_cast<const char*>(a), reinterpret_cast<char*>(b), row_bytes, copies, rows_out);
+                 },
+                 iters));
       std::snprintf(label, sizeof label, "fan-out 1 : %d, 512-thread blocks", copies);
-      report(label, double(blocks) * units * 16 * (1 + copies), time_ms([&] {
-               fan_out_wide_kernel<<<static_cast<unsigned>(blocks), 512>>>(a, b, units, copies, rows_out);
-             }, iters));
+      report(
+          label, double(blocks) * units * 16 * (1 + copies),
+          time_ms([&] { fan_out_wide_kernel<<<static_cast<unsigned>(blocks), 512>>>(a, b, units, copies, rows_out); },
+                  iters));
     }
     // decode-sized traffic: T = 256 tokens of 14 KiB to 8 rows each (and the 4096-row
     // padded buffer a decode dispatch writes in all), one launch at a time
@@ -648,43 +656,57 @@ int main(int argc, char** argv) {
            time_ms([&] { fan_out_kernel<<<256, 256>>>(a, b, units, 8, 2048); }, iters));
     report("  fan-out 256 rows : 8 (register, 512 threads)", 9.0 * 256 * row_bytes,
            time_ms([&] { fan_out_wide_kernel<<<256, 512>>>(a, b, units, 8, 2048); }, iters));
-    report("  fan-out 256 rows : 8 (bulk copies)", 9.0 * 256 * row_bytes, time_ms([&] {
-             fan_out_bulk_kernel<<<256, 32, row_bytes>>>(reinterpret_cast<const char*>(a), reinterpret_cast<char*>(b),
-                                                         row_bytes, 8, 2048);
-           }, iters));
+    report("  fan-out 256 rows : 8 (bulk copies)", 9.0 * 256 * row_bytes,
+           time_ms(
+               [&] {
+                 fan_out_bulk_kernel<<<256, 32, row_bytes>>>(reinterpret_cast<const char*>(a),
+                                                             reinterpret_cast<char*>(b), row_bytes, 8, 2048);
+               },
+               iters));
     report("  empty kernel", 0.0, time_ms([&] { write_kernel<<<1, 32>>>(b, 0); }, iters));
     std::printf("decode-sized, replayed from a CUDA graph (10 launches a replay, warm L2):\n");
-    greport("  copy 4096 rows (cudaMemcpyAsync)", 2.0 * dec_bytes, graph_us([&](cudaStream_t st) {
-              CHECK(cudaMemcpyAsync(b, a, dec_bytes, cudaMemcpyDeviceToDevice, st));
-            }, 10, iters));
+    greport("  copy 4096 rows (cudaMemcpyAsync)", 2.0 * dec_bytes,
+            graph_us([&](cudaStream_t st) { CHECK(cudaMemcpyAsync(b, a, dec_bytes, cudaMemcpyDeviceToDevice, st)); },
+                     10, iters));
     greport("  write 4096 rows (cudaMemsetAsync)", double(dec_bytes),
             graph_us([&](cudaStream_t st) { CHECK(cudaMemsetAsync(b, 0, dec_bytes, st)); }, 10, iters));
-    greport("  write 4096 rows (16-byte store kernel)", double(dec_bytes), graph_us([&](cudaStream_t st) {
-              write_kernel<<<prop.multiProcessorCount * 4, 256, 0, st>>>(b, dec_bytes / 16);
-            }, 10, iters));
-    greport("  write 2048 rows (16-byte store kernel)", double(dec_bytes) / 2, graph_us([&](cudaStream_t st) {
-              write_kernel<<<prop.multiProcessorCount * 4, 256, 0, st>>>(b, dec_bytes / 32);
-            }, 10, iters));
-    greport("  fan-out 256 rows : 8 (register, 256 threads)", 9.0 * 256 * row_bytes, graph_us([&](cudaStream_t st) {
-              fan_out_kernel<<<256, 256, 0, st>>>(a, b, units, 8, 2048);
-            }, 10, iters));
+    greport("  write 4096 rows (16-byte store kernel)", double(dec_bytes),
+            graph_us(
+                [&](cudaStream_t st) { write_kernel<<<prop.multiProcessorCount * 4, 256, 0, st>>>(b, dec_bytes / 16); },
+                10, iters));
+    greport("  write 2048 rows (16-byte store kernel)", double(dec_bytes) / 2,
+            graph_us(
+                [&](cudaStream_t st) { write_kernel<<<prop.multiProcessorCount * 4, 256, 0, st>>>(b, dec_bytes / 32); },
+                10, iters));
+    greport("  fan-out 256 rows : 8 (register, 256 threads)", 9.0 * 256 * row_bytes,
+            graph_us([&](cudaStream_t st) { fan_out_kernel<<<256, 256, 0, st>>>(a, b, units, 8, 2048); }, 10, iters));
     greport("  empty kernel", 0.0, graph_us([&](cudaStream_t st) { write_kernel<<<1, 32, 0, st>>>(b, 0); }, 10, iters));
     std::printf("decode-sized, one launch a graph, 10 graphs replayed back to back (padmoe bench's graph column):\n");
-    greport("  empty kernel", 0.0, graphs_us([&](cudaStream_t st) { write_kernel<<<1, 32, 0, st>>>(b, 0); }, 10, iters));
-    greport("  two empty kernels", 0.0, graphs_us([&](cudaStream_t st) {
-              write_kernel<<<1, 32, 0, st>>>(b, 0);
-              write_kernel<<<1, 32, 0, st>>>(b, 0);
-            }, 10, iters));
-    greport("  write 2048 rows (16-byte store kernel)", double(dec_bytes) / 2, graphs_us([&](cudaStream_t st) {
-              write_kernel<<<prop.multiProcessorCount * 4, 256, 0, st>>>(b, dec_bytes / 32);
-            }, 10, iters));
+    greport("  empty kernel", 0.0,
+            graphs_us([&](cudaStream_t st) { write_kernel<<<1, 32, 0, st>>>(b, 0); }, 10, iters));
+    greport("  two empty kernels", 0.0,
+            graphs_us(
+                [&](cudaStream_t st) {
+                  write_kernel<<<1, 32, 0, st>>>(b, 0);
+                  write_kernel<<<1, 32, 0, st>>>(b, 0);
+                },
+                10, iters));
+    greport("  write 2048 rows (16-byte store kernel)", double(dec_bytes) / 2,
+            graphs_us(
+                [&](cudaStream_t st) { write_kernel<<<prop.multiProcessorCount * 4, 256, 0, st>>>(b, dec_bytes / 32); },
+                10, iters));
   }
   {
     // the routing ops' traffic at each preset's sizes (T = 16384; P as padmoe bench reports it)
     // (and decode's, T = 256, where padmoe's zero blocks clear 4 rows each, timed from a graph too)
-    struct Shape { const char* name; int K, units, T, P, zero_rows; };
-    const Shape shapes[] = {{"mixtral-8x7b", 2, 512, 16384, 33152, 32}, {"qwen3-30b-a3b", 8, 256, 16384, 139008, 32},
-                            {"deepseek-v3", 8, 896, 16384, 147200, 32}, {"decode", 8, 896, 256, 4128, 4}};
+    struct Shape {
+      const char* name;
+      int K, units, T, P, zero_rows;
+    };
+    const Shape shapes[] = {{"mixtral-8x7b", 2, 512, 16384, 33152, 32},
+                            {"qwen3-30b-a3b", 8, 256, 16384, 139008, 32},
+                            {"deepseek-v3", 8, 896, 16384, 147200, 32},
+                            {"decode", 8, 896, 256, 4128, 4}};
     uint4* c = nullptr;  // token rows (x, out, partner): T rows
     CHECK(cudaMalloc(&c, size_t(16384) * 896 * 16 * 2));
     CHECK(cudaMemset(c, 1, size_t(16384) * 896 * 16 * 2));
@@ -735,7 +757,7 @@ int main(int argc, char** argv) {
       {
         // dispatch(fp8+scales) with its scale rows (1x128 blocks of the H-byte rows: H / 128 float32
         // entries a row), and the quantizing dispatch's bytes (bf16 rows read, codes + scales written,
-        // no arithmetic): bounds of those two ops at each preset (added 2026-12-04)
+        // no arithmetic): bounds of those two ops at each preset
         const int scols = sh.units * 16 / 2 / 128;
         float *xs = nullptr, *ys = nullptr;
         CHECK(cudaMalloc(&xs, size_t(sh.T) * scols * sizeof(float)));
@@ -762,14 +784,14 @@ int main(int argc, char** argv) {
         const unsigned pad_blocks = static_cast<unsigned>(A + (pads + zero_rows - 1) / zero_rows);
         both("pad_to_alignment (A + P rows)", (double(A) + sh.P) * row, [&](cudaStream_t st) {
           route_spread_kernel<<<pad_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units, 1, static_cast<int>(A), pads,
-                                                           zero_rows);
+                                                          zero_rows);
         });
         both("unpad_from_alignment (2A rows)", 2.0 * A * row, [&](cudaStream_t st) {
           route_reduce_kernel<<<static_cast<unsigned>(A), 256, 0, st>>>(b, nullptr, c, dest, sh.units, 1, sink);
         });
         // sort_chunks' rows as padmoe bench's decode workload has them (A = 2048 received rows into
         // Pc = 2272 padded rows: R = 8 ranks, 32 local experts, alignment 16), a row a block by a
-        // map with no layout ahead of it: the one-launch form's bound (added 2026-12-03)
+        // map with no layout ahead of it: the one-launch form's bound
         const int pc = static_cast<int>(A) + 224, cpads = pc - static_cast<int>(A);
         std::vector<int> cperm(pc);
         for (int i = 0; i < pc; ++i) cperm[i] = i;
@@ -785,7 +807,7 @@ int main(int argc, char** argv) {
         const unsigned chunk_blocks = static_cast<unsigned>(A + (cpads + zero_rows - 1) / zero_rows);
         both("sort_chunks (A + Pc rows, Pc = A + 224)", (double(A) + pc) * row, [&](cudaStream_t st) {
           route_spread_kernel<<<chunk_blocks, 256, 0, st>>>(c, b, cdest, cpad, sh.units, 1, static_cast<int>(A), cpads,
-                                                             zero_rows);
+                                                            zero_rows);
         });
         // the same behind the layout's dependency (scanned_spread_kernel): 256 chunks of 8 rows
         int* csizes = nullptr;
@@ -793,16 +815,17 @@ int main(int argc, char** argv) {
         CHECK(cudaMalloc(&csizes, 256 * sizeof(int)));
         CHECK(cudaMemcpy(csizes, eight.data(), 256 * sizeof(int), cudaMemcpyHostToDevice));
         both("sort_chunks behind a scan of its 256 sizes in every block", (double(A) + pc) * row, [&](cudaStream_t st) {
-          scanned_spread_kernel<<<chunk_blocks, 256, 0, st>>>(c, b, cdest, cpad, csizes, 256 * (static_cast<int>(A) / 256),
-                                                               sh.units, static_cast<int>(A), cpads, zero_rows);
+          scanned_spread_kernel<<<chunk_blocks, 256, 0, st>>>(c, b, cdest, cpad, csizes,
+                                                              256 * (static_cast<int>(A) / 256), sh.units,
+                                                              static_cast<int>(A), cpads, zero_rows);
         });
         CHECK(cudaFree(csizes));
         CHECK(cudaFree(cdest));
         CHECK(cudaFree(cpad));
       }
       both("combine(w), bf16 arithmetic (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
-        route_reduce_bf16_kernel<false, true><<<sh.T, 256, 0, st>>>(b, nullptr, weights, c, nullptr, dest, sh.units,
-                                                                   sh.K);
+        route_reduce_bf16_kernel<false, true>
+            <<<sh.T, 256, 0, st>>>(b, nullptr, weights, c, nullptr, dest, sh.units, sh.K);
       });
       if (graph) {
         // decode's dispatch + combine as one graph (the combine reads what the dispatch wrote; a
@@ -810,8 +833,8 @@ int main(int argc, char** argv) {
         // behind an empty kernel (a plan that costs only its launch): p + d + c's bound
         auto dispatch_combine = [&](cudaStream_t st) {
           route_spread_kernel<<<spread_blocks, 256, 0, st>>>(c, b, dest, pad, sh.units, sh.K, sh.T, pads, zero_rows);
-          route_reduce_bf16_kernel<false, true><<<sh.T, 256, 0, st>>>(b, nullptr, weights, c + size_t(sh.T) * sh.units,
-                                                                       nullptr, dest, sh.units, sh.K);
+          route_reduce_bf16_kernel<false, true>
+              <<<sh.T, 256, 0, st>>>(b, nullptr, weights, c + size_t(sh.T) * sh.units, nullptr, dest, sh.units, sh.K);
         };
         const double dc_moved = (2.0 * sh.T + sh.P + A) * row;
         both("dispatch + combine(w) (T + P, A + T rows)", dc_moved, dispatch_combine);
@@ -819,9 +842,9 @@ int main(int argc, char** argv) {
           write_kernel<<<1, 32, 0, st>>>(b, 0);
           dispatch_combine(st);
         });
-        // behind a kernel of make_plan's own duration at decode (3.7 us of GPU time, CUPTI,
-        // 2026-12-04): plan + dispatch + combine's bound for a plan that takes its measured time
-        // and a dispatch that starts after it (2026-12-04: 31.6-31.7 us in a graph of 10, 4.4-4.5 the spin alone)
+        // behind a kernel of make_plan's own duration at decode (3.7 us of GPU time, CUPTI): plan +
+        // dispatch + combine's bound for a plan that takes its measured time and a dispatch that
+        // starts after it (measured on an H200: 31.6-31.7 us in a graph of 10, 4.4-4.5 the spin alone)
         both("spin 3.7 us alone", 0.0, [&](cudaStream_t st) { spin_kernel<<<1, 1, 0, st>>>(3700); });
         both("spin 3.7 us + dispatch + combine(w)", dc_moved, [&](cudaStream_t st) {
           spin_kernel<<<1, 1, 0, st>>>(3700);
@@ -835,12 +858,12 @@ int main(int argc, char** argv) {
       CHECK(cudaMalloc(&dots, A * sizeof(float)));
       both("gather_backward(w), bf16 arithmetic + dots (A + 2T rows)", (double(A) + 2.0 * sh.T) * row,
            [&](cudaStream_t st) {
-             route_reduce_bf16_kernel<true, true><<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, weights, c,
-                                                                        dots, dest, sh.units, sh.K);
+             route_reduce_bf16_kernel<true, true>
+                 <<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, weights, c, dots, dest, sh.units, sh.K);
            });
       both("wgrad, bf16 dots (A + T rows)", (double(A) + sh.T) * row, [&](cudaStream_t st) {
-        route_reduce_bf16_kernel<true, false><<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, weights, nullptr,
-                                                                    dots, dest, sh.units, sh.K);
+        route_reduce_bf16_kernel<true, false>
+            <<<sh.T, 256, 0, st>>>(b, c + size_t(sh.T) * sh.units, weights, nullptr, dots, dest, sh.units, sh.K);
       });
       CHECK(cudaFree(dots));
       both("combine_backward(w) (T + A + P rows)", (double(sh.T) + A + sh.P) * row, [&](cudaStream_t st) {
@@ -883,8 +906,8 @@ int main(int argc, char** argv) {
         int* pd = d_dest;
         void* args[] = {&pi, &pc, &pd, &a_, &e_, &c_, &co};
         auto launch = [&](cudaStream_t s) {
-          CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(plan_skeleton_kernel), dim3(G),
-                                            dim3(threads), args, smem, s));
+          CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(plan_skeleton_kernel), dim3(G), dim3(threads),
+                                            args, smem, s));
         };
         const char* what = counts_only ? "  ids + histogram + grid barrier" : "  + column reads, scan, placement";
         char label[96];

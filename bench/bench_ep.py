@@ -12,7 +12,7 @@ synchronized after each call), median of ``--iters`` after 2 warm-ups:
   row exchange, chunk sort; sync-free: plan with capacity, fixed-size exchanges, map);
 - ``combine``: ``EPRouting.combine`` (chunk unsort, row exchange back, weighted top-k sum);
 - ``a2a``: ``all_to_all_single`` of exactly the rows the exact dispatch sends and receives
-  (the same splits; the limit the issue measures against);
+  (the same splits; the limit dispatch and combine are measured against);
 - ``local``: the padmoe ops of the step alone, no exchange (make_plan + dispatch + sort_chunks;
   unsort + combine).
 
@@ -66,8 +66,9 @@ def worker(rank, world, args, store, out_md):
     else:
         dev = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        backend, init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     import padmoe.torch as pt
     import padmoe.torch.distributed as pd
 
@@ -175,8 +176,9 @@ def main():
     if args.tokens is None:
         args.tokens = 4096 if args.backend == "nccl" else 256
     if args.backend == "nccl" and torch.cuda.device_count() < args.ranks:
-        sys.exit(f"bench_ep.py: {args.ranks} ranks over NCCL need {args.ranks} GPUs "
-                 f"(found {torch.cuda.device_count()})")
+        sys.exit(
+            f"bench_ep.py: {args.ranks} ranks over NCCL need {args.ranks} GPUs (found {torch.cuda.device_count()})"
+        )
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(worker, args=(args.ranks, args, os.path.join(d, "store"), args.out_md), nprocs=args.ranks)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """padmoe's Python API vs plain PyTorch eager (python/padmoe/reference.py), side by side,
-against the copy-bandwidth floor of SPEC section 7.
+against the copy-bandwidth floor of docs/spec.md §16.
 
 For each preset it builds a seeded random routing (top-k distinct experts per token from
 ``torch.randn(T, E).topk``, softmax weights over the K picked logits), then times every op
@@ -33,7 +33,7 @@ R = capacity = A + E*(m-1)):
     combine, padded_scatter   (A*H + T*H)*s
     combine_backward(w)       (T*H + A*H + P*H)*s       (grad_out read once, y's A real rows
                                                           read for grad_weights, grad_y's P
-                                                          rows written; SPEC gives no formula)
+                                                          rows written; docs/spec.md §16)
     pad_to_alignment          (N*H + P*H)*s
     unpad_from_alignment      (P*H + N*H)*s
 """
@@ -71,8 +71,16 @@ PRESETS: Dict[str, Dict[str, int]] = {
     "decode": dict(T=256, E=256, K=8, H=7168, m=16),
 }
 
-OPS = ["make_plan", "dispatch", "combine(w)", "combine_backward(w)", "padded_gather", "padded_scatter(w)",
-       "pad_to_alignment", "unpad_from_alignment"]
+OPS = [
+    "make_plan",
+    "dispatch",
+    "combine(w)",
+    "combine_backward(w)",
+    "padded_gather",
+    "padded_scatter(w)",
+    "pad_to_alignment",
+    "unpad_from_alignment",
+]
 
 FLOOR_RULES = {
     "make_plan": "A*4 + (3*A + 4*E + R)*4",
@@ -126,6 +134,7 @@ def load_padmoe(device: str):
             sys.path.insert(0, str(extra))
         try:
             import padmoe  # noqa: F401
+
             break
         except Exception as exc:  # ImportError, or a broken native module
             errors.append(f"{type(exc).__name__}: {exc}")
@@ -136,6 +145,7 @@ def load_padmoe(device: str):
     else:
         return None, "import padmoe failed (" + "; ".join(errors) + ")"
     import padmoe
+
     if device == "cuda" and hasattr(padmoe, "has_cuda") and not padmoe.has_cuda():
         return None, f"padmoe at {pathlib.Path(padmoe.__file__).parent} was built without the CUDA backend"
     return padmoe, None
@@ -194,6 +204,7 @@ def reuse_freed_host_memory() -> bool:
     the op itself. Returns whether glibc accepted it."""
     try:
         import ctypes
+
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
         return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
@@ -208,15 +219,14 @@ def copy_bandwidth(timer: Timer, device: str, copy_mib: int, padmoe=None) -> Dic
     src = torch.ones(n // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     us = timer.median_us(lambda: dst.copy_(src))
-    result: Dict[str, Any] = {"bytes": 2 * n, "us": us, "tbps": 2 * n / (us * 1e-6) / 1e12,
-                              "what": "dst.copy_(src)"}
+    result: Dict[str, Any] = {"bytes": 2 * n, "us": us, "tbps": 2 * n / (us * 1e-6) / 1e12, "what": "dst.copy_(src)"}
     if padmoe is not None and hasattr(padmoe, "copy"):
         try:
             pus = timer.median_us(lambda: padmoe.copy(src, dst, check=False))
             result["padmoe_copy_tbps"] = 2 * n / (pus * 1e-6) / 1e12
         except Exception as exc:
             result["padmoe_copy_error"] = f"{type(exc).__name__}: {exc}"
-    del src, dst
+    src = dst = None  # free the buffers before the next measurement
     return result
 
 
@@ -303,13 +313,13 @@ def run_preset(name: str, cfg: Dict[str, int], args, eager, padmoe, timer: Timer
             padmoe_notes.append("caller workspace")
         pplan = pm.make_plan(top, E, m, check=False)
         import padmoe.torch as pt  # noqa: F401 (registers torch.ops.padmoe)
+
         tplan = pt.make_plan(top, E, m, check=False)
         cap = pplan.padded_rows_bound
         assert cap == capacity, (cap, capacity)
         # outputs allocated once, capacity rows where P is unknown on the host
         y_cap = torch.empty(cap, H, dtype=dtype, device=device)
         out_t = torch.empty(T, H, dtype=dtype, device=device)
-        gw = torch.empty(A, dtype=w.dtype, device=device)
         pad_cap = torch.empty(cap, H, dtype=dtype, device=device)
         map_cap = torch.empty(cap, dtype=torch.int32, device=device)
         offs = torch.empty(E, dtype=torch.int32, device=device)
@@ -344,7 +354,8 @@ def run_preset(name: str, cfg: Dict[str, int], args, eager, padmoe, timer: Timer
             # padmoe.combine_backward takes numpy arrays only; on torch tensors it is padmoe.torch's
             # operator, what autograd runs for padmoe.torch.combine
             "combine_backward(w)": lambda: torch.ops.padmoe.combine_backward.default(
-                grad_out, y, tplan.packed, w, K, E, m, None, True, 0, cap),
+                grad_out, y, tplan.packed, w, K, E, m, None, True, 0, cap
+            ),
             "padded_gather": lambda: pm.padded_gather(x, *pip, K, **k_gath),
             "padded_scatter(w)": lambda: pm.padded_scatter(y, pip[0], pip[1], w, pip[2], pip[3], K, **k_scat),
             "pad_to_alignment": lambda: pm.pad_to_alignment(hidden, pplan.tokens_per_expert, m, **k_pad),
@@ -364,8 +375,16 @@ def run_preset(name: str, cfg: Dict[str, int], args, eager, padmoe, timer: Timer
                     if device == "cuda":
                         torch.cuda.synchronize()
                     if op == "make_plan":
-                        fields = ("indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert",
-                                  "padded_bins", "dest_rows", "row_sources")
+                        fields = (
+                            "indices",
+                            "bin_ids",
+                            "tokens_per_expert",
+                            "bins",
+                            "padded_tokens_per_expert",
+                            "padded_bins",
+                            "dest_rows",
+                            "row_sources",
+                        )
                         checks[op] = worst(*(compare(getattr(got, f), getattr(want, f), True) for f in fields))
                     elif op in ("dispatch", "padded_gather"):
                         checks[op] = compare(got[:P], want, True)
@@ -374,8 +393,11 @@ def run_preset(name: str, cfg: Dict[str, int], args, eager, padmoe, timer: Timer
                     elif op == "combine_backward(w)":
                         checks[op] = worst(compare(got[0][:P], want[0], False), compare(got[1], want[1], False))
                     elif op == "pad_to_alignment":
-                        checks[op] = worst(compare(got[0][:P], want[0], True), compare(got[1][:P], want[1], True),
-                                           compare(got[2], want[2], True))
+                        checks[op] = worst(
+                            compare(got[0][:P], want[0], True),
+                            compare(got[1][:P], want[1], True),
+                            compare(got[2], want[2], True),
+                        )
                     else:
                         checks[op] = compare(got, want, True)
                 except Exception as exc:
@@ -387,8 +409,13 @@ def run_preset(name: str, cfg: Dict[str, int], args, eager, padmoe, timer: Timer
     for op in args.ops:
         fb = floor_bytes(op, T, E, K, H, m, P, s)
         floor_us = fb / (copy["tbps"] * 1e12) * 1e6
-        entry: Dict[str, Any] = {"op": op, "floor_rule": FLOOR_RULES[op], "floor_bytes": fb, "floor_us": floor_us,
-                                 "check": checks.get(op, "-" if padmoe is None or args.no_check else "not run")}
+        entry: Dict[str, Any] = {
+            "op": op,
+            "floor_rule": FLOOR_RULES[op],
+            "floor_bytes": fb,
+            "floor_us": floor_us,
+            "check": checks.get(op, "-" if padmoe is None or args.no_check else "not run"),
+        }
         for side, fns in (("padmoe", padmoe_fns), ("eager", eager_fns)):
             if side == "padmoe" and padmoe is None:
                 entry[side] = None
@@ -400,14 +427,31 @@ def run_preset(name: str, cfg: Dict[str, int], args, eager, padmoe, timer: Timer
                 entry[side] = {"error": f"{type(exc).__name__}: {exc}"}
         rows_out.append(entry)
         if args.verbose:
-            print(f"  {name} {op}: " + ", ".join(
-                f"{k} {v['us']:.1f} us" for k, v in (("padmoe", entry["padmoe"]), ("eager", entry["eager"]))
-                if v and "us" in v), file=sys.stderr)
+            print(
+                f"  {name} {op}: "
+                + ", ".join(
+                    f"{k} {v['us']:.1f} us"
+                    for k, v in (("padmoe", entry["padmoe"]), ("eager", entry["eager"]))
+                    if v and "us" in v
+                ),
+                file=sys.stderr,
+            )
     result = {
-        "preset": name, "T": T, "E": E, "K": K, "H": H, "alignment": m, "A": A, "P": P, "capacity": capacity,
-        "element_size": s, "copy": copy, "ops": rows_out, "padmoe_notes": padmoe_notes,
+        "preset": name,
+        "T": T,
+        "E": E,
+        "K": K,
+        "H": H,
+        "alignment": m,
+        "A": A,
+        "P": P,
+        "capacity": capacity,
+        "element_size": s,
+        "copy": copy,
+        "ops": rows_out,
+        "padmoe_notes": padmoe_notes,
     }
-    del wl, eplan, y, padded, pmap
+    wl = eplan = y = padded = pmap = None  # free the workload's buffers
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -447,52 +491,77 @@ def _side_cells(side: Optional[Dict[str, Any]]) -> List[str]:
 def render_markdown(report: Dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [f"# padmoe vs PyTorch eager — {meta['card']} — {meta['date']}", ""]
-    lines.append(f"device {meta['device']}, rows {meta['dtype']}, torch {meta['torch']}, "
-                 f"{meta['iters']} timed runs after {meta['warmup']} warm-up runs, median; {meta['timing']}.")
+    lines.append(
+        f"device {meta['device']}, rows {meta['dtype']}, torch {meta['torch']}, "
+        f"{meta['iters']} timed runs after {meta['warmup']} warm-up runs, median; {meta['timing']}."
+    )
     if not meta["padmoe_available"]:
         lines += ["", f"**padmoe unavailable**: {meta['padmoe_error']}. Only the eager half was measured."]
     for pr in report["presets"]:
         c = pr["copy"]
-        lines += ["", f"## {pr['preset']}: T={pr['T']}, E={pr['E']}, K={pr['K']}, H={pr['H']}, "
-                      f"alignment {pr['alignment']} (A={pr['A']}, P={pr['P']})", "",
-                  f"copy bandwidth (the floor: dst.copy_(src), {c['bytes'] / 2 / 2**20:.0f} MiB, read + write): "
-                  f"{_fmt_tbps(c['tbps'])} TB/s"
-                  + (f"; padmoe.copy on the same buffers: {_fmt_tbps(c['padmoe_copy_tbps'])} TB/s (not the floor)"
-                     if "padmoe_copy_tbps" in c else ""), "",
-                  "| op | floor MB | padmoe µs | TB/s | ×floor | eager µs | TB/s | ×floor | eager / padmoe | check |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            f"## {pr['preset']}: T={pr['T']}, E={pr['E']}, K={pr['K']}, H={pr['H']}, "
+            f"alignment {pr['alignment']} (A={pr['A']}, P={pr['P']})",
+            "",
+            f"copy bandwidth (the floor: dst.copy_(src), {c['bytes'] / 2 / 2**20:.0f} MiB, read + write): "
+            f"{_fmt_tbps(c['tbps'])} TB/s"
+            + (
+                f"; padmoe.copy on the same buffers: {_fmt_tbps(c['padmoe_copy_tbps'])} TB/s (not the floor)"
+                if "padmoe_copy_tbps" in c
+                else ""
+            ),
+            "",
+            "| op | floor MB | padmoe µs | TB/s | ×floor | eager µs | TB/s | ×floor | eager / padmoe | check |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
         for o in pr["ops"]:
             pad, eag = o["padmoe"], o["eager"]
-            ratio = (f"{eag['us'] / pad['us']:.2f}x" if pad and eag and "us" in pad and "us" in eag else "")
-            lines.append("| " + " | ".join([o["op"], f"{o['floor_bytes'] / 1e6:.1f}", *_side_cells(pad),
-                                            *_side_cells(eag), ratio, o["check"]]) + " |")
-        errors = [(o["op"], side, o[side]["error"]) for o in pr["ops"] for side in ("padmoe", "eager")
-                  if o[side] and "error" in o[side]]
+            ratio = f"{eag['us'] / pad['us']:.2f}x" if pad and eag and "us" in pad and "us" in eag else ""
+            lines.append(
+                "| "
+                + " | ".join(
+                    [o["op"], f"{o['floor_bytes'] / 1e6:.1f}", *_side_cells(pad), *_side_cells(eag), ratio, o["check"]]
+                )
+                + " |"
+            )
+        errors = [
+            (o["op"], side, o[side]["error"])
+            for o in pr["ops"]
+            for side in ("padmoe", "eager")
+            if o[side] and "error" in o[side]
+        ]
         for op, side, err in errors:
             lines.append(f"\n{op} ({side}) failed: {err}")
         if pr["padmoe_notes"]:
             lines.append(f"\npadmoe: {', '.join(pr['padmoe_notes'])}.")
-    lines += ["", "Notes:", "",
-              "- TB/s = floor bytes / time; ×floor = time / (floor bytes / copy bandwidth). Floor bytes "
-              "(s = bytes per element, A = T·K, P = padded rows, N = A, R = A + E·(m-1)): "
-              + "; ".join(f"{op} {rule}" for op, rule in FLOOR_RULES.items() if op in meta["ops"]) + ".",
-              "- combine_backward(w): SPEC §7 gives no formula; used grad_out read once + y's A real rows read "
-              "(for grad_weights) + grad_y's P rows written (as `padmoe bench`). unpad counts all P padded rows "
-              "read, as the task asked (`padmoe bench` counts only the N real rows).",
-              "- padmoe: `check=False` (unchecked, sync-free), outputs allocated once before timing (`out=`, "
-              "capacity rows where P is unknown on the host). eager (python/padmoe/reference.py) allocates its "
-              "outputs on every call, zero-fills padded outputs before writing them, and reads P (or the "
-              "valid-row count) on the host with `.item()` / `nonzero`, as MegaBlocks and Megatron do in eager "
-              "mode; its make_plan is sync-free.",
-              "- check: padmoe's output against eager's on this workload (padded outputs: the first P rows): "
-              "`bitwise`, `close` (relative max difference, float32 dot products in a different order) or "
-              "MISMATCH.",
-              "- weighted ops use float32 router weights (softmax over the top-k logits)."]
+    lines += [
+        "",
+        "Notes:",
+        "",
+        "- TB/s = floor bytes / time; ×floor = time / (floor bytes / copy bandwidth). Floor bytes "
+        "(s = bytes per element, A = T·K, P = padded rows, N = A, R = A + E·(m-1)): "
+        + "; ".join(f"{op} {rule}" for op, rule in FLOOR_RULES.items() if op in meta["ops"])
+        + ".",
+        "- combine_backward(w): docs/spec.md §16's rule, grad_out read once + y's A real rows read "
+        "(for grad_weights) + grad_y's P rows written (as `padmoe bench`). unpad counts all P padded rows "
+        "read, as the task asked (`padmoe bench` counts only the N real rows).",
+        "- padmoe: `check=False` (unchecked, sync-free), outputs allocated once before timing (`out=`, "
+        "capacity rows where P is unknown on the host). eager (python/padmoe/reference.py) allocates its "
+        "outputs on every call, zero-fills padded outputs before writing them, and reads P (or the "
+        "valid-row count) on the host with `.item()` / `nonzero`, as MegaBlocks and Megatron do in eager "
+        "mode; its make_plan is sync-free.",
+        "- check: padmoe's output against eager's on this workload (padded outputs: the first P rows): "
+        "`bitwise`, `close` (relative max difference, float32 dot products in a different order) or "
+        "MISMATCH.",
+        "- weighted ops use float32 router weights (softmax over the top-k logits).",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def render_png(report: Dict[str, Any], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -507,16 +576,22 @@ def render_png(report: Dict[str, Any], path: str) -> None:
         xs = list(range(len(ops)))
         for shift, side, color in ((-width / 2, "padmoe", "tab:blue"), (width / 2, "eager", "tab:orange")):
             vals = [o[side]["tbps"] if o[side] and "tbps" in o[side] else 0.0 for o in pr["ops"]]
-            ax.bar([x + shift for x in xs], vals, width, label="padmoe" if side == "padmoe" else "PyTorch eager",
-                   color=color)
+            ax.bar(
+                [x + shift for x in xs],
+                vals,
+                width,
+                label="padmoe" if side == "padmoe" else "PyTorch eager",
+                color=color,
+            )
         copy = pr["copy"]["tbps"]
         ax.axhline(copy, color="black", linestyle="--", linewidth=1)
         ax.text(-0.5, copy, f" copy {_fmt_tbps(copy)} TB/s", ha="left", va="bottom", fontsize=8)
         ax.set_xticks(xs)
         ax.set_xticklabels(ops, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("TB/s (floor bytes / time)")
-        ax.set_title(f"{pr['preset']}: T={pr['T']} E={pr['E']} K={pr['K']} H={pr['H']} m={pr['alignment']}",
-                     fontsize=10)
+        ax.set_title(
+            f"{pr['preset']}: T={pr['T']} E={pr['E']} K={pr['K']} H={pr['H']} m={pr['alignment']}", fontsize=10
+        )
         ax.set_ylim(0, max(copy, ax.get_ylim()[1]) * 1.3)  # room for the legend
         ax.legend(fontsize=8, loc="upper center", ncol=2)
     for ax in list(axes.flat)[n:]:
@@ -535,10 +610,16 @@ def render_png(report: Dict[str, Any], path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", dest="presets", action="append", choices=list(PRESETS),
-                   help="preset to run (repeatable; default: all)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--preset",
+        dest="presets",
+        action="append",
+        choices=list(PRESETS),
+        help="preset to run (repeatable; default: all)",
+    )
     p.add_argument("--small", action="store_true", help="divide T by 8")
     p.add_argument("--tokens", type=int, help="override T for every preset (after --small)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -578,14 +659,26 @@ def main(argv=None) -> int:
         timing = f"time.perf_counter, warm caches, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}"
         if reuse_freed_host_memory():
             timing += ", glibc told to reuse freed memory (mallopt: no mmap, no trim)"
-    report: Dict[str, Any] = {"meta": {
-        "card": card_name(args.device), "device": args.device, "dtype": args.dtype,
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
-        "iters": args.iters, "warmup": args.warmup, "timing": timing, "seed": args.seed, "ops": args.ops,
-        "padmoe_available": padmoe is not None, "padmoe_error": padmoe_error,
-        "padmoe_version": getattr(padmoe, "__version__", None) if padmoe else None,
-        "padmoe_path": str(pathlib.Path(padmoe.__file__).parent) if padmoe else None,
-    }, "presets": []}
+    report: Dict[str, Any] = {
+        "meta": {
+            "card": card_name(args.device),
+            "device": args.device,
+            "dtype": args.dtype,
+            "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "timing": timing,
+            "seed": args.seed,
+            "ops": args.ops,
+            "padmoe_available": padmoe is not None,
+            "padmoe_error": padmoe_error,
+            "padmoe_version": getattr(padmoe, "__version__", None) if padmoe else None,
+            "padmoe_path": str(pathlib.Path(padmoe.__file__).parent) if padmoe else None,
+        },
+        "presets": [],
+    }
 
     for name in args.presets:
         cfg = dict(PRESETS[name])
@@ -605,8 +698,12 @@ def main(argv=None) -> int:
         pathlib.Path(args.out_json).write_text(json.dumps(report, indent=1) + "\n")
     if args.out_png:
         render_png(report, args.out_png)
-    mismatches = [(pr["preset"], o["op"]) for pr in report["presets"] for o in pr["ops"]
-                  if o["check"].startswith(("MISMATCH", "error"))]
+    mismatches = [
+        (pr["preset"], o["op"])
+        for pr in report["presets"]
+        for o in pr["ops"]
+        if o["check"].startswith(("MISMATCH", "error"))
+    ]
     if mismatches:
         print(f"padmoe and eager disagree on: {mismatches}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ index_select / index_add), and with ``--moe`` a Mixtral-style MoE block (router,
 two grouped_mm expert GEMMs, combine; T=4096, H=1024, F=1024, E=16, K=2) forward + backward
 with padmoe's routing against the plain-PyTorch routing, eager and under torch.compile.
 
-Floors (SPEC section 7, bytes over the device-to-device copy bandwidth measured in the same
+Floors (docs/spec.md §16, bytes over the device-to-device copy bandwidth measured in the same
 run): dispatch / gather ``(T*H + P*H)*s``, combine / scatter / wgrad ``(A*H + T*H)*s``,
 combine_backward ``(T*H + A*H + P*H)*s``, Routing forward = dispatch + combine, pad
 ``(A*H + P*H)*s``, unpad ``(A*H + A*H)*s``.
@@ -90,6 +90,7 @@ def graph_time(fn, inner, reps=20):
 def kernel_time(fn, iters):
     """(µs of device time per call, launches per call, kernel names) from the profiler."""
     from torch.profiler import ProfilerActivity, profile
+
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -136,8 +137,11 @@ def run_preset(name, cfg, args, bw, pt, pe):
     xr = x.clone().requires_grad_(True)
     wr = w.clone().requires_grad_(True)
     ref = pe.make_plan(top, E, m)
-    floors = {"dispatch": (T * H + P * H) * s, "combine": (A * H + T * H) * s,
-              "combine_backward": (T * H + A * H + P * H) * s}
+    floors = {
+        "dispatch": (T * H + P * H) * s,
+        "combine": (A * H + T * H) * s,
+        "combine_backward": (T * H + A * H + P * H) * s,
+    }
     floors["Routing forward"] = floors["dispatch"] + floors["combine"]
     floors["padded_gather"] = floors["dispatch"]
     floors["padded_scatter"] = floors["combine"]
@@ -181,12 +185,23 @@ def run_preset(name, cfg, args, bw, pt, pe):
         ("combine", lambda: pt.combine(y, plan, w, check=False), True),
         ("Routing forward", routing_fwd, True),
         ("Routing forward+backward", routing_fwd_bwd, False),
-        ("padded_gather", lambda: pt.padded_gather(x, ref.indices, ref.bin_ids, ref.bins, ref.padded_bins, K,
-                                                   check=False), False),
-        ("padded_scatter", lambda: pt.padded_scatter(y, ref.indices, ref.bin_ids, w, ref.bins, ref.padded_bins, K,
-                                                     check=False), False),
-        ("padded_scatter_wgrad", lambda: pt.padded_scatter_wgrad(y, gout, ref.indices, ref.bin_ids, ref.bins,
-                                                                 ref.padded_bins, K, check=False), False),
+        (
+            "padded_gather",
+            lambda: pt.padded_gather(x, ref.indices, ref.bin_ids, ref.bins, ref.padded_bins, K, check=False),
+            False,
+        ),
+        (
+            "padded_scatter",
+            lambda: pt.padded_scatter(y, ref.indices, ref.bin_ids, w, ref.bins, ref.padded_bins, K, check=False),
+            False,
+        ),
+        (
+            "padded_scatter_wgrad",
+            lambda: pt.padded_scatter_wgrad(
+                y, gout, ref.indices, ref.bin_ids, ref.bins, ref.padded_bins, K, check=False
+            ),
+            False,
+        ),
         ("pad_to_alignment", lambda: pt.pad_to_alignment(xs, tpe, m, check=False), False),
         ("unpad_from_alignment", lambda: pt.unpad_from_alignment(padded, pmap, A, probs, check=False), False),
         ("eager: Routing forward (padmoe.reference)", eager_routing_fwd, False),
@@ -201,13 +216,27 @@ def run_preset(name, cfg, args, bw, pt, pe):
         gus = graph_time(fn, args.graph_inner) if capturable else None
         fb = floors.get(op)
         floor_us = fb / bw * 1e6 if fb else None
-        rows.append(dict(preset=name, op=op, kernels_us=kus, launches=launches, kernel_names=names, eager_us=eus,
-                         graph_us=gus, floor_us=floor_us, eager_over_kernels=eus / kus if kus else None,
-                         eager_over_floor=eus / floor_us if floor_us else None))
+        rows.append(
+            dict(
+                preset=name,
+                op=op,
+                kernels_us=kus,
+                launches=launches,
+                kernel_names=names,
+                eager_us=eus,
+                graph_us=gus,
+                floor_us=floor_us,
+                eager_over_kernels=eus / kus if kus else None,
+                eager_over_floor=eus / floor_us if floor_us else None,
+            )
+        )
         g = f"{gus:9.1f}" if gus is not None else "        -"
         f = f"{eus / floor_us:6.2f}" if floor_us else "     -"
-        print(f"{name:14} {op:52} kernels {kus:9.1f} us ({launches:4.1f} launches)  eager {eus:9.1f} us "
-              f"(x{eus / kus if kus else 0:5.2f} kernels, x{f} floor)  graph {g} us", flush=True)
+        print(
+            f"{name:14} {op:52} kernels {kus:9.1f} us ({launches:4.1f} launches)  eager {eus:9.1f} us "
+            f"(x{eus / kus if kus else 0:5.2f} kernels, x{f} floor)  graph {g} us",
+            flush=True,
+        )
     return rows
 
 
@@ -218,9 +247,9 @@ def moe_block(args, pt):
     dt = torch.bfloat16
     gm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
     g = torch.Generator(device="cuda").manual_seed(1)
-    router = (torch.randn(E, H, device="cuda", generator=g) / H ** 0.5).to(dt).requires_grad_(True)
-    w1 = (torch.randn(E, H, 2 * F, device="cuda", generator=g) / H ** 0.5).to(dt).requires_grad_(True)
-    w2 = (torch.randn(E, F, H, device="cuda", generator=g) / F ** 0.5).to(dt).requires_grad_(True)
+    router = (torch.randn(E, H, device="cuda", generator=g) / H**0.5).to(dt).requires_grad_(True)
+    w1 = (torch.randn(E, H, 2 * F, device="cuda", generator=g) / H**0.5).to(dt).requires_grad_(True)
+    w2 = (torch.randn(E, F, H, device="cuda", generator=g) / F**0.5).to(dt).requires_grad_(True)
     x = torch.randn(T, H, device="cuda", dtype=dt, generator=g).requires_grad_(True)
     gout = torch.randn(T, H, device="cuda", dtype=dt, generator=g)
     params = (router, w1, w2, x)
@@ -268,26 +297,33 @@ def moe_block(args, pt):
             for p in params:
                 p.grad = None
             block(x).backward(gout)
+
         return run
 
     out = {}
     with torch.no_grad():
         a, b = padmoe_block(x), torch_block(x)
         out["max_abs_diff_padmoe_vs_torch"] = (a.float() - b.float()).abs().max().item()
-    for label, fn in (("routing ops fwd+bwd: padmoe", routing_only_padmoe),
-                      ("routing ops fwd+bwd: sort/index_select/index_add", routing_only_torch),
-                      ("block fwd+bwd: padmoe", step(padmoe_block)),
-                      ("block fwd+bwd: transformers-style grouped_mm", step(torch_block))):
+    for label, fn in (
+        ("routing ops fwd+bwd: padmoe", routing_only_padmoe),
+        ("routing ops fwd+bwd: sort/index_select/index_add", routing_only_torch),
+        ("block fwd+bwd: padmoe", step(padmoe_block)),
+        ("block fwd+bwd: transformers-style grouped_mm", step(torch_block)),
+    ):
+
         def wrapped(fn=fn):
             for p in (x, probs0):
                 p.grad = None
             fn()
+
         kus, launches, _ = kernel_time(wrapped, args.prof_iters)
         eus = eager_time(wrapped, args.iters)
         out[label] = dict(kernels_us=kus, launches=launches, eager_us=eus)
         print(f"moe-block {label:52} kernels {kus:9.1f} us ({launches:5.1f} launches)  eager {eus:9.1f} us", flush=True)
-    for label, block in (("block fwd+bwd compiled: padmoe", padmoe_block),
-                         ("block fwd+bwd compiled: transformers-style grouped_mm", torch_block)):
+    for label, block in (
+        ("block fwd+bwd compiled: padmoe", padmoe_block),
+        ("block fwd+bwd compiled: transformers-style grouped_mm", torch_block),
+    ):
         try:
             torch._dynamo.reset()
             cb = torch.compile(block, fullgraph=True)
@@ -304,25 +340,38 @@ def moe_block(args, pt):
 
 
 def render_md(report):
-    lines = [f"# padmoe.torch on {report['card']} ({report['date']})", "",
-             f"torch {report['torch']}, copy {report['copy_tbps']:.2f} TB/s; bf16 rows, `check=False`. "
-             "kernels = GPU time of the op's kernels (profiler); eager = one call, host included (CUDA events "
-             "around the Python call, nothing queued ahead, warm L2); graph = CUDA-graph replay per call.", "",
-             "| preset | op | kernels µs (launches) | eager µs | eager / kernels | eager / floor | graph µs |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# padmoe.torch on {report['card']} ({report['date']})",
+        "",
+        f"torch {report['torch']}, copy {report['copy_tbps']:.2f} TB/s; bf16 rows, `check=False`. "
+        "kernels = GPU time of the op's kernels (profiler); eager = one call, host included (CUDA events "
+        "around the Python call, nothing queued ahead, warm L2); graph = CUDA-graph replay per call.",
+        "",
+        "| preset | op | kernels µs (launches) | eager µs | eager / kernels | eager / floor | graph µs |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in report["rows"]:
         f = f"{r['eager_over_floor']:.2f}" if r["eager_over_floor"] else "-"
         g = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else "-"
-        lines.append(f"| {r['preset']} | {r['op']} | {r['kernels_us']:.1f} ({r['launches']:.0f}) | {r['eager_us']:.1f} | "
-                     f"{r['eager_over_kernels']:.2f} | {f} | {g} |")
+        lines.append(
+            f"| {r['preset']} | {r['op']} | {r['kernels_us']:.1f} ({r['launches']:.0f}) | {r['eager_us']:.1f} | "
+            f"{r['eager_over_kernels']:.2f} | {f} | {g} |"
+        )
     if report.get("moe"):
-        lines += ["", "MoE block (T=4096, H=1024, F=1024, E=16, K=2, bf16, grouped_mm experts), forward + backward:", "",
-                  "| case | kernels µs (launches) | eager µs |", "| --- | --- | --- |"]
+        lines += [
+            "",
+            "MoE block (T=4096, H=1024, F=1024, E=16, K=2, bf16, grouped_mm experts), forward + backward:",
+            "",
+            "| case | kernels µs (launches) | eager µs |",
+            "| --- | --- | --- |",
+        ]
         for k, v in report["moe"].items():
             if isinstance(v, dict):
                 kk = f"{v['kernels_us']:.1f} ({v['launches']:.0f})" if "kernels_us" in v else "-"
                 lines.append(f"| {k} | {kk} | {v.get('eager_us', float('nan')):.1f} |")
-        lines.append(f"\nmax |padmoe block - torch block| (forward): {report['moe']['max_abs_diff_padmoe_vs_torch']:.3g}")
+        lines.append(
+            f"\nmax |padmoe block - torch block| (forward): {report['moe']['max_abs_diff_padmoe_vs_torch']:.3g}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -342,14 +391,21 @@ def main(argv=None):
         return 2
     import padmoe.reference as pe
     import padmoe.torch as pt
+
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy {bw / 1e12:.2f} TB/s  torch {torch.__version__}", flush=True)
     rows = []
     for name in args.presets.split(","):
         rows += run_preset(name, PRESETS[name], args, bw, pt, pe)
         torch.cuda.empty_cache()
-    report = dict(card=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
-                  copy_tbps=bw / 1e12, rows=rows, moe=moe_block(args, pt) if args.moe else None)
+    report = dict(
+        card=torch.cuda.get_device_name(),
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        copy_tbps=bw / 1e12,
+        rows=rows,
+        moe=moe_block(args, pt) if args.moe else None,
+    )
     if args.out_json:
         with open(args.out_json, "w") as f:
             json.dump(report, f, indent=1)

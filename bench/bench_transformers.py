@@ -1,7 +1,7 @@
 """A transformers MoE block with padmoe's experts against transformers' own experts implementations.
 
 The block is transformers' ``MixtralSparseMoeBlock`` (router, top-k, experts) of a tiny random
-Mixtral config (``from_config``, seeded: nothing downloaded), by default the issue's size: T=4096
+Mixtral config (``from_config``, seeded: nothing downloaded), by default a mid-sized MoE layer: T=4096
 tokens, H=1024, E=16 experts, K=2, bfloat16, with an expert intermediate size I=2048 (``--ffn``). The experts
 implementation is switched with ``model.set_experts_implementation(name)`` for each of:
 
@@ -16,7 +16,7 @@ mode, ``--iters`` iterations after ``--warmup``, the loop bracketed by ``torch.c
 on CUDA; the mean per iteration is reported. Each implementation's output is also checked against
 eager's (max |diff| / max |eager|) so a broken one does not post a time.
 
-    python bench/bench_transformers.py                      # CUDA if present, else CPU; the issue's size
+    python bench/bench_transformers.py                      # CUDA if present, else CPU; the default size
     python bench/bench_transformers.py --device cpu --tokens 1024 --iters 3
     python bench/bench_transformers.py --markdown out.md    # also write a markdown table
 
@@ -39,9 +39,16 @@ def build(args):
     import transformers
 
     cfg = transformers.MixtralConfig(
-        vocab_size=128, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=1,
-        num_attention_heads=8, num_key_value_heads=8, num_local_experts=args.experts,
-        num_experts_per_tok=args.top_k, max_position_embeddings=128)
+        vocab_size=128,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(args.seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
@@ -175,8 +182,10 @@ def main(argv=None):
     ap.add_argument("--no-check", action="store_true", help="no padmoe data checks (check=False)")
     ap.add_argument("--markdown", default=None, help="write the results as a markdown table to this file")
     args = ap.parse_args(argv)
-    print(f"MixtralSparseMoeBlock T={args.tokens} H={args.hidden} I={args.ffn} E={args.experts} K={args.top_k} "
-          f"{args.dtype} on {args.device} ({device_name(args.device)}), torch {torch.__version__}")
+    print(
+        f"MixtralSparseMoeBlock T={args.tokens} H={args.hidden} I={args.ffn} E={args.experts} K={args.top_k} "
+        f"{args.dtype} on {args.device} ({device_name(args.device)}), torch {torch.__version__}"
+    )
     rows, available, tf_version = run(args)
     print(f"experts implementations registered: {', '.join(available)}")
     if args.markdown:

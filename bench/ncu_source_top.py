@@ -8,6 +8,7 @@ Prints the N source lines with the most warp-stall samples (their share of all s
 and its three largest stall reasons). With short kernels pass `--warp-sampling-interval 0` to ncu
 (gpu.sh: PADMOE_NCU_ARGS), or there are too few samples to rank lines.
 """
+
 import csv
 import sys
 
@@ -37,7 +38,7 @@ def main(path: str, n: int) -> None:
         for i, h in enumerate(header):
             if h.startswith("stall_") and "(Not Issued)" not in h and i < len(r):
                 try:
-                    stalls.append((float(r[i]), h[len("stall_"):]))
+                    stalls.append((float(r[i]), h[len("stall_") :]))
                 except ValueError:
                     pass
         stalls.sort(reverse=True)

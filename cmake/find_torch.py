@@ -45,6 +45,7 @@ def _import_torch():
     looked = ["the build's sys.path"]
     try:
         import torch
+
         return torch, "", looked
     except ImportError as e:
         error = str(e)
@@ -59,6 +60,7 @@ def _import_torch():
             del sys.modules[name]
         try:
             import torch
+
             return torch, d, looked
         except ImportError as e:
             error = "%s: %s" % (d, e)
@@ -74,6 +76,7 @@ def main():
     root = os.path.dirname(torch.__file__)
     try:
         import torch.utils.cpp_extension as ext
+
         include = ext.include_paths()
     except Exception:  # cpp_extension imports setuptools, which an environment may lack
         include = [os.path.join(root, "include"), os.path.join(root, "include", "torch", "csrc", "api", "include")]

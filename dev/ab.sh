@@ -2,7 +2,7 @@
 # A/B of two trees on a GPU machine, from the repository root (the new tree): every op's output bits
 # and every op's time, old against new, in one run. Not part of the library build.
 #   git archive -o .ab/old.tar <old commit>     (on a machine with the repository's history)
-#   bash dev/ab.sh                              (on the GPU machine; .ab/ carried with the tree)
+#   bash dev/ab.sh                              (on the GPU machine, with .ab/ copied beside the tree)
 # 1. builds the library + CLI of the old tree (AB_OLD_TAR, default .ab/old.tar) and of this tree
 #    (CUDA, sm_90, Release, -j$(nproc));
 # 2. builds dev/digest.cpp (public API only) against each and runs both (CPU and CUDA backends,

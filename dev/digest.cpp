@@ -98,7 +98,8 @@ struct Printer {
   }
   void error(const std::string& op, const std::string& what) {
     std::string w = what;
-    for (char& c : w) if (c == '\n') c = ' ';
+    for (char& c : w)
+      if (c == '\n') c = ' ';
     std::printf("%s %s %s ERROR %s\n", dev.c_str(), wl.c_str(), op.c_str(), w.c_str());
   }
 };
@@ -279,12 +280,14 @@ void run(const Workload& w, Device dev, Printer& pr) {
     });
   }
   guard("padded_scatter_wgrad", [&] {
-    pr.out("padded_scatter_wgrad", "wgrad", padded_scatter_wgrad(gy, go, pv.indices, pv.bin_ids, pv.bins, pv.padded_bins, K));
+    pr.out("padded_scatter_wgrad", "wgrad",
+           padded_scatter_wgrad(gy, go, pv.indices, pv.bin_ids, pv.bins, pv.padded_bins, K));
   });
   // the unchecked _out forms: capacity-sized outputs, padding left unwritten / rows past P zeroed
   for (int form = 0; form < 3; ++form) {
-    const std::string op = form == 0 ? "dispatch_out(unchecked)" : form == 1 ? "dispatch_out(no_zero_padding)"
-                                                                            : "dispatch_out(zero_tail)";
+    const std::string op = form == 0   ? "dispatch_out(unchecked)"
+                           : form == 1 ? "dispatch_out(no_zero_padding)"
+                                       : "dispatch_out(zero_tail)";
     guard(op, [&] {
       Options o;
       o.check_data = false;

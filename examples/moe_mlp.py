@@ -104,8 +104,9 @@ class _CombineFn(torch.autograd.Function):
         grad_w_out = None if w_ is None else torch.empty_like(w_)
         # y's row count (>= P) without reading P: a zeroed buffer, so rows the op leaves
         # unwritten (padding rows past P) stay zero. The rows inside [0, P) are all written.
-        grad_y, grad_w = padmoe.combine_backward(grad_out.detach().contiguous(), y_, ctx.plan, w_,
-                                                 out=(_zero_rows(y_, ctx.rows), grad_w_out))
+        grad_y, grad_w = padmoe.combine_backward(
+            grad_out.detach().contiguous(), y_, ctx.plan, w_, out=(_zero_rows(y_, ctx.rows), grad_w_out)
+        )
         return grad_y, grad_w, None
 
 
@@ -147,9 +148,13 @@ def routing_ops(which: str = "auto") -> RoutingOps:
         reason = "asked for"
     else:
         raise ValueError(f"ops: expected auto, padmoe.torch or shim, got {which!r}")
-    return RoutingOps(_shim_make_plan, _shim_dispatch, _shim_combine,
-                      "local shim: torch.autograd.Function over padmoe.dispatch/combine/combine_backward/"
-                      f"dispatch_backward ({reason})")
+    return RoutingOps(
+        _shim_make_plan,
+        _shim_dispatch,
+        _shim_combine,
+        "local shim: torch.autograd.Function over padmoe.dispatch/combine/combine_backward/"
+        f"dispatch_backward ({reason})",
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -202,8 +207,9 @@ class ExpertGemm:
         self.fallback_reason: Optional[str] = None
 
     def __call__(self, a: torch.Tensor, w: torch.Tensor, padded_bins: torch.Tensor) -> torch.Tensor:
-        want_grouped = self.mode == "grouped_mm" or (self.mode == "auto" and self.fallback_reason is None
-                                                     and grouped_mm_usable(a.device, a.dtype))
+        want_grouped = self.mode == "grouped_mm" or (
+            self.mode == "auto" and self.fallback_reason is None and grouped_mm_usable(a.device, a.dtype)
+        )
         if want_grouped:
             fn = _grouped_mm_fn()
             try:
@@ -239,8 +245,17 @@ class MoEMLP(nn.Module):
     they are grouped_mm's ``mat_b`` ``(groups, K, N)`` as they are.
     """
 
-    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, alignment: int = 16,
-                 activation: str = "swiglu", ops="auto", gemm: str = "auto"):
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        num_experts: int,
+        top_k: int,
+        alignment: int = 16,
+        activation: str = "swiglu",
+        ops="auto",
+        gemm: str = "auto",
+    ):
         super().__init__()
         if activation not in ("swiglu", "gelu"):
             raise ValueError(f"activation: expected swiglu or gelu, got {activation!r}")
@@ -292,8 +307,7 @@ def _expert_ref(xe, w_in_e, w_out_e, activation):
     return F.gelu(h) @ w_out_e
 
 
-def dense_reference(x, router_w, w_in, w_out, grad_out, top_k, activation="swiglu", top_experts=None,
-                    method="auto"):
+def dense_reference(x, router_w, w_in, w_out, grad_out, top_k, activation="swiglu", top_experts=None, method="auto"):
     """The same layer in float64 on the CPU, no padmoe, no padding. Returns (out, grads, top):
     out [T, H], the grads of x, router weight, w_in, w_out for the loss ``sum(out * grad_out)``,
     and the routing used ``top`` [T, K] (the reference's own float64 top-k unless ``top_experts``).
@@ -318,7 +332,7 @@ def dense_reference(x, router_w, w_in, w_out, grad_out, top_k, activation="swigl
             norm = sum(probs[t, e] for e in chosen)
             acc = torch.zeros(x.shape[1], dtype=torch.float64)
             for e in chosen:
-                acc = acc + (probs[t, e] / norm) * _expert_ref(x[t:t + 1], w_in[e], w_out[e], activation)[0]
+                acc = acc + (probs[t, e] / norm) * _expert_ref(x[t : t + 1], w_in[e], w_out[e], activation)[0]
             rows.append(acc)
         out = torch.stack(rows)
     elif method == "masks":
@@ -330,7 +344,7 @@ def dense_reference(x, router_w, w_in, w_out, grad_out, top_k, activation="swigl
             tokens = chosen[:, e].nonzero().squeeze(1)
             if tokens.numel():
                 ye = _expert_ref(x[tokens], w_in[e], w_out[e], activation)
-                out = out.index_add(0, tokens, coef[tokens, e:e + 1] * ye)
+                out = out.index_add(0, tokens, coef[tokens, e : e + 1] * ye)
     else:
         raise ValueError(f"method: expected auto, loop or masks, got {method!r}")
     (out * grad_out.detach().to("cpu", torch.float64)).sum().backward()
@@ -368,11 +382,15 @@ class CheckResult:
     def report(self) -> str:
         lines = [f"routing ops: {self.ops}", f"expert GEMM: {self.gemm}"]
         if self.routing_mismatch_tokens:
-            lines.append(f"note: {self.routing_mismatch_tokens} token(s) with a near-tie top-k choice; "
-                         "the reference used the layer's choice there")
+            lines.append(
+                f"note: {self.routing_mismatch_tokens} token(s) with a near-tie top-k choice; "
+                "the reference used the layer's choice there"
+            )
         for name, e in self.errors.items():
             flag = "ok" if self.passes(name) else "FAIL"
-            lines.append(f"  {name:14s} max_abs={e['max_abs']:.3e}  rel={e['rel']:.3e}  (tol {self.tolerance:.0e}) {flag}")
+            lines.append(
+                f"  {name:14s} max_abs={e['max_abs']:.3e}  rel={e['rel']:.3e}  (tol {self.tolerance:.0e}) {flag}"
+            )
         return "\n".join(lines)
 
     def assert_ok(self):
@@ -394,8 +412,20 @@ def make_inputs(tokens, hidden, device, dtype, seed):
     return x, grad_out
 
 
-def check(device="cpu", dtype=torch.float32, tokens=64, hidden=32, ffn=48, experts=8, top_k=2, alignment=16,
-          seed=0, activation="swiglu", ops="auto", gemm="auto") -> CheckResult:
+def check(
+    device="cpu",
+    dtype=torch.float32,
+    tokens=64,
+    hidden=32,
+    ffn=48,
+    experts=8,
+    top_k=2,
+    alignment=16,
+    seed=0,
+    activation="swiglu",
+    ops="auto",
+    gemm="auto",
+) -> CheckResult:
     """Build the layer, run forward + backward, and measure the errors against dense_reference."""
     torch.manual_seed(seed)
     model = MoEMLP(hidden, ffn, experts, top_k, alignment, activation, ops=ops, gemm=gemm).to(device, dtype)
@@ -409,8 +439,9 @@ def check(device="cpu", dtype=torch.float32, tokens=64, hidden=32, ffn=48, exper
     mine = model.last_top_experts.to("cpu").sort(dim=-1).values
     mismatch = int((mine != ref_top.sort(dim=-1).values).any(dim=-1).sum())
     if mismatch:  # near-ties in the router: use the layer's routing (top-k selection has no gradient)
-        ref_out, ref_grads, _ = dense_reference(*params, grad_out, top_k, activation,
-                                                top_experts=model.last_top_experts)
+        ref_out, ref_grads, _ = dense_reference(
+            *params, grad_out, top_k, activation, top_experts=model.last_top_experts
+        )
 
     result = CheckResult(model.ops.name, model.gemm.describe(), TOLERANCE[dtype], routing_mismatch_tokens=mismatch)
     result.errors["out"] = _error(out, ref_out)
@@ -455,17 +486,33 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     dtype = DTYPES[args.dtype]
 
-    print(f"MoE MLP: T={args.tokens} H={args.hidden} F={args.ffn} E={args.experts} K={args.top_k} "
-          f"m={args.alignment} {args.activation} {args.dtype} on {args.device}")
-    result = check(args.device, dtype, args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
-                   args.alignment, args.seed, args.activation, args.ops, args.gemm)
+    print(
+        f"MoE MLP: T={args.tokens} H={args.hidden} F={args.ffn} E={args.experts} K={args.top_k} "
+        f"m={args.alignment} {args.activation} {args.dtype} on {args.device}"
+    )
+    result = check(
+        args.device,
+        dtype,
+        args.tokens,
+        args.hidden,
+        args.ffn,
+        args.experts,
+        args.top_k,
+        args.alignment,
+        args.seed,
+        args.activation,
+        args.ops,
+        args.gemm,
+    )
     print(result.report())
     result.assert_ok()
     print("check: ok")
     if args.iters > 0:
         secs = time_forward_backward(result.model, args.tokens, args.device, dtype, args.seed, iters=args.iters)
-        print(f"forward+backward: {secs * 1e3:.3f} ms/iter (mean of {args.iters}; GEMM path "
-              f"{result.model.gemm.describe()})")
+        print(
+            f"forward+backward: {secs * 1e3:.3f} ms/iter (mean of {args.iters}; GEMM path "
+            f"{result.model.gemm.describe()})"
+        )
     return 0
 
 

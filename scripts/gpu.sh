@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The GPU job, in one call on the device machine (H200, sm_90): build with
+# The GPU job, in one invocation on a GPU machine (written for an H200, sm_90): build with
 # CUDA, run the CPU suite, the GPU suite, compute-sanitizer memcheck and
 # racecheck on a representative subset, `padmoe check --device cuda` on every
 # preset, `padmoe bench --device cuda` on every preset with the memory
 # system's bandwidth by traffic mix (padmoe_bandwidth), and the Python package
 # (pip install ., pytest on CUDA, bench/bench_python.py with its chart).
-# Logs go to $OUT (default: ./gpu-out), packed into $OUT/gpu-logs.tgz as well (the device tool
-# brings back only a few files: PADMOE_GPU_LOGS=DIR writes the logs there instead and leaves only
-# the archive in $OUT). The archive is written on every exit, and PADMOE_GPU_DEADLINE=S (seconds
-# from the start, default 540: under the device tool's 600 s a call) stops the step running at it
-# (timeout) and skips the steps still to come, so that a call that runs long brings its logs back.
+# Logs go to the folder the OUT variable names (default: ./gpu-out), packed into gpu-logs.tgz there
+# as well (for a machine whose logs are collected as a few files: PADMOE_GPU_LOGS=DIR writes the logs
+# to DIR instead and leaves only the archive in OUT's folder). The archive is written on every exit,
+# and PADMOE_GPU_DEADLINE=S (seconds from the start, default 540: under a 600 s time limit per
+# invocation) stops the step running at it (timeout) and skips the steps still to come, so that an
+# invocation that runs long still leaves its logs.
 # Usage: scripts/gpu.sh [STAGE...]  stages: tests checks bench profile ab python triton ep, or
 #        all (default all; profile and ab are never in all). ab: kernel variants timed
 #        against each other, PADMOE_AB="TAG=KEY=V[,KEY=V]@PRESET@OPS ..." (`padmoe bench --variant`
@@ -18,14 +19,14 @@
 #        sanitizer runs of the tests stage (PADMOE_SANITIZE_FILTER: their gtest filter), PADMOE_CPU_TESTS=0 its ctest run,
 #        PADMOE_GPU_TEST_FILTER the GPU suite's gtest filter (default all),
 #        PADMOE_BANDWIDTH=0 skips the bench stage's padmoe_bandwidth, PADMOE_BENCH_PRESETS /
-#        PADMOE_BENCH_OPS its presets (default the four) and ops (default all). A lean call when
-#        little device time is left (about 2 minutes, build included): PADMOE_CPU_TESTS=0
+#        PADMOE_BENCH_OPS its presets (default the four) and ops (default all). A lean invocation
+#        for a short time limit (about 2 minutes, build included): PADMOE_CPU_TESTS=0
 #        PADMOE_SANITIZE=0 PADMOE_BANDWIDTH=0 PADMOE_BUILD_TARGETS="padmoe_cli padmoe_cuda_tests"
 #        PADMOE_GPU_TEST_FILTER='ReduceShapes*:DotKernels*:Determinism*' PADMOE_BENCH_PRESETS=decode
-#        scripts/gpu.sh tests bench. Through the device tool: OUT=$OUT PADMOE_GPU_LOGS=/tmp/gpu-logs, so that
-#        only gpu-logs.tgz comes back (one file), and every step's output is in the call's printed tail.
+#        scripts/gpu.sh tests bench. Where only a few files are collected: PADMOE_GPU_LOGS=/tmp/gpu-logs, so
+#        that OUT's folder holds only gpu-logs.tgz (one file), and every step's output is in the printed tail.
 #        PADMOE_TORCH_BENCH=0 the python stage's bench_torch.py, PADMOE_PYTEST_ARGS its pytest selection (default
-#        python/tests: the whole suite, which runs past one call's deadline on CUDA), PADMOE_BUILD_TARGETS the CMake
+#        python/tests: the whole suite, which runs past the default deadline on CUDA), PADMOE_BUILD_TARGETS the CMake
 #        targets built (all; padmoe_cli padmoe_bandwidth for bench / profile / ab alone). profile: ncu (clocks left alone) on
 #        the kernels of make_plan, dispatch and combine_backward at deepseek-v3
 #        and decode (PADMOE_PROFILE_SPECS="PRESET:OP ..." to choose; PADMOE_PROFILE_KERNELS a
@@ -155,7 +156,7 @@ if want python || want triton || want ep; then
   # The machine's own python3 with its torch / nanobind / scikit-build-core and
   # no network: an unisolated pip build into a target directory (a virtualenv
   # there does not see the system's torch), then PYTHONPATH.
-  # The build tree outside the working tree: a build/ left in the device's copy from an earlier run
+  # The build tree outside the working tree: a build/ left in a copied working tree from an earlier run
   # (its objects newer than the sources copied in) once linked stale objects into the extension.
   run python-build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python3 -m pip install -v --no-build-isolation --no-deps \
     --break-system-packages --upgrade --target "$pyt" -C build-dir="${PADMOE_GPU_SKBUILD:-/tmp/padmoe-skbuild}" .
@@ -172,8 +173,8 @@ if want triton; then
   cat "$out/triton-bench.log"
 fi
 if want python; then
-  # PADMOE_PYTEST_ARGS: what pytest runs (default the whole python/tests, which takes longer than one
-  # device call's 540 s on CUDA; e.g. "python/tests/test_torch_ops.py -k sort_chunks")
+  # PADMOE_PYTEST_ARGS: what pytest runs (default the whole python/tests, which takes longer than the
+  # default 540 s deadline on CUDA; e.g. "python/tests/test_torch_ops.py -k sort_chunks")
   run pytest-cuda env PYTHONPATH="$pyt" python3 -m pytest ${PADMOE_PYTEST_ARGS:-python/tests} -q -rs
   tail -n 5 "$out/pytest-cuda.log" 2>/dev/null
   # padmoe.torch as users see it: per op the kernels' GPU time (profiler), one eager call with the
@@ -191,7 +192,7 @@ if want python; then
       --out-json "$out/python-bench.json" "${png[@]}" ${PADMOE_PYBENCH_ARGS:-}
     cat "$out/python-bench.md" 2>/dev/null
   fi
-  # The harness of the shared bench folder (a copy in .ubench, carried to the device; not in the repo):
+  # The shared benchmark harness, when a copy of it is in .ubench (it is not part of the repository):
   # single eager calls with the host included, CUDA-graph replay, beside PyTorch eager.
   if [ -f .ubench/user_bench.py ] && [ "${PADMOE_USER_BENCH:-1}" = "1" ]; then
     run user-bench env PYTHONPATH="$pyt" OUT="$out" PYTHONUNBUFFERED=1 python3 .ubench/user_bench.py --graphs

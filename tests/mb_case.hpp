@@ -81,8 +81,7 @@ inline void run_mb_case(const MbCase& c) {
     }
     EXPECT_TRUE(bytes_are(y, P, P + c.extra_rows, kPoison)) << "padded_gather wrote past P";
     if (c.check_alloc) {
-      const Tensor y2 =
-          padmoe::padded_gather(x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, c.K, wopt, opt);
+      const Tensor y2 = padmoe::padded_gather(x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, c.K, wopt, opt);
       ASSERT_EQ(y2.ndim(), 2);
       ASSERT_EQ(y2.size(0), P);
       ASSERT_EQ(y2.size(1), H);
@@ -142,8 +141,8 @@ inline void run_mb_case(const MbCase& c) {
       }
       EXPECT_TRUE(sums_close(wg32, r, ra, H, A)) << "padded_scatter_wgrad_out (float32)";
       if (c.check_alloc) {
-        const Tensor wg = padmoe::padded_scatter_wgrad(yin, grad, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins,
-                                                       c.K, opt);
+        const Tensor wg =
+            padmoe::padded_scatter_wgrad(yin, grad, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, c.K, opt);
         ASSERT_EQ(wg.numel(), A);
         EXPECT_EQ(wg.dtype(), c.dtype) << "allocating wgrad returns y's dtype (as MegaBlocks)";
         EXPECT_TRUE(sums_close(wg, r, ra, H, A)) << "padded_scatter_wgrad (allocating)";

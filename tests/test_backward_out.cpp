@@ -61,7 +61,13 @@ struct MbSetup {
 
 MbSetup make_mb(int64_t T, int64_t H, int E, int K, int m, DType dtype, DType wdtype, DType idx, uint64_t seed) {
   MbSetup s;
-  s.T = T; s.H = H; s.E = E; s.K = K; s.m = m; s.dtype = dtype; s.wdtype = wdtype;
+  s.T = T;
+  s.H = H;
+  s.E = E;
+  s.K = K;
+  s.m = m;
+  s.dtype = dtype;
+  s.wdtype = wdtype;
   s.A = T * K;
   const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, seed);
   s.p = ref::make_plan(te, T, K, E, m);
@@ -237,8 +243,8 @@ TEST_P(BackwardOut, PaddedScatterBackward) {
     std::optional<TensorView> wopt;
     if (weighted) wopt = s.w.view();
     const std::vector<float> want_gy = ref::padded_gather(s.gof, H, s.p, weighted ? &s.wf : nullptr);
-    const padmoe::RowGrads g = padmoe::padded_scatter_backward(s.grad_out, s.y, ii.indices, ii.bin_ids, wopt,
-                                                               ii.bins, ii.padded_bins, static_cast<int>(K));
+    const padmoe::RowGrads g = padmoe::padded_scatter_backward(s.grad_out, s.y, ii.indices, ii.bin_ids, wopt, ii.bins,
+                                                               ii.padded_bins, static_cast<int>(K));
     ASSERT_EQ(g.grad_rows.size(0), P);
     EXPECT_EQ(g.grad_weights.defined(), weighted);
 
@@ -373,8 +379,8 @@ TEST_P(UnpadBackwardOut, MatchesAllocatingFormAndReference) {
     const ref::UnpadGrads want =
         ref::unpad_from_alignment_backward(gof, paddedf, H, pr.permutation_map, with_probs ? &probsf : nullptr);
     const std::vector<float> aprobs = abs_of(probsf);
-    const ref::UnpadGrads wabs = ref::unpad_from_alignment_backward(abs_of(gof), abs_of(paddedf), H,
-                                                                    pr.permutation_map, with_probs ? &aprobs : nullptr);
+    const ref::UnpadGrads wabs = ref::unpad_from_alignment_backward(abs_of(gof), abs_of(paddedf), H, pr.permutation_map,
+                                                                    with_probs ? &aprobs : nullptr);
     const padmoe::RowGrads g = padmoe::unpad_from_alignment_backward(grad_out, padded, map, popt);
     ASSERT_EQ(g.grad_rows.size(0), P);
     EXPECT_EQ(g.grad_weights.defined(), with_probs);
@@ -397,8 +403,7 @@ TEST_P(UnpadBackwardOut, MatchesAllocatingFormAndReference) {
       Tensor gprobs2 = filled(other, {N}, kPoison);
       run(popt, gp2, gprobs2);
       EXPECT_TRUE(same_bytes(gp2, g.grad_rows));
-      EXPECT_TRUE(sums_close(gprobs2, want.grad_probs, wabs.grad_probs, H, N)) << "grad_probs (" << dname(other)
-                                                                                 << ")";
+      EXPECT_TRUE(sums_close(gprobs2, want.grad_probs, wabs.grad_probs, H, N)) << "grad_probs (" << dname(other) << ")";
       // skipped: grad_padded unchanged, nothing else written
       Tensor gp3 = poison_rows(dt, P, H);
       Tensor spare = filled(pdt, {N}, kPoison);
@@ -564,7 +569,7 @@ TEST(Copy, Errors) {
 }
 
 // A default TensorView{} has ndim 0 (numel 1) and a null pointer: copy must
-// reject it like every op rejects a null data pointer (SPEC section 5), not
+// reject it like every op rejects a null data pointer (docs/spec.md §12), not
 // dereference it. Disabled: padmoe::copy does not check data pointers yet.
 TEST(Copy, NullDataPointerRejected) {
   Tensor dst = filled(DType::kFloat32, {1}, kPoison);

@@ -1,4 +1,4 @@
-// test_bad_input.cpp — SPEC section 5: every bad argument raises padmoe::Error
+// test_bad_input.cpp — docs/spec.md §12: every bad argument raises padmoe::Error
 // whose message names the argument (and the offending position where there
 // is one), and nothing was written: the outputs still hold their poison.
 #include <functional>
@@ -25,9 +25,13 @@ struct Valid {
     const std::vector<int64_t> counts = {12, 14, 7, 7};  // sum 40 = T*K; expert 2 and 3 hold 7
     for (int e = 0; e < E; ++e) te.insert(te.end(), static_cast<size_t>(counts[static_cast<size_t>(e)]), e);
     Rng rng(1);
-    for (size_t i = te.size(); i > 1; --i) std::swap(te[i - 1], te[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
+    for (size_t i = te.size(); i > 1; --i)
+      std::swap(te[i - 1], te[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
     p = ref::make_plan(te, T, K, E, m);
-    indices = p.indices; bin_ids = p.bin_ids; bins = p.bins; padded_bins = p.padded_bins;
+    indices = p.indices;
+    bin_ids = p.bin_ids;
+    bins = p.bins;
+    padded_bins = p.padded_bins;
     x = rows_from_float(random_values(T * H, DType::kFloat32, rng), DType::kFloat32, T, H);
     w = vec_from_float(random_values(T * K, DType::kFloat32, rng), DType::kFloat32);
     y = rows_from_float(random_values(p.padded_rows * H, DType::kFloat32, rng), DType::kFloat32, p.padded_rows, H);
@@ -47,15 +51,15 @@ void expect_all_reject(const std::vector<int64_t>& indices, const std::vector<in
     const Tensor ind = index_tensor(indices, idx), bid = index_tensor(bin_ids, idx), bn = index_tensor(bins, idx),
                  pb = index_tensor(padded_bins, idx);
     Tensor y = poison_rows(DType::kFloat32, v.p.capacity, Valid::H);
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_gather_out(v.x, ind, bid, bn, pb, top_k, v.w.view(), y); },
-                             needles, kind))
+    EXPECT_TRUE(
+        throws_error([&] { padmoe::padded_gather_out(v.x, ind, bid, bn, pb, top_k, v.w.view(), y); }, needles, kind))
         << "padded_gather_out";
     EXPECT_TRUE(all_bytes_are(y, kPoison)) << "padded_gather_out wrote before failing";
     EXPECT_TRUE(throws_error([&] { padmoe::padded_gather(v.x, ind, bid, bn, pb, top_k); }, needles, kind))
         << "padded_gather";
     Tensor out = poison_rows(DType::kFloat32, Valid::T, Valid::H);
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_scatter_out(v.y, ind, bid, v.w.view(), bn, pb, top_k, out); },
-                             needles, kind))
+    EXPECT_TRUE(
+        throws_error([&] { padmoe::padded_scatter_out(v.y, ind, bid, v.w.view(), bn, pb, top_k, out); }, needles, kind))
         << "padded_scatter_out";
     EXPECT_TRUE(all_bytes_are(out, kPoison)) << "padded_scatter_out wrote before failing";
     Tensor wg = filled(DType::kFloat32, {Valid::T * Valid::K}, kPoison);
@@ -155,7 +159,9 @@ TEST(BadInput, RowTensorShapesDtypesStrides) {
   const int64_t T = Valid::T, H = Valid::H, P = v.P();
   Tensor y = poison_rows(DType::kFloat32, P, H);
   auto gather_into = [&](const TensorView& x, const TensorView& out) {
-    return [&, x, out] { padmoe::padded_gather_out(x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, std::nullopt, out); };
+    return [&, x, out] {
+      padmoe::padded_gather_out(x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, std::nullopt, out);
+    };
   };
   // x rank 1
   {
@@ -201,8 +207,9 @@ TEST(BadInput, RowTensorShapesDtypesStrides) {
   // index dtype float -> type error
   {
     Tensor fi = vec_from_float(std::vector<float>(v.indices.begin(), v.indices.end()), DType::kFloat32);
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_gather_out(v.x, fi, ii.bin_ids, ii.bins, ii.padded_bins, K, std::nullopt, y); },
-                             {"indices"}, kType));
+    EXPECT_TRUE(throws_error(
+        [&] { padmoe::padded_gather_out(v.x, fi, ii.bin_ids, ii.bins, ii.padded_bins, K, std::nullopt, y); },
+        {"indices"}, kType));
   }
   // index tensor not contiguous (stride 2)
   {
@@ -210,50 +217,59 @@ TEST(BadInput, RowTensorShapesDtypesStrides) {
     for (size_t i = 0; i < v.indices.size(); ++i) big.data_as<int32_t>()[2 * i] = static_cast<int32_t>(v.indices[i]);
     TensorView s = TensorView::contiguous(big.data(), DType::kInt32, {static_cast<int64_t>(v.indices.size())});
     s.strides[0] = 2;
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_gather_out(v.x, s, ii.bin_ids, ii.bins, ii.padded_bins, K, std::nullopt, y); },
-                             {"indices"}));
+    EXPECT_TRUE(throws_error(
+        [&] { padmoe::padded_gather_out(v.x, s, ii.bin_ids, ii.bins, ii.padded_bins, K, std::nullopt, y); },
+        {"indices"}));
   }
   // weights: wrong length, wrong dtype
   {
     Tensor ws = vec_from_float(std::vector<float>(static_cast<size_t>(T * K - 1), 0.5f), DType::kFloat32);
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_gather_out(v.x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, ws.view(), y); },
-                             {"weights"}));
+    EXPECT_TRUE(throws_error(
+        [&] { padmoe::padded_gather_out(v.x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, ws.view(), y); },
+        {"weights"}));
     Tensor wi = index_tensor(std::vector<int64_t>(static_cast<size_t>(T * K), 1), DType::kInt32);
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_gather_out(v.x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, wi.view(), y); },
-                             {"weights"}, kType));
+    EXPECT_TRUE(throws_error(
+        [&] { padmoe::padded_gather_out(v.x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, wi.view(), y); },
+        {"weights"}, kType));
   }
   EXPECT_TRUE(all_bytes_are(y, kPoison));
 
   // scatter: out wrong shape / dtype; y too few rows
   {
     Tensor o = poison_rows(DType::kFloat32, T + 1, H);
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_scatter_out(v.y, ii.indices, ii.bin_ids, v.w.view(), ii.bins, ii.padded_bins, K, o); },
-                             {"out"}));
+    EXPECT_TRUE(throws_error(
+        [&] { padmoe::padded_scatter_out(v.y, ii.indices, ii.bin_ids, v.w.view(), ii.bins, ii.padded_bins, K, o); },
+        {"out"}));
     EXPECT_TRUE(all_bytes_are(o, kPoison));
     Tensor o2 = poison_rows(DType::kFloat16, T, H);
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_scatter_out(v.y, ii.indices, ii.bin_ids, v.w.view(), ii.bins, ii.padded_bins, K, o2); },
-                             {"out"}, kType));
+    EXPECT_TRUE(throws_error(
+        [&] { padmoe::padded_scatter_out(v.y, ii.indices, ii.bin_ids, v.w.view(), ii.bins, ii.padded_bins, K, o2); },
+        {"out"}, kType));
     EXPECT_TRUE(all_bytes_are(o2, kPoison));
     Tensor o3 = poison_rows(DType::kFloat32, T, H);
     TensorView ys = TensorView::matrix(v.y.data(), DType::kFloat32, P - 1, H, H);
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_scatter_out(ys, ii.indices, ii.bin_ids, v.w.view(), ii.bins, ii.padded_bins, K, o3); },
-                             {"y"}));
+    EXPECT_TRUE(throws_error(
+        [&] { padmoe::padded_scatter_out(ys, ii.indices, ii.bin_ids, v.w.view(), ii.bins, ii.padded_bins, K, o3); },
+        {"y"}));
     EXPECT_TRUE(all_bytes_are(o3, kPoison));
   }
   // wgrad: grad wrong shape, wgrad wrong length / dtype
   {
     Tensor wg = filled(DType::kFloat32, {T * K}, kPoison);
     TensorView gs = TensorView::matrix(v.grad.data(), DType::kFloat32, T - 1, H, H);
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_scatter_wgrad_out(v.y, gs, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, wg); },
-                             {"grad"}));
+    EXPECT_TRUE(throws_error(
+        [&] { padmoe::padded_scatter_wgrad_out(v.y, gs, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, wg); },
+        {"grad"}));
     EXPECT_TRUE(all_bytes_are(wg, kPoison));
     Tensor wg2 = filled(DType::kFloat32, {T * K - 1}, kPoison);
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_scatter_wgrad_out(v.y, v.grad, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, wg2); },
-                             {"wgrad"}));
+    EXPECT_TRUE(throws_error(
+        [&] { padmoe::padded_scatter_wgrad_out(v.y, v.grad, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, wg2); },
+        {"wgrad"}));
     EXPECT_TRUE(all_bytes_are(wg2, kPoison));
     Tensor wg3 = filled(DType::kInt32, {T * K}, kPoison);
-    EXPECT_TRUE(throws_error([&] { padmoe::padded_scatter_wgrad_out(v.y, v.grad, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, wg3); },
-                             {"wgrad"}, kType));
+    EXPECT_TRUE(throws_error(
+        [&] { padmoe::padded_scatter_wgrad_out(v.y, v.grad, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, wg3); },
+        {"wgrad"}, kType));
     EXPECT_TRUE(all_bytes_are(wg3, kPoison));
   }
 }
@@ -266,14 +282,16 @@ TEST(BadInput, Float8GivenToWeightedOps) {
   Tensor x8 = filled(DType::kFloat8E4M3, {T, H}, 0x38);  // 1.0
   Tensor y8 = poison_rows(DType::kFloat8E4M3, P, H);
   // weighted gather of float8
-  auto r = throws_error([&] { padmoe::padded_gather_out(x8, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, v.w.view(), y8); }, {});
+  auto r = throws_error(
+      [&] { padmoe::padded_gather_out(x8, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, v.w.view(), y8); }, {});
   EXPECT_TRUE(r);
   EXPECT_TRUE(all_bytes_are(y8, kPoison));
   // scatter (a sum) of float8
   Tensor yy8 = filled(DType::kFloat8E5M2, {P, H}, 0x3c);
   Tensor o8 = poison_rows(DType::kFloat8E5M2, T, H);
-  EXPECT_TRUE(throws_error([&] { padmoe::padded_scatter_out(yy8, ii.indices, ii.bin_ids, std::nullopt, ii.bins, ii.padded_bins, K, o8); },
-                           {"y"}, kType));
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::padded_scatter_out(yy8, ii.indices, ii.bin_ids, std::nullopt, ii.bins, ii.padded_bins, K, o8); },
+      {"y"}, kType));
   EXPECT_TRUE(all_bytes_are(o8, kPoison));
   // combine with float8
   const PlanHolder ph = plan_from_ref(v.p);
@@ -288,12 +306,14 @@ TEST(BadInput, Float8GivenToWeightedOps) {
   const padmoe::PadResult pr = padmoe::pad_to_alignment(h8, index_tensor(counts, DType::kInt32), 4);
   Tensor probs = vec_from_float(std::vector<float>(7, 0.5f), DType::kFloat32);
   Tensor u8 = poison_rows(DType::kFloat8E4M3, 7, 4);
-  EXPECT_TRUE(throws_error([&] { padmoe::unpad_from_alignment_out(pr.padded, pr.permutation_map, probs.view(), u8); }, {}));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::unpad_from_alignment_out(pr.padded, pr.permutation_map, probs.view(), u8); }, {}));
   EXPECT_TRUE(all_bytes_are(u8, kPoison));
   // ...while the move-only forms accept float8
   Tensor ok8 = poison_rows(DType::kFloat8E4M3, P, H);
   padmoe::padded_gather_out(x8, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, K, std::nullopt, ok8);
-  EXPECT_TRUE(rows_bitwise(ok8, ref::padded_gather(std::vector<float>(static_cast<size_t>(T * H), 1.0f), H, v.p, nullptr), P));
+  EXPECT_TRUE(
+      rows_bitwise(ok8, ref::padded_gather(std::vector<float>(static_cast<size_t>(T * H), 1.0f), H, v.p, nullptr), P));
 }
 
 TEST(BadInput, CudaTensorWithoutCuda) {
@@ -330,11 +350,13 @@ TEST(BadInput, MakePlan) {
     auto r = throws_error([&] { padmoe::make_plan(t, E, 8); }, {"top_experts"}, kValue);
     EXPECT_TRUE(r);
     const std::string msg = r.message();
-    EXPECT_TRUE(msg.find("13") != std::string::npos || (msg.find("6") != std::string::npos && msg.find("1") != std::string::npos))
+    EXPECT_TRUE(msg.find("13") != std::string::npos ||
+                (msg.find("6") != std::string::npos && msg.find("1") != std::string::npos))
         << "message should name the offending position: " << msg;
   }
   te[13] = -1;
-  EXPECT_TRUE(throws_error([&] { padmoe::make_plan(index_matrix(te, T, K, DType::kInt64), E, 8); }, {"top_experts"}, kValue));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::make_plan(index_matrix(te, T, K, DType::kInt64), E, 8); }, {"top_experts"}, kValue));
   te[13] = 3;
   const Tensor good = index_matrix(te, T, K, DType::kInt32);
   // alignment < 1, E < 1
@@ -353,12 +375,26 @@ TEST(BadInput, MakePlan) {
   // make_plan_out: short buffers named, nothing written
   const int64_t A = T * K, cap = A + E * 7;
   auto buffers = [&](int64_t rs_len, int64_t ind_len, DType rs_dtype) {
-    struct B { Tensor ind, bid, tpe, bins, ptpe, pb, dest, rs; padmoe::PlanView v; } b;
-    b.ind = poison_index(ind_len); b.bid = poison_index(A); b.tpe = poison_index(E); b.bins = poison_index(E);
-    b.ptpe = poison_index(E); b.pb = poison_index(E); b.dest = poison_index(A);
+    struct B {
+      Tensor ind, bid, tpe, bins, ptpe, pb, dest, rs;
+      padmoe::PlanView v;
+    } b;
+    b.ind = poison_index(ind_len);
+    b.bid = poison_index(A);
+    b.tpe = poison_index(E);
+    b.bins = poison_index(E);
+    b.ptpe = poison_index(E);
+    b.pb = poison_index(E);
+    b.dest = poison_index(A);
     b.rs = filled(rs_dtype, {rs_len}, kIndexPoison);
-    b.v.indices = b.ind; b.v.bin_ids = b.bid; b.v.tokens_per_expert = b.tpe; b.v.bins = b.bins;
-    b.v.padded_tokens_per_expert = b.ptpe; b.v.padded_bins = b.pb; b.v.dest_rows = b.dest; b.v.row_sources = b.rs;
+    b.v.indices = b.ind;
+    b.v.bin_ids = b.bid;
+    b.v.tokens_per_expert = b.tpe;
+    b.v.bins = b.bins;
+    b.v.padded_tokens_per_expert = b.ptpe;
+    b.v.padded_bins = b.pb;
+    b.v.dest_rows = b.dest;
+    b.v.row_sources = b.rs;
     return b;
   };
   const int64_t P = ref::make_plan(te, T, K, E, 8).padded_rows;
@@ -414,7 +450,8 @@ TEST(BadInput, PlanViewOps) {
   // a plan whose dest_rows disagree with row_sources
   PlanHolder ph4 = plan_from_ref(v.p);
   std::swap(ph4.dest_rows.data_as<int32_t>()[0], ph4.dest_rows.data_as<int32_t>()[1]);
-  EXPECT_TRUE(throws_error([&] { padmoe::dispatch_out(v.x, ph4.view, std::nullopt, y); }, {"dispatch", "plan"}, kValue));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::dispatch_out(v.x, ph4.view, std::nullopt, y); }, {"dispatch", "plan"}, kValue));
   // a plan whose row_sources name the same assignment twice (the fused ops read
   // dest_rows / row_sources / padded_bins, which must be mutually inverse)
   PlanHolder ph5 = plan_from_ref(v.p);
@@ -430,12 +467,14 @@ TEST(BadInput, PlanViewOps) {
   PlanHolder ph3 = plan_from_ref(v.p);
   Tensor gy = poison_rows(DType::kFloat32, P - 1, H);
   Tensor gw = filled(DType::kFloat32, {Valid::T * Valid::K}, kPoison);
-  EXPECT_TRUE(throws_error([&] { padmoe::combine_backward_out(v.grad, v.y, ph3.view, v.w.view(), gy, gw); }, {"grad_y"}));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::combine_backward_out(v.grad, v.y, ph3.view, v.w.view(), gy, gw); }, {"grad_y"}));
   EXPECT_TRUE(all_bytes_are(gy, kPoison));
   EXPECT_TRUE(all_bytes_are(gw, kPoison));
   Tensor gy2 = poison_rows(DType::kFloat32, P, H);
   Tensor gw2 = filled(DType::kFloat32, {Valid::T * Valid::K + 1}, kPoison);
-  EXPECT_TRUE(throws_error([&] { padmoe::combine_backward_out(v.grad, v.y, ph3.view, v.w.view(), gy2, gw2); }, {"grad_weights"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::combine_backward_out(v.grad, v.y, ph3.view, v.w.view(), gy2, gw2); },
+                           {"grad_weights"}));
   EXPECT_TRUE(all_bytes_are(gy2, kPoison));
   EXPECT_TRUE(all_bytes_are(gw2, kPoison));
 }
@@ -452,7 +491,8 @@ TEST(BadInput, Megatron) {
   EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment(h, index_tensor({3, -1, 7}, DType::kInt64), 4); },
                            {"tokens_per_expert"}, kValue));
   // sum(counts) > N
-  EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment(h, index_tensor({3, 0, 10}, DType::kInt32), 4); }, {}, kValue));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::pad_to_alignment(h, index_tensor({3, 0, 10}, DType::kInt32), 4); }, {}, kValue));
   // wrong dtypes
   EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment(h, vec_from_float({3, 0, 7}, DType::kFloat32), 4); },
                            {"tokens_per_expert"}, kType));
@@ -495,31 +535,54 @@ TEST(BadInput, Megatron) {
   const Tensor padded = rows_from_float(random_values(6 * H, DType::kFloat32, rng), DType::kFloat32, 6, H);
   {
     Tensor out = poison_rows(DType::kFloat32, 4, H);
-    EXPECT_TRUE(throws_error([&] { padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 4, -1, -1, 2}, DType::kInt32), std::nullopt, out); },
-                             {"permutation_map", "2"}));
+    EXPECT_TRUE(throws_error(
+        [&] {
+          padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 4, -1, -1, 2}, DType::kInt32), std::nullopt,
+                                           out);
+        },
+        {"permutation_map", "2"}));
     EXPECT_TRUE(all_bytes_are(out, kPoison));
-    EXPECT_TRUE(throws_error([&] { padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 3, -1, 1, 2}, DType::kInt32), std::nullopt, out); },
-                             {"permutation_map"}));
+    EXPECT_TRUE(throws_error(
+        [&] {
+          padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 3, -1, 1, 2}, DType::kInt32), std::nullopt, out);
+        },
+        {"permutation_map"}));
     EXPECT_TRUE(all_bytes_are(out, kPoison));
-    EXPECT_TRUE(throws_error([&] { padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 3, -7, -1, 2}, DType::kInt32), std::nullopt, out); },
-                             {"permutation_map"}));
+    EXPECT_TRUE(throws_error(
+        [&] {
+          padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 3, -7, -1, 2}, DType::kInt32), std::nullopt,
+                                           out);
+        },
+        {"permutation_map"}));
     EXPECT_TRUE(all_bytes_are(out, kPoison));
     Tensor probs = vec_from_float({0.5f, 0.5f, 0.5f}, DType::kFloat32);
-    EXPECT_TRUE(throws_error([&] { padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 3, -1, -1, 2}, DType::kInt32), probs.view(), out); },
-                             {"probs"}));
+    EXPECT_TRUE(throws_error(
+        [&] {
+          padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 3, -1, -1, 2}, DType::kInt32), probs.view(),
+                                           out);
+        },
+        {"probs"}));
     EXPECT_TRUE(all_bytes_are(out, kPoison));
     // map length != padded rows
-    EXPECT_TRUE(throws_error([&] { padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 3, -1, 2}, DType::kInt32), std::nullopt, out); },
-                             {"permutation_map"}));
+    EXPECT_TRUE(throws_error(
+        [&] {
+          padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 3, -1, 2}, DType::kInt32), std::nullopt, out);
+        },
+        {"permutation_map"}));
     EXPECT_TRUE(all_bytes_are(out, kPoison));
     // H mismatch between padded and out
     Tensor outh = poison_rows(DType::kFloat32, 4, H + 1);
-    EXPECT_TRUE(throws_error([&] { padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 3, -1, -1, 2}, DType::kInt32), std::nullopt, outh); },
-                             {"out"}));
+    EXPECT_TRUE(throws_error(
+        [&] {
+          padmoe::unpad_from_alignment_out(padded, index_tensor({0, 1, 3, -1, -1, 2}, DType::kInt32), std::nullopt,
+                                           outh);
+        },
+        {"out"}));
     EXPECT_TRUE(all_bytes_are(outh, kPoison));
   }
-  EXPECT_TRUE(throws_error([&] { padmoe::unpad_from_alignment(padded, index_tensor({0, 1, 3, -1, -1, 2}, DType::kInt32), -1); },
-                           {"original_size"}));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::unpad_from_alignment(padded, index_tensor({0, 1, 3, -1, -1, 2}, DType::kInt32), -1); },
+                   {"original_size"}));
 }
 
 TEST(BadInput, EmptyInputsAreValid) {
@@ -528,10 +591,14 @@ TEST(BadInput, EmptyInputsAreValid) {
   const IndexInputs ii = index_inputs(p, DType::kInt32);
   const Tensor x = Tensor::empty(DType::kFloat32, {0, 8});
   EXPECT_EQ(padmoe::padded_gather(x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, 2).size(0), 0);
-  EXPECT_EQ(padmoe::padded_scatter(Tensor::empty(DType::kFloat32, {0, 8}), ii.indices, ii.bin_ids, std::nullopt, ii.bins,
-                                   ii.padded_bins, 2).size(0), 0);
+  EXPECT_EQ(padmoe::padded_scatter(Tensor::empty(DType::kFloat32, {0, 8}), ii.indices, ii.bin_ids, std::nullopt,
+                                   ii.bins, ii.padded_bins, 2)
+                .size(0),
+            0);
   EXPECT_EQ(padmoe::padded_scatter_wgrad(Tensor::empty(DType::kFloat32, {0, 8}), x, ii.indices, ii.bin_ids, ii.bins,
-                                         ii.padded_bins, 2).numel(), 0);
+                                         ii.padded_bins, 2)
+                .numel(),
+            0);
   const padmoe::Plan lp = padmoe::make_plan(Tensor::empty(DType::kInt64, {0, 2}), 4, 8);
   EXPECT_EQ(padmoe::dispatch(x, lp.view()).size(0), 0);
   EXPECT_EQ(padmoe::combine(Tensor::empty(DType::kFloat32, {0, 8}), lp.view()).size(0), 0);

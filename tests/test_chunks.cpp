@@ -18,7 +18,8 @@ using padmoe::PadResult;
 std::vector<float> tagged(int64_t N, int64_t H, DType dt) {
   std::vector<float> v(static_cast<size_t>(N * H));
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t c = 0; c < H; ++c) v[static_cast<size_t>(n * H + c)] = num::round_to(dt, static_cast<float>(n) + c / 8.0f);
+    for (int64_t c = 0; c < H; ++c)
+      v[static_cast<size_t>(n * H + c)] = num::round_to(dt, static_cast<float>(n) + c / 8.0f);
   return v;
 }
 
@@ -135,18 +136,18 @@ TEST_P(SortChunksGrid, MatchesReferenceAndRoundTrips) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, SortChunksGrid,
-    ::testing::Values(ChunkParam{8, 4, 16, DType::kBFloat16, DType::kInt32, true},
-                      ChunkParam{8, 4, 16, DType::kBFloat16, DType::kInt64, false},
-                      ChunkParam{1, 6, 4, DType::kFloat32, DType::kInt64, true},    // R = 1: pad_to_alignment
-                      ChunkParam{5, 1, 4, DType::kFloat16, DType::kInt32, true},    // E_local = 1
-                      ChunkParam{1, 1, 1, DType::kFloat32, DType::kInt32, false},
-                      ChunkParam{4, 8, 1, DType::kFloat32, DType::kInt32, false},   // no padding
-                      ChunkParam{3, 5, 4, DType::kFloat8E4M3, DType::kInt64, true},
-                      ChunkParam{2, 7, 16, DType::kFloat8E5M2, DType::kInt32, false},
-                      ChunkParam{16, 16, 16, DType::kBFloat16, DType::kInt32, true},
-                      ChunkParam{2, 3, 16, DType::kFloat16, DType::kInt64, false}));
+INSTANTIATE_TEST_SUITE_P(Layouts, SortChunksGrid,
+                         ::testing::Values(ChunkParam{8, 4, 16, DType::kBFloat16, DType::kInt32, true},
+                                           ChunkParam{8, 4, 16, DType::kBFloat16, DType::kInt64, false},
+                                           ChunkParam{1, 6, 4, DType::kFloat32, DType::kInt64,
+                                                      true},    // R = 1: pad_to_alignment
+                                           ChunkParam{5, 1, 4, DType::kFloat16, DType::kInt32, true},  // E_local = 1
+                                           ChunkParam{1, 1, 1, DType::kFloat32, DType::kInt32, false},
+                                           ChunkParam{4, 8, 1, DType::kFloat32, DType::kInt32, false},  // no padding
+                                           ChunkParam{3, 5, 4, DType::kFloat8E4M3, DType::kInt64, true},
+                                           ChunkParam{2, 7, 16, DType::kFloat8E5M2, DType::kInt32, false},
+                                           ChunkParam{16, 16, 16, DType::kBFloat16, DType::kInt32, true},
+                                           ChunkParam{2, 3, 16, DType::kFloat16, DType::kInt64, false}));
 
 TEST(SortChunks, OneRankIsPadToAlignment) {
   Rng rng(5);
@@ -257,8 +258,8 @@ TEST(SortChunks, OptionsZeroTailAndZeroPadding) {
       if (src < 0) {
         EXPECT_TRUE(bytes_are(padded, p, p + 1, kPoison)) << p;
       } else {
-        EXPECT_TRUE(rows_bitwise(padded, std::vector<float>(hf.begin() + src * H, hf.begin() + (src + 1) * H), 1, 0,
-                                 -1, p));
+        EXPECT_TRUE(
+            rows_bitwise(padded, std::vector<float>(hf.begin() + src * H, hf.begin() + (src + 1) * H), 1, 0, -1, p));
       }
     }
   }
@@ -318,9 +319,8 @@ TEST(SortChunks, BadInputNamedAndNothingWritten) {
   };
   using SI = std::optional<TensorView>;
   auto run = [&](const TensorView& hh, const TensorView& s, int R, int m, SI si, const TensorView& p,
-                 const TensorView& mp, const TensorView& o) {
-    return [=] { padmoe::sort_chunks_out(hh, s, R, m, si, p, mp, o); };
-  };
+                 const TensorView& mp,
+                 const TensorView& o) { return [=] { padmoe::sort_chunks_out(hh, s, R, m, si, p, mp, o); }; };
   struct Case {
     const char* what;
     std::function<void()> f;
@@ -356,9 +356,11 @@ TEST(SortChunks, BadInputNamedAndNothingWritten) {
       {"too large", run(h, huge, 2, 4, {}, padded, map, offs), {"split_sizes: entry [0, 2] (11) exceeds the 10 rows"}},
       {"sum", run(h, total, 2, 4, {}, padded, map, offs), {"split_sizes: sums to 12 but received has 10 rows"}},
       {"sorted short", run(h, good, 2, 4, perm_short.view(), padded, map, offs), {"sorted_index:", "6 entries"}},
-      {"sorted oor", run(h, good, 2, 4, perm_oor.view(), padded, map, offs),
+      {"sorted oor",
+       run(h, good, 2, 4, perm_oor.view(), padded, map, offs),
        {"sorted_index: position 2 holds chunk 9, outside [0, 6)"}},
-      {"sorted repeat", run(h, good, 2, 4, perm_rep.view(), padded, map, offs),
+      {"sorted repeat",
+       run(h, good, 2, 4, perm_rep.view(), padded, map, offs),
        {"sorted_index: must be a permutation of [0, 6): chunk 2 appears more than once"}},
       {"capacity", run(h, good, 2, 4, {}, small, small_map, offs), {"padded: output capacity", "at least 12 rows"}},
       {"padded cols", run(h, good, 2, 4, {}, wide, map, offs), {"padded:", "columns"}},
@@ -373,9 +375,12 @@ TEST(SortChunks, BadInputNamedAndNothingWritten) {
   }
   // The allocating form, and sort_chunks_rows (P for a caller that allocates), report the same errors.
   EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks(h, neg, 2, 4); }, {"entry [0, 1] is negative"}));
-  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(h, neg, 2, 4); }, {"sort_chunks: split_sizes: entry [0, 1] is negative"}));
-  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(h, huge, 2, 4); }, {"split_sizes: entry [0, 2] (11) exceeds the 10 rows"}));
-  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(h, total, 2, 4); }, {"split_sizes: sums to 12 but received has 10 rows"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(h, neg, 2, 4); },
+                           {"sort_chunks: split_sizes: entry [0, 1] is negative"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(h, huge, 2, 4); },
+                           {"split_sizes: entry [0, 2] (11) exceeds the 10 rows"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(h, total, 2, 4); },
+                           {"split_sizes: sums to 12 but received has 10 rows"}));
   EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(h, good, 2, 4, perm_rep.view()); }, {"chunk 2 appears"}));
   EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks(h, good, 2, 4, perm_rep.view()); }, {"chunk 2 appears"}));
   // A good call afterwards works (the buffers were really untouched and usable).

@@ -161,8 +161,8 @@ TEST(EntryHardening, SizeHelpersReportOverflowInsteadOfAWrongBound) {
   EXPECT_EQ(padmoe::capacity_bound(big / 4, 4, 2, 3), big + 4);
   padmoe::PlanOptions po;
   po.expert_capacity = big;
-  EXPECT_TRUE(throws_error([&] { padmoe::plan_rows_bound(1, 1, 4, 1, po); }, {"plan_rows_bound", "size overflow"},
-                           kValue));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::plan_rows_bound(1, 1, 4, 1, po); }, {"plan_rows_bound", "size overflow"}, kValue));
   po.expert_capacity = -2;
   EXPECT_TRUE(throws_error([&] { padmoe::plan_rows_bound(1, 1, 4, 1, po); },
                            {"plan_rows_bound: plan_options.expert_capacity"}, kValue));
@@ -172,12 +172,12 @@ TEST(EntryHardening, SizeHelpersReportOverflowInsteadOfAWrongBound) {
                            {"aligned_rows_bound", "size overflow"}, kValue));
   EXPECT_TRUE(throws_error([&] { padmoe::aligned_rows_bound(kI64Max - 20, 1, 16, true); },
                            {"aligned_rows_bound", "size overflow"}, kValue));
-  EXPECT_TRUE(throws_error([&] { padmoe::aligned_rows_bound(-1, 8, 16); }, {"aligned_rows_bound: assignments"},
-                           kValue));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::aligned_rows_bound(-1, 8, 16); }, {"aligned_rows_bound: assignments"}, kValue));
   EXPECT_EQ(padmoe::aligned_rows_bound(big, 8, 1 << 30), big + 8 * ((int64_t{1} << 30) - 1));
   EXPECT_EQ(padmoe::aligned_rows_bound(3, 8, 16, true), 48);  // 3 + 3 * 15, rounded up to 16
-  EXPECT_TRUE(throws_error([&] { padmoe::workspace_bound(big, 4, 1, 1); }, {"workspace_bound", "size overflow"},
-                           kValue));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::workspace_bound(big, 4, 1, 1); }, {"workspace_bound", "size overflow"}, kValue));
   EXPECT_TRUE(throws_error([&] { padmoe::Plan::empty(big, 4, 1, 1); }, {"Plan::empty", "size overflow"}, kValue));
   EXPECT_TRUE(throws_error([&] { padmoe::Plan::empty(4, 0, 1, 1); }, {"Plan::empty: top_k"}, kValue));
 }
@@ -268,8 +268,8 @@ TEST(EntryHardening, AliasedOutputsAreRefusedDisjointSlicesAccepted) {
     po.dropped = TensorView::contiguous(map.data_as<int32_t>() + 1, DType::kInt32, {1});
     EXPECT_TRUE(throws_error([&] { padmoe::make_plan_out(top, E, m, out.view, {}, po); },
                              {"make_plan: plan_options.dropped: shares memory with plan_options.expert_map"}, kValue));
-    const Tensor* all[] = {&out.indices, &out.bin_ids, &out.tpe, &out.bins, &out.ptpe, &out.pbins, &out.dest_rows,
-                           &out.row_sources};
+    const Tensor* all[] = {&out.indices, &out.bin_ids, &out.tpe,       &out.bins,
+                           &out.ptpe,    &out.pbins,   &out.dest_rows, &out.row_sources};
     for (const Tensor* t : all) EXPECT_TRUE(all_bytes_are(*t, kIndexPoison));
   }
   // moe_align_block_size_out: expert_ids inside sorted_token_ids
@@ -277,8 +277,8 @@ TEST(EntryHardening, AliasedOutputsAreRefusedDisjointSlicesAccepted) {
     const int64_t rows = padmoe::aligned_rows_bound(T * K, E, m);
     Tensor sorted = poison_index(rows + (rows + m - 1) / m), total = poison_index(1);
     const TensorView head = TensorView::contiguous(sorted.data_as<int32_t>(), DType::kInt32, {rows});
-    const TensorView blocks = TensorView::contiguous(sorted.data_as<int32_t>() + rows - 1, DType::kInt32,
-                                                     {(rows + m - 1) / m});
+    const TensorView blocks =
+        TensorView::contiguous(sorted.data_as<int32_t>() + rows - 1, DType::kInt32, {(rows + m - 1) / m});
     EXPECT_TRUE(throws_error([&] { padmoe::moe_align_block_size_out(top, m, E, head, blocks, total); },
                              {"moe_align_block_size: expert_ids: shares memory with sorted_token_ids"}, kValue));
     EXPECT_TRUE(all_bytes_are(sorted, kIndexPoison));
@@ -324,9 +324,9 @@ TEST(EntryHardening, AliasedOutputsAreRefusedDisjointSlicesAccepted) {
   Tensor sorted_rows = poison_rows(DType::kFloat32, padmoe::sort_chunks_capacity(6, 4, 2, 4), H);
   Tensor smap = poison_index(sorted_rows.size(0));
   const TensorView offs_on_sizes = TensorView::contiguous(sizes.data_as<int32_t>() + 2, DType::kInt32, {2});
-  EXPECT_TRUE(throws_error(
-      [&] { padmoe::sort_chunks_out(h, sizes, 2, 4, std::nullopt, sorted_rows, smap, offs_on_sizes); },
-      {"sort_chunks: inclusive_offsets: shares memory with split_sizes"}, kValue));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::sort_chunks_out(h, sizes, 2, 4, std::nullopt, sorted_rows, smap, offs_on_sizes); },
+                   {"sort_chunks: inclusive_offsets: shares memory with split_sizes"}, kValue));
   EXPECT_TRUE(all_bytes_are(sorted_rows, kPoison));
   std::vector<int64_t> seq = {1, 2, 3, 4, 5};
   Tensor line = index_tensor(seq, DType::kInt32);

@@ -1,4 +1,4 @@
-// test_fp8_scales.cpp — rows moved with their scales (ops.hpp section 4; issue 11, item 1):
+// test_fp8_scales.cpp — rows moved with their scales (ops.hpp section 4):
 // dispatch / padded_gather / pad_to_alignment / unpad_from_alignment `_scaled` forms, every scale
 // layout (per row 1-D and [rows, 1], per 128 columns, MXFP8 E8M0) x float8 e4m3 / e5m2 (and a
 // 16-bit case), against the reference loops: data rows bitwise, scale rows byte for byte, padding
@@ -25,7 +25,8 @@ const char* lname(Layout l) {
 
 int64_t layout_cols(Layout l, int64_t H) {
   switch (l) {
-    case Layout::kPerRow1D: case Layout::kPerRow2D: return 1;
+    case Layout::kPerRow1D:
+    case Layout::kPerRow2D: return 1;
     case Layout::kBlock128: return (H + 127) / 128;
     case Layout::kMx: return (H + 31) / 32;
   }
@@ -82,7 +83,8 @@ std::vector<uint8_t> bytes_of(const TensorView& t) {
   const auto* p = static_cast<const uint8_t*>(got.data);
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t b = 0; b < rb; ++b)
-      if (p[r * rb + b] != one[static_cast<size_t>(b)]) return ::testing::AssertionFailure() << "scale row " << r << " is not 1";
+      if (p[r * rb + b] != one[static_cast<size_t>(b)])
+        return ::testing::AssertionFailure() << "scale row " << r << " is not 1";
   return ::testing::AssertionSuccess();
 }
 
@@ -115,8 +117,8 @@ Case make_case(DType dt, Layout l, int64_t T, int64_t H, int K, int E, int m, Di
 void expect_spread(const Case& c, const TensorView& y, const TensorView& ys, bool zero_padding, bool zero_tail) {
   const int64_t P = c.p.padded_rows, rows = y.shape[0], rb = scale_row_bytes(c.layout, c.H);
   const std::vector<float> want = ref::padded_gather(c.xf, c.H, c.p, nullptr);
-  const std::vector<uint8_t> swant =
-      ref::move_scale_rows(bytes_of(c.xs), rb, ref::spread_sources(c.p), ref::scale_one_row(is_mx(c.layout), layout_cols(c.layout, c.H)));
+  const std::vector<uint8_t> swant = ref::move_scale_rows(
+      bytes_of(c.xs), rb, ref::spread_sources(c.p), ref::scale_one_row(is_mx(c.layout), layout_cols(c.layout, c.H)));
   for (int64_t r = 0; r < P; ++r) {
     const bool real = c.p.row_sources[static_cast<size_t>(r)] >= 0;
     if (real || zero_padding) {
@@ -291,7 +293,8 @@ TEST(Fp8Scales, PadEveryLayout) {
           if (real || zero_padding) {
             std::vector<float> one(want.padded.begin() + r * g.H, want.padded.begin() + (r + 1) * g.H);
             EXPECT_TRUE(rows_bitwise(padded, one, 1, 0, g.H, r)) << "row " << r;
-            EXPECT_TRUE(scale_rows_are(at, std::vector<uint8_t>(swant.begin() + r * rb, swant.begin() + (r + 1) * rb), rb))
+            EXPECT_TRUE(
+                scale_rows_are(at, std::vector<uint8_t>(swant.begin() + r * rb, swant.begin() + (r + 1) * rb), rb))
                 << "scale row " << r;
           } else {
             EXPECT_TRUE(bytes_are(padded, r, r + 1, kPoison)) << "padding row " << r;
@@ -319,7 +322,8 @@ TEST(Fp8Scales, UnpadEveryLayout) {
       Rng rng(33);
       std::vector<int64_t> targets(static_cast<size_t>(N));
       for (int64_t n = 0; n < N; ++n) targets[static_cast<size_t>(n)] = n;
-      for (size_t i = targets.size(); i > 1; --i) std::swap(targets[i - 1], targets[static_cast<size_t>(rng.below(int64_t(i)))]);
+      for (size_t i = targets.size(); i > 1; --i)
+        std::swap(targets[i - 1], targets[static_cast<size_t>(rng.below(int64_t(i)))]);
       std::vector<int64_t> map(static_cast<size_t>(P), -1);
       for (int64_t i = 0; i < 22; ++i) map[static_cast<size_t>((i * 7) % P)] = targets[static_cast<size_t>(i)];
       const std::vector<float> pf = random_values(P * H, dt, rng, -100.0, 100.0);
@@ -388,18 +392,36 @@ TEST(Fp8Scales, BadScalesAreNamedErrorsAndNothingIsWritten) {
   TensorView strided_view = strided.view();
   strided_view.shape[1] = 2;  // [T, 2] with row stride 4: not contiguous
   std::vector<Bad> bad;
-  bad.push_back({"int32 scales", Tensor::empty(DType::kInt32, {c.T, 2}), poison_scales(Layout::kBlock128, rows, 200),
-                 {"x_scales", "int32"}, kType});
-  bad.push_back({"wrong float column count", Tensor::empty(DType::kFloat32, {c.T, 3}),
-                 poison_scales(Layout::kBlock128, rows, 200), {"x_scales", "ceil(H/128)", "[20, 3]"}, kValue});
-  bad.push_back({"wrong e8m0 column count", Tensor::empty(DType::kUInt8, {c.T, 6}), poison_scales(Layout::kMx, rows, 200),
-                 {"x_scales", "ceil(H/32)", "[rows, 7]"}, kValue});
-  bad.push_back({"1-D e8m0", Tensor::empty(DType::kUInt8, {c.T}), poison_scales(Layout::kMx, rows, 200),
-                 {"x_scales", "uint8"}, kValue});
-  bad.push_back({"3-D scales", Tensor::empty(DType::kFloat32, {c.T, 2, 1}), poison_scales(Layout::kBlock128, rows, 200),
-                 {"x_scales", "[rows, columns]"}, kValue});
-  bad.push_back({"rows do not match x", Tensor::empty(DType::kFloat32, {c.T - 1, 2}),
-                 poison_scales(Layout::kBlock128, rows, 200), {"x_scales", "expected 20 rows"}, kValue});
+  bad.push_back({"int32 scales",
+                 Tensor::empty(DType::kInt32, {c.T, 2}),
+                 poison_scales(Layout::kBlock128, rows, 200),
+                 {"x_scales", "int32"},
+                 kType});
+  bad.push_back({"wrong float column count",
+                 Tensor::empty(DType::kFloat32, {c.T, 3}),
+                 poison_scales(Layout::kBlock128, rows, 200),
+                 {"x_scales", "ceil(H/128)", "[20, 3]"},
+                 kValue});
+  bad.push_back({"wrong e8m0 column count",
+                 Tensor::empty(DType::kUInt8, {c.T, 6}),
+                 poison_scales(Layout::kMx, rows, 200),
+                 {"x_scales", "ceil(H/32)", "[rows, 7]"},
+                 kValue});
+  bad.push_back({"1-D e8m0",
+                 Tensor::empty(DType::kUInt8, {c.T}),
+                 poison_scales(Layout::kMx, rows, 200),
+                 {"x_scales", "uint8"},
+                 kValue});
+  bad.push_back({"3-D scales",
+                 Tensor::empty(DType::kFloat32, {c.T, 2, 1}),
+                 poison_scales(Layout::kBlock128, rows, 200),
+                 {"x_scales", "[rows, columns]"},
+                 kValue});
+  bad.push_back({"rows do not match x",
+                 Tensor::empty(DType::kFloat32, {c.T - 1, 2}),
+                 poison_scales(Layout::kBlock128, rows, 200),
+                 {"x_scales", "expected 20 rows"},
+                 kValue});
   bad.push_back({"output dtype", c.xs, filled(DType::kUInt8, {rows, 2}, kPoison), {"y_scales", "float32"}, kType});
   bad.push_back({"output layout", c.xs, poison_scales(Layout::kPerRow1D, rows, 200), {"y_scales", "layout"}, kValue});
   bad.push_back({"output rows", c.xs, poison_scales(Layout::kBlock128, rows - 1, 200), {"y_scales", "rows"}, kValue});
@@ -408,7 +430,9 @@ TEST(Fp8Scales, BadScalesAreNamedErrorsAndNothingIsWritten) {
     Tensor y = poison_rows(c.dt, rows, c.H);
     EXPECT_TRUE(throws_error([&] { padmoe::dispatch_scaled_out(c.x, plan.view(), b.xs, y, b.ys); }, b.needles, b.kind));
     EXPECT_TRUE(throws_error(
-        [&] { padmoe::padded_gather_scaled_out(c.x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, c.K, b.xs, y, b.ys); },
+        [&] {
+          padmoe::padded_gather_scaled_out(c.x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, c.K, b.xs, y, b.ys);
+        },
         b.needles, b.kind));
     EXPECT_TRUE(all_bytes_are(y, kPoison)) << "rows written before the error";
     if (b.ys.ndim() >= 1 && b.ys.numel() > 0 && b.ys.dtype() != DType::kInt32) {
@@ -421,7 +445,9 @@ TEST(Fp8Scales, BadScalesAreNamedErrorsAndNothingIsWritten) {
   // A bad routing is still reported before anything moves.
   Tensor bad_bins = index_tensor(std::vector<int64_t>{1, 2, 3, 4}, DType::kInt32);
   EXPECT_TRUE(throws_error(
-      [&] { padmoe::padded_gather_scaled_out(c.x, ii.indices, ii.bin_ids, bad_bins, ii.padded_bins, c.K, c.xs, y, ys); },
+      [&] {
+        padmoe::padded_gather_scaled_out(c.x, ii.indices, ii.bin_ids, bad_bins, ii.padded_bins, c.K, c.xs, y, ys);
+      },
       {"padded_gather", "bins"}));
   EXPECT_TRUE(all_bytes_are(y, kPoison));
   EXPECT_TRUE(bytes_are(ys, 0, rows, kPoison));
@@ -433,13 +459,12 @@ TEST(Fp8Scales, BadPadAndUnpadScales) {
   Tensor padded = poison_rows(g.dt, P, g.H), ps = poison_scales(Layout::kMx, P, g.H), map = poison_index(P),
          offs = poison_index(2);
   const Tensor short_hs = Tensor::empty(DType::kUInt8, {g.N - 1, 2});
-  EXPECT_TRUE(throws_error(
-      [&] { padmoe::pad_to_alignment_scaled_out(g.h, g.tpe, 8, short_hs, padded, ps, map, offs); },
-      {"pad_to_alignment", "hidden_scales", "rows"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment_scaled_out(g.h, g.tpe, 8, short_hs, padded, ps, map, offs); },
+                           {"pad_to_alignment", "hidden_scales", "rows"}));
   const Tensor wide_ps = Tensor::empty(DType::kUInt8, {P, 3});
-  EXPECT_TRUE(throws_error(
-      [&] { padmoe::pad_to_alignment_scaled_out(g.h, g.tpe, 8, g.hs, padded, wide_ps, map, offs); },
-      {"pad_to_alignment", "padded_scales", "layout"}));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::pad_to_alignment_scaled_out(g.h, g.tpe, 8, g.hs, padded, wide_ps, map, offs); },
+                   {"pad_to_alignment", "padded_scales", "layout"}));
   EXPECT_TRUE(all_bytes_are(padded, kPoison));
   EXPECT_TRUE(bytes_are(ps, 0, P, kPoison));
   EXPECT_TRUE(bytes_are(map, 0, P, kIndexPoison));
@@ -452,9 +477,8 @@ TEST(Fp8Scales, BadPadAndUnpadScales) {
   const padmoe::PadScaledResult r = padmoe::pad_to_alignment_scaled(g.h, g.tpe, 8, g.hs);
   Tensor out = poison_rows(g.dt, g.N, g.H), os = poison_scales(Layout::kMx, g.N, g.H);
   const Tensor f32 = Tensor::empty(DType::kFloat32, {P, 2});
-  EXPECT_TRUE(throws_error(
-      [&] { padmoe::unpad_from_alignment_scaled_out(r.padded, r.permutation_map, f32, out, os); },
-      {"unpad_from_alignment", "padded_scales", "ceil(H/128)"}));
+  EXPECT_TRUE(throws_error([&] { padmoe::unpad_from_alignment_scaled_out(r.padded, r.permutation_map, f32, out, os); },
+                           {"unpad_from_alignment", "padded_scales", "ceil(H/128)"}));
   const Tensor short_os = poison_scales(Layout::kMx, g.N - 1, g.H);
   EXPECT_TRUE(throws_error(
       [&] { padmoe::unpad_from_alignment_scaled_out(r.padded, r.permutation_map, r.padded_scales, out, short_os); },

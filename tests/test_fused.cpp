@@ -1,5 +1,5 @@
 // test_fused.cpp — dispatch / combine on a plan, and every backward rule of
-// SPEC section 2, against expected values built from the reference:
+// docs/spec.md §9, against expected values built from the reference:
 //   grad of gather (rows)   = reference scatter(grad_y, weights = None)
 //   grad of gather (weights)= reference wgrad(grad_y, x)      (<grad_y[row], x[token]>)
 //   grad of scatter (rows)  = reference gather(grad_out, weights)   (bitwise)
@@ -25,7 +25,7 @@ struct Fixture {
 };
 
 Fixture make_setup(int64_t T, int64_t H, int E, int K, int m, DType dtype, DType wdtype, uint64_t seed,
-                 Dist dist = Dist::kUniform) {
+                   Dist dist = Dist::kUniform) {
   Fixture s{T, H, E, K, m, dtype, wdtype, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}};
   const std::vector<int64_t> te = make_routing(T, K, E, dist, seed);
   s.p = ref::make_plan(te, T, K, E, m);
@@ -59,7 +59,7 @@ TEST_P(Fused, DispatchCombineAndBackward) {
   int wkind, K;
   bool use_lib_plan;
   std::tie(dt, wkind, K, use_lib_plan) = GetParam();
-  // weights: float32, the rows' dtype, or a 16-bit float dtype other than the rows' (SPEC section 4:
+  // weights: float32, the rows' dtype, or a 16-bit float dtype other than the rows' (docs/spec.md §11:
   // any float dtype, whatever the rows' dtype; e.g. bf16 router weights beside float32 rows under autocast)
   const DType other16 = dt == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
   const DType wdt = wkind == 0 ? DType::kFloat32 : wkind == 1 ? dt : other16;
@@ -127,8 +127,8 @@ TEST_P(Fused, DispatchCombineAndBackward) {
 
   // --- padded_scatter_backward: same rule through the unfused API.
   {
-    const padmoe::RowGrads g = padmoe::padded_scatter_backward(s.grad_out, s.y, s.ii.indices, s.ii.bin_ids,
-                                                               s.w.view(), s.ii.bins, s.ii.padded_bins, K);
+    const padmoe::RowGrads g = padmoe::padded_scatter_backward(s.grad_out, s.y, s.ii.indices, s.ii.bin_ids, s.w.view(),
+                                                               s.ii.bins, s.ii.padded_bins, K);
     ASSERT_EQ(g.grad_rows.size(0), P);
     EXPECT_TRUE(rows_bitwise(g.grad_rows, ref::padded_gather(s.gof, H, s.p, wp), P));
     ASSERT_TRUE(g.grad_weights.defined());
@@ -141,10 +141,10 @@ TEST_P(Fused, DispatchCombineAndBackward) {
   }
 
   // --- dispatch_backward / padded_gather_backward:
-  //     without weights grad_x = scatter(grad_y, None) (SPEC 2);
+  //     without weights grad_x = scatter(grad_y, None) (docs/spec.md §9);
   //     with weights (y[row(a)] = w[a] * x[a / K]) the chain rule gives
   //     grad_x = scatter(grad_y, weights), and grad_w[a] = <grad_y[dest_rows[a]], x[a / K]>.
-  //     (SPEC/ops.hpp write "weights=None", which is the rule of MegaBlocks'
+  //     (docs/spec.md §9 and ops.hpp note that "weights=None", which is the rule of MegaBlocks'
   //     unweighted gather; for a weighted gather only the weighted form is a gradient.)
   {
     const std::vector<double> want_gx0 = ref::padded_scatter(s.gyf, H, s.p, nullptr);
@@ -167,8 +167,8 @@ TEST_P(Fused, DispatchCombineAndBackward) {
     EXPECT_TRUE(sums_close(h.grad_rows, want_gx, abs_gx, K, T)) << "padded_gather_backward grad_x";
     ASSERT_TRUE(h.grad_weights.defined());
     EXPECT_TRUE(sums_close(h.grad_weights, want_gw, abs_gw, H, A)) << "padded_gather_backward grad_weights";
-    const padmoe::RowGrads h0 = padmoe::padded_gather_backward(s.grad_y, s.x, s.ii.indices, s.ii.bin_ids,
-                                                               s.ii.bins, s.ii.padded_bins, K);
+    const padmoe::RowGrads h0 =
+        padmoe::padded_gather_backward(s.grad_y, s.x, s.ii.indices, s.ii.bin_ids, s.ii.bins, s.ii.padded_bins, K);
     EXPECT_TRUE(sums_close(h0.grad_rows, want_gx0, abs_gx0, K, T));
     EXPECT_FALSE(h0.grad_weights.defined());
   }
@@ -176,11 +176,15 @@ TEST_P(Fused, DispatchCombineAndBackward) {
 
 INSTANTIATE_TEST_SUITE_P(All, Fused,
                          ::testing::Combine(::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-                                            ::testing::Values(0, 1, 2), ::testing::Values(1, 2, 4, 8), ::testing::Bool()),
+                                            ::testing::Values(0, 1, 2), ::testing::Values(1, 2, 4, 8),
+                                            ::testing::Bool()),
                          [](const ::testing::TestParamInfo<FusedParam>& i) {
                            return std::string(dname(std::get<0>(i.param))) +
-                                  (std::get<1>(i.param) == 0 ? "_wf32" : std::get<1>(i.param) == 1 ? "_wrow" : "_wother") + "_K" +
-                                  std::to_string(std::get<2>(i.param)) + (std::get<3>(i.param) ? "_libplan" : "_refplan");
+                                  (std::get<1>(i.param) == 0   ? "_wf32"
+                                   : std::get<1>(i.param) == 1 ? "_wrow"
+                                                               : "_wother") +
+                                  "_K" + std::to_string(std::get<2>(i.param)) +
+                                  (std::get<3>(i.param) ? "_libplan" : "_refplan");
                          });
 
 TEST(Fused, Float8MoveOnlyDispatch) {
@@ -209,8 +213,8 @@ TEST(Fused, LargeDispatchCombine) {
   padmoe::dispatch_out(s.x, s.lib_plan.view(), s.w.view(), y);
   EXPECT_TRUE(rows_bitwise(y, ref::padded_gather(s.xf, 16, s.p, &s.wf), P));
   const Tensor out = padmoe::combine(s.y, s.lib_plan.view(), s.w.view());
-  EXPECT_TRUE(sums_close(out, ref::padded_scatter(s.yf, 16, s.p, &s.wf), ref_scatter_abs(s.yf, 16, s.p, &s.wf), 8,
-                         s.T));
+  EXPECT_TRUE(
+      sums_close(out, ref::padded_scatter(s.yf, 16, s.p, &s.wf), ref_scatter_abs(s.yf, 16, s.p, &s.wf), 8, s.T));
 }
 
 // ---------------------------------------------------------------------------
@@ -227,10 +231,13 @@ TEST(Determinism, BitwiseAcrossRunsAndThreadCounts) {
       padmoe::Options o;
       o.num_threads = threads;
       std::vector<Tensor> r;
-      r.push_back(padmoe::padded_gather(s.x, s.ii.indices, s.ii.bin_ids, s.ii.bins, s.ii.padded_bins, K, s.w.view(), o));
-      r.push_back(padmoe::padded_scatter(s.y, s.ii.indices, s.ii.bin_ids, s.w.view(), s.ii.bins, s.ii.padded_bins, K, o));
+      r.push_back(
+          padmoe::padded_gather(s.x, s.ii.indices, s.ii.bin_ids, s.ii.bins, s.ii.padded_bins, K, s.w.view(), o));
+      r.push_back(
+          padmoe::padded_scatter(s.y, s.ii.indices, s.ii.bin_ids, s.w.view(), s.ii.bins, s.ii.padded_bins, K, o));
       Tensor wg = Tensor::empty(DType::kFloat32, {s.T * K});
-      padmoe::padded_scatter_wgrad_out(s.y, s.grad_out, s.ii.indices, s.ii.bin_ids, s.ii.bins, s.ii.padded_bins, K, wg, o);
+      padmoe::padded_scatter_wgrad_out(s.y, s.grad_out, s.ii.indices, s.ii.bin_ids, s.ii.bins, s.ii.padded_bins, K, wg,
+                                       o);
       r.push_back(wg);
       r.push_back(padmoe::dispatch(s.x, pv, s.w.view(), o));
       r.push_back(padmoe::combine(s.y, pv, s.w.view(), o));
@@ -244,8 +251,8 @@ TEST(Determinism, BitwiseAcrossRunsAndThreadCounts) {
     };
     base = run_all(1);
     // sanity: the single-threaded run is itself right (combine vs reference)
-    EXPECT_TRUE(sums_close(base[4], ref::padded_scatter(s.yf, s.H, s.p, &s.wf),
-                           ref_scatter_abs(s.yf, s.H, s.p, &s.wf), K, s.T));
+    EXPECT_TRUE(sums_close(base[4], ref::padded_scatter(s.yf, s.H, s.p, &s.wf), ref_scatter_abs(s.yf, s.H, s.p, &s.wf),
+                           K, s.T));
     for (int threads : {1, 2, 3, 7, 0}) {
       const std::vector<Tensor> r = run_all(threads);
       ASSERT_EQ(r.size(), base.size());

@@ -1,4 +1,4 @@
-// test_hardening.cpp — what a hostile or unlucky caller meets (issue "Hardening"): a forked child,
+// test_hardening.cpp — what a hostile or unlucky caller meets: a forked child,
 // null and negative-length views, sizes whose product overflows, empty rows with null pointers,
 // absurd thread counts, plan views with fields missing. Each case failed (hung, crashed, read out
 // of bounds or threw a non-padmoe exception) before its fix.
@@ -90,8 +90,8 @@ TEST(Hardening, NumThreadsIsCappedAtTheHardwareThreads) {
 
 TEST(Hardening, NullTopExpertsIsRejected) {
   TensorView te = TensorView::contiguous(nullptr, DType::kInt32, {4, 2});
-  EXPECT_TRUE(throws_error([&] { padmoe::make_plan(te, 4, 2); }, {"make_plan", "top_experts", "null data pointer"},
-                           kValue));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::make_plan(te, 4, 2); }, {"make_plan", "top_experts", "null data pointer"}, kValue));
   padmoe::Plan out = padmoe::Plan::empty(4, 2, 4, 2);
   EXPECT_TRUE(throws_error([&] { padmoe::make_plan_out(te, 4, 2, out.view()); }, {"top_experts", "null"}, kValue));
 }
@@ -103,9 +103,9 @@ TEST(Hardening, NegativeLengthsAreRejected) {
   Tensor y = poison_rows(DType::kFloat32, p.padded_rows, 4);
   TensorView bad_bins = ii.bins.view();
   bad_bins.shape[0] = -1;
-  EXPECT_TRUE(throws_error([&] { padmoe::padded_gather_out(x, ii.indices, ii.bin_ids, bad_bins, ii.padded_bins, 2,
-                                                           std::nullopt, y); },
-                           {"padded_gather", "bins", "negative length"}, kValue));
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::padded_gather_out(x, ii.indices, ii.bin_ids, bad_bins, ii.padded_bins, 2, std::nullopt, y); },
+      {"padded_gather", "bins", "negative length"}, kValue));
   EXPECT_TRUE(all_bytes_are(y, kPoison));
   TensorView bad_idx = ii.indices.view();
   bad_idx.shape[0] = -4;
@@ -121,8 +121,8 @@ TEST(Hardening, NegativeLengthsAreRejected) {
   padmoe::PlanView pv = lib.view();
   pv.num_tokens = -1;
   Tensor small = poison_rows(DType::kFloat32, lib.capacity(), 4);
-  EXPECT_TRUE(throws_error([&] { padmoe::dispatch_out(x, pv, std::nullopt, small); }, {"dispatch", "plan.num_tokens"},
-                           kValue));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::dispatch_out(x, pv, std::nullopt, small); }, {"dispatch", "plan.num_tokens"}, kValue));
   EXPECT_TRUE(all_bytes_are(small, kPoison));
   padmoe::PlanView pe = lib.view();
   pe.num_experts = -1;

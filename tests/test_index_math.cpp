@@ -63,7 +63,8 @@ TEST(IndexMath, SegmentStartPaddedRowAndFindSegment) {
   ASSERT_EQ(expert_of.size(), 9u);
   for (int64_t i = 0; i < 9; ++i) {
     EXPECT_EQ(ix::find_segment(bins.data(), 7, i), expert_of[static_cast<size_t>(i)]) << i;
-    EXPECT_EQ(ix::find_segment(padded_bins.data(), 7, row_of[static_cast<size_t>(i)]), expert_of[static_cast<size_t>(i)]);
+    EXPECT_EQ(ix::find_segment(padded_bins.data(), 7, row_of[static_cast<size_t>(i)]),
+              expert_of[static_cast<size_t>(i)]);
     EXPECT_EQ(ix::padded_row_of(bins.data(), padded_bins.data(), expert_of[static_cast<size_t>(i)], i),
               row_of[static_cast<size_t>(i)]);
   }
@@ -87,11 +88,17 @@ TEST(IndexMath, FindSegmentRandomAgainstLinearScan) {
     const int64_t n = 1 + rng.below(40);
     std::vector<int64_t> cum(static_cast<size_t>(n));
     int64_t run = 0;
-    for (auto& c : cum) { run += rng.below(3) == 0 ? 0 : rng.below(6); c = run; }
+    for (auto& c : cum) {
+      run += rng.below(3) == 0 ? 0 : rng.below(6);
+      c = run;
+    }
     for (int64_t pos = 0; pos <= run + 2; ++pos) {
       int64_t want = n;
       for (int64_t e = 0; e < n; ++e)
-        if (cum[static_cast<size_t>(e)] > pos) { want = e; break; }
+        if (cum[static_cast<size_t>(e)] > pos) {
+          want = e;
+          break;
+        }
       ASSERT_EQ(ix::find_segment(cum.data(), n, pos), want);
     }
   }

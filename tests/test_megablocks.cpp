@@ -1,6 +1,6 @@
 // test_megablocks.cpp — padded_gather / padded_scatter / padded_scatter_wgrad
 // against the reference: MegaBlocks' test grid, the Ascend tutorial cases,
-// the seed design's verification list, alignments, dtypes and index dtypes.
+// the Ascend design's verification list, alignments, dtypes and index dtypes.
 #include <tuple>
 
 #include "mb_case.hpp"
@@ -31,8 +31,8 @@ INSTANTIATE_TEST_SUITE_P(Grid, MegaBlocksGrid,
                                             ::testing::Values(2, 4, 64, 128), ::testing::Values(1, 2, 4)),
                          [](const ::testing::TestParamInfo<GridParam>& i) {
                            return "T" + std::to_string(std::get<0>(i.param)) + "_H" +
-                                  std::to_string(std::get<1>(i.param)) + "_E" +
-                                  std::to_string(std::get<2>(i.param)) + "_K" + std::to_string(std::get<3>(i.param));
+                                  std::to_string(std::get<1>(i.param)) + "_E" + std::to_string(std::get<2>(i.param)) +
+                                  "_K" + std::to_string(std::get<3>(i.param));
                          });
 
 // ---------------------------------------------------------------------------
@@ -58,8 +58,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, AscendTutorial,
                                            AscendParam{16384, 768, 128, 4}),
                          [](const ::testing::TestParamInfo<AscendParam>& i) {
                            return "T" + std::to_string(std::get<0>(i.param)) + "_H" +
-                                  std::to_string(std::get<1>(i.param)) + "_E" +
-                                  std::to_string(std::get<2>(i.param)) + "_K" + std::to_string(std::get<3>(i.param));
+                                  std::to_string(std::get<1>(i.param)) + "_E" + std::to_string(std::get<2>(i.param)) +
+                                  "_K" + std::to_string(std::get<3>(i.param));
                          });
 
 // ---------------------------------------------------------------------------
@@ -94,18 +94,24 @@ INSTANTIATE_TEST_SUITE_P(All, AlignDtype,
                                             ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                                             ::testing::Values(DType::kInt32, DType::kInt64), ::testing::Bool()),
                          [](const ::testing::TestParamInfo<DtypeParam>& i) {
-                           return "m" + std::to_string(std::get<0>(i.param)) + "_" + dname(std::get<1>(i.param)) +
-                                  "_" + dname(std::get<2>(i.param)) + (std::get<3>(i.param) ? "_weighted" : "_plain");
+                           return "m" + std::to_string(std::get<0>(i.param)) + "_" + dname(std::get<1>(i.param)) + "_" +
+                                  dname(std::get<2>(i.param)) + (std::get<3>(i.param) ? "_weighted" : "_plain");
                          });
 
 // ---------------------------------------------------------------------------
-// The seed design's verification list.
+// The Ascend design's verification list.
 // ---------------------------------------------------------------------------
 
 TEST(SeedVerification, ExpertsWithZeroTokens) {
   for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
     MbCase c;
-    c.T = 100; c.H = 17; c.E = 16; c.K = 2; c.m = 8; c.dtype = dt; c.gather_weighted = true;
+    c.T = 100;
+    c.H = 17;
+    c.E = 16;
+    c.K = 2;
+    c.m = 8;
+    c.dtype = dt;
+    c.gather_weighted = true;
     c.dist = Dist::kOdd;  // every even expert is empty, including expert 0
     run_mb_case(c);
     // Only the last expert gets tokens; and only the first.
@@ -129,14 +135,26 @@ TEST(SeedVerification, CountsOnAndOneOverTheMultiple) {
   EXPECT_EQ(p.padded_tokens_per_expert, (std::vector<int64_t>{8, 16, 16, 8, 8, 0, 24, 24}));
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     MbCase c;
-    c.T = 41; c.H = 9; c.E = 8; c.K = 2; c.m = 8; c.dtype = dt; c.gather_weighted = true; c.routing = &te;
+    c.T = 41;
+    c.H = 9;
+    c.E = 8;
+    c.K = 2;
+    c.m = 8;
+    c.dtype = dt;
+    c.gather_weighted = true;
+    c.routing = &te;
     run_mb_case(c);
   }
   // m = 128 with counts 128 and 129.
   const std::vector<int64_t> counts2 = {128, 129, 0, 127};
   const std::vector<int64_t> te2 = routing_with_counts(counts2, 12);
   MbCase c;
-  c.T = 384; c.H = 5; c.E = 4; c.K = 1; c.m = 128; c.routing = &te2;
+  c.T = 384;
+  c.H = 5;
+  c.E = 4;
+  c.K = 1;
+  c.m = 128;
+  c.routing = &te2;
   run_mb_case(c);
 }
 
@@ -145,7 +163,13 @@ TEST(SeedVerification, SeveralExpertsInsideOneSubBlock) {
   // with and without padding between them.
   for (int m : {1, 2, 4}) {
     MbCase c;
-    c.T = 48; c.H = 40; c.E = 64; c.K = 2; c.m = m; c.gather_weighted = true; c.dtype = DType::kBFloat16;
+    c.T = 48;
+    c.H = 40;
+    c.E = 64;
+    c.K = 2;
+    c.m = m;
+    c.gather_weighted = true;
+    c.dtype = DType::kBFloat16;
     c.seed = 100 + static_cast<uint64_t>(m);
     run_mb_case(c);
   }
@@ -155,7 +179,13 @@ TEST(SeedVerification, TopK) {
   for (int K : {1, 2, 4, 8}) {
     for (bool weighted : {false, true}) {
       MbCase c;
-      c.T = 200; c.H = 24; c.E = 16; c.K = K; c.m = 16; c.gather_weighted = weighted; c.scatter_weighted = weighted;
+      c.T = 200;
+      c.H = 24;
+      c.E = 16;
+      c.K = K;
+      c.m = 16;
+      c.gather_weighted = weighted;
+      c.scatter_weighted = weighted;
       c.dist = Dist::kDistinct;
       c.seed = static_cast<uint64_t>(K) * 2 + weighted;
       run_mb_case(c);
@@ -170,7 +200,13 @@ TEST(SeedVerification, HiddenTails) {
   for (int64_t H : {1, 3, 33, 4097}) {
     for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
       MbCase c;
-      c.T = H > 1000 ? 64 : 300; c.H = H; c.E = 8; c.K = 2; c.m = 16; c.dtype = dt; c.gather_weighted = true;
+      c.T = H > 1000 ? 64 : 300;
+      c.H = H;
+      c.E = 8;
+      c.K = 2;
+      c.m = 16;
+      c.dtype = dt;
+      c.gather_weighted = true;
       c.seed = static_cast<uint64_t>(H);
       run_mb_case(c);
     }
@@ -179,23 +215,44 @@ TEST(SeedVerification, HiddenTails) {
 
 TEST(SeedVerification, LargeRoutedBatch) {
   MbCase c;
-  c.T = 32768; c.H = 33; c.E = 64; c.K = 4; c.m = 128;  // A = 131072
-  c.dtype = DType::kBFloat16; c.gather_weighted = true; c.check_alloc = false;
+  c.T = 32768;
+  c.H = 33;
+  c.E = 64;
+  c.K = 4;
+  c.m = 128;  // A = 131072
+  c.dtype = DType::kBFloat16;
+  c.gather_weighted = true;
+  c.check_alloc = false;
   run_mb_case(c);
   MbCase d;
-  d.T = 16384; d.H = 8; d.E = 256; d.K = 8; d.m = 16;  // A = 131072, DeepSeek-like E/K
-  d.dist = Dist::kDistinct; d.idx = DType::kInt64; d.check_alloc = false;
+  d.T = 16384;
+  d.H = 8;
+  d.E = 256;
+  d.K = 8;
+  d.m = 16;  // A = 131072, DeepSeek-like E/K
+  d.dist = Dist::kDistinct;
+  d.idx = DType::kInt64;
+  d.check_alloc = false;
   run_mb_case(d);
 }
 
 TEST(MegaBlocks, EmptyInputs) {
   // T = 0
   MbCase c;
-  c.T = 0; c.H = 8; c.E = 4; c.K = 2; c.m = 8;
+  c.T = 0;
+  c.H = 8;
+  c.E = 4;
+  c.K = 2;
+  c.m = 8;
   run_mb_case(c);
   // H = 0
   MbCase d;
-  d.T = 10; d.H = 0; d.E = 4; d.K = 2; d.m = 8; d.gather_weighted = true;
+  d.T = 10;
+  d.H = 0;
+  d.E = 4;
+  d.K = 2;
+  d.m = 8;
+  d.gather_weighted = true;
   run_mb_case(d);
 }
 
@@ -214,7 +271,8 @@ TEST(MegaBlocks, StridedRowViews) {
     Tensor xbuf = poison_rows(dt, T, XS);
     std::vector<float> xf = random_values(T * H, dt, rng);
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < H; ++h) num::store_from_float(xbuf.data(), dt, t * XS + h, xf[static_cast<size_t>(t * H + h)]);
+      for (int64_t h = 0; h < H; ++h)
+        num::store_from_float(xbuf.data(), dt, t * XS + h, xf[static_cast<size_t>(t * H + h)]);
     const TensorView xv = TensorView::matrix(xbuf.data(), dt, T, H, XS);
     Tensor ybuf = poison_rows(dt, P, YS);
     const TensorView yv = TensorView::matrix(ybuf.data(), dt, P, H, YS);

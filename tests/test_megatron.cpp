@@ -11,7 +11,8 @@ namespace {
 std::vector<float> tagged_rows(int64_t N, int64_t H, DType dt) {
   std::vector<float> v(static_cast<size_t>(N * H));
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t c = 0; c < H; ++c) v[static_cast<size_t>(n * H + c)] = num::round_to(dt, static_cast<float>(n) + c / 64.0f);
+    for (int64_t c = 0; c < H; ++c)
+      v[static_cast<size_t>(n * H + c)] = num::round_to(dt, static_cast<float>(n) + c / 64.0f);
   return v;
 }
 
@@ -48,9 +49,9 @@ TEST(Megatron, PadRowsIsTheOpsPAfterItsChecks) {
   EXPECT_EQ(padmoe::pad_to_alignment_rows(h, index_tensor({3, 4, 2}, DType::kInt32), 1), 9);
   EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment_rows(h, index_tensor({1, -2}, DType::kInt32), 4); },
                            {"pad_to_alignment: tokens_per_expert: entry 1 is negative (-2)"}));
-  EXPECT_TRUE(throws_error(
-      [&] { padmoe::pad_to_alignment_rows(h, index_tensor({2147483647}, DType::kInt32), 1); },
-      {"pad_to_alignment: tokens_per_expert: entry 0 (2147483647) exceeds the 9 rows of hidden_states"}));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::pad_to_alignment_rows(h, index_tensor({2147483647}, DType::kInt32), 1); },
+                   {"pad_to_alignment: tokens_per_expert: entry 0 (2147483647) exceeds the 9 rows of hidden_states"}));
   EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment_rows(h, index_tensor({5, 5}, DType::kInt64), 2); },
                            {"tokens_per_expert: sums to 10 but hidden_states has 9 rows"}));
   EXPECT_TRUE(throws_error([&] { padmoe::pad_to_alignment_rows(h, index_tensor({3, 4}, DType::kInt32), 0); },
@@ -186,8 +187,8 @@ INSTANTIATE_TEST_SUITE_P(All, PadUnpad,
                                             ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
                                             ::testing::Values(DType::kInt32, DType::kInt64)),
                          [](const ::testing::TestParamInfo<PadParam>& i) {
-                           return "m" + std::to_string(std::get<0>(i.param)) + "_" + dname(std::get<1>(i.param)) +
-                                  "_" + dname(std::get<2>(i.param));
+                           return "m" + std::to_string(std::get<0>(i.param)) + "_" + dname(std::get<1>(i.param)) + "_" +
+                                  dname(std::get<2>(i.param));
                          });
 
 TEST(Megatron, Float8PadUnpadMoveOnly) {

@@ -1,4 +1,4 @@
-// test_padding_option.cpp — Options::zero_padding = false (issue 11, item 7): the forward spreads
+// test_padding_option.cpp — Options::zero_padding = false: the forward spreads
 // (padded_gather, dispatch, pad_to_alignment) leave padding rows unwritten (their poison stays), write
 // every real row as the reference does, and the backward outputs still zero their padding rows.
 #include "test_util.hpp"

@@ -35,14 +35,23 @@ struct PoisonedPlan {
   Tensor ind, bid, tpe, bins, ptpe, pb, dest, rs;
   padmoe::PlanView out;
   PoisonedPlan(int64_t A, int E, int64_t rows)
-      : ind(poison_index(A)), bid(poison_index(A)), tpe(poison_index(E)), bins(poison_index(E)),
-        ptpe(poison_index(E)), pb(poison_index(E)), dest(poison_index(A)), rs(poison_index(rows)) {
-    out.indices = ind; out.bin_ids = bid; out.tokens_per_expert = tpe; out.bins = bins;
-    out.padded_tokens_per_expert = ptpe; out.padded_bins = pb; out.dest_rows = dest; out.row_sources = rs;
+      : ind(poison_index(A)), bid(poison_index(A)), tpe(poison_index(E)), bins(poison_index(E)), ptpe(poison_index(E)),
+        pb(poison_index(E)), dest(poison_index(A)), rs(poison_index(rows)) {
+    out.indices = ind;
+    out.bin_ids = bid;
+    out.tokens_per_expert = tpe;
+    out.bins = bins;
+    out.padded_tokens_per_expert = ptpe;
+    out.padded_bins = pb;
+    out.dest_rows = dest;
+    out.row_sources = rs;
   }
   padmoe::PlanView filled(int64_t T, int K, int E, int m) const {
     padmoe::PlanView v = out;
-    v.num_tokens = T; v.top_k = K; v.num_experts = E; v.alignment = m;
+    v.num_tokens = T;
+    v.top_k = K;
+    v.num_experts = E;
+    v.alignment = m;
     return v;
   }
 };
@@ -137,9 +146,11 @@ TEST(MakePlanAndDispatch, BadInputNamesTheArgumentBeforeWriting) {
     bad[7] = 3;  // [3, 1]
     const PoisonedPlan b(A, E, cap);
     Tensor y = poison_rows(DType::kFloat32, cap, H);
-    EXPECT_TRUE(throws_error([&] { padmoe::make_plan_and_dispatch_out(x, index_matrix(bad, T, K, DType::kInt32), E, m,
-                                                                      b.out, std::nullopt, y); },
-                             {"make_plan_and_dispatch", "top_experts", "[3, 1]"}));
+    EXPECT_TRUE(throws_error(
+        [&] {
+          padmoe::make_plan_and_dispatch_out(x, index_matrix(bad, T, K, DType::kInt32), E, m, b.out, std::nullopt, y);
+        },
+        {"make_plan_and_dispatch", "top_experts", "[3, 1]"}));
     untouched(b, y);
   }
   const Tensor tet = index_matrix(te, T, K, DType::kInt64);
@@ -222,12 +233,12 @@ TEST_P(MakePlan, LayoutsMatchReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Grid, MakePlan,
-    ::testing::Combine(::testing::Values<int64_t>(0, 7, 4096), ::testing::Values(1, 2, 8),
-                       ::testing::Values(1, 16, 128), ::testing::Values(1, 8, 128),
-                       ::testing::Values(DType::kInt32, DType::kInt64),
-                       ::testing::Values(static_cast<int>(Dist::kUniform), static_cast<int>(Dist::kSkewed))));
+INSTANTIATE_TEST_SUITE_P(Grid, MakePlan,
+                         ::testing::Combine(::testing::Values<int64_t>(0, 7, 4096), ::testing::Values(1, 2, 8),
+                                            ::testing::Values(1, 16, 128), ::testing::Values(1, 8, 128),
+                                            ::testing::Values(DType::kInt32, DType::kInt64),
+                                            ::testing::Values(static_cast<int>(Dist::kUniform),
+                                                              static_cast<int>(Dist::kSkewed))));
 
 TEST(PlanLayouts, HandExample) {
   // top_experts [[1,0],[0,1],[1,0]], E = 3, block 4: expert 0 <- {1,2,5}, expert 1 <- {0,3,4}, expert 2 <- {}
@@ -242,8 +253,8 @@ TEST(PlanLayouts, HandExample) {
   EXPECT_EQ(p.expert_ids.view().numel(), 4);
   // expert_map {-1, 0, 1}: expert 0's assignments {1, 2, 5} get no entry; expert 1's are local 0
   const Tensor map = index_matrix({-1, 0, 1}, 1, 3, DType::kInt64);
-  const padmoe::AlignedBlocks m = padmoe::moe_align_block_size(
-      top, 4, 3, padmoe::TensorView::contiguous(map.data(), DType::kInt64, {3}));
+  const padmoe::AlignedBlocks m =
+      padmoe::moe_align_block_size(top, 4, 3, padmoe::TensorView::contiguous(map.data(), DType::kInt64, {3}));
   EXPECT_EQ(index_to_vec(m.sorted_token_ids), (std::vector<int64_t>{0, 3, 4, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6}));
   EXPECT_EQ(index_to_vec(m.expert_ids), (std::vector<int64_t>{0, -1, -1, -1}));
   EXPECT_EQ(index_to_vec(m.num_tokens_post_padded), std::vector<int64_t>{4});
@@ -293,23 +304,27 @@ TEST(PlanLayouts, BadInputNamesTheArgument) {
   EXPECT_TRUE(throws_error([&] { padmoe::moe_align_block_size(top, 0, 3); }, {"moe_align_block_size", "block_size"}));
   const Tensor bad_map = index_matrix({0, 3, -1}, 1, 3, DType::kInt32);
   EXPECT_TRUE(throws_error(
-      [&] { padmoe::moe_align_block_size(top, 4, 3, padmoe::TensorView::contiguous(bad_map.data(), DType::kInt32, {3})); },
+      [&] {
+        padmoe::moe_align_block_size(top, 4, 3, padmoe::TensorView::contiguous(bad_map.data(), DType::kInt32, {3}));
+      },
       {"moe_align_block_size", "expert_map", "entry 1 is 3"}));
   const Tensor short_map = index_matrix({0, 1}, 1, 2, DType::kInt32);
   EXPECT_TRUE(throws_error(
-      [&] { padmoe::moe_align_block_size(top, 4, 3, padmoe::TensorView::contiguous(short_map.data(), DType::kInt32, {2})); },
+      [&] {
+        padmoe::moe_align_block_size(top, 4, 3, padmoe::TensorView::contiguous(short_map.data(), DType::kInt32, {2}));
+      },
       {"moe_align_block_size", "expert_map"}));
   padmoe::Plan plan = padmoe::Plan::empty(3, 2, 3, 4);
   Tensor short_rows = poison_index(plan.capacity() - 1);
   padmoe::PlanLayouts l;
   l.row_experts = short_rows;
-  EXPECT_TRUE(throws_error([&] { padmoe::make_plan_out(top, 3, 4, plan.view(), l); },
-                           {"make_plan", "layouts.row_experts"}));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::make_plan_out(top, 3, 4, plan.view(), l); }, {"make_plan", "layouts.row_experts"}));
   Tensor f32 = Tensor::empty(DType::kFloat32, {1});
   padmoe::PlanLayouts l2;
   l2.padded_total = f32;
-  EXPECT_TRUE(throws_error([&] { padmoe::make_plan_out(top, 3, 4, plan.view(), l2); },
-                           {"make_plan", "layouts.padded_total"}));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::make_plan_out(top, 3, 4, plan.view(), l2); }, {"make_plan", "layouts.padded_total"}));
 }
 
 TEST(MakePlan, StableSortHandExample) {

@@ -1,4 +1,4 @@
-// test_quant_dispatch.cpp — the fused quantizing dispatch (ops.hpp section 4; issue 11, item 2):
+// test_quant_dispatch.cpp — the fused quantizing dispatch (ops.hpp section 4):
 // dispatch_quantized / quantize, bfloat16 / float16 / float32 rows in, float8 e4m3 / e5m2 rows plus
 // DeepSeek-V3 1x128 blockwise, MXFP8 E8M0 or per-row scales out. Against the reference quantizer
 // (src/reference, written from the OCP MX v1.0 and DeepSeek-V3 definitions with its own rounding)
@@ -56,16 +56,19 @@ std::vector<uint8_t> bytes_of(const TensorView& t) {
                                       size_t b1, int64_t row_bytes, const char* what) {
   for (size_t i = b0; i < b1; ++i) {
     if (got[i] != want[i]) {
-      return ::testing::AssertionFailure() << what << " byte " << i << " (row " << (row_bytes ? int64_t(i) / row_bytes : 0)
-                                           << ", col " << (row_bytes ? int64_t(i) % row_bytes : 0) << ") is 0x" << std::hex
-                                           << int(got[i]) << ", want 0x" << int(want[i]);
+      return ::testing::AssertionFailure()
+             << what << " byte " << i << " (row " << (row_bytes ? int64_t(i) / row_bytes : 0) << ", col "
+             << (row_bytes ? int64_t(i) % row_bytes : 0) << ") is 0x" << std::hex << int(got[i]) << ", want 0x"
+             << int(want[i]);
     }
   }
   return ::testing::AssertionSuccess();
 }
-::testing::AssertionResult all_range(const std::vector<uint8_t>& got, size_t b0, size_t b1, uint8_t v, const char* what) {
+::testing::AssertionResult all_range(const std::vector<uint8_t>& got, size_t b0, size_t b1, uint8_t v,
+                                     const char* what) {
   for (size_t i = b0; i < b1; ++i)
-    if (got[i] != v) return ::testing::AssertionFailure() << what << " byte " << i << " is 0x" << std::hex << int(got[i]);
+    if (got[i] != v)
+      return ::testing::AssertionFailure() << what << " byte " << i << " is 0x" << std::hex << int(got[i]);
   return ::testing::AssertionSuccess();
 }
 
@@ -86,8 +89,12 @@ std::vector<float> make_values(int64_t T, int64_t H, DType dt, DType out, bool s
       for (int64_t c = c0; c < std::min(H, c0 + 32); ++c) {
         float x = 0.0f;
         switch (kind) {
-          case 0: case 1: x = static_cast<float>(rng.uniform(-3.0, 3.0)); break;
-          case 2: x = 0.0f; if (rng.below(3) == 0) x = -0.0f; break;  // an all-zero block (some -0)
+          case 0:
+          case 1: x = static_cast<float>(rng.uniform(-3.0, 3.0)); break;
+          case 2:
+            x = 0.0f;
+            if (rng.below(3) == 0) x = -0.0f;
+            break;  // an all-zero block (some -0)
           case 3: x = tiny * static_cast<float>(rng.uniform(-4.0, 4.0)); break;
           case 4: x = huge * static_cast<float>(rng.uniform(-1.0, 1.0)); break;
           case 5: {  // ties: midpoints of consecutive codes of the output format, with fp8_max in the block
@@ -168,8 +175,9 @@ void expect_quantized(const Case& c, const TensorView& y, const TensorView& ys, 
       for (int64_t b = 0; b < rb; ++b) ASSERT_EQ(gots[static_cast<size_t>(r * rb + b)], one[static_cast<size_t>(b)]);
     } else {
       ASSERT_TRUE(all_range(got, d0, d1, kPoison, "row past P")) << "row " << r;
-      ASSERT_TRUE(all_range(gots, static_cast<size_t>(r * rb), static_cast<size_t>((r + 1) * rb), kPoison,
-                            "scales past P")) << "row " << r;
+      ASSERT_TRUE(
+          all_range(gots, static_cast<size_t>(r * rb), static_cast<size_t>((r + 1) * rb), kPoison, "scales past P"))
+          << "row " << r;
     }
   }
 }
@@ -375,14 +383,15 @@ TEST(QuantDispatch, EveryLayoutDtypeAndWidthMatchesTheReference) {
 
 TEST(QuantDispatch, PerRowEqualsBlockwiseUpTo128Columns) {
   for (int64_t H : {1, 77, 128}) {
-    const Case c = make_case(DType::kBFloat16, DType::kFloat8E4M3, ScaleLayout::kPerRow, 40, H, 2, 6, 4,
-                             Dist::kUniform, 91 + H);
+    const Case c =
+        make_case(DType::kBFloat16, DType::kFloat8E4M3, ScaleLayout::kPerRow, 40, H, 2, 6, 4, Dist::kUniform, 91 + H);
     const padmoe::ScaledRows r = padmoe::dispatch_quantized(c.x, c.plan.view(), ScaleLayout::kPerRow);
     const padmoe::ScaledRows b = padmoe::dispatch_quantized(c.x, c.plan.view(), ScaleLayout::kBlock128);
     EXPECT_TRUE(same_bytes(r.rows, b.rows));
     EXPECT_EQ(bytes_of(r.scales), bytes_of(b.scales));
     // a [rows, 1] float32 output is the per-row layout (scale_layout's inference) and gives the same bytes
-    Tensor y = poison_rows(DType::kFloat8E4M3, c.p.padded_rows, H), ys = filled(DType::kFloat32, {c.p.padded_rows, 1}, kPoison);
+    Tensor y = poison_rows(DType::kFloat8E4M3, c.p.padded_rows, H),
+           ys = filled(DType::kFloat32, {c.p.padded_rows, 1}, kPoison);
     padmoe::dispatch_quantized_out(c.x, c.plan.view(), y, ys);
     EXPECT_TRUE(same_bytes(y, r.rows));
     EXPECT_EQ(bytes_of(ys), bytes_of(r.scales));
@@ -453,10 +462,12 @@ TEST(QuantDispatch, ThreadCountDoesNotChangeBytes) {
 TEST(QuantDispatch, StridedInputRows) {
   // x with a row stride larger than H (a column slice of a wider buffer)
   const int64_t T = 23, H = 96, stride = 130;
-  const Case c = make_case(DType::kBFloat16, DType::kFloat8E4M3, ScaleLayout::kMxE8M0, T, H, 2, 4, 8, Dist::kUniform, 13);
+  const Case c =
+      make_case(DType::kBFloat16, DType::kFloat8E4M3, ScaleLayout::kMxE8M0, T, H, 2, 4, 8, Dist::kUniform, 13);
   Tensor wide = filled(DType::kBFloat16, {T, stride}, 0x7f);
   for (int64_t t = 0; t < T; ++t)
-    std::memcpy(static_cast<char*>(wide.data()) + t * stride * 2, static_cast<const char*>(c.x.data()) + t * H * 2, H * 2);
+    std::memcpy(static_cast<char*>(wide.data()) + t * stride * 2, static_cast<const char*>(c.x.data()) + t * H * 2,
+                H * 2);
   const TensorView xs = TensorView::matrix(wide.data(), DType::kBFloat16, T, H, stride);
   const padmoe::ScaledRows a = padmoe::dispatch_quantized(xs, c.plan.view(), ScaleLayout::kMxE8M0);
   expect_quantized(c, a.rows, a.scales, true, false);
@@ -465,13 +476,14 @@ TEST(QuantDispatch, StridedInputRows) {
 // --- bad input ------------------------------------------------------------------------------
 
 TEST(QuantDispatch, BadInputsAreNamedErrorsAndNothingIsWritten) {
-  const Case c = make_case(DType::kBFloat16, DType::kFloat8E4M3, ScaleLayout::kBlock128, 20, 200, 2, 4, 8,
-                           Dist::kUniform, 51);
+  const Case c =
+      make_case(DType::kBFloat16, DType::kFloat8E4M3, ScaleLayout::kBlock128, 20, 200, 2, 4, 8, Dist::kUniform, 51);
   const int64_t rows = c.p.capacity;
   const int kType = static_cast<int>(padmoe::ErrorKind::kType), kValue = static_cast<int>(padmoe::ErrorKind::kValue);
   const Tensor x8 = filled(DType::kFloat8E4M3, {c.T, 200}, 0);
   const Tensor xi = filled(DType::kInt32, {c.T, 200}, 0);
-  const Tensor x_short = rows_from_float(std::vector<float>(static_cast<size_t>((c.T - 1) * 200), 1.0f), DType::kBFloat16, c.T - 1, 200);
+  const Tensor x_short =
+      rows_from_float(std::vector<float>(static_cast<size_t>((c.T - 1) * 200), 1.0f), DType::kBFloat16, c.T - 1, 200);
   struct Bad {
     const char* what;
     TensorView x;
@@ -481,20 +493,60 @@ TEST(QuantDispatch, BadInputsAreNamedErrorsAndNothingIsWritten) {
   };
   std::vector<Bad> bad;
   const Tensor good_ys = poison_scales(ScaleLayout::kBlock128, rows, 200);
-  bad.push_back({"float8 x", x8, poison_rows(DType::kFloat8E4M3, rows, 200), good_ys, {"dispatch_quantized", "x", "float8_e4m3", "dispatch_scaled"}, kType});
+  bad.push_back({"float8 x",
+                 x8,
+                 poison_rows(DType::kFloat8E4M3, rows, 200),
+                 good_ys,
+                 {"dispatch_quantized", "x", "float8_e4m3", "dispatch_scaled"},
+                 kType});
   bad.push_back({"int32 x", xi, poison_rows(DType::kFloat8E4M3, rows, 200), good_ys, {"x", "int32"}, kType});
   bad.push_back({"x rows", x_short, poison_rows(DType::kFloat8E4M3, rows, 200), good_ys, {"x", "20 rows"}, kValue});
-  bad.push_back({"bf16 y", c.x, poison_rows(DType::kBFloat16, rows, 200), good_ys, {"y", "float8_e4m3 or float8_e5m2", "bfloat16"}, kType});
-  bad.push_back({"y columns", c.x, poison_rows(DType::kFloat8E4M3, rows, 199), poison_scales(ScaleLayout::kBlock128, rows, 199), {"y", "200 columns"}, kValue});
-  bad.push_back({"y capacity", c.x, poison_rows(DType::kFloat8E4M3, c.p.padded_rows - 1, 200),
-                 poison_scales(ScaleLayout::kBlock128, c.p.padded_rows - 1, 200), {"y", "output capacity"}, kValue});
-  bad.push_back({"int32 scales", c.x, poison_rows(DType::kFloat8E4M3, rows, 200), filled(DType::kInt32, {rows, 2}, kPoison), {"y_scales", "int32"}, kType});
-  bad.push_back({"float scale columns", c.x, poison_rows(DType::kFloat8E4M3, rows, 200), filled(DType::kFloat32, {rows, 3}, kPoison), {"y_scales", "ceil(H/128)", "3]"}, kValue});
-  bad.push_back({"e8m0 scale columns", c.x, poison_rows(DType::kFloat8E4M3, rows, 200), filled(DType::kUInt8, {rows, 6}, kPoison), {"y_scales", "ceil(H/32)", "7]"}, kValue});
-  bad.push_back({"scale rows", c.x, poison_rows(DType::kFloat8E4M3, rows, 200), poison_scales(ScaleLayout::kMxE8M0, rows - 1, 200), {"y_scales", "rows"}, kValue});
+  bad.push_back({"bf16 y",
+                 c.x,
+                 poison_rows(DType::kBFloat16, rows, 200),
+                 good_ys,
+                 {"y", "float8_e4m3 or float8_e5m2", "bfloat16"},
+                 kType});
+  bad.push_back({"y columns",
+                 c.x,
+                 poison_rows(DType::kFloat8E4M3, rows, 199),
+                 poison_scales(ScaleLayout::kBlock128, rows, 199),
+                 {"y", "200 columns"},
+                 kValue});
+  bad.push_back({"y capacity",
+                 c.x,
+                 poison_rows(DType::kFloat8E4M3, c.p.padded_rows - 1, 200),
+                 poison_scales(ScaleLayout::kBlock128, c.p.padded_rows - 1, 200),
+                 {"y", "output capacity"},
+                 kValue});
+  bad.push_back({"int32 scales",
+                 c.x,
+                 poison_rows(DType::kFloat8E4M3, rows, 200),
+                 filled(DType::kInt32, {rows, 2}, kPoison),
+                 {"y_scales", "int32"},
+                 kType});
+  bad.push_back({"float scale columns",
+                 c.x,
+                 poison_rows(DType::kFloat8E4M3, rows, 200),
+                 filled(DType::kFloat32, {rows, 3}, kPoison),
+                 {"y_scales", "ceil(H/128)", "3]"},
+                 kValue});
+  bad.push_back({"e8m0 scale columns",
+                 c.x,
+                 poison_rows(DType::kFloat8E4M3, rows, 200),
+                 filled(DType::kUInt8, {rows, 6}, kPoison),
+                 {"y_scales", "ceil(H/32)", "7]"},
+                 kValue});
+  bad.push_back({"scale rows",
+                 c.x,
+                 poison_rows(DType::kFloat8E4M3, rows, 200),
+                 poison_scales(ScaleLayout::kMxE8M0, rows - 1, 200),
+                 {"y_scales", "rows"},
+                 kValue});
   for (const Bad& b : bad) {
     SCOPED_TRACE(b.what);
-    EXPECT_TRUE(throws_error([&] { padmoe::dispatch_quantized_out(b.x, c.plan.view(), b.y, b.ys); }, b.needles, b.kind));
+    EXPECT_TRUE(
+        throws_error([&] { padmoe::dispatch_quantized_out(b.x, c.plan.view(), b.y, b.ys); }, b.needles, b.kind));
     EXPECT_TRUE(all_bytes_are(b.y, kPoison)) << "rows written before the error";
     if (b.ys.numel() > 0) EXPECT_TRUE(all_bytes_are(b.ys, kPoison)) << "scales written before the error";
   }
@@ -504,12 +556,14 @@ TEST(QuantDispatch, BadInputsAreNamedErrorsAndNothingIsWritten) {
   dest.data_as<int32_t>()[3] = dest.data_as<int32_t>()[4];  // two assignments on one row
   broken.dest_rows = dest;
   Tensor y = poison_rows(DType::kFloat8E4M3, rows, 200), ys = poison_scales(ScaleLayout::kMxE8M0, rows, 200);
-  EXPECT_TRUE(throws_error([&] { padmoe::dispatch_quantized_out(c.x, broken, y, ys); }, {"dispatch_quantized", "plan"}));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::dispatch_quantized_out(c.x, broken, y, ys); }, {"dispatch_quantized", "plan"}));
   EXPECT_TRUE(all_bytes_are(y, kPoison));
   EXPECT_TRUE(all_bytes_are(ys, kPoison));
   // allocating forms: the output dtype is named
-  EXPECT_TRUE(throws_error([&] { padmoe::dispatch_quantized(c.x, c.plan.view(), ScaleLayout::kMxE8M0, DType::kFloat16); },
-                           {"dispatch_quantized", "dtype", "float16"}, kType));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::dispatch_quantized(c.x, c.plan.view(), ScaleLayout::kMxE8M0, DType::kFloat16); },
+                   {"dispatch_quantized", "dtype", "float16"}, kType));
   EXPECT_TRUE(throws_error([&] { padmoe::quantize(x8, ScaleLayout::kMxE8M0); }, {"quantize", "x", "float8"}, kType));
   // quantize: y must have x's rows exactly
   Tensor qy = poison_rows(DType::kFloat8E4M3, c.T + 1, 200), qs = poison_scales(ScaleLayout::kMxE8M0, c.T + 1, 200);

@@ -1,7 +1,7 @@
-// test_routing_options.cpp — make_plan's PlanOptions (issue 11, items 3 and 4): local experts by a
+// test_routing_options.cpp — make_plan's PlanOptions: local experts by a
 // range or an expert map, dropping invalid ids, a fixed capacity with the position and probs drop
 // policies, the dropped count; the row ops on plans with dropped assignments; bad options.
-// Everything against ref::make_plan(..., RoutingOptions), written from SPEC section 1's words.
+// Everything against ref::make_plan(..., RoutingOptions), written from docs/spec.md §4's words.
 #include "test_util.hpp"
 
 namespace pt {
@@ -249,8 +249,8 @@ TEST(RoutingOptions, RowOpsSkipDroppedAssignments) {
     const std::vector<float> yf = random_values(P * H, dt, rng);
     Tensor yin = rows_from_float(yf, dt, P, H);
     Tensor out = padmoe::combine(yin, plan.view(), TensorView(w));
-    EXPECT_TRUE(sums_close(out, ref::padded_scatter(yf, H, want.plan, &wf),
-                           ref_scatter_abs(yf, H, want.plan, &wf), K, T));
+    EXPECT_TRUE(
+        sums_close(out, ref::padded_scatter(yf, H, want.plan, &wf), ref_scatter_abs(yf, H, want.plan, &wf), K, T));
     // combine_backward: grad_weights zero for dropped assignments, grad_y as the reference
     const std::vector<float> gf = random_values(T * H, dt, rng);
     Tensor g = rows_from_float(gf, dt, T, H);

@@ -1,4 +1,4 @@
-// test_tiling.cpp — the tile planner (SPEC section 6, tiling.hpp): the
+// test_tiling.cpp — the tile planner (docs/spec.md §15, tiling.hpp): the
 // planner's configs satisfy every rule, tile_buffer_bytes equals the formula
 // of tiling.hpp's header computed here independently, and hand-made bad
 // configs are rejected.
@@ -19,9 +19,21 @@ int64_t formula_bytes(TileOp op, const TileConfig& c, DType dt) {
   const int64_t s = static_cast<int64_t>(esize(dt));
   int64_t row_slices = 1, index_bytes = 8, f32_temps = 1;
   switch (op) {
-    case TileOp::kGather: row_slices = 1; index_bytes = 8; f32_temps = 1; break;
-    case TileOp::kScatter: row_slices = 1; index_bytes = 8; f32_temps = 2; break;
-    case TileOp::kWgrad: row_slices = 2; index_bytes = 8; f32_temps = 1; break;
+    case TileOp::kGather:
+      row_slices = 1;
+      index_bytes = 8;
+      f32_temps = 1;
+      break;
+    case TileOp::kScatter:
+      row_slices = 1;
+      index_bytes = 8;
+      f32_temps = 2;
+      break;
+    case TileOp::kWgrad:
+      row_slices = 2;
+      index_bytes = 8;
+      f32_temps = 1;
+      break;
   }
   return static_cast<int64_t>(c.buffers) *
          (static_cast<int64_t>(c.sub_block_rows) * (row_slices * c.block_x * s + index_bytes) +
@@ -135,23 +147,24 @@ TEST_P(TilePlanner, SatisfiesRules) {
 }
 
 std::string planner_name(const ::testing::TestParamInfo<PlanParam>& i) {
-  return std::string(std::get<0>(i.param) == TileTarget::kCpu ? "cpu"
+  return std::string(std::get<0>(i.param) == TileTarget::kCpu   ? "cpu"
                      : std::get<0>(i.param) == TileTarget::kGpu ? "gpu"
-                                                                 : "ascend") + "_" +
-         padmoe::tile_op_name(std::get<1>(i.param)) + "_" + dname(std::get<2>(i.param)) + "_H" +
+                                                                : "ascend") +
+         "_" + padmoe::tile_op_name(std::get<1>(i.param)) + "_" + dname(std::get<2>(i.param)) + "_H" +
          std::to_string(std::get<3>(i.param));
 }
 const auto kHiddens = ::testing::Values<int64_t>(1, 3, 33, 768, 4097, 7168, 20000, 65536);
 
-INSTANTIATE_TEST_SUITE_P(All, TilePlanner,
-                         ::testing::Combine(::testing::Values(TileTarget::kCpu, TileTarget::kAscendA2, TileTarget::kGpu),
-                                            ::testing::Values(TileOp::kGather, TileOp::kScatter, TileOp::kWgrad),
-                                            ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16),
-                                            kHiddens),
-                         planner_name);
+INSTANTIATE_TEST_SUITE_P(
+    All, TilePlanner,
+    ::testing::Combine(::testing::Values(TileTarget::kCpu, TileTarget::kAscendA2, TileTarget::kGpu),
+                       ::testing::Values(TileOp::kGather, TileOp::kScatter, TileOp::kWgrad),
+                       ::testing::Values(DType::kFloat32, DType::kFloat16, DType::kBFloat16), kHiddens),
+    planner_name);
 // float8 is move-only: gather tiles only.
 INSTANTIATE_TEST_SUITE_P(Float8, TilePlanner,
-                         ::testing::Combine(::testing::Values(TileTarget::kCpu, TileTarget::kAscendA2, TileTarget::kGpu),
+                         ::testing::Combine(::testing::Values(TileTarget::kCpu, TileTarget::kAscendA2,
+                                                              TileTarget::kGpu),
                                             ::testing::Values(TileOp::kGather),
                                             ::testing::Values(DType::kFloat8E4M3, DType::kFloat8E5M2), kHiddens),
                          planner_name);
@@ -190,27 +203,37 @@ TEST(Tiling, BadConfigsRejected) {
   const DType bf = DType::kBFloat16;
   const int64_t budget = 176 * 1024;
   auto rejects = [&](TileOp op, TileConfig c, int64_t H) {
-    return throws_error([&] { padmoe::validate_tile_config(op, c, H, bf); }, {}, static_cast<int>(padmoe::ErrorKind::kValue));
+    return throws_error([&] { padmoe::validate_tile_config(op, c, H, bf); }, {},
+                        static_cast<int>(padmoe::ErrorKind::kValue));
   };
   const TileConfig good{48, 8, 256, budget, 2};
   EXPECT_NO_THROW(padmoe::validate_tile_config(TileOp::kGather, good, 1000, bf));
   TileConfig c = good;
   c.block_x = 250;  // 500 bytes: not a multiple of 32
   EXPECT_TRUE(rejects(TileOp::kGather, c, 1000));
-  c = good; c.block_x = 0;
+  c = good;
+  c.block_x = 0;
   EXPECT_TRUE(rejects(TileOp::kGather, c, 1000));
-  c = good; c.sub_block_rows = 0;
+  c = good;
+  c.sub_block_rows = 0;
   EXPECT_TRUE(rejects(TileOp::kGather, c, 1000));
-  c = good; c.programs = 0;
+  c = good;
+  c.programs = 0;
   EXPECT_TRUE(rejects(TileOp::kGather, c, 1000));
-  c = good; c.sub_block_rows = 200; c.block_x = 4096;  // 2 * 200 * 8200 bytes: over budget
+  c = good;
+  c.sub_block_rows = 200;
+  c.block_x = 4096;  // 2 * 200 * 8200 bytes: over budget
   EXPECT_TRUE(rejects(TileOp::kScatter, c, 4096));
-  c = good; c.buffer_bytes = formula_bytes(TileOp::kGather, good, bf) - 1;  // one byte short
+  c = good;
+  c.buffer_bytes = formula_bytes(TileOp::kGather, good, bf) - 1;  // one byte short
   EXPECT_TRUE(rejects(TileOp::kGather, c, 1000));
-  c = good; c.buffer_bytes = formula_bytes(TileOp::kGather, good, bf);  // exactly fits
+  c = good;
+  c.buffer_bytes = formula_bytes(TileOp::kGather, good, bf);  // exactly fits
   EXPECT_NO_THROW(padmoe::validate_tile_config(TileOp::kGather, c, 1000, bf));
   // wgrad with H > block_x needs sub_block_rows == 1
-  c = good; c.block_x = 256; c.sub_block_rows = 2;
+  c = good;
+  c.block_x = 256;
+  c.sub_block_rows = 2;
   EXPECT_TRUE(rejects(TileOp::kWgrad, c, 1000));
   c.sub_block_rows = 1;
   EXPECT_NO_THROW(padmoe::validate_tile_config(TileOp::kWgrad, c, 1000, bf));

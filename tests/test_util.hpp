@@ -64,9 +64,11 @@ inline double min_subnormal(DType d) {
 }
 inline size_t esize(DType d) {
   switch (d) {
-    case DType::kFloat32: case DType::kInt32: return 4;
+    case DType::kFloat32:
+    case DType::kInt32: return 4;
     case DType::kInt64: return 8;
-    case DType::kFloat16: case DType::kBFloat16: return 2;
+    case DType::kFloat16:
+    case DType::kBFloat16: return 2;
     default: return 1;
   }
 }
@@ -152,8 +154,7 @@ inline std::vector<int64_t> index_to_vec(const TensorView& v, int64_t n = -1) {
   if (n < 0) n = v.numel();
   std::vector<int64_t> out(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i)
-    out[static_cast<size_t>(i)] =
-        v.dtype == DType::kInt32 ? v.data_as<int32_t>()[i] : v.data_as<int64_t>()[i];
+    out[static_cast<size_t>(i)] = v.dtype == DType::kInt32 ? v.data_as<int32_t>()[i] : v.data_as<int64_t>()[i];
   return out;
 }
 
@@ -268,9 +269,8 @@ inline ::testing::AssertionResult rows_bitwise(const TensorView& lib, const std:
       std::memcpy(&got, elem_ptr(lib, row0 + r, c0 + c), s);
       if (got != want) {
         if (bad < 5)
-          os << " [row " << row0 + r << " col " << c0 + c << ": got " << elem_float(lib, row0 + r, c0 + c)
-             << " (0x" << std::hex << got << std::dec << ") want " << e << " (0x" << std::hex << want << std::dec
-             << ")]";
+          os << " [row " << row0 + r << " col " << c0 + c << ": got " << elem_float(lib, row0 + r, c0 + c) << " (0x"
+             << std::hex << got << std::dec << ") want " << e << " (0x" << std::hex << want << std::dec << ")]";
         ++bad;
       }
     }
@@ -326,8 +326,7 @@ inline ::testing::AssertionResult sums_close(const TensorView& lib, const std::v
       }
     }
   if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << bad << " elements out of tolerance (" << dname(lib.dtype)
-                                       << "):" << os.str();
+  return ::testing::AssertionFailure() << bad << " elements out of tolerance (" << dname(lib.dtype) << "):" << os.str();
 }
 
 inline std::vector<float> abs_of(const std::vector<float>& v) {
@@ -353,8 +352,8 @@ template <class F>
       if (msg.find(n) == std::string::npos)
         return ::testing::AssertionFailure() << "message \"" << msg << "\" lacks \"" << n << "\"";
     if (kind >= 0 && static_cast<int>(e.kind()) != kind)
-      return ::testing::AssertionFailure() << "message \"" << msg << "\" has kind " << static_cast<int>(e.kind())
-                                           << ", expected " << kind;
+      return ::testing::AssertionFailure()
+             << "message \"" << msg << "\" has kind " << static_cast<int>(e.kind()) << ", expected " << kind;
     return ::testing::AssertionSuccess() << msg;
   } catch (const std::exception& e) {
     return ::testing::AssertionFailure() << "threw a non-padmoe exception: " << e.what();
@@ -373,9 +372,11 @@ inline void poison_padding_rows(Tensor& t, const ref::Plan& p, int64_t rows, int
 // top_experts with exactly counts[e] assignments of expert e (sum = T*K), shuffled.
 inline std::vector<int64_t> routing_with_counts(const std::vector<int64_t>& counts, uint64_t seed) {
   std::vector<int64_t> te;
-  for (size_t e = 0; e < counts.size(); ++e) te.insert(te.end(), static_cast<size_t>(counts[e]), static_cast<int64_t>(e));
+  for (size_t e = 0; e < counts.size(); ++e)
+    te.insert(te.end(), static_cast<size_t>(counts[e]), static_cast<int64_t>(e));
   Rng rng(seed);
-  for (size_t i = te.size(); i > 1; --i) std::swap(te[i - 1], te[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
+  for (size_t i = te.size(); i > 1; --i)
+    std::swap(te[i - 1], te[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
   return te;
 }
 
@@ -403,11 +404,15 @@ inline ::testing::AssertionResult same_vec(const TensorView& v, const std::vecto
 
 inline ::testing::AssertionResult plan_equals(const padmoe::PlanView& v, const ref::Plan& p) {
   const std::pair<const TensorView*, const std::vector<int64_t>*> fields[] = {
-      {&v.indices, &p.indices},     {&v.bin_ids, &p.bin_ids},
-      {&v.tokens_per_expert, &p.tokens_per_expert}, {&v.bins, &p.bins},
-      {&v.padded_tokens_per_expert, &p.padded_tokens_per_expert}, {&v.padded_bins, &p.padded_bins},
-      {&v.dest_rows, &p.dest_rows}, {&v.row_sources, &p.row_sources}};
-  const char* names[] = {"indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert",
+      {&v.indices, &p.indices},
+      {&v.bin_ids, &p.bin_ids},
+      {&v.tokens_per_expert, &p.tokens_per_expert},
+      {&v.bins, &p.bins},
+      {&v.padded_tokens_per_expert, &p.padded_tokens_per_expert},
+      {&v.padded_bins, &p.padded_bins},
+      {&v.dest_rows, &p.dest_rows},
+      {&v.row_sources, &p.row_sources}};
+  const char* names[] = {"indices",     "bin_ids",   "tokens_per_expert", "bins", "padded_tokens_per_expert",
                          "padded_bins", "dest_rows", "row_sources"};
   for (int i = 0; i < 8; ++i) {
     auto ok = same_vec(*fields[i].first, *fields[i].second, names[i]);

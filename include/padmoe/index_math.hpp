@@ -5,7 +5,7 @@
 // overflows 32 bits at real sizes (T*K = 131072 rows of H = 7168 is 9.4e8
 // elements; a few such buffers pass 2^31 bytes).
 //
-// Terms (see SPEC.md): T tokens, K top_k, E experts, A = T*K assignments,
+// Terms (see docs/spec.md §1): T tokens, K top_k, E experts, A = T*K assignments,
 // assignment id a = t*K + k, m the alignment, P = padded_bins[E-1].
 //
 //   real_start(e)   = e == 0 ? 0 : bins[e-1]
@@ -63,13 +63,14 @@ PADMOE_HD int64_t find_segment(const I* cumsum, int64_t n, int64_t pos) {
   int64_t lo = 0, hi = n;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (static_cast<int64_t>(cumsum[mid]) > pos) hi = mid; else lo = mid + 1;
+    if (static_cast<int64_t>(cumsum[mid]) > pos) hi = mid;
+    else lo = mid + 1;
   }
   return lo;
 }
 
-// Global expert id -> the plan's local expert, or -1 (dropped): SPEC section
-// 1's expert parallelism. Ids outside [0, global) are dropped (the API layer
+// Global expert id -> the plan's local expert, or -1 (dropped): docs/spec.md
+// §4's expert parallelism. Ids outside [0, global) are dropped (the API layer
 // rejects them first unless the caller asked to drop them). With a map:
 // local = map[e] (an entry outside [0, local_experts) drops); without one the
 // local range: local = e - first inside [first, first + local_experts).
@@ -96,7 +97,7 @@ struct Range {
   PADMOE_HD int64_t size() const { return end > begin ? end - begin : 0; }
 };
 
-// SPEC section 6 work partition: program pid of `programs` owns the
+// docs/spec.md §15 work partition: program pid of `programs` owns the
 // contiguous range [pid*B, min((pid+1)*B, total)), B = ceil(total/programs).
 // Trailing programs may own an empty range.
 PADMOE_HD Range work_range(int64_t pid, int64_t programs, int64_t total) {

@@ -14,8 +14,16 @@
 namespace padmoe {
 namespace numeric {
 
-inline uint32_t float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float bits_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 inline float bf16_to_float(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
 inline uint16_t float_to_bf16(float f) {
@@ -34,7 +42,10 @@ inline float half_to_float(uint16_t h) {
     if (man == 0) return bits_float(sign);
     // subnormal: normalise
     int e = -1;
-    do { man <<= 1; ++e; } while ((man & 0x400u) == 0);
+    do {
+      man <<= 1;
+      ++e;
+    } while ((man & 0x400u) == 0);
     man &= 0x3ffu;
     return bits_float(sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | (man << 13));
   }
@@ -70,7 +81,10 @@ inline uint32_t round_small_float(float f, int exp_bits, int man_bits, bool* ove
   if (out_exp == 0) {
     bits = static_cast<uint32_t>(q);  // may carry into the smallest normal: still correct encoding
   } else {
-    if (q >> (man_bits + 1)) { q >>= 1; ++out_exp; }
+    if (q >> (man_bits + 1)) {
+      q >>= 1;
+      ++out_exp;
+    }
     bits = (static_cast<uint32_t>(out_exp) << man_bits) | (static_cast<uint32_t>(q) & ((1u << man_bits) - 1));
   }
   if ((bits >> man_bits) >= static_cast<uint32_t>((1 << exp_bits) - 1)) *overflow = true;

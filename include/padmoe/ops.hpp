@@ -1,11 +1,11 @@
-// padmoe/ops.hpp — every routing op of SPEC sections 1-3.
+// padmoe/ops.hpp — every routing op of docs/spec.md §3-§10.
 //
 // Each op comes in two forms:
 //   - `op(...)` allocates its outputs (on the inputs' device) and returns them;
 //   - `op_out(..., out)` writes into caller-owned buffers and allocates nothing
 //     on the hot path.
 // The backend is chosen by the tensors' device. All arguments are checked
-// before anything is written (SPEC section 5); a failure throws padmoe::Error
+// before anything is written (docs/spec.md §12); a failure throws padmoe::Error
 // naming the op, the argument and the first offending position.
 //
 // Row tensors: float32, float16, bfloat16 ([rows, H], unit column stride,
@@ -13,7 +13,7 @@
 // (gather/dispatch without weights, pad, unpad without probs), whose `_scaled`
 // forms (section 4 below) move a scale tensor with the rows. Index inputs:
 // int32 or int64, contiguous. Index outputs: int32. Router weights / probs:
-// float32 or the row dtype. Arithmetic is float32; sums run in ascending k and
+// float32, float16 or bfloat16, whatever the rows' dtype. Arithmetic is float32; sums run in ascending k and
 // are cast once, so results are bitwise deterministic on a backend and do not
 // depend on the thread count.
 //
@@ -109,8 +109,7 @@ struct PlanView {
 
 // An owning plan, as returned by make_plan().
 struct Plan {
-  Tensor indices, bin_ids, tokens_per_expert, bins, padded_tokens_per_expert, padded_bins,
-      dest_rows, row_sources;
+  Tensor indices, bin_ids, tokens_per_expert, bins, padded_tokens_per_expert, padded_bins, dest_rows, row_sources;
   int64_t num_tokens = 0;
   int top_k = 1;
   int num_experts = 0;
@@ -142,7 +141,7 @@ int64_t padded_rows(const Plan& plan, const Options& options = {});
 // memory with the inputs or with each other (refused as "<op>: <output>: shares memory with
 // <input>"); column slices of one buffer side by side do not overlap.
 //
-// make_plan(top_experts[T, K] int32|int64, E, m): SPEC section 1. On CUDA,
+// make_plan(top_experts[T, K] int32|int64, E, m): docs/spec.md §3. On CUDA,
 // out.row_sources needs at least capacity_bound() entries (P is not known on
 // the host); in unchecked mode an expert id outside [0, E) is dropped
 // (dest_rows -1) rather than validated.
@@ -267,33 +266,30 @@ void moe_align_block_size_out(const TensorView& top_experts, int block_size, int
 
 // y[row(i)] = x[indices[i] / K] (* weights[indices[i]]); padding rows zero.
 // y has P rows (allocating form) or at least P rows (_out).
-Tensor padded_gather(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
-                     const TensorView& bins, const TensorView& padded_bins, int top_k,
-                     const std::optional<TensorView>& weights = std::nullopt, const Options& options = {});
+Tensor padded_gather(const TensorView& x, const TensorView& indices, const TensorView& bin_ids, const TensorView& bins,
+                     const TensorView& padded_bins, int top_k, const std::optional<TensorView>& weights = std::nullopt,
+                     const Options& options = {});
 void padded_gather_out(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
                        const TensorView& bins, const TensorView& padded_bins, int top_k,
-                       const std::optional<TensorView>& weights, const TensorView& y,
-                       const Options& options = {});
+                       const std::optional<TensorView>& weights, const TensorView& y, const Options& options = {});
 
 // out[t] = sum_k w(t*K+k) * y[dest_rows[t*K+k]] in float32, ascending k.
 // out has T = A / K rows.
 Tensor padded_scatter(const TensorView& y, const TensorView& indices, const TensorView& bin_ids,
-                      const std::optional<TensorView>& weights, const TensorView& bins,
-                      const TensorView& padded_bins, int top_k, const Options& options = {});
+                      const std::optional<TensorView>& weights, const TensorView& bins, const TensorView& padded_bins,
+                      int top_k, const Options& options = {});
 void padded_scatter_out(const TensorView& y, const TensorView& indices, const TensorView& bin_ids,
-                        const std::optional<TensorView>& weights, const TensorView& bins,
-                        const TensorView& padded_bins, int top_k, const TensorView& out,
-                        const Options& options = {});
+                        const std::optional<TensorView>& weights, const TensorView& bins, const TensorView& padded_bins,
+                        int top_k, const TensorView& out, const Options& options = {});
 
 // wgrad[a] = sum_h y[dest_rows[a], h] * grad[a / K, h] in float32.
 // Allocating form returns y's dtype (as MegaBlocks); _out accepts float32 or y's dtype.
 Tensor padded_scatter_wgrad(const TensorView& y, const TensorView& grad, const TensorView& indices,
-                            const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
-                            int top_k, const Options& options = {});
+                            const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins, int top_k,
+                            const Options& options = {});
 void padded_scatter_wgrad_out(const TensorView& y, const TensorView& grad, const TensorView& indices,
-                              const TensorView& bin_ids, const TensorView& bins,
-                              const TensorView& padded_bins, int top_k, const TensorView& wgrad,
-                              const Options& options = {});
+                              const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
+                              int top_k, const TensorView& wgrad, const Options& options = {});
 
 // Gradients of a forward op: grad of the row input, and of the weights when
 // weights were given (grad_weights is undefined otherwise).
@@ -303,13 +299,12 @@ struct RowGrads {
 };
 
 // Backward of padded_gather: grad_x = padded_scatter(grad_y, weights), i.e.
-// grad_x[t] = sum_k w(a) * grad_y[dest_rows[a]] (SPEC's weights=None is the
+// grad_x[t] = sum_k w(a) * grad_y[dest_rows[a]] (MegaBlocks' weights=None is the
 // unweighted case; a weighted gather scales its gradient by the same weights);
 // grad_weights[a] = <grad_y[dest_rows[a]], x[a / K]> when weights were given.
 RowGrads padded_gather_backward(const TensorView& grad_y, const TensorView& x, const TensorView& indices,
-                                const TensorView& bin_ids, const TensorView& bins,
-                                const TensorView& padded_bins, int top_k,
-                                const std::optional<TensorView>& weights = std::nullopt,
+                                const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
+                                int top_k, const std::optional<TensorView>& weights = std::nullopt,
                                 const Options& options = {});
 
 // _out: grad_x [T, H]; grad_weights float32 or x's dtype with A elements, or
@@ -334,13 +329,12 @@ RowGrads padded_scatter_backward(const TensorView& grad_out, const TensorView& y
 void padded_scatter_backward_out(const TensorView& grad_out, const TensorView& y, const TensorView& indices,
                                  const TensorView& bin_ids, const std::optional<TensorView>& weights,
                                  const TensorView& bins, const TensorView& padded_bins, int top_k,
-                                 const TensorView& grad_y, const TensorView& grad_weights,
-                                 const Options& options = {});
+                                 const TensorView& grad_y, const TensorView& grad_weights, const Options& options = {});
 
 // Fused forms on a plan. dispatch == padded_gather, reading each token row
 // once and writing its K copies; combine == padded_scatter.
-Tensor dispatch(const TensorView& x, const PlanView& plan,
-                const std::optional<TensorView>& weights = std::nullopt, const Options& options = {});
+Tensor dispatch(const TensorView& x, const PlanView& plan, const std::optional<TensorView>& weights = std::nullopt,
+                const Options& options = {});
 void dispatch_out(const TensorView& x, const PlanView& plan, const std::optional<TensorView>& weights,
                   const TensorView& y, const Options& options = {});
 
@@ -348,7 +342,7 @@ void dispatch_out(const TensorView& x, const PlanView& plan, const std::optional
 // and y[dest_rows[a]] = x[a / K] (times weights[a] when given), padding rows zero: make_plan's
 // launch then dispatch's, with one set of checks (padmoe.torch: one operator call instead of two).
 // Errors are make_plan's and dispatch's, raised before anything is written. (A single CUDA kernel
-// doing both at decode sizes was measured and not kept: docs/design.md.)
+// doing both at decode sizes was measured and not kept: docs/decisions.md.)
 // The allocating form returns y with plan.capacity() rows (no host synchronization: rows at or
 // past P are zero, as padmoe.torch.dispatch's). _out: y needs at least as many rows as
 // out.row_sources (capacity_bound() on CUDA, P on the CPU), x's columns and dtype; rows at or past
@@ -357,15 +351,15 @@ struct PlannedRows {
   Plan plan;
   Tensor y;
 };
-PlannedRows make_plan_and_dispatch(const TensorView& x, const TensorView& top_experts, int num_experts,
-                                   int alignment, const std::optional<TensorView>& weights = std::nullopt,
+PlannedRows make_plan_and_dispatch(const TensorView& x, const TensorView& top_experts, int num_experts, int alignment,
+                                   const std::optional<TensorView>& weights = std::nullopt,
                                    const Options& options = {});
 void make_plan_and_dispatch_out(const TensorView& x, const TensorView& top_experts, int num_experts, int alignment,
                                 const PlanView& out, const std::optional<TensorView>& weights, const TensorView& y,
                                 const Options& options = {});
 
-Tensor combine(const TensorView& y, const PlanView& plan,
-               const std::optional<TensorView>& weights = std::nullopt, const Options& options = {});
+Tensor combine(const TensorView& y, const PlanView& plan, const std::optional<TensorView>& weights = std::nullopt,
+               const Options& options = {});
 void combine_out(const TensorView& y, const PlanView& plan, const std::optional<TensorView>& weights,
                  const TensorView& out, const Options& options = {});
 
@@ -375,8 +369,7 @@ void combine_out(const TensorView& y, const PlanView& plan, const std::optional<
 // _out: grad_weights float32 or y's dtype with A elements, or an empty
 // TensorView{} to skip it.
 RowGrads combine_backward(const TensorView& grad_out, const TensorView& y, const PlanView& plan,
-                          const std::optional<TensorView>& weights = std::nullopt,
-                          const Options& options = {});
+                          const std::optional<TensorView>& weights = std::nullopt, const Options& options = {});
 void combine_backward_out(const TensorView& grad_out, const TensorView& y, const PlanView& plan,
                           const std::optional<TensorView>& weights, const TensorView& grad_y,
                           const TensorView& grad_weights, const Options& options = {});
@@ -385,8 +378,7 @@ void combine_backward_out(const TensorView& grad_out, const TensorView& y, const
 // dispatch was) and
 // grad_weights[a] = <grad_y[dest_rows[a]], x[a / K]> when weights were given.
 RowGrads dispatch_backward(const TensorView& grad_y, const TensorView& x, const PlanView& plan,
-                           const std::optional<TensorView>& weights = std::nullopt,
-                           const Options& options = {});
+                           const std::optional<TensorView>& weights = std::nullopt, const Options& options = {});
 void dispatch_backward_out(const TensorView& grad_y, const TensorView& x, const PlanView& plan,
                            const std::optional<TensorView>& weights, const TensorView& grad_x,
                            const TensorView& grad_weights, const Options& options = {});
@@ -443,7 +435,7 @@ void unpad_from_alignment_backward_out(const TensorView& grad_out, const TensorV
                                        const Options& options = {});
 
 // ---------------------------------------------------------------------------
-// 4. Rows moved with their scales (float8 + scales; SPEC section 4)
+// 4. Rows moved with their scales (float8 + scales; docs/spec.md §10)
 // ---------------------------------------------------------------------------
 //
 // The move-only ops (dispatch and padded_gather without weights,
@@ -490,7 +482,7 @@ ScaledRows dispatch_scaled(const TensorView& x, const PlanView& plan, const Tens
 void dispatch_scaled_out(const TensorView& x, const PlanView& plan, const TensorView& x_scales, const TensorView& y,
                          const TensorView& y_scales, const Options& options = {});
 
-// Fused quantizing dispatch (issue 11, item 2): x [T, H] float32 / float16 /
+// Fused quantizing dispatch: x [T, H] float32 / float16 /
 // bfloat16 in, float8 rows (e4m3, or e5m2) plus scales out, in one read of
 // each token row: the row is quantized once (per block: amax -> scale ->
 // codes) and its codes and scale row are written to each of its K
@@ -514,8 +506,8 @@ void dispatch_scaled_out(const TensorView& x, const PlanView& plan, const Tensor
 // per row).
 ScaledRows dispatch_quantized(const TensorView& x, const PlanView& plan, ScaleLayout layout,
                               DType dtype = DType::kFloat8E4M3, const Options& options = {});
-void dispatch_quantized_out(const TensorView& x, const PlanView& plan, const TensorView& y,
-                            const TensorView& y_scales, const Options& options = {});
+void dispatch_quantized_out(const TensorView& x, const PlanView& plan, const TensorView& y, const TensorView& y_scales,
+                            const Options& options = {});
 
 // The quantizer alone (no routing): x [N, H] -> y [N, H] float8 and y_scales
 // [N, ...] (the layout inferred from y_scales), the same bits as

@@ -69,7 +69,9 @@ struct TensorView {
   bool is_contiguous() const;
   size_t element_bytes() const { return element_size(dtype); }
   template <typename T>
-  T* data_as() const { return static_cast<T*>(data); }
+  T* data_as() const {
+    return static_cast<T*>(data);
+  }
 };
 
 // An owning tensor: a contiguous buffer padmoe allocated (64-byte aligned on
@@ -85,7 +87,9 @@ class Tensor {
   bool defined() const { return storage_ != nullptr; }
   void* data() const { return view_.data; }
   template <typename T>
-  T* data_as() const { return static_cast<T*>(view_.data); }
+  T* data_as() const {
+    return static_cast<T*>(view_.data);
+  }
   DType dtype() const { return view_.dtype; }
   int ndim() const { return view_.ndim; }
   int64_t size(int dim) const { return view_.shape[dim]; }

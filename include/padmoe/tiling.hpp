@@ -1,4 +1,4 @@
-// padmoe/tiling.hpp — the tile planner of SPEC section 6 (the Ascend design, kept).
+// padmoe/tiling.hpp — the tile planner of docs/spec.md §15 (the Ascend design, kept).
 //
 // A program (an NPU vector core, a CPU thread) owns the contiguous range of
 // sorted positions [pid*B, min((pid+1)*B, A)), B = ceil(A / programs), and

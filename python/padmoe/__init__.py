@@ -23,8 +23,8 @@ semantics, and ``padmoe._common``'s the options every op takes (``check``, ``num
 import warnings as _warnings
 
 from . import _C
+from ._chunk_ops import copy, sort_chunks, unsort_chunks
 from ._dropin_ops import (
-    copy,
     pad_to_alignment,
     pad_to_alignment_scaled,
     padded_gather,
@@ -33,11 +33,9 @@ from ._dropin_ops import (
     padded_scatter,
     padded_scatter_backward,
     padded_scatter_wgrad,
-    sort_chunks,
     unpad_from_alignment,
     unpad_from_alignment_backward,
     unpad_from_alignment_scaled,
-    unsort_chunks,
 )
 from ._plan import Plan
 from ._plan_ops import (
@@ -45,14 +43,13 @@ from ._plan_ops import (
     combine_backward,
     dispatch,
     dispatch_backward,
-    dispatch_quantized,
     dispatch_scaled,
     make_plan,
     make_plan_and_dispatch,
     make_plan_layouts,
     moe_align_block_size,
-    quantize,
 )
+from ._quant_ops import dispatch_quantized, quantize
 from ._sizes import (
     aligned_rows_bound,
     capacity_bound,  # noqa: F401 (deprecated alias)
@@ -62,7 +59,6 @@ from ._sizes import (
     sort_chunks_rows_bound,
     workspace_bound,
 )
-
 
 
 def tile_config(target: str, op: str, hidden: int, dtype: str, cores: int = 0) -> dict:

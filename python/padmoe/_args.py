@@ -68,6 +68,7 @@ def map_experts(expert_ids, expert_map):
     n = int(expert_map.shape[0])
     if hasattr(expert_ids, "new_full"):  # torch
         import torch
+
         if n == 0:
             return torch.full_like(expert_ids, -1, dtype=torch.int32)
         idx = expert_ids.long()

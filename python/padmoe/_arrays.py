@@ -120,8 +120,9 @@ def native_args(args, op="padmoe"):
     outputs are settled. Kept lean (a plain loop, no per-call closure, no
     device or requires_grad query: torch's C export takes a tensor that
     requires grad, and refuses one on another device with BufferError): at
-    decode sizes this function was 12 of the 19 µs of a ``padmoe.dispatch``
-    call on torch tensors (2-core CPU box, 2026-12-04)."""
+    decode sizes this loop is a large share of the host time of a
+    ``padmoe.dispatch`` call on torch tensors, so every per-tensor step here
+    counts."""
     export = _torch_capsule_maker()
     if export is None:
         return args
@@ -132,8 +133,9 @@ def native_args(args, op="padmoe"):
             v = _capsule(v, to_dlpack, op)
         elif type(v) is _plan_type or (hasattr(v, "row_sources") and hasattr(v, "dest_rows")):  # a plan
             fields = v.arrays if type(v) is _plan_type else [getattr(v, f) for f in _PLAN_ARRAYS]
-            ns = SimpleNamespace(num_tokens=v.num_tokens, top_k=v.top_k, num_experts=v.num_experts,
-                                 alignment=v.alignment)
+            ns = SimpleNamespace(
+                num_tokens=v.num_tokens, top_k=v.top_k, num_experts=v.num_experts, alignment=v.alignment
+            )
             for f, a in zip(_PLAN_ARRAYS, fields):
                 setattr(ns, f, _capsule(a, to_dlpack, op) if isinstance(a, tensor) else a)
             v = ns
@@ -151,8 +153,16 @@ def _capsule(v, to_dlpack, op):
 _plan_type = None  # padmoe.Plan, set by _plan.py (its eight arrays read as one list)
 
 
-_PLAN_ARRAYS = ("indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert", "padded_bins",
-                "dest_rows", "row_sources")
+_PLAN_ARRAYS = (
+    "indices",
+    "bin_ids",
+    "tokens_per_expert",
+    "bins",
+    "padded_tokens_per_expert",
+    "padded_bins",
+    "dest_rows",
+    "row_sources",
+)
 
 
 def prepare(arrays, *values):

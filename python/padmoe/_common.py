@@ -90,17 +90,24 @@ def _options(arrays, like, check, num_threads, workspace, stream, zero_padding=T
         stream = arrays.stream(like)
     if workspace is not None:
         workspace = arrays_of(workspace, "workspace", "workspace").prepare(workspace)
-    return {"stream": int(stream), "check_data": _check_data(arrays, like, check), "num_threads": int(num_threads),
-            "workspace": workspace, "zero_tail": bool(zero_padding) and not given,
-            "zero_padding": bool(zero_padding)}
+    return {
+        "stream": int(stream),
+        "check_data": _check_data(arrays, like, check),
+        "num_threads": int(num_threads),
+        "workspace": workspace,
+        "zero_tail": bool(zero_padding) and not given,
+        "zero_padding": bool(zero_padding),
+    }
 
 
 def numpy_only(op: str, arg: str, a, torch_way: str):
     """The framework of `a` for a function padmoe.torch does not have: numpy only."""
     arrays = arrays_of(a, op, arg)
     if arrays.name == "torch":
-        raise TypeError(f"{op}: {arg}: got a torch tensor; padmoe.{op} takes numpy arrays. For torch tensors use "
-                        f"padmoe.torch: {torch_way}")
+        raise TypeError(
+            f"{op}: {arg}: got a torch tensor; padmoe.{op} takes numpy arrays. For torch tensors use "
+            f"padmoe.torch: {torch_way}"
+        )
     return arrays
 
 
@@ -126,8 +133,10 @@ def _padded_out(arrays, op, like, rows, out, p_of):
     if n < 0:
         raise ValueError(f"{op}: rows: must be >= 0, got {n}")
     if n > INT32_MAX:  # before allocating: P (or rows) must fit the int32 index outputs
-        raise ValueError(f"{op}: {'padded rows' if rows is None else 'rows'}: size overflow: {n} does not fit the "
-                         "int32 index outputs")
+        raise ValueError(
+            f"{op}: {'padded rows' if rows is None else 'rows'}: size overflow: {n} does not fit the "
+            "int32 index outputs"
+        )
     return arrays.empty((n, _cols(like)), like.dtype, like)
 
 

@@ -22,8 +22,9 @@ PLAN_ARRAYS = (
 )
 
 
-def rows_bound(num_tokens: int, top_k: int, num_experts: int, alignment: int,
-               expert_capacity: Optional[int] = None) -> int:
+def rows_bound(
+    num_tokens: int, top_k: int, num_experts: int, alignment: int, expert_capacity: Optional[int] = None
+) -> int:
     """Host-side bound on P, the rows of the padded buffers: ``T*K + E*(alignment-1)``, or ``E*C`` for a
     plan with an expert capacity C (then exactly P). Plain Python ints (no overflow, no checks)."""
     if expert_capacity is not None:
@@ -31,8 +32,9 @@ def rows_bound(num_tokens: int, top_k: int, num_experts: int, alignment: int,
     return num_tokens * top_k + num_experts * (alignment - 1)
 
 
-def packed_plan_layout(num_tokens: int, top_k: int, num_experts: int, alignment: int,
-                       expert_capacity: Optional[int] = None) -> Tuple[Tuple[str, int, int], ...]:
+def packed_plan_layout(
+    num_tokens: int, top_k: int, num_experts: int, alignment: int, expert_capacity: Optional[int] = None
+) -> Tuple[Tuple[str, int, int], ...]:
     """The packed plan: the eight arrays back to back in one int32 tensor, as ``(name, offset,
     length)`` in order: ``indices``, ``bin_ids`` [A]; ``tokens_per_expert``, ``bins``,
     ``padded_tokens_per_expert``, ``padded_bins`` [E]; ``dest_rows`` [A]; ``row_sources``
@@ -47,8 +49,9 @@ def packed_plan_layout(num_tokens: int, top_k: int, num_experts: int, alignment:
     return tuple(out)
 
 
-def packed_plan_sizes(numel: int, top_k: int, num_experts: int, alignment: int,
-                      expert_capacity: Optional[int] = None) -> Tuple[int, int, int]:
+def packed_plan_sizes(
+    numel: int, top_k: int, num_experts: int, alignment: int, expert_capacity: Optional[int] = None
+) -> Tuple[int, int, int]:
     """``(T, A, rows)`` of a packed plan of ``numel`` entries: the inverse of
     :func:`packed_plan_layout`'s total ``3*A + 4*E + rows`` (what the fake kernels read)."""
     if expert_capacity is not None:
@@ -105,11 +108,33 @@ class Plan:
     __slots__ = ("_arrays", "packed", "num_tokens", "top_k", "num_experts", "alignment", "expert_capacity", "dropped")
     _fields = PLAN_ARRAYS + ("num_tokens", "top_k", "num_experts", "alignment")
 
-    def __init__(self, indices: Any, bin_ids: Any, tokens_per_expert: Any, bins: Any, padded_tokens_per_expert: Any,
-                 padded_bins: Any, dest_rows: Any, row_sources: Any, num_tokens: int, top_k: int, num_experts: int,
-                 alignment: int, expert_capacity: Optional[int] = None, dropped: Any = None):
-        self._arrays = [indices, bin_ids, tokens_per_expert, bins, padded_tokens_per_expert, padded_bins, dest_rows,
-                        row_sources]
+    def __init__(
+        self,
+        indices: Any,
+        bin_ids: Any,
+        tokens_per_expert: Any,
+        bins: Any,
+        padded_tokens_per_expert: Any,
+        padded_bins: Any,
+        dest_rows: Any,
+        row_sources: Any,
+        num_tokens: int,
+        top_k: int,
+        num_experts: int,
+        alignment: int,
+        expert_capacity: Optional[int] = None,
+        dropped: Any = None,
+    ):
+        self._arrays = [
+            indices,
+            bin_ids,
+            tokens_per_expert,
+            bins,
+            padded_tokens_per_expert,
+            padded_bins,
+            dest_rows,
+            row_sources,
+        ]
         self.packed = None
         self.num_tokens = num_tokens
         self.top_k = top_k
@@ -119,8 +144,16 @@ class Plan:
         self.dropped = dropped
 
     @classmethod
-    def _from_packed(cls, packed, num_tokens: int, top_k: int, num_experts: int, alignment: int,
-                     expert_capacity: Optional[int] = None, dropped: Any = None) -> "Plan":
+    def _from_packed(
+        cls,
+        packed,
+        num_tokens: int,
+        top_k: int,
+        num_experts: int,
+        alignment: int,
+        expert_capacity: Optional[int] = None,
+        dropped: Any = None,
+    ) -> "Plan":
         """A plan around padmoe.torch's packed form: one int32 tensor holding the eight arrays back to
         back (``indices, bin_ids`` [A], the four [E] arrays, ``dest_rows`` [A], ``row_sources``
         [padded_rows_bound]); the arrays are views of it, made on first use."""
@@ -139,8 +172,9 @@ class Plan:
     def arrays(self) -> list:
         """The eight arrays, in the order of the field list above."""
         if self._arrays is None:
-            layout = packed_plan_layout(self.num_tokens, self.top_k, self.num_experts, self.alignment,
-                                        self.expert_capacity)
+            layout = packed_plan_layout(
+                self.num_tokens, self.top_k, self.num_experts, self.alignment, self.expert_capacity
+            )
             self._arrays = list(self.packed.split([length for _, _, length in layout]))
         return self._arrays
 
@@ -163,8 +197,9 @@ class Plan:
         """Host-side bound on P: ``A + E*(alignment-1)`` (no synchronization); ``E*C`` for a plan
         made with ``expert_capacity`` C (then exactly P). The row count of every padded output
         of the plan ops (``dispatch``, ``make_plan_and_dispatch``, ``dispatch_quantized``)."""
-        return rows_bound(self.num_tokens, self.top_k, self.num_experts, self.alignment,
-                                 getattr(self, "expert_capacity", None))
+        return rows_bound(
+            self.num_tokens, self.top_k, self.num_experts, self.alignment, getattr(self, "expert_capacity", None)
+        )
 
     @property
     def capacity(self) -> int:
@@ -186,8 +221,12 @@ class Plan:
         once, refill every step (e.g. inside a CUDA graph). The arrays are of
         ``like``'s framework and device (numpy on the CPU when ``like`` is None);
         ``row_sources`` has ``padded_rows_bound`` entries."""
-        for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1),
-                                   ("num_experts", num_experts, 1), ("alignment", alignment, 1)):
+        for name, value, least in (
+            ("num_tokens", num_tokens, 0),
+            ("top_k", top_k, 1),
+            ("num_experts", num_experts, 1),
+            ("alignment", alignment, 1),
+        ):
             if int(value) < least:
                 raise ValueError(f"Plan.empty: {name}: must be >= {least}, got {value}")
         return cls._allocate(num_tokens, top_k, num_experts, alignment, like)
@@ -206,8 +245,10 @@ class Plan:
         # Sizes are checked before anything is allocated (the library would reject them after a
         # 32 GiB-32 TiB allocation had failed with MemoryError).
         if a > INT32_MAX:
-            raise ValueError(f"make_plan: top_experts: size overflow: {num_tokens} x {top_k} assignments do not fit "
-                             "the int32 index outputs")
+            raise ValueError(
+                f"make_plan: top_experts: size overflow: {num_tokens} x {top_k} assignments do not fit "
+                "the int32 index outputs"
+            )
         if cap > INT32_MAX:
             raise ValueError(f"make_plan: capacity: size overflow: {cap} does not fit the int32 index outputs")
         if e > INT32_MAX:
@@ -236,10 +277,12 @@ class Plan:
     def __repr__(self) -> str:
         dev = getattr(self.indices, "device", "cpu")
         cap = getattr(self, "expert_capacity", None)
-        return (f"Plan(num_tokens={self.num_tokens}, top_k={self.top_k}, num_experts={self.num_experts}, "
-                f"alignment={self.alignment}, padded_rows_bound={self.padded_rows_bound}, "
-                + (f"expert_capacity={cap}, " if cap is not None else "")
-                + f"arrays={type(self.indices).__module__.split('.')[0]}:{dev})")
+        return (
+            f"Plan(num_tokens={self.num_tokens}, top_k={self.top_k}, num_experts={self.num_experts}, "
+            f"alignment={self.alignment}, padded_rows_bound={self.padded_rows_bound}, "
+            + (f"expert_capacity={cap}, " if cap is not None else "")
+            + f"arrays={type(self.indices).__module__.split('.')[0]}:{dev})"
+        )
 
 
 _arrays_module._plan_type = Plan  # native_args reads a Plan's eight arrays as one list

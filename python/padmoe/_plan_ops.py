@@ -1,5 +1,5 @@
 """The plan ops on numpy arrays (and, for the names padmoe.torch has, torch tensors): make_plan,
-dispatch, combine, their fused, scaled and quantized forms, their backward, and the layouts other
+dispatch, combine, their fused and scaled forms, their backward, and the layouts other
 kernels consume. Padded outputs have ``plan.padded_rows_bound`` rows, rows at or past P zero."""
 
 from __future__ import annotations
@@ -8,8 +8,20 @@ from typing import Optional, Tuple
 
 from ._args import check_expert_map, map_experts
 from ._arrays import arrays_of, ndim, prepare
-from ._common import (_UNSET, Array, _C, _check_data, _cols, _native_scales, _options, _padded_out, _scales_out,
-                      _split_out, _weight_grad, numpy_only)
+from ._common import (
+    _C,
+    _UNSET,
+    Array,
+    _check_data,
+    _cols,
+    _native_scales,
+    _options,
+    _padded_out,
+    _scales_out,
+    _split_out,
+    _weight_grad,
+    numpy_only,
+)
 from ._plan import INT32_MAX, Plan
 from ._sizes import aligned_rows_bound
 
@@ -18,14 +30,21 @@ from ._sizes import aligned_rows_bound
 # ---------------------------------------------------------------------------
 
 
-def _routing(arrays, like, expert_map, first_expert, global_experts, drop_invalid, expert_capacity, drop_policy,
-             probs, dropped):
+def _routing(
+    arrays, like, expert_map, first_expert, global_experts, drop_invalid, expert_capacity, drop_policy, probs, dropped
+):
     """make_plan's routing keywords for _C.make_plan_out."""
     if drop_policy not in ("position", "probs"):
         raise ValueError(f"make_plan: drop_policy: expected 'position' or 'probs', got {drop_policy!r}")
     cap = -1 if expert_capacity is None else int(expert_capacity)
-    kw = dict(first_expert=int(first_expert), global_experts=int(global_experts), drop_invalid=bool(drop_invalid),
-              expert_capacity=cap, drop_policy=drop_policy, dropped=dropped)
+    kw = dict(
+        first_expert=int(first_expert),
+        global_experts=int(global_experts),
+        drop_invalid=bool(drop_invalid),
+        expert_capacity=cap,
+        drop_policy=drop_policy,
+        dropped=dropped,
+    )
     if expert_map is not None:
         (kw["expert_map"],) = prepare(arrays, expert_map)
     if probs is not None:
@@ -39,19 +58,37 @@ def _plan_buffers(op, out, top_experts, num_experts, alignment, expert_capacity=
     if out is None:
         return Plan._allocate(t, k, num_experts, alignment, top_experts, expert_capacity)
     if ndim(top_experts) == 2 and (out.num_tokens, out.top_k, out.num_experts, out.alignment) != (
-            t, k, num_experts, alignment):
+        t,
+        k,
+        num_experts,
+        alignment,
+    ):
         raise ValueError(
             f"{op}: out: the plan buffers are for num_tokens={out.num_tokens}, top_k={out.top_k}, "
             f"num_experts={out.num_experts}, alignment={out.alignment}; this call needs "
-            f"num_tokens={t}, top_k={k}, num_experts={num_experts}, alignment={alignment}")
+            f"num_tokens={t}, top_k={k}, num_experts={num_experts}, alignment={alignment}"
+        )
     return out
 
 
-def make_plan(top_experts: Array, num_experts: int, alignment: int, *, check: Optional[bool] = None,
-              expert_map: Optional[Array] = None, first_expert: int = 0, global_experts: int = 0,
-              drop_invalid: bool = False, expert_capacity: Optional[int] = None, drop_policy: str = "position",
-              probs: Optional[Array] = None, out: Optional[Plan] = None, num_threads: int = 0,
-              workspace: Optional[Array] = None, stream: Optional[int] = None) -> Plan:
+def make_plan(
+    top_experts: Array,
+    num_experts: int,
+    alignment: int,
+    *,
+    check: Optional[bool] = None,
+    expert_map: Optional[Array] = None,
+    first_expert: int = 0,
+    global_experts: int = 0,
+    drop_invalid: bool = False,
+    expert_capacity: Optional[int] = None,
+    drop_policy: str = "position",
+    probs: Optional[Array] = None,
+    out: Optional[Plan] = None,
+    num_threads: int = 0,
+    workspace: Optional[Array] = None,
+    stream: Optional[int] = None,
+) -> Plan:
     """Route ``top_experts[T, K]`` (int32 or int64) to ``num_experts`` experts with
     segments padded to multiples of ``alignment``; returns a :class:`Plan` of
     int32 arrays on ``top_experts``' device.
@@ -76,19 +113,46 @@ def make_plan(top_experts: Array, num_experts: int, alignment: int, *, check: Op
     arrays = arrays_of(top_experts, op, "top_experts")
     (top_experts,) = prepare(arrays, top_experts)
     out = _plan_buffers(op, out, top_experts, num_experts, alignment, expert_capacity)
-    routing = _routing(arrays, top_experts, expert_map, first_expert, global_experts, drop_invalid, expert_capacity,
-                       drop_policy, probs, getattr(out, "dropped", None))
-    _C.make_plan_out(top_experts, num_experts, alignment, out, **routing,
-                     **_options(arrays, top_experts, check, num_threads, workspace, stream))
+    routing = _routing(
+        arrays,
+        top_experts,
+        expert_map,
+        first_expert,
+        global_experts,
+        drop_invalid,
+        expert_capacity,
+        drop_policy,
+        probs,
+        getattr(out, "dropped", None),
+    )
+    _C.make_plan_out(
+        top_experts,
+        num_experts,
+        alignment,
+        out,
+        **routing,
+        **_options(arrays, top_experts, check, num_threads, workspace, stream),
+    )
     return out
 
 
-def make_plan_layouts(top_experts: Array, num_experts: int, alignment: int, *, check: Optional[bool] = None,
-                      expert_map: Optional[Array] = None, first_expert: int = 0, global_experts: int = 0,
-                      drop_invalid: bool = False, expert_capacity: Optional[int] = None, drop_policy: str = "position",
-                      probs: Optional[Array] = None,
-                      num_threads: int = 0, workspace: Optional[Array] = None,
-                      stream: Optional[int] = None) -> Tuple[Plan, Array, Array, Array]:
+def make_plan_layouts(
+    top_experts: Array,
+    num_experts: int,
+    alignment: int,
+    *,
+    check: Optional[bool] = None,
+    expert_map: Optional[Array] = None,
+    first_expert: int = 0,
+    global_experts: int = 0,
+    drop_invalid: bool = False,
+    expert_capacity: Optional[int] = None,
+    drop_policy: str = "position",
+    probs: Optional[Array] = None,
+    num_threads: int = 0,
+    workspace: Optional[Array] = None,
+    stream: Optional[int] = None,
+) -> Tuple[Plan, Array, Array, Array]:
     """:func:`make_plan` and, from the same pass, the layouts other kernels consume:
     ``(plan, row_experts, block_experts, padded_total)``, int32 on ``top_experts``' device.
     The routing options are :func:`make_plan`'s.
@@ -107,18 +171,45 @@ def make_plan_layouts(top_experts: Array, num_experts: int, alignment: int, *, c
     row_experts = arrays.empty((cap,), arrays.int32, top_experts)
     block_experts = arrays.empty((-(-cap // m),), arrays.int32, top_experts)
     padded_total = arrays.empty((1,), arrays.int32, top_experts)
-    routing = _routing(arrays, top_experts, expert_map, first_expert, global_experts, drop_invalid, expert_capacity,
-                       drop_policy, probs, plan.dropped)
-    _C.make_plan_out(top_experts, num_experts, alignment, plan, row_experts, block_experts, padded_total, **routing,
-                     **_options(arrays, top_experts, check, num_threads, workspace, stream))
+    routing = _routing(
+        arrays,
+        top_experts,
+        expert_map,
+        first_expert,
+        global_experts,
+        drop_invalid,
+        expert_capacity,
+        drop_policy,
+        probs,
+        plan.dropped,
+    )
+    _C.make_plan_out(
+        top_experts,
+        num_experts,
+        alignment,
+        plan,
+        row_experts,
+        block_experts,
+        padded_total,
+        **routing,
+        **_options(arrays, top_experts, check, num_threads, workspace, stream),
+    )
     return plan, row_experts, block_experts, padded_total
 
 
-def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int, expert_map: Optional[Array] = None,
-                         pad_sorted_ids: bool = False, ignore_invalid_experts: bool = False, *,
-                         check: Optional[bool] = None,
-                         num_threads: int = 0, workspace: Optional[Array] = None,
-                         stream: Optional[int] = None) -> Tuple[Array, Array, Array]:
+def moe_align_block_size(
+    topk_ids: Array,
+    block_size: int,
+    num_experts: int,
+    expert_map: Optional[Array] = None,
+    pad_sorted_ids: bool = False,
+    ignore_invalid_experts: bool = False,
+    *,
+    check: Optional[bool] = None,
+    num_threads: int = 0,
+    workspace: Optional[Array] = None,
+    stream: Optional[int] = None,
+) -> Tuple[Array, Array, Array]:
     """vLLM's ``moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     pad_sorted_ids=False, ignore_invalid_experts=False)``: ``(sorted_token_ids, expert_ids,
     num_tokens_post_padded)``, int32 on ``topk_ids``' device.
@@ -139,8 +230,12 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int, exp
     remap = expert_map is not None and not ignore_invalid_experts  # (the kernel checks a map it is given)
     if remap:  # before anything runs; a CUDA map's entries only with check (one synchronization)
         cuda_map = bool(getattr(expert_map, "is_cuda", False))
-        check_expert_map(op, expert_map, num_experts,
-                         not cuda_map or _check_data(arrays_of(expert_map, op, "expert_map"), expert_map, check))
+        check_expert_map(
+            op,
+            expert_map,
+            num_experts,
+            not cuda_map or _check_data(arrays_of(expert_map, op, "expert_map"), expert_map, check),
+        )
     (topk_ids,) = prepare(arrays, topk_ids)
     a = 1
     for n in topk_ids.shape:
@@ -153,11 +248,17 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int, exp
     expert_ids = arrays.empty((-(-r // m),), arrays.int32, topk_ids)
     post = arrays.empty((1,), arrays.int32, topk_ids)
     in_kernel = expert_map if ignore_invalid_experts else None
-    _C.moe_align_block_size_out(topk_ids, block_size, num_experts, sorted_ids, expert_ids, post, in_kernel,
-                                **_options(arrays, topk_ids, check, num_threads, workspace, stream))
+    _C.moe_align_block_size_out(
+        topk_ids,
+        block_size,
+        num_experts,
+        sorted_ids,
+        expert_ids,
+        post,
+        in_kernel,
+        **_options(arrays, topk_ids, check, num_threads, workspace, stream),
+    )
     return sorted_ids, map_experts(expert_ids, expert_map) if remap else expert_ids, post
-
-
 
 
 def _plan_assignments(plan) -> int:
@@ -169,9 +270,19 @@ def _bound_rows(plan):
     return lambda: int(plan.row_sources.shape[0]) if ndim(plan.row_sources) == 1 else 0
 
 
-def dispatch(x: Array, plan: Plan, weights: Optional[Array] = None, *, check: Optional[bool] = None,
-             zero_padding: bool = True, rows: Optional[int] = None, out: Optional[Array] = None,
-             num_threads: int = 0, workspace: Optional[Array] = None, stream: Optional[int] = None) -> Array:
+def dispatch(
+    x: Array,
+    plan: Plan,
+    weights: Optional[Array] = None,
+    *,
+    check: Optional[bool] = None,
+    zero_padding: bool = True,
+    rows: Optional[int] = None,
+    out: Optional[Array] = None,
+    num_threads: int = 0,
+    workspace: Optional[Array] = None,
+    stream: Optional[int] = None,
+) -> Array:
     """``y[plan.padded_rows_bound, H]``: ``y[dest_rows[t*K+k]] = x[t]`` (times ``weights[t*K+k]`` when
     given), each token row read once and written to its K padded rows; padding rows and rows at or
     past P are zero. ``zero_padding=False`` leaves them unwritten (for consumers that skip them:
@@ -181,15 +292,25 @@ def dispatch(x: Array, plan: Plan, weights: Optional[Array] = None, *, check: Op
     arrays = arrays_of(x, op, "x")
     x, weights, out = prepare(arrays, x, weights, out)
     y = _padded_out(arrays, op, x, rows, out, _bound_rows(plan))
-    _C.dispatch_out(x, plan, weights, y, **_options(arrays, x, check, num_threads, workspace, stream, zero_padding,
-                                                    out is not None))
+    _C.dispatch_out(
+        x, plan, weights, y, **_options(arrays, x, check, num_threads, workspace, stream, zero_padding, out is not None)
+    )
     return y
 
 
-def dispatch_scaled(x: Array, plan: Plan, x_scales: Array, *, check: Optional[bool] = None,
-                    zero_padding: bool = True, rows: Optional[int] = None,
-                    out: Optional[Tuple[Array, Array]] = None, num_threads: int = 0,
-                    workspace: Optional[Array] = None, stream: Optional[int] = None) -> Tuple[Array, Array]:
+def dispatch_scaled(
+    x: Array,
+    plan: Plan,
+    x_scales: Array,
+    *,
+    check: Optional[bool] = None,
+    zero_padding: bool = True,
+    rows: Optional[int] = None,
+    out: Optional[Tuple[Array, Array]] = None,
+    num_threads: int = 0,
+    workspace: Optional[Array] = None,
+    stream: Optional[int] = None,
+) -> Tuple[Array, Array]:
     """:func:`dispatch` of already-quantized rows with their scales moved in the same pass:
     ``(y, y_scales)`` with ``plan.padded_rows_bound`` rows. Scales: per-row float32 ``[T]`` / ``[T, 1]``,
     per-128-column float32 ``[T, ceil(H/128)]``, or MXFP8 E8M0 bytes ``[T, ceil(H/32)]`` (uint8, or a
@@ -201,17 +322,32 @@ def dispatch_scaled(x: Array, plan: Plan, x_scales: Array, *, check: Optional[bo
     x, x_scales, out_y, out_s = prepare(arrays, x, x_scales, out_y, out_s)
     y = _padded_out(arrays, op, x, rows, out_y, _bound_rows(plan))
     ys = _scales_out(arrays, x_scales, y.shape[0], x, out_s)
-    _C.dispatch_scaled_out(x, plan, _native_scales(arrays, x_scales), y, _native_scales(arrays, ys),
-                           **_options(arrays, x, check, num_threads, workspace, stream, zero_padding,
-                                      out_y is not None))
+    _C.dispatch_scaled_out(
+        x,
+        plan,
+        _native_scales(arrays, x_scales),
+        y,
+        _native_scales(arrays, ys),
+        **_options(arrays, x, check, num_threads, workspace, stream, zero_padding, out_y is not None),
+    )
     return y, ys
 
 
-def make_plan_and_dispatch(x: Array, top_experts: Array, num_experts: int, alignment: int,
-                           weights: Optional[Array] = None, *, check: Optional[bool] = None,
-                           zero_padding: bool = True, rows: Optional[int] = None,
-                           out: Optional[Tuple[Optional[Array], Optional[Plan]]] = None, num_threads: int = 0,
-                           workspace: Optional[Array] = None, stream: Optional[int] = None) -> Tuple[Array, Plan]:
+def make_plan_and_dispatch(
+    x: Array,
+    top_experts: Array,
+    num_experts: int,
+    alignment: int,
+    weights: Optional[Array] = None,
+    *,
+    check: Optional[bool] = None,
+    zero_padding: bool = True,
+    rows: Optional[int] = None,
+    out: Optional[Tuple[Optional[Array], Optional[Plan]]] = None,
+    num_threads: int = 0,
+    workspace: Optional[Array] = None,
+    stream: Optional[int] = None,
+) -> Tuple[Array, Plan]:
     """:func:`make_plan` then :func:`dispatch` in one call: ``(y, plan)``, the plan of
     ``top_experts[T, K]`` and ``y[plan.padded_rows_bound, H] = dispatch(x, plan, weights)``, bit for
     bit (make_plan's launch then dispatch's). Every check (make_plan's on ``top_experts``,
@@ -232,121 +368,30 @@ def make_plan_and_dispatch(x: Array, top_experts: Array, num_experts: int, align
     if out_y is None and rows is not None and int(rows) < slots:  # P is not known before the call
         raise ValueError(f"{op}: rows: must be >= plan.padded_rows_bound = {slots}, got {int(rows)}")
     y = _padded_out(arrays, op, x, rows, out_y, lambda: slots)
-    _C.make_plan_and_dispatch_out(x, top_experts, num_experts, alignment, plan, weights, y,
-                                  **_options(arrays, x, check, num_threads, workspace, stream, zero_padding,
-                                             out_y is not None))
+    _C.make_plan_and_dispatch_out(
+        x,
+        top_experts,
+        num_experts,
+        alignment,
+        plan,
+        weights,
+        y,
+        **_options(arrays, x, check, num_threads, workspace, stream, zero_padding, out_y is not None),
+    )
     return y, plan
 
 
-_QUANT_LAYOUTS = ("block128", "mxfp8", "row")
-
-
-def _quant_args(op, scale_layout, fp8):
-    if scale_layout not in _QUANT_LAYOUTS:
-        raise ValueError(f"{op}: scale_layout: expected 'block128', 'mxfp8' or 'row', got {scale_layout!r}")
-    if fp8 not in ("e4m3", "e5m2"):
-        raise ValueError(f"{op}: fp8: expected 'e4m3' or 'e5m2', got {fp8!r}")
-
-
-def _quant_rows_out(arrays, x, n, fp8):
-    """Rows of fp8 codes: numpy uint8 (numpy has no float8 dtype), torch float8_e4m3fn / float8_e5m2."""
-    if arrays.name == "torch":
-        dt = arrays.torch.float8_e4m3fn if fp8 == "e4m3" else arrays.torch.float8_e5m2
-    else:
-        import numpy as np
-        dt = np.uint8
-    return arrays.empty((int(n), _cols(x)), dt, x)
-
-
-def _quant_scales_out(arrays, x, n, scale_layout):
-    h = _cols(x)
-    if scale_layout == "row":
-        return arrays.empty((int(n),), _float32(arrays), x)
-    if scale_layout == "mxfp8":
-        return arrays.empty((int(n), -(-h // 32)), _uint8(arrays), x)
-    return arrays.empty((int(n), -(-h // 128)), _float32(arrays), x)
-
-
-def _float32(arrays):
-    if arrays.name == "torch":
-        return arrays.torch.float32
-    import numpy as np
-    return np.float32
-
-
-def _uint8(arrays):
-    if arrays.name == "torch":
-        return arrays.torch.uint8
-    import numpy as np
-    return np.uint8
-
-
-def _fp8_arg(arrays, y, fp8):
-    """What _C's fp8= takes: the format for uint8 code arrays, "" for torch float8 tensors."""
-    return "" if arrays.name == "torch" and str(y.dtype).startswith("torch.float8") else fp8
-
-
-def dispatch_quantized(x: Array, plan: Plan, *, scale_layout: str = "block128", fp8: str = "e4m3",
-                       check: Optional[bool] = None, zero_padding: bool = True, rows: Optional[int] = None,
-                       out: Optional[Tuple[Array, Array]] = None, num_threads: int = 0,
-                       workspace: Optional[Array] = None, stream: Optional[int] = None) -> Tuple[Array, Array]:
-    """Fused quantizing dispatch: ``(y, y_scales)`` from bfloat16 / float16 / float32 token rows
-    ``x[T, H]``, each row read once, quantized once and written to its K padded rows; both outputs
-    have ``plan.padded_rows_bound`` rows (R below).
-
-    ``scale_layout``: ``"block128"`` (DeepSeek-V3 1x128 blockwise: float32 ``[R, ceil(H/128)]``,
-    scale = amax / fp8_max), ``"mxfp8"`` (OCP MX v1.0: E8M0 bytes uint8 ``[R, ceil(H/32)]``,
-    2^(floor(log2 amax) - emax_elem)) or ``"row"`` (float32 ``[R]``, amax over the row). ``fp8``:
-    ``"e4m3"`` or ``"e5m2"``. ``y`` holds the float8 codes: a uint8 array for numpy inputs (numpy has
-    no float8 dtype; ``ml_dtypes`` can view it), torch.float8_e4m3fn / float8_e5m2 for torch. Padding
-    rows and rows past P: zero codes, scale 1 (float32 1.0 / E8M0 127). Not differentiable; unweighted (router
-    weights are applied after the expert, in combine). ``out=(y, y_scales)`` (y may be uint8 codes
-    or a torch float8 tensor; the layout is read from y_scales' dtype and shape)."""
-    op = "dispatch_quantized"
-    _quant_args(op, scale_layout, fp8)
-    arrays = arrays_of(x, op, "x")
-    out_y, out_s = _split_out(op, out, 2)
-    x, out_y, out_s = prepare(arrays, x, out_y, out_s)
-    if out_y is None:
-        if rows is None:
-            n = _bound_rows(plan)()
-        else:
-            n = int(rows)
-            if n < 0:
-                raise ValueError(f"{op}: rows: must be >= 0, got {n}")
-        y = _quant_rows_out(arrays, x, n, fp8)
-    elif rows is not None:
-        raise ValueError(f"{op}: pass rows= or out=, not both")
-    else:
-        y = out_y
-    ys = out_s if out_s is not None else _quant_scales_out(arrays, x, y.shape[0], scale_layout)
-    _C.dispatch_quantized_out(x, plan, y, _native_scales(arrays, ys), _fp8_arg(arrays, y, fp8),
-                              **_options(arrays, x, check, num_threads, workspace, stream, zero_padding,
-                                         out_y is not None))
-    return y, ys
-
-
-def quantize(x: Array, *, scale_layout: str = "block128", fp8: str = "e4m3", out: Optional[Tuple[Array, Array]] = None,
-             num_threads: int = 0, stream: Optional[int] = None) -> Tuple[Array, Array]:
-    """The quantizer of :func:`dispatch_quantized` alone: ``(y[N, H], y_scales)`` from ``x[N, H]``
-    (the same codes and scales dispatch_quantized writes for each token). numpy arrays only (torch:
-    :func:`padmoe.torch.dispatch_quantized`)."""
-    op = "quantize"
-    _quant_args(op, scale_layout, fp8)
-    arrays = numpy_only(op, "x", x, "dispatch_quantized")
-    out_y, out_s = _split_out(op, out, 2)
-    x, out_y, out_s = prepare(arrays, x, out_y, out_s)
-    n = int(x.shape[0]) if ndim(x) >= 1 else 0
-    y = out_y if out_y is not None else _quant_rows_out(arrays, x, n, fp8)
-    ys = out_s if out_s is not None else _quant_scales_out(arrays, x, n, scale_layout)
-    _C.quantize_out(x, y, _native_scales(arrays, ys), _fp8_arg(arrays, y, fp8),
-                    **_options(arrays, x, True, num_threads, None, stream))
-    return y, ys
-
-
-def combine(y: Array, plan: Plan, weights: Optional[Array] = None, *, check: Optional[bool] = None,
-            out: Optional[Array] = None, num_threads: int = 0, workspace: Optional[Array] = None,
-            stream: Optional[int] = None) -> Array:
+def combine(
+    y: Array,
+    plan: Plan,
+    weights: Optional[Array] = None,
+    *,
+    check: Optional[bool] = None,
+    out: Optional[Array] = None,
+    num_threads: int = 0,
+    workspace: Optional[Array] = None,
+    stream: Optional[int] = None,
+) -> Array:
     """``out[T, H]`` = :func:`padded_scatter` on a plan: the weighted top-k sum
     in float32, ascending k, cast once to y's dtype."""
     op = "combine"
@@ -358,10 +403,19 @@ def combine(y: Array, plan: Plan, weights: Optional[Array] = None, *, check: Opt
     return out
 
 
-def combine_backward(grad_out: Array, y: Array, plan: Plan, weights: Optional[Array] = None, *,
-                     check: Optional[bool] = None, rows: Optional[int] = None,
-                     out: Optional[Tuple[Array, Optional[Array]]] = None, num_threads: int = 0,
-                     workspace: Optional[Array] = None, stream: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
+def combine_backward(
+    grad_out: Array,
+    y: Array,
+    plan: Plan,
+    weights: Optional[Array] = None,
+    *,
+    check: Optional[bool] = None,
+    rows: Optional[int] = None,
+    out: Optional[Tuple[Array, Optional[Array]]] = None,
+    num_threads: int = 0,
+    workspace: Optional[Array] = None,
+    stream: Optional[int] = None,
+) -> Tuple[Array, Optional[Array]]:
     """Backward of :func:`combine` from one read of ``grad_out``:
     ``(grad_y, grad_weights)`` with ``grad_y[dest_rows[a]] = w(a) * grad_out[a // K]``
     (``plan.padded_rows_bound`` rows, padding rows and rows past P zero; y's dtype) and
@@ -373,15 +427,30 @@ def combine_backward(grad_out: Array, y: Array, plan: Plan, weights: Optional[Ar
     grad_out, y, weights, out_y, out_w = prepare(arrays, grad_out, y, weights, out_y, out_w)
     grad_y = _padded_out(arrays, op, y, rows, out_y, _bound_rows(plan))
     grad_w = _weight_grad(arrays, y, weights, out_w if out is not None else _UNSET, _plan_assignments(plan))
-    _C.combine_backward_out(grad_out, y, plan, weights, grad_y, grad_w,
-                            **_options(arrays, y, check, num_threads, workspace, stream, True, out_y is not None))
+    _C.combine_backward_out(
+        grad_out,
+        y,
+        plan,
+        weights,
+        grad_y,
+        grad_w,
+        **_options(arrays, y, check, num_threads, workspace, stream, True, out_y is not None),
+    )
     return grad_y, grad_w
 
 
-def dispatch_backward(grad_y: Array, x: Array, plan: Plan, weights: Optional[Array] = None, *,
-                      check: Optional[bool] = None, out: Optional[Tuple[Array, Optional[Array]]] = None,
-                      num_threads: int = 0, workspace: Optional[Array] = None,
-                      stream: Optional[int] = None) -> Tuple[Array, Optional[Array]]:
+def dispatch_backward(
+    grad_y: Array,
+    x: Array,
+    plan: Plan,
+    weights: Optional[Array] = None,
+    *,
+    check: Optional[bool] = None,
+    out: Optional[Tuple[Array, Optional[Array]]] = None,
+    num_threads: int = 0,
+    workspace: Optional[Array] = None,
+    stream: Optional[int] = None,
+) -> Tuple[Array, Optional[Array]]:
     """Backward of :func:`dispatch`: ``(grad_x, grad_weights)`` with
     ``grad_x = combine(grad_y, weights)`` (x's dtype) and
     ``grad_weights[a] = <grad_y[dest_rows[a]], x[a // K]>`` (weights' dtype)
@@ -392,8 +461,7 @@ def dispatch_backward(grad_y: Array, x: Array, plan: Plan, weights: Optional[Arr
     grad_y, x, weights, out_x, out_w = prepare(arrays, grad_y, x, weights, out_x, out_w)
     grad_x = out_x if out_x is not None else arrays.empty((max(int(plan.num_tokens), 0), _cols(x)), x.dtype, x)
     grad_w = _weight_grad(arrays, x, weights, out_w if out is not None else _UNSET, _plan_assignments(plan))
-    _C.dispatch_backward_out(grad_y, x, plan, weights, grad_x, grad_w,
-                             **_options(arrays, x, check, num_threads, workspace, stream))
+    _C.dispatch_backward_out(
+        grad_y, x, plan, weights, grad_x, grad_w, **_options(arrays, x, check, num_threads, workspace, stream)
+    )
     return grad_x, grad_w
-
-

@@ -39,15 +39,15 @@ def sort_chunks_rows_bound(received_rows: int, num_chunks: int, num_ranks: int, 
 
 def capacity_bound(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:
     """Deprecated name of :func:`padded_rows_bound` (removed in the next release)."""
-    warnings.warn("padmoe.capacity_bound is deprecated: use padmoe.padded_rows_bound", DeprecationWarning,
-                  stacklevel=2)
+    warnings.warn("padmoe.capacity_bound is deprecated: use padmoe.padded_rows_bound", DeprecationWarning, stacklevel=2)
     return padded_rows_bound(num_tokens, top_k, num_experts, alignment)
 
 
 def sort_chunks_capacity(received_rows: int, num_chunks: int, num_ranks: int, alignment: int) -> int:
     """Deprecated name of :func:`sort_chunks_rows_bound` (removed in the next release)."""
-    warnings.warn("padmoe.sort_chunks_capacity is deprecated: use padmoe.sort_chunks_rows_bound", DeprecationWarning,
-                  stacklevel=2)
+    warnings.warn(
+        "padmoe.sort_chunks_capacity is deprecated: use padmoe.sort_chunks_rows_bound", DeprecationWarning, stacklevel=2
+    )
     return sort_chunks_rows_bound(received_rows, num_chunks, num_ranks, alignment)
 
 

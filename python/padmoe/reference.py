@@ -81,8 +81,9 @@ def _sorted_rows(bin_ids: torch.Tensor, bins: torch.Tensor, padded_bins: torch.T
     return positions + shift.index_select(0, bin_ids.long())
 
 
-def _dest_rows_from_sorted(indices: torch.Tensor, bin_ids: torch.Tensor, bins: torch.Tensor,
-                           padded_bins: torch.Tensor) -> torch.Tensor:
+def _dest_rows_from_sorted(
+    indices: torch.Tensor, bin_ids: torch.Tensor, bins: torch.Tensor, padded_bins: torch.Tensor
+) -> torch.Tensor:
     """Inverse map (int64): dest_rows[indices[i]] = row of sorted position i."""
     rows = _sorted_rows(bin_ids, bins, padded_bins)
     dest = torch.empty_like(rows)
@@ -136,7 +137,7 @@ def _plan_dest2d(plan, num_tokens: int) -> torch.Tensor:
 
 
 def make_plan(top_experts: torch.Tensor, num_experts: int, alignment: int) -> Plan:
-    """SPEC section 1: stable sort of assignment ids by expert, counts, padded counts,
+    """docs/spec.md §3: stable sort of assignment ids by expert, counts, padded counts,
     their inclusive cumsums, dest_rows and row_sources (all int32, on the input's device).
     No host synchronization."""
     if top_experts.dim() != 2:
@@ -165,9 +166,20 @@ def make_plan(top_experts: torch.Tensor, num_experts: int, alignment: int) -> Pl
     row_sources[rows] = indices.to(torch.int32)
 
     i32 = torch.int32
-    return Plan(indices.to(i32), bin_ids.to(i32), tokens_per_expert.to(i32), bins.to(i32),
-                padded_tokens_per_expert.to(i32), padded_bins.to(i32), dest_rows, row_sources,
-                int(num_tokens), int(top_k), num_experts, alignment)
+    return Plan(
+        indices.to(i32),
+        bin_ids.to(i32),
+        tokens_per_expert.to(i32),
+        bins.to(i32),
+        padded_tokens_per_expert.to(i32),
+        padded_bins.to(i32),
+        dest_rows,
+        row_sources,
+        int(num_tokens),
+        int(top_k),
+        num_experts,
+        alignment,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -175,8 +187,15 @@ def make_plan(top_experts: torch.Tensor, num_experts: int, alignment: int) -> Pl
 # ---------------------------------------------------------------------------
 
 
-def padded_gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, bins: torch.Tensor,
-                  padded_bins: torch.Tensor, top_k: int, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+def padded_gather(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor,
+    top_k: int,
+    weights: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """y[row(i)] = x[indices[i] // K] (* weights[indices[i]]); padding rows zero. y: [P, H]."""
     rows = _sorted_rows(bin_ids, bins, padded_bins)
     src = x.index_select(0, indices.long() // int(top_k))
@@ -187,8 +206,15 @@ def padded_gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
     return y
 
 
-def padded_scatter(y: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weights: Optional[torch.Tensor],
-                   bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int) -> torch.Tensor:
+def padded_scatter(
+    y: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor:
     """out[t] = sum_k w(t*K+k) * y[dest_rows[t*K+k]] (float32, ascending k). out: [A/K, H]."""
     top_k = int(top_k)
     dest = _dest_rows_from_sorted(indices, bin_ids, bins, padded_bins).view(-1, top_k)
@@ -196,8 +222,15 @@ def padded_scatter(y: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor
     return _combine_rows(y, dest, None if w is None else w.view(-1, top_k))
 
 
-def padded_scatter_wgrad(y: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
-                         bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int) -> torch.Tensor:
+def padded_scatter_wgrad(
+    y: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor:
     """wgrad[a] = <y[dest_rows[a]], grad[a // K]> (float32 accumulation), in y's dtype."""
     dest = _dest_rows_from_sorted(indices, bin_ids, bins, padded_bins).view(-1, int(top_k))
     return _row_dots(y, dest, grad).to(y.dtype)
@@ -223,8 +256,9 @@ def combine(y: torch.Tensor, plan, weights: Optional[torch.Tensor] = None) -> to
     return _combine_rows(y, _plan_dest2d(plan, num_tokens), None if w is None else w.view(num_tokens, int(plan.top_k)))
 
 
-def combine_backward(grad_out: torch.Tensor, y: torch.Tensor, plan,
-                     weights: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def combine_backward(
+    grad_out: torch.Tensor, y: torch.Tensor, plan, weights: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """grad_y[dest_rows[a]] = w(a) * grad_out[a // K] ([P, H], padding rows zero) and, when
     weights are given, grad_weights[a] = <y[dest_rows[a]], grad_out[a // K]> (weights' dtype)."""
     num_tokens, hidden = grad_out.shape
@@ -238,8 +272,9 @@ def combine_backward(grad_out: torch.Tensor, y: torch.Tensor, plan,
     return grad_y, grad_weights
 
 
-def dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, plan,
-                      weights: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def dispatch_backward(
+    grad_y: torch.Tensor, x: torch.Tensor, plan, weights: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """grad_x = combine(grad_y, plan, weights) and, when weights are given,
     grad_weights[a] = <grad_y[dest_rows[a]], x[a // K]> (weights' dtype)."""
     num_tokens = x.shape[0]
@@ -256,8 +291,9 @@ def dispatch_backward(grad_y: torch.Tensor, x: torch.Tensor, plan,
 # ---------------------------------------------------------------------------
 
 
-def pad_to_alignment(hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                     alignment: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_to_alignment(
+    hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, alignment: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert e's rows [excl(e), excl(e)+count(e)) of hidden_states move, in order, to
     [pexcl(e), pexcl(e)+count(e)); padding rows are zero and map to -1. Rows at or past
     sum(tokens_per_expert) are ignored. Returns (padded [P, H], permutation_map [P] int32,
@@ -271,8 +307,7 @@ def pad_to_alignment(hidden_states: torch.Tensor, tokens_per_expert: torch.Tenso
     inclusive_offsets = torch.cumsum(padded_counts, 0)
     shift = (inclusive_offsets - padded_counts) - (torch.cumsum(counts, 0) - counts)  # pexcl - excl
     # P and the number of valid rows on the host: one synchronization.
-    padded_rows, valid_rows = (torch.stack([inclusive_offsets[-1], counts.sum()]).tolist()
-                               if num_experts > 0 else (0, 0))
+    padded_rows, valid_rows = torch.stack([inclusive_offsets[-1], counts.sum()]).tolist() if num_experts > 0 else (0, 0)
 
     experts = torch.arange(num_experts, device=device)
     expert_of_row = torch.repeat_interleave(experts, counts, output_size=valid_rows)
@@ -286,8 +321,9 @@ def pad_to_alignment(hidden_states: torch.Tensor, tokens_per_expert: torch.Tenso
     return padded, permutation_map, inclusive_offsets.to(torch.int32)
 
 
-def unpad_from_alignment(padded: torch.Tensor, permutation_map: torch.Tensor, original_size: int,
-                         probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+def unpad_from_alignment(
+    padded: torch.Tensor, permutation_map: torch.Tensor, original_size: int, probs: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """out[map[p]] = padded[p] (* probs[map[p]]) for every map[p] >= 0; other rows zero.
     out: [original_size, H]."""
     source = torch.nonzero(permutation_map >= 0).squeeze(1)  # padded rows that hold a token
@@ -300,9 +336,9 @@ def unpad_from_alignment(padded: torch.Tensor, permutation_map: torch.Tensor, or
     return out
 
 
-def unpad_from_alignment_backward(grad_out: torch.Tensor, padded: torch.Tensor, permutation_map: torch.Tensor,
-                                  probs: Optional[torch.Tensor] = None
-                                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def unpad_from_alignment_backward(
+    grad_out: torch.Tensor, padded: torch.Tensor, permutation_map: torch.Tensor, probs: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """grad_padded[p] = grad_out[map[p]] (* probs[map[p]]), zero where map[p] < 0 (padded's
     shape); grad_probs[n] = <grad_out[n], padded[p]> for the p with map[p] == n, else 0
     (probs' dtype, only when probs are given)."""

@@ -1,16 +1,16 @@
-"""padmoe.triton: the seed's Triton-Ascend design of padded_gather / padded_scatter / padded_scatter_wgrad
-(SPEC section 6), as Triton kernels. Tested in Triton's interpreter on the CPU (CI) and natively on an
-H200; not run on an Ascend NPU (none reachable). docs/ascend.md says what ran where.
+"""padmoe.triton: a Triton-Ascend design of padded_gather / padded_scatter / padded_scatter_wgrad
+(docs/spec.md §15), as Triton kernels. Tested in Triton's interpreter on the CPU (CI) and natively on an
+H200; not run on an Ascend NPU (none was available to test on). docs/ascend.md says what ran where.
 
 The launch follows padmoe's tile planner (``padmoe.tile_config``; target ``gpu`` for CUDA tensors with
 the device's SM count, ``ascend-a2`` otherwise): ``programs`` programs, each over one contiguous range
 ``[pid*B, min((pid+1)*B, N))``, ``B = ceil(N / programs)``, stepping ``sub_block_rows`` rows and
 ``block_x`` columns at a time. Two passes:
 
-- ``sorted`` (the seed's; the default of ``ascend-a2``): ranges of sorted positions (N = A). Each row of
+- ``sorted`` (the Ascend design's; the default of ``ascend-a2``): ranges of sorted positions (N = A). Each row of
   a step goes to its own padded row ``padded_start(e) + i - real_start(e)``, so rows of several experts
   in one step need no separate flush. Gather reads a token's row once per copy.
-- ``tokens`` (the default of ``gpu``; SPEC section 7: the floor needs the inverse map): one index-only
+- ``tokens`` (the default of ``gpu``; docs/spec.md §16: the floor needs the inverse map): one index-only
   pass over sorted positions writes ``dest_rows[indices[i]]`` (unique ids: no atomics), then ranges of
   tokens (N = T) read each token row (gather, wgrad's grad row) once and write / read its K rows.
 
@@ -37,207 +37,21 @@ from typing import Optional
 
 import torch
 import triton
-import triton.language as tl
 
 import padmoe
 
 __all__ = ["padded_gather", "padded_scatter", "padded_scatter_wgrad", "tile_config"]
 
 
-def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _sorted_rows(i, live, indices, bin_ids, bins, padded_bins):
-    """(padded row, assignment id) of sorted positions i: padded_start(e) + i - real_start(e)."""
-    e = tl.load(bin_ids + i, mask=live, other=0)
-    a = tl.load(indices + i, mask=live, other=0)
-    real_start = tl.load(bins + e - 1, mask=live & (e > 0), other=0)
-    pad_start = tl.load(padded_bins + e - 1, mask=live & (e > 0), other=0)
-    return pad_start + i - real_start, a
-
-
-@triton.jit
-def _zero_padding(y, bins, padded_bins, E, NP, H, zpid, ZB, SUB: tl.constexpr, BLOCK_X: tl.constexpr,
-                  LOG_E: tl.constexpr):
-    """Zero padding rows j of [zpid*ZB, min((zpid+1)*ZB, NP)) (NP = P - A, all experts' padding rows in
-    expert order): expert e holds j in [cum_pad(e-1), cum_pad(e)), cum_pad(e) = padded_bins[e] - bins[e]
-    (a binary search over the E experts), and its padding row is bins[e] + j."""
-    begin = zpid * ZB
-    end = tl.minimum(begin + ZB, NP)
-    rows = tl.arange(0, SUB)
-    cols = tl.arange(0, BLOCK_X)
-    for s in range(begin, end, SUB):
-        j = s + rows
-        live = j < end
-        lo = tl.zeros([SUB], dtype=tl.int32)
-        hi = tl.zeros([SUB], dtype=tl.int32) + E
-        for _ in range(LOG_E):  # the first e with cum_pad(e) > j
-            active = live & (lo < hi)
-            mid = (lo + hi) // 2
-            cp = tl.load(padded_bins + mid, mask=active, other=0) - tl.load(bins + mid, mask=active, other=0)
-            right = cp <= j
-            lo = tl.where(active & right, mid + 1, lo)
-            hi = tl.where(active & (cp > j), mid, hi)
-        row = (tl.load(bins + lo, mask=live, other=0) + j).to(tl.int64)
-        for c in range(0, H, BLOCK_X):
-            cc = c + cols
-            m = live[:, None] & (cc[None, :] < H)
-            tl.store(y + row[:, None] * H + cc[None, :], tl.zeros([SUB, BLOCK_X], dtype=y.dtype.element_ty), mask=m)
-
-
-def _gather_rows(x, y, w, indices, bin_ids, bins, padded_bins, A, H, K, B, E, NP, NMAIN, ZB,
-                 SUB: tl.constexpr, BLOCK_X: tl.constexpr, WEIGHTED: tl.constexpr, LOG_E: tl.constexpr):
-    """The seed's gather: programs [0, NMAIN) over sorted positions; programs [NMAIN, grid) zero the
-    padding rows (one launch writes every output row once)."""
-    pid = tl.program_id(0)
-    if pid >= NMAIN:
-        _zero_padding(y, bins, padded_bins, E, NP, H, pid - NMAIN, ZB, SUB, BLOCK_X, LOG_E)
-    else:
-        begin = pid * B
-        end = tl.minimum(begin + B, A)
-        rows = tl.arange(0, SUB)
-        cols = tl.arange(0, BLOCK_X)
-        for s in range(begin, end, SUB):
-            i = s + rows
-            live = i < end
-            row, a = _sorted_rows(i, live, indices, bin_ids, bins, padded_bins)
-            dst = row.to(tl.int64)
-            tok = (a // K).to(tl.int64)
-            if WEIGHTED:
-                wv = tl.load(w + a, mask=live, other=0.0).to(tl.float32)
-            for c in range(0, H, BLOCK_X):
-                cc = c + cols
-                m = live[:, None] & (cc[None, :] < H)
-                v = tl.load(x + tok[:, None] * H + cc[None, :], mask=m, other=0.0)
-                if WEIGHTED:
-                    v = (v.to(tl.float32) * wv[:, None]).to(v.dtype)
-                tl.store(y + dst[:, None] * H + cc[None, :], v, mask=m)
-
-
-def _dest_rows(dest, indices, bin_ids, bins, padded_bins, A, B, SUB: tl.constexpr):
-    """dest[indices[i]] = padded row of sorted position i (unique assignment ids: no atomics)."""
-    pid = tl.program_id(0)
-    begin = pid * B
-    end = tl.minimum(begin + B, A)
-    rows = tl.arange(0, SUB)
-    for s in range(begin, end, SUB):
-        i = s + rows
-        live = i < end
-        row, a = _sorted_rows(i, live, indices, bin_ids, bins, padded_bins)
-        tl.store(dest + a, row.to(tl.int32), mask=live)
-
-
-def _gather_tokens(x, y, w, dest, bins, padded_bins, T, H, K, BT, E, NP, NMAIN, ZB, SUB: tl.constexpr,
-                   BLOCK_X: tl.constexpr, WEIGHTED: tl.constexpr, LOG_E: tl.constexpr):
-    """The token pass (SPEC section 7's one read per token): x[t] read once per column tile and
-    stored to its K rows dest[t*K+k] (times w[t*K+k] when weighted); programs [NMAIN, grid) zero the
-    padding rows."""
-    pid = tl.program_id(0)
-    if pid >= NMAIN:
-        _zero_padding(y, bins, padded_bins, E, NP, H, pid - NMAIN, ZB, SUB, BLOCK_X, LOG_E)
-    else:
-        begin = pid * BT
-        end = tl.minimum(begin + BT, T)
-        toks = tl.arange(0, SUB)
-        cols = tl.arange(0, BLOCK_X)
-        for s in range(begin, end, SUB):
-            t = s + toks
-            live = t < end
-            for c in range(0, H, BLOCK_X):
-                cc = c + cols
-                m = live[:, None] & (cc[None, :] < H)
-                v = tl.load(x + t.to(tl.int64)[:, None] * H + cc[None, :], mask=m, other=0.0)
-                for k in range(0, K):
-                    a = t * K + k
-                    r = tl.load(dest + a, mask=live, other=0).to(tl.int64)
-                    if WEIGHTED:
-                        wv = tl.load(w + a, mask=live, other=0.0).to(tl.float32)
-                        tl.store(y + r[:, None] * H + cc[None, :], (v.to(tl.float32) * wv[:, None]).to(v.dtype),
-                                 mask=m)
-                    else:
-                        tl.store(y + r[:, None] * H + cc[None, :], v, mask=m)
-
-
-def _scatter_rows(y, out, w, dest, T, H, K, BT, SUB: tl.constexpr, BLOCK_X: tl.constexpr,
-                  WEIGHTED: tl.constexpr):
-    """out[t] = sum_k w[t*K+k] * y[dest[t*K+k]], float32, ascending k, cast once."""
-    pid = tl.program_id(0)
-    begin = pid * BT
-    end = tl.minimum(begin + BT, T)
-    toks = tl.arange(0, SUB)
-    cols = tl.arange(0, BLOCK_X)
-    for s in range(begin, end, SUB):
-        t = s + toks
-        live = t < end
-        for c in range(0, H, BLOCK_X):
-            cc = c + cols
-            m = live[:, None] & (cc[None, :] < H)
-            acc = tl.zeros([SUB, BLOCK_X], dtype=tl.float32)
-            for k in range(0, K):
-                a = t * K + k
-                r = tl.load(dest + a, mask=live, other=0).to(tl.int64)
-                v = tl.load(y + r[:, None] * H + cc[None, :], mask=m, other=0.0).to(tl.float32)
-                if WEIGHTED:
-                    v = v * tl.load(w + a, mask=live, other=0.0).to(tl.float32)[:, None]
-                acc += v
-            tl.store(out + t.to(tl.int64)[:, None] * H + cc[None, :], acc.to(out.dtype.element_ty), mask=m)
-
-
-def _wgrad_rows(y, g, wgrad, indices, bin_ids, bins, padded_bins, A, H, K, B,
-                SUB: tl.constexpr, BLOCK_X: tl.constexpr):
-    """The seed's wgrad over sorted positions: wgrad[indices[i]] = <y[row(i)], g[indices[i] // K]>,
-    float32 over the column tiles."""
-    pid = tl.program_id(0)
-    begin = pid * B
-    end = tl.minimum(begin + B, A)
-    rows = tl.arange(0, SUB)
-    cols = tl.arange(0, BLOCK_X)
-    for s in range(begin, end, SUB):
-        i = s + rows
-        live = i < end
-        row, a = _sorted_rows(i, live, indices, bin_ids, bins, padded_bins)
-        src = row.to(tl.int64)
-        tok = (a // K).to(tl.int64)
-        acc = tl.zeros([SUB], dtype=tl.float32)
-        for c in range(0, H, BLOCK_X):
-            cc = c + cols
-            m = live[:, None] & (cc[None, :] < H)
-            yv = tl.load(y + src[:, None] * H + cc[None, :], mask=m, other=0.0).to(tl.float32)
-            gv = tl.load(g + tok[:, None] * H + cc[None, :], mask=m, other=0.0).to(tl.float32)
-            acc += tl.sum(yv * gv, axis=1)
-        tl.store(wgrad + a, acc.to(wgrad.dtype.element_ty), mask=live)
-
-
-def _wgrad_tokens(y, g, wgrad, dest, T, H, K, BT, SUB: tl.constexpr, BLOCK_X: tl.constexpr, KP: tl.constexpr):
-    """The token pass: g[t] read once per column tile, its K rows y[dest[t*K+k]] against it;
-    K float32 sums per token carried across the column tiles (KP = K rounded up to a power of two)."""
-    pid = tl.program_id(0)
-    begin = pid * BT
-    end = tl.minimum(begin + BT, T)
-    toks = tl.arange(0, SUB)
-    cols = tl.arange(0, BLOCK_X)
-    ks = tl.arange(0, KP)
-    for s in range(begin, end, SUB):
-        t = s + toks
-        live = t < end
-        acc = tl.zeros([SUB, KP], dtype=tl.float32)
-        for c in range(0, H, BLOCK_X):
-            cc = c + cols
-            m = live[:, None] & (cc[None, :] < H)
-            gv = tl.load(g + t.to(tl.int64)[:, None] * H + cc[None, :], mask=m, other=0.0).to(tl.float32)
-            for k in range(0, K):
-                r = tl.load(dest + t * K + k, mask=live, other=0).to(tl.int64)
-                yv = tl.load(y + r[:, None] * H + cc[None, :], mask=m, other=0.0).to(tl.float32)
-                part = tl.sum(yv * gv, axis=1)
-                acc = tl.where(ks[None, :] == k, acc + part[:, None], acc)
-        a2 = t[:, None] * K + ks[None, :]
-        tl.store(wgrad + a2, acc.to(wgrad.dtype.element_ty), mask=live[:, None] & (ks[None, :] < K))
+from ._triton_kernels import (
+    _dest_rows,
+    _gather_rows,
+    _gather_tokens,
+    _interpreting,
+    _scatter_rows,
+    _wgrad_rows,
+    _wgrad_tokens,
+)
 
 
 def _raw_stream(index):
@@ -279,7 +93,7 @@ class _Launcher:
             return (v.dtype, v.data_ptr() % 16 == 0)
         if isinstance(v, bool) or not isinstance(v, int):
             return (type(v), v)
-        return (v == 0, v == 1, v % 16 == 0, -(2 ** 31) <= v < 2 ** 31)
+        return (v == 0, v == 1, v % 16 == 0, -(2**31) <= v < 2**31)
 
     def launch(self, grid, args, kwargs):
         like = args[0]
@@ -287,9 +101,12 @@ class _Launcher:
             return self.fn[grid](*args, **kwargs)
         try:
             opts = tuple((k, kwargs[k]) for k in self._OPTIONS if k in kwargs)
-            vals = list(args) + [kwargs[n] for n in self.names[len(args):]]
-            key = (like.device.index, opts, tuple(v if n in self.constexpr else self._spec(v)
-                                                  for n, v in zip(self.names, vals)))
+            vals = list(args) + [kwargs[n] for n in self.names[len(args) :]]
+            key = (
+                like.device.index,
+                opts,
+                tuple(v if n in self.constexpr else self._spec(v) for n, v in zip(self.names, vals)),
+            )
             knobs = triton.knobs.runtime
             hooks = (knobs.launch_enter_hook, knobs.launch_exit_hook)
         except Exception:  # noqa: BLE001 (an argument list or a Triton this path does not know)
@@ -303,30 +120,49 @@ class _Launcher:
             return k
         g = tuple(grid) + (1, 1)
         stream = _raw_stream(like.device.index)
-        k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, k.launch_metadata(g[:3], stream, *vals),
-              hooks[0], hooks[1], *vals)
+        k.run(
+            g[0],
+            g[1],
+            g[2],
+            stream,
+            k.function,
+            k.packed_metadata,
+            k.launch_metadata(g[:3], stream, *vals),
+            hooks[0],
+            hooks[1],
+            *vals,
+        )
         return k
 
 
-_KERNELS = {name: _Launcher(triton.jit(fn)) for name, fn in (("gather", _gather_rows), ("gather_tokens", _gather_tokens),
-                                                               ("dest", _dest_rows),
-                                                               ("scatter", _scatter_rows), ("wgrad", _wgrad_rows),
-                                                               ("wgrad_tokens", _wgrad_tokens))}
+_KERNELS = {
+    name: _Launcher(triton.jit(fn))
+    for name, fn in (
+        ("gather", _gather_rows),
+        ("gather_tokens", _gather_tokens),
+        ("dest", _dest_rows),
+        ("scatter", _scatter_rows),
+        ("wgrad", _wgrad_rows),
+        ("wgrad_tokens", _wgrad_tokens),
+    )
+}
 
 
 def _kernel(name, like):
     if not like.is_cuda and not _interpreting():
-        raise RuntimeError("padmoe.triton on CPU tensors runs in Triton's interpreter: set TRITON_INTERPRET=1 before "
-                           "triton is first imported (it also interprets Triton's own library functions)")
+        raise RuntimeError(
+            "padmoe.triton on CPU tensors runs in Triton's interpreter: set TRITON_INTERPRET=1 before "
+            "triton is first imported (it also interprets Triton's own library functions)"
+        )
     return _KERNELS[name]
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _INDEX_ROWS = 256  # sorted positions a step of the index-only dest-rows pass (12 bytes a row of buffer)
 
-# The pass each target runs for gather and wgrad: "sorted" is the seed's (a program over sorted
+# The pass each target runs for gather and wgrad: "sorted" is the Ascend design's (a program over sorted
 # positions, each row read once per copy), "tokens" reads each token row once and writes / reads its
-# K rows through dest_rows (SPEC section 7: the floor needs the inverse map). Scatter is always the
+# K rows through dest_rows (docs/spec.md §16: the floor needs the inverse map). Scatter is always the
 # dest-rows pass then the token pass.
 _DEFAULT_PASS = {"ascend-a2": "sorted", "cpu": "sorted", "gpu": "tokens"}
 
@@ -353,8 +189,14 @@ def _device_cores(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-def tile_config(op: str, hidden: int, dtype: torch.dtype, target: Optional[str] = None, cores: int = 0,
-                device: Optional[torch.device] = None) -> dict:
+def tile_config(
+    op: str,
+    hidden: int,
+    dtype: torch.dtype,
+    target: Optional[str] = None,
+    cores: int = 0,
+    device: Optional[torch.device] = None,
+) -> dict:
     """padmoe's tile planner (``padmoe.tile_config``) for this op, as the kernels launch it.
 
     ``target`` None: ``"gpu"`` for CUDA tensors (``cores`` = the device's SM count, queried at run
@@ -407,11 +249,20 @@ def _dest(c, A, idx, bid, b, pb, like):
     return dest
 
 
-def padded_gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, bins: torch.Tensor,
-                  padded_bins: torch.Tensor, top_k: int, weights: Optional[torch.Tensor] = None, *,
-                  config: Optional[dict] = None, check: bool = True,
-                  padded_rows: Optional[int] = None) -> torch.Tensor:
-    """MegaBlocks ``padded_gather`` in the seed's design: ``y[P, H]`` (P = padded_bins[-1], read on the
+def padded_gather(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor,
+    top_k: int,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    config: Optional[dict] = None,
+    check: bool = True,
+    padded_rows: Optional[int] = None,
+) -> torch.Tensor:
+    """MegaBlocks ``padded_gather`` in the Ascend design: ``y[P, H]`` (P = padded_bins[-1], read on the
     host unless ``padded_rows`` gives it), real rows gathered (times ``weights[indices[i]]`` when
     given), padding rows zero. ``check=False`` skips padmoe's argument checks (a device
     synchronization on CUDA); with ``check=False`` and ``padded_rows`` the call does not synchronize."""
@@ -439,24 +290,43 @@ def padded_gather(x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
     sub = int(c["sub_block_rows"])
     zero = min(int(c["programs"]), -(-NP // sub)) if NP > 0 else 0
     ZB = -(-NP // zero) if zero else 0
-    pad = dict(E=E, NP=NP, ZB=ZB, SUB=sub, BLOCK_X=c["block_x"], WEIGHTED=weights is not None,
-               LOG_E=max(1, E.bit_length()), **_opts(c, x))
+    pad = dict(
+        E=E,
+        NP=NP,
+        ZB=ZB,
+        SUB=sub,
+        BLOCK_X=c["block_x"],
+        WEIGHTED=weights is not None,
+        LOG_E=max(1, E.bit_length()),
+        **_opts(c, x),
+    )
     if c.get("pass", "sorted") == "tokens":
         dest = _dest(c, A, idx, bid, b, pb, x) if A > 0 else idx
         T = A // K
         main = max(1, min(int(c["programs"]), T)) if T > 0 else 0
-        _kernel("gather_tokens", x)[(main + zero,)](x, y, w, dest, b, pb, T, H, K, -(-T // main) if main else 0,
-                                                    NMAIN=main, **pad)
+        _kernel("gather_tokens", x)[(main + zero,)](
+            x, y, w, dest, b, pb, T, H, K, -(-T // main) if main else 0, NMAIN=main, **pad
+        )
     else:
         main = max(1, min(int(c["programs"]), A)) if A > 0 else 0
-        _kernel("gather", x)[(main + zero,)](x, y, w, idx, bid, b, pb, A, H, K, -(-A // main) if main else 0,
-                                             NMAIN=main, **pad)
+        _kernel("gather", x)[(main + zero,)](
+            x, y, w, idx, bid, b, pb, A, H, K, -(-A // main) if main else 0, NMAIN=main, **pad
+        )
     return y
 
 
-def padded_scatter(y: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor, weights: Optional[torch.Tensor],
-                   bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int, *,
-                   config: Optional[dict] = None, check: bool = True) -> torch.Tensor:
+def padded_scatter(
+    y: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor,
+    top_k: int,
+    *,
+    config: Optional[dict] = None,
+    check: bool = True,
+) -> torch.Tensor:
     """MegaBlocks ``padded_scatter``: ``out[t] = sum_k w(t*K+k) * y[dest_rows[t*K+k]]`` in float32,
     ascending k, cast once; padding rows of ``y`` never read."""
     if check:
@@ -471,16 +341,37 @@ def padded_scatter(y: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor
     dest = _dest(c, A, _i32(indices), _i32(bin_ids), _i32(bins), _i32(padded_bins), y)
     programs = max(1, min(int(c["programs"]), T))
     w = y if weights is None else weights.reshape(-1).contiguous()
-    _kernel("scatter", y)[(programs,)](y, out, w, dest, T, H, K, -(-T // programs), SUB=c["sub_block_rows"],
-                                        BLOCK_X=c["block_x"], WEIGHTED=weights is not None, **_opts(c, y))
+    _kernel("scatter", y)[(programs,)](
+        y,
+        out,
+        w,
+        dest,
+        T,
+        H,
+        K,
+        -(-T // programs),
+        SUB=c["sub_block_rows"],
+        BLOCK_X=c["block_x"],
+        WEIGHTED=weights is not None,
+        **_opts(c, y),
+    )
     return out
 
 
-def padded_scatter_wgrad(y: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
-                         bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int, *,
-                         config: Optional[dict] = None, check: bool = True) -> torch.Tensor:
+def padded_scatter_wgrad(
+    y: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor,
+    top_k: int,
+    *,
+    config: Optional[dict] = None,
+    check: bool = True,
+) -> torch.Tensor:
     """MegaBlocks ``padded_scatter_wgrad``: ``wgrad[a] = sum_h y[dest_rows[a], h] * grad[a // K, h]``,
-    float32 accumulation, in y's dtype. The seed's pass (``sub_block_rows`` 1 when H > block_x, the
+    float32 accumulation, in y's dtype. The sorted-position pass (``sub_block_rows`` 1 when H > block_x, the
     planner's rule) or the token pass (``grad`` rows read once), as the configuration says."""
     if check:
         try:
@@ -490,8 +381,10 @@ def padded_scatter_wgrad(y: torch.Tensor, grad: torch.Tensor, indices: torch.Ten
         A, K = int(indices.shape[0]), int(top_k)
         want = (A // K, int(y.shape[1]))
         if grad.dim() != 2 or tuple(grad.shape) != want or grad.device != y.device:
-            raise ValueError(f"padded_scatter_wgrad: grad: expected shape {list(want)} on {y.device}, got "
-                             f"{list(grad.shape)} on {grad.device}")
+            raise ValueError(
+                f"padded_scatter_wgrad: grad: expected shape {list(want)} on {y.device}, got "
+                f"{list(grad.shape)} on {grad.device}"
+            )
     y, grad = y.contiguous(), grad.contiguous()
     A, H, K = int(indices.shape[0]), int(y.shape[1]), int(top_k)
     if A == 0 or H == 0:
@@ -503,18 +396,43 @@ def padded_scatter_wgrad(y: torch.Tensor, grad: torch.Tensor, indices: torch.Ten
         dest = _dest(c, A, idx, bid, b, pb, y)
         T = A // K
         programs = max(1, min(int(c["programs"]), T))
-        _kernel("wgrad_tokens", y)[(programs,)](y, grad, wgrad, dest, T, H, K, -(-T // programs),
-                                                 SUB=c["sub_block_rows"], BLOCK_X=c["block_x"],
-                                                 KP=triton.next_power_of_2(K), **_opts(c, y))
+        _kernel("wgrad_tokens", y)[(programs,)](
+            y,
+            grad,
+            wgrad,
+            dest,
+            T,
+            H,
+            K,
+            -(-T // programs),
+            SUB=c["sub_block_rows"],
+            BLOCK_X=c["block_x"],
+            KP=triton.next_power_of_2(K),
+            **_opts(c, y),
+        )
     else:
         programs = max(1, min(int(c["programs"]), A))
-        _kernel("wgrad", y)[(programs,)](y, grad, wgrad, idx, bid, b, pb, A, H, K, -(-A // programs),
-                                          SUB=c["sub_block_rows"], BLOCK_X=c["block_x"], **_opts(c, y))
+        _kernel("wgrad", y)[(programs,)](
+            y,
+            grad,
+            wgrad,
+            idx,
+            bid,
+            b,
+            pb,
+            A,
+            H,
+            K,
+            -(-A // programs),
+            SUB=c["sub_block_rows"],
+            BLOCK_X=c["block_x"],
+            **_opts(c, y),
+        )
     return wgrad
 
 
 # ---------------------------------------------------------------------------
-# autograd (padmoe.torch's drop-ins with backend="triton"): SPEC section 2's backward rules
+# autograd (padmoe.torch's drop-ins with backend="triton"): docs/spec.md §9's backward rules
 # ---------------------------------------------------------------------------
 
 

@@ -93,7 +93,8 @@ DType to_dtype(const nb::dlpack::dtype& dt, const char* op, const std::string& a
 padmoe::Device to_device(int type, int id, const char* op, const std::string& arg) {
   if (type == nb::device::cpu::value || type == nb::device::cuda_host::value) return padmoe::Device::cpu();
   if (type == nb::device::cuda::value) return padmoe::Device::cuda(id);
-  fail(ErrorKind::kType, op, arg, "unsupported device (DLPack device type " + std::to_string(type) + "); expected CPU or CUDA");
+  fail(ErrorKind::kType, op, arg,
+       "unsupported device (DLPack device type " + std::to_string(type) + "); expected CPU or CUDA");
 }
 
 // A zero-copy view of an nb::ndarray (any flavour).
@@ -129,7 +130,8 @@ TensorView to_view(const Array& a, const char* op, const std::string& arg) {
 // "e5m2"); "" keeps the view's dtype (dispatch_quantized / quantize outputs).
 TensorView fp8_codes(TensorView v, const std::string& fp8, const char* op) {
   if (fp8.empty()) return v;
-  if (fp8 != "e4m3" && fp8 != "e5m2") fail(ErrorKind::kValue, op, "fp8", "expected 'e4m3' or 'e5m2', got '" + fp8 + "'");
+  if (fp8 != "e4m3" && fp8 != "e5m2")
+    fail(ErrorKind::kValue, op, "fp8", "expected 'e4m3' or 'e5m2', got '" + fp8 + "'");
   if (v.dtype != DType::kUInt8) {
     fail(ErrorKind::kType, op, "y",
          std::string("fp8='") + fp8 + "' reads uint8 code bytes, got " + padmoe::dtype_name(v.dtype));
@@ -183,13 +185,15 @@ struct PlanArg {
   padmoe::PlanView view;
 };
 
-constexpr const char* kPlanFields[8] = {"indices", "bin_ids", "tokens_per_expert", "bins",
-                                        "padded_tokens_per_expert", "padded_bins", "dest_rows", "row_sources"};
+constexpr const char* kPlanFields[8] = {
+    "indices",     "bin_ids",   "tokens_per_expert", "bins", "padded_tokens_per_expert",
+    "padded_bins", "dest_rows", "row_sources"};
 
 template <typename Int>
 Int plan_int(nb::handle plan, const char* field, const char* op, const char* prefix) {
   const std::string arg = std::string(prefix) + "." + field;
-  if (!nb::hasattr(plan, field)) fail(ErrorKind::kType, op, prefix, std::string("expected a plan object with an attribute '") + field + "'");
+  if (!nb::hasattr(plan, field))
+    fail(ErrorKind::kType, op, prefix, std::string("expected a plan object with an attribute '") + field + "'");
   nb::object value = nb::getattr(plan, field);
   int64_t out = 0;
   if (!nb::try_cast<int64_t>(value, out, /*convert=*/false)) {
@@ -204,8 +208,13 @@ Int plan_int(nb::handle plan, const char* field, const char* op, const char* pre
 
 template <typename Array>
 void read_plan(nb::handle plan, const char* op, const char* prefix, PlanArg<Array>& out) {
-  TensorView* views[8] = {&out.view.indices, &out.view.bin_ids, &out.view.tokens_per_expert, &out.view.bins,
-                          &out.view.padded_tokens_per_expert, &out.view.padded_bins, &out.view.dest_rows,
+  TensorView* views[8] = {&out.view.indices,
+                          &out.view.bin_ids,
+                          &out.view.tokens_per_expert,
+                          &out.view.bins,
+                          &out.view.padded_tokens_per_expert,
+                          &out.view.padded_bins,
+                          &out.view.dest_rows,
                           &out.view.row_sources};
   for (int i = 0; i < 8; ++i) {
     const char* field = kPlanFields[i];
@@ -253,9 +262,10 @@ bool has_cuda() {
 }  // namespace
 
 // The keyword-only options every op takes, in this order.
-#define PADMOE_OPTIONS                                                                                 \
+#define PADMOE_OPTIONS                                                                            \
   nb::kw_only(), nb::arg("stream") = 0, nb::arg("check_data") = true, nb::arg("num_threads") = 0, \
-      nb::arg("workspace").none() = nb::none(), nb::arg("zero_tail") = false, nb::arg("zero_padding") = true
+                 nb::arg("workspace").none() = nb::none(), nb::arg("zero_tail") = false,          \
+                 nb::arg("zero_padding") = true
 #define PADMOE_OPTION_PARAMS \
   uintptr_t stream, bool check_data, int num_threads, const OptOut &workspace, bool zero_tail, bool zero_padding
 #define PADMOE_OPTS(op) make_options(stream, check_data, num_threads, workspace, zero_tail, zero_padding, op)
@@ -293,11 +303,13 @@ NB_MODULE(_C, m) {
         padmoe::TileOp o = padmoe::TileOp::kGather;
         if (op == "scatter") o = padmoe::TileOp::kScatter;
         else if (op == "wgrad") o = padmoe::TileOp::kWgrad;
-        else if (op != "gather") fail(ErrorKind::kValue, name, "op", "expected 'gather', 'scatter' or 'wgrad', got '" + op + "'");
+        else if (op != "gather")
+          fail(ErrorKind::kValue, name, "op", "expected 'gather', 'scatter' or 'wgrad', got '" + op + "'");
         DType d = DType::kFloat32;
         if (dtype == "float16") d = DType::kFloat16;
         else if (dtype == "bfloat16") d = DType::kBFloat16;
-        else if (dtype != "float32") fail(ErrorKind::kType, name, "dtype", "expected 'float32', 'float16' or 'bfloat16', got '" + dtype + "'");
+        else if (dtype != "float32")
+          fail(ErrorKind::kType, name, "dtype", "expected 'float32', 'float16' or 'bfloat16', got '" + dtype + "'");
         if (hidden < 0) fail(ErrorKind::kValue, name, "hidden", "must be >= 0, got " + std::to_string(hidden));
         if (cores < 0) fail(ErrorKind::kValue, name, "cores", "must be >= 0, got " + std::to_string(cores));
         const padmoe::TileConfig c = padmoe::plan_tiles(padmoe::target_info(t, cores), o, hidden, d);
@@ -311,7 +323,7 @@ NB_MODULE(_C, m) {
         return r;
       },
       nb::arg("target"), nb::arg("op"), nb::arg("hidden"), nb::arg("dtype"), nb::arg("cores") = 0,
-      "The tile planner's TileConfig (SPEC section 6) as a dict, for target 'cpu', 'ascend-a2' or 'gpu', op "
+      "The tile planner's TileConfig (docs/spec.md §15) as a dict, for target 'cpu', 'ascend-a2' or 'gpu', op "
       "'gather' / 'scatter' / 'wgrad', hidden size and row dtype; cores = 0: the target's default (CPU threads; "
       "48 vector cores; 132 SMs).");
   m.def(
@@ -350,8 +362,10 @@ NB_MODULE(_C, m) {
         if (drop_policy == "probs") {
           po.drop_policy = padmoe::DropPolicy::kProbs;
         } else if (drop_policy != "position") {
-          throw padmoe::Error(padmoe::ErrorKind::kValue, std::string(op) + ": drop_policy: expected 'position' or "
-                                                         "'probs', got '" + drop_policy + "'");
+          throw padmoe::Error(padmoe::ErrorKind::kValue, std::string(op) +
+                                                             ": drop_policy: expected 'position' or "
+                                                             "'probs', got '" +
+                                                             drop_policy + "'");
         }
         if (probs) po.probs = to_view(*probs, op, "probs");
         po.dropped = to_out_view(dropped, op, "dropped");
@@ -418,13 +432,13 @@ NB_MODULE(_C, m) {
         nb::gil_scoped_release release;
         padmoe::padded_gather_out(vx, vi, vb, vbins, vp, top_k, vw, vy, o);
       },
-      nb::arg("x"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"), nb::arg("padded_bins"),
-      nb::arg("top_k"), nb::arg("weights").none(), nb::arg("y"), PADMOE_OPTIONS);
+      nb::arg("x"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"), nb::arg("padded_bins"), nb::arg("top_k"),
+      nb::arg("weights").none(), nb::arg("y"), PADMOE_OPTIONS);
 
   m.def(
       "padded_scatter_out",
-      [](const In& y, const In& indices, const In& bin_ids, const OptIn& weights, const In& bins,
-         const In& padded_bins, int top_k, const Out& out, PADMOE_OPTION_PARAMS) {
+      [](const In& y, const In& indices, const In& bin_ids, const OptIn& weights, const In& bins, const In& padded_bins,
+         int top_k, const Out& out, PADMOE_OPTION_PARAMS) {
         const char* op = "padded_scatter";
         const TensorView vy = to_view(y, op, "y"), vi = to_view(indices, op, "indices"),
                          vb = to_view(bin_ids, op, "bin_ids"), vbins = to_view(bins, op, "bins"),
@@ -442,16 +456,15 @@ NB_MODULE(_C, m) {
       [](const In& y, const In& grad, const In& indices, const In& bin_ids, const In& bins, const In& padded_bins,
          int top_k, const Out& wgrad, PADMOE_OPTION_PARAMS) {
         const char* op = "padded_scatter_wgrad";
-        const TensorView vy = to_view(y, op, "y"), vg = to_view(grad, op, "grad"),
-                         vi = to_view(indices, op, "indices"), vb = to_view(bin_ids, op, "bin_ids"),
-                         vbins = to_view(bins, op, "bins"), vp = to_view(padded_bins, op, "padded_bins"),
-                         vw = to_view(wgrad, op, "wgrad");
+        const TensorView vy = to_view(y, op, "y"), vg = to_view(grad, op, "grad"), vi = to_view(indices, op, "indices"),
+                         vb = to_view(bin_ids, op, "bin_ids"), vbins = to_view(bins, op, "bins"),
+                         vp = to_view(padded_bins, op, "padded_bins"), vw = to_view(wgrad, op, "wgrad");
         const padmoe::Options o = PADMOE_OPTS(op);
         nb::gil_scoped_release release;
         padmoe::padded_scatter_wgrad_out(vy, vg, vi, vb, vbins, vp, top_k, vw, o);
       },
-      nb::arg("y"), nb::arg("grad"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"),
-      nb::arg("padded_bins"), nb::arg("top_k"), nb::arg("wgrad"), PADMOE_OPTIONS);
+      nb::arg("y"), nb::arg("grad"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"), nb::arg("padded_bins"),
+      nb::arg("top_k"), nb::arg("wgrad"), PADMOE_OPTIONS);
 
   m.def(
       "padded_gather_backward_out",
@@ -467,9 +480,8 @@ NB_MODULE(_C, m) {
         nb::gil_scoped_release release;
         padmoe::padded_gather_backward_out(vgy, vx, vi, vb, vbins, vp, top_k, vw, vgx, vgw, o);
       },
-      nb::arg("grad_y"), nb::arg("x"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"),
-      nb::arg("padded_bins"), nb::arg("top_k"), nb::arg("weights").none(), nb::arg("grad_x"),
-      nb::arg("grad_weights").none(), PADMOE_OPTIONS);
+      nb::arg("grad_y"), nb::arg("x"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"), nb::arg("padded_bins"),
+      nb::arg("top_k"), nb::arg("weights").none(), nb::arg("grad_x"), nb::arg("grad_weights").none(), PADMOE_OPTIONS);
 
   m.def(
       "padded_scatter_backward_out",
@@ -607,8 +619,8 @@ NB_MODULE(_C, m) {
       "unpad_from_alignment_out",
       [](const In& padded, const In& permutation_map, const OptIn& probs, const Out& out, PADMOE_OPTION_PARAMS) {
         const char* op = "unpad_from_alignment";
-        const TensorView vp = to_view(padded, op, "padded_output"), vm = to_view(permutation_map, op, "permutation_map"),
-                         vo = to_view(out, op, "out");
+        const TensorView vp = to_view(padded, op, "padded_output"),
+                         vm = to_view(permutation_map, op, "permutation_map"), vo = to_view(out, op, "out");
         const auto vpr = opt_view(probs, op, "probs");
         const padmoe::Options o = PADMOE_OPTS(op);
         nb::gil_scoped_release release;
@@ -623,7 +635,8 @@ NB_MODULE(_C, m) {
         const char* op = "unpad_from_alignment_backward";
         const TensorView vgo = to_view(grad_out, op, "grad_out"), vp = to_view(padded, op, "padded_output"),
                          vm = to_view(permutation_map, op, "permutation_map"),
-                         vgp = to_view(grad_padded, op, "grad_padded"), vgpr = to_out_view(grad_probs, op, "grad_probs");
+                         vgp = to_view(grad_padded, op, "grad_padded"),
+                         vgpr = to_out_view(grad_probs, op, "grad_probs");
         const auto vpr = opt_view(probs, op, "probs");
         const padmoe::Options o = PADMOE_OPTS(op);
         nb::gil_scoped_release release;
@@ -701,8 +714,8 @@ NB_MODULE(_C, m) {
         nb::gil_scoped_release release;
         padmoe::padded_gather_scaled_out(vx, vi, vb, vbins, vp, top_k, vxs, vy, vys, o);
       },
-      nb::arg("x"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"), nb::arg("padded_bins"),
-      nb::arg("top_k"), nb::arg("x_scales"), nb::arg("y"), nb::arg("y_scales"), PADMOE_OPTIONS);
+      nb::arg("x"), nb::arg("indices"), nb::arg("bin_ids"), nb::arg("bins"), nb::arg("padded_bins"), nb::arg("top_k"),
+      nb::arg("x_scales"), nb::arg("y"), nb::arg("y_scales"), PADMOE_OPTIONS);
 
   m.def(
       "pad_to_alignment_scaled_out",
@@ -729,7 +742,8 @@ NB_MODULE(_C, m) {
       [](const In& padded, const In& permutation_map, const In& padded_scales, const Out& out, const Out& out_scales,
          PADMOE_OPTION_PARAMS) {
         const char* op = "unpad_from_alignment";
-        const TensorView vp = to_view(padded, op, "padded_output"), vm = to_view(permutation_map, op, "permutation_map"),
+        const TensorView vp = to_view(padded, op, "padded_output"),
+                         vm = to_view(permutation_map, op, "permutation_map"),
                          vps = to_view(padded_scales, op, "padded_scales"), vo = to_view(out, op, "out"),
                          vos = to_view(out_scales, op, "out_scales");
         const padmoe::Options o = PADMOE_OPTS(op);

@@ -1,6 +1,6 @@
 """Independent reference for the padmoe Python tests: plain loops over numpy
 arrays in float64 (plus a float32 ascending-k loop for the bitwise checks).
-Written from SPEC.md, never calling padmoe."""
+Written from docs/spec.md, never calling padmoe."""
 
 import numpy as np
 
@@ -10,7 +10,7 @@ def round_up(n, m):
 
 
 def make_plan(top_experts, num_experts, alignment):
-    """SPEC section 1: a dict of the plan arrays (int64) and P."""
+    """docs/spec.md §3: a dict of the plan arrays (int64) and P."""
     top = np.asarray(top_experts)
     t, k = top.shape
     a_count = t * k
@@ -44,7 +44,10 @@ def make_plan(top_experts, num_experts, alignment):
         row = padded_start + i - real_start
         dest_rows[a] = row
         row_sources[row] = a
-    arr = lambda v: np.array(v, dtype=np.int64)
+
+    def arr(v):
+        return np.array(v, dtype=np.int64)
+
     return {
         "indices": arr(indices),
         "bin_ids": arr(bin_ids),

@@ -29,16 +29,42 @@ def shared_functions():
 
 
 def test_the_shared_functions_are_the_ones_expected():
-    assert set(padmoe.__all__) - set(pt.__all__) == {"copy", "has_cuda", "tile_config", "quantize",
-                                                     "make_plan_layouts", "__version__"}
+    assert set(padmoe.__all__) - set(pt.__all__) == {
+        "copy",
+        "has_cuda",
+        "tile_config",
+        "quantize",
+        "make_plan_layouts",
+        "__version__",
+    }
     assert set(shared_functions()) >= {
-        "dispatch_backward", "combine_backward", "padded_gather_backward", "padded_scatter_backward",
+        "dispatch_backward",
+        "combine_backward",
+        "padded_gather_backward",
+        "padded_scatter_backward",
         "unpad_from_alignment_backward",
-        "make_plan", "make_plan_and_dispatch", "dispatch", "dispatch_scaled", "dispatch_quantized", "combine",
-        "padded_gather", "padded_gather_scaled", "padded_scatter", "padded_scatter_wgrad", "pad_to_alignment",
-        "pad_to_alignment_scaled", "unpad_from_alignment", "unpad_from_alignment_scaled", "sort_chunks",
-        "unsort_chunks", "moe_align_block_size", "padded_rows_bound", "sort_chunks_rows_bound",
-        "aligned_rows_bound", "workspace_bound"}
+        "make_plan",
+        "make_plan_and_dispatch",
+        "dispatch",
+        "dispatch_scaled",
+        "dispatch_quantized",
+        "combine",
+        "padded_gather",
+        "padded_gather_scaled",
+        "padded_scatter",
+        "padded_scatter_wgrad",
+        "pad_to_alignment",
+        "pad_to_alignment_scaled",
+        "unpad_from_alignment",
+        "unpad_from_alignment_scaled",
+        "sort_chunks",
+        "unsort_chunks",
+        "moe_align_block_size",
+        "padded_rows_bound",
+        "sort_chunks_rows_bound",
+        "aligned_rows_bound",
+        "workspace_bound",
+    }
 
 
 @pytest.mark.parametrize("name", shared_functions())
@@ -92,8 +118,16 @@ def test_torch_tensors_in_padmoe_give_padmoe_torch_results():
     tt, tx, tw = torch.from_numpy(top), torch.from_numpy(x), torch.from_numpy(w)
     plan = padmoe.make_plan(tt, 5, 4)
     tplan = pt.make_plan(tt, 5, 4)
-    for f in ("indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert", "padded_bins",
-              "dest_rows", "row_sources"):
+    for f in (
+        "indices",
+        "bin_ids",
+        "tokens_per_expert",
+        "bins",
+        "padded_tokens_per_expert",
+        "padded_bins",
+        "dest_rows",
+        "row_sources",
+    ):
         assert torch.equal(getattr(plan, f), getattr(tplan, f)), f
     y = padmoe.dispatch(tx, plan, tw)
     ty = pt.dispatch(tx, tplan, tw)
@@ -114,8 +148,10 @@ def test_torch_tensors_in_padmoe_give_padmoe_torch_results():
     assert padmoe.dispatch_backward(y, tx, plan)[1] is None and pt.dispatch_backward(ty, tx, tplan)[1] is None
     # any object with the plan's attributes is a plan (packed on the way)
     from types import SimpleNamespace
-    duck = SimpleNamespace(num_tokens=13, top_k=2, num_experts=5, alignment=4,
-                           **{f: getattr(plan, f) for f in padmoe._plan.PLAN_ARRAYS})
+
+    duck = SimpleNamespace(
+        num_tokens=13, top_k=2, num_experts=5, alignment=4, **{f: getattr(plan, f) for f in padmoe._plan.PLAN_ARRAYS}
+    )
     assert torch.equal(pt.dispatch(tx, duck, tw), ty) and torch.equal(padmoe.dispatch(tx, duck, tw), ty)
     # numpy in, numpy out: the same values, the same shapes
     ny, nplan = padmoe.make_plan_and_dispatch(x, top, 5, 4, w)
@@ -138,21 +174,34 @@ def test_scaled_and_quantized_forms_agree_across_modules():
     np.testing.assert_array_equal(qs.numpy(), nqs)
 
 
-@pytest.mark.parametrize("name,args,torch_way", [
-    ("quantize", lambda t, p: (t,), "dispatch_quantized"),
-    ("make_plan_layouts", lambda t, p: (torch.zeros(3, 2, dtype=torch.int32), 4, 4), "row_experts"),
-])
+@pytest.mark.parametrize(
+    "name,args,torch_way",
+    [
+        ("quantize", lambda t, p: (t,), "dispatch_quantized"),
+        ("make_plan_layouts", lambda t, p: (torch.zeros(3, 2, dtype=torch.int32), 4, 4), "row_experts"),
+    ],
+)
 def test_numpy_only_functions_refuse_torch_tensors(name, args, torch_way):
     top, x, _ = _problem()
     plan = padmoe.make_plan(top, 5, 4)
-    with pytest.raises(TypeError, match=rf"{name}: \w+: got a torch tensor; padmoe\.{name} takes numpy arrays\. "
-                                        rf"For torch tensors use padmoe\.torch: .*{torch_way}"):
+    with pytest.raises(
+        TypeError,
+        match=rf"{name}: \w+: got a torch tensor; padmoe\.{name} takes numpy arrays\. "
+        rf"For torch tensors use padmoe\.torch: .*{torch_way}",
+    ):
         getattr(padmoe, name)(*args(torch.from_numpy(x), plan))
 
 
 def test_operator_schemas_carry_the_expert_capacity_as_its_own_argument():
-    for name in ("dispatch", "dispatch_backward", "combine", "combine_backward", "dispatch_scaled",
-                 "dispatch_quantized", "make_plan_routed"):
+    for name in (
+        "dispatch",
+        "dispatch_backward",
+        "combine",
+        "combine_backward",
+        "dispatch_scaled",
+        "dispatch_quantized",
+        "make_plan_routed",
+    ):
         args = [a.name for a in getattr(torch.ops.padmoe, name).default._schema.arguments]
         assert "expert_capacity" in args, name
         assert args.index("expert_capacity") == args.index("alignment") + 1 or name == "make_plan_routed", name
@@ -168,8 +217,14 @@ def test_operator_schemas_carry_the_expert_capacity_as_its_own_argument():
 def test_packed_plan_layout_is_defined_once_per_language_and_they_agree():
     from padmoe import _torch_ops
     from padmoe._plan import packed_plan_layout, packed_plan_sizes
-    for t, k, e, m, c in ((0, 1, 1, 1, None), (7, 2, 5, 4, None), (13, 8, 256, 128, None), (9, 3, 4, 16, 8),
-                          (5, 1, 3, 1, 0)):
+
+    for t, k, e, m, c in (
+        (0, 1, 1, 1, None),
+        (7, 2, 5, 4, None),
+        (13, 8, 256, 128, None),
+        (9, 3, 4, 16, 8),
+        (5, 1, 3, 1, 0),
+    ):
         py = packed_plan_layout(t, k, e, m, c)
         cc = tuple(tuple(f) for f in _torch_ops.packed_plan_layout(t, k, e, m, c))
         assert py == cc, (t, k, e, m, c)
@@ -190,8 +245,10 @@ def test_deprecated_aliases_warn_and_still_work():
         (lambda: r.capacity, r.padded_rows_bound),
         (lambda: padmoe.capacity_bound(13, 2, 5, 4), padmoe.padded_rows_bound(13, 2, 5, 4)),
         (lambda: padmoe.sort_chunks_capacity(30, 8, 2, 4), padmoe.sort_chunks_rows_bound(30, 8, 2, 4)),
-        (lambda: padmoe.plan_tiles("gpu", "gather", 512, "float32", 132),
-         padmoe.tile_config("gpu", "gather", 512, "float32", 132)),
+        (
+            lambda: padmoe.plan_tiles("gpu", "gather", 512, "float32", 132),
+            padmoe.tile_config("gpu", "gather", 512, "float32", 132),
+        ),
     ]
     for call, want in cases:
         with pytest.warns(DeprecationWarning):
@@ -199,6 +256,7 @@ def test_deprecated_aliases_warn_and_still_work():
     with pytest.warns(DeprecationWarning, match="padmoe.eager is deprecated"):
         import importlib
         import sys
+
         sys.modules.pop("padmoe.eager", None)
         eager = importlib.import_module("padmoe.eager")
     assert eager.make_plan is padmoe.reference.make_plan
@@ -228,7 +286,8 @@ def test_no_import_cycle_in_padmoe_torch():
     """The modules padmoe.torch's __init__ imports never import the padmoe.torch package back."""
     init = PACKAGE / "torch" / "__init__.py"
     mods = {name for module, name in _imports(init) if module == "" and name} | {
-        module.lstrip(".") for module, _ in _imports(init) if module.startswith(".")}
+        module.lstrip(".") for module, _ in _imports(init) if module.startswith(".")
+    }
     assert {"_common", "_plan_ops", "_dropin_ops", "_layouts", "_routing", "grouped"} <= mods
     for m in mods:
         for module, name in _imports(PACKAGE / "torch" / f"{m}.py"):

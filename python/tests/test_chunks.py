@@ -42,7 +42,7 @@ def te_sort_chunks(inp, sizes, sorted_index):
     sizes = [int(s) for s in sizes]
     chunks, start = [], 0
     for s in sizes:
-        chunks.append(inp[start:start + s])
+        chunks.append(inp[start : start + s])
         start += s
     return np.concatenate([chunks[int(i)] for i in sorted_index], axis=0)
 
@@ -128,14 +128,17 @@ def test_numpy_unsort_round_trip_with_probs():
     np.testing.assert_allclose(got, ref_unsort(padded, pmap, n, probs), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("case,needle", [
-    ("negative", "sort_chunks: split_sizes: entry [1, 0] is negative (-2)"),
-    ("sum", "split_sizes: sums to"),
-    ("ranks", "num_ranks: the 6 chunks of split_sizes are not a multiple of num_ranks = 4"),
-    ("repeat", "sorted_index: must be a permutation of [0, 6): chunk 1 appears more than once"),
-    ("oor", "sorted_index: position 0 holds chunk 6, outside [0, 6)"),
-    ("float", "split_sizes: expected int32 or int64"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("negative", "sort_chunks: split_sizes: entry [1, 0] is negative (-2)"),
+        ("sum", "split_sizes: sums to"),
+        ("ranks", "num_ranks: the 6 chunks of split_sizes are not a multiple of num_ranks = 4"),
+        ("repeat", "sorted_index: must be a permutation of [0, 6): chunk 1 appears more than once"),
+        ("oor", "sorted_index: position 0 holds chunk 6, outside [0, 6)"),
+        ("float", "split_sizes: expected int32 or int64"),
+    ],
+)
 def test_numpy_errors(case, needle):
     received = np.ones((10, 4), dtype=np.float32)
     sizes = np.array([[1, 2, 0], [3, 1, 1]], dtype=np.int32)
@@ -169,6 +172,7 @@ def test_numpy_errors(case, needle):
 
 try:  # the numpy tests above run without torch
     import torch
+
     import padmoe.torch as pt
 except ImportError:  # pragma: no cover - torch is in the dev environment
     torch = pt = None
@@ -182,8 +186,11 @@ DTYPES = ["float32", "bfloat16", "float16"]
 
 def torch_problem(device, dtype, R=4, E=3, m=8, H=6, seed=0, extra=2):
     rng, sizes, received = problem(seed, R, E, m, H=H, extra=extra)
-    return (torch.tensor(received, dtype=dtype, device=device), torch.tensor(sizes, dtype=torch.int64, device=device),
-            rng)
+    return (
+        torch.tensor(received, dtype=dtype, device=device),
+        torch.tensor(sizes, dtype=torch.int64, device=device),
+        rng,
+    )
 
 
 @pytestmark_torch
@@ -261,8 +268,9 @@ def test_torch_gradcheck_float64(device, sorted_index):
     probs = torch.rand(h.shape[0], dtype=torch.float64, device=device, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: pt.unsort_chunks(a, pmap, h.shape[0], b), (y, probs))
     # float64 forward equals the reference exactly
-    want_p, want_map, _ = ref_sort_chunks(h.detach().cpu().numpy(), sizes.cpu().numpy(), 3, 4,
-                                          None if si is None else si.cpu().numpy())
+    want_p, want_map, _ = ref_sort_chunks(
+        h.detach().cpu().numpy(), sizes.cpu().numpy(), 3, 4, None if si is None else si.cpu().numpy()
+    )
     np.testing.assert_array_equal(padded.cpu().numpy(), want_p)
     np.testing.assert_array_equal(pmap.cpu().numpy(), want_map)
 

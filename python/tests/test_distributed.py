@@ -45,13 +45,15 @@ JOIN_S = 240
 
 def _entry(rank, world, store, backend, name, args, errdir):
     from datetime import timedelta
+
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         elif DEVICE == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            backend, init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         globals()[name](rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -69,8 +71,13 @@ def run(tmp_path, world, name, *args):
         pytest.skip("PADMOE_EP_DEVICE=cuda: no GPU")
     errdir = tmp_path / "errors"
     errdir.mkdir(exist_ok=True)
-    ctx = mp.start_processes(_entry, args=(world, str(tmp_path / "store"), BACKEND, name, args, str(errdir)),
-                             nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _entry,
+        args=(world, str(tmp_path / "store"), BACKEND, name, args, str(errdir)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + JOIN_S
     try:
         while not ctx.join(timeout=1):
@@ -107,8 +114,11 @@ def _batch(world, E, K, H, dtype, seed=0, tokens=None, skip_expert=None):
         ts[1] = 0
     T = sum(ts)
     allowed = [e for e in range(E) if e != skip_expert]
-    ids = torch.stack([torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:K]] for _ in range(T)]) \
-        if T else torch.zeros(0, K, dtype=torch.int64)
+    ids = (
+        torch.stack([torch.tensor(allowed)[torch.randperm(len(allowed), generator=g)[:K]] for _ in range(T)])
+        if T
+        else torch.zeros(0, K, dtype=torch.int64)
+    )
     w = torch.rand(T, K, generator=g, dtype=torch.float64).to(torch.float32)
     x = torch.randn(T, H, generator=g, dtype=torch.float64).to(dtype)
     W = (torch.randn(E, H, H, generator=g, dtype=torch.float64) / math.sqrt(H)).to(dtype)
@@ -133,6 +143,7 @@ def _rowwise(y, offs, W):
 
 def _single(ids, w, x, W, E, alignment, fn, weighted=False):
     import padmoe.torch as pt
+
     xs, ws, Ws = x.clone().requires_grad_(), w.clone().requires_grad_(), W.clone().requires_grad_()
     r = pt.Routing.from_topk(ids, ws, E, alignment)
     out = r.combine(fn(r.dispatch(xs, weighted=weighted), r.offsets, Ws), weighted=not weighted)
@@ -198,7 +209,9 @@ def _slice(rank, ts):
 
 def _eq(a, b, what):
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
-    assert torch.equal(a.cpu(), b.cpu()), f"{what}: not bitwise equal (max diff {(a.double() - b.double()).abs().max()})"
+    assert torch.equal(a.cpu(), b.cpu()), (
+        f"{what}: not bitwise equal (max diff {(a.double() - b.double()).abs().max()})"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -208,13 +221,14 @@ def _eq(a, b, what):
 
 def w_matches_single_device(rank, world, dtype_name, placement):
     import padmoe.torch.distributed as pd
+
     dtype = getattr(torch, dtype_name)
     dev = _device()
     E, K, H, m = 8, 2, 16, 4
-    ts, ids, w, x, W = _batch(world, E, K, H, dtype, skip_expert=5)        # expert 5 gets no tokens
+    ts, ids, w, x, W = _batch(world, E, K, H, dtype, skip_expert=5)  # expert 5 gets no tokens
     ids, w, x, W = ids.to(dev), w.to(dev), x.to(dev), W.to(dev)
     expert_ranks = None
-    if placement == "uneven":                                              # interleaved, uneven counts
+    if placement == "uneven":  # interleaved, uneven counts
         expert_ranks = {2: [1, 0, 1, 1, 0, 1, 1, 1], 4: [3, 0, 1, 3, 2, 3, 0, 3]}[world]
     sl = _slice(rank, ts)
     single = _single(ids, w, x, W, E, m, _segments)
@@ -254,16 +268,24 @@ def w_matches_single_device(rank, world, dtype_name, placement):
 def w_sync_free_rowwise_bitwise(rank, world, weighted):
     """Sync-free with no drops gives the exact mode's (and one device's) bits for a row-wise expert."""
     import padmoe.torch.distributed as pd
+
     dev = _device()
     E, K, H, m = 8, 2, 16, 8
     ts, ids, w, x, W = _batch(world, E, K, H, torch.float32, seed=3)
     ids, w, x, W = ids.to(dev), w.to(dev), x.to(dev), W.to(dev)
     sl = _slice(rank, ts)
     single = _single(ids, w, x, W, E, m, _rowwise, weighted=weighted)
-    exact = _ep_run(pd.ExpertParallel(E, m), ids[sl], w[sl], x[sl], W, _rowwise, weighted=weighted,
-                    total=(sum(ts), sl))
-    free = _ep_run(pd.ExpertParallel(E, m, mode="sync_free", capacity=32), ids[sl], w[sl], x[sl], W, _rowwise,
-                   weighted=weighted, total=(sum(ts), sl))
+    exact = _ep_run(pd.ExpertParallel(E, m), ids[sl], w[sl], x[sl], W, _rowwise, weighted=weighted, total=(sum(ts), sl))
+    free = _ep_run(
+        pd.ExpertParallel(E, m, mode="sync_free", capacity=32),
+        ids[sl],
+        w[sl],
+        x[sl],
+        W,
+        _rowwise,
+        weighted=weighted,
+        total=(sum(ts), sl),
+    )
     for i, what in enumerate(("out", "grad x", "grad weights")):
         _eq(exact[i], single[i][sl], f"exact {what}")
         _eq(free[i], single[i][sl], f"sync_free {what}")
@@ -277,6 +299,7 @@ def w_sync_free_graph(rank, world):
     replayed: the eager step's bits and drop count, for the captured inputs and after other inputs
     of the same shapes are copied into them."""
     import padmoe.torch.distributed as pd
+
     dev = _device()
     E, K, H, m, C = 8, 2, 16, 4, 3  # 24 assignments a rank over 8 experts: some experts past C
     ts = [12] * world
@@ -321,6 +344,7 @@ def w_sync_free_graph(rank, world):
 
 def w_sync_free_drops(rank, world, policy):
     import padmoe.torch.distributed as pd
+
     dev = _device()
     E, K, H, m, C = 4, 2, 8, 2, 2
     ts = [9, 6, 0, 11][:world]
@@ -345,13 +369,15 @@ def w_sync_free_drops(rank, world, policy):
                 assert float(gw[t, k]) == 0.0
     # the buffer: every local expert's segment is S = round_up(R*C, m) rows, real rows first
     S = -(-world * C // m) * m
-    assert r.rows == ep.num_local_experts * S and r.offsets.tolist() == [S * (i + 1) for i in
-                                                                          range(ep.num_local_experts)]
+    assert r.rows == ep.num_local_experts * S and r.offsets.tolist() == [
+        S * (i + 1) for i in range(ep.num_local_experts)
+    ]
     # all ranks' drops sum to the global count
     total = r.dropped.clone().to(_device())
     dist.all_reduce(total)
-    all_dropped = sum(_keep_capacity(ids[_slice(q, ts)].cpu(), w[_slice(q, ts)].cpu(), C, policy)[1]
-                      for q in range(world))
+    all_dropped = sum(
+        _keep_capacity(ids[_slice(q, ts)].cpu(), w[_slice(q, ts)].cpu(), C, policy)[1] for q in range(world)
+    )
     assert int(total.item()) == all_dropped
 
 
@@ -368,6 +394,7 @@ def _expect_error(fn, *words):
 
 def w_bad_input(rank, world):
     import padmoe.torch.distributed as pd
+
     dev = _device()
     E, K, H = 8, 2, 8
     # a world size that does not divide E (no collective before the error)
@@ -384,17 +411,20 @@ def w_bad_input(rank, world):
         w = torch.rand(3, K, device=dev)
         # a hidden size that differs on one rank: every rank raises, nothing hangs
         hh = H + 8 if rank == world - 1 else H
-        _expect_error(lambda: ep.dispatch(torch.randn(3, hh, device=dev), ids, w), "hidden size",
-                      f"rank {world - 1}")
+        _expect_error(lambda: ep.dispatch(torch.randn(3, hh, device=dev), ids, w), "hidden size", f"rank {world - 1}")
         # a top-k that differs
         kk = 1 if rank == 0 else K
         _expect_error(lambda: ep.dispatch(torch.randn(3, H, device=dev), ids[:, :kk], w[:, :kk]), "top_k")
         # rows on a device the backend does not move (meta), on one rank: it names the device, the
         # others name the rank
         on_meta = rank == 0
-        msg = _expect_error(lambda: ep.dispatch(torch.empty(3, H, device="meta") if on_meta else
-                                                torch.randn(3, H, device=dev), ids.to("meta") if on_meta else ids,
-                                                w.to("meta") if on_meta else w))
+        msg = _expect_error(
+            lambda: ep.dispatch(
+                torch.empty(3, H, device="meta") if on_meta else torch.randn(3, H, device=dev),
+                ids.to("meta") if on_meta else ids,
+                w.to("meta") if on_meta else w,
+            )
+        )
         assert ("x: on meta" in msg) if on_meta else ("rank 0 rejected" in msg), msg
         # an expert id out of range on one rank: it names the id, the others name the rank
         bad = ids.clone()
@@ -417,12 +447,14 @@ def w_bad_input(rank, world):
 def w_bf16_and_no_grad(rank, world):
     """bfloat16 rows move bitwise (bytes on the wire); under no_grad nothing is recorded."""
     import padmoe.torch.distributed as pd
+
     dev = _device()
     E, K, H, m = 4 * world, 3, 24, 16
     ts, ids, w, x, W = _batch(world, E, K, H, torch.bfloat16, seed=5)
     ids, w, x, W = ids.to(dev), w.to(dev), x.to(dev), W.to(dev)
     sl = _slice(rank, ts)
     import padmoe.torch as pt
+
     with torch.no_grad():
         rs = pt.Routing.from_topk(ids, w, E, m)
         ys = rs.dispatch(x)
@@ -435,7 +467,7 @@ def w_bf16_and_no_grad(rank, world):
             for i, e in enumerate(ep.local_experts):
                 n = int(r.tokens_per_expert[i])
                 start = 0 if i == 0 else int(r.offsets[i - 1])
-                _eq(y[start:start + n], ys[lo[e]:lo[e] + n], f"{mode} expert {e} rows")
+                _eq(y[start : start + n], ys[lo[e] : lo[e] + n], f"{mode} expert {e} rows")
             out = r.combine(_segments(y, r.offsets, W[ep.local_experts]))
             single = rs.combine(_segments(ys, rs.offsets, W))
             if mode == "exact":
@@ -493,6 +525,7 @@ def test_bf16_no_grad(tmp_path):
 
 def test_needs_init():
     import padmoe.torch.distributed as pd
+
     if dist.is_initialized():
         pytest.skip("a process group is initialized in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):

@@ -1,6 +1,6 @@
 """Tests of padmoe.reference (the plain-PyTorch ops) against plain-Python loops in float64.
 
-The reference loops below are written straight from SPEC.md sections 1-3 and share no
+The reference loops below are written straight from docs/spec.md §3-§7 and share no
 code with eager.py (dest_rows, for instance, comes from walking the experts in order,
 not from a sort). eager.py is loaded from its file (its Plan type comes from the
 installed padmoe).
@@ -122,9 +122,19 @@ def ref_plan(top, E, m):
                 row_sources[row] = a
                 row += 1
         start += padded_tpe[e]
-    return dict(indices=indices, bin_ids=bin_ids, tokens_per_expert=tpe, bins=bins,
-                padded_tokens_per_expert=padded_tpe, padded_bins=padded_bins, dest_rows=dest_rows,
-                row_sources=row_sources, P=prun, K=K, T=T)
+    return dict(
+        indices=indices,
+        bin_ids=bin_ids,
+        tokens_per_expert=tpe,
+        bins=bins,
+        padded_tokens_per_expert=padded_tpe,
+        padded_bins=padded_bins,
+        dest_rows=dest_rows,
+        row_sources=row_sources,
+        P=prun,
+        K=K,
+        T=T,
+    )
 
 
 def ref_gather(x, plan, w=None):
@@ -231,9 +241,11 @@ def check_within(got, ref, what, dtype, extra=None, rel_units=1.0):
         bound = bound + torch.tensor(extra, dtype=torch.float64).reshape(g.shape)
     err = (g - r).abs()
     bad = (err > bound) | torch.isnan(g)
-    assert not bad.any(), (f"{what}: {int(bad.sum())} elements off, first at "
-                           f"{tuple(bad.nonzero()[0].tolist())}: got {g[bad][0].item()!r}, "
-                           f"want {r[bad][0].item()!r}")
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} elements off, first at "
+        f"{tuple(bad.nonzero()[0].tolist())}: got {g[bad][0].item()!r}, "
+        f"want {r[bad][0].item()!r}"
+    )
 
 
 def check_padding_zero(y, padding, what):
@@ -261,8 +273,16 @@ def test_make_plan(case, index_dtype, device):
     top = make_routing(case, seed=1, index_dtype=index_dtype)
     ref = ref_plan(top.tolist(), E, m)
     plan = eager.make_plan(top.to(device), E, m)
-    for field in ("indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert",
-                  "padded_bins", "dest_rows", "row_sources"):
+    for field in (
+        "indices",
+        "bin_ids",
+        "tokens_per_expert",
+        "bins",
+        "padded_tokens_per_expert",
+        "padded_bins",
+        "dest_rows",
+        "row_sources",
+    ):
         got = getattr(plan, field)
         assert got.dtype == torch.int32, f"{field}: dtype {got.dtype}"
         assert got.device.type == device, f"{field}: on {got.device}"
@@ -533,8 +553,9 @@ def test_unpad_from_alignment_backward(case, dtype, with_probs, device):
     probs = rand_weights(n, seed=31, device=device) if with_probs else None
     grad_padded, grad_probs = eager.unpad_from_alignment_backward(grad_out, padded, pmap, probs)
     assert grad_padded.shape == padded.shape and grad_padded.dtype == dtype
-    ref_gp, ref_gprobs, mag = ref_unpad_backward(as_list(grad_out), as_list(padded), ref_map, H,
-                                                 None if probs is None else as_list(probs))
+    ref_gp, ref_gprobs, mag = ref_unpad_backward(
+        as_list(grad_out), as_list(padded), ref_map, H, None if probs is None else as_list(probs)
+    )
     if ref_gp:
         if with_probs:
             check_within(grad_padded, ref_gp, "grad_padded", dtype, rel_units=1.0 + 2.0 * U32 / UNIT[dtype])

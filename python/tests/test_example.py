@@ -84,12 +84,14 @@ def _wrapped(combine_wrapper):
 def test_padding_rows_never_read_by_combine():
     """NaN in every padding row of the expert output changes nothing: combine reads only
     the rows of real assignments (and its backward writes zero gradients there)."""
+
     def poison(combine):
         def run(y, plan, weights=None):
             real = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
             real[plan.dest_rows.long()] = True
             assert not bool(real.all()), "test needs padding rows (alignment > 1)"
             return combine(y.masked_fill(~real.unsqueeze(1), float("nan")), plan, weights)
+
         return run
 
     result = _run(ops=_wrapped(poison), alignment=16)
@@ -98,6 +100,7 @@ def test_padding_rows_never_read_by_combine():
 
 def test_detects_wrong_combine_weights():
     """Negative control: weights off by 2% in combine must fail the check (out and gradients)."""
+
     def scaled(combine):
         return lambda y, plan, weights=None: combine(y, plan, weights * 1.02)
 
@@ -111,6 +114,7 @@ def test_detects_wrong_combine_weights():
 def test_detects_missing_router_gradient():
     """Negative control: detaching the router weights before combine leaves the output right but
     the router gradient wrong, which the check must catch."""
+
     def detached(combine):
         return lambda y, plan, weights=None: combine(y, plan, weights.detach())
 
@@ -134,19 +138,39 @@ def test_cuda_float32_loop(ops):
 def test_cuda_bfloat16(ops, alignment):
     # grouped_mm where this torch has it (auto falls back to the loop if it raises: then
     # the report says why, and the check still applies).
-    result = _run(device="cuda", dtype=torch.bfloat16, ops=ops, alignment=alignment,
-                  tokens=256, hidden=64, ffn=128, experts=8, top_k=2)
+    result = _run(
+        device="cuda",
+        dtype=torch.bfloat16,
+        ops=ops,
+        alignment=alignment,
+        tokens=256,
+        hidden=64,
+        ffn=128,
+        experts=8,
+        top_k=2,
+    )
     assert result.tolerance == 4e-2
     result.assert_ok()
     if moe.grouped_mm_usable("cuda", torch.bfloat16):
         assert result.gemm.startswith("grouped_mm"), result.gemm
 
 
-@pytest.mark.skipif(not (CUDA and moe.grouped_mm_usable("cuda", torch.bfloat16)),
-                    reason="needs a GPU, padmoe's CUDA backend and torch grouped_mm")
+@pytest.mark.skipif(
+    not (CUDA and moe.grouped_mm_usable("cuda", torch.bfloat16)),
+    reason="needs a GPU, padmoe's CUDA backend and torch grouped_mm",
+)
 def test_cuda_grouped_mm_forced():
-    result = _run(device="cuda", dtype=torch.bfloat16, gemm="grouped_mm", alignment=16,
-                  tokens=256, hidden=64, ffn=128, experts=8, top_k=2)
+    result = _run(
+        device="cuda",
+        dtype=torch.bfloat16,
+        gemm="grouped_mm",
+        alignment=16,
+        tokens=256,
+        hidden=64,
+        ffn=128,
+        experts=8,
+        top_k=2,
+    )
     result.assert_ok()
     assert result.gemm == "grouped_mm"
 

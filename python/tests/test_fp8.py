@@ -22,6 +22,7 @@ def as_bytes(a):
     """A numpy array (or CPU torch tensor) as [rows, bytes per row] uint8."""
     if hasattr(a, "detach"):  # torch
         import torch
+
         t = a.detach().contiguous()
         a = t.view(torch.uint8).numpy() if t.element_size() == 1 else t.numpy()
     a = np.ascontiguousarray(a)
@@ -113,20 +114,21 @@ def test_numpy_dispatch_and_gather(layout, hidden):
     y, ys = padmoe.dispatch_scaled(x, c.plan, xs)
     assert y.shape == (bound, c.H) and ys.shape == (bound,) + xs.shape[1:] and ys.dtype == xs.dtype
     expect(y, ys, x, xs, srcs, layout, c.H)
-    g, gs = padmoe.padded_gather_scaled(x, c.ref["indices"], c.ref["bin_ids"], c.ref["bins"], c.ref["padded_bins"],
-                                        c.K, xs)
+    g, gs = padmoe.padded_gather_scaled(
+        x, c.ref["indices"], c.ref["bin_ids"], c.ref["bins"], c.ref["padded_bins"], c.K, xs
+    )
     assert g.shape[0] == gs.shape[0] == c.P
-    np.testing.assert_array_equal(g, y[:c.P])
-    np.testing.assert_array_equal(gs, ys[:c.P])
+    np.testing.assert_array_equal(g, y[: c.P])
+    np.testing.assert_array_equal(gs, ys[: c.P])
     # rows past P: zero with scale 1 in the outputs padmoe allocates (above); in buffers passed as
     # out= they are left as they are
-    assert not as_bytes(y)[c.P:].any()
-    assert (as_bytes(ys)[c.P:] == one_row(layout, cols_of(layout, c.H))).all()
+    assert not as_bytes(y)[c.P :].any()
+    assert (as_bytes(ys)[c.P :] == one_row(layout, cols_of(layout, c.H))).all()
     out = (poison((bound, c.H), np.float16), poison((bound,) + xs.shape[1:], xs.dtype))
     y2, ys2 = padmoe.dispatch_scaled(x, c.plan, xs, out=out)
     assert y2 is out[0] and ys2 is out[1]
     expect(y2, ys2, x, xs, srcs, layout, c.H)
-    assert (as_bytes(y2)[c.P:] == 0xFF).all() and (as_bytes(ys2)[c.P:] == 0xFF).all()
+    assert (as_bytes(y2)[c.P :] == 0xFF).all() and (as_bytes(ys2)[c.P :] == 0xFF).all()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -171,7 +173,9 @@ def test_numpy_bad_scales_are_named_errors():
     x = np.zeros((c.T, c.H), dtype=np.float16)
     with pytest.raises(ValueError, match=r"dispatch: x_scales: float32 scales must be .*ceil\(H/128\)\] = \[rows, 2\]"):
         padmoe.dispatch_scaled(x, c.plan, np.zeros((c.T, 3), dtype=np.float32))
-    with pytest.raises(ValueError, match=r"x_scales: uint8 \(E8M0\) scales must be \[rows, ceil\(H/32\)\] = \[rows, 7\]"):
+    with pytest.raises(
+        ValueError, match=r"x_scales: uint8 \(E8M0\) scales must be \[rows, ceil\(H/32\)\] = \[rows, 7\]"
+    ):
         padmoe.dispatch_scaled(x, c.plan, np.zeros((c.T, 4), dtype=np.uint8))
     with pytest.raises(TypeError, match=r"x_scales: expected float32 scales .* got float16"):
         padmoe.dispatch_scaled(x, c.plan, np.zeros((c.T,), dtype=np.float16))
@@ -179,8 +183,9 @@ def test_numpy_bad_scales_are_named_errors():
         padmoe.dispatch_scaled(x, c.plan, np.zeros((c.T - 1,), dtype=np.float32))
     y = np.full((c.P, c.H), 7, dtype=np.float16)
     with pytest.raises(ValueError, match=r"y_scales: expected the input scales' layout"):
-        padmoe.dispatch_scaled(x, c.plan, np.zeros((c.T, 2), dtype=np.float32),
-                               out=(y, np.zeros(c.P, dtype=np.float32)))
+        padmoe.dispatch_scaled(
+            x, c.plan, np.zeros((c.T, 2), dtype=np.float32), out=(y, np.zeros(c.P, dtype=np.float32))
+        )
     assert (y == 7).all()  # nothing written before the error
 
 
@@ -230,8 +235,8 @@ def test_torch_float8_every_op(dtype, layout):
     y, ys = pt.dispatch_scaled(x, tplan, xs)
     assert y.dtype == dtype and ys.dtype == xs.dtype and y.shape[0] == ys.shape[0] == tplan.padded_rows_bound
     expect(y, ys, x, xs, srcs, lay, c.H)
-    assert not as_bytes(y)[c.P:].any()
-    assert (as_bytes(ys)[c.P:] == one_row(lay, cols_of(lay, c.H))).all()
+    assert not as_bytes(y)[c.P :].any()
+    assert (as_bytes(ys)[c.P :] == one_row(lay, cols_of(lay, c.H))).all()
 
     # the numpy-layer functions on torch tensors agree
     y2, ys2 = padmoe.dispatch_scaled(x, padmoe.make_plan(torch.from_numpy(c.top), c.E, c.m), xs)
@@ -305,16 +310,22 @@ def test_torch_compile_traces_the_scaled_ops():
 def test_opcheck_scaled_ops():
     _ptorch()
     c = Case(seed=19, hidden=64)
-    from padmoe.torch._common import packed as _packed
     import padmoe.torch as pt
+    from padmoe.torch._common import packed as _packed
+
     tplan = pt.make_plan(torch.from_numpy(c.top), c.E, c.m)
     x = torch.randn(c.T, c.H, dtype=torch.bfloat16)
     xs = torch.rand(c.T, 1)
-    torch.library.opcheck(torch.ops.padmoe.dispatch_scaled.default,
-                          (x, _packed(tplan), xs, c.K, c.E, c.m, None, 2, True),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.padmoe.dispatch_scaled.default,
+        (x, _packed(tplan), xs, c.K, c.E, c.m, None, 2, True),
+        test_utils=("test_schema", "test_faketensor"),
+    )
     counts = torch.tensor([5, 3, 0, 8], dtype=torch.int32)
     h = torch.randn(16, c.H, dtype=torch.float16)
     hs = torch.randint(0, 255, (16, 2), dtype=torch.uint8)
-    torch.library.opcheck(torch.ops.padmoe.pad_to_alignment_scaled.default, (h, counts, 8, hs, 2, True),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.padmoe.pad_to_alignment_scaled.default,
+        (h, counts, 8, hs, 2, True),
+        test_utils=("test_schema", "test_faketensor"),
+    )

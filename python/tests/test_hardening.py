@@ -1,4 +1,4 @@
-"""Hardening of the Python layers (issue "Hardening"): sizes checked before anything is
+"""Hardening of the Python layers: sizes checked before anything is
 allocated, float64 rows in padmoe.torch checked like float32, tensors on devices padmoe has no
 backend for, negative sizes: each raises padmoe's ValueError / TypeError, never MemoryError,
 BufferError or torch's RuntimeError."""
@@ -33,8 +33,14 @@ def test_padded_rows_from_data_checked_before_allocating():
         padmoe.padded_gather(x, indices, bin_ids, bins, padded_bins, 1)
     tx = torch.from_numpy(x)
     with pytest.raises(ValueError, match=r"padded_gather: padded_bins: size overflow"):
-        pt.padded_gather(tx, torch.from_numpy(indices), torch.from_numpy(bin_ids), torch.from_numpy(bins),
-                         torch.from_numpy(padded_bins), 1)
+        pt.padded_gather(
+            tx,
+            torch.from_numpy(indices),
+            torch.from_numpy(bin_ids),
+            torch.from_numpy(bins),
+            torch.from_numpy(padded_bins),
+            1,
+        )
     h = np.zeros((2, 4), dtype=np.float32)
     counts = np.array([1, 1], dtype=np.int64)
     with pytest.raises(ValueError, match=r"pad_to_alignment: .*size overflow"):
@@ -103,10 +109,22 @@ def test_plan_object_whose_sizes_overflow_is_a_value_error():
     """num_tokens * top_k wrapping to 0 used to pass every check and read out of bounds (the
     interpreter died); the library now rejects the sizes before any product is used."""
     from types import SimpleNamespace
+
     z = np.zeros(0, dtype=np.int32)
-    plan = SimpleNamespace(indices=z, bin_ids=z, tokens_per_expert=np.zeros(1, np.int32), bins=np.zeros(1, np.int32),
-                           padded_tokens_per_expert=np.zeros(1, np.int32), padded_bins=np.zeros(1, np.int32),
-                           dest_rows=z, row_sources=z, num_tokens=2**62, top_k=4, num_experts=1, alignment=1)
+    plan = SimpleNamespace(
+        indices=z,
+        bin_ids=z,
+        tokens_per_expert=np.zeros(1, np.int32),
+        bins=np.zeros(1, np.int32),
+        padded_tokens_per_expert=np.zeros(1, np.int32),
+        padded_bins=np.zeros(1, np.int32),
+        dest_rows=z,
+        row_sources=z,
+        num_tokens=2**62,
+        top_k=4,
+        num_experts=1,
+        alignment=1,
+    )
     with pytest.raises(ValueError, match=r"combine: plan\.num_tokens: size overflow"):
         padmoe.combine(np.zeros((0, 0), np.float32), plan, out=np.zeros((0, 0), np.float32))
     with pytest.raises(ValueError, match=r"combine: plan\.num_tokens: size overflow"):

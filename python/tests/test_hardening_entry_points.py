@@ -65,7 +65,9 @@ def test_expert_map_checked_before_the_op_runs(api, monkeypatch):
     calls = []
     if api == "torch":
         from types import SimpleNamespace
+
         from padmoe.torch import _layouts
+
         stub = SimpleNamespace(moe_align_block_size=SimpleNamespace(default=lambda *a: calls.append(a)))
         monkeypatch.setattr(_layouts, "ops", stub)
         fn, ids, m = pt.moe_align_block_size, torch.from_numpy(TOP), torch.tensor([0, 1, 9, 2], dtype=torch.int32)
@@ -117,8 +119,9 @@ def test_expert_map_entries_follow_the_check_policy(device):
         _, e, _ = pt.moe_align_block_size(ids, 4, 4, bad, check=False)
         assert e.cpu().tolist() == [0, 1, 9, 2, 0]
     good = torch.tensor([3, 2, -1, 0], dtype=torch.int32, device=device)
-    f = torch.compile(lambda t, m: pt.moe_align_block_size(t, 4, 4, m, check=False), fullgraph=True,
-                      backend="aot_eager")
+    f = torch.compile(
+        lambda t, m: pt.moe_align_block_size(t, 4, 4, m, check=False), fullgraph=True, backend="aot_eager"
+    )
     for got, want in zip(f(ids, good), pt.moe_align_block_size(ids, 4, 4, good)):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match=r"expert_map: expected 4 entries, got 3"):
@@ -140,6 +143,7 @@ def allocations(monkeypatch):
             a = original(self, shape, dtype, like)
             sizes.append(int(a.nbytes))
             return a
+
         return empty
 
     monkeypatch.setattr(_arrays.NumpyArrays, "empty", spy(_arrays.NumpyArrays.empty))
@@ -168,12 +172,14 @@ def test_padded_rows_from_bad_bins_raise_the_op_error_not_memory_error(framework
     scales = np.ones((2, 1), np.float32) if framework == "numpy" else torch.ones(2, 1)
     calls = {
         "padded_gather": lambda **kw: padmoe.padded_gather(x, idx, bin_ids, bins, padded_bins, 1, **kw),
-        "padded_gather scaled": lambda **kw: padmoe.padded_gather_scaled(x, idx, bin_ids, bins, padded_bins, 1,
-                                                                         scales, **kw),
+        "padded_gather scaled": lambda **kw: padmoe.padded_gather_scaled(
+            x, idx, bin_ids, bins, padded_bins, 1, scales, **kw
+        ),
     }
     if framework == "numpy":  # (a backward op: padmoe.torch runs it through autograd)
-        calls["padded_scatter_backward"] = lambda **kw: padmoe.padded_scatter_backward(x, x, idx, bin_ids, None, bins,
-                                                                                       padded_bins, 1, **kw)
+        calls["padded_scatter_backward"] = lambda **kw: padmoe.padded_scatter_backward(
+            x, x, idx, bin_ids, None, bins, padded_bins, 1, **kw
+        )
     for name, call in calls.items():
         message = BINS_ERROR.format(op=name.split()[0])
         with pytest.raises(ValueError) as info:
@@ -204,14 +210,25 @@ def test_torch_padded_gather_checks_before_sizing_from_the_data():
                 print(type(e).__name__, e)
     """)
     pytest.importorskip("resource")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
     want = "ValueError " + BINS_ERROR.format(op="padded_gather")
     assert done.stdout.splitlines() == [want, want], (done.stdout + done.stderr)[-2000:]
     # valid routing: the rows the reference loop gives
     x = torch.tensor([[1.0] * 4, [2.0] * 4])
-    y = pt.padded_gather(x, torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
-                         torch.tensor([2], dtype=torch.int32), torch.tensor([4], dtype=torch.int32), 1)
+    y = pt.padded_gather(
+        x,
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32),
+        torch.tensor([2], dtype=torch.int32),
+        torch.tensor([4], dtype=torch.int32),
+        1,
+    )
     assert torch.equal(y, torch.cat([x, torch.zeros(2, 4)]))
 
 
@@ -260,8 +277,13 @@ def test_megablocks_drop_ins_unchanged_on_valid_input():
 def test_int_arg_rule():
     assert _args.int_arg("op", "n", np.int64(5), 1) == 5 and type(_args.int_arg("op", "n", np.int64(5), 1)) is int
     assert _args.int_arg("op", "n", torch.tensor(7), 1, 8) == 7
-    for bad, what in ((2.5, "float"), (True, "a bool"), (torch.tensor(2.0), "Tensor"), (torch.tensor(True), "a bool"),
-                      ("3", "str")):
+    for bad, what in (
+        (2.5, "float"),
+        (True, "a bool"),
+        (torch.tensor(2.0), "Tensor"),
+        (torch.tensor(True), "a bool"),
+        ("3", "str"),
+    ):
         with pytest.raises(TypeError, match=f"op: n: expected an integer, got {what}"):
             _args.int_arg("op", "n", bad, 1)
     with pytest.raises(ValueError, match=r"op: n: must be in \[1, 8\], got 9"):
@@ -283,17 +305,20 @@ def test_batched_moe_align_block_size_takes_integers_only():
         pt.batched_moe_align_block_size(16, 2, counts[:, None])
     with pytest.raises(ValueError, match=rf"{op}: block_size: must be >= 1, got 0"):
         pt.batched_moe_align_block_size(16, 0, counts)
-    for got, want in zip(pt.batched_moe_align_block_size(np.int64(16), torch.tensor(8), counts),
-                         pt.batched_moe_align_block_size(16, 8, counts)):
+    for got, want in zip(
+        pt.batched_moe_align_block_size(np.int64(16), torch.tensor(8), counts),
+        pt.batched_moe_align_block_size(16, 8, counts),
+    ):
         assert torch.equal(got, want)
 
 
 def test_grouped_experts_checks_its_sizes():
     for args, kw, error, message in (
-            ((-1, 8, 8), {}, ValueError, r"num_experts: must be in \[1, 2147483647\], got -1"),
-            ((4, 0, 8), {}, ValueError, "hidden_size: must be >= 1, got 0"),
-            ((4, 8, 2.5), {}, TypeError, r"intermediate_size: expected an integer, got float \(2.5\)"),
-            ((4, 8, 8), dict(alignment=0), ValueError, r"alignment: must be in \[1, 2147483647\], got 0")):
+        ((-1, 8, 8), {}, ValueError, r"num_experts: must be in \[1, 2147483647\], got -1"),
+        ((4, 0, 8), {}, ValueError, "hidden_size: must be >= 1, got 0"),
+        ((4, 8, 2.5), {}, TypeError, r"intermediate_size: expected an integer, got float \(2.5\)"),
+        ((4, 8, 8), dict(alignment=0), ValueError, r"alignment: must be in \[1, 2147483647\], got 0"),
+    ):
         with pytest.raises(error, match="GroupedExperts: " + message):
             pt.GroupedExperts(*args, **kw)
     mod = pt.GroupedExperts(np.int64(4), 8, torch.tensor(8))
@@ -301,8 +326,11 @@ def test_grouped_experts_checks_its_sizes():
     assert type(mod.intermediate_size) is int and tuple(mod.down_proj.shape) == (4, 8, 8)
     idx = torch.zeros(3, 1, dtype=torch.long)
     w = torch.ones(3, 1)
-    with pytest.raises(ValueError, match=r"GroupedExperts: hidden_states: expected \[\.\.\., hidden_size = 8\], "
-                                         r"got shape \[3, 7\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"GroupedExperts: hidden_states: expected \[\.\.\., hidden_size = 8\], "
+        r"got shape \[3, 7\]",
+    ):
         mod(torch.randn(3, 7), idx, w)  # was torch's RuntimeError from the GEMM
     assert mod(torch.randn(3, 8), idx, w).shape == (3, 8)
 
@@ -319,6 +347,7 @@ def one_rank_group(tmp_path):
 
 def test_expert_parallel_rejects_non_integers(one_rank_group):
     import padmoe.torch.distributed as pd
+
     op = "ExpertParallel"
     with pytest.raises(TypeError, match=rf"{op}: num_experts: expected an integer, got float \(4.7\)"):
         pd.ExpertParallel(4.7)  # was 4 experts
@@ -347,7 +376,7 @@ def test_expert_parallel_checks_num_experts_before_building_lists(tmp_path):
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
         import torch.distributed as dist
         import padmoe.torch.distributed as pd
-        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=0, world_size=1)
         try:
             pd.ExpertParallel(2**31)
         except Exception as e:
@@ -355,7 +384,13 @@ def test_expert_parallel_checks_num_experts_before_building_lists(tmp_path):
         dist.destroy_process_group()
     """)
     pytest.importorskip("resource")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
-    assert done.stdout.strip() == ("ValueError ExpertParallel: num_experts: must be in [1, 2147483647], "
-                                   "got 2147483648"), done.stderr[-2000:]
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
+    assert done.stdout.strip() == (
+        "ValueError ExpertParallel: num_experts: must be in [1, 2147483647], got 2147483648"
+    ), done.stderr[-2000:]

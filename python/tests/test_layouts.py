@@ -34,7 +34,7 @@ def ref_align(top, block, E, pad_sorted_ids=False, expert_map=None, ignore_inval
     start = 0
     for e in range(E):
         mine = np.flatnonzero(key == e).tolist()  # ascending assignment ids
-        sorted_ids[start:start + len(mine)] = mine
+        sorted_ids[start : start + len(mine)] = mine
         end = start + -(-len(mine) // block) * block
         for b in range(start // block, end // block):
             expert_ids[b] = e
@@ -50,14 +50,14 @@ def ref_rows(top, E, m, rows):
     start = 0
     for e in range(E):
         n = sum(1 for v in flat if v == e)
-        out[start:start + n] = [e] * n
+        out[start : start + n] = [e] * n
         start += -(-n // m) * m
     return out
 
 
 CASES = [  # (T, K, E, block)
-    (3, 2, 64, 16),     # A < E: vLLM's smaller buffer
-    (1, 8, 256, 16),    # decode: one token
+    (3, 2, 64, 16),  # A < E: vLLM's smaller buffer
+    (1, 8, 256, 16),  # decode: one token
     (200, 2, 8, 64),
     (333, 8, 128, 16),
     (64, 4, 16, 1),
@@ -99,8 +99,9 @@ def test_torch_moe_align_block_size_with_expert_map(device, case):
             for pad in (False, True):
                 for fn in (pt.moe_align_block_size, padmoe.moe_align_block_size):
                     s, e, n = fn(top, block, E, expert_map, pad, ignore)
-                    ws, we, wn = ref_align(top.cpu(), block, E, pad, None if expert_map is None else emap.tolist(),
-                                           ignore)
+                    ws, we, wn = ref_align(
+                        top.cpu(), block, E, pad, None if expert_map is None else emap.tolist(), ignore
+                    )
                     assert s.device.type == device and e.device.type == device
                     assert s.cpu().tolist() == ws and e.cpu().tolist() == we and n.cpu().tolist() == wn
 
@@ -138,8 +139,9 @@ def test_vllm_cases_with_expert_map(device, T, K, E):
     top = distinct_topk(T, K, E, T + K + E)
     emap = torch.full((E,), -1, dtype=torch.int32)
     emap[0::2] = torch.arange((E + 1) // 2, dtype=torch.int32)  # the even experts local, in order
-    s, e, n = pt.moe_align_block_size(torch.from_numpy(top).to(device), 64, E, expert_map=emap.to(device),
-                                      ignore_invalid_experts=True)
+    s, e, n = pt.moe_align_block_size(
+        torch.from_numpy(top).to(device), 64, E, expert_map=emap.to(device), ignore_invalid_experts=True
+    )
     ws, we, wn = ref_align(top, 64, E, False, emap.tolist(), True)
     assert n.cpu().tolist() == wn and e.cpu().tolist() == we and s.cpu().tolist() == ws
 
@@ -172,10 +174,18 @@ def test_vllm_cases_skip_ids_outside_the_experts(device, shape, dtype, use_map, 
     if use_map:
         emap = np.full(E, -1, np.int32)
         emap[0::2] = np.arange((E + 1) // 2)
-    for fn, arg, m in ((pt.moe_align_block_size, torch.from_numpy(top).to(device),
-                        None if emap is None else torch.from_numpy(emap).to(device)),
-                       (padmoe.moe_align_block_size, torch.from_numpy(top).to(device),
-                        None if emap is None else torch.from_numpy(emap).to(device))):
+    for fn, arg, m in (
+        (
+            pt.moe_align_block_size,
+            torch.from_numpy(top).to(device),
+            None if emap is None else torch.from_numpy(emap).to(device),
+        ),
+        (
+            padmoe.moe_align_block_size,
+            torch.from_numpy(top).to(device),
+            None if emap is None else torch.from_numpy(emap).to(device),
+        ),
+    ):
         s, e, n = fn(arg, block, E, m, False, ignore)
         ws, we, wn = ref_align(top, block, E, False, None if emap is None else emap.tolist(), ignore)
         assert n.cpu().tolist() == wn and e.cpu().tolist() == we and s.cpu().tolist() == ws
@@ -198,16 +208,25 @@ def test_torch_moe_align_block_size_compiles_and_opchecks(device):
     f = torch.compile(lambda t: pt.moe_align_block_size(t, 16, 16, check=False), fullgraph=True, backend="aot_eager")
     for got, want in zip(f(top), pt.moe_align_block_size(top, 16, 16)):
         assert torch.equal(got, want)
-    torch.library.opcheck(torch.ops.padmoe.moe_align_block_size.default, (top, 16, 16, False, 1),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.padmoe.moe_align_block_size.default,
+        (top, 16, 16, False, 1),
+        test_utils=("test_schema", "test_faketensor"),
+    )
     emap = torch.arange(16, dtype=torch.int32, device=device).flip(0)
     emap[::3] = -1
-    g = torch.compile(lambda t, m: pt.moe_align_block_size(t, 16, 16, m, ignore_invalid_experts=True, check=False),
-                      fullgraph=True, backend="aot_eager")
+    g = torch.compile(
+        lambda t, m: pt.moe_align_block_size(t, 16, 16, m, ignore_invalid_experts=True, check=False),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     for got, want in zip(g(top, emap), pt.moe_align_block_size(top, 16, 16, emap, ignore_invalid_experts=True)):
         assert torch.equal(got, want)
-    torch.library.opcheck(torch.ops.padmoe.moe_align_block_size.default, (top, 16, 16, False, 1, emap),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.padmoe.moe_align_block_size.default,
+        (top, 16, 16, False, 1, emap),
+        test_utils=("test_schema", "test_faketensor"),
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -238,8 +257,10 @@ def test_bad_input_names_the_argument():
         pt.moe_align_block_size(torch.from_numpy(top), 0, 2)
     with pytest.raises(ValueError, match="moe_align_block_size: topk_ids"):
         pt.moe_align_block_size(torch.zeros(4, dtype=torch.int64), 4, 2)
-    for fn, m in ((padmoe.moe_align_block_size, np.array([0, 2], dtype=np.int32)),
-                  (pt.moe_align_block_size, torch.tensor([0, 2], dtype=torch.int32))):
+    for fn, m in (
+        (padmoe.moe_align_block_size, np.array([0, 2], dtype=np.int32)),
+        (pt.moe_align_block_size, torch.tensor([0, 2], dtype=torch.int32)),
+    ):
         args = (torch.from_numpy(top),) if fn is pt.moe_align_block_size else (top,)
         with pytest.raises(ValueError, match="moe_align_block_size: expert_map: entry 1 is 2"):
             fn(*args, 4, 2, m, ignore_invalid_experts=True)
@@ -249,7 +270,7 @@ def test_bad_input_names_the_argument():
 
 @pytest.mark.parametrize("device", ["numpy"] + DEVICES)
 def test_zero_padding_false_leaves_padding_rows_unwritten(device):
-    """Options::zero_padding (item 7): dispatch, padded_gather and pad_to_alignment leave padding rows
+    """Options::zero_padding=False: dispatch, padded_gather and pad_to_alignment leave padding rows
     as they were; real rows as with the default."""
     T, K, E, m, H = 40, 2, 6, 8, 5
     top = routing(T, K, E, 11)
@@ -275,8 +296,9 @@ def test_zero_padding_false_leaves_padding_rows_unwritten(device):
     got = host(y)
     real = [r for r in range(P) if rs[r] >= 0]
     assert np.array_equal(got[real], want[real]) and np.isnan(got[pad_rows]).all()
-    g = padmoe.padded_gather(x, plan.indices, plan.bin_ids, plan.bins, plan.padded_bins, K, out=nan_rows(P),
-                             zero_padding=False)
+    g = padmoe.padded_gather(
+        x, plan.indices, plan.bin_ids, plan.bins, plan.padded_bins, K, out=nan_rows(P), zero_padding=False
+    )
     assert np.array_equal(host(g)[real], want[real]) and np.isnan(host(g)[pad_rows]).all()
     h = x[(plan.indices // K).long()] if device != "numpy" else x[plan.indices // K]
     # pad_to_alignment allocates its output: with zero_padding=False its padding rows are whatever the
@@ -298,7 +320,7 @@ def test_torch_zero_padding_false_real_rows_and_gradients(device):
     x = torch.randn(T, H, generator=g).to(device)
     w = torch.rand(T, K, generator=g).to(device)
     r = pt.Routing.from_topk(top, w, E, m)
-    real = (r.plan.row_sources >= 0)
+    real = r.plan.row_sources >= 0
     want = r.dispatch(x)
     got = r.dispatch(x, zero_padding=False)
     assert torch.equal(got[real], want[real])
@@ -319,11 +341,13 @@ def test_torch_zero_padding_false_real_rows_and_gradients(device):
     h = x[(p.indices // K).long()]
     padded, pmap, _ = pt.pad_to_alignment(h, p.tokens_per_expert, m, zero_padding=False)
     assert torch.equal(padded[pmap >= 0], want[:P][pmap >= 0])
-    f = torch.compile(lambda a: pt.dispatch(a, p, check=False, zero_padding=False), fullgraph=True,
-                      backend="aot_eager")
+    f = torch.compile(lambda a: pt.dispatch(a, p, check=False, zero_padding=False), fullgraph=True, backend="aot_eager")
     assert torch.equal(f(x)[real], want[real])
-    torch.library.opcheck(torch.ops.padmoe.dispatch.default, (x, p.packed, None, K, E, m, None, 1, False),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.padmoe.dispatch.default,
+        (x, p.packed, None, K, E, m, None, 1, False),
+        test_utils=("test_schema", "test_faketensor"),
+    )
 
 
 def ref_batched_align(max_tokens, block, counts):
@@ -362,8 +386,9 @@ def test_batched_moe_align_block_size(device, max_tokens, E, block, empty):
 
 def test_batched_moe_align_block_size_compiles_and_checks():
     counts = torch.tensor([3, 0, 16, 5], dtype=torch.int32)
-    f = torch.compile(lambda c: pt.batched_moe_align_block_size(16, 8, c, check=False), fullgraph=True,
-                      backend="aot_eager")
+    f = torch.compile(
+        lambda c: pt.batched_moe_align_block_size(16, 8, c, check=False), fullgraph=True, backend="aot_eager"
+    )
     for got, want in zip(f(counts), pt.batched_moe_align_block_size(16, 8, counts)):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="batched_moe_align_block_size: expert_num_tokens: entry 1 is 17"):

@@ -51,7 +51,7 @@ def test_megablocks_padded_path(device, sl, hs, ne, top_k):
 
     # plain loops: each expert's assignments (ascending id) at its 128-aligned segment
     xn, ten, wn = x.double().numpy(), top_expert.numpy(), weights.double().numpy()
-    want_y, want_out, start = [], np.zeros((sl, hs)), 0
+    want_y, want_out = [], np.zeros((sl, hs))
     for e in range(ne):
         mine = [a for a in range(sl * top_k) if ten[a] == e]
         rows = np.zeros((-(-len(mine) // 128) * 128, hs))

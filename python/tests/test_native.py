@@ -8,14 +8,28 @@ import pytest
 
 import padmoe
 import reference as ref
-from padmoe import _C
 from conftest import rows
+from padmoe import _C
 
 
 def plan_namespace(plan, **changes):
-    fields = {name: getattr(plan, name) for name in (
-        "indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert", "padded_bins", "dest_rows",
-        "row_sources", "num_tokens", "top_k", "num_experts", "alignment")}
+    fields = {
+        name: getattr(plan, name)
+        for name in (
+            "indices",
+            "bin_ids",
+            "tokens_per_expert",
+            "bins",
+            "padded_tokens_per_expert",
+            "padded_bins",
+            "dest_rows",
+            "row_sources",
+            "num_tokens",
+            "top_k",
+            "num_experts",
+            "alignment",
+        )
+    }
     fields.update(changes)
     return types.SimpleNamespace(**fields)
 
@@ -29,7 +43,7 @@ def test_any_object_with_plan_attributes(routing):
     y = np.full((r.P + 2, r.H), -5.0, dtype=np.float32)
     assert _C.dispatch_out(x, ns, None, y) is None
     np.testing.assert_array_equal(y[: r.P], ref.gather(x, r.ref).astype(np.float32))
-    assert (y[r.P:] == -5.0).all()  # rows past P untouched
+    assert (y[r.P :] == -5.0).all()  # rows past P untouched
 
 
 def test_plan_object_errors(routing):
@@ -88,6 +102,7 @@ def test_zero_size_arrays_have_no_stride_requirements():
 
 # --- kUnsupported -> NotImplementedError: a CUDA array in a build without CUDA ---------
 
+
 class _DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
@@ -97,9 +112,15 @@ class _DLDataType(ctypes.Structure):
 
 
 class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
 
 
 class _DLManagedTensor(ctypes.Structure):

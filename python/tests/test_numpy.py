@@ -11,8 +11,15 @@ import reference as ref
 from conftest import TOL, Routing, rows
 
 FLOATS = [np.float32, np.float16]
-PLAN_FIELDS = ["indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert", "padded_bins",
-               "dest_rows"]
+PLAN_FIELDS = [
+    "indices",
+    "bin_ids",
+    "tokens_per_expert",
+    "bins",
+    "padded_tokens_per_expert",
+    "padded_bins",
+    "dest_rows",
+]
 
 
 def weights_for(r, mode, dtype):
@@ -78,7 +85,7 @@ def test_make_plan_fields(index_dtype, alignment):
     assert plan.tokens_per_expert[2] == 0  # the empty expert
     assert plan.row_sources.shape == (plan.padded_rows_bound,)
     np.testing.assert_array_equal(plan.row_sources[: r.P], r.ref["row_sources"])
-    assert (plan.row_sources[r.P:] == -1).all()
+    assert (plan.row_sources[r.P :] == -1).all()
     assert (plan.num_tokens, plan.top_k, plan.num_experts, plan.alignment) == (r.T, r.K, r.E, alignment)
     assert plan.num_assignments == r.A
     assert plan.padded_rows_bound == r.A + r.E * (alignment - 1)
@@ -95,7 +102,7 @@ def test_make_plan_into_caller_buffers(routing):
     for name in PLAN_FIELDS:
         np.testing.assert_array_equal(getattr(plan, name), r.ref[name], err_msg=name)
     np.testing.assert_array_equal(plan.row_sources[: r.P], r.ref["row_sources"])
-    assert (plan.row_sources[r.P:] == -1).all()
+    assert (plan.row_sources[r.P :] == -1).all()
     with pytest.raises(ValueError, match="out"):
         padmoe.make_plan(r.top, r.E, r.m + 1, out=plan)
     with pytest.raises(ValueError, match="num_experts"):
@@ -141,7 +148,7 @@ def test_padded_gather(routing, dtype, wmode):
     fused = padmoe.dispatch(x, plan, w)
     assert fused.shape == (plan.padded_rows_bound, r.H)
     np.testing.assert_array_equal(fused[: r.P], y)
-    assert not fused[r.P:].any()
+    assert not fused[r.P :].any()
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -219,8 +226,9 @@ def test_scatter_backward_and_combine_backward(routing, dtype, wmode):
     y = padded_input(r, dtype)
     grad_out = rows(r.rng, (r.T, r.H), dtype)
     w = weights_for(r, wmode, dtype)
-    gy, gw = padmoe.padded_scatter_backward(grad_out, y, plan.indices, plan.bin_ids, w, plan.bins,
-                                            plan.padded_bins, r.K)
+    gy, gw = padmoe.padded_scatter_backward(
+        grad_out, y, plan.indices, plan.bin_ids, w, plan.bins, plan.padded_bins, r.K
+    )
     assert gy.shape == (r.P, r.H) and gy.dtype == np.dtype(dtype)
     expected_gy = ref.gather(grad_out, r.ref, w)
     if w is None:
@@ -231,7 +239,7 @@ def test_scatter_backward_and_combine_backward(routing, dtype, wmode):
         assert gw.dtype == w.dtype
         assert_close(gw, ref.wgrad(y, grad_out, r.ref), w.dtype)
     cy, cw = padmoe.combine_backward(grad_out, y, plan, w)
-    assert cy.shape == (plan.padded_rows_bound, r.H) and not cy[r.P:].any()
+    assert cy.shape == (plan.padded_rows_bound, r.H) and not cy[r.P :].any()
     np.testing.assert_array_equal(cy[: r.P], gy)
     if w is None:
         assert cw is None
@@ -275,7 +283,7 @@ def test_pad_to_alignment(dtype, alignment):
     back = padmoe.unpad_from_alignment(padded, pmap, n)
     expected_back = ref.unpad(padded, exp_map, n)
     np.testing.assert_array_equal(back.astype(np.float64), expected_back)
-    assert (back[int(counts.sum()):] == 0).all()
+    assert (back[int(counts.sum()) :] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -327,20 +335,21 @@ def test_rows_capacity_form(routing):
     y2 = padmoe.padded_gather(x, *sorted_args(plan), r.K, w, rows=plan.padded_rows_bound)
     np.testing.assert_array_equal(y2[: r.P], y[: r.P])
     # rows past P: zero in the outputs padmoe allocates, left as they are in an out= buffer
-    assert (y[r.P:] == 0).all()
+    assert (y[r.P :] == 0).all()
     sentinel = np.full((plan.padded_rows_bound, r.H), 777.0, dtype=np.float32)
     got = padmoe.dispatch(x, plan, w, out=sentinel)
     assert got is sentinel
     np.testing.assert_array_equal(sentinel[: r.P], y[: r.P])
-    assert (sentinel[r.P:] == 777.0).all()
+    assert (sentinel[r.P :] == 777.0).all()
 
     grad_out = rows(r.rng, (r.T, r.H), np.float32)
     gy, gw = padmoe.combine_backward(grad_out, y, plan, w, rows=plan.padded_rows_bound)
     assert gy.shape == (plan.padded_rows_bound, r.H)
     np.testing.assert_allclose(gy[: r.P], ref.gather(grad_out, r.ref, w), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(gw, ref.wgrad(y[: r.P], grad_out, r.ref), rtol=1e-5, atol=1e-5)
-    sy, _ = padmoe.padded_scatter_backward(grad_out, y, plan.indices, plan.bin_ids, w, plan.bins,
-                                           plan.padded_bins, r.K, rows=plan.padded_rows_bound)
+    sy, _ = padmoe.padded_scatter_backward(
+        grad_out, y, plan.indices, plan.bin_ids, w, plan.bins, plan.padded_bins, r.K, rows=plan.padded_rows_bound
+    )
     np.testing.assert_array_equal(sy[: r.P], gy[: r.P])
     # combine reads only the real rows of a capacity-sized y
     np.testing.assert_allclose(padmoe.combine(y, plan, w), ref.scatter(exact, r.ref, w), rtol=1e-5, atol=1e-5)
@@ -376,31 +385,31 @@ def test_strided_row_views(routing, dtype):
     x = rows(r.rng, (r.T, r.H), dtype)
     w = weights_for(r, "float32", dtype)
     big = np.full((r.T, r.H + 7), 5.0, dtype=dtype)
-    big[:, 3:3 + r.H] = x
-    xs = big[:, 3:3 + r.H]  # row stride H + 7, nonzero offset
+    big[:, 3 : 3 + r.H] = x
+    xs = big[:, 3 : 3 + r.H]  # row stride H + 7, nonzero offset
     assert not xs.flags.c_contiguous
     np.testing.assert_array_equal(padmoe.dispatch(xs, plan, w), padmoe.dispatch(x, plan, w))
     np.testing.assert_array_equal(padmoe.padded_gather(xs, *sorted_args(plan), r.K), ref.gather(x, r.ref).astype(dtype))
 
     y = padded_input(r, dtype, poison=False)
     ybig = np.zeros((r.P, 2 * r.H), dtype=dtype)
-    ybig[:, r.H:] = y
-    ys = ybig[:, r.H:]
+    ybig[:, r.H :] = y
+    ys = ybig[:, r.H :]
     np.testing.assert_array_equal(padmoe.combine(ys, plan, w), padmoe.combine(y, plan, w))
 
     # a strided output view: only its own elements are written
     outbig = np.full((r.T, r.H + 5), 9.0, dtype=dtype)
-    outv = outbig[:, :r.H]
+    outv = outbig[:, : r.H]
     got = padmoe.combine(y, plan, w, out=outv)
     assert got is outv
-    np.testing.assert_array_equal(outbig[:, :r.H], padmoe.combine(y, plan, w))
-    assert (outbig[:, r.H:] == 9.0).all()
+    np.testing.assert_array_equal(outbig[:, : r.H], padmoe.combine(y, plan, w))
+    assert (outbig[:, r.H :] == 9.0).all()
 
     counts = np.bincount(r.top.ravel(), minlength=r.E).astype(np.int32)
     hbig = np.zeros((r.A, r.H + 1), dtype=dtype)
-    hbig[:, :r.H] = rows(r.rng, (r.A, r.H), dtype)
-    padded, _, _ = padmoe.pad_to_alignment(hbig[:, :r.H], counts, r.m)
-    np.testing.assert_array_equal(padded.astype(np.float64), ref.pad(hbig[:, :r.H], counts, r.m)[0])
+    hbig[:, : r.H] = rows(r.rng, (r.A, r.H), dtype)
+    padded, _, _ = padmoe.pad_to_alignment(hbig[:, : r.H], counts, r.m)
+    np.testing.assert_array_equal(padded.astype(np.float64), ref.pad(hbig[:, : r.H], counts, r.m)[0])
 
 
 def test_read_only_inputs(routing):
@@ -458,15 +467,22 @@ def test_wrong_dtypes_are_type_errors(routing):
     with pytest.raises(TypeError, match="x"):
         padmoe.dispatch(np.zeros((r.T, r.H), dtype=np.int32), plan)
     with pytest.raises(TypeError, match="indices"):
-        padmoe.padded_gather(rows(r.rng, (r.T, r.H), np.float32), plan.indices.astype(np.float32),
-                             plan.bin_ids, plan.bins, plan.padded_bins, r.K)
+        padmoe.padded_gather(
+            rows(r.rng, (r.T, r.H), np.float32),
+            plan.indices.astype(np.float32),
+            plan.bin_ids,
+            plan.bins,
+            plan.padded_bins,
+            r.K,
+        )
     with pytest.raises(TypeError, match="weights"):
         padmoe.combine(padded_input(r, np.float16), plan, np.ones(r.A, dtype=np.float64))
     with pytest.raises(TypeError):
         padmoe.dispatch([[1.0, 2.0]], plan)  # not an array
     with pytest.raises(TypeError):
-        padmoe.dispatch(rows(r.rng, (r.T, r.H), np.float32), plan,
-                        out=np.empty((r.P, r.H), dtype=np.float16))  # output dtype != x's
+        padmoe.dispatch(
+            rows(r.rng, (r.T, r.H), np.float32), plan, out=np.empty((r.P, r.H), dtype=np.float16)
+        )  # output dtype != x's
 
 
 def test_mismatched_shapes_are_value_errors(routing):

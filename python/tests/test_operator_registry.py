@@ -11,12 +11,14 @@ from padmoe.torch import _common  # noqa: E402
 
 
 def registered_operators():
-    return sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
-                  if name.startswith("padmoe::"))
+    return sorted(
+        name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("padmoe::")
+    )
 
 
 def has_fake_kernel(qualname: str) -> bool:
     from torch._library.simple_registry import singleton
+
     entry = singleton.find(qualname)
     fake = getattr(entry, "fake_impl", None)
     return fake is not None and getattr(fake, "kernel", None) is not None

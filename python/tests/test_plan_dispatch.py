@@ -11,8 +11,15 @@ import reference as ref
 from conftest import random_top_experts, rows
 
 OP = "make_plan_and_dispatch"
-PLAN_FIELDS = ["indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert", "padded_bins",
-               "dest_rows"]
+PLAN_FIELDS = [
+    "indices",
+    "bin_ids",
+    "tokens_per_expert",
+    "bins",
+    "padded_tokens_per_expert",
+    "padded_bins",
+    "dest_rows",
+]
 
 
 def capacity(t, k, e, m):
@@ -40,7 +47,7 @@ def check_plan_against_ref(plan, r, cap):
     rs = np.asarray(_host(plan.row_sources))
     assert rs.shape == (cap,)
     np.testing.assert_array_equal(rs[: r["P"]], r["row_sources"])
-    assert np.all(rs[r["P"]:] == -1)
+    assert np.all(rs[r["P"] :] == -1)
 
 
 def _host(a):
@@ -93,8 +100,10 @@ def test_numpy_matches_make_plan_dispatch_and_reference(case, idtype, dtype, wei
         np.testing.assert_array_equal(getattr(plan, name), getattr(p2, name), err_msg=name)
     y2 = padmoe.dispatch(x, p2, w)
     assert y.dtype == y2.dtype == np.dtype(dtype) and y.shape == y2.shape
-    np.testing.assert_array_equal(y.view(np.uint16 if dtype == np.float16 else np.uint32),
-                                  y2.view(np.uint16 if dtype == np.float16 else np.uint32))
+    np.testing.assert_array_equal(
+        y.view(np.uint16 if dtype == np.float16 else np.uint32),
+        y2.view(np.uint16 if dtype == np.float16 else np.uint32),
+    )
     # the independent reference: the stable counting sort of plain loops
     r = ref.make_plan(top64, E, alignment)
     bound = capacity(T, K, E, alignment)
@@ -126,7 +135,7 @@ def test_numpy_rows_and_out():
     y2, plan2 = padmoe.make_plan_and_dispatch(x, top, E, m, w, out=(out_y, out_plan))
     assert plan2 is out_plan and y2 is out_y
     np.testing.assert_array_equal(y2[: r["P"]], want[: r["P"]])
-    assert np.all(y2[r["P"]:] == 7.0)  # an out= buffer's rows at or past P are left as they are
+    assert np.all(y2[r["P"] :] == 7.0)  # an out= buffer's rows at or past P are left as they are
     check_plan_against_ref(plan2, r, cap)
     y3, _ = padmoe.make_plan_and_dispatch(x, top, E, m, out=(np.empty((cap, 8), np.float32), None))
     np.testing.assert_array_equal(y3[: r["P"]], ref_y(x, r, None, r["P"]))
@@ -401,7 +410,8 @@ def test_torch_gradcheck(device):
     assert torch.autograd.gradcheck(lambda a: pt.make_plan_and_dispatch(a, top, E, m)[0], (x,))
     # through combine on the returned plan
     assert torch.autograd.gradcheck(
-        lambda a, b: (lambda y, p: pt.combine(y * 1.5, p, b))(*pt.make_plan_and_dispatch(a, top, E, m)), (x, w))
+        lambda a, b: (lambda y, p: pt.combine(y * 1.5, p, b))(*pt.make_plan_and_dispatch(a, top, E, m)), (x, w)
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -427,8 +437,9 @@ def test_torch_runs_one_forward_and_one_backward_op(device):
         y, plan = pt.make_plan_and_dispatch(x, top, 5, 4, w, check=False)
         y.backward(gy)
     views = {"aten.view", "aten.detach", "aten.alias", "aten._unsafe_view"}
-    assert [op for op in log.ops if op not in views] == ["padmoe.make_plan_and_dispatch",
-                                                         "padmoe.dispatch_backward"], log.ops
+    assert [op for op in log.ops if op not in views] == ["padmoe.make_plan_and_dispatch", "padmoe.dispatch_backward"], (
+        log.ops
+    )
     xr, wr = _leaf(x), _leaf(w)
     pt.dispatch(xr, pt.make_plan(top, 5, 4), wr).backward(gy)
     assert torch.equal(x.grad, xr.grad) and torch.equal(w.grad, wr.grad)
@@ -453,6 +464,7 @@ def test_torch_entry_point_falls_back(device):
         assert torch.equal(y, want_y) and torch.equal(plan.packed, want_plan.packed)
     # a bool where an int is expected: not taken by the entry point, the OpOverload's answer
     from padmoe import _torch_ops
+
     y, packed = _torch_ops.make_plan_and_dispatch(x, top, 4, 2, None, True, True)
     assert torch.equal(y, want_y) and torch.equal(packed, want_plan.packed)
 
@@ -471,16 +483,18 @@ def test_torch_opcheck(device):
 
 
 def _fused_step(x, top, w, E: int, m: int):
-    import padmoe.torch as pt
     import torch
+
+    import padmoe.torch as pt
 
     y, plan = pt.make_plan_and_dispatch(x, top, E, m)
     return pt.combine(torch.tanh(y) * 2.0, plan, w), y
 
 
 def _two_step(x, top, w, E: int, m: int):
-    import padmoe.torch as pt
     import torch
+
+    import padmoe.torch as pt
 
     plan = pt.make_plan(top, E, m)
     y = pt.dispatch(x, plan)
@@ -538,8 +552,16 @@ def _np_stable_plan(top, E, m):
     pad_start = np.concatenate([[0], padded_bins[:-1]])
     dest = np.empty(flat.size, dtype=np.int64)
     dest[order] = pad_start[e_sorted] + np.arange(flat.size) - real_start[e_sorted]
-    return dict(indices=order, bin_ids=e_sorted, tokens_per_expert=counts, bins=bins,
-                padded_tokens_per_expert=padded, padded_bins=padded_bins, dest_rows=dest, P=int(padded_bins[-1]))
+    return dict(
+        indices=order,
+        bin_ids=e_sorted,
+        tokens_per_expert=counts,
+        bins=bins,
+        padded_tokens_per_expert=padded,
+        padded_bins=padded_bins,
+        dest_rows=dest,
+        P=int(padded_bins[-1]),
+    )
 
 
 def test_np_stable_plan_matches_reference_loops():
@@ -582,7 +604,9 @@ def test_cuda_deepseek_shapes(T, idtype, weighted, check):
     r = _np_stable_plan(top.cpu().numpy(), E, m)
     for name in PLAN_FIELDS:
         np.testing.assert_array_equal(getattr(plan, name).cpu().numpy(), r[name], err_msg=name)
-    want = _torch_ref_y(x.cpu(), torch.from_numpy(r["dest_rows"]), K, None if w is None else w.cpu(), plan.padded_rows_bound)
+    want = _torch_ref_y(
+        x.cpu(), torch.from_numpy(r["dest_rows"]), K, None if w is None else w.cpu(), plan.padded_rows_bound
+    )
     assert torch.equal(y.cpu(), want)
     # the array layer on the same tensors: P rows
     plan3, y3 = padmoe.make_plan_and_dispatch(x, top, E, m, w)

@@ -1,4 +1,4 @@
-"""The fused quantizing dispatch (issue 11, item 2): padmoe.dispatch_quantized / padmoe.quantize
+"""The fused quantizing dispatch: padmoe.dispatch_quantized / padmoe.quantize
 (numpy and torch inputs) and padmoe.torch.dispatch_quantized, against a numpy reference quantizer
 written here from the DeepSeek-V3 (1x128 blockwise, scale = amax / fp8_max) and OCP MX v1.0 (MXFP8:
 E8M0 shared exponent floor(log2 amax) - emax_elem, elements x / 2^X) definitions, with saturating
@@ -31,7 +31,7 @@ def fp8_table(fmt):
     vals = []
     for c in range(top + 1):
         e, m = c >> mb, c & ((1 << mb) - 1)
-        vals.append(m * 2.0 ** (1 - bias - mb) if e == 0 else (1 + m / 2 ** mb) * 2.0 ** (e - bias))
+        vals.append(m * 2.0 ** (1 - bias - mb) if e == 0 else (1 + m / 2**mb) * 2.0 ** (e - bias))
     return np.array(vals)
 
 
@@ -60,13 +60,13 @@ def quantize_ref(x, layout, fmt):
     scales = np.zeros((n, cols), dtype=np.uint8 if layout == "mxfp8" else np.float32)
     for r in range(n):
         for b in range(cols):
-            blk = x[r, b * block:(b + 1) * block]
+            blk = x[r, b * block : (b + 1) * block]
             finite = bool(np.isfinite(blk).all())
             amax = np.float32(np.abs(blk).max()) if finite and blk.size else np.float32(0)
             if layout == "mxfp8":
                 if not finite:
                     scales[r, b] = 0xFF
-                    codes[r, b * block:(b + 1) * block] = 0x7F
+                    codes[r, b * block : (b + 1) * block] = 0x7F
                     continue
                 xe = 0 if amax == 0 else int(np.clip(np.frexp(amax)[1] - 1 - emax, -127, 127))
                 scales[r, b] = xe + 127
@@ -74,12 +74,12 @@ def quantize_ref(x, layout, fmt):
             else:
                 if not finite:
                     scales[r, b] = np.uint32(0x7FC00000).view(np.float32)
-                    codes[r, b * block:(b + 1) * block] = 0x7F
+                    codes[r, b * block : (b + 1) * block] = 0x7F
                     continue
                 s = np.float32(amax / fp8_max)
                 div = np.float32(1) if s == 0 else s
                 scales[r, b] = div
-            codes[r, b * block:(b + 1) * block] = fp8_codes((blk / div).astype(np.float32), fmt)
+            codes[r, b * block : (b + 1) * block] = fp8_codes((blk / div).astype(np.float32), fmt)
     return codes, scales.view(np.uint8).reshape(n, -1)
 
 
@@ -107,6 +107,7 @@ def dispatch_ref(x, plan, layout, fmt):
 def as_bytes(a):
     if hasattr(a, "detach"):
         import torch
+
         t = a.detach().contiguous().cpu()
         a = t.view(torch.uint8).numpy() if t.element_size() == 1 else t.numpy()
     a = np.ascontiguousarray(a)
@@ -144,7 +145,7 @@ def make_values(rng, t, h, dtype, fmt):
             else:
                 v = rng.uniform(-2, 2, n)
                 v[min(3, n - 1)] = -np.inf
-            x[r, c0:c0 + n] = v
+            x[r, c0 : c0 + n] = v
     if dtype == "bfloat16":
         u = x.view(np.uint32).astype(np.uint64)
         u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)  # round to nearest even bf16
@@ -169,8 +170,14 @@ class Case:
 
 
 def test_reference_quantizer_by_hand():
-    assert list(fp8_codes(np.array([1.0625, -1.1875, 464.0, 3 / 1024, 1e9, -0.0], np.float32), "e4m3")) == \
-        [0x38, 0xBA, 0x7E, 0x02, 0x7E, 0x80]
+    assert list(fp8_codes(np.array([1.0625, -1.1875, 464.0, 3 / 1024, 1e9, -0.0], np.float32), "e4m3")) == [
+        0x38,
+        0xBA,
+        0x7E,
+        0x02,
+        0x7E,
+        0x80,
+    ]
     c, s = quantize_ref(np.array([[448.0] + [7.0] * 31 + [0.0] * 32], np.float32), "mxfp8", "e4m3")
     assert list(s[0]) == [127, 127] and c[0, 0] == 0x7E and c[0, 1] == 0x4E
     c, s = quantize_ref(np.array([[7.0] + [1.0] * 31], np.float32), "mxfp8", "e4m3")
@@ -197,7 +204,7 @@ def test_numpy_matches_reference(layout, fmt, dtype, hidden):
     assert ys.ndim == (1 if layout == "row" else 2)
     np.testing.assert_array_equal(y[: c.P], want_c)
     np.testing.assert_array_equal(as_bytes(ys)[: c.P], want_s)
-    assert not y[c.P:].any()
+    assert not y[c.P :].any()
     # quantize alone: the token rows' codes and scales
     q, qs = padmoe.quantize(x, scale_layout=layout, fp8=fmt)
     tc, ts = quantize_ref(x.astype(np.float32), layout, fmt)
@@ -217,12 +224,15 @@ def test_numpy_rows_past_p_and_zero_padding(layout):
         assert y.shape[0] == ys.shape[0] == (cap if rows is None else rows)
         np.testing.assert_array_equal(y[: c.P], want_c)
         np.testing.assert_array_equal(as_bytes(ys)[: c.P], want_s)
-        assert not y[c.P:].any()  # rows past P: zero codes, the padding rows' scale
-        assert (as_bytes(ys)[c.P:] == want_s[[r for r in range(c.P) if c.ref["row_sources"][r] < 0][0]]).all()
+        assert not y[c.P :].any()  # rows past P: zero codes, the padding rows' scale
+        assert (as_bytes(ys)[c.P :] == want_s[[r for r in range(c.P) if c.ref["row_sources"][r] < 0][0]]).all()
     # zero_padding=False: padding rows (and their scales) left as they were
     y = np.full((cap, c.H), 0xAB, dtype=np.uint8)
-    ys = np.full((cap,) if layout == "row" else (cap, want_s.shape[1] // (1 if layout == "mxfp8" else 4)), 0xCD,
-                 dtype=np.float32 if layout != "mxfp8" else np.uint8)
+    ys = np.full(
+        (cap,) if layout == "row" else (cap, want_s.shape[1] // (1 if layout == "mxfp8" else 4)),
+        0xCD,
+        dtype=np.float32 if layout != "mxfp8" else np.uint8,
+    )
     if layout != "mxfp8":
         ys = np.frombuffer(b"\xcd" * ys.nbytes, dtype=np.float32).reshape(ys.shape).copy()
     y2, ys2 = padmoe.dispatch_quantized(x, c.plan, scale_layout=layout, out=(y, ys), zero_padding=False)
@@ -232,7 +242,7 @@ def test_numpy_rows_past_p_and_zero_padding(layout):
     np.testing.assert_array_equal(y[: c.P][real], want_c[real])
     np.testing.assert_array_equal(as_bytes(ys)[: c.P][real], want_s[real])
     assert (y[: c.P][~real] == 0xAB).all() and (as_bytes(ys)[: c.P][~real] == 0xCD).all()
-    assert (y[c.P:] == 0xAB).all()
+    assert (y[c.P :] == 0xAB).all()
 
 
 def test_numpy_empty_expert_no_tokens_no_columns():
@@ -253,15 +263,20 @@ def test_numpy_empty_expert_no_tokens_no_columns():
 def test_numpy_bad_inputs_are_named_errors():
     c = Case(seed=3)
     x = np.zeros((c.T, c.H), dtype=np.float16)
-    with pytest.raises(TypeError, match=r"dispatch_quantized: x: expected float32, float16 or bfloat16 rows to quantize, "
-                                        r"got int32"):
+    with pytest.raises(
+        TypeError,
+        match=r"dispatch_quantized: x: expected float32, float16 or bfloat16 rows to quantize, "
+        r"got int32",
+    ):
         padmoe.dispatch_quantized(np.zeros((c.T, c.H), np.int32), c.plan)
     with pytest.raises(ValueError, match=r"dispatch_quantized: scale_layout: expected 'block128', 'mxfp8' or 'row'"):
         padmoe.dispatch_quantized(x, c.plan, scale_layout="per-tensor")
     with pytest.raises(ValueError, match=r"dispatch_quantized: fp8: expected 'e4m3' or 'e5m2'"):
         padmoe.dispatch_quantized(x, c.plan, fp8="e3m4")
     y = np.full((c.P, c.H), 7, dtype=np.uint8)
-    with pytest.raises(ValueError, match=r"dispatch_quantized: y_scales: uint8 \(E8M0\) scales must be \[rows, ceil\(H/32\)\]"):
+    with pytest.raises(
+        ValueError, match=r"dispatch_quantized: y_scales: uint8 \(E8M0\) scales must be \[rows, ceil\(H/32\)\]"
+    ):
         padmoe.dispatch_quantized(x, c.plan, out=(y, np.zeros((c.P, 3), np.uint8)))
     with pytest.raises(ValueError, match=r"dispatch_quantized: y: output capacity"):
         padmoe.dispatch_quantized(x, c.plan, out=(y[:-1], np.zeros((c.P - 1, 2), np.float32)))
@@ -300,14 +315,19 @@ def test_torch_bf16_matches_reference_and_two_pass(layout, fmt):
     want_c, want_s = dispatch_ref(xf, c.ref, layout, fmt)
     tplan = pt.make_plan(torch.from_numpy(c.top), c.E, c.m)
     y, ys = pt.dispatch_quantized(x, tplan, scale_layout=layout, fp8=fmt)
-    assert y.dtype == TORCH_FP8[fmt] and y.shape == (tplan.padded_rows_bound, c.H) and ys.shape[0] == tplan.padded_rows_bound
+    assert (
+        y.dtype == TORCH_FP8[fmt]
+        and y.shape == (tplan.padded_rows_bound, c.H)
+        and ys.shape[0] == tplan.padded_rows_bound
+    )
     np.testing.assert_array_equal(as_bytes(y)[: c.P], want_c)
     np.testing.assert_array_equal(as_bytes(ys)[: c.P], want_s)
-    assert not as_bytes(y)[c.P:].any()
-    assert (as_bytes(ys)[c.P:] == one_row(layout, want_s.shape[1] // (1 if layout == "mxfp8" else 4))).all()
+    assert not as_bytes(y)[c.P :].any()
+    assert (as_bytes(ys)[c.P :] == one_row(layout, want_s.shape[1] // (1 if layout == "mxfp8" else 4))).all()
     # the numpy-layer functions on torch tensors: float8 rows out
-    y2, ys2 = padmoe.dispatch_quantized(x, padmoe.make_plan(torch.from_numpy(c.top), c.E, c.m), scale_layout=layout,
-                                        fp8=fmt)
+    y2, ys2 = padmoe.dispatch_quantized(
+        x, padmoe.make_plan(torch.from_numpy(c.top), c.E, c.m), scale_layout=layout, fp8=fmt
+    )
     assert y2.dtype == TORCH_FP8[fmt]
     np.testing.assert_array_equal(as_bytes(y2), as_bytes(y))
     # the two-pass way: quantize (numpy), then move rows + scales with dispatch_scaled

@@ -1,7 +1,7 @@
-"""make_plan's routing options (issue 11, items 3 and 4) from numpy and padmoe.torch: local experts
+"""make_plan's routing options from numpy and padmoe.torch: local experts
 by range or map, dropped invalid ids, a fixed expert capacity with the position and probs drop
 policies, the dropped count, and the row ops (with autograd) on plans with dropped assignments.
-The reference is written here from SPEC section 1's words."""
+The reference is written here from docs/spec.md §4's words."""
 
 import numpy as np
 import pytest
@@ -16,8 +16,19 @@ except ImportError:  # numpy-only installs
     torch = None
 
 
-def ref_routed(top, num_experts, alignment, *, global_experts=0, first_expert=0, expert_map=None,
-               drop_invalid=False, expert_capacity=None, drop_policy="position", probs=None):
+def ref_routed(
+    top,
+    num_experts,
+    alignment,
+    *,
+    global_experts=0,
+    first_expert=0,
+    expert_map=None,
+    drop_invalid=False,
+    expert_capacity=None,
+    drop_policy="position",
+    probs=None,
+):
     """The plan's arrays and the dropped count, from plain loops."""
     if drop_policy != "probs":
         probs = None
@@ -30,8 +41,11 @@ def ref_routed(top, num_experts, alignment, *, global_experts=0, first_expert=0,
         if gid < 0 or gid >= g:
             assert drop_invalid, "invalid id"
             continue
-        local = int(expert_map[gid]) if expert_map is not None else (
-            gid - first_expert if first_expert <= gid < first_expert + e_count else -1)
+        local = (
+            int(expert_map[gid])
+            if expert_map is not None
+            else (gid - first_expert if first_expert <= gid < first_expert + e_count else -1)
+        )
         if local >= 0:
             lists[local].append(a)
     dropped = 0
@@ -62,13 +76,28 @@ def ref_routed(top, num_experts, alignment, *, global_experts=0, first_expert=0,
         bins.append(pos)
         pcounts.append(seg)
         pbins.append(row)
-    return dict(indices=indices, bin_ids=bin_ids, tokens_per_expert=np.array(counts),
-                bins=np.array(bins), padded_tokens_per_expert=np.array(pcounts), padded_bins=np.array(pbins),
-                dest_rows=dest, row_sources=sources), dropped
+    return dict(
+        indices=indices,
+        bin_ids=bin_ids,
+        tokens_per_expert=np.array(counts),
+        bins=np.array(bins),
+        padded_tokens_per_expert=np.array(pcounts),
+        padded_bins=np.array(pbins),
+        dest_rows=dest,
+        row_sources=sources,
+    ), dropped
 
 
-FIELDS = ("indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert", "padded_bins",
-          "dest_rows", "row_sources")
+FIELDS = (
+    "indices",
+    "bin_ids",
+    "tokens_per_expert",
+    "bins",
+    "padded_tokens_per_expert",
+    "padded_bins",
+    "dest_rows",
+    "row_sources",
+)
 
 
 def as_np(v):
@@ -87,8 +116,13 @@ CASES = [
     dict(expert_capacity=8),
     dict(expert_capacity=0),
     dict(expert_capacity=24, probs=True),
-    dict(global_experts=12, expert_map=np.array([-1, 3, -1, 0, 4, -1, -1, -1, 1, -1, -1, 2]), drop_invalid=True,
-         expert_capacity=16, probs=True),
+    dict(
+        global_experts=12,
+        expert_map=np.array([-1, 3, -1, 0, 4, -1, -1, -1, 1, -1, -1, 2]),
+        drop_invalid=True,
+        expert_capacity=16,
+        probs=True,
+    ),
 ]
 
 
@@ -187,10 +221,17 @@ def test_torch_routing_drops_contribute_nothing_with_gradients(device):
     top = torch.as_tensor(rng.integers(0, 10, size=(tokens, k)), device=device)
     w = torch.rand(tokens, k, dtype=torch.float64, device=device, requires_grad=True)
     x = torch.randn(tokens, h, dtype=torch.float64, device=device, requires_grad=True)
-    r = pt.Routing.from_topk(top, w, 4, 4, global_experts=10, first_expert=3, expert_capacity=12,
-                             drop_policy="probs")
-    want, dropped = ref_routed(top.cpu().numpy(), 4, 4, global_experts=10, first_expert=3, expert_capacity=12,
-                               drop_policy="probs", probs=w.detach().float().cpu().numpy())
+    r = pt.Routing.from_topk(top, w, 4, 4, global_experts=10, first_expert=3, expert_capacity=12, drop_policy="probs")
+    want, dropped = ref_routed(
+        top.cpu().numpy(),
+        4,
+        4,
+        global_experts=10,
+        first_expert=3,
+        expert_capacity=12,
+        drop_policy="probs",
+        probs=w.detach().float().cpu().numpy(),
+    )
     assert_plan(r.plan, want)
     assert int(r.plan.dropped[0]) == dropped > 0
     scale = torch.arange(1, r.padded_rows_bound + 1, dtype=torch.float64, device=device)[:, None]
@@ -211,7 +252,7 @@ def test_torch_routing_drops_contribute_nothing_with_gradients(device):
 @needs_torch
 def test_torch_routed_plan_compiles_without_graph_breaks():
     top = torch.tensor([[0, 3], [5, 1], [2, 2], [7, 4]], dtype=torch.int32)
-    w = torch.tensor([[.1, .2], [.3, .4], [.9, .5], [.6, .7]])
+    w = torch.tensor([[0.1, 0.2], [0.3, 0.4], [0.9, 0.5], [0.6, 0.7]])
     x = torch.randn(4, 8)
 
     def block(x, top, w):

@@ -20,8 +20,15 @@ TORCH_TOL = {
     torch.float16: dict(rtol=2e-3, atol=1e-2),
     torch.bfloat16: dict(rtol=1.6e-2, atol=5e-2),
 }
-PLAN_FIELDS = ["indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert", "padded_bins",
-               "dest_rows"]
+PLAN_FIELDS = [
+    "indices",
+    "bin_ids",
+    "tokens_per_expert",
+    "bins",
+    "padded_tokens_per_expert",
+    "padded_bins",
+    "dest_rows",
+]
 
 
 def t64(a):
@@ -63,7 +70,7 @@ def test_dispatch_combine_and_backward(device, dtype, weighted):
     plan = padmoe.make_plan(top, r.E, r.m)
     y_all = padmoe.dispatch(x, plan, w)
     assert isinstance(y_all, torch.Tensor) and y_all.device == x.device and y_all.dtype == dtype
-    assert y_all.shape == (plan.padded_rows_bound, r.H) and not y_all[r.P:].any()
+    assert y_all.shape == (plan.padded_rows_bound, r.H) and not y_all[r.P :].any()
     y = y_all[: r.P]
     exp_y = ref.gather(t64(x), r.ref, wn)
     if w is None:
@@ -82,7 +89,7 @@ def test_dispatch_combine_and_backward(device, dtype, weighted):
     grad_out = torch.from_numpy(r.rng.uniform(-1, 1, size=(r.T, r.H))).to(device, dtype)
     gy_all, gw = padmoe.combine_backward(grad_out, y, plan, w)
     assert gy_all.device == x.device and gy_all.dtype == dtype
-    assert gy_all.shape == (plan.padded_rows_bound, r.H) and not gy_all[r.P:].any()
+    assert gy_all.shape == (plan.padded_rows_bound, r.H) and not gy_all[r.P :].any()
     gy = gy_all[: r.P]
     np.testing.assert_allclose(t64(gy), ref.gather(t64(grad_out), r.ref, wn), **TORCH_TOL[dtype])
     gx, gxw = padmoe.dispatch_backward(gy, x, plan, w)
@@ -156,8 +163,8 @@ def test_cpu_extras():
     assert isinstance(yn, np.ndarray)
     np.testing.assert_array_equal(y.numpy(), yn)
     big = torch.zeros(r.T, r.H + 3)
-    big[:, 1:1 + r.H] = x
-    assert torch.equal(padmoe.dispatch(big[:, 1:1 + r.H], plan, w), y)
+    big[:, 1 : 1 + r.H] = x
+    assert torch.equal(padmoe.dispatch(big[:, 1 : 1 + r.H], plan, w), y)
     for f8 in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
         if f8 is None:
             continue

@@ -7,11 +7,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 import padmoe  # noqa: E402
 import padmoe.reference as pe  # noqa: E402
 import padmoe.torch as pt  # noqa: E402
 from padmoe import _torch_ops  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 DEVICES = ["cpu"]
 if torch.cuda.is_available() and padmoe.has_cuda():
@@ -22,7 +23,7 @@ def routing(device, T=19, K=2, E=6, H=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
     probs, top = logits.softmax(-1).topk(K, dim=-1)
-    x = (torch.rand(T, H, generator=g) * 2 - 1)
+    x = torch.rand(T, H, generator=g) * 2 - 1
     return top.to(device), probs.to(device), x.to(device)
 
 
@@ -62,9 +63,16 @@ def test_one_plan_type():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows_dtype,w_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
-                                                (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
-                                                (torch.float32, torch.float64)])
+@pytest.mark.parametrize(
+    "rows_dtype,w_dtype",
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.bfloat16),
+        (torch.float32, torch.float64),
+    ],
+)
 def test_weights_of_another_float_dtype(device, rows_dtype, w_dtype):
     """Under bf16 autocast routers emit bf16 weights beside float32 rows: accepted, read as float32."""
     top, probs, x = routing(device)
@@ -184,8 +192,13 @@ def test_routing_forward_backward_runs_only_padmoe_ops(device):
     # AccumulateGrad's detach of a first gradient.
     views = {"aten.view", "aten.detach", "aten.alias", "aten._unsafe_view"}
     kernels = [op for op in log.ops if op not in views]
-    assert kernels == ["padmoe.make_plan", "padmoe.dispatch", "padmoe.combine", "padmoe.combine_backward",
-                       "padmoe.dispatch_backward"], log.ops
+    assert kernels == [
+        "padmoe.make_plan",
+        "padmoe.dispatch",
+        "padmoe.combine",
+        "padmoe.combine_backward",
+        "padmoe.dispatch_backward",
+    ], log.ops
     # the gradients those five ops produced, against plain-PyTorch autograd (padmoe.reference)
     ex = x.clone().requires_grad_(True)
     ew = probs.clone().requires_grad_(True)
@@ -257,8 +270,8 @@ class MoE(torch.nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(3)
         self.router = torch.nn.Linear(H, E, bias=False)
-        self.w_in = torch.nn.Parameter(torch.randn(E, H, F, generator=g) / H ** 0.5)
-        self.w_out = torch.nn.Parameter(torch.randn(E, F, H, generator=g) / F ** 0.5)
+        self.w_in = torch.nn.Parameter(torch.randn(E, H, F, generator=g) / H**0.5)
+        self.w_out = torch.nn.Parameter(torch.randn(E, F, H, generator=g) / F**0.5)
         self.E, self.K, self.m = E, K, m
 
     def forward(self, x):
@@ -273,8 +286,11 @@ class MoE(torch.nn.Module):
 def _grouped_mm_works(device):
     try:
         x = torch.randn(16, 16, device=device, dtype=torch.bfloat16)
-        torch.nn.functional.grouped_mm(x, torch.randn(2, 16, 16, device=device, dtype=torch.bfloat16),
-                                       offs=torch.tensor([8, 16], dtype=torch.int32, device=device))
+        torch.nn.functional.grouped_mm(
+            x,
+            torch.randn(2, 16, 16, device=device, dtype=torch.bfloat16),
+            offs=torch.tensor([8, 16], dtype=torch.int32, device=device),
+        )
         return True
     except Exception:  # noqa: BLE001 - an older torch or a device without it
         return False

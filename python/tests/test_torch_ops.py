@@ -13,8 +13,11 @@ DEVICES = ["cpu"]
 if torch.cuda.is_available() and padmoe.has_cuda():
     DEVICES.append("cuda")
 DTYPES = [torch.float32, torch.bfloat16]
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2),
-       torch.float64: dict(rtol=1e-12, atol=1e-12)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2),
+    torch.float64: dict(rtol=1e-12, atol=1e-12),
+}
 
 
 def routing(device, dtype, T=13, K=2, E=5, m=4, H=12, seed=0, idtype=torch.int32):
@@ -94,8 +97,11 @@ def test_megablocks_forward(device, dtype):
     eq(y, pe.padded_gather(x, *args, top.shape[1]))  # exactly P rows, like MegaBlocks
     eq(pt.padded_gather(x, *args, top.shape[1], w), pe.padded_gather(x, *args, top.shape[1], w))
     for weights in (None, w):
-        close(pt.padded_scatter(y, p.indices, p.bin_ids, weights, p.bins, p.padded_bins, top.shape[1]),
-              pe.padded_scatter(y, p.indices, p.bin_ids, weights, p.bins, p.padded_bins, top.shape[1]), dtype)
+        close(
+            pt.padded_scatter(y, p.indices, p.bin_ids, weights, p.bins, p.padded_bins, top.shape[1]),
+            pe.padded_scatter(y, p.indices, p.bin_ids, weights, p.bins, p.padded_bins, top.shape[1]),
+            dtype,
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -106,8 +112,11 @@ def test_megatron_forward(device, dtype):
     for a, b in zip(got, ref):
         eq(a, b)
     for pr in (None, probs):
-        close(pt.unpad_from_alignment(got[0], got[1], h.shape[0], pr),
-              pe.unpad_from_alignment(ref[0], ref[1], h.shape[0], pr), dtype)
+        close(
+            pt.unpad_from_alignment(got[0], got[1], h.shape[0], pr),
+            pe.unpad_from_alignment(ref[0], ref[1], h.shape[0], pr),
+            dtype,
+        )
     # a move without probs is exact
     eq(pt.unpad_from_alignment(got[0], got[1], h.shape[0]), pe.unpad_from_alignment(ref[0], ref[1], h.shape[0]))
 
@@ -156,9 +165,11 @@ def test_gradcheck_megablocks(device):
     assert torch.autograd.gradcheck(lambda a, b: pt.padded_gather(a, *args, K, b), (x, w))
     y = leaf(pt.padded_gather(x, *args, K).detach() + 0.25)
     assert torch.autograd.gradcheck(
-        lambda a, b: pt.padded_scatter(a, p.indices, p.bin_ids, b, p.bins, p.padded_bins, K), (y, w))
+        lambda a, b: pt.padded_scatter(a, p.indices, p.bin_ids, b, p.bins, p.padded_bins, K), (y, w)
+    )
     assert torch.autograd.gradcheck(
-        lambda a: pt.padded_scatter(a, p.indices, p.bin_ids, None, p.bins, p.padded_bins, K), (y,))
+        lambda a: pt.padded_scatter(a, p.indices, p.bin_ids, None, p.bins, p.padded_bins, K), (y,)
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -226,6 +237,7 @@ def test_native_backward_dropins(device, dtype):
         def f(a, b):
             y = mod.padded_gather(a, *args, K)
             return mod.padded_scatter(y * 1.5, p.indices, p.bin_ids, b, p.bins, p.padded_bins, K)
+
         return f
 
     out, g = grads(chain(pt), (leaf(x), leaf(w)))
@@ -245,6 +257,7 @@ def test_native_backward_dropins(device, dtype):
         def f(a, b):
             padded, pmap, _ = mod.pad_to_alignment(a, tpe, 4)
             return mod.unpad_from_alignment(padded * 1.5, pmap, a.shape[0], b)
+
         return f
 
     out, g = grads(megatron(pt), (leaf(h), leaf(probs)))
@@ -252,7 +265,7 @@ def test_native_backward_dropins(device, dtype):
     close(out, rout, dtype)
     for a, b in zip(g, rg):
         close(a, b, dtype)
-    assert torch.all(g[0][int(tpe.sum()):] == 0)  # ignored rows: zero gradient
+    assert torch.all(g[0][int(tpe.sum()) :] == 0)  # ignored rows: zero gradient
 
 
 # ---------------------------------------------------------------------------

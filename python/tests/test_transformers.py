@@ -22,12 +22,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 try:
     from transformers.integrations import moe as _tf_moe
+
     _tf_moe.ExpertsInterface
 except (ImportError, AttributeError):  # pragma: no cover
     pytest.skip("transformers without an ExpertsInterface (< 5)", allow_module_level=True)
 
-import padmoe.torch as pt  # noqa: E402
 import padmoe.integrations.transformers as ptf  # noqa: E402
+import padmoe.torch as pt  # noqa: E402
 from padmoe.torch import grouped as _grouped  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -36,27 +37,74 @@ H, I, E, K = 32, 48, 8, 2  # hidden, expert intermediate, experts, top-k (multip
 
 
 def _attn(**kw):
-    return dict(vocab_size=64, hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=64, **kw)
+    return dict(
+        vocab_size=64,
+        hidden_size=H,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **kw,
+    )
 
 
 # family -> (config class name, config kwargs). Each is a whole tiny CausalLM; every layer is MoE.
 FAMILIES = {
     "mixtral": ("MixtralConfig", _attn(intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)),
-    "qwen2_moe": ("Qwen2MoeConfig", _attn(intermediate_size=64, moe_intermediate_size=I, num_experts=E,
-                                         num_experts_per_tok=K, shared_expert_intermediate_size=32,
-                                         decoder_sparse_step=1, mlp_only_layers=[])),
-    "qwen3_moe": ("Qwen3MoeConfig", _attn(intermediate_size=64, moe_intermediate_size=I, num_experts=E,
-                                         num_experts_per_tok=K, head_dim=8, decoder_sparse_step=1, mlp_only_layers=[],
-                                         norm_topk_prob=True)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        _attn(
+            intermediate_size=64,
+            moe_intermediate_size=I,
+            num_experts=E,
+            num_experts_per_tok=K,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        _attn(
+            intermediate_size=64,
+            moe_intermediate_size=I,
+            num_experts=E,
+            num_experts_per_tok=K,
+            head_dim=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        ),
+    ),
     "olmoe": ("OlmoeConfig", _attn(intermediate_size=I, num_experts=E, num_experts_per_tok=K)),
-    "deepseek_v3": ("DeepseekV3Config", dict(
-        vocab_size=64, hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=64, intermediate_size=64, moe_intermediate_size=I, n_routed_experts=E,
-        num_experts_per_tok=K, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=0,
-        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)),
-    "gpt_oss": ("GptOssConfig", _attn(intermediate_size=I, num_local_experts=E, num_experts_per_tok=K, head_dim=8,
-                                     sliding_window=8)),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            vocab_size=64,
+            hidden_size=H,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            intermediate_size=64,
+            moe_intermediate_size=I,
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=0,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        ),
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        _attn(intermediate_size=I, num_local_experts=E, num_experts_per_tok=K, head_dim=8, sliding_window=8),
+    ),
 }
 
 
@@ -82,8 +130,12 @@ def _randomize(module, seed):
                 if "norm" in name or "layernorm" in name:
                     v = v + 1
             else:
-                fan_in = p.shape[-2] if name.endswith(("gate_up_proj", "down_proj", "up_proj")) and \
-                    getattr(_owner(module, name), "is_transposed", False) else p.shape[-1]
+                fan_in = (
+                    p.shape[-2]
+                    if name.endswith(("gate_up_proj", "down_proj", "up_proj"))
+                    and getattr(_owner(module, name), "is_transposed", False)
+                    else p.shape[-1]
+                )
                 v = torch.randn(p.shape, generator=g, dtype=torch.float64) / math.sqrt(fan_in)
             p.copy_(v.to(p.dtype))
 
@@ -168,6 +220,7 @@ def test_register_options():
     try:
         assert ptf.register("padmoe_loop", gemm="loop", alignment=4) == "padmoe_loop"
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
         assert "padmoe_loop" in ALL_EXPERTS_FUNCTIONS
         model = _model("mixtral", "cpu")
         x = _x("cpu", torch.float32)
@@ -201,7 +254,9 @@ def test_block_float32_matches_eager(family, device):
         assert g[name] is not None, name
         errs[name] = _rel(g[name], rg)
     experts = [n for n in ref_g if n.startswith("experts.")]
-    assert experts and "input" in errs and any("gate" in n or "router" in n for n in ref_g if not n.startswith("experts."))
+    assert (
+        experts and "input" in errs and any("gate" in n or "router" in n for n in ref_g if not n.startswith("experts."))
+    )
     bad = {n: e for n, e in errs.items() if not e < 2e-6}
     assert not bad, f"{family}: {bad}"
 
@@ -336,7 +391,9 @@ def test_compile_fullgraph_block(device, dtype):
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     xx = x.detach().clone().requires_grad_(True)
     out = _first(compiled(xx))
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(99), dtype=torch.float64).to(device, dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(99), dtype=torch.float64).to(
+        device, dtype
+    )
     out.backward(grad_out)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert _rel(out, ref) <= tol and _rel(xx.grad, ref_g["input"]) <= tol
@@ -376,8 +433,11 @@ def test_unknown_option_raises_naming_family(monkeypatch):
     ex = _mixtral_experts()
     monkeypatch.setitem(ptf._UNKNOWN_FLAGS, "has_fancy_norm", False)
     ex.has_fancy_norm = True
-    with pytest.raises(ptf.UnsupportedExpertsError, match=r"MixtralExperts \(transformers model family 'mixtral'\).*"
-                                                          r"has_fancy_norm=True"):
+    with pytest.raises(
+        ptf.UnsupportedExpertsError,
+        match=r"MixtralExperts \(transformers model family 'mixtral'\).*"
+        r"has_fancy_norm=True",
+    ):
         _call(ex)
 
 
@@ -400,9 +460,18 @@ def test_quantized_or_misshapen_weights_raise():
 # Every experts class the installed transformers ships (experts level)
 # ---------------------------------------------------------------------------
 
-_TINY = dict(hidden_size=H, intermediate_size=I, moe_intermediate_size=I, expert_intermediate_size=I,
-             num_experts=E, num_local_experts=E, n_routed_experts=E, moe_num_experts=E, num_experts_per_tok=K,
-             moe_latent_size=None)
+_TINY = dict(
+    hidden_size=H,
+    intermediate_size=I,
+    moe_intermediate_size=I,
+    expert_intermediate_size=I,
+    num_experts=E,
+    num_local_experts=E,
+    n_routed_experts=E,
+    moe_num_experts=E,
+    num_experts_per_tok=K,
+    moe_latent_size=None,
+)
 
 
 def _experts_classes():
@@ -426,8 +495,13 @@ def _tiny_experts(modname, clsname):
     except Exception as e:  # noqa: BLE001 (optional dependencies of a family)
         return None, f"import: {type(e).__name__}"
     cls = getattr(mod, clsname)
-    configs = [v for v in vars(mod).values()
-               if isinstance(v, type) and issubclass(v, transformers.PretrainedConfig) and v is not transformers.PretrainedConfig]
+    configs = [
+        v
+        for v in vars(mod).values()
+        if isinstance(v, type)
+        and issubclass(v, transformers.PretrainedConfig)
+        and v is not transformers.PretrainedConfig
+    ]
     configs.sort(key=lambda c: ("Text" not in c.__name__, c.__name__))
     last = "no config class"
     for ccls in configs:
@@ -452,7 +526,7 @@ def test_every_shipped_experts_class():
     """Every experts class of the installed transformers that builds from a tiny config: padmoe
     against its eager experts (random routing with an unused expert), float32, output and every
     gradient (rows, router weights, expert weights and biases) within 1e-5 of max |ref|. At least the
-    six families of the issue must be among them."""
+    six families of FAMILIES must be among them."""
     built, failures, skipped = [], [], []
     for fam, modname, clsname in _experts_classes():
         ex, why = _tiny_experts(modname, clsname)
@@ -547,8 +621,17 @@ def test_grouped_experts_against_loop(case, gemm, device):
     w = torch.rand(t, K, generator=g).softmax(-1).to(device).requires_grad_(True)
     x = torch.randn(t, H, generator=g).to(device).requires_grad_(True)
     out = mod(x, idx, w)
-    gate64 = (lambda h: kw["gate_fn"](h)) if "gate_fn" in kw else (
-        lambda h: mod.act_fn(h[..., ::2]) * h[..., 1::2] if mod.interleaved else mod.act_fn(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1])
+    gate64 = (
+        (lambda h: kw["gate_fn"](h))
+        if "gate_fn" in kw
+        else (
+            lambda h: (
+                mod.act_fn(h[..., ::2]) * h[..., 1::2]
+                if mod.interleaved
+                else mod.act_fn(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1]
+            )
+        )
+    )
     ref = _loop_reference(mod, x, idx.cpu(), w, gate64)
     assert _rel(out, ref) < 2e-6
     # gradients: float64 autograd through the same loop
@@ -637,7 +720,8 @@ def test_grouped_experts_validation_and_compile():
 
 def test_grouped_mm_usable_rules():
     a = torch.zeros(8, 32)
-    assert _grouped.grouped_mm_usable(a, torch.zeros(2, 32, 16)) == (_grouped._GROUPED_MM is not None
-                                                                     and _grouped._TORCH >= (2, 9))
+    assert _grouped.grouped_mm_usable(a, torch.zeros(2, 32, 16)) == (
+        _grouped._GROUPED_MM is not None and _grouped._TORCH >= (2, 9)
+    )
     assert not _grouped.grouped_mm_usable(a, torch.zeros(2, 32, 5))  # 20-byte rows
     assert not _grouped.grouped_mm_usable(a.double(), torch.zeros(2, 32, 16, dtype=torch.float64))

@@ -1,5 +1,5 @@
-"""padmoe.triton (the seed's Triton-Ascend design) in Triton's interpreter on the CPU, against the
-plain-loop reference: moves exact, sums within float32 accumulation. The seed's verification list:
+"""padmoe.triton (a Triton-Ascend design) in Triton's interpreter on the CPU, against the
+plain-loop reference: moves exact, sums within float32 accumulation. The Ascend design's verification list:
 experts with zero tokens, counts on and one over the multiple, several experts in one sub-block,
 top_k 1/2/4/8, weighted and unweighted scatter, hidden-size tails, a larger routed batch; with the
 ascend-a2 tile configuration and with small ones that force many programs, sub-block steps and
@@ -20,9 +20,11 @@ if ptr._interpreting():
 elif torch.cuda.is_available():
     DEV = "cuda"  # Triton compiled for the GPU: the same cases natively, and bitwise against padmoe's CUDA backend
 else:
-    pytest.skip("padmoe.triton runs on CUDA tensors, or on CPU tensors in Triton's interpreter: TRITON_INTERPRET=1 "
-                "before triton is imported (scripts/pytest.sh runs this file so, in a process of its own)",
-                allow_module_level=True)
+    pytest.skip(
+        "padmoe.triton runs on CUDA tensors, or on CPU tensors in Triton's interpreter: TRITON_INTERPRET=1 "
+        "before triton is imported (scripts/pytest.sh runs this file so, in a process of its own)",
+        allow_module_level=True,
+    )
 
 SMALL = dict(programs=3, sub_block_rows=2, block_x=16, buffer_bytes=0, buffers=1)
 CONFIGS = {  # name -> config for (op, H, dtype)
@@ -63,12 +65,12 @@ def ref_gather(x, p, w):
 
 
 CASES = [  # (T, K, E, m, H, counts)
-    (7, 1, 4, 4, 1, [0, 4, 5, 0][:4]),   # zero-token experts, a count on and one over the multiple, H = 1
+    (7, 1, 4, 4, 1, [0, 4, 5, 0][:4]),  # zero-token experts, a count on and one over the multiple, H = 1
     (9, 1, 3, 4, 3, [4, 5, 0]),
-    (13, 2, 5, 4, 33, None),              # several experts inside one sub-block, a column tail
+    (13, 2, 5, 4, 33, None),  # several experts inside one sub-block, a column tail
     (11, 4, 8, 8, 17, None),
     (6, 8, 8, 2, 64, None),
-    (5, 2, 4, 4, 4097, None),             # the seed's 4097 tail: one full tile and one column
+    (5, 2, 4, 4, 4097, None),  # a 4097 tail: one full tile and one column
 ]
 
 
@@ -84,17 +86,19 @@ def test_gather_scatter_wgrad_match_the_reference(case, config, weighted):
     T, K, E, m, H, counts = _counts_T(case)
     top, p = routing(T, K, E, m, seed=T + H, counts=counts)
     g = torch.Generator().manual_seed(1)
-    x = (torch.rand(T, H, generator=g) * 2 - 1)
+    x = torch.rand(T, H, generator=g) * 2 - 1
     w = (torch.rand(T * K, generator=g) + 0.1) if weighted else None
     cfg = CONFIGS[config]
-    d = dict(indices=p.indices.to(DEV), bin_ids=p.bin_ids.to(DEV), bins=p.bins.to(DEV),
-             padded_bins=p.padded_bins.to(DEV))
+    d = dict(
+        indices=p.indices.to(DEV), bin_ids=p.bin_ids.to(DEV), bins=p.bins.to(DEV), padded_bins=p.padded_bins.to(DEV)
+    )
     wd = None if w is None else w.to(DEV)
     P = int(p.padded_bins[-1])
     del_me = torch.full((P, H), float("nan"), device=DEV)  # freed: the caching allocator hands it out again
     del del_me
-    y = ptr.padded_gather(x.to(DEV), d["indices"], d["bin_ids"], d["bins"], d["padded_bins"], K, wd,
-                          config=cfg("gather", H, x.dtype)).cpu()
+    y = ptr.padded_gather(
+        x.to(DEV), d["indices"], d["bin_ids"], d["bins"], d["padded_bins"], K, wd, config=cfg("gather", H, x.dtype)
+    ).cpu()
     want = ref_gather(x, p, w)
     if w is None:
         assert np.array_equal(y.double().numpy(), want)  # a move: exact, padding rows zero
@@ -102,8 +106,9 @@ def test_gather_scatter_wgrad_match_the_reference(case, config, weighted):
         np.testing.assert_allclose(y.double().numpy(), want, rtol=1e-6, atol=1e-7)
     # scatter: out[t] = sum_k w * y[dest[t*K+k]]
     yy = torch.rand(y.shape, generator=g)
-    out = ptr.padded_scatter(yy.to(DEV), d["indices"], d["bin_ids"], wd, d["bins"], d["padded_bins"], K,
-                             config=cfg("scatter", H, x.dtype)).cpu()
+    out = ptr.padded_scatter(
+        yy.to(DEV), d["indices"], d["bin_ids"], wd, d["bins"], d["padded_bins"], K, config=cfg("scatter", H, x.dtype)
+    ).cpu()
     dest = p.dest_rows.tolist()
     want_out = np.zeros((T, H))
     for a in range(T * K):
@@ -111,14 +116,25 @@ def test_gather_scatter_wgrad_match_the_reference(case, config, weighted):
     np.testing.assert_allclose(out.double().numpy(), want_out, rtol=1e-5, atol=1e-6)
     # wgrad[a] = <yy[dest[a]], grad[a // K]>
     grad = torch.rand(T, H, generator=g)
-    wg = ptr.padded_scatter_wgrad(yy.to(DEV), grad.to(DEV), d["indices"], d["bin_ids"], d["bins"], d["padded_bins"],
-                                  K, config=cfg("wgrad", H, x.dtype)).cpu()
+    wg = ptr.padded_scatter_wgrad(
+        yy.to(DEV),
+        grad.to(DEV),
+        d["indices"],
+        d["bin_ids"],
+        d["bins"],
+        d["padded_bins"],
+        K,
+        config=cfg("wgrad", H, x.dtype),
+    ).cpu()
     want_wg = np.array([float((yy[dest[a]].double() * grad[a // K].double()).sum()) for a in range(T * K)])
     np.testing.assert_allclose(wg.double().numpy(), want_wg, rtol=1e-5, atol=1e-5)
 
 
-LARGE = [(512, 2, 16, 16, 64)] if DEV == "cpu" else [(4096, 8, 64, 128, 1024), (2048, 2, 8, 16, 4097),
-                                                      (1024, 4, 256, 16, 7168)]
+LARGE = (
+    [(512, 2, 16, 16, 64)]
+    if DEV == "cpu"
+    else [(4096, 8, 64, 128, 1024), (2048, 2, 8, 16, 4097), (1024, 4, 256, 16, 7168)]
+)
 
 
 @pytest.mark.parametrize("shape", LARGE)
@@ -128,6 +144,7 @@ def test_a_larger_batch_against_the_native_backend(shape, config):
     CUDA backend natively); sums and dot products within one bf16 rounding of it; a second call
     bitwise identical to the first (no atomics: deterministic)."""
     import padmoe.torch as pt
+
     T, K, E, m, H = shape
     top, p = routing(T, K, E, m, seed=5)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEV)
@@ -141,8 +158,9 @@ def test_a_larger_batch_against_the_native_backend(shape, config):
     yw = ptr.padded_gather(x, idx, bid, bins, pb, K, w, config=c["gather"])
     torch.testing.assert_close(yw.float(), pt.padded_gather(x, idx, bid, bins, pb, K, w).float(), rtol=8e-3, atol=1e-6)
     out = ptr.padded_scatter(y, idx, bid, w, bins, pb, K, config=c["scatter"])
-    torch.testing.assert_close(out.float(), pt.padded_scatter(y, idx, bid, w, bins, pb, K).float(), rtol=8e-3,
-                               atol=1e-3)
+    torch.testing.assert_close(
+        out.float(), pt.padded_scatter(y, idx, bid, w, bins, pb, K).float(), rtol=8e-3, atol=1e-3
+    )
     assert torch.equal(out, ptr.padded_scatter(y, idx, bid, w, bins, pb, K, config=c["scatter"]))
     grad = torch.randn(T, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEV)
     wg = ptr.padded_scatter_wgrad(y, grad, idx, bid, bins, pb, K, config=c["wgrad"])
@@ -158,7 +176,7 @@ def test_tile_config_follows_the_planner():
     assert c["programs"] == 48 and c["sub_block_rows"] == 1  # H > block_x: one row at a time
     t = ptr.tile_config("gather", 7168, torch.bfloat16)
     assert t["programs"] == 48 and t["block_x"] & (t["block_x"] - 1) == 0 and t["block_x"] * 2 % 32 == 0
-    assert t["target"] == "ascend-a2" and t["pass"] == "sorted"  # the seed's pass on the NPU configuration
+    assert t["target"] == "ascend-a2" and t["pass"] == "sorted"  # the Ascend design's pass on the NPU configuration
     gp = padmoe.tile_config("gpu", "gather", 4096, "bfloat16", 100)
     assert gp["programs"] % 100 == 0  # programs per SM times the SMs passed
     tg = ptr.tile_config("gather", 4096, torch.bfloat16, target="gpu", cores=100)
@@ -166,8 +184,10 @@ def test_tile_config_follows_the_planner():
     assert tg["sub_block_rows"] <= gp["sub_block_rows"] < 2 * tg["sub_block_rows"]  # rounded down to a power of 2
     if DEV == "cuda":
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        assert ptr.tile_config("scatter", 2048, torch.bfloat16, device="cuda")["programs"] == \
-            padmoe.tile_config("gpu", "scatter", 2048, "bfloat16", sms)["programs"]  # SMs queried at run time
+        assert (
+            ptr.tile_config("scatter", 2048, torch.bfloat16, device="cuda")["programs"]
+            == padmoe.tile_config("gpu", "scatter", 2048, "bfloat16", sms)["programs"]
+        )  # SMs queried at run time
     with pytest.raises(ValueError, match="tile_config: target"):
         padmoe.tile_config("tpu", "gather", 16, "float32")
 
@@ -177,18 +197,36 @@ def test_bad_input_is_padmoes_error():
     bad = p.indices.clone()
     bad[0] = bad[1]
     with pytest.raises(ValueError, match="padded_gather: indices"):
-        ptr.padded_gather(torch.rand(6, 8, device=DEV), bad.to(DEV), p.bin_ids.to(DEV), p.bins.to(DEV),
-                          p.padded_bins.to(DEV), 2)
+        ptr.padded_gather(
+            torch.rand(6, 8, device=DEV), bad.to(DEV), p.bin_ids.to(DEV), p.bins.to(DEV), p.padded_bins.to(DEV), 2
+        )
     with pytest.raises(ValueError, match="padded_rows"):
-        ptr.padded_gather(torch.rand(6, 8, device=DEV), p.indices.to(DEV), p.bin_ids.to(DEV), p.bins.to(DEV),
-                          p.padded_bins.to(DEV), 2, padded_rows=int(p.padded_bins[-1]) + 1)
-    y = ptr.padded_gather(torch.rand(6, 8, device=DEV), p.indices.to(DEV), p.bin_ids.to(DEV), p.bins.to(DEV),
-                          p.padded_bins.to(DEV), 2, padded_rows=int(p.padded_bins[-1]), check=False)
+        ptr.padded_gather(
+            torch.rand(6, 8, device=DEV),
+            p.indices.to(DEV),
+            p.bin_ids.to(DEV),
+            p.bins.to(DEV),
+            p.padded_bins.to(DEV),
+            2,
+            padded_rows=int(p.padded_bins[-1]) + 1,
+        )
+    y = ptr.padded_gather(
+        torch.rand(6, 8, device=DEV),
+        p.indices.to(DEV),
+        p.bin_ids.to(DEV),
+        p.bins.to(DEV),
+        p.padded_bins.to(DEV),
+        2,
+        padded_rows=int(p.padded_bins[-1]),
+        check=False,
+    )
     assert y.shape == (int(p.padded_bins[-1]), 8)
     d = [t.to(DEV) for t in (p.indices, p.bin_ids, p.bins, p.padded_bins)]
     P = int(p.padded_bins[-1])
     with pytest.raises(ValueError, match="padded_scatter_wgrad: y: has"):  # wgrad's y: fewer rows than P
-        ptr.padded_scatter_wgrad(torch.rand(P - 1, 8, device=DEV), torch.rand(6, 8, device=DEV), d[0], d[1], d[2], d[3], 2)
+        ptr.padded_scatter_wgrad(
+            torch.rand(P - 1, 8, device=DEV), torch.rand(6, 8, device=DEV), d[0], d[1], d[2], d[3], 2
+        )
     with pytest.raises(ValueError, match="padded_scatter_wgrad: grad"):
         ptr.padded_scatter_wgrad(torch.rand(P, 8, device=DEV), torch.rand(6, 7, device=DEV), d[0], d[1], d[2], d[3], 2)
     with pytest.raises(ValueError, match="padded_scatter: y: has"):  # scatter's y: fewer rows than P
@@ -198,6 +236,7 @@ def test_bad_input_is_padmoes_error():
 @pytest.mark.parametrize("weighted", [False, True])
 def test_torch_dropins_with_the_triton_backend_match_native_forward_and_backward(weighted):
     import padmoe.torch as pt
+
     top, p = routing(13, 2, 5, 4, seed=9)
     g = torch.Generator().manual_seed(4)
     x = torch.rand(13, 24, generator=g, dtype=torch.float32).to(DEV)

@@ -1,4 +1,4 @@
-// checks.cpp — SPEC section 5, in one place.
+// checks.cpp — docs/spec.md §12, in one place.
 #include "api/checks.hpp"
 
 #include <algorithm>
@@ -29,8 +29,8 @@ void Checker::fail(ErrorKind kind, const std::string& arg, const std::string& wh
 
 void Checker::same_device(const TensorView& t, const char* name, Device device) const {
   if (t.device != device) {
-    fail(ErrorKind::kType, name, "expected a tensor on " + device_name(device) + ", got one on " +
-                                     device_name(t.device));
+    fail(ErrorKind::kType, name,
+         "expected a tensor on " + device_name(device) + ", got one on " + device_name(t.device));
   }
 }
 
@@ -61,8 +61,8 @@ void Checker::row_output(const TensorView& t, const char* name, int64_t rows, bo
                          DType dtype) const {
   row_tensor(t, name, -1, cols, /*allow_fp8=*/true);
   if (t.dtype != dtype) {
-    fail(ErrorKind::kType, name, std::string("expected dtype ") + dtype_name(dtype) + " (the input's), got " +
-                                     dtype_name(t.dtype));
+    fail(ErrorKind::kType, name,
+         std::string("expected dtype ") + dtype_name(dtype) + " (the input's), got " + dtype_name(t.dtype));
   }
   if (at_least ? t.shape[0] < rows : t.shape[0] != rows) {
     value_error(name, std::string("output capacity: needs ") + (at_least ? "at least " : "") + str(rows) +
@@ -77,7 +77,8 @@ void Checker::index_vector(const TensorView& t, const char* name, int64_t len) c
   }
   if (t.shape[0] < 0) value_error(name, "negative length " + str(t.shape[0]));
   if (len >= 0 && t.shape[0] != len) value_error(name, "expected " + str(len) + " entries, got " + str(t.shape[0]));
-  if (t.shape[0] > 1 && t.strides[0] != 1) value_error(name, "expected a contiguous tensor, got stride " + str(t.strides[0]));
+  if (t.shape[0] > 1 && t.strides[0] != 1)
+    value_error(name, "expected a contiguous tensor, got stride " + str(t.strides[0]));
   if (t.data == nullptr && t.shape[0] > 0) value_error(name, "null data pointer");
 }
 
@@ -89,7 +90,8 @@ void Checker::int32_output(const TensorView& t, const char* name, int64_t len, b
     value_error(name, std::string("output capacity: needs ") + (at_least ? "at least " : "") + str(len) +
                           " entries, got " + str(t.shape[0]));
   }
-  if (t.shape[0] > 1 && t.strides[0] != 1) value_error(name, "expected a contiguous tensor, got stride " + str(t.strides[0]));
+  if (t.shape[0] > 1 && t.strides[0] != 1)
+    value_error(name, "expected a contiguous tensor, got stride " + str(t.strides[0]));
   if (t.data == nullptr && t.shape[0] > 0) value_error(name, "null data pointer");
 }
 
@@ -100,7 +102,8 @@ void Checker::scale_vector(const TensorView& t, const char* name, int64_t len, D
   if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat16 && t.dtype != DType::kBFloat16) {
     fail(ErrorKind::kType, name, std::string("expected float32, float16 or bfloat16, got ") + dtype_name(t.dtype));
   }
-  if (t.numel() != len) value_error(name, "expected " + str(len) + " elements (one per row), got shape " + shape_str(t));
+  if (t.numel() != len)
+    value_error(name, "expected " + str(len) + " elements (one per row), got shape " + shape_str(t));
   if (!t.is_contiguous()) value_error(name, "expected a contiguous tensor");
   if (t.data == nullptr && len > 0) value_error(name, "null data pointer");
 }
@@ -179,8 +182,8 @@ bool spans_overlap(const Span& a, const Span& b) {
 void check_disjoint(const Checker& c, const TensorView& out, const char* name, const TensorView& other,
                     const char* other_name) {
   if (spans_overlap(span_of(out), span_of(other))) {
-    c.value_error(name, std::string("shares memory with ") + other_name +
-                            ": outputs must not overlap the inputs or each other");
+    c.value_error(
+        name, std::string("shares memory with ") + other_name + ": outputs must not overlap the inputs or each other");
   }
 }
 
@@ -232,11 +235,11 @@ void raise_violation(const Checker& c, const cuda::Violation& v, const Violation
   switch (v.code) {
     case kOk: return;
     case kExpertOutOfRange:
-      c.value_error(names.ids, "expert id " + str(v.v1) + " at " +
-                                   (names.top_k > 0 ? "[" + str(v.pos / names.top_k) + ", " +
-                                                          str(v.pos % names.top_k) + "]"
-                                                    : "position " + str(v.pos)) +
-                                   " is outside [0, " + str(names.limit) + ")");
+      c.value_error(names.ids,
+                    "expert id " + str(v.v1) + " at " +
+                        (names.top_k > 0 ? "[" + str(v.pos / names.top_k) + ", " + str(v.pos % names.top_k) + "]"
+                                         : "position " + str(v.pos)) +
+                        " is outside [0, " + str(names.limit) + ")");
     case kBinsDecreasing:
       c.value_error("bins", "must be nondecreasing: bins[" + str(v.pos) + "] = " + str(v.v1) + " < bins[" +
                                 str(v.pos - 1) + "] = " + str(v.v2));
@@ -249,40 +252,37 @@ void raise_violation(const Checker& c, const cuda::Violation& v, const Violation
       c.value_error("padded_bins", "segment of expert " + str(v.pos) + " holds " + str(v.v1) +
                                        " rows but the expert has " + str(v.v2) + " assignments");
     case kBinIdsInconsistent:
-      c.value_error("bin_ids", "position " + str(v.pos) + " holds expert " + str(v.v1) +
-                                   ", which bins do not place there");
+      c.value_error("bin_ids",
+                    "position " + str(v.pos) + " holds expert " + str(v.v1) + ", which bins do not place there");
     case kIndexOutOfRange:
       c.value_error("indices", "position " + str(v.pos) + " holds assignment id " + str(v.v1) + ", outside [0, " +
                                    str(names.limit) + ")");
     case kIndexRepeated:
-      c.value_error("indices", "must be a permutation of [0, " + str(names.limit) + "): assignment id " +
-                                   str(v.pos) + " appears more than once");
+      c.value_error("indices", "must be a permutation of [0, " + str(names.limit) + "): assignment id " + str(v.pos) +
+                                   " appears more than once");
     case kCapacity:
       c.value_error(names.output, "output capacity: needs at least " + str(v.v1) + " rows, got " + str(v.v2));
-    case kCountNegative:
-      c.value_error("tokens_per_expert", "entry " + str(v.pos) + " is negative (" + str(v.v1) + ")");
+    case kCountNegative: c.value_error("tokens_per_expert", "entry " + str(v.pos) + " is negative (" + str(v.v1) + ")");
     case kCountTotal:
       c.value_error("tokens_per_expert", "sums to " + str(v.v1) + " but hidden_states has " + str(v.v2) + " rows");
     case kMapOutOfRange:
-      c.value_error("permutation_map", "entry " + str(v.pos) + " is " + str(v.v1) + ", outside [-1, " +
-                                           str(names.limit) + ")");
-    case kMapRepeated:
-      c.value_error("permutation_map", "row " + str(v.v1) + " is named by more than one entry");
+      c.value_error("permutation_map",
+                    "entry " + str(v.pos) + " is " + str(v.v1) + ", outside [-1, " + str(names.limit) + ")");
+    case kMapRepeated: c.value_error("permutation_map", "row " + str(v.v1) + " is named by more than one entry");
     case kPlanDestRows:
-      c.value_error("plan.dest_rows", "assignment " + str(v.pos) + " maps to row " + str(v.v1) +
-                                          ", which row_sources does not map back");
+      c.value_error("plan.dest_rows",
+                    "assignment " + str(v.pos) + " maps to row " + str(v.v1) + ", which row_sources does not map back");
     case kPlanRowSources:
       c.value_error("plan.row_sources", "row " + str(v.pos) + " names assignment " + str(v.v1) +
                                             " whose dest_rows entry does not point back to it");
     case kExpertMapOutOfRange:
       c.value_error(names.ids, "entry " + str(v.pos) + " is " + str(v.v1) + ", outside [-1, " + str(names.limit) + ")");
-    default:
-      c.value_error("input", "failed validation (code " + str(v.code) + ")");
+    default: c.value_error("input", "failed validation (code " + str(v.code) + ")");
   }
 }
 
-void check_sorted_shapes(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
-                         const TensorView& bins, const TensorView& padded_bins, int top_k) {
+void check_sorted_shapes(const Checker& c, const TensorView& indices, const TensorView& bin_ids, const TensorView& bins,
+                         const TensorView& padded_bins, int top_k) {
   c.index_vector(indices, "indices", -1);
   const int64_t a_count = indices.shape[0];
   c.index_vector(bin_ids, "bin_ids", a_count);
@@ -297,8 +297,7 @@ void check_sorted_shapes(const Checker& c, const TensorView& indices, const Tens
 }
 
 RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
-                                const TensorView& bins, const TensorView& padded_bins, int top_k,
-                                int num_threads) {
+                                const TensorView& bins, const TensorView& padded_bins, int top_k, int num_threads) {
   check_sorted_shapes(c, indices, bin_ids, bins, padded_bins, top_k);
   const int64_t a_count = indices.shape[0];
   const int64_t experts = bins.shape[0];
@@ -333,8 +332,8 @@ RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, con
   for (int64_t e = 0, i = 0; e < experts; ++e) {
     for (const int64_t end = bn[e]; i < end; ++i) {
       if (bid[i] != e) {
-        c.value_error("bin_ids", "position " + str(i) + " holds expert " + str(bid[i]) + " but bins place it in expert " +
-                                     str(e));
+        c.value_error("bin_ids",
+                      "position " + str(i) + " holds expert " + str(bid[i]) + " but bins place it in expert " + str(e));
       }
     }
   }
@@ -348,8 +347,8 @@ RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, con
   for (int64_t i = 0; i < a_count; ++i) {
     const int64_t a = idx[i];
     if (a < 0 || a >= a_count) {
-      c.value_error("indices", "position " + str(i) + " holds assignment id " + str(a) + ", outside [0, " +
-                                   str(a_count) + ")");
+      c.value_error("indices",
+                    "position " + str(i) + " holds assignment id " + str(a) + ", outside [0, " + str(a_count) + ")");
     }
     if (first_pos[a] != 0) {
       c.value_error("indices", "must be a permutation of [0, " + str(a_count) + "): assignment id " + str(a) +
@@ -358,13 +357,13 @@ RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, con
     first_pos[a] = static_cast<int32_t>(i + 1);
   }
 
-  // Inverse map, SPEC section 6 partition: worker w owns sorted positions
+  // Inverse map, docs/spec.md §15 partition: worker w owns sorted positions
   // [w*B, min((w+1)*B, A)) and writes their rows, and the padding rows of its
   // share of the experts. Every entry is written once.
   map.dest_rows = host_vector<int32_t>(c, "indices", a_count);
   map.row_sources = host_vector<int32_t>(c, "padded_bins", padded);
-  const int workers = static_cast<int>(std::min<int64_t>(cpu::resolve_threads(num_threads),
-                                                         std::max<int64_t>(1, a_count / 4096)));
+  const int workers =
+      static_cast<int>(std::min<int64_t>(cpu::resolve_threads(num_threads), std::max<int64_t>(1, a_count / 4096)));
   cpu::parallel_run(workers, [&](int w) {
     const index::Range r = index::work_range(w, workers, a_count);
     int64_t e = -1, real_start = 0, padded_start = 0;
@@ -411,10 +410,14 @@ void check_plan_fields(const Checker& c, const PlanView& plan, Device device) {
   c.int32_output(plan.dest_rows, "plan.dest_rows", a_count);
   c.int32_output(plan.row_sources, "plan.row_sources", 0, /*at_least=*/true);
   const std::pair<const TensorView*, const char*> all[] = {
-      {&plan.indices, "plan.indices"}, {&plan.bin_ids, "plan.bin_ids"},
-      {&plan.tokens_per_expert, "plan.tokens_per_expert"}, {&plan.bins, "plan.bins"},
-      {&plan.padded_tokens_per_expert, "plan.padded_tokens_per_expert"}, {&plan.padded_bins, "plan.padded_bins"},
-      {&plan.dest_rows, "plan.dest_rows"}, {&plan.row_sources, "plan.row_sources"}};
+      {&plan.indices, "plan.indices"},
+      {&plan.bin_ids, "plan.bin_ids"},
+      {&plan.tokens_per_expert, "plan.tokens_per_expert"},
+      {&plan.bins, "plan.bins"},
+      {&plan.padded_tokens_per_expert, "plan.padded_tokens_per_expert"},
+      {&plan.padded_bins, "plan.padded_bins"},
+      {&plan.dest_rows, "plan.dest_rows"},
+      {&plan.row_sources, "plan.row_sources"}};
   for (const auto& f : all) c.same_device(*f.first, f.second, device);
 }
 
@@ -432,12 +435,12 @@ int64_t check_plan(const Checker& c, const PlanView& plan, Device device) {
   for (int64_t a = 0; a < a_count; ++a) {
     const int64_t r = dest[a];
     if (r < -1 || r >= padded) {
-      c.value_error("plan.dest_rows", "assignment " + str(a) + " maps to row " + str(r) + ", outside [-1, " +
-                                          str(padded) + ")");
+      c.value_error("plan.dest_rows",
+                    "assignment " + str(a) + " maps to row " + str(r) + ", outside [-1, " + str(padded) + ")");
     }
     if (r >= 0 && src[r] != a) {
-      c.value_error("plan.dest_rows", "assignment " + str(a) + " maps to row " + str(r) +
-                                          " but row_sources[" + str(r) + "] = " + str(src[r]));
+      c.value_error("plan.dest_rows", "assignment " + str(a) + " maps to row " + str(r) + " but row_sources[" + str(r) +
+                                          "] = " + str(src[r]));
     }
   }
   for (int64_t r = 0; r < padded; ++r) {

@@ -1,4 +1,4 @@
-// checks.hpp — argument checking (SPEC section 5), shared by every op.
+// checks.hpp — argument checking (docs/spec.md §12), shared by every op.
 //
 // Every check runs before the op writes anything. Messages read
 // "<op>: <argument>: <what was expected>, <first offending position>".
@@ -51,8 +51,7 @@ class Checker {
   void row_tensor(const TensorView& t, const char* name, int64_t rows, int64_t cols, bool allow_fp8) const;
   // A row output: like row_tensor but rows is a minimum (capacity semantics)
   // when at_least is true, and dtype must equal `dtype`.
-  void row_output(const TensorView& t, const char* name, int64_t rows, bool at_least, int64_t cols,
-                  DType dtype) const;
+  void row_output(const TensorView& t, const char* name, int64_t rows, bool at_least, int64_t cols, DType dtype) const;
   // Contiguous 1-D int32/int64 tensor of `len` entries (len < 0: any).
   void index_vector(const TensorView& t, const char* name, int64_t len) const;
   // Contiguous int32 tensor with `len` entries (at least `len` when at_least).
@@ -70,7 +69,7 @@ class Checker {
 };
 
 // Routing inputs of the MegaBlocks ops after checking: the inverse map the
-// CPU kernels run on, built with SPEC section 6's partition.
+// CPU kernels run on, built with docs/spec.md §15's partition.
 struct RoutingMap {
   std::vector<int32_t> dest_rows;    // [A] padded row of each assignment
   std::vector<int32_t> row_sources;  // [P] assignment of each padded row, -1 padding
@@ -79,17 +78,16 @@ struct RoutingMap {
   int top_k = 1;
 };
 
-// Checks (indices, bin_ids, bins, padded_bins, top_k) as SPEC section 5 says
+// Checks (indices, bin_ids, bins, padded_bins, top_k) as docs/spec.md §12 says
 // and builds the RoutingMap: bins nondecreasing with bins[E-1] == A; every
 // padded segment at least its real count; bin_ids consistent with bins;
 // indices a permutation of [0, A).
 RoutingMap check_sorted_routing(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
-                                const TensorView& bins, const TensorView& padded_bins, int top_k,
-                                int num_threads);
+                                const TensorView& bins, const TensorView& padded_bins, int top_k, int num_threads);
 
 // Shapes, dtypes and devices of (indices, bin_ids, bins, padded_bins, top_k).
-void check_sorted_shapes(const Checker& c, const TensorView& indices, const TensorView& bin_ids,
-                         const TensorView& bins, const TensorView& padded_bins, int top_k);
+void check_sorted_shapes(const Checker& c, const TensorView& indices, const TensorView& bin_ids, const TensorView& bins,
+                         const TensorView& padded_bins, int top_k);
 
 // A PlanView's A = num_tokens * top_k after checking num_tokens >= 0,
 // top_k >= 1, num_experts >= 0 and that A fits int32 (no overflow).

@@ -72,9 +72,8 @@ TensorView flat_sizes(const Checker& c, const TensorView& split_sizes, int num_r
 
 // Shapes, dtypes, devices and the scalar arguments; returns the grid and
 // split_sizes as a 1-D view (`sizes`).
-ChunkGrid check_chunk_shapes(const Checker& c, const TensorView& received, const TensorView& split_sizes,
-                             int num_ranks, int alignment, const std::optional<TensorView>& sorted_index,
-                             TensorView& sizes) {
+ChunkGrid check_chunk_shapes(const Checker& c, const TensorView& received, const TensorView& split_sizes, int num_ranks,
+                             int alignment, const std::optional<TensorView>& sorted_index, TensorView& sizes) {
   c.row_tensor(received, "received", -1, -1, /*allow_fp8=*/true);
   sizes = flat_sizes(c, split_sizes, num_ranks);
   c.index_vector(sizes, "split_sizes", -1);
@@ -84,8 +83,8 @@ ChunkGrid check_chunk_shapes(const Checker& c, const TensorView& received, const
   g.chunks = sizes.shape[0];
   g.ranks = num_ranks;
   if (g.chunks % num_ranks != 0) {
-    c.value_error("num_ranks", "the " + str(g.chunks) + " chunks of split_sizes are not a multiple of num_ranks = " +
-                                   str(num_ranks));
+    c.value_error("num_ranks", "the " + str(g.chunks) +
+                                   " chunks of split_sizes are not a multiple of num_ranks = " + str(num_ranks));
   }
   g.groups = g.chunks / num_ranks;
   if (sorted_index) {
@@ -106,8 +105,8 @@ ChunkLayout host_layout(const Checker& c, const ChunkGrid& g, int64_t rows, cons
   }
   for (int64_t i = 0; i < C; ++i) {
     if (sizes[i] > rows) {
-      c.value_error("split_sizes", "entry " + g.at(i) + " (" + str(sizes[i]) + ") exceeds the " + str(rows) +
-                                       " rows of received");
+      c.value_error("split_sizes",
+                    "entry " + g.at(i) + " (" + str(sizes[i]) + ") exceeds the " + str(rows) + " rows of received");
     }
   }
   std::vector<int64_t> order = detail::host_vector<int64_t>(c, "sorted_index", C);
@@ -115,7 +114,8 @@ ChunkLayout host_layout(const Checker& c, const ChunkGrid& g, int64_t rows, cons
     for (int64_t j = 0; j < C; ++j) {
       const int64_t s = (*sorted)[j];
       if (s < 0 || s >= C) {
-        c.value_error("sorted_index", "position " + str(j) + " holds chunk " + str(s) + ", outside [0, " + str(C) + ")");
+        c.value_error("sorted_index",
+                      "position " + str(j) + " holds chunk " + str(s) + ", outside [0, " + str(C) + ")");
       }
       order[j] = s;
     }
@@ -126,8 +126,8 @@ ChunkLayout host_layout(const Checker& c, const ChunkGrid& g, int64_t rows, cons
       seen[order[j]] = 1;
     }
     if (repeated < C) {
-      c.value_error("sorted_index", "must be a permutation of [0, " + str(C) + "): chunk " + str(repeated) +
-                                        " appears more than once");
+      c.value_error("sorted_index",
+                    "must be a permutation of [0, " + str(C) + "): chunk " + str(repeated) + " appears more than once");
     }
   } else {
     for (int64_t j = 0; j < C; ++j) order[j] = (j % R) * E + j / R;
@@ -156,7 +156,8 @@ ChunkLayout host_layout(const Checker& c, const ChunkGrid& g, int64_t rows, cons
       l.size[j] = sizes[order[j]];
       row += l.size[j];  // <= the sum of the sizes, checked above
     }
-    row = detail::checked_add(c, "split_sizes", start, detail::checked_round_up(c, "split_sizes", row - start, alignment));
+    row = detail::checked_add(c, "split_sizes", start,
+                              detail::checked_round_up(c, "split_sizes", row - start, alignment));
     l.offsets[grp] = row;
   }
   l.padded_rows = row;
@@ -171,23 +172,20 @@ void raise_chunk_violation(const Checker& c, const ChunkGrid& g, const cuda::Vio
     case cuda::kChunkCountNegative:
       c.value_error("split_sizes", "entry " + g.at(v.pos) + " is negative (" + str(v.v1) + ")");
     case cuda::kChunkCountTooLarge:
-      c.value_error("split_sizes", "entry " + g.at(v.pos) + " (" + str(v.v1) + ") exceeds the " + str(v.v2) +
-                                       " rows of received");
+      c.value_error("split_sizes",
+                    "entry " + g.at(v.pos) + " (" + str(v.v1) + ") exceeds the " + str(v.v2) + " rows of received");
     case cuda::kChunkIndexOutOfRange:
-      c.value_error("sorted_index", "position " + str(v.pos) + " holds chunk " + str(v.v1) + ", outside [0, " +
-                                        str(g.chunks) + ")");
+      c.value_error("sorted_index",
+                    "position " + str(v.pos) + " holds chunk " + str(v.v1) + ", outside [0, " + str(g.chunks) + ")");
     case cuda::kChunkIndexRepeated:
       c.value_error("sorted_index", "must be a permutation of [0, " + str(g.chunks) + "): chunk " + str(v.v1) +
                                         " appears more than once");
     case cuda::kChunkCountTotal:
       c.value_error("split_sizes", "sums to " + str(v.v1) + " but received has " + str(v.v2) + " rows");
-    case cuda::kChunkOverflow:
-      detail::check_int32_extent(c, "split_sizes", v.v1);
-      return;
+    case cuda::kChunkOverflow: detail::check_int32_extent(c, "split_sizes", v.v1); return;
     case cuda::kChunkCapacity:
       c.value_error("padded", "output capacity: needs at least " + str(v.v1) + " rows, got " + str(v.v2));
-    default:
-      c.value_error("split_sizes", "failed validation (code " + str(v.code) + ")");
+    default: c.value_error("split_sizes", "failed validation (code " + str(v.code) + ")");
   }
 }
 
@@ -241,12 +239,13 @@ void run_sort(const Checker& c, const ChunkGrid& g, const ChunkLayout& l, const 
       return;
     }
     cuda::Scratch scratch(options, cuda::chunk_workspace_bytes(g.chunks), received.device.index);
-    const bool mapped = cuda::chunk_layout(s, order, g.chunks, static_cast<int>(g.ranks), alignment,
-                                           received.shape[0], scratch.get(), options.stream, validate ? 0 : map_len,
-                                           validate ? nullptr : map, validate ? nullptr : offs);
+    const bool mapped =
+        cuda::chunk_layout(s, order, g.chunks, static_cast<int>(g.ranks), alignment, received.shape[0], scratch.get(),
+                           options.stream, validate ? 0 : map_len, validate ? nullptr : map, validate ? nullptr : offs);
     if (validate) {
-      raise_chunk_violation(c, g, cuda::validate_chunks(s, order, g.chunks, received.shape[0], padded.shape[0],
-                                                        scratch.get(), options.stream));
+      raise_chunk_violation(
+          c, g,
+          cuda::validate_chunks(s, order, g.chunks, received.shape[0], padded.shape[0], scratch.get(), options.stream));
     }
     if (!mapped) {
       cuda::chunk_map(scratch.get(), g.chunks, static_cast<int>(g.ranks), received.shape[0], map_len, map, offs,
@@ -283,14 +282,15 @@ void sort_chunks_out(const TensorView& received, const TensorView& split_sizes, 
   c.same_device(padded, "padded", received.device);
   c.same_device(permutation_map, "permutation_map", received.device);
   c.same_device(inclusive_offsets, "inclusive_offsets", received.device);
-  detail::check_disjoint_all(c, {detail::named(padded, "padded"), detail::named(permutation_map, "permutation_map"),
-                                 detail::named(inclusive_offsets, "inclusive_offsets")},
+  detail::check_disjoint_all(c,
+                             {detail::named(padded, "padded"), detail::named(permutation_map, "permutation_map"),
+                              detail::named(inclusive_offsets, "inclusive_offsets")},
                              {detail::named(received, "received"), detail::named(split_sizes, "split_sizes"),
                               detail::named(sorted_index, "sorted_index")});
   const ChunkLayout l = chunk_inputs(c, g, received, sizes, sorted_index, alignment, options, false);
   if (l.known && padded.shape[0] < l.padded_rows) {  // in the device validation's words
-    c.value_error("padded", "output capacity: needs at least " + str(l.padded_rows) + " rows, got " +
-                                str(padded.shape[0]));
+    c.value_error("padded",
+                  "output capacity: needs at least " + str(l.padded_rows) + " rows, got " + str(padded.shape[0]));
   }
   c.row_output(padded, "padded", std::max<int64_t>(l.padded_rows, 0), /*at_least=*/true, received.shape[1],
                received.dtype);

@@ -11,8 +11,8 @@ namespace padmoe {
 void copy(const TensorView& src, const TensorView& dst, const Options& options) {
   detail::Checker c("copy");
   if (src.dtype != dst.dtype) {
-    c.fail(ErrorKind::kType, "dst", std::string("expected dtype ") + dtype_name(src.dtype) + ", got " +
-                                        dtype_name(dst.dtype));
+    c.fail(ErrorKind::kType, "dst",
+           std::string("expected dtype ") + dtype_name(src.dtype) + ", got " + dtype_name(dst.dtype));
   }
   if (src.numel() != dst.numel()) {
     c.value_error("dst", "has " + std::to_string(dst.numel()) + " elements but src has " + std::to_string(src.numel()));

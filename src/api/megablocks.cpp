@@ -1,4 +1,4 @@
-// megablocks.cpp — SPEC section 2: padded_gather / padded_scatter / wgrad,
+// megablocks.cpp — docs/spec.md §6: padded_gather / padded_scatter / wgrad,
 // their backward rules, and the fused plan forms dispatch / combine /
 // combine_backward / dispatch_backward.
 //
@@ -74,8 +74,8 @@ Routed routed_from_sorted(const Checker& c, const TensorView& indices, const Ten
     r.padded_rows = -1;
     r.indices = indices;
     r.bin_ids = bin_ids;
-    r.padding = cuda::PaddingRef{cuda::IndexRef::of(bins), cuda::IndexRef::of(padded_bins),
-                                 static_cast<int>(bins.shape[0])};
+    r.padding =
+        cuda::PaddingRef{cuda::IndexRef::of(bins), cuda::IndexRef::of(padded_bins), static_cast<int>(bins.shape[0])};
     return r;
   }
   r.owned = detail::check_sorted_routing(c, indices, bin_ids, bins, padded_bins, top_k, options.num_threads);
@@ -103,8 +103,7 @@ Routed routed_from_plan(const Checker& c, const PlanView& plan, Device device) {
     r.device_index = device.index;
     r.padded_rows = -1;
     r.plan = &plan;
-    r.padding = cuda::PaddingRef{cuda::IndexRef::of(plan.bins), cuda::IndexRef::of(plan.padded_bins),
-                                 plan.num_experts};
+    r.padding = cuda::PaddingRef{cuda::IndexRef::of(plan.bins), cuda::IndexRef::of(plan.padded_bins), plan.num_experts};
     return r;
   }
   r.padded_rows = detail::check_plan(c, plan, device);
@@ -119,11 +118,10 @@ void prepare(const Checker& c, Routed& r, const Options& o) {
   if (o.check_data) {
     cuda::Scratch scratch(o, cuda::validate_workspace_bytes(r.assignments), r.device_index);
     const cuda::Violation v =
-        r.plan != nullptr
-            ? cuda::validate_plan(*r.plan, r.rows_limit, scratch.get(), o.stream)
-            : cuda::validate_sorted_routing(cuda::IndexRef::of(r.indices), cuda::IndexRef::of(r.bin_ids),
-                                            r.padding.bins, r.padding.padded_bins, r.assignments,
-                                            r.padding.num_experts, r.rows_limit, scratch.get(), o.stream);
+        r.plan != nullptr ? cuda::validate_plan(*r.plan, r.rows_limit, scratch.get(), o.stream)
+                          : cuda::validate_sorted_routing(cuda::IndexRef::of(r.indices), cuda::IndexRef::of(r.bin_ids),
+                                                          r.padding.bins, r.padding.padded_bins, r.assignments,
+                                                          r.padding.num_experts, r.rows_limit, scratch.get(), o.stream);
     detail::raise_violation(c, v, detail::ViolationNames{"bin_ids", r.assignments, r.rows_limit_name});
   }
   if (r.plan == nullptr && r.assignments > 0 && cuda::dest_search_fits(r.assignments, r.padding.num_experts, r.top_k)) {
@@ -193,16 +191,16 @@ void run_spread(const Routed& r, const TensorView& x, const std::optional<Tensor
     const cuda::RowsArg with = dots_with ? rows_arg(*dots_with) : cuda::RowsArg{};
     const cuda::ScaleRowsArg sc =
         scales ? detail::cuda_scale_rows(scales->src, scales->dst, scales->spec) : cuda::ScaleRowsArg{};
-    cuda::spread_rows(rows_arg(x), r.top_k, r.dest(), scale_arg(w), rows_arg(y), r.padding, zero_padding,
-                      o.zero_tail, dots_with ? &with : nullptr,
+    cuda::spread_rows(rows_arg(x), r.top_k, r.dest(), scale_arg(w), rows_arg(y), r.padding, zero_padding, o.zero_tail,
+                      dots_with ? &with : nullptr,
                       dots ? cuda::FloatOutArg{dots->data, dots->dtype} : cuda::FloatOutArg{}, o.stream,
                       scales ? &sc : nullptr);
     return;
   }
   const cpu::RowsRef with = dots_with ? cpu::RowsRef::of(*dots_with) : cpu::RowsRef{};
   const cpu::ScaleRows sc = scales ? detail::cpu_scale_rows(scales->src, scales->dst, scales->spec) : cpu::ScaleRows{};
-  cpu::spread_rows(cpu::RowsRef::of(x), r.top_k, r.dest_rows, cpu::Scale::of(w), cpu::RowsRef::of(y),
-                   r.row_sources, r.padded_rows, zero_padding, o.zero_tail, dots_with ? &with : nullptr,
+  cpu::spread_rows(cpu::RowsRef::of(x), r.top_k, r.dest_rows, cpu::Scale::of(w), cpu::RowsRef::of(y), r.row_sources,
+                   r.padded_rows, zero_padding, o.zero_tail, dots_with ? &with : nullptr,
                    dots ? float_out(*dots) : cpu::FloatOut{}, o.num_threads, scales ? &sc : nullptr);
 }
 
@@ -219,8 +217,8 @@ void run_reduce(const Routed& r, const TensorView& y, const std::optional<Tensor
 
 void run_dots(const Routed& r, const TensorView& y, const TensorView& g, const TensorView& out, const Options& o) {
   if (r.on_cuda) {
-    cuda::row_dots(rows_arg(y), rows_arg(g), r.top_k, r.dest(), r.assignments,
-                   cuda::FloatOutArg{out.data, out.dtype}, o.stream);
+    cuda::row_dots(rows_arg(y), rows_arg(g), r.top_k, r.dest(), r.assignments, cuda::FloatOutArg{out.data, out.dtype},
+                   o.stream);
     return;
   }
   cpu::row_dots(cpu::RowsRef::of(y), cpu::RowsRef::of(g), r.top_k, r.dest_rows, r.assignments, float_out(out),
@@ -338,8 +336,8 @@ Routed scatter_inputs(const Checker& c, const TensorView& y, const TensorView& i
 }
 
 // Token rows `tok` and padded rows `pad` of one routing (wgrad, the backward ops).
-void pair_inputs(const Checker& c, Routed& r, const TensorView& tok, const char* tok_name,
-                 const TensorView& pad, const char* pad_name, const std::optional<TensorView>& weights) {
+void pair_inputs(const Checker& c, Routed& r, const TensorView& tok, const char* tok_name, const TensorView& pad,
+                 const char* pad_name, const std::optional<TensorView>& weights) {
   check_token_rows(c, tok, tok_name, r, -1, false);
   check_padded_input(c, pad, pad_name, r, tok.shape[1], tok.dtype);
   c.same_device(pad, pad_name, tok.device);
@@ -381,9 +379,9 @@ void padded_gather_out(const TensorView& x, const TensorView& indices, const Ten
   run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
 }
 
-Tensor padded_gather(const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
-                     const TensorView& bins, const TensorView& padded_bins, int top_k,
-                     const std::optional<TensorView>& weights, const Options& options) {
+Tensor padded_gather(const TensorView& x, const TensorView& indices, const TensorView& bin_ids, const TensorView& bins,
+                     const TensorView& padded_bins, int top_k, const std::optional<TensorView>& weights,
+                     const Options& options) {
   Checker c("padded_gather");
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
   prepare(c, r, options);
@@ -394,8 +392,8 @@ Tensor padded_gather(const TensorView& x, const TensorView& indices, const Tenso
 }
 
 void padded_scatter_out(const TensorView& y, const TensorView& indices, const TensorView& bin_ids,
-                        const std::optional<TensorView>& weights, const TensorView& bins,
-                        const TensorView& padded_bins, int top_k, const TensorView& out, const Options& options) {
+                        const std::optional<TensorView>& weights, const TensorView& bins, const TensorView& padded_bins,
+                        int top_k, const TensorView& out, const Options& options) {
   Checker c("padded_scatter");
   Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, weights, options);
   check_token_out(c, out, "out", r, y);
@@ -405,8 +403,8 @@ void padded_scatter_out(const TensorView& y, const TensorView& indices, const Te
 }
 
 Tensor padded_scatter(const TensorView& y, const TensorView& indices, const TensorView& bin_ids,
-                      const std::optional<TensorView>& weights, const TensorView& bins,
-                      const TensorView& padded_bins, int top_k, const Options& options) {
+                      const std::optional<TensorView>& weights, const TensorView& bins, const TensorView& padded_bins,
+                      int top_k, const Options& options) {
   Checker c("padded_scatter");
   Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, weights, options);
   prepare(c, r, options);
@@ -429,8 +427,8 @@ void padded_scatter_wgrad_out(const TensorView& y, const TensorView& grad, const
 }
 
 Tensor padded_scatter_wgrad(const TensorView& y, const TensorView& grad, const TensorView& indices,
-                            const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins,
-                            int top_k, const Options& options) {
+                            const TensorView& bin_ids, const TensorView& bins, const TensorView& padded_bins, int top_k,
+                            const Options& options) {
   Checker c("padded_scatter_wgrad");
   Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, grad, "grad", y, "y", std::nullopt);
@@ -452,10 +450,9 @@ void run_spread_backward(const Routed& r, const TensorView& grad_y, const Tensor
                          const TensorView* grad_weights, const Options& o) {
   if (r.on_cuda) {  // one pass over grad_y: the sum and the dot products together
     const cuda::RowsArg xr = rows_arg(x);
-    cuda::reduce_rows(rows_arg(grad_y), r.top_k, r.dest(), scale_arg(weights), rows_arg(grad_x),
-                      grad_weights ? &xr : nullptr,
-                      grad_weights ? cuda::FloatOutArg{grad_weights->data, grad_weights->dtype} : cuda::FloatOutArg{},
-                      o.stream);
+    cuda::reduce_rows(
+        rows_arg(grad_y), r.top_k, r.dest(), scale_arg(weights), rows_arg(grad_x), grad_weights ? &xr : nullptr,
+        grad_weights ? cuda::FloatOutArg{grad_weights->data, grad_weights->dtype} : cuda::FloatOutArg{}, o.stream);
     return;
   }
   // CPU: one pass over grad_y too (each token's dots while its K rows are in cache).
@@ -476,9 +473,10 @@ void padded_gather_backward_out(const TensorView& grad_y, const TensorView& x, c
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
   check_token_out(c, grad_x, "grad_x", r, x);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, x);
-  outputs_disjoint(c, r, {detail::named(grad_x, "grad_x"), detail::named(grad_weights, "grad_weights")},
-                   {detail::named(grad_y, "grad_y"), detail::Named{want_gw ? &x : nullptr, "x"},  // read for grad_weights
-                    detail::named(weights, "weights")});
+  outputs_disjoint(
+      c, r, {detail::named(grad_x, "grad_x"), detail::named(grad_weights, "grad_weights")},
+      {detail::named(grad_y, "grad_y"), detail::Named{want_gw ? &x : nullptr, "x"},  // read for grad_weights
+       detail::named(weights, "weights")});
   prepare(c, r, options);
   run_spread_backward(r, grad_y, x, weights, grad_x, want_gw ? &grad_weights : nullptr, options);
 }
@@ -504,9 +502,10 @@ void padded_scatter_backward_out(const TensorView& grad_out, const TensorView& y
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
   check_padded_out(c, grad_y, "grad_y", r, y);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, y);
-  outputs_disjoint(c, r, {detail::named(grad_y, "grad_y"), detail::named(grad_weights, "grad_weights")},
-                   {detail::named(grad_out, "grad_out"), detail::Named{want_gw ? &y : nullptr, "y"},  // read for grad_weights
-                    detail::named(weights, "weights")});
+  outputs_disjoint(
+      c, r, {detail::named(grad_y, "grad_y"), detail::named(grad_weights, "grad_weights")},
+      {detail::named(grad_out, "grad_out"), detail::Named{want_gw ? &y : nullptr, "y"},  // read for grad_weights
+       detail::named(weights, "weights")});
   prepare(c, r, options);
   run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
 }
@@ -579,9 +578,10 @@ void combine_backward_out(const TensorView& grad_out, const TensorView& y, const
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
   check_padded_out(c, grad_y, "grad_y", r, y);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, y);
-  outputs_disjoint(c, r, {detail::named(grad_y, "grad_y"), detail::named(grad_weights, "grad_weights")},
-                   {detail::named(grad_out, "grad_out"), detail::Named{want_gw ? &y : nullptr, "y"},  // read for grad_weights
-                    detail::named(weights, "weights")});
+  outputs_disjoint(
+      c, r, {detail::named(grad_y, "grad_y"), detail::named(grad_weights, "grad_weights")},
+      {detail::named(grad_out, "grad_out"), detail::Named{want_gw ? &y : nullptr, "y"},  // read for grad_weights
+       detail::named(weights, "weights")});
   prepare(c, r, options);
   run_spread(r, grad_out, weights, grad_y, want_gw ? &y : nullptr, want_gw ? &grad_weights : nullptr, options);
 }
@@ -607,9 +607,10 @@ void dispatch_backward_out(const TensorView& grad_y, const TensorView& x, const 
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
   check_token_out(c, grad_x, "grad_x", r, x);
   const bool want_gw = check_weight_grad_out(c, grad_weights, "grad_weights", r, x);
-  outputs_disjoint(c, r, {detail::named(grad_x, "grad_x"), detail::named(grad_weights, "grad_weights")},
-                   {detail::named(grad_y, "grad_y"), detail::Named{want_gw ? &x : nullptr, "x"},  // read for grad_weights
-                    detail::named(weights, "weights")});
+  outputs_disjoint(
+      c, r, {detail::named(grad_x, "grad_x"), detail::named(grad_weights, "grad_weights")},
+      {detail::named(grad_y, "grad_y"), detail::Named{want_gw ? &x : nullptr, "x"},  // read for grad_weights
+       detail::named(weights, "weights")});
   prepare(c, r, options);
   run_spread_backward(r, grad_y, x, weights, grad_x, want_gw ? &grad_weights : nullptr, options);
 }
@@ -638,7 +639,8 @@ void padded_gather_scaled_out(const TensorView& x, const TensorView& indices, co
   const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
   check_padded_out(c, y, "y", r, x);
   detail::check_scales_out(c, y_scales, "y_scales", y.shape[0], spec, x.device);
-  outputs_disjoint(c, r, {detail::named(y, "y"), detail::named(y_scales, "y_scales")}, {detail::named(x, "x"), detail::named(x_scales, "x_scales")});
+  outputs_disjoint(c, r, {detail::named(y, "y"), detail::named(y_scales, "y_scales")},
+                   {detail::named(x, "x"), detail::named(x_scales, "x_scales")});
   prepare(c, r, options);
   const ScalePair sp{x_scales, y_scales, spec};
   run_spread(r, x, std::nullopt, y, nullptr, nullptr, options, options.zero_padding, &sp);
@@ -665,7 +667,8 @@ void dispatch_scaled_out(const TensorView& x, const PlanView& plan, const Tensor
   const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
   check_padded_out(c, y, "y", r, x);
   detail::check_scales_out(c, y_scales, "y_scales", y.shape[0], spec, x.device);
-  outputs_disjoint(c, r, {detail::named(y, "y"), detail::named(y_scales, "y_scales")}, {detail::named(x, "x"), detail::named(x_scales, "x_scales")});
+  outputs_disjoint(c, r, {detail::named(y, "y"), detail::named(y_scales, "y_scales")},
+                   {detail::named(x, "x"), detail::named(x_scales, "x_scales")});
   prepare(c, r, options);
   const ScalePair sp{x_scales, y_scales, spec};
   run_spread(r, x, std::nullopt, y, nullptr, nullptr, options, options.zero_padding, &sp);
@@ -685,7 +688,7 @@ ScaledRows dispatch_scaled(const TensorView& x, const PlanView& plan, const Tens
 }
 
 // ---------------------------------------------------------------------------
-// Fused quantizing dispatch (ops.hpp section 4; issue 11, item 2)
+// Fused quantizing dispatch (ops.hpp section 4)
 // ---------------------------------------------------------------------------
 
 namespace {
@@ -700,8 +703,9 @@ Routed quantized_inputs(const Checker& c, const TensorView& x, const PlanView& p
 void run_quant_spread(const Routed& r, const TensorView& x, const TensorView& y, const TensorView& ys,
                       const detail::ScaleSpec& spec, bool e5m2, const Options& o) {
   if (r.on_cuda) {
-    cuda::quantize_spread_rows(rows_arg(x), r.top_k, r.dest_rows, rows_arg(y), detail::cuda_quant_scales(ys, spec, e5m2),
-                               r.padding, o.zero_padding, o.zero_tail, o.stream);
+    cuda::quantize_spread_rows(rows_arg(x), r.top_k, r.dest_rows, rows_arg(y),
+                               detail::cuda_quant_scales(ys, spec, e5m2), r.padding, o.zero_padding, o.zero_tail,
+                               o.stream);
     return;
   }
   cpu::quantize_spread_rows(cpu::RowsRef::of(x), r.top_k, r.dest_rows, cpu::RowsRef::of(y),
@@ -711,8 +715,8 @@ void run_quant_spread(const Routed& r, const TensorView& x, const TensorView& y,
 
 }  // namespace
 
-void dispatch_quantized_out(const TensorView& x, const PlanView& plan, const TensorView& y,
-                            const TensorView& y_scales, const Options& options) {
+void dispatch_quantized_out(const TensorView& x, const PlanView& plan, const TensorView& y, const TensorView& y_scales,
+                            const Options& options) {
   Checker c("dispatch_quantized");
   Routed r = quantized_inputs(c, x, plan);
   const bool e5m2 = detail::check_fp8_dtype(c, y.dtype, "y");

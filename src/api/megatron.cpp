@@ -1,4 +1,4 @@
-// megatron.cpp — SPEC section 3: pad_to_alignment / unpad_from_alignment
+// megatron.cpp — docs/spec.md §7: pad_to_alignment / unpad_from_alignment
 // (input already expert-grouped) and the backward of unpad.
 //
 // Both run output-row-driven over a row map: pad builds
@@ -47,10 +47,11 @@ PadShape pad_counts(const Checker& c, const TensorView& h, const detail::IndexRe
   int64_t total = 0;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t n = counts[e];
-    if (n < 0) c.value_error("tokens_per_expert", "entry " + std::to_string(e) + " is negative (" + std::to_string(n) + ")");
+    if (n < 0)
+      c.value_error("tokens_per_expert", "entry " + std::to_string(e) + " is negative (" + std::to_string(n) + ")");
     if (n > h.shape[0]) {
-      c.value_error("tokens_per_expert", "entry " + std::to_string(e) + " (" + std::to_string(n) +
-                                             ") exceeds the " + std::to_string(h.shape[0]) + " rows of hidden_states");
+      c.value_error("tokens_per_expert", "entry " + std::to_string(e) + " (" + std::to_string(n) + ") exceeds the " +
+                                             std::to_string(h.shape[0]) + " rows of hidden_states");
     }
     total = detail::checked_add(c, "tokens_per_expert", total, n);  // entries <= rows, but rows may be ~2^63
     s.counts[e] = n;
@@ -97,8 +98,9 @@ void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const Ten
     const cuda::IndexRef counts = cuda::IndexRef::of(tokens_per_expert);
     if (options.check_data && s.padded_rows < 0) {  // counts not yet seen on the host
       cuda::Scratch scratch(options, cuda::validate_workspace_bytes(0), h.device.index);
-      detail::raise_violation(c, cuda::validate_counts(counts, static_cast<int>(experts), alignment, h.shape[0],
-                                                       padded.shape[0], scratch.get(), options.stream),
+      detail::raise_violation(c,
+                              cuda::validate_counts(counts, static_cast<int>(experts), alignment, h.shape[0],
+                                                    padded.shape[0], scratch.get(), options.stream),
                               detail::ViolationNames{"tokens_per_expert", 0, "padded"});
     }
     cuda::Scratch scratch(options, cuda::pad_workspace_bytes(static_cast<int>(experts)), h.device.index);
@@ -123,14 +125,20 @@ void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const Ten
   // Row map: padded row p of expert e takes h[excl(e) + p - pexcl(e)] while
   // that is inside e's count, else it is padding (-1); entries past P are -1.
   std::vector<int64_t> excl(static_cast<size_t>(experts));
-  for (int64_t e = 0, run = 0; e < experts; ++e) { excl[e] = run; run += s.counts[e]; }
+  for (int64_t e = 0, run = 0; e < experts; ++e) {
+    excl[e] = run;
+    run += s.counts[e];
+  }
   const int workers = cpu::workers_for(options.num_threads, map_len, 64);
   cpu::parallel_run(workers, [&](int w) {
     const index::Range r = index::work_range(w, workers, map_len);
     int64_t e = index::find_segment(s.padded_incl.data(), experts, r.begin);
     for (int64_t p = r.begin; p < r.end; ++p) {
       while (e < experts && p >= s.padded_incl[e]) ++e;
-      if (e >= experts) { map[p] = -1; continue; }
+      if (e >= experts) {
+        map[p] = -1;
+        continue;
+      }
       const int64_t local = p - index::segment_start(s.padded_incl.data(), e);
       map[p] = local < s.counts[e] ? static_cast<int32_t>(excl[e] + local) : -1;
     }
@@ -196,9 +204,8 @@ Inverse inverse_map(const Checker& c, const TensorView& permutation_map, int64_t
 
 // out[r] = src[map[r]] (* scale) or zero, r < rows, on the tensors' backend.
 // With scales, each row's scale row moves with it (zeroed rows: scale 1).
-void run_gather(const TensorView& src, const int32_t* map, const std::optional<TensorView>& scale,
-                bool scale_by_source, const TensorView& out, int64_t rows, const Options& options,
-                const ScalePair* scales = nullptr) {
+void run_gather(const TensorView& src, const int32_t* map, const std::optional<TensorView>& scale, bool scale_by_source,
+                const TensorView& out, int64_t rows, const Options& options, const ScalePair* scales = nullptr) {
   if (src.device.is_cuda()) {
     const cuda::ScaleRowsArg sc =
         scales ? detail::cuda_scale_rows(scales->src, scales->dst, scales->spec) : cuda::ScaleRowsArg{};
@@ -239,9 +246,11 @@ void pad_to_alignment_out(const TensorView& hidden_states, const TensorView& tok
   c.same_device(padded, "padded", hidden_states.device);
   c.same_device(permutation_map, "permutation_map", hidden_states.device);
   c.same_device(inclusive_offsets, "inclusive_offsets", hidden_states.device);
-  detail::check_disjoint_all(c, {detail::named(padded, "padded"), detail::named(permutation_map, "permutation_map"),
-                                 detail::named(inclusive_offsets, "inclusive_offsets")},
-                             {detail::named(hidden_states, "hidden_states"), detail::named(tokens_per_expert, "tokens_per_expert")});
+  detail::check_disjoint_all(
+      c,
+      {detail::named(padded, "padded"), detail::named(permutation_map, "permutation_map"),
+       detail::named(inclusive_offsets, "inclusive_offsets")},
+      {detail::named(hidden_states, "hidden_states"), detail::named(tokens_per_expert, "tokens_per_expert")});
   run_pad(c, s, hidden_states, tokens_per_expert, alignment, padded, permutation_map, inclusive_offsets, options);
 }
 
@@ -254,8 +263,7 @@ PadResult pad_to_alignment(const TensorView& hidden_states, const TensorView& to
   r.padded = Tensor::empty(hidden_states.dtype, {s.padded_rows, hidden_states.shape[1]}, dev);
   r.permutation_map = Tensor::empty(DType::kInt32, {s.padded_rows}, dev);
   r.inclusive_offsets = Tensor::empty(DType::kInt32, {static_cast<int64_t>(s.counts.size())}, dev);
-  run_pad(c, s, hidden_states, tokens_per_expert, alignment, r.padded, r.permutation_map, r.inclusive_offsets,
-          options);
+  run_pad(c, s, hidden_states, tokens_per_expert, alignment, r.padded, r.permutation_map, r.inclusive_offsets, options);
   return r;
 }
 
@@ -274,7 +282,8 @@ void unpad_from_alignment_out(const TensorView& padded, const TensorView& permut
   c.row_output(out, "out", original_size, /*at_least=*/false, padded.shape[1], padded.dtype);
   c.same_device(out, "out", padded.device);
   detail::check_disjoint_all(c, {detail::named(out, "out")},
-                             {detail::named(padded, "padded"), detail::named(permutation_map, "permutation_map"), detail::named(probs, "probs")});
+                             {detail::named(padded, "padded"), detail::named(permutation_map, "permutation_map"),
+                              detail::named(probs, "probs")});
   const Inverse inverse = inverse_map(c, permutation_map, padded.shape[0], original_size, padded.device, options);
   run_gather(padded, inverse.data, probs, false, out, original_size, options);
 }
@@ -308,10 +317,12 @@ void pad_to_alignment_scaled_out(const TensorView& hidden_states, const TensorVi
   c.same_device(padded, "padded", hidden_states.device);
   c.same_device(permutation_map, "permutation_map", hidden_states.device);
   c.same_device(inclusive_offsets, "inclusive_offsets", hidden_states.device);
-  detail::check_disjoint_all(c, {detail::named(padded, "padded"), detail::named(padded_scales, "padded_scales"),
-                                 detail::named(permutation_map, "permutation_map"), detail::named(inclusive_offsets, "inclusive_offsets")},
-                             {detail::named(hidden_states, "hidden_states"), detail::named(tokens_per_expert, "tokens_per_expert"),
-                              detail::named(hidden_scales, "hidden_scales")});
+  detail::check_disjoint_all(
+      c,
+      {detail::named(padded, "padded"), detail::named(padded_scales, "padded_scales"),
+       detail::named(permutation_map, "permutation_map"), detail::named(inclusive_offsets, "inclusive_offsets")},
+      {detail::named(hidden_states, "hidden_states"), detail::named(tokens_per_expert, "tokens_per_expert"),
+       detail::named(hidden_scales, "hidden_scales")});
   const ScalePair sp{hidden_scales, padded_scales, spec};
   run_pad(c, s, hidden_states, tokens_per_expert, alignment, padded, permutation_map, inclusive_offsets, options, &sp);
 }
@@ -330,8 +341,8 @@ PadScaledResult pad_to_alignment_scaled(const TensorView& hidden_states, const T
   r.permutation_map = Tensor::empty(DType::kInt32, {s.padded_rows}, dev);
   r.inclusive_offsets = Tensor::empty(DType::kInt32, {static_cast<int64_t>(s.counts.size())}, dev);
   const ScalePair sp{hidden_scales, r.padded_scales, spec};
-  run_pad(c, s, hidden_states, tokens_per_expert, alignment, r.padded, r.permutation_map, r.inclusive_offsets,
-          options, &sp);
+  run_pad(c, s, hidden_states, tokens_per_expert, alignment, r.padded, r.permutation_map, r.inclusive_offsets, options,
+          &sp);
   return r;
 }
 
@@ -356,8 +367,7 @@ void unpad_from_alignment_scaled_out(const TensorView& padded, const TensorView&
 }
 
 ScaledRows unpad_from_alignment_scaled(const TensorView& padded, const TensorView& permutation_map,
-                                       int64_t original_size, const TensorView& padded_scales,
-                                       const Options& options) {
+                                       int64_t original_size, const TensorView& padded_scales, const Options& options) {
   Checker c("unpad_from_alignment");
   check_unpad_inputs(c, padded, permutation_map, std::nullopt, original_size);
   const detail::ScaleSpec spec =
@@ -381,8 +391,8 @@ Inverse unpad_backward_inputs(const Checker& c, const TensorView& grad_out, cons
   check_unpad_inputs(c, padded, permutation_map, probs, grad_out.shape[0]);
   c.row_tensor(padded, "padded_output", -1, grad_out.shape[1], false);
   if (padded.dtype != grad_out.dtype) {
-    c.fail(ErrorKind::kType, "padded_output", std::string("expected dtype ") + dtype_name(grad_out.dtype) + ", got " +
-                                                  dtype_name(padded.dtype));
+    c.fail(ErrorKind::kType, "padded_output",
+           std::string("expected dtype ") + dtype_name(grad_out.dtype) + ", got " + dtype_name(padded.dtype));
   }
   c.same_device(grad_out, "grad_out", padded.device);
   return inverse_map(c, permutation_map, padded.shape[0], grad_out.shape[0], padded.device, options,
@@ -394,16 +404,15 @@ Inverse unpad_backward_inputs(const Checker& c, const TensorView& grad_out, cons
 // forms both from one read of grad_out[map[p]] (grad_probs zeroed first), no inverse map;
 // the CPU uses the host inverse.
 void run_unpad_backward(const TensorView& grad_out, const TensorView& padded, const TensorView& permutation_map,
-                        const Inverse& inverse, const std::optional<TensorView>& probs,
-                        const TensorView& grad_padded, const TensorView* grad_probs, const Options& options) {
+                        const Inverse& inverse, const std::optional<TensorView>& probs, const TensorView& grad_padded,
+                        const TensorView* grad_probs, const Options& options) {
   const int64_t rows = padded.shape[0];
   if (padded.device.is_cuda()) {
     const cuda::ScaleArg scale = probs ? cuda::ScaleArg{probs->data, probs->dtype} : cuda::ScaleArg{};
     if (grad_probs != nullptr) {
       cuda::gather_rows_dots(cuda::RowsArg::of(grad_out), cuda::IndexRef::of(permutation_map), scale,
                              cuda::RowsArg::of(grad_padded), rows, cuda::RowsArg::of(padded),
-                             cuda::FloatOutArg{grad_probs->data, grad_probs->dtype}, grad_out.shape[0],
-                             options.stream);
+                             cuda::FloatOutArg{grad_probs->data, grad_probs->dtype}, grad_out.shape[0], options.stream);
       return;
     }
     cuda::gather_rows(cuda::RowsArg::of(grad_out), cuda::IndexRef::of(permutation_map), scale,

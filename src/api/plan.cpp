@@ -136,7 +136,8 @@ struct PlanShape {
 PlanShape check_top_experts_shape(const Checker& c, const TensorView& top_experts, int num_experts, int alignment) {
   if (top_experts.ndim != 2) c.value_error("top_experts", "expected a 2-D [tokens, top_k] tensor");
   if (!is_index(top_experts.dtype)) {
-    c.fail(ErrorKind::kType, "top_experts", std::string("expected int32 or int64, got ") + dtype_name(top_experts.dtype));
+    c.fail(ErrorKind::kType, "top_experts",
+           std::string("expected int32 or int64, got ") + dtype_name(top_experts.dtype));
   }
   if (!top_experts.is_contiguous()) c.value_error("top_experts", "expected a contiguous tensor");
   if (num_experts < 1) c.value_error("num_experts", "must be >= 1, got " + std::to_string(num_experts));
@@ -144,7 +145,8 @@ PlanShape check_top_experts_shape(const Checker& c, const TensorView& top_expert
   const int64_t tokens = top_experts.shape[0];
   const int64_t k = top_experts.shape[1];
   if (tokens < 0) c.value_error("top_experts", "negative token count");
-  if (k < 1 || k > (int64_t{1} << 30)) c.value_error("top_k", "top_experts must have top_k >= 1 columns, got " + std::to_string(k));
+  if (k < 1 || k > (int64_t{1} << 30))
+    c.value_error("top_k", "top_experts must have top_k >= 1 columns, got " + std::to_string(k));
   if (tokens > std::numeric_limits<int32_t>::max() / k) {  // before multiplying: no overflow
     c.value_error("top_experts", "size overflow: " + std::to_string(tokens) + " x " + std::to_string(k) +
                                      " assignments do not fit the int32 index outputs");
@@ -185,14 +187,16 @@ Routing check_plan_options(const Checker& c, const PlanOptions& po, int64_t a_co
   Routing r;
   r.map_name = map_name;
   const int64_t global = po.global_experts == 0 ? num_experts : po.global_experts;
-  if (po.global_experts < 0) c.value_error("plan_options.global_experts", "must be >= 0, got " + std::to_string(po.global_experts));
+  if (po.global_experts < 0)
+    c.value_error("plan_options.global_experts", "must be >= 0, got " + std::to_string(po.global_experts));
   r.remap.global = global;
   r.remap.local_experts = num_experts;
   if (is_set(po.expert_map)) {
     c.index_vector(po.expert_map, map_name, global);
     c.same_device(po.expert_map, map_name, device);
     if (po.first_expert != 0) {
-      c.value_error("plan_options.first_expert", "must be 0 with an expert_map, got " + std::to_string(po.first_expert));
+      c.value_error("plan_options.first_expert",
+                    "must be 0 with an expert_map, got " + std::to_string(po.first_expert));
     }
     r.map = po.expert_map;
     r.remap.map = po.expert_map.data;
@@ -207,16 +211,19 @@ Routing check_plan_options(const Checker& c, const PlanOptions& po, int64_t a_co
     r.remap.first = po.first_expert;
   }
   r.drop_invalid = po.drop_invalid;
-  if (po.expert_capacity < -1) c.value_error("plan_options.expert_capacity", "must be >= 0 (or -1: none), got " + std::to_string(po.expert_capacity));
+  if (po.expert_capacity < -1)
+    c.value_error("plan_options.expert_capacity",
+                  "must be >= 0 (or -1: none), got " + std::to_string(po.expert_capacity));
   r.capacity = po.expert_capacity;
   if (r.capacity >= 0) {
     if (r.capacity % alignment != 0) {
-      c.value_error("plan_options.expert_capacity", "alignment " + std::to_string(alignment) + " must divide the capacity " +
-                                                 std::to_string(r.capacity));
+      c.value_error("plan_options.expert_capacity", "alignment " + std::to_string(alignment) +
+                                                        " must divide the capacity " + std::to_string(r.capacity));
     }
     if (r.capacity > std::numeric_limits<int32_t>::max() / num_experts) {
-      c.value_error("plan_options.expert_capacity", "size overflow: " + std::to_string(num_experts) + " experts x capacity " +
-                                                 std::to_string(r.capacity) + " rows do not fit the int32 index outputs");
+      c.value_error("plan_options.expert_capacity", "size overflow: " + std::to_string(num_experts) +
+                                                        " experts x capacity " + std::to_string(r.capacity) +
+                                                        " rows do not fit the int32 index outputs");
     }
   }
   r.policy = po.drop_policy;
@@ -263,7 +270,8 @@ PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int
     const int64_t e = ids[a];
     if ((e < 0 || e >= r.remap.global) && !r.drop_invalid) {
       c.value_error("top_experts", "expert id " + std::to_string(e) + " at [" + std::to_string(a / k) + ", " +
-                                       std::to_string(a % k) + "] is outside [0, " + std::to_string(r.remap.global) + ")");
+                                       std::to_string(a % k) + "] is outside [0, " + std::to_string(r.remap.global) +
+                                       ")");
     }
     const int64_t l = r.remap.local(e);
     if (l >= 0) ++counts[l];
@@ -275,8 +283,8 @@ PlanShape check_top_experts(const Checker& c, const TensorView& top_experts, int
                                                          {r.remap.global}, top_experts.device));
     for (int64_t g = 0; g < r.remap.global; ++g) {
       if (map[g] < -1 || map[g] >= num_experts) {
-        c.value_error(r.map_name, "entry " + std::to_string(g) + " is " + std::to_string(map[g]) +
-                                                     ", outside [-1, " + std::to_string(num_experts) + ")");
+        c.value_error(r.map_name, "entry " + std::to_string(g) + " is " + std::to_string(map[g]) + ", outside [-1, " +
+                                      std::to_string(num_experts) + ")");
       }
     }
   }
@@ -301,8 +309,9 @@ void check_plan_outputs(const Checker& c, const PlanView& out, const PlanShape& 
   c.int32_output(out.padded_bins, "out.padded_bins", num_experts);
   c.int32_output(out.dest_rows, "out.dest_rows", a_count);
   c.int32_output(out.row_sources, "out.row_sources", s.padded_rows, /*at_least=*/true);
-  const TensorView* all[] = {&out.indices, &out.bin_ids, &out.tokens_per_expert, &out.bins,
-                             &out.padded_tokens_per_expert, &out.padded_bins, &out.dest_rows, &out.row_sources};
+  const TensorView* all[] = {
+      &out.indices,     &out.bin_ids,   &out.tokens_per_expert, &out.bins, &out.padded_tokens_per_expert,
+      &out.padded_bins, &out.dest_rows, &out.row_sources};
   for (const TensorView* t : all) c.same_device(*t, "out", device);
 }
 
@@ -321,15 +330,21 @@ void check_layouts(const Checker& c, const PlanLayouts& l, const PlanView& out, 
 
 // The outputs (the plan, the given layouts, the dropped count) share no memory with each other or
 // with the inputs (the ids, the expert map, the probs).
-void check_plan_disjoint(const Checker& c, const TensorView& top_experts, const PlanView& out,
-                         const PlanLayouts& l, const Routing& r) {
+void check_plan_disjoint(const Checker& c, const TensorView& top_experts, const PlanView& out, const PlanLayouts& l,
+                         const Routing& r) {
   const std::pair<const TensorView*, const char*> outs[] = {
-      {&out.indices, "out.indices"},     {&out.bin_ids, "out.bin_ids"},
-      {&out.tokens_per_expert, "out.tokens_per_expert"}, {&out.bins, "out.bins"},
-      {&out.padded_tokens_per_expert, "out.padded_tokens_per_expert"}, {&out.padded_bins, "out.padded_bins"},
-      {&out.dest_rows, "out.dest_rows"}, {&out.row_sources, "out.row_sources"},
-      {&l.row_experts, "layouts.row_experts"}, {&l.block_experts, "layouts.block_experts"},
-      {&l.padded_total, "layouts.padded_total"}, {&r.dropped, "plan_options.dropped"}};
+      {&out.indices, "out.indices"},
+      {&out.bin_ids, "out.bin_ids"},
+      {&out.tokens_per_expert, "out.tokens_per_expert"},
+      {&out.bins, "out.bins"},
+      {&out.padded_tokens_per_expert, "out.padded_tokens_per_expert"},
+      {&out.padded_bins, "out.padded_bins"},
+      {&out.dest_rows, "out.dest_rows"},
+      {&out.row_sources, "out.row_sources"},
+      {&l.row_experts, "layouts.row_experts"},
+      {&l.block_experts, "layouts.block_experts"},
+      {&l.padded_total, "layouts.padded_total"},
+      {&r.dropped, "plan_options.dropped"}};
   const std::pair<const TensorView*, const char*> ins[] = {
       {&top_experts, "top_experts"}, {&r.map, r.map_name}, {&r.probs, r.probs_name}};
   const size_t n = sizeof(outs) / sizeof(outs[0]);
@@ -348,9 +363,9 @@ void validate_ids_on_device(const Checker& c, const TensorView& top_experts, con
   const bool wide = top_experts.dtype == DType::kInt64;
   cuda::Scratch scratch(options, cuda::validate_workspace_bytes(0), top_experts.device.index);
   const cuda::IndexRef map{r.remap.map, r.remap.map_wide};
-  const cuda::Violation v = cuda::validate_routing_ids(cuda::IndexRef{top_experts.data, wide}, s.tokens * s.top_k,
-                                                       r.remap.global, !r.drop_invalid, map, num_experts,
-                                                       scratch.get(), options.stream);
+  const cuda::Violation v =
+      cuda::validate_routing_ids(cuda::IndexRef{top_experts.data, wide}, s.tokens * s.top_k, r.remap.global,
+                                 !r.drop_invalid, map, num_experts, scratch.get(), options.stream);
   if (v.code == cuda::kExpertMapOutOfRange) {
     detail::raise_violation(c, v, detail::ViolationNames{r.map_name, num_experts});
   }
@@ -358,8 +373,8 @@ void validate_ids_on_device(const Checker& c, const TensorView& top_experts, con
 }
 
 // The backend's make_plan on checked arguments (CUDA: ids validated in checked mode).
-void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanShape& s, int num_experts,
-                   int alignment, const PlanView& out, const Options& options, const PlanLayouts& layouts = {},
+void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanShape& s, int num_experts, int alignment,
+                   const PlanView& out, const Options& options, const PlanLayouts& layouts = {},
                    int32_t padding_source = -1, const Routing* routing = nullptr) {
   const Routing plain = plain_routing(num_experts);
   const Routing& r = routing != nullptr ? *routing : plain;
@@ -418,8 +433,8 @@ void run_make_plan(const Checker& c, const TensorView& top_experts, const PlanSh
         *dropped = 0;
       }
     } catch (const std::bad_alloc&) {
-      c.fail(ErrorKind::kRuntime, "num_experts", "out of host memory for the plan's scratch (" +
-                                                     std::to_string(num_experts) + " experts)");
+      c.fail(ErrorKind::kRuntime, "num_experts",
+             "out of host memory for the plan's scratch (" + std::to_string(num_experts) + " experts)");
     }
     return;
   }
@@ -463,9 +478,11 @@ int64_t plan_rows_bound(int64_t num_tokens, int top_k, int num_experts, int alig
   Checker c("plan_rows_bound");
   const int64_t a_count = helper_assignments(c, num_tokens, top_k, num_experts, alignment);
   if (po.expert_capacity < -1) {
-    c.value_error("plan_options.expert_capacity", "must be >= 0 (or -1: none), got " + std::to_string(po.expert_capacity));
+    c.value_error("plan_options.expert_capacity",
+                  "must be >= 0 (or -1: none), got " + std::to_string(po.expert_capacity));
   }
-  if (po.expert_capacity >= 0) return detail::checked_mul(c, "plan_options.expert_capacity", po.expert_capacity, num_experts);
+  if (po.expert_capacity >= 0)
+    return detail::checked_mul(c, "plan_options.expert_capacity", po.expert_capacity, num_experts);
   return checked_capacity_bound(c, a_count, num_experts, alignment);
 }
 
@@ -473,8 +490,8 @@ void make_plan_out(const TensorView& top_experts, int num_experts, int alignment
                    const PlanLayouts& layouts, const PlanOptions& plan_options, const Options& options) {
   Checker c("make_plan");
   const PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, alignment);
-  const Routing r = check_plan_options(c, plan_options, shape.tokens * shape.top_k, num_experts, alignment,
-                                       top_experts.device);
+  const Routing r =
+      check_plan_options(c, plan_options, shape.tokens * shape.top_k, num_experts, alignment, top_experts.device);
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment, r);
   check_plan_outputs(c, out, s, num_experts, top_experts.device);
   check_layouts(c, layouts, out, alignment, top_experts.device);
@@ -486,13 +503,13 @@ Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, co
                const Options& options) {
   Checker c("make_plan");
   const PlanShape shape = check_top_experts_shape(c, top_experts, num_experts, alignment);
-  const Routing r = check_plan_options(c, plan_options, shape.tokens * shape.top_k, num_experts, alignment,
-                                       top_experts.device);
+  const Routing r =
+      check_plan_options(c, plan_options, shape.tokens * shape.top_k, num_experts, alignment, top_experts.device);
   if (r.capacity < 0) check_capacity_fits(c, shape, num_experts, alignment);  // sizes before the data
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment, r);
   // E * C rows with a capacity (checked to fit int32 with the options), else the capacity bound
-  const int64_t rows = r.capacity >= 0 ? r.capacity * num_experts
-                                       : index::capacity_bound(s.tokens * s.top_k, num_experts, alignment);
+  const int64_t rows =
+      r.capacity >= 0 ? r.capacity * num_experts : index::capacity_bound(s.tokens * s.top_k, num_experts, alignment);
   Plan plan = allocate_plan(s.tokens, s.top_k, num_experts, alignment, rows, top_experts.device);
   run_make_plan(c, top_experts, s, num_experts, alignment, plan.view(), options, {}, -1, &r);
   return plan;
@@ -501,7 +518,7 @@ Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, co
 namespace {
 
 // make_plan_and_dispatch's rows against the ids' shape: x [T, H] (float8 only unweighted, as
-// dispatch), weights [A] of x's dtype or float32, y [>= rows, H] of x's dtype; one device.
+// dispatch), weights [A] float32 / float16 / bfloat16, y [>= rows, H] of x's dtype; one device.
 void check_plan_dispatch_rows(const Checker& c, const TensorView& x, const std::optional<TensorView>& weights,
                               const TensorView* y, int64_t y_rows, const PlanShape& s, Device device) {
   c.row_tensor(x, "x", s.tokens, -1, /*allow_fp8=*/!weights);
@@ -547,9 +564,9 @@ void make_plan_and_dispatch_out(const TensorView& x, const TensorView& top_exper
   if (weights) rows.probs = *weights;
   rows.probs_name = "weights";
   check_plan_disjoint(c, top_experts, out, {}, rows);
-  const TensorView* plan_arrays[] = {&out.indices, &out.bin_ids, &out.tokens_per_expert, &out.bins,
-                                     &out.padded_tokens_per_expert, &out.padded_bins, &out.dest_rows,
-                                     &out.row_sources};
+  const TensorView* plan_arrays[] = {
+      &out.indices,     &out.bin_ids,   &out.tokens_per_expert, &out.bins, &out.padded_tokens_per_expert,
+      &out.padded_bins, &out.dest_rows, &out.row_sources};
   for (const TensorView* a : plan_arrays) detail::check_disjoint(c, y, "y", *a, "out");
   detail::check_disjoint(c, y, "y", x, "x");
   detail::check_disjoint(c, y, "y", top_experts, "top_experts");
@@ -557,8 +574,8 @@ void make_plan_and_dispatch_out(const TensorView& x, const TensorView& top_exper
   run_plan_dispatch(c, x, top_experts, s, num_experts, alignment, out, weights, y, options);
 }
 
-PlannedRows make_plan_and_dispatch(const TensorView& x, const TensorView& top_experts, int num_experts,
-                                   int alignment, const std::optional<TensorView>& weights, const Options& options) {
+PlannedRows make_plan_and_dispatch(const TensorView& x, const TensorView& top_experts, int num_experts, int alignment,
+                                   const std::optional<TensorView>& weights, const Options& options) {
   Checker c("make_plan_and_dispatch");
   check_capacity_fits(c, check_top_experts_shape(c, top_experts, num_experts, alignment), num_experts, alignment);
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment);
@@ -597,8 +614,8 @@ void align_blocks_out(const TensorView& top_experts, int block_size, int num_exp
   PlanOptions po;
   po.expert_map = expert_map;
   po.drop_invalid = true;
-  const Routing r = check_plan_options(c, po, shape.tokens * shape.top_k, num_experts, block_size,
-                                       top_experts.device, "expert_map");
+  const Routing r =
+      check_plan_options(c, po, shape.tokens * shape.top_k, num_experts, block_size, top_experts.device, "expert_map");
   const PlanShape s = check_top_experts(c, top_experts, num_experts, block_size, r);
   const int64_t a_count = s.tokens * s.top_k;
   const Device device = top_experts.device;
@@ -610,13 +627,14 @@ void align_blocks_out(const TensorView& top_experts, int block_size, int num_exp
   c.same_device(sorted_token_ids, "sorted_token_ids", device);
   c.same_device(expert_ids, "expert_ids", device);
   c.same_device(num_tokens_post_padded, "num_tokens_post_padded", device);
-  const std::pair<const TensorView*, const char*> outs[] = {
-      {&sorted_token_ids, "sorted_token_ids"}, {&expert_ids, "expert_ids"},
-      {&num_tokens_post_padded, "num_tokens_post_padded"}};
+  const std::pair<const TensorView*, const char*> outs[] = {{&sorted_token_ids, "sorted_token_ids"},
+                                                            {&expert_ids, "expert_ids"},
+                                                            {&num_tokens_post_padded, "num_tokens_post_padded"}};
   for (int i = 0; i < 3; ++i) {
     detail::check_disjoint(c, *outs[i].first, outs[i].second, top_experts, "top_experts");
     detail::check_disjoint(c, *outs[i].first, outs[i].second, expert_map, "expert_map");
-    for (int j = 0; j < i; ++j) detail::check_disjoint(c, *outs[i].first, outs[i].second, *outs[j].first, outs[j].second);
+    for (int j = 0; j < i; ++j)
+      detail::check_disjoint(c, *outs[i].first, outs[i].second, *outs[j].first, outs[j].second);
   }
   // The plan's other arrays are scratch: 3 of A entries, 4 of E.
   const int64_t ints = 3 * a_count + 4 * static_cast<int64_t>(num_experts);
@@ -653,8 +671,7 @@ void align_blocks_out(const TensorView& top_experts, int block_size, int num_exp
   layouts.block_experts = expert_ids;
   layouts.padded_total = num_tokens_post_padded;
   // padding rows of sorted_token_ids hold the sentinel A (such a row_sources is no plan's: kept internal)
-  run_make_plan(c, top_experts, s, num_experts, block_size, plan, options, layouts, static_cast<int32_t>(a_count),
-                &r);
+  run_make_plan(c, top_experts, s, num_experts, block_size, plan, options, layouts, static_cast<int32_t>(a_count), &r);
 }
 
 }  // namespace
@@ -674,8 +691,8 @@ void moe_align_block_size_out(const TensorView& top_experts, int block_size, int
                    num_tokens_post_padded, options);
 }
 
-AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size, int num_experts,
-                                   bool pad_sorted_ids, const Options& options) {
+AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size, int num_experts, bool pad_sorted_ids,
+                                   const Options& options) {
   return moe_align_block_size(top_experts, block_size, num_experts, TensorView{}, pad_sorted_ids, options);
 }
 

@@ -66,8 +66,7 @@ void run_quantize(const TensorView& x, const TensorView& y, const TensorView& ys
     return;
   }
   cpu::quantize_spread_rows(cpu::RowsRef::of(x), 1, nullptr, cpu::RowsRef::of(y),
-                            detail::cpu_quant_scales(ys, spec, e5m2), nullptr, x.shape[0], false, false,
-                            o.num_threads);
+                            detail::cpu_quant_scales(ys, spec, e5m2), nullptr, x.shape[0], false, false, o.num_threads);
 }
 
 }  // namespace

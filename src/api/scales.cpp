@@ -33,8 +33,8 @@ ScaleSpec infer(const Checker& c, const TensorView& s, const char* name, int64_t
   if (s.dtype == DType::kUInt8) {
     const int64_t want = index::ceil_div(hidden, 32);
     if (s.ndim != 2 || s.shape[1] != want) {
-      c.value_error(name, "uint8 (E8M0) scales must be [rows, ceil(H/32)] = [rows, " + str(want) + "] for H = " +
-                              str(hidden) + ", got shape " + shape_str(s));
+      c.value_error(name, "uint8 (E8M0) scales must be [rows, ceil(H/32)] = [rows, " + str(want) +
+                              "] for H = " + str(hidden) + ", got shape " + shape_str(s));
     }
     spec.layout = ScaleLayout::kMxE8M0;
     spec.cols = want;
@@ -49,8 +49,7 @@ ScaleSpec infer(const Checker& c, const TensorView& s, const char* name, int64_t
     spec.cols = blocks;
   } else {
     c.value_error(name, "float32 scales must be [rows] or [rows, 1] (per row) or [rows, ceil(H/128)] = [rows, " +
-                            str(blocks) + "] (per 128 columns) for H = " + str(hidden) + ", got shape " +
-                            shape_str(s));
+                            str(blocks) + "] (per 128 columns) for H = " + str(hidden) + ", got shape " + shape_str(s));
   }
   if (s.ndim == 2 && s.shape[1] == 0) spec.cols = 0;  // H = 0, per 128 columns: no columns
   return spec;
@@ -77,8 +76,9 @@ ScaleSpec check_scales(const Checker& c, const TensorView& s, const char* name, 
 void check_scales_out(const Checker& c, const TensorView& s, const char* name, int64_t rows, const ScaleSpec& like,
                       Device device) {
   if (s.dtype != like.dtype) {
-    c.fail(ErrorKind::kType, name, std::string("expected dtype ") + dtype_name(like.dtype) +
-                                       " (the input scales'), got " + dtype_name(s.dtype));
+    c.fail(
+        ErrorKind::kType, name,
+        std::string("expected dtype ") + dtype_name(like.dtype) + " (the input scales'), got " + dtype_name(s.dtype));
   }
   if (s.ndim != 1 && s.ndim != 2) {
     c.value_error(name, "expected a [rows] or [rows, columns] scale tensor, got shape " + shape_str(s));

@@ -1,6 +1,6 @@
 // scales.hpp — the scale tensors of the `_scaled` ops (rows moved with their
-// scales, ops.hpp section 4): layout inference and argument checks (SPEC
-// section 5: named argument, before anything is written), and the kernels'
+// scales, ops.hpp section 4): layout inference and argument checks (docs/spec.md
+// §12: named argument, before anything is written), and the kernels'
 // views of a checked (source, destination) pair.
 #pragma once
 

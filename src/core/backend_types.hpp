@@ -26,8 +26,7 @@ struct RowsRef {
   int32_t l2_blocks = 0;
 
   static RowsRef of(const TensorView& t) {
-    return RowsRef{t.data, t.shape[0], t.shape[1], t.strides[0] * static_cast<int64_t>(element_size(t.dtype)),
-                   t.dtype};
+    return RowsRef{t.data, t.shape[0], t.shape[1], t.strides[0] * static_cast<int64_t>(element_size(t.dtype)), t.dtype};
   }
   char* row(int64_t r) const { return static_cast<char*>(data) + r * stride_bytes; }  // host
   int64_t row_bytes() const { return cols * static_cast<int64_t>(element_size(dtype)); }

@@ -59,7 +59,8 @@ using policy::ReduceKernel;
 using policy::RowDotsKernel;
 using policy::SpreadKernel;
 
-const Name<PlanPath> kPlanPaths[] = {{"small", PlanPath::kSmall}, {"fused", PlanPath::kFused}, {"split", PlanPath::kSplit}};
+const Name<PlanPath> kPlanPaths[] = {
+    {"small", PlanPath::kSmall}, {"fused", PlanPath::kFused}, {"split", PlanPath::kSplit}};
 const Name<PlanMatch> kPlanMatches[] = {{"match", PlanMatch::kMatchAny}, {"ballot", PlanMatch::kBallot}};
 const Name<PlanCounts> kPlanCounts[] = {{"ints", PlanCounts::kInts}, {"pairs", PlanCounts::kPairs}};
 const Name<SpreadKernel> kSpreads[] = {{"block", SpreadKernel::kBlock}, {"warp", SpreadKernel::kWarp}};

@@ -2,7 +2,8 @@
 // sizes and the device's properties. No CUDA header: the CPU test suite checks every choice and
 // the boundaries between them (tests/test_kernel_policy.cpp).
 //
-// Each choice names the results page under bench/results/ that measured it (H200 unless named).
+// Each choice gives the measurement that decided it (NVIDIA H200 unless named; the runs' pages and
+// raw logs are in the git history of bench/results/).
 // The CUDA dispatch layer (src/cuda/*.cu) asks these functions, then applies a test's or
 // `padmoe bench --variant`'s override (src/core/kernel_overrides.hpp) where one is set. Every
 // choice moves and sums the same bits; only the dot-product families (ReduceDotsKernel,
@@ -32,9 +33,9 @@ enum class PlanPath {
   kFused,  // one (cooperative) launch of the count, the scan and the placement
   kSplit,  // two launches, count then place (E above the fused kernel's)
 };
-// Small for one chunk, fused up to 512 experts, split above. Measured: cuda-h200-2026-12-01.md
-// (fused against split), the small kernel's 32 blocks against 16 / 64: 4.9 against 5.1 / 5.0 us
-// at decode (cuda-h200-2026-12-02.md).
+// Small for one chunk, fused up to 512 experts, split above. Measured: fused against
+// split, and the small kernel's 32 blocks against 16 / 64: 4.9 against 5.1 / 5.0 us
+// at decode.
 inline PlanPath plan_path(int64_t assignments, int num_experts) {
   if (num_experts < 1 || num_experts > kPlanFusedMaxExperts) return PlanPath::kSplit;
   return assignments <= kPlanChunk ? PlanPath::kSmall : PlanPath::kFused;
@@ -44,8 +45,7 @@ enum class PlanMatch {
   kMatchAny,  // __match_any_sync: few distinct keys in a warp
   kBallot,    // a ballot a key bit: many distinct keys
 };
-// Ballot from 64 experts: E = 256 decode 6.2 against 7.0 us, E = 32 of 256 5.8 against 5.2
-// (cuda-h200-2026-12-02-eleventh.md).
+// Ballot from 64 experts: E = 256 decode 6.2 against 7.0 us, E = 32 of 256 5.8 against 5.2.
 inline PlanMatch plan_match(int num_experts) { return num_experts >= 64 ? PlanMatch::kBallot : PlanMatch::kMatchAny; }
 
 enum class PlanCounts {
@@ -57,14 +57,14 @@ inline bool plan_pairs_fit(int chunks_per_block) {
   return static_cast<int64_t>(chunks_per_block) * kPlanChunk <= 0xffff;
 }
 // Pairs where they fit from 64 experts: deepseek-v3 10.7 against 11.1 us, mixtral-8x7b (E = 8)
-// 7.3 against 7.1 (cuda-h200-2026-12-03-fourteenth.md).
+// 7.3 against 7.1.
 inline PlanCounts plan_counts(int chunks_per_block, int num_experts) {
   return plan_pairs_fit(chunks_per_block) && num_experts >= 64 ? PlanCounts::kPairs : PlanCounts::kInts;
 }
 
 // Blocks ranking each chunk in the fused kernel (a power of two up to 16), with `distinct`
 // chunk-owning blocks: about one block a multiprocessor, at most `resident` blocks in all;
-// 1 when a block owns several chunks (cuda-h200-2026-12-02-tenth.md).
+// 1 when a block owns several chunks.
 inline int plan_replicas(int distinct, int chunks_per_block, int sms, int resident) {
   int replicas = 1;
   if (chunks_per_block != 1 || distinct <= 0) return replicas;
@@ -85,7 +85,7 @@ inline int64_t few_tokens_blocks(const Device& d) { return 4 * static_cast<int64
 inline bool few_tokens(int64_t tokens, const Device& d) { return tokens < few_tokens_blocks(d); }
 
 // From one token a multiprocessor to below 2.5, rows of 512 16-byte units (8 KiB) and more: a block
-// a token loads two units a lane at a time (cuda-h200-2026-12-02-twelfth.md).
+// a token loads two units a lane at a time.
 inline bool two_units_window(int64_t tokens, int64_t units, const Device& d) {
   const int64_t sms = d.sms;
   return tokens >= sms && 2 * tokens < 5 * sms && units >= 2 * kRowThreads;
@@ -117,8 +117,7 @@ enum class SpreadKernel {
 };
 // The spreads without dot products: a warp a token for rows of at most 512 units whose K copies are
 // at most 2048 units, at 16 tokens a multiprocessor and more: dispatch(fp8+scales) mixtral-8x7b
-// 2.07x -> 1.19x the floor; decode and deepseek-v3 lose, so the block kernel
-// (cuda-h200-2026-12-03.md).
+// 2.07x -> 1.19x the floor; decode and deepseek-v3 lose, so the block kernel.
 inline SpreadKernel spread_kernel(int64_t tokens, int64_t units, int top_k, const Device& d) {
   const bool short_rows = units <= 512 && units * top_k <= 2048;
   return short_rows && tokens >= 16 * static_cast<int64_t>(d.sms) ? SpreadKernel::kWarp : SpreadKernel::kBlock;
@@ -131,7 +130,7 @@ enum class ReduceKernel {
   kTokenBlockTwoUnits,  // the same, two units a lane at a time
 };
 // The plain reduce (combine, scatter; the same sums every way). Measured at E = 256, K = 8,
-// H = 7168 (cuda-h200-2026-12-02-eleventh.md): below one token a multiprocessor the wide block
+// H = 7168: below one token a multiprocessor the wide block
 // shape (combine(w) T = 64: 4.6 against 5.8 us); in the two-units window two units a lane (T = 256:
 // 7.7 against 7.8); else the token block (T = 2048: 65.8 against 72.2); above top_k 8 the block
 // kernel (wide for few tokens).
@@ -159,9 +158,9 @@ enum class ReduceDotsKernel {
   kTokenBlockTwoUnits,  // the same, two units a lane at a time (kTokenBlock's bits)
 };
 // The reduce with dots (gather / dispatch backward with weights): a warp a token (mixtral 1.15 ->
-// 1.03x, deepseek-v3 1.13 -> 0.99x against the block kernel, cuda-h200-2026-12-01.md), a block a
+// 1.03x, deepseek-v3 1.13 -> 0.99x against the block kernel), a block a
 // token for few tokens (decode 12.2 -> 10.2 us), two units a lane in the two-units window
-// (padded_gather_backward(w) 11.1 against 12.4 us, cuda-h200-2026-12-02-twelfth.md); above top_k 8
+// (padded_gather_backward(w) 11.1 against 12.4 us); above top_k 8
 // the block kernel (wide for few tokens). The families sum the dots in different orders.
 inline ReduceDotsKernel reduce_dots_kernel(int64_t tokens, int top_k, int64_t units, const Device& d) {
   if (top_k > kWarpReduceMaxK) return few_tokens(tokens, d) ? ReduceDotsKernel::kBlockWide : ReduceDotsKernel::kBlock;
@@ -185,7 +184,7 @@ enum class RowDotsKernel {
 };
 // row_dots (padded_scatter_wgrad): a block a token for 2 < top_k <= 8 (decode 1.42 -> 1.34x the
 // floor, deepseek-v3 0.94 -> 0.93x), a warp an assignment for top-2 (mixtral 1.00 against 1.22x)
-// and above top_k 8 (cuda-h200-2026-12-03-fourteenth.md). The two sum in different orders.
+// and above top_k 8. The two sum in different orders.
 inline RowDotsKernel row_dots_kernel(int top_k) {
   return top_k > 2 && top_k <= kWarpReduceMaxK ? RowDotsKernel::kTokenBlock : RowDotsKernel::kAssignmentWarp;
 }
@@ -195,13 +194,13 @@ inline RowDotsKernel row_dots_fit(RowDotsKernel k, int top_k) {
 
 // Whether the row kernels find destinations by a search of the sorted form (MegaBlocks' indices /
 // bin_ids / bins / padded_bins) instead of a build_dest_rows launch: A <= 4096, E <= 256,
-// top_k <= 8 (cuda-h200-2026-12-03-fourteenth.md).
+// top_k <= 8.
 inline bool dest_search_fits(int64_t assignments, int num_experts, int top_k) {
   return assignments <= kDestSearchAssignments && num_experts <= kDestSearchExperts && top_k <= kWarpReduceMaxK;
 }
 
 // Rows a padding-zero block clears: 32, and at small T about 56 KiB of rows (4 to 32 rows): decode
-// dispatch 14 KiB rows 4 / 8 / 2 rows 18.5 / 19.6 / 19.7 us (cuda-h200-2026-12-03-fourteenth.md).
+// dispatch 14 KiB rows 4 / 8 / 2 rows 18.5 / 19.6 / 19.7 us.
 constexpr int kZeroRows = 32;
 inline int zero_rows_per_block(int64_t tokens, int64_t row_bytes, const Device& d) {
   if (tokens >= few_tokens_blocks(d)) return kZeroRows;
@@ -212,7 +211,7 @@ inline int zero_rows_per_block(int64_t tokens, int64_t row_bytes, const Device& 
 
 // L2 prefetch of a gather's source rows before the kernel's wait: only where there is a wait to
 // overlap (PDL) and the rows stay in L2 until read (at most 60% of it). sort_chunks' gather at
-// decode 24.9 -> 23.4 us; a prefetch shortly before the loads costs (cuda-h200-2026-12-03-sixteenth.md).
+// decode 24.9 -> 23.4 us; a prefetch shortly before the loads costs.
 inline bool l2_prefetch(int64_t rows, int64_t row_bytes, const Device& d) {
   return d.pdl && rows * row_bytes <= d.l2_bytes / 10 * 6;
 }
@@ -223,12 +222,11 @@ constexpr int kChunkRowsMaxChunks = 1024;     // the one launch's chunks
 constexpr int kChunkRowThreads = 256;
 
 // The layout kernel writes the row map in the same launch up to 16384 map rows: decode sort_chunks
-// 26.6 -> 24.7 us (cuda-h200-2026-12-03.md).
+// 26.6 -> 24.7 us.
 inline bool chunk_map_fused(int64_t map_len) { return map_len <= kChunkFusedMapRows; }
 
 // sort_chunks in one launch (layout and rows) for received rows of at most the L2's size: decode
-// 23.3 -> 21.8 us; hundreds of MiB lose (1.06-1.10x -> 1.13-1.20x the floor,
-// cuda-h200-2026-12-03-seventeenth.md).
+// 23.3 -> 21.8 us; hundreds of MiB lose (1.06-1.10x -> 1.13-1.20x the floor).
 inline bool chunk_rows_one_launch(int64_t rows, int64_t row_bytes, const Device& d) {
   return rows * row_bytes <= d.l2_bytes;
 }
@@ -238,9 +236,9 @@ enum class ChunkRowsForm {
   kRowwise,  // one row at a time, rows of at least 256 words
   kOneScan,  // the layout in one block scan, one row a block (no sorted_index, C <= 256)
 };
-// Row by row for rows of 256 words and more (decode 24.5 -> 24.0 us,
-// cuda-h200-2026-12-04-twentieth.md); the one-scan form without sorted_index at most 256 chunks
-// (decode 20.6 -> 18.3 us in a graph, cuda-h200-2026-12-04-twenty-first.md).
+// Row by row for rows of 256 words and more (decode 24.5 -> 24.0 us); the
+// one-scan form without sorted_index at most 256 chunks
+// (decode 20.6 -> 18.3 us in a graph).
 inline bool chunk_one_scan_fits(bool sorted_index, int64_t num_chunks, int64_t words) {
   return !sorted_index && num_chunks <= kChunkRowThreads && words >= kChunkRowThreads;
 }
@@ -262,8 +260,7 @@ inline ChunkRowsForm chunk_rows_fit(ChunkRowsForm f, bool sorted_index, int64_t 
 constexpr int kQuantStepCols = 2048;  // columns a quantizing block step covers
 
 // Blocks a token row of the quantizing spread (block scales only): every step its block when all
-// tokens' steps fit in 8 blocks a multiprocessor (decode: 256 tokens x 4 steps of H = 7168), else 1
-// (cuda-h200-2026-12-03-seventeenth.md).
+// tokens' steps fit in 8 blocks a multiprocessor (decode: 256 tokens x 4 steps of H = 7168), else 1.
 inline int quant_slices(int64_t tokens, int64_t hidden, bool per_row_scales, const Device& d) {
   if (per_row_scales || tokens <= 0) return 1;
   const int64_t steps = (hidden + kQuantStepCols - 1) / kQuantStepCols;
@@ -271,11 +268,11 @@ inline int quant_slices(int64_t tokens, int64_t hidden, bool per_row_scales, con
   return tokens * steps <= 8 * static_cast<int64_t>(d.sms) ? static_cast<int>(steps) : 1;
 }
 // The sliced kernel at 6 blocks a multiprocessor for 1x128 block scales, at 8 for MXFP8: quant-128
-// 12.7 against 13.3 us at decode (cuda-h200-2026-12-04-nineteenth.md).
+// 12.7 against 13.3 us at decode.
 enum class QuantScaleKind { kPerRow, kBlock128, kMx };
 inline bool quant_loose(QuantScaleKind k) { return k == QuantScaleKind::kBlock128; }
 // Rows a padding-zero block of the quantizing spread clears: 4 for block scales where the spreads'
-// rule gives fewer than 32 (quant-128 12.6 against 13.6 us with 8, cuda-h200-2026-12-03-seventeenth.md).
+// rule gives fewer than 32 (quant-128 12.6 against 13.6 us with 8).
 inline int quant_zero_rows(int64_t tokens, int64_t row_bytes, QuantScaleKind k, const Device& d) {
   return zero_rows_per_block(tokens, row_bytes, d) < kZeroRows && k != QuantScaleKind::kPerRow ? 4 : kZeroRows;
 }

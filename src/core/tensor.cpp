@@ -147,7 +147,8 @@ Tensor Tensor::empty(DType dtype, int ndim, const int64_t* shape, Device device)
   const size_t align = bytes >= 2 * kHuge ? kHuge : 64;
   const size_t alloc = ((bytes + align - 1) / align) * align + align;
   void* p = std::aligned_alloc(align, alloc);
-  if (p == nullptr) throw Error(ErrorKind::kRuntime, "Tensor::empty: out of memory (" + std::to_string(bytes) + " bytes)");
+  if (p == nullptr)
+    throw Error(ErrorKind::kRuntime, "Tensor::empty: out of memory (" + std::to_string(bytes) + " bytes)");
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (align == kHuge) (void)madvise(p, alloc, MADV_HUGEPAGE);  // advice only; failure is harmless
 #endif

@@ -1,4 +1,4 @@
-// tiling.cpp — the tile planner of SPEC section 6 and its rules.
+// tiling.cpp — the tile planner of docs/spec.md §15 and its rules.
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,9 +14,9 @@ namespace padmoe {
 namespace {
 
 constexpr int64_t kKiB = 1024;
-constexpr int64_t kTransferBytes = 32;  // DMA / vector granule the seed aligns BLOCK_X to
+constexpr int64_t kTransferBytes = 32;  // DMA / vector granule the Ascend design aligns BLOCK_X to
 constexpr int kMaxSubBlockRows = 256;
-// GPU target (measured on an H200 with padmoe.triton: bench/results/triton-h200-2026-12-01.md)
+// GPU target (measured on an H200 with padmoe.triton: bench/results/triton.md)
 constexpr int kGpuProgramsPerSm = 32;
 constexpr int64_t kGpuProgramBytes = 24 * kKiB;  // a program's register-file share for its tiles
 constexpr int64_t kGpuMaxBlockX[3] = {1024, 2048, 2048};  // gather, scatter, wgrad
@@ -126,8 +126,8 @@ TargetInfo target_info(TileTarget target, int cores) {
 }
 
 int64_t tile_buffer_bytes(TileOp op, const TileConfig& config, DType dtype) {
-  return config.buffers * stage_bytes(op, config.sub_block_rows, config.block_x,
-                                      static_cast<int64_t>(element_size(dtype)));
+  return config.buffers *
+         stage_bytes(op, config.sub_block_rows, config.block_x, static_cast<int64_t>(element_size(dtype)));
 }
 
 TileConfig plan_tiles(const TargetInfo& target, TileOp op, int64_t hidden, DType dtype) {

@@ -30,8 +30,8 @@ using backend::ScaleRows;
 // Fills every field of `out` (int32), row_sources up to its full length
 // (padding_source on padding rows and past P), and the given layouts.
 void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k, int num_experts, int alignment,
-               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
-               const index::ExpertRemap& remap, int threads);
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, const index::ExpertRemap& remap,
+               int threads);
 
 // Fixed capacity C: `out` (segments exactly C rows, P = E * C) and the given
 // layouts from `full`, a plan of the same routing at alignment 1 (every kept
@@ -53,8 +53,7 @@ void apply_capacity(const PlanView& full, int64_t assignments, int num_experts, 
 // and zeroed rows past P get scale 1).
 void spread_rows(const RowsRef& x, int top_k, const int32_t* dest, Scale w, const RowsRef& y,
                  const int32_t* row_sources, int64_t padded_rows, bool zero_padding, bool zero_past_end,
-                 const RowsRef* dots_with,
-                 FloatOut dots, int threads, const ScaleRows* scales = nullptr);
+                 const RowsRef* dots_with, FloatOut dots, int threads, const ScaleRows* scales = nullptr);
 
 // Token-driven weighted reduction (combine / padded_scatter):
 //   out[t] = sum_{k ascending} w(t*K+k) * y[dest[t*K+k]]  (float32, dest < 0 skipped).
@@ -66,8 +65,8 @@ void reduce_rows(const RowsRef& y, int top_k, const int32_t* dest, Scale w, cons
 
 // Per-assignment dot products (padded_scatter_wgrad, unpad's grad_probs):
 //   out[a] = <y[dest[a]], g[a / K]> (float32; 0 where dest < 0), a in [0, A).
-void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest, int64_t assignments,
-              FloatOut out, int threads);
+void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest, int64_t assignments, FloatOut out,
+              int threads);
 
 // Optional dot products from gather_rows' read of each source row (unpad's
 // grad_probs): out[map[r]] = <with[r], src[map[r]]> for every r with

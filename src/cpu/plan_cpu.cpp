@@ -47,15 +47,16 @@ void fill_plan_tails(int w, int workers, int64_t kept, int64_t a_count, int32_t*
 }  // namespace
 
 void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k, int num_experts, int alignment,
-               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
-               const index::ExpertRemap& remap, int threads) {
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, const index::ExpertRemap& remap,
+               int threads) {
   const int64_t a_count = num_tokens * top_k;
   const int64_t experts = num_experts;
   auto expert_of = [&](int64_t a) -> int64_t {  // the plan's expert, or -1: dropped
-    return remap.local(wide ? static_cast<const int64_t*>(top_experts)[a] : static_cast<const int32_t*>(top_experts)[a]);
+    return remap.local(wide ? static_cast<const int64_t*>(top_experts)[a]
+                            : static_cast<const int32_t*>(top_experts)[a]);
   };
-  const int workers = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(resolve_threads(threads), a_count / 16384)));
+  const int workers =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(resolve_threads(threads), a_count / 16384)));
 
   // 1. Per-worker histograms.
   std::vector<int64_t> counts(static_cast<size_t>(workers * experts), 0);
@@ -99,7 +100,8 @@ void make_plan(const void* top_experts, bool wide, int64_t num_tokens, int top_k
   int32_t* row_experts = layouts.row_experts.data_as<int32_t>();      // optional
   int32_t* block_experts = layouts.block_experts.data_as<int32_t>();  // optional
   const int64_t blocks = layouts.block_experts.numel();
-  if (layouts.padded_total.data != nullptr) layouts.padded_total.data_as<int32_t>()[0] = static_cast<int32_t>(padded_total);
+  if (layouts.padded_total.data != nullptr)
+    layouts.padded_total.data_as<int32_t>()[0] = static_cast<int32_t>(padded_total);
   parallel_run(workers, [&](int w) {
     int64_t* next = offsets.data() + w * experts;
     const index::Range r = index::work_range(w, workers, a_count);
@@ -186,10 +188,11 @@ void apply_capacity(const PlanView& full, int64_t assignments, int num_experts, 
   }
   const int64_t padded_total = experts * cap;
   if (dropped != nullptr) *dropped = static_cast<int32_t>(drops);
-  if (layouts.padded_total.data != nullptr) layouts.padded_total.data_as<int32_t>()[0] = static_cast<int32_t>(padded_total);
+  if (layouts.padded_total.data != nullptr)
+    layouts.padded_total.data_as<int32_t>()[0] = static_cast<int32_t>(padded_total);
 
-  const int workers = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(resolve_threads(threads), std::max<int64_t>(experts, a_count / 16384))));
+  const int workers = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(resolve_threads(threads), std::max<int64_t>(experts, a_count / 16384))));
   parallel_run(workers, [&](int w) {
     const index::Range er = index::work_range(w, workers, experts);
     for (int64_t e = er.begin; e < er.end; ++e) {
@@ -240,7 +243,8 @@ void apply_capacity(const PlanView& full, int64_t assignments, int num_experts, 
         if (row_experts != nullptr) row_experts[row] = -1;
       }
       if (block_experts != nullptr) {  // segments are whole blocks: alignment divides C
-        for (int64_t b = e * cap / alignment; b < (e + 1) * cap / alignment; ++b) block_experts[b] = static_cast<int32_t>(e);
+        for (int64_t b = e * cap / alignment; b < (e + 1) * cap / alignment; ++b)
+          block_experts[b] = static_cast<int32_t>(e);
       }
     }
     const index::Range ar = index::work_range(w, workers, a_count);

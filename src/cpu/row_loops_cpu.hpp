@@ -116,8 +116,7 @@ PADMOE_CPU_CLONES void dot_chunk(float* lanes, const char* a_bytes, const char* 
 // AVX2 function GCC would compile it anew, with other operand orders (which
 // decide the payload where two NaNs meet) than the dot_rows loops use.
 template <typename T>
-__attribute__((noinline)) void dot_chunk_call(float* lanes, const char* a, const char* b, int64_t begin,
-                                              int64_t end) {
+__attribute__((noinline)) void dot_chunk_call(float* lanes, const char* a, const char* b, int64_t begin, int64_t end) {
   dot_chunk<T>(lanes, a, b, begin, end);
 }
 
@@ -145,8 +144,8 @@ void dot_rows(const char* const* a, int n, const char* b, int64_t cols, float* o
 
 // Portable form over columns [begin, end) in tiles of `tile` columns.
 template <typename T>
-void reduce_token_generic(char* out, const char* const* rows, const float* weights, int n, int64_t begin,
-                          int64_t end, int64_t tile, float* acc) {
+void reduce_token_generic(char* out, const char* const* rows, const float* weights, int n, int64_t begin, int64_t end,
+                          int64_t tile, float* acc) {
   const int64_t es = static_cast<int64_t>(sizeof(typename T::S));
   for (int64_t c0 = begin; c0 < end; c0 += tile) {
     const int64_t len = std::min(tile, end - c0);
@@ -160,7 +159,7 @@ void reduce_token_generic(char* out, const char* const* rows, const float* weigh
 // (and each 4 KiB page of it) cold: the AVX2 loops ask for the first
 // kPrefetch bytes of every row of a token at once, then stay kPrefetch bytes
 // ahead (measured: 512 B best of 256-2048, about 20% less time than no
-// prefetch; bench/results/cpu-sums-2026-12-01.md).
+// prefetch).
 constexpr int64_t kPrefetch = 512;
 
 #if defined(PADMOE_AVX2_SUMS)
@@ -212,7 +211,7 @@ __attribute__((target("avx2"))) inline __m256 mul_ps_first(__m256 a, __m256 b) {
 // 16 bf16 at p, `even` holds elements 0, 2, ..., 14 as float32 (the low halves
 // shifted up) and `odd` elements 1, 3, ..., 15 (the high halves, masked).
 // Exact, and no shuffles (the cvtepu16 / packus / permute form they replace
-// kept the shuffle port busy: bench/results/cpu-sums-2026-12-01.md).
+// kept the shuffle port busy).
 __attribute__((target("avx2"))) inline void load_bf16_eo(const char* p, __m256& even, __m256& odd) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -523,8 +522,8 @@ inline float reduce_lanes_pinned(float* lanes) {
 
 // out[q] from lanes over columns [0, done): the columns [done, cols) added
 // with dot_chunk (its load-time clone, as dot_rows runs it), the lanes reduced.
-inline void finish_dots(float (*lanes)[kLanes], int n, const char* const* a, const char* b, int64_t done,
-                        int64_t cols, float* out) {
+inline void finish_dots(float (*lanes)[kLanes], int n, const char* const* a, const char* b, int64_t done, int64_t cols,
+                        float* out) {
   for (int q = 0; q < n; ++q) {
     if (done < cols) dot_chunk_call<BF16>(lanes[q], a[q], b, done, cols);
     out[q] = reduce_lanes_pinned(lanes[q]);

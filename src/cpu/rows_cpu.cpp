@@ -5,23 +5,20 @@
 #include "cpu/row_loops_cpu.hpp"
 
 namespace padmoe {
-namespace cpu {
-
-}  // namespace cpu
+namespace cpu {}  // namespace cpu
 
 namespace backend {
 
 // The shared argument types' host members (core/backend_types.hpp).
-float Scale::at(int64_t i) const {
-  return data == nullptr ? 1.0f : numeric::load_as_float(data, dtype, i);
-}
+float Scale::at(int64_t i) const { return data == nullptr ? 1.0f : numeric::load_as_float(data, dtype, i); }
 
 void FloatOut::store(int64_t i, float v) const { numeric::store_from_float(data, dtype, i, v); }
 
 void ScaleRows::copy(int64_t to, int64_t from) const {
   const int64_t bytes = cols * elem;
-  if (bytes > 0) std::memcpy(static_cast<char*>(dst) + to * bytes, static_cast<const char*>(src) + from * bytes,
-                             static_cast<size_t>(bytes));
+  if (bytes > 0)
+    std::memcpy(static_cast<char*>(dst) + to * bytes, static_cast<const char*>(src) + from * bytes,
+                static_cast<size_t>(bytes));
 }
 
 void ScaleRows::fill_one(int64_t to) const {
@@ -41,7 +38,8 @@ int workers_for(int threads, int64_t items, int64_t bytes_per_item) {
   constexpr int64_t kMinBytesPerWorker = 256 * 1024;
   const int64_t total = items * std::max<int64_t>(1, bytes_per_item);
   const int64_t by_size = std::max<int64_t>(1, total / kMinBytesPerWorker);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({int64_t{resolve_threads(threads)}, by_size, std::max<int64_t>(1, items)})));
+  return static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>({int64_t{resolve_threads(threads)}, by_size, std::max<int64_t>(1, items)})));
 }
 
 // dots[a] = <with[dest[a]], b> for the K assignments of token t (0 where dest < 0).
@@ -76,7 +74,8 @@ void copy_bytes(void* dst, const void* src, int64_t bytes, int threads) {
   parallel_run(workers, [&](int wid) {
     const index::Range r = index::work_range(wid, workers, blocks);
     const int64_t begin = r.begin * kBlock, end = std::min(bytes, r.end * kBlock);
-    if (end > begin) copy_row(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, end - begin, mode);
+    if (end > begin)
+      copy_row(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, end - begin, mode);
     store_fence();
   });
 }
@@ -174,7 +173,7 @@ void reduce_rows(const RowsRef& y, int top_k, const int32_t* dest, Scale w, cons
             if (dest[a] < 0) dots.store(a, 0.0f);
             else ids[q++] = a;
           }
-          auto* dl = reinterpret_cast<float(*)[kLanes]>(dot_lanes.data());
+          auto* dl = reinterpret_cast<float (*)[kLanes]>(dot_lanes.data());
           reduce_dots_token_bf16_avx2(out.row(t), rows.data(), weights.data(), n, hidden, tile, acc.data(),
                                       dots_with->row(t), lanes.data(), dot_lanes.data());
           finish_dots(dl, n, rows.data(), dots_with->row(t), hidden & ~int64_t{63}, hidden, vals.data());
@@ -195,8 +194,8 @@ void reduce_rows(const RowsRef& y, int top_k, const int32_t* dest, Scale w, cons
   });
 }
 
-void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest, int64_t assignments,
-              FloatOut out, int threads) {
+void row_dots(const RowsRef& y, const RowsRef& g, int top_k, const int32_t* dest, int64_t assignments, FloatOut out,
+              int threads) {
   const int64_t tokens = assignments / top_k;
   const int workers = workers_for(threads, tokens, (top_k + 1) * g.row_bytes());
   with_traits(y.dtype, [&](auto traits) {
@@ -239,8 +238,7 @@ void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_
 #endif
         if (from < 0) {
           if (!skip_unmapped) zero_row(out.row(r), row_bytes, mode);
-        }
-        else if (!s.present()) copy_row(out.row(r), src.row(from), row_bytes, mode);
+        } else if (!s.present()) copy_row(out.row(r), src.row(from), row_bytes, mode);
         else scale_row_to<T>(out.row(r), src.row(from), out.cols, s.at(scale_by_source ? from : r), mode);
         if (scales != nullptr) {  // the row's scales, by the same worker
           if (from >= 0) scales->copy(r, from);

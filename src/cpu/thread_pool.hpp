@@ -2,7 +2,7 @@
 //
 // parallel_run(n, fn) calls fn(worker) for worker = 0..n-1, worker 0 on the
 // calling thread, and returns when all are done. Work is partitioned by the
-// caller (SPEC section 6: each worker owns a contiguous range), so results
+// caller (docs/spec.md §15: each worker owns a contiguous range), so results
 // never depend on scheduling. Exceptions are not allowed to escape fn: every
 // argument is checked before a kernel runs.
 #pragma once

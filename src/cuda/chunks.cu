@@ -59,7 +59,7 @@ __host__ __device__ Layout layout_of(void* workspace, int64_t c) {
 
 // The source chunk at output position j (-1: an out-of-range sorted_index entry).
 __device__ __forceinline__ int64_t source_chunk(const IndexRef& sorted, int64_t j, int64_t c, int64_t ranks,
-                                               int64_t groups) {
+                                                int64_t groups) {
   if (sorted.data == nullptr) return (j % ranks) * groups + j / ranks;
   const int64_t s = load_index(sorted, j);
   return s >= 0 && s < c ? s : -1;
@@ -74,9 +74,8 @@ __device__ __forceinline__ int64_t clamped_size(const IndexRef& sizes, int64_t i
 // (1) exclusive scan of the sizes in source order; (2) in output order, with
 // each position's source start and size; (3) over groups, padded; (4) each
 // position's first padded row.
-__global__ void __launch_bounds__(kScanThreads)
-    layout_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int64_t ranks, int64_t alignment, int64_t rows,
-                  Layout l) {
+__global__ void __launch_bounds__(kScanThreads) layout_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int64_t ranks,
+                                                              int64_t alignment, int64_t rows, Layout l) {
   pdl_begin();
   using Scan = cub::BlockScan<long long, kScanThreads>;
   __shared__ typename Scan::TempStorage storage;
@@ -255,7 +254,8 @@ __device__ int32_t chunk_source_row(const LayoutSmem<kBlock, kPer>& s, int c, in
   int lo = 0, hi = c;  // first position with pos_row > p
   while (lo < hi) {
     const int mid = lo + (hi - lo) / 2;
-    if (s.size[mid] > p) hi = mid; else lo = mid + 1;
+    if (s.size[mid] > p) hi = mid;
+    else lo = mid + 1;
   }
   if (lo == 0) return -1;
   const int j = lo - 1, local = static_cast<int>(p - s.size[j]);
@@ -324,7 +324,7 @@ constexpr int kRowMaxRows = 8;
 // Grid-wide (blocks of kRowThreads): map[p] = -1 for p in [first, rows), thread by thread. The rows
 // past `limit` of both one-launch forms: with zero_tail off only their map entries are written, not
 // a round of the row pass for each (decode: 5888 capacity rows, 2272 of them below P; the
-// row-by-row form 21.3 -> 20.6 us in one graph, H200, 2026-12-04).
+// row-by-row form 21.3 -> 20.6 us in one graph on an H200).
 __device__ __forceinline__ void unmap_tail(int32_t* map, int64_t first, int64_t rows) {
   for (int64_t p = first + static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x; p < rows;
        p += static_cast<int64_t>(gridDim.x) * kRowThreads) {
@@ -356,7 +356,7 @@ __device__ __forceinline__ void move_row(const W* in, W* to, int32_t from, int w
 // kRowwise (chunk_rows_rowwise_kernel, for rows of at least kRowThreads words; policy::chunk_rows_form
 // chooses): the block's rows moved one at a time, word u by thread u mod kRowThreads, kRowUnits
 // words in flight a thread, with no division: the flattened (row, word) loop divides by `words`
-// twice a word (14% of the samples of decode's sort_chunks under ncu, 2026-12-04).
+// twice a word (14% of the samples of decode's sort_chunks under ncu).
 template <typename W, bool kRowwise>
 __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks,
                                                 int alignment, const RowsArg& out, int words, int rows_per_block,
@@ -368,7 +368,8 @@ __device__ __forceinline__ void chunk_rows_body(const RowsArg& src, IndexRef siz
   const int per = (c + kRowThreads - 1) / kRowThreads;  // <= kRowPer
   const int i0 = min(c, static_cast<int>(threadIdx.x) * per), i1 = min(c, i0 + per);
   int prow[kRowPer], psrc[kRowPer], n[kRowPer], real = 0;
-  const int padded_total = layout_in_smem(s, sizes, sorted, c, ranks, alignment, src.rows, i0, i1, prow, psrc, n, &real);
+  const int padded_total =
+      layout_in_smem(s, sizes, sorted, c, ranks, alignment, src.rows, i0, i1, prow, psrc, n, &real);
   if (blockIdx.x == 0) {
     for (int g = static_cast<int>(threadIdx.x); g < groups; g += kRowThreads) inclusive_offsets[g] = s.ginc[g];
   }
@@ -447,15 +448,14 @@ __global__ void __launch_bounds__(kRowThreads, 6)  // 6: 40 registers, as chunk_
 // every chunk's source start and every group's first padded row. Then one output row a block a
 // round, every thread finding its source itself (two binary searches in shared memory) with no
 // barrier; rows past P with zero_tail off get their map entry only. The default where it applies
-// (policy::chunk_rows_form): measured on the H200 (cuda-h200-2026-12-04-twenty-first.md), decode
+// (policy::chunk_rows_form): measured on the H200, decode
 // sort_chunks 20.6 -> 18.3-18.4 us in one graph, 22.9 -> 21.2 eager (chunk_rows_rowwise_kernel
 // with the same tail rule); the bandwidth pattern of a scan in every block ahead of one row a
 // block ran at 16.5 us against 16.2 with no scan.
 template <typename W>
 __global__ void __launch_bounds__(kRowThreads)
-    chunk_rows_one_scan_kernel(RowsArg src, IndexRef sizes, int c, int ranks, int alignment, RowsArg out,
-                               int words, bool zero_tail, bool skip_unmapped, int32_t* map,
-                               int32_t* inclusive_offsets) {
+    chunk_rows_one_scan_kernel(RowsArg src, IndexRef sizes, int c, int ranks, int alignment, RowsArg out, int words,
+                               bool zero_tail, bool skip_unmapped, int32_t* map, int32_t* inclusive_offsets) {
   pdl_begin(l2_share(src));
   using Scan = cub::BlockScan<unsigned long long, kRowThreads>;
   __shared__ typename Scan::TempStorage storage;
@@ -490,13 +490,15 @@ __global__ void __launch_bounds__(kRowThreads)
       int lo = 0, hi = groups;  // the last group starting at or before p
       while (hi - lo > 1) {
         const int mid = (lo + hi) / 2;
-        if (s_pstart[mid] <= p) lo = mid; else hi = mid;
+        if (s_pstart[mid] <= p) lo = mid;
+        else hi = mid;
       }
       const int g = lo, local = static_cast<int>(p) - s_pstart[g];
       int rlo = 0, rhi = ranks;  // the last rank of group g whose rows start at or before local
       while (rhi - rlo > 1) {
         const int mid = (rlo + rhi) / 2;
-        if (s_inner[mid * groups + g] <= local) rlo = mid; else rhi = mid;
+        if (s_inner[mid * groups + g] <= local) rlo = mid;
+        else rhi = mid;
       }
       const int i = rlo * groups + g, off = local - s_inner[i];
       if (off < s_size[i] && static_cast<int64_t>(s_excl[i]) + off < src.rows) from = s_excl[i] + off;
@@ -542,7 +544,8 @@ __global__ void map_kernel(Layout l, int64_t c, int64_t groups, int64_t rows, in
       int64_t lo = 0, hi = c;  // first position with pos_row > p
       while (lo < hi) {
         const int64_t mid = lo + (hi - lo) / 2;
-        if (l.pos_row[mid] > p) hi = mid; else lo = mid + 1;
+        if (l.pos_row[mid] > p) hi = mid;
+        else lo = mid + 1;
       }
       if (lo > 0) {
         const int64_t j = lo - 1, local = p - l.pos_row[j];
@@ -557,7 +560,8 @@ __global__ void map_kernel(Layout l, int64_t c, int64_t groups, int64_t rows, in
 int64_t read_index(IndexRef r, int64_t i, cudaStream_t s) {
   int64_t v = 0;
   int32_t n = 0;
-  if (r.wide) PADMOE_CUDA_CHECK(cudaMemcpyAsync(&v, static_cast<const int64_t*>(r.data) + i, 8, cudaMemcpyDeviceToHost, s));
+  if (r.wide)
+    PADMOE_CUDA_CHECK(cudaMemcpyAsync(&v, static_cast<const int64_t*>(r.data) + i, 8, cudaMemcpyDeviceToHost, s));
   else PADMOE_CUDA_CHECK(cudaMemcpyAsync(&n, static_cast<const int32_t*>(r.data) + i, 4, cudaMemcpyDeviceToHost, s));
   PADMOE_CUDA_CHECK(cudaStreamSynchronize(s));
   return r.wide ? v : n;
@@ -598,18 +602,17 @@ int chunk_rows_resident() {
 
 template <typename W>
 void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment,
-                       const RowsArg& out, bool zero_tail, bool skip_unmapped, int32_t* map,
-                       int32_t* inclusive_offsets, cudaStream_t s) {
+                       const RowsArg& out, bool zero_tail, bool skip_unmapped, int32_t* map, int32_t* inclusive_offsets,
+                       cudaStream_t s) {
   const int64_t row_bytes = out.cols * static_cast<int64_t>(element_size(out.dtype));
   const int words = static_cast<int>(row_bytes / static_cast<int64_t>(sizeof(W)));
   const int per_block = chunk_rows_per_block(words);
   // the form (policy::chunk_rows_form), and the blocks of it that fit at once (each lays the chunks
   // out once, then strides over the rows)
   const bool sorted_index = sorted.data != nullptr;
-  const policy::ChunkRowsForm form =
-      overrides().chunk_rows_form.has_value()
-          ? policy::chunk_rows_fit(*overrides().chunk_rows_form, sorted_index, c, words)
-          : policy::chunk_rows_form(sorted_index, c, words);
+  const policy::ChunkRowsForm form = overrides().chunk_rows_form.has_value()
+                                         ? policy::chunk_rows_fit(*overrides().chunk_rows_form, sorted_index, c, words)
+                                         : policy::chunk_rows_form(sorted_index, c, words);
   if (form == policy::ChunkRowsForm::kOneScan) {
     // one row a block a round: as many blocks as rows, up to 8 times those that fit at once
     const int64_t most = static_cast<int64_t>(chunk_rows_resident<chunk_rows_one_scan_kernel<W>>()) * 8;
@@ -618,20 +621,21 @@ void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int 
     const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, most)));
     const RowsArg from = with_l2_prefetch(src, std::is_same<W, uint4>::value, grid);
     launch_kernel("chunk_rows_one_scan_kernel", chunk_rows_one_scan_kernel<W>, grid, kRowThreads, 0, s, from, sizes, c,
-        ranks, alignment, out, words, zero_tail, skip_unmapped, map, inclusive_offsets);
+                  ranks, alignment, out, words, zero_tail, skip_unmapped, map, inclusive_offsets);
     return;
   }
   const bool rowwise = form == policy::ChunkRowsForm::kRowwise;
   auto* kernel = rowwise ? chunk_rows_rowwise_kernel<W> : chunk_rows_kernel<W>;
-  const int resident = rowwise ? chunk_rows_resident<chunk_rows_rowwise_kernel<W>>()
-                               : chunk_rows_resident<chunk_rows_kernel<W>>();
+  const int resident =
+      rowwise ? chunk_rows_resident<chunk_rows_rowwise_kernel<W>>() : chunk_rows_resident<chunk_rows_kernel<W>>();
   const int64_t row_groups = index::ceil_div(out.rows, per_block);
-  const int grid = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(row_groups, static_cast<int64_t>(resident))));
+  const int grid =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(row_groups, static_cast<int64_t>(resident))));
   // every row of src is read once: the first blocks ask L2 for them before the wait
-  const RowsArg from = with_l2_prefetch(src, std::is_same<W, uint4>::value, std::min(grid, resident / 2 > 0 ? resident / 2 : 1));
+  const RowsArg from =
+      with_l2_prefetch(src, std::is_same<W, uint4>::value, std::min(grid, resident / 2 > 0 ? resident / 2 : 1));
   launch_kernel("chunk_rows_kernel", kernel, grid, kRowThreads, 0, s, from, sizes, sorted, c, ranks, alignment, out,
-      words, per_block, zero_tail, skip_unmapped, map, inclusive_offsets);
+                words, per_block, zero_tail, skip_unmapped, map, inclusive_offsets);
 }
 
 }  // namespace
@@ -647,9 +651,9 @@ bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, const Rows
   return forced.has_value() || policy::chunk_rows_one_launch(rows, row_bytes, device_policy());
 }
 
-void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
-                     int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,
-                     int32_t* map, int32_t* inclusive_offsets, void* stream) {
+void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks,
+                     int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped, int32_t* map,
+                     int32_t* inclusive_offsets, void* stream) {
   const cudaStream_t s = as_stream(stream);
   const int c = static_cast<int>(num_chunks);
   const bool vec = rows_vectorizable(src) && rows_vectorizable(out);
@@ -682,12 +686,12 @@ bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunk
   if (small) {
     const bool fuse = map != nullptr && fused_chunk_map(map_len);
     launch_kernel("layout_smem_kernel", layout_smem_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index,
-        static_cast<int>(num_chunks), num_ranks, alignment, rows, l, static_cast<int>(fuse ? map_len : 0),
-        fuse ? map : nullptr, fuse ? inclusive_offsets : nullptr);
+                  static_cast<int>(num_chunks), num_ranks, alignment, rows, l, static_cast<int>(fuse ? map_len : 0),
+                  fuse ? map : nullptr, fuse ? inclusive_offsets : nullptr);
     return fuse;
   }
-  launch_kernel("layout_kernel", layout_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index, num_chunks,
-      num_ranks, alignment, rows, l);
+  launch_kernel("layout_kernel", layout_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index, num_chunks, num_ranks,
+                alignment, rows, l);
   return false;
 }
 
@@ -699,7 +703,7 @@ Violation validate_chunks(IndexRef split_sizes, IndexRef sorted_index, int64_t n
   if (num_chunks > 0) {
     PADMOE_CUDA_CHECK(cudaMemsetAsync(l.seen, 0, static_cast<size_t>(num_chunks) * 4, s));
     launch_kernel("validate_kernel", validate_kernel, grid_for(num_chunks, 256, 1024), 256, 0, s, split_sizes,
-        sorted_index, num_chunks, rows, l);
+                  sorted_index, num_chunks, rows, l);
   }
   int64_t header[3] = {0, 0, 0};
   PADMOE_CUDA_CHECK(cudaMemcpyAsync(header, workspace, sizeof(header), cudaMemcpyDeviceToHost, s));
@@ -729,7 +733,7 @@ void chunk_map(const void* workspace, int64_t num_chunks, int num_ranks, int64_t
   if (work == 0) return;
   const Layout l = layout_of(const_cast<void*>(workspace), num_chunks);
   launch_kernel("map_kernel", map_kernel, grid_for(work, 256, 4096), 256, 0, as_stream(stream), l, num_chunks, groups,
-      rows, map_len, map, inclusive_offsets);
+                rows, map_len, map, inclusive_offsets);
 }
 
 }  // namespace cuda

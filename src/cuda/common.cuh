@@ -51,8 +51,8 @@ __device__ __forceinline__ void pdl_begin() {
 // it before its wait: the L2 is the device's point of coherence, so a line it brings in while the
 // kernel ahead is still running is the line that kernel's later writes update, and every load of
 // the kernel still follows the wait. What it buys: rows the kernel will read are on their way from
-// DRAM while the kernel ahead runs, instead of after it. Measured on the H200 (2026-12-03,
-// bench/results/cuda-h200-2026-12-03-sixteenth.md) it pays only behind a long wait: sort_chunks'
+// DRAM while the kernel ahead runs, instead of after it. Measured on the H200
+// it pays only behind a long wait: sort_chunks'
 // gather behind its one-block layout kernel, decode 24.9 -> 23.4 us in a graph. A prefetch shortly
 // before the loads of the same lines costs: dispatch behind make_plan at decode 22.9 -> 23.6 us,
 // pad_to_alignment's gather 28.1 -> 28.6 (behind an early-triggered map) and 30.1 (after it).
@@ -90,8 +90,8 @@ bool pdl_enabled();
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
 // pdl_enabled(); errors name the kernel.
 template <typename... Params, typename... Args>
-void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t stream, Args&&... args) {
+void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
@@ -219,7 +219,8 @@ __device__ __forceinline__ bool is_padding_row(const PaddingRef& p, int64_t r) {
   int64_t lo = 0, hi = p.num_experts;  // first e with padded_bins[e] > r
   while (lo < hi) {
     const int64_t mid = (lo + hi) / 2;
-    if (load_index(p.padded_bins, mid) > r) hi = mid; else lo = mid + 1;
+    if (load_index(p.padded_bins, mid) > r) hi = mid;
+    else lo = mid + 1;
   }
   const int64_t e = lo;
   const int64_t pstart = e == 0 ? 0 : load_index(p.padded_bins, e - 1);

@@ -79,8 +79,8 @@ size_t plan_workspace_bytes(int64_t assignments, int num_experts);
 // out: int32 device arrays; row_sources has row_capacity entries (padding_source
 // on padding rows and past P); the given layouts are written in the same launch.
 void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
-               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
-               const index::ExpertRemap& remap, int64_t row_capacity, void* workspace, void* stream);
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, const index::ExpertRemap& remap,
+               int64_t row_capacity, void* workspace, void* stream);
 // Fixed capacity C (one launch): `out` (segments exactly C rows, P = E * C) and
 // the given layouts from `full`, a plan of the same routing at alignment 1
 // holding every kept assignment. Each expert keeps its first C sorted
@@ -141,8 +141,8 @@ void reduce_rows(const RowsArg& y, int top_k, const DestArg& dest, ScaleArg w, c
                  const RowsArg* dots_with, FloatOutArg dots, void* stream);
 
 // out[a] = <y[dest[a]], g[a/K]> (0 where dest < 0).
-void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest, int64_t assignments,
-              FloatOutArg out, void* stream);
+void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest, int64_t assignments, FloatOutArg out,
+              void* stream);
 
 // out[r] = src[map[r]] * s(scale index) or zero for map[r] < 0, r < rows;
 // rows at or past *row_limit (a device int32, e.g. P) are left untouched.
@@ -238,9 +238,9 @@ bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunk
 // For unchecked sizes (or sizes checked on the host): bad entries get what the layout + gather
 // path gives them.
 bool chunk_rows_fit(int64_t num_chunks, int num_ranks, int alignment, const RowsArg& src, const RowsArg& out);
-void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks,
-                     int num_ranks, int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped,
-                     int32_t* map, int32_t* inclusive_offsets, void* stream);
+void sort_chunk_rows(const RowsArg& src, IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunks, int num_ranks,
+                     int alignment, const RowsArg& out, bool zero_tail, bool skip_unmapped, int32_t* map,
+                     int32_t* inclusive_offsets, void* stream);
 // Checked mode, after chunk_layout: split sizes in [0, rows], sorted_index a
 // permutation, sum <= rows, P <= INT32_MAX, P <= output_rows (< 0: skipped).
 // The lowest code, then the lowest position, is reported. Synchronizes.

@@ -55,8 +55,8 @@ constexpr int kMaxMapRows = 8;
 // kScales: the rows' scale rows move with them, by the same block.
 template <typename T, bool kVec, bool kScales>
 __global__ void __launch_bounds__(kThreads)
-    gather_kernel(RowsArg src, IndexRef map, ScaleArg s, bool scale_by_source, RowsArg out,
-                  const int32_t* row_limit, int rows_per_block, bool skip_unmapped, ScaleRowsArg sc) {
+    gather_kernel(RowsArg src, IndexRef map, ScaleArg s, bool scale_by_source, RowsArg out, const int32_t* row_limit,
+                  int rows_per_block, bool skip_unmapped, ScaleRowsArg sc) {
   pdl_begin(l2_share(src));  // src.l2_blocks > 0: the first blocks ask L2 for all of src
   using U = Unit<T, kVec>;
   __shared__ int64_t s_from[kMaxMapRows];
@@ -113,9 +113,8 @@ __global__ void __launch_bounds__(kThreads)
 // fill_dots_kernel wrote first. Deterministic: each dot is one warp's (ascending units a
 // lane, then a fixed shuffle tree).
 template <typename T, bool kVec>
-__global__ void __launch_bounds__(kThreads)
-    gather_dots_warp_kernel(RowsArg src, IndexRef map, ScaleArg s, RowsArg out, int64_t rows, RowsArg dots_with,
-                            FloatOutArg dots) {
+__global__ void __launch_bounds__(kThreads) gather_dots_warp_kernel(RowsArg src, IndexRef map, ScaleArg s, RowsArg out,
+                                                                    int64_t rows, RowsArg dots_with, FloatOutArg dots) {
   pdl_begin();
   using U = Unit<T, kVec>;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;

@@ -26,8 +26,8 @@ constexpr int kScanThreads = 1024;
 
 // One block: inclusive padded offsets and exclusive real offsets of the counts.
 __global__ void __launch_bounds__(kScanThreads)
-    pad_offsets_kernel(IndexRef counts, int num_experts, int alignment, int32_t* inclusive_offsets,
-                       int32_t* real_excl, int32_t* padded_excl) {
+    pad_offsets_kernel(IndexRef counts, int num_experts, int alignment, int32_t* inclusive_offsets, int32_t* real_excl,
+                       int32_t* padded_excl) {
   pdl_begin();
   using Scan = cub::BlockScan<int, kScanThreads>;
   __shared__ typename Scan::TempStorage storage;
@@ -152,7 +152,7 @@ void build_dest_rows(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef
                      int num_experts, int32_t* dest_rows, void* stream) {
   if (assignments == 0) return;
   launch_kernel("dest_rows_kernel", dest_rows_kernel, grid_for(assignments, 256, 4096), 256, 0, as_stream(stream),
-      indices, bin_ids, bins, padded_bins, num_experts, assignments, dest_rows);
+                indices, bin_ids, bins, padded_bins, num_experts, assignments, dest_rows);
 }
 
 void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, int64_t rows, int32_t* map,
@@ -162,16 +162,16 @@ void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, i
   int32_t* padded_excl = real_excl + num_experts;
   if (num_experts > 0 && num_experts <= kMapScanExperts && map_len > 0) {  // one launch
     launch_kernel("pad_map_scan_kernel", pad_map_scan_kernel, grid_for(map_len, kMapThreads, 4096), kMapThreads, 0, s,
-        counts, num_experts, alignment, map_len, rows, map, inclusive_offsets);
+                  counts, num_experts, alignment, map_len, rows, map, inclusive_offsets);
     return;
   }
   if (num_experts > 0) {
     launch_kernel("pad_offsets_kernel", pad_offsets_kernel, 1, kScanThreads, 0, s, counts, num_experts, alignment,
-        inclusive_offsets, real_excl, padded_excl);
+                  inclusive_offsets, real_excl, padded_excl);
   }
   if (map_len > 0) {
     launch_kernel("pad_map_kernel", pad_map_kernel, grid_for(map_len, 256, 4096), 256, 0, s, counts, num_experts,
-        inclusive_offsets, real_excl, padded_excl, map_len, rows, map);
+                  inclusive_offsets, real_excl, padded_excl, map_len, rows, map);
   }
 }
 
@@ -179,11 +179,11 @@ void invert_map(IndexRef map, int64_t map_len, int64_t original_size, int32_t* i
   const cudaStream_t s = as_stream(stream);
   if (original_size > 0) {
     launch_kernel("fill_kernel", fill_kernel, grid_for(original_size, 256, 4096), 256, 0, s, inverse, original_size,
-        -1);
+                  -1);
   }
   if (map_len > 0) {
     launch_kernel("invert_kernel", invert_kernel, grid_for(map_len, 256, 4096), 256, 0, s, map, map_len, original_size,
-        inverse);
+                  inverse);
   }
 }
 

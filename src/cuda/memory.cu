@@ -74,7 +74,8 @@ bool pdl_enabled() {
 int sm_count() {
   static const int sms = [] {
     int dev = 0, n = 132;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
       cudaGetLastError();
       n = 132;
     }
@@ -162,7 +163,8 @@ Scratch::Scratch(const Options& options, size_t bytes, int device) : stream_(opt
   owned_ = true;
   if (options.scratch_alloc != nullptr && options.scratch_free != nullptr) {
     ptr_ = options.scratch_alloc(bytes, stream_, options.scratch_ctx);
-    if (ptr_ == nullptr) throw Error(ErrorKind::kRuntime, "scratch_alloc returned null for " + std::to_string(bytes) + " bytes");
+    if (ptr_ == nullptr)
+      throw Error(ErrorKind::kRuntime, "scratch_alloc returned null for " + std::to_string(bytes) + " bytes");
     free_ = options.scratch_free;
     free_ctx_ = options.scratch_ctx;
     return;

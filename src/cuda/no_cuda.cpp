@@ -23,14 +23,14 @@ int device_count() { return 0; }
 Scratch::Scratch(const Options&, size_t, int) { unavailable("scratch memory"); }
 Scratch::~Scratch() = default;
 
-void make_plan(IndexRef, int64_t, int, int, int, const PlanView&, const PlanLayouts&, int32_t, const index::ExpertRemap&,
-               int64_t, void*, void*) {
+void make_plan(IndexRef, int64_t, int, int, int, const PlanView&, const PlanLayouts&, int32_t,
+               const index::ExpertRemap&, int64_t, void*, void*) {
   unavailable("make_plan");
 }
 bool dest_search_fits(int64_t, int, int) { return false; }
 bool chunk_rows_fit(int64_t, int, int, const RowsArg&, const RowsArg&) { return false; }
-void sort_chunk_rows(const RowsArg&, IndexRef, IndexRef, int64_t, int, int, const RowsArg&, bool, bool, int32_t*, int32_t*,
-                     void*) {
+void sort_chunk_rows(const RowsArg&, IndexRef, IndexRef, int64_t, int, int, const RowsArg&, bool, bool, int32_t*,
+                     int32_t*, void*) {
   unavailable("sort_chunks");
 }
 void apply_capacity(const PlanView&, int64_t, int, ScaleArg, int64_t, bool, int, const PlanView&, const PlanLayouts&,
@@ -54,14 +54,16 @@ void gather_rows(const RowsArg&, IndexRef, ScaleArg, bool, const RowsArg&, int64
                  const ScaleRowsArg*, bool) {
   unavailable("gather_rows");
 }
-void gather_rows_dots(const RowsArg&, IndexRef, ScaleArg, const RowsArg&, int64_t, const RowsArg&, FloatOutArg,
-                      int64_t, void*) {
+void gather_rows_dots(const RowsArg&, IndexRef, ScaleArg, const RowsArg&, int64_t, const RowsArg&, FloatOutArg, int64_t,
+                      void*) {
   unavailable("gather_rows_dots");
 }
 void pad_map(IndexRef, int, int, int64_t, int64_t, int32_t*, int32_t*, void*, void*) { unavailable("pad_map"); }
 void invert_map(IndexRef, int64_t, int64_t, int32_t*, void*) { unavailable("invert_map"); }
 Violation validate_top_experts(IndexRef, int64_t, int, void*, void*) { unavailable("validate"); }
-Violation validate_routing_ids(IndexRef, int64_t, int64_t, bool, IndexRef, int, void*, void*) { unavailable("validate"); }
+Violation validate_routing_ids(IndexRef, int64_t, int64_t, bool, IndexRef, int, void*, void*) {
+  unavailable("validate");
+}
 Violation validate_sorted_routing(IndexRef, IndexRef, IndexRef, IndexRef, int64_t, int, int64_t, void*, void*) {
   unavailable("validate");
 }

@@ -7,8 +7,8 @@
 namespace padmoe {
 namespace cuda {
 
-void quantize_spread_rows(const RowsArg&, int, const int32_t*, const RowsArg&, const QuantScalesArg&,
-                          const PaddingRef&, bool, bool, void*) {
+void quantize_spread_rows(const RowsArg&, int, const int32_t*, const RowsArg&, const QuantScalesArg&, const PaddingRef&,
+                          bool, bool, void*) {
   throw Error(ErrorKind::kUnsupported, "quantize_spread_rows: padmoe was built without CUDA (PADMOE_CUDA=OFF)");
 }
 int64_t fp8_convert_mismatches(bool, uint32_t*, int64_t*) {

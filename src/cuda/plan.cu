@@ -96,8 +96,8 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
 }  // namespace
 
 void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_experts, int alignment,
-               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source,
-               const index::ExpertRemap& remap, int64_t row_capacity, void* workspace, void* stream) {
+               const PlanView& out, const PlanLayouts& layouts, int32_t padding_source, const index::ExpertRemap& remap,
+               int64_t row_capacity, void* workspace, void* stream) {
   (void)top_k;
   const cudaStream_t s = as_stream(stream);
   const int chunks = static_cast<int>(index::ceil_div(assignments, kChunk));
@@ -114,13 +114,12 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
   const bool fits_fused = num_experts >= 1 && num_experts <= kFusedMaxExperts;
   if (path == policy::PlanPath::kSmall && fits_fused) {
     launch_kernel("plan_small_kernel", plan_small_kernel, kSmallBlocks << kSmallShift, kFusedThreads,
-        small_smem_bytes(num_experts), s, top_experts, remap, static_cast<int>(assignments), num_experts, alignment,
-        kSmallShift, row_capacity, arrays, padding_source);
+                  small_smem_bytes(num_experts), s, top_experts, remap, static_cast<int>(assignments), num_experts,
+                  alignment, kSmallShift, row_capacity, arrays, padding_source);
     return;
   }
   int sms = 0;
-  const int resident =
-      path != policy::PlanPath::kSplit && fits_fused ? fused_resident_blocks(num_experts, &sms) : 0;
+  const int resident = path != policy::PlanPath::kSplit && fits_fused ? fused_resident_blocks(num_experts, &sms) : 0;
   if (resident > 0) {
     const int limit = o.plan_fused_blocks > 0 ? std::min(o.plan_fused_blocks, resident) : resident;
     const int per_block = chunks > limit ? static_cast<int>(index::ceil_div(chunks, limit)) : 1;
@@ -144,14 +143,14 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     const policy::PlanMatch match = o.plan_match.value_or(policy::plan_match(num_experts));
     auto* fused = match == policy::PlanMatch::kBallot ? plan_fused_kernel<true> : plan_fused_kernel<false>;
     if (distinct == 1) {  // no grid barrier: an ordinary launch
-      launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks,
-          per_block, shift, n_experts, align, block_counts, local_rank, capacity, plan_out, pad_src, packed);
+      launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks, per_block,
+                    shift, n_experts, align, block_counts, local_rank, capacity, plan_out, pad_src, packed);
     } else {
       int pb = per_block, reps = shift;
-      void* args[] = {&ids,          &rm,         &a_count,  &n_chunks, &pb,      &reps,  &n_experts, &align,
-                      &block_counts, &local_rank, &capacity, &plan_out, &pad_src, &packed};
-      const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fused),
-                                                          dim3(grid), dim3(kFusedThreads), args, smem, s);
+      void* args[] = {&ids,   &rm,           &a_count,    &n_chunks, &pb,       &reps,    &n_experts,
+                      &align, &block_counts, &local_rank, &capacity, &plan_out, &pad_src, &packed};
+      const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fused), dim3(grid),
+                                                          dim3(kFusedThreads), args, smem, s);
       if (err == cudaErrorCooperativeLaunchTooLarge) {
         // fewer multiprocessors than the device reports (MPS limits, green contexts): the split
         // launches from now on, for this device
@@ -171,7 +170,7 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
     if (num_experts <= kMatchMaxExperts) {
       const size_t smem = static_cast<size_t>(kCountThreads / 32) * num_experts * sizeof(int);
       launch_kernel("plan_count_match_kernel", plan_count_match_kernel, chunks, kCountThreads, smem, s, top_experts,
-          remap, assignments, num_experts, chunk_counts, local_rank);
+                    remap, assignments, num_experts, chunk_counts, local_rank);
     } else {
       const size_t smem = static_cast<size_t>(num_experts) * sizeof(int);
       if (smem > 48 * 1024) {
@@ -179,17 +178,17 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
                                                static_cast<int>(smem)));
       }
       launch_kernel("plan_count_kernel", plan_count_kernel, chunks, kCountThreads, smem, s, top_experts, remap,
-          assignments, num_experts, key_bits(num_experts), chunk_counts, local_rank);
+                    assignments, num_experts, key_bits(num_experts), chunk_counts, local_rank);
     }
   }
   const size_t smem = static_cast<size_t>(3) * num_experts * sizeof(int);
   if (smem > 32 * 1024) {  // with the kernel's static shared memory the total may pass 48 KiB
-    PADMOE_CUDA_CHECK(cudaFuncSetAttribute(plan_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem)));
+    PADMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(plan_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
   launch_kernel("plan_place_kernel", plan_place_kernel, chunks > 0 ? chunks : 1, kPlaceThreads, smem, s, top_experts,
-      remap, assignments, chunks, num_experts, alignment, chunk_counts, local_rank, row_capacity, arrays,
-      padding_source);
+                remap, assignments, chunks, num_experts, alignment, chunk_counts, local_rank, row_capacity, arrays,
+                padding_source);
 }
 
 void apply_capacity(const PlanView& full, int64_t assignments, int num_experts, ScaleArg probs, int64_t capacity,
@@ -197,9 +196,9 @@ void apply_capacity(const PlanView& full, int64_t assignments, int num_experts, 
                     int32_t padding_source, int64_t row_capacity, int32_t* dropped, void* stream) {
   const int grid = num_experts > 0 ? num_experts : 1;
   launch_kernel("plan_capacity_kernel", plan_capacity_kernel, grid, kCapThreads, 0, as_stream(stream),
-      full.indices.data_as<const int32_t>(), full.tokens_per_expert.data_as<const int32_t>(),
-      full.dest_rows.data_as<const int32_t>(), assignments, num_experts, probs, capacity, by_probs, alignment,
-      row_capacity, backend::PlanArrays::of(out, layouts), padding_source, dropped);
+                full.indices.data_as<const int32_t>(), full.tokens_per_expert.data_as<const int32_t>(),
+                full.dest_rows.data_as<const int32_t>(), assignments, num_experts, probs, capacity, by_probs, alignment,
+                row_capacity, backend::PlanArrays::of(out, layouts), padding_source, dropped);
 }
 
 }  // namespace cuda

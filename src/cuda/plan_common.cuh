@@ -34,8 +34,8 @@ int key_bits(int num_experts) {
 // row; positions past the kept total (only when ids were dropped) get indices = bin_ids = -1.
 // Every position and row is below 2^31 (the plan's arrays are int32).
 __device__ __forceinline__ void plan_place_one(int a, int key, int rank, const int* s_pos, const int* s_row,
-                                               int real_total, int32_t* indices, int32_t* bin_ids,
-                                               int32_t* dest_rows, int32_t* row_sources, int32_t* row_experts) {
+                                               int real_total, int32_t* indices, int32_t* bin_ids, int32_t* dest_rows,
+                                               int32_t* row_sources, int32_t* row_experts) {
   if (rank < 0) {
     dest_rows[a] = -1;
   } else {
@@ -69,9 +69,8 @@ static_assert(kFusedWarps == policy::kPlanMaxReplicas, "policy::plan_replicas: a
 // count); rows and blocks at or past P strided over the grid (32-bit unsigned counters: every
 // index is below 2^31, and index + stride cannot wrap).
 __device__ __forceinline__ void plan_fills(const int* s_pstart, const int* s_count, int E, int alignment,
-                                           int padded_total, int64_t row_capacity, int64_t blocks,
-                                           int32_t* row_sources, int32_t padding_source, int32_t* row_experts,
-                                           int32_t* block_experts) {
+                                           int padded_total, int64_t row_capacity, int64_t blocks, int32_t* row_sources,
+                                           int32_t padding_source, int32_t* row_experts, int32_t* block_experts) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int grid = static_cast<int>(gridDim.x);
   const unsigned capacity = row_capacity < 0x7fffffff ? static_cast<unsigned>(row_capacity) : 0x7fffffffu;
@@ -106,10 +105,10 @@ __device__ __forceinline__ void plan_fills(const int* s_pstart, const int* s_cou
 // Block 0 writes the plan's count vectors for expert e (real and padded count, their inclusive
 // sums) and P; every block keeps the real and padded totals in s_totals (fused and small kernels).
 template <typename Total>
-__device__ __forceinline__ void plan_store_counts(int e, int E, int count, int padded, int real_excl,
-                                                  int padded_excl, unsigned long long total, Total* s_totals,
-                                                  int32_t* tokens_per_expert, int32_t* bins, int32_t* padded_tokens,
-                                                  int32_t* padded_bins, int32_t* padded_total_out) {
+__device__ __forceinline__ void plan_store_counts(int e, int E, int count, int padded, int real_excl, int padded_excl,
+                                                  unsigned long long total, Total* s_totals, int32_t* tokens_per_expert,
+                                                  int32_t* bins, int32_t* padded_tokens, int32_t* padded_bins,
+                                                  int32_t* padded_total_out) {
   if (e < E && blockIdx.x == 0) {
     tokens_per_expert[e] = count;
     bins[e] = real_excl + count;

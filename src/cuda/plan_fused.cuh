@@ -28,7 +28,8 @@ __device__ __forceinline__ void fused_expert_counts(int E, int cb, int replica, 
       if (packed_counts) {
         for (int q = threadIdx.x; q < EP; q += kFusedThreads) {
           const unsigned hi = 2 * q + 1 < E ? static_cast<unsigned>(s_run[2 * q + 1]) : 0u;
-          block_counts[static_cast<int64_t>(cb) * EP + q] = static_cast<int32_t>(static_cast<unsigned>(s_run[2 * q]) | (hi << 16));
+          block_counts[static_cast<int64_t>(cb) * EP + q] =
+              static_cast<int32_t>(static_cast<unsigned>(s_run[2 * q]) | (hi << 16));
         }
       } else {
         for (int e = threadIdx.x; e < E; e += kFusedThreads) block_counts[static_cast<int64_t>(cb) * E + e] = s_run[e];

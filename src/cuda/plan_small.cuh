@@ -19,7 +19,7 @@ namespace {
 // smaller kernel (ncu showed the fused one's instruction fetch stalling at decode).
 constexpr int kSmallBlocks = kFusedWarps;  // at round_shift 0
 // round_shift 1: 32 blocks, each placing half of one warp's 128 assignments (decode 4.9 us against
-// 5.1 with 16 blocks and 5.0 with 64, cuda-h200-2026-12-02.md).
+// 5.1 with 16 blocks and 5.0 with 64).
 constexpr int kSmallShift = 1;
 static_assert(kFusedItems == 4, "small plan: round_shift splits a warp's 4 rounds");
 constexpr int kSmallKeyBits = 10;  // keys 0..E with E <= 512 (E: an invalid id)

@@ -45,7 +45,8 @@ __global__ void __launch_bounds__(kCountThreads)
     int lo = 0, hi = pos;  // first position holding `key`
     while (lo < hi) {
       const int mid = (lo + hi) / 2;
-      if (s_keys[mid] < key) lo = mid + 1; else hi = mid;
+      if (s_keys[mid] < key) lo = mid + 1;
+      else hi = mid;
     }
     const int rank = pos - lo;
     local_rank[base + vals[j]] = rank;
@@ -118,8 +119,8 @@ __global__ void __launch_bounds__(kCountThreads)
   }
 }
 __global__ void __launch_bounds__(kPlaceThreads)
-    plan_place_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int num_experts, int alignment,
-                      const int32_t* chunk_counts, const int32_t* local_rank, int64_t row_capacity,
+    plan_place_kernel(IndexRef ids, index::ExpertRemap remap, int64_t assignments, int chunks, int num_experts,
+                      int alignment, const int32_t* chunk_counts, const int32_t* local_rank, int64_t row_capacity,
                       backend::PlanArrays out, int32_t padding_source) {
   pdl_begin();
   // the plan's arrays under their own names

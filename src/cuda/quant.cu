@@ -134,7 +134,8 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
         int lo = 0, hi = E;
         while (lo < hi) {
           const int mid = (lo + hi) / 2;
-          if (s_pbins[mid] > r) hi = mid; else lo = mid + 1;
+          if (s_pbins[mid] > r) hi = mid;
+          else lo = mid + 1;
         }
         const int64_t pstart = lo == 0 ? 0 : s_pbins[lo - 1];
         const int64_t count = s_bins[lo] - (lo == 0 ? 0 : s_bins[lo - 1]);
@@ -151,7 +152,7 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
   const int64_t units = vec ? hidden / 16 : hidden;
   // row by row (a row's flag is the same in every thread): no division a store (a 64-bit division
   // and modulo a store over every row, zeroed or not, were 10% of mixtral-8x7b's samples and 31% of
-  // decode's under ncu, 2026-12-03)
+  // decode's under ncu)
   for (int row = 0; row < nrows; ++row) {
     if (!s_zero[row]) continue;
     char* p = row_ptr(y, first + row);
@@ -161,13 +162,14 @@ __device__ void zero_rows(const RowsArg& y, const QuantScalesArg& sc, const Padd
     }
   }
   // the zeroed rows' scales (1): rows of at most 64 entries one thread a row (looped over the row),
-  // longer rows over the block's threads row by row. Measured on the H200 (2026-12-04, graph x
-  // floor, bench/results/cuda-h200-2026-12-04-eighteenth.md), one thread a row / row by row:
+  // longer rows over the block's threads row by row. Measured on the H200 (graph x
+  // floor), one thread a row / row by row:
   // qwen3-30b-a3b (16 and 64 entries) quant-128 1.42 / 1.57, quant-mxfp8 1.47 / 1.59; mixtral-8x7b
   // (32 entries) quant-128 1.54 / 1.60; deepseek-v3 and decode MXFP8 (224 entries) 1.50 / 1.31 and
   // 18.5 / 12.2 us; a flattened (row, entry) loop was between the two everywhere.
   if (sc.cols <= 64) {
-    if (threadIdx.x < static_cast<unsigned>(nrows) && s_zero[threadIdx.x]) store_scale_one(sc, first + threadIdx.x, 0, 1);
+    if (threadIdx.x < static_cast<unsigned>(nrows) && s_zero[threadIdx.x])
+      store_scale_one(sc, first + threadIdx.x, 0, 1);
   } else {
     for (int row = 0; row < nrows; ++row) {
       if (s_zero[row]) store_scale_one(sc, first + row, static_cast<int>(threadIdx.x), kThreads);
@@ -217,8 +219,8 @@ __device__ __forceinline__ void quantize_cols(const float (&f)[kCols], const qua
 // division by its power of two is a multiplication by the inverse (exact: both are the rounding of
 // the same real x * 2^-X): the codes of quant::quantize_element, bit for bit
 // (fp8_convert_mismatches checks every float32 pattern). Against quantize_element's software
-// conversion: dispatch(quant-128) mixtral-8x7b 3.18x -> 1.68x the floor (cuda-h200-2026-12-03.md).
-// Within 32 registers (8 blocks an SM: full occupancy). Measured on the H200 (2026-12-03) against
+// conversion: dispatch(quant-128) mixtral-8x7b 3.18x -> 1.68x the floor.
+// Within 32 registers (8 blocks an SM: full occupancy). Measured on the H200 against
 // 38 registers (6 blocks an SM): dispatch(quant-128) mixtral-8x7b 1.68x -> 1.53x the floor,
 // qwen3-30b-a3b 1.48x -> 1.41x, deepseek-v3 1.29x -> 1.30x. Loading the first step before the
 // destinations are staged (so that the two loads overlap) was slower: 1.93x at 48 registers,
@@ -226,7 +228,7 @@ __device__ __forceinline__ void quantize_cols(const float (&f)[kCols], const qua
 // The sliced form with 1x128 block scales: registers for 6 blocks an SM (40) instead of 8 (32,
 // where the sliced form spills 8-16 bytes; policy::quant_loose).
 template <typename T, int kMode, bool kSliced>
-__global__ void __launch_bounds__(kThreads, kSliced && kMode == kBlock128Mode ? 6 : 8)
+__global__ void __launch_bounds__(kThreads, kSliced&& kMode == kBlock128Mode ? 6 : 8)
     quant_spread_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, RowsArg y, QuantScalesArg sc,
                         PaddingRef pad, bool zero_padding, bool zero_past_end, bool vec_in, bool vec_out,
                         int zero_rows_each, int slices) {
@@ -236,8 +238,8 @@ __global__ void __launch_bounds__(kThreads, kSliced && kMode == kBlock128Mode ? 
   // the one measured within 32 registers above)
   const int64_t token_blocks = kSliced ? x.rows * slices : x.rows;
   if (blockIdx.x >= token_blocks) {
-    zero_rows(y, sc, pad, zero_padding, zero_past_end, (static_cast<int64_t>(blockIdx.x) - token_blocks) * zero_rows_each,
-              zero_rows_each);
+    zero_rows(y, sc, pad, zero_padding, zero_past_end,
+              (static_cast<int64_t>(blockIdx.x) - token_blocks) * zero_rows_each, zero_rows_each);
     return;
   }
   using M = ModeTraits<kMode>;
@@ -386,7 +388,7 @@ void quantize_spread_rows(const RowsArg& x, int top_k, const int32_t* dest, cons
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("quant_spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x,
-        top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out, zero_each, slices);
+                  top_k, dest, y, scales, padding, zero_padding, zero_past_end, vec_in, vec_out, zero_each, slices);
   };
   with_traits(x.dtype, [&](auto traits) {
     using T = decltype(traits);

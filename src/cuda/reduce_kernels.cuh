@@ -108,8 +108,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit, bool kDots = true, bool kOut = true,
           bool kSearch = false>
 __global__ void __launch_bounds__(kThreads)
-    reduce_dots_warp_kernel(RowsArg y, int top_k, DestArg dest, ScaleArg w, RowsArg out, RowsArg g,
-                            FloatOutArg dots) {
+    reduce_dots_warp_kernel(RowsArg y, int top_k, DestArg dest, ScaleArg w, RowsArg out, RowsArg g, FloatOutArg dots) {
   pdl_begin();
   static_assert(kSplit == 1 || kSplit == kThreads / 32, "a token's lanes: one warp or the whole block");
   using U = Unit<T, kVec>;

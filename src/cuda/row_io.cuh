@@ -270,7 +270,8 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
   int64_t lo = 0, hi = E;  // first expert whose padded segment ends past `first`
   while (lo < hi) {
     const int64_t mid = (lo + hi) / 2;
-    if (pbins(mid) > first) hi = mid; else lo = mid + 1;
+    if (pbins(mid) > first) hi = mid;
+    else lo = mid + 1;
   }
   for (int64_t e = lo; e < E; ++e) {
     const int64_t pstart = e == 0 ? 0 : pbins(e - 1);

@@ -103,7 +103,8 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
   // blocks, so that no multiprocessor holds much more than its share of the writes).
   const int zero_rows = policy::zero_rows_per_block(tokens, y.cols * static_cast<int64_t>(element_size(y.dtype)), dev);
   const int64_t zero_blocks = zero_padding || zero_past_end ? index::ceil_div(y.rows, zero_rows) : 0;
-  const bool vec = rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(*dots_with));
+  const bool vec =
+      rows_vectorizable(x) && rows_vectorizable(y) && (dots_with == nullptr || rows_vectorizable(*dots_with));
   const int64_t units = vec ? y.cols * static_cast<int64_t>(element_size(y.dtype)) / 16 : y.cols;
   const int64_t blocks = tokens + zero_blocks;
   const bool scale_cols = scales != nullptr && scales->cols > 0;  // per-row scales move even when H = 0
@@ -116,8 +117,8 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
     auto warp_launch = [&](auto tag) {
       using Tag = decltype(tag);
       launch_kernel("spread_dots_warp_kernel", Tag::fn, static_cast<unsigned>(assignment_blocks + zero_blocks),
-          kThreads, 0, as_stream(stream), x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with, dots,
-          assignment_blocks, zero_rows);
+                    kThreads, 0, as_stream(stream), x, top_k, dest, w, y, padding, zero_padding, zero_past_end, with,
+                    dots, assignment_blocks, zero_rows);
     };
     if (dest.rows == nullptr) pick<SpreadDotsWarp<true>::Tag>(x.dtype, vec, warp_launch);
     else pick<SpreadDotsWarp<false>::Tag>(x.dtype, vec, warp_launch);
@@ -126,7 +127,7 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("spread_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), x, top_k,
-        dest, w, y, padding, zero_padding, zero_past_end, sc, zero_rows);
+                  dest, w, y, padding, zero_padding, zero_past_end, sc, zero_rows);
   };
   if (dest.rows == nullptr) {  // the search form: the block kernel
     if (scales != nullptr) pick<SearchSpread<true>::Tag>(x.dtype, vec, launch);
@@ -140,8 +141,8 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
     auto warp_launch = [&](auto tag) {
       using Tag = decltype(tag);
       launch_kernel("spread_warp_kernel", Tag::fn, static_cast<unsigned>(token_blocks + zero_blocks), kThreads, 0,
-          as_stream(stream), x, top_k, dest.rows, w, y, padding, zero_padding, zero_past_end, sc, token_blocks,
-          zero_rows);
+                    as_stream(stream), x, top_k, dest.rows, w, y, padding, zero_padding, zero_past_end, sc,
+                    token_blocks, zero_rows);
     };
     if (scales != nullptr) pick<SpreadWarp<true>::Tag>(x.dtype, vec, warp_launch);
     else pick<SpreadWarp<false>::Tag>(x.dtype, vec, warp_launch);
@@ -163,7 +164,7 @@ void launch_token_reduce(const RowsArg& y, int top_k, const DestArg& dest, Scale
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, stream, y, top_k,
-        dest, w, out, g, dots);
+                  dest, w, out, g, dots);
   };
   if (warp_a_token && top_k <= 2) pick<ReduceDotsWarp<2, 2, 1, kD>::template Tag>(y.dtype, vec, launch);
   else if (warp_a_token) pick<ReduceDotsWarp<kMaxK, 1, 1, kD>::template Tag>(y.dtype, vec, launch);
@@ -178,7 +179,7 @@ void launch_search_reduce(const RowsArg& y, int top_k, const DestArg& dest, Scal
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(out.rows), kThreads, 0, stream, y, top_k,
-        dest, w, out, g, dots);
+                  dest, w, out, g, dots);
   };
   const bool with_dots = dots.data != nullptr;
   if (with_dots && two) pick<ReduceDotsWarp<kMaxK, 2, kBlockWarps, true, true, true>::Tag>(y.dtype, vec, launch);
@@ -206,11 +207,12 @@ void reduce_rows(const RowsArg& y, int top_k, const DestArg& dest, ScaleArg w, c
   auto block_launch = [&](auto tag, int slices, int64_t slice_units) {
     using Tag = decltype(tag);
     launch_kernel("reduce_kernel", Tag::fn, static_cast<unsigned>(out.rows * slices), kThreads, 0, s, y, top_k,
-        dest.rows, w, out, g, dots, slices, slice_units);
+                  dest.rows, w, out, g, dots, slices, slice_units);
   };
   if (dots.data != nullptr) {
     const ReduceDotsKernel pick_dots = policy::reduce_dots_fit(
-        overrides().reduce_dots.value_or(policy::reduce_dots_kernel(out.rows, top_k, units, dev)), out.rows, top_k, dev);
+        overrides().reduce_dots.value_or(policy::reduce_dots_kernel(out.rows, top_k, units, dev)), out.rows, top_k,
+        dev);
     switch (pick_dots) {
       case ReduceDotsKernel::kTokenWarp:
       case ReduceDotsKernel::kTokenBlock:
@@ -227,8 +229,8 @@ void reduce_rows(const RowsArg& y, int top_k, const DestArg& dest, ScaleArg w, c
     }
     return;
   }
-  const ReduceKernel kernel =
-      policy::plain_reduce_fit(overrides().reduce.value_or(policy::plain_reduce_kernel(out.rows, top_k, units, dev)), top_k);
+  const ReduceKernel kernel = policy::plain_reduce_fit(
+      overrides().reduce.value_or(policy::plain_reduce_kernel(out.rows, top_k, units, dev)), top_k);
   if (kernel == ReduceKernel::kTokenBlock || kernel == ReduceKernel::kTokenBlockTwoUnits) {
     launch_token_reduce<false>(y, top_k, dest, w, out, g, dots, vec, false, kernel == ReduceKernel::kTokenBlockTwoUnits,
                                s);
@@ -242,8 +244,8 @@ void reduce_rows(const RowsArg& y, int top_k, const DestArg& dest, ScaleArg w, c
   else pick<ReduceShape<1, 4, false>::Tag>(y.dtype, vec, sliced);
 }
 
-void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest, int64_t assignments,
-              FloatOutArg out, void* stream) {
+void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest, int64_t assignments, FloatOutArg out,
+              void* stream) {
   const int64_t tokens = assignments / top_k;
   if (tokens == 0) return;
   const bool vec = rows_vectorizable(y) && rows_vectorizable(g);
@@ -256,7 +258,7 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest
     auto launch = [&](auto tag) {
       using Tag = decltype(tag);
       launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream),
-          y, top_k, dest, ScaleArg{}, shape, g, out);
+                    y, top_k, dest, ScaleArg{}, shape, g, out);
     };
     if (search) pick<ReduceDotsWarp<kMaxK, 1, kBlockWarps, true, false, true>::Tag>(y.dtype, vec, launch);
     else pick<ReduceDotsWarp<kMaxK, 1, kBlockWarps, true, false>::Tag>(y.dtype, vec, launch);
@@ -266,7 +268,7 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest
   pick<WarpDotsTag>(y.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), y, g,
-        top_k, dest.rows, assignments, out);
+                  top_k, dest.rows, assignments, out);
   });
 }
 
@@ -290,7 +292,7 @@ void gather_rows(const RowsArg& src, IndexRef map, ScaleArg s, bool scale_by_sou
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("gather_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), from, map, s,
-        scale_by_source, limited, row_limit, static_cast<int>(per_block), skip_unmapped, sc);
+                  scale_by_source, limited, row_limit, static_cast<int>(per_block), skip_unmapped, sc);
   };
   if (scales != nullptr) pick<ScaledGatherTag>(out.dtype, vec, launch);
   else pick<GatherTag>(out.dtype, vec, launch);
@@ -300,7 +302,7 @@ void gather_rows_dots(const RowsArg& src, IndexRef map, ScaleArg s, const RowsAr
                       const RowsArg& dots_with, FloatOutArg dots, int64_t dots_len, void* stream) {
   if (dots_len > 0) {
     launch_kernel("fill_dots_kernel", fill_dots_kernel, grid_for(dots_len, 256, 4096), 256, 0, as_stream(stream), dots,
-        dots_len);
+                  dots_len);
   }
   if (rows == 0) return;
   const bool vec = rows_vectorizable(src) && rows_vectorizable(out) && rows_vectorizable(dots_with);
@@ -308,7 +310,7 @@ void gather_rows_dots(const RowsArg& src, IndexRef map, ScaleArg s, const RowsAr
   pick<GatherDotsWarpTag>(out.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
     launch_kernel("gather_dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream),
-        src, map, s, out, rows, dots_with, dots);
+                  src, map, s, out, rows, dots_with, dots);
   });
 }
 

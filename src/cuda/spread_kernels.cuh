@@ -15,12 +15,12 @@ namespace {
 // kScales: the token's scale row is copied to its K destinations by the same block: thread i loads
 // entry i with its first data loads and stores it once the destinations are staged (decode
 // dispatch(fp8+scales) 12.9 -> 12.4 us in a graph against a load then a store each after the
-// staging, cuda-h200-2026-12-03-fourteenth.md).
+// staging).
 // kSearch: the destinations by a search of dest's sorted form (dest.rows null), else dest.rows.
 template <typename T, bool kVec, bool kScales, bool kSearch = false>
 __global__ void __launch_bounds__(kThreads, 1)
-    spread_kernel(RowsArg x, int top_k, DestArg dest, ScaleArg w, RowsArg y, PaddingRef pad,
-                  bool zero_padding, bool zero_past_end, ScaleRowsArg sc, int zero_rows) {
+    spread_kernel(RowsArg x, int top_k, DestArg dest, ScaleArg w, RowsArg y, PaddingRef pad, bool zero_padding,
+                  bool zero_past_end, ScaleRowsArg sc, int zero_rows) {
   pdl_begin();
   using U = Unit<T, kVec>;
   const int64_t tokens = x.rows;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // assignments, mostly of one token, so x's row is read from L1 after the first. Each lane sums its
 // units in ascending order, then a fixed shuffle tree: deterministic. Measured against two blocks
 // with 8 loads and four with 4: qwen3-30b-a3b combine_backward(w) 1.19 -> 1.12x the floor,
-// deepseek-v3 1.05 -> 1.06x (cuda-h200-2026-12-02-ninth.md). Zero blocks as above.
+// deepseek-v3 1.05 -> 1.06x. Zero blocks as above.
 constexpr int kSpreadDotsUnits = 4;
 constexpr int kSpreadDotsBlocks = 3;
 // Row src moved to out (times wk when `scaled`) by kLanes lanes, kUnits 16-byte units a lane and
@@ -113,9 +113,9 @@ __device__ __forceinline__ float move_row_dot(const char* src, const char* with,
 
 template <typename T, bool kVec, bool kSearch = false>
 __global__ void __launch_bounds__(kThreads, kSpreadDotsBlocks)
-    spread_dots_warp_kernel(RowsArg x, int top_k, DestArg dest, ScaleArg w, RowsArg y,
-                            PaddingRef pad, bool zero_padding, bool zero_past_end, RowsArg dots_with,
-                            FloatOutArg dots, int64_t assignment_blocks, int zero_rows) {
+    spread_dots_warp_kernel(RowsArg x, int top_k, DestArg dest, ScaleArg w, RowsArg y, PaddingRef pad,
+                            bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots,
+                            int64_t assignment_blocks, int zero_rows) {
   pdl_begin();
   using U = Unit<T, kVec>;
   constexpr int kUnits = kSpreadDotsUnits;
@@ -163,9 +163,8 @@ __global__ void __launch_bounds__(kThreads, kSpreadDotsBlocks)
 constexpr int kSpreadWarpUnits = 8;  // 16-byte units a lane and round
 template <typename T, bool kVec, bool kScales>
 __global__ void __launch_bounds__(kThreads, 4)
-    spread_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y,
-                       PaddingRef pad, bool zero_padding, bool zero_past_end, ScaleRowsArg sc, int64_t token_blocks,
-                       int zero_rows) {
+    spread_warp_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y, PaddingRef pad,
+                       bool zero_padding, bool zero_past_end, ScaleRowsArg sc, int64_t token_blocks, int zero_rows) {
   pdl_begin();
   using U = Unit<T, kVec>;
   constexpr int kUnits = kSpreadWarpUnits;

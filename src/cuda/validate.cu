@@ -1,4 +1,4 @@
-// validate.cu — checked mode: the data-dependent properties of SPEC section 5
+// validate.cu — checked mode: the data-dependent properties of docs/spec.md §12
 // validated on the GPU. Each kernel records the first violation as one
 // 64-bit key, (code << 40) | position, by atomicMin (integer atomics only), so
 // the report is deterministic: the lowest code, then the lowest position.
@@ -177,8 +177,9 @@ Violation validate_top_experts(IndexRef ids, int64_t assignments, int num_expert
   const cudaStream_t s = as_stream(stream);
   const Layout l = layout(workspace);
   begin(l, 0, s);
-  if (assignments > 0) launch_kernel("top_experts_kernel", top_experts_kernel, blocks_for(assignments), 256, 0, s, ids,
-      assignments, num_experts, l.key);
+  if (assignments > 0)
+    launch_kernel("top_experts_kernel", top_experts_kernel, blocks_for(assignments), 256, 0, s, ids, assignments,
+                  num_experts, l.key);
   Violation v = finish(l, s);
   if (v.code == kExpertOutOfRange) v.v1 = read_index(ids, v.pos, s);
   return v;
@@ -192,23 +193,32 @@ Violation validate_sorted_routing(IndexRef indices, IndexRef bin_ids, IndexRef b
   begin(l, assignments, s);
   if (num_experts > 0) {
     launch_kernel("bins_kernel", bins_kernel, blocks_for(num_experts), 256, 0, s, bins, padded_bins, num_experts,
-        assignments, output_rows, l.key);
+                  assignments, output_rows, l.key);
   }
   if (assignments > 0 && num_experts > 0) {
     launch_kernel("sorted_kernel", sorted_kernel, blocks_for(assignments), 256, 0, s, indices, bin_ids, bins,
-        num_experts, assignments, l.seen, l.key);
+                  num_experts, assignments, l.seen, l.key);
   }
   Violation v = finish(l, s);
   const int64_t e = v.pos;
   switch (v.code) {
-    case kBinsDecreasing: v.v1 = read_index(bins, e, s); v.v2 = read_index(bins, e - 1, s); break;
-    case kPaddedDecreasing: v.v1 = read_index(padded_bins, e, s); v.v2 = read_index(padded_bins, e - 1, s); break;
+    case kBinsDecreasing:
+      v.v1 = read_index(bins, e, s);
+      v.v2 = read_index(bins, e - 1, s);
+      break;
+    case kPaddedDecreasing:
+      v.v1 = read_index(padded_bins, e, s);
+      v.v2 = read_index(padded_bins, e - 1, s);
+      break;
     case kPaddedTooSmall:
       v.v1 = read_index(padded_bins, e, s) - (e == 0 ? 0 : read_index(padded_bins, e - 1, s));
       v.v2 = read_index(bins, e, s) - (e == 0 ? 0 : read_index(bins, e - 1, s));
       break;
     case kBinsTotal: v.v1 = read_index(bins, num_experts - 1, s); break;
-    case kCapacity: v.v1 = read_index(padded_bins, num_experts - 1, s); v.v2 = output_rows; break;
+    case kCapacity:
+      v.v1 = read_index(padded_bins, num_experts - 1, s);
+      v.v2 = output_rows;
+      break;
     case kBinIdsInconsistent: v.v1 = read_index(bin_ids, v.pos, s); break;
     case kIndexOutOfRange: v.v1 = read_index(indices, v.pos, s); break;
     default: break;
@@ -224,7 +234,7 @@ Violation validate_routing_ids(IndexRef ids, int64_t assignments, int64_t global
   const int64_t work = map.data != nullptr && global > assignments ? global : assignments;
   if (work > 0) {
     launch_kernel("routing_ids_kernel", routing_ids_kernel, blocks_for(work), 256, 0, s, ids, assignments, global,
-        check_ids, map, num_experts, l.key);
+                  check_ids, map, num_experts, l.key);
   }
   Violation v = finish(l, s);
   if (v.code == kExpertOutOfRange) v.v1 = read_index(ids, v.pos, s);
@@ -240,8 +250,8 @@ Violation validate_plan(const PlanView& plan, int64_t output_rows, void* workspa
   const int64_t sources_len = plan.row_sources.shape[0];
   const int64_t work = assignments > sources_len ? assignments : sources_len;
   launch_kernel("plan_kernel", plan_kernel, blocks_for(work), 256, 0, s, plan.dest_rows.data_as<const int32_t>(),
-      plan.row_sources.data_as<const int32_t>(), plan.padded_bins.data_as<const int32_t>(), plan.num_experts,
-      assignments, sources_len, output_rows, l.key);
+                plan.row_sources.data_as<const int32_t>(), plan.padded_bins.data_as<const int32_t>(), plan.num_experts,
+                assignments, sources_len, output_rows, l.key);
   Violation v = finish(l, s);
   const IndexRef pb{plan.padded_bins.data, false};
   switch (v.code) {
@@ -261,8 +271,9 @@ Violation validate_counts(IndexRef counts, int num_experts, int alignment, int64
   const cudaStream_t s = as_stream(stream);
   const Layout l = layout(workspace);
   begin(l, 0, s);
-  if (num_experts > 0) launch_kernel("counts_kernel", counts_kernel, blocks_for(num_experts), 256, 0, s, counts,
-      num_experts, alignment, l.sums, l.key);
+  if (num_experts > 0)
+    launch_kernel("counts_kernel", counts_kernel, blocks_for(num_experts), 256, 0, s, counts, num_experts, alignment,
+                  l.sums, l.key);
   Violation v = finish(l, s);
   if (v.code == kCountNegative) {
     v.v1 = read_index(counts, v.pos, s);
@@ -282,8 +293,8 @@ Violation validate_map(IndexRef map, int64_t map_len, int64_t original_size, voi
   const cudaStream_t s = as_stream(stream);
   const Layout l = layout(workspace);
   begin(l, original_size, s);
-  if (map_len > 0) launch_kernel("map_kernel", map_kernel, blocks_for(map_len), 256, 0, s, map, map_len, original_size,
-      l.seen, l.key);
+  if (map_len > 0)
+    launch_kernel("map_kernel", map_kernel, blocks_for(map_len), 256, 0, s, map, map_len, original_size, l.seen, l.key);
   Violation v = finish(l, s);
   if (v.code == kMapOutOfRange) v.v1 = read_index(map, v.pos, s);
   if (v.code == kMapRepeated) v.v1 = v.pos;

@@ -1,5 +1,5 @@
 // reference.cpp — the reference loops of reference.hpp, written straight from
-// SPEC.md sections 1-3. Deliberately naive and single-threaded; it shares no
+// docs/spec.md §3-§7. Deliberately naive and single-threaded; it shares no
 // code with the backends (no index-math header) so that a mistake in the
 // shared index math cannot hide in both places.
 #include "reference/reference.hpp"
@@ -32,8 +32,7 @@ void require(bool ok, const std::string& what) {
 
 }  // namespace
 
-Plan make_plan(const std::vector<int64_t>& top_experts, int64_t num_tokens, int top_k, int num_experts,
-               int alignment) {
+Plan make_plan(const std::vector<int64_t>& top_experts, int64_t num_tokens, int top_k, int num_experts, int alignment) {
   require(top_k >= 1, "top_k must be >= 1");
   require(alignment >= 1, "alignment must be >= 1");
   require(num_experts >= 0, "num_experts must be >= 0");
@@ -200,8 +199,8 @@ std::vector<double> padded_scatter(const std::vector<float>& y, int64_t hidden, 
   return out;
 }
 
-std::vector<double> padded_scatter_wgrad(const std::vector<float>& y, const std::vector<float>& grad,
-                                         int64_t hidden, const Plan& plan) {
+std::vector<double> padded_scatter_wgrad(const std::vector<float>& y, const std::vector<float>& grad, int64_t hidden,
+                                         const Plan& plan) {
   const int64_t H = hidden, K = plan.top_k, A = plan.num_tokens * K;
   require(static_cast<int64_t>(y.size()) >= plan.padded_rows * H, "y too small");
   require(static_cast<int64_t>(grad.size()) >= plan.num_tokens * H, "grad too small");
@@ -328,8 +327,8 @@ UnpadGrads unpad_from_alignment_backward(const std::vector<float>& grad_out, con
                                          const std::vector<float>* probs) {
   const int64_t H = hidden;
   const int64_t P = static_cast<int64_t>(permutation_map.size());
-  const int64_t N = H > 0 ? static_cast<int64_t>(grad_out.size()) / H
-                          : (probs ? static_cast<int64_t>(probs->size()) : 0);
+  const int64_t N =
+      H > 0 ? static_cast<int64_t>(grad_out.size()) / H : (probs ? static_cast<int64_t>(probs->size()) : 0);
   UnpadGrads g;
   g.grad_padded.assign(static_cast<size_t>(P * H), 0.0f);
   if (probs) g.grad_probs.assign(static_cast<size_t>(probs->size()), 0.0);
@@ -353,7 +352,8 @@ namespace {
 // Per expert: the assignments routed to it in ascending id order.
 std::vector<std::vector<int64_t>> by_expert(const std::vector<int64_t>& top_experts, int num_experts) {
   std::vector<std::vector<int64_t>> lists(static_cast<size_t>(num_experts));
-  for (size_t a = 0; a < top_experts.size(); ++a) lists[static_cast<size_t>(top_experts[a])].push_back(static_cast<int64_t>(a));
+  for (size_t a = 0; a < top_experts.size(); ++a)
+    lists[static_cast<size_t>(top_experts[a])].push_back(static_cast<int64_t>(a));
   return lists;
 }
 
@@ -581,8 +581,8 @@ QuantRows dispatch_quantized(const std::vector<float>& x, int64_t hidden, const 
   out.cols = tok.cols;
   out.row_bytes = tok.row_bytes;
   out.rows = move_scale_rows(tok.rows, hidden, sources, std::vector<uint8_t>(static_cast<size_t>(hidden), 0));
-  out.scales = move_scale_rows(tok.scales, tok.row_bytes, sources,
-                               scale_one_row(layout == QuantLayout::kMxE8M0, tok.cols));
+  out.scales =
+      move_scale_rows(tok.scales, tok.row_bytes, sources, scale_one_row(layout == QuantLayout::kMxE8M0, tok.cols));
   return out;
 }
 

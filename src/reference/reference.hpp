@@ -1,11 +1,11 @@
 // reference.hpp — padmoe's reference implementation: plain single-threaded
-// loops written straight from SPEC.md, independent of the backends (it does
+// loops written straight from docs/spec.md, independent of the backends (it does
 // not include the index-math header or call any backend code). Used only by
 // the tests and by `padmoe check`.
 //
 // Conventions: row data are row-major float vectors (every float32, float16,
 // bfloat16 and float8 value is exact in float). Moves return float (a product
-// x*w is formed in double and rounded once to float, SPEC's float32
+// x*w is formed in double and rounded once to float, docs/spec.md §11's float32
 // arithmetic); sums are accumulated and returned in double (float64), so a
 // backend result is compared to them within a stated tolerance. Index
 // vectors are int64.
@@ -32,11 +32,10 @@ struct Plan {
 };
 
 // top_experts: [T*K] row-major expert ids, all in [0, E).
-Plan make_plan(const std::vector<int64_t>& top_experts, int64_t num_tokens, int top_k, int num_experts,
-               int alignment);
+Plan make_plan(const std::vector<int64_t>& top_experts, int64_t num_tokens, int top_k, int num_experts, int alignment);
 
-// make_plan with the routing options of ops.hpp's PlanOptions, from SPEC
-// section 1's words: ids are global (in [0, global_experts)); local id =
+// make_plan with the routing options of ops.hpp's PlanOptions, from docs/spec.md
+// §4's words: ids are global (in [0, global_experts)); local id =
 // expert_map[id] when the map is given, else id - first_expert inside the
 // local range; other ids are dropped (an invalid id only with drop_invalid,
 // else the reference throws). capacity >= 0: each expert keeps its first C
@@ -60,20 +59,20 @@ struct RoutedPlan {
 RoutedPlan make_plan(const std::vector<int64_t>& top_experts, int64_t num_tokens, int top_k, int num_experts,
                      int alignment, const RoutingOptions& options);
 
-// SPEC 2, padded_gather: returns [P*H]; padding rows zero. weights (if not
+// docs/spec.md §6, padded_gather: returns [P*H]; padding rows zero. weights (if not
 // null) has A entries, indexed by assignment id.
 std::vector<float> padded_gather(const std::vector<float>& x, int64_t hidden, const Plan& plan,
                                  const std::vector<float>* weights);
 
-// SPEC 2, padded_scatter: returns [T*H], sum over k in double.
+// docs/spec.md §6, padded_scatter: returns [T*H], sum over k in double.
 std::vector<double> padded_scatter(const std::vector<float>& y, int64_t hidden, const Plan& plan,
                                    const std::vector<float>* weights);
 
-// SPEC 2, padded_scatter_wgrad: returns [A], wgrad[a] = <y[dest_rows[a]], grad[a/K]> in double.
-std::vector<double> padded_scatter_wgrad(const std::vector<float>& y, const std::vector<float>& grad,
-                                         int64_t hidden, const Plan& plan);
+// docs/spec.md §6, padded_scatter_wgrad: returns [A], wgrad[a] = <y[dest_rows[a]], grad[a/K]> in double.
+std::vector<double> padded_scatter_wgrad(const std::vector<float>& y, const std::vector<float>& grad, int64_t hidden,
+                                         const Plan& plan);
 
-// SPEC 3, pad_to_alignment on h[N*H] with counts[E].
+// docs/spec.md §7, pad_to_alignment on h[N*H] with counts[E].
 struct PadResult {
   std::vector<float> padded;                // [P*H]
   std::vector<int64_t> permutation_map;     // [P]
@@ -83,7 +82,7 @@ struct PadResult {
 PadResult pad_to_alignment(const std::vector<float>& h, int64_t hidden, const std::vector<int64_t>& tokens_per_expert,
                            int alignment);
 
-// SPEC 3, unpad_from_alignment: returns [N*H]; probs (if not null) has N entries.
+// docs/spec.md §7, unpad_from_alignment: returns [N*H]; probs (if not null) has N entries.
 std::vector<float> unpad_from_alignment(const std::vector<float>& padded, int64_t hidden,
                                         const std::vector<int64_t>& permutation_map, int64_t original_size,
                                         const std::vector<float>* probs);
@@ -113,8 +112,7 @@ UnpadGrads unpad_from_alignment_backward(const std::vector<float>& grad_out, con
 // ascending id order, padded to a multiple of block_size with the sentinel A;
 // expert_ids per block, -1 past P; num_tokens_post_padded = P; buffer sizes
 // A + min(A, E)*(block-1), rounded up to block with pad_sorted_ids).
-std::vector<int64_t> row_experts(const std::vector<int64_t>& top_experts, int num_experts, int alignment,
-                                 int64_t rows);
+std::vector<int64_t> row_experts(const std::vector<int64_t>& top_experts, int num_experts, int alignment, int64_t rows);
 // vLLM's expert_ids for a buffer of `rows` rows: ceil(rows / m) entries, the expert of each block of
 // m rows (every expert's run is padded to whole blocks), -1 for blocks at or past P.
 std::vector<int64_t> block_experts(const std::vector<int64_t>& top_experts, int num_experts, int alignment,

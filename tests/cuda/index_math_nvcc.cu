@@ -8,8 +8,7 @@
 namespace {
 
 __global__ void padded_rows_kernel(const int32_t* bins, const int32_t* padded_bins, const int32_t* bin_ids,
-                                   int64_t assignments, int num_experts, int64_t* out_rows,
-                                   int64_t* out_segments) {
+                                   int64_t assignments, int num_experts, int64_t* out_rows, int64_t* out_segments) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= assignments) return;
   const int64_t e = bin_ids[i];

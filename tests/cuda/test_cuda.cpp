@@ -59,8 +59,8 @@ bool gpu_available() {
   return n > 0;
 }
 
-#define REQUIRE_GPU()                                                                        \
-  do {                                                                                       \
+#define REQUIRE_GPU()                                                                      \
+  do {                                                                                     \
     if (!gpu_available()) GTEST_SKIP() << "no CUDA device: padmoe_cuda_tests needs a GPU"; \
   } while (0)
 
@@ -104,8 +104,8 @@ Tensor gpu_poison_index(int64_t n) { return gpu_filled(DType::kInt32, {n}, kInde
     if (row > 0 && std::memcmp(pa, pb, row) != 0) {
       for (size_t i = 0; i < row; ++i)
         if (pa[i] != pb[i])
-          return ::testing::AssertionFailure() << "first difference at row " << r << " byte " << i << ": 0x"
-                                               << std::hex << int(pa[i]) << " vs 0x" << int(pb[i]);
+          return ::testing::AssertionFailure() << "first difference at row " << r << " byte " << i << ": 0x" << std::hex
+                                               << int(pa[i]) << " vs 0x" << int(pb[i]);
     }
   }
   return ::testing::AssertionSuccess();
@@ -171,13 +171,19 @@ GpuLayouts gpu_layout_buffers(int64_t R, int m) {
 void expect_plan_equal(const padmoe::PlanView& g, const padmoe::Plan& c, const ref::Plan& p, const char* what) {
   SCOPED_TRACE(what);
   const std::pair<const TensorView*, const Tensor*> fields[] = {
-      {&g.indices, &c.indices}, {&g.bin_ids, &c.bin_ids}, {&g.tokens_per_expert, &c.tokens_per_expert},
-      {&g.bins, &c.bins}, {&g.padded_tokens_per_expert, &c.padded_tokens_per_expert},
-      {&g.padded_bins, &c.padded_bins}, {&g.dest_rows, &c.dest_rows}, {&g.row_sources, &c.row_sources}};
-  const char* names[] = {"indices", "bin_ids", "tokens_per_expert", "bins", "padded_tokens_per_expert",
+      {&g.indices, &c.indices},
+      {&g.bin_ids, &c.bin_ids},
+      {&g.tokens_per_expert, &c.tokens_per_expert},
+      {&g.bins, &c.bins},
+      {&g.padded_tokens_per_expert, &c.padded_tokens_per_expert},
+      {&g.padded_bins, &c.padded_bins},
+      {&g.dest_rows, &c.dest_rows},
+      {&g.row_sources, &c.row_sources}};
+  const char* names[] = {"indices",     "bin_ids",   "tokens_per_expert", "bins", "padded_tokens_per_expert",
                          "padded_bins", "dest_rows", "row_sources"};
-  const std::vector<int64_t>* refs[] = {&p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins,
-                                        &p.padded_tokens_per_expert, &p.padded_bins, &p.dest_rows, &p.row_sources};
+  const std::vector<int64_t>* refs[] = {
+      &p.indices,     &p.bin_ids,   &p.tokens_per_expert, &p.bins, &p.padded_tokens_per_expert,
+      &p.padded_bins, &p.dest_rows, &p.row_sources};
   for (int i = 0; i < 8; ++i) {
     const Tensor h = to_cpu(*fields[i].first);
     EXPECT_TRUE(all_same(h, *fields[i].second)) << "plan." << names[i] << ": GPU vs CPU";
@@ -218,12 +224,10 @@ struct Combo {
   DType dtype, idx, wdtype;
 };
 std::vector<Combo> combos_of(int which) {
-  const std::vector<Combo> all = {{DType::kFloat32, DType::kInt32, DType::kFloat32},
-                                  {DType::kFloat32, DType::kInt64, DType::kFloat32},
-                                  {DType::kFloat16, DType::kInt32, DType::kFloat32},
-                                  {DType::kFloat16, DType::kInt64, DType::kFloat16},
-                                  {DType::kBFloat16, DType::kInt32, DType::kBFloat16},
-                                  {DType::kBFloat16, DType::kInt64, DType::kFloat32}};
+  const std::vector<Combo> all = {
+      {DType::kFloat32, DType::kInt32, DType::kFloat32},   {DType::kFloat32, DType::kInt64, DType::kFloat32},
+      {DType::kFloat16, DType::kInt32, DType::kFloat32},   {DType::kFloat16, DType::kInt64, DType::kFloat16},
+      {DType::kBFloat16, DType::kInt32, DType::kBFloat16}, {DType::kBFloat16, DType::kInt64, DType::kFloat32}};
   if (which == 1) return {all[4]};
   if (which == 2) return {all[3]};
   if (which == 3) return {all[1]};
@@ -237,8 +241,8 @@ void run_cpu_vs_gpu(const Workload& wl, const Combo& cb, uint64_t seed) {
   SCOPED_TRACE(wl.name + " T=" + std::to_string(T) + " E=" + std::to_string(E) + " K=" + std::to_string(K) +
                " H=" + std::to_string(H) + " m=" + std::to_string(m) + " " + dname(dt) + " idx=" + dname(idx) +
                " w=" + dname(wdt));
-  const std::vector<int64_t> te = wl.counts.empty() ? make_routing(T, K, E, wl.dist, seed)
-                                                    : routing_with_counts(wl.counts, seed);
+  const std::vector<int64_t> te =
+      wl.counts.empty() ? make_routing(T, K, E, wl.dist, seed) : routing_with_counts(wl.counts, seed);
   ASSERT_EQ(static_cast<int64_t>(te.size()), A);
   const ref::Plan p = ref::make_plan(te, T, K, E, m);
   const int64_t P = p.padded_rows, cap = p.capacity;
@@ -366,15 +370,15 @@ void run_cpu_vs_gpu(const Workload& wl, const Combo& cb, uint64_t seed) {
       const std::vector<float> want_gy = ref::padded_gather(gof, H, p, wp);
       const std::vector<double> want_gw = ref::padded_scatter_wgrad(yf, gof, H, p);
       const std::vector<double> abs_gw = ref::padded_scatter_wgrad(abs_of(yf), abs_of(gof), H, p);
-      const padmoe::RowGrads cs = padmoe::padded_scatter_backward(hgo, hy, hii.indices, hii.bin_ids, cw, hii.bins,
-                                                                  hii.padded_bins, K);
+      const padmoe::RowGrads cs =
+          padmoe::padded_scatter_backward(hgo, hy, hii.indices, hii.bin_ids, cw, hii.bins, hii.padded_bins, K);
       Tensor gyo = gpu_poison_rows(dt, cap + 3, H), gwt = gpu_filled(DType::kFloat32, {A}, kPoison);
       padmoe::padded_scatter_backward_out(dgo, dy, dii.indices, dii.bin_ids, gw, dii.bins, dii.padded_bins, K, gyo,
                                           gwt);
       expect_move("padded_scatter_backward_out grad_y", gyo, cs.grad_rows, want_gy, P);
       EXPECT_TRUE(gpu_sums(gwt, want_gw, abs_gw, H, A)) << "padded_scatter_backward_out grad_weights";
-      const padmoe::RowGrads gs = padmoe::padded_scatter_backward(dgo, dy, dii.indices, dii.bin_ids, gw, dii.bins,
-                                                                  dii.padded_bins, K);
+      const padmoe::RowGrads gs =
+          padmoe::padded_scatter_backward(dgo, dy, dii.indices, dii.bin_ids, gw, dii.bins, dii.padded_bins, K);
       ASSERT_EQ(gs.grad_rows.size(0), P);
       EXPECT_TRUE(all_same(to_cpu(gs.grad_rows), cs.grad_rows)) << "padded_scatter_backward grad_y: GPU vs CPU";
       EXPECT_EQ(gs.grad_weights.defined(), weighted);
@@ -486,7 +490,8 @@ std::vector<Workload> workloads() {
   w.push_back({"skewed", 301, 12, 4, 37, 8, Dist::kSkewed});
   w.push_back({"counts_on_over_multiple", 41, 8, 2, 9, 8, Dist::kUniform, {8, 9, 16, 7, 1, 0, 17, 24}});
   w.push_back({"counts_128", 384, 4, 1, 5, 128, Dist::kUniform, {128, 129, 0, 127}});
-  w.push_back({"only_last_expert", 100, 16, 2, 24, 16, Dist::kUniform, {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 200}});
+  w.push_back(
+      {"only_last_expert", 100, 16, 2, 24, 16, Dist::kUniform, {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 200}});
   w.push_back({"topk1", 200, 16, 1, 24, 16, Dist::kDistinct});
   w.push_back({"topk2", 200, 16, 2, 24, 16, Dist::kUniform});
   w.push_back({"topk4", 200, 16, 4, 24, 16, Dist::kDistinct});
@@ -580,13 +585,15 @@ TEST(CpuVsGpuEdge, Float8MoveOnly) {
 // chunk edges (2048, 2049), and another rank's experts dropped (a local range).
 TEST(PlanKernels, EveryPathMatchesCpu) {
   REQUIRE_GPU();
-  struct Case { int64_t T; int K, E, m, global, first; };
-  const Case cases[] = {{0, 2, 8, 16, 0, 0},        {3, 2, 64, 16, 0, 0},       {256, 8, 256, 16, 0, 0},
-                        {1024, 2, 8, 1, 0, 0},      {2049, 1, 16, 4, 0, 0},     {16384, 8, 256, 16, 0, 0},
-                        {70000, 8, 256, 128, 0, 0}, {5000, 4, 512, 1, 0, 0},    {5000, 4, 513, 4, 0, 0},
-                        {1000, 8, 1, 16, 0, 0},     {4096, 8, 32, 16, 256, 64}, {300, 8, 128, 8, 1024, 896},
-                        {200, 8, 512, 4, 0, 0},     {100, 4, 1, 16, 0, 0},      {250, 8, 32, 16, 256, 64},
-                        {37, 3, 96, 3, 0, 0}};
+  struct Case {
+    int64_t T;
+    int K, E, m, global, first;
+  };
+  const Case cases[] = {
+      {0, 2, 8, 16, 0, 0},     {3, 2, 64, 16, 0, 0},      {256, 8, 256, 16, 0, 0},    {1024, 2, 8, 1, 0, 0},
+      {2049, 1, 16, 4, 0, 0},  {16384, 8, 256, 16, 0, 0}, {70000, 8, 256, 128, 0, 0}, {5000, 4, 512, 1, 0, 0},
+      {5000, 4, 513, 4, 0, 0}, {1000, 8, 1, 16, 0, 0},    {4096, 8, 32, 16, 256, 64}, {300, 8, 128, 8, 1024, 896},
+      {200, 8, 512, 4, 0, 0},  {100, 4, 1, 16, 0, 0},     {250, 8, 32, 16, 256, 64},  {37, 3, 96, 3, 0, 0}};
   for (const Case& c : cases) {
     const int64_t A = c.T * c.K;
     const int G = c.global == 0 ? c.E : c.global;
@@ -639,12 +646,17 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
       o.check_data = false;
       padmoe::make_plan_out(dte, c.E, c.m, g.view, l.view, po, o);
       const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> fields[] = {
-          {"indices", {&g.indices, &cpu.indices}},       {"bin_ids", {&g.bin_ids, &cpu.bin_ids}},
-          {"tokens_per_expert", {&g.tpe, &cpu.tokens_per_expert}}, {"bins", {&g.bins, &cpu.bins}},
+          {"indices", {&g.indices, &cpu.indices}},
+          {"bin_ids", {&g.bin_ids, &cpu.bin_ids}},
+          {"tokens_per_expert", {&g.tpe, &cpu.tokens_per_expert}},
+          {"bins", {&g.bins, &cpu.bins}},
           {"padded_tokens_per_expert", {&g.ptpe, &cpu.padded_tokens_per_expert}},
-          {"padded_bins", {&g.padded_bins, &cpu.padded_bins}},   {"dest_rows", {&g.dest_rows, &cpu.dest_rows}},
-          {"row_sources", {&g.row_sources, &cpu.row_sources}},   {"row_experts", {&l.row_experts, &cre}},
-          {"block_experts", {&l.block_experts, &cbe}},           {"padded_total", {&l.padded_total, &ctot}}};
+          {"padded_bins", {&g.padded_bins, &cpu.padded_bins}},
+          {"dest_rows", {&g.dest_rows, &cpu.dest_rows}},
+          {"row_sources", {&g.row_sources, &cpu.row_sources}},
+          {"row_experts", {&l.row_experts, &cre}},
+          {"block_experts", {&l.block_experts, &cbe}},
+          {"padded_total", {&l.padded_total, &ctot}}};
       for (const auto& f : fields) EXPECT_TRUE(all_same(to_cpu(*f.second.first), *f.second.second)) << f.first;
       // and twice: the same bits (no atomics in the ranks)
       GpuPlan g2 = gpu_plan_buffers(c.T, c.K, c.E, c.m, R);
@@ -666,7 +678,11 @@ TEST(PlanKernels, EveryPathMatchesCpu) {
 // threshold. The weighted backward ops (dots) never slice; they run here too, unchanged.
 TEST(RowSlices, MatchNoSlicingAndCpu) {
   REQUIRE_GPU();
-  struct Case { int64_t T, H; int K, E, m; DType dt; };
+  struct Case {
+    int64_t T, H;
+    int K, E, m;
+    DType dt;
+  };
   for (const Case c : {Case{100, 7168, 8, 16, 16, DType::kBFloat16}, Case{37, 4100, 4, 5, 8, DType::kBFloat16},
                        Case{64, 3000, 2, 4, 1, DType::kFloat32}, Case{3, 200, 8, 8, 16, DType::kFloat16},
                        Case{700, 2048, 8, 32, 16, DType::kBFloat16}, Case{50, 300, 40, 64, 8, DType::kBFloat16}}) {
@@ -685,23 +701,28 @@ TEST(RowSlices, MatchNoSlicingAndCpu) {
     // each op on the GPU and on the CPU, every output
     using Outs = std::vector<Tensor>;
     const std::vector<std::pair<const char*, std::pair<std::function<Outs()>, std::function<Outs()>>>> ops = {
-        {"dispatch(w)", {[&] { return Outs{padmoe::dispatch(dx, gv, TensorView(dw))}; },
-                         [&] { return Outs{padmoe::dispatch(hx, cv, TensorView(hw))}; }}},
+        {"dispatch(w)",
+         {[&] { return Outs{padmoe::dispatch(dx, gv, TensorView(dw))}; },
+          [&] { return Outs{padmoe::dispatch(hx, cv, TensorView(hw))}; }}},
         {"dispatch", {[&] { return Outs{padmoe::dispatch(dx, gv)}; }, [&] { return Outs{padmoe::dispatch(hx, cv)}; }}},
-        {"combine(w)", {[&] { return Outs{padmoe::combine(dy, gv, TensorView(dw))}; },
-                        [&] { return Outs{padmoe::combine(hy, cv, TensorView(hw))}; }}},
-        {"combine_backward", {[&] { return Outs{padmoe::combine_backward(dx, dy, gv).grad_rows}; },
-                              [&] { return Outs{padmoe::combine_backward(hx, hy, cv).grad_rows}; }}},
-        {"dispatch_backward", {[&] { return Outs{padmoe::dispatch_backward(dy, dx, gv).grad_rows}; },
-                               [&] { return Outs{padmoe::dispatch_backward(hy, hx, cv).grad_rows}; }}},
-        {"combine_backward(w)", {[&] {
-                                   const padmoe::RowGrads g = padmoe::combine_backward(dx, dy, gv, TensorView(dw));
-                                   return Outs{g.grad_rows, g.grad_weights};
-                                 },
-                                 [&] {
-                                   const padmoe::RowGrads g = padmoe::combine_backward(hx, hy, cv, TensorView(hw));
-                                   return Outs{g.grad_rows, g.grad_weights};
-                                 }}},
+        {"combine(w)",
+         {[&] { return Outs{padmoe::combine(dy, gv, TensorView(dw))}; },
+          [&] { return Outs{padmoe::combine(hy, cv, TensorView(hw))}; }}},
+        {"combine_backward",
+         {[&] { return Outs{padmoe::combine_backward(dx, dy, gv).grad_rows}; },
+          [&] { return Outs{padmoe::combine_backward(hx, hy, cv).grad_rows}; }}},
+        {"dispatch_backward",
+         {[&] { return Outs{padmoe::dispatch_backward(dy, dx, gv).grad_rows}; },
+          [&] { return Outs{padmoe::dispatch_backward(hy, hx, cv).grad_rows}; }}},
+        {"combine_backward(w)",
+         {[&] {
+            const padmoe::RowGrads g = padmoe::combine_backward(dx, dy, gv, TensorView(dw));
+            return Outs{g.grad_rows, g.grad_weights};
+          },
+          [&] {
+            const padmoe::RowGrads g = padmoe::combine_backward(hx, hy, cv, TensorView(hw));
+            return Outs{g.grad_rows, g.grad_weights};
+          }}},
     };
     for (const auto& op : ops) {
       SCOPED_TRACE(op.first);
@@ -711,10 +732,10 @@ TEST(RowSlices, MatchNoSlicingAndCpu) {
       // token); then the spreads a warp a token (top_k 40: two rounds of 32 destinations), and the
       // policy's choice
       const std::pair<int, std::optional<pol::SpreadKernel>> settings[] = {{0, pol::SpreadKernel::kBlock},
-                                                                         {-1, pol::SpreadKernel::kBlock},
-                                                                         {1 << 20, pol::SpreadKernel::kBlock},
-                                                                         {-1, pol::SpreadKernel::kWarp},
-                                                                         {-1, std::nullopt}};
+                                                                           {-1, pol::SpreadKernel::kBlock},
+                                                                           {1 << 20, pol::SpreadKernel::kBlock},
+                                                                           {-1, pol::SpreadKernel::kWarp},
+                                                                           {-1, std::nullopt}};
       for (const auto& [blocks, spread] : settings) {
         KernelOverrides ko;
         ko.reduce_slice_blocks = blocks;
@@ -776,8 +797,17 @@ void expect_wgrad_near_float64(const std::vector<float>& got, const std::vector<
 // warp kernel runs in both), then each op twice, bitwise, in each mode at a decode-like shape.
 TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
   REQUIRE_GPU();
-  const std::vector<std::string> names = {"tiny", "empty_T", "empty_H", "skewed", "topk1", "topk8", "H3",
-                                          "H4097", "H4096_vec", "align16_tiny_segments", "mb_T1024_H768_E64_K4",
+  const std::vector<std::string> names = {"tiny",
+                                          "empty_T",
+                                          "empty_H",
+                                          "skewed",
+                                          "topk1",
+                                          "topk8",
+                                          "H3",
+                                          "H4097",
+                                          "H4096_vec",
+                                          "align16_tiny_segments",
+                                          "mb_T1024_H768_E64_K4",
                                           "only_last_expert"};
   std::vector<Tensor> family3;  // mode 4 (two units a lane) must give mode 3's bits
   const pol::ReduceDotsKernel kernels[] = {pol::ReduceDotsKernel::kBlock, pol::ReduceDotsKernel::kBlockWide,
@@ -800,15 +830,17 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
     const Tensor dw = to_gpu(vec_from_float(random_values(T * K, DType::kFloat32, rng, 0, 1), DType::kFloat32));
     const padmoe::PlanView v = plan.view();
     // unpad's backward: rows grouped by expert (the plan's counts), padded, then unpadded
-    const Tensor dh = to_gpu(rows_from_float(random_values(T * K * H, DType::kBFloat16, rng), DType::kBFloat16, T * K, H));
+    const Tensor dh =
+        to_gpu(rows_from_float(random_values(T * K * H, DType::kBFloat16, rng), DType::kBFloat16, T * K, H));
     const padmoe::PadResult pad = padmoe::pad_to_alignment(dh, v.tokens_per_expert, m);
     auto run = [&] {
       std::vector<Tensor> o;
       const padmoe::RowGrads a = padmoe::combine_backward(dx, dy, v, TensorView(dw));
       const padmoe::RowGrads b = padmoe::dispatch_backward(dy, dx, v, TensorView(dw));
-      const padmoe::RowGrads u = padmoe::unpad_from_alignment_backward(dh, pad.padded, pad.permutation_map, TensorView(dw));
-      o = {to_cpu(a.grad_rows), to_cpu(a.grad_weights), to_cpu(b.grad_rows), to_cpu(b.grad_weights),
-           to_cpu(u.grad_rows), to_cpu(u.grad_weights)};
+      const padmoe::RowGrads u =
+          padmoe::unpad_from_alignment_backward(dh, pad.padded, pad.permutation_map, TensorView(dw));
+      o = {to_cpu(a.grad_rows),    to_cpu(a.grad_weights), to_cpu(b.grad_rows),
+           to_cpu(b.grad_weights), to_cpu(u.grad_rows),    to_cpu(u.grad_weights)};
       o.push_back(to_cpu(padmoe::padded_scatter_wgrad(dy, dx, v.indices, v.bin_ids, v.bins, v.padded_bins, K)));
       return o;
     };
@@ -816,7 +848,8 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
     for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(all_same(first[i], second[i])) << "output " << i;
     if (mode == 3) family3 = first;
     if (mode == 4) {
-      for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(all_same(family3[i], first[i])) << "mode 3 vs 4, output " << i;
+      for (size_t i = 0; i < first.size(); ++i)
+        EXPECT_TRUE(all_same(family3[i], first[i])) << "mode 3 vs 4, output " << i;
     }
     if (mode != 4) continue;
     // By shape (-1) at this T (about two tokens an SM on the H200, where the reduce with dots
@@ -824,7 +857,8 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
     // and wgrad against float64 sums (rounded once to bf16, y's dtype).
     kernel_overrides().reduce_dots.reset();
     const std::vector<Tensor> by_shape = run(), again = run();
-    for (size_t i = 0; i < by_shape.size(); ++i) EXPECT_TRUE(all_same(by_shape[i], again[i])) << "by shape, output " << i;
+    for (size_t i = 0; i < by_shape.size(); ++i)
+      EXPECT_TRUE(all_same(by_shape[i], again[i])) << "by shape, output " << i;
     const Tensor dest = to_cpu(v.dest_rows);
     expect_wgrad_near_float64(vec_to_float(by_shape.back()), rows_to_float(to_cpu(dy)), rows_to_float(to_cpu(dx)),
                               static_cast<const int32_t*>(dest.data()), T, K, H, "wgrad by shape");
@@ -837,8 +871,17 @@ TEST(DotKernels, BothFamiliesMatchReferenceAndRepeat) {
 // ops), then wgrad at a decode-like shape against float64 sums, twice, bitwise.
 TEST(RowDots, EveryKernelMatchesReferenceAndRepeats) {
   REQUIRE_GPU();
-  const std::vector<std::string> names = {"tiny", "empty_T", "empty_H", "skewed", "topk1", "topk8", "H3",
-                                          "H4097", "H4096_vec", "mb_T1024_H768_E64_K4", "only_last_expert"};
+  const std::vector<std::string> names = {"tiny",
+                                          "empty_T",
+                                          "empty_H",
+                                          "skewed",
+                                          "topk1",
+                                          "topk8",
+                                          "H3",
+                                          "H4097",
+                                          "H4096_vec",
+                                          "mb_T1024_H768_E64_K4",
+                                          "only_last_expert"};
   const int64_t T = 260, H = 7168;
   const int K = 8, E = 64, m = 16;
   const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 17);
@@ -856,7 +899,9 @@ TEST(RowDots, EveryKernelMatchesReferenceAndRepeats) {
     SCOPED_TRACE("row dots " + std::to_string(mode));
     kernel_overrides().row_dots = mode == 0 ? pol::RowDotsKernel::kAssignmentWarp : pol::RowDotsKernel::kTokenBlock;
     run_named_workloads(names, 13);
-    auto run = [&] { return to_cpu(padmoe::padded_scatter_wgrad(dy, dx, v.indices, v.bin_ids, v.bins, v.padded_bins, K)); };
+    auto run = [&] {
+      return to_cpu(padmoe::padded_scatter_wgrad(dy, dx, v.indices, v.bin_ids, v.bins, v.padded_bins, K));
+    };
     const Tensor first = run(), second = run();
     EXPECT_TRUE(all_same(first, second)) << "wgrad twice";
     expect_wgrad_near_float64(vec_to_float(first), yv, xv, d, T, K, H, "wgrad");
@@ -870,8 +915,17 @@ TEST(RowDots, EveryKernelMatchesReferenceAndRepeats) {
 // default), and the search form at a decode-like size bitwise equal to the dest_rows form.
 TEST(DestSearch, BothFormsMatchReference) {
   REQUIRE_GPU();
-  const std::vector<std::string> names = {"tiny", "empty_T", "empty_H", "skewed", "topk1", "topk8", "H3",
-                                          "H4097", "H4096_vec", "align16_tiny_segments", "mb_T1024_H768_E64_K4",
+  const std::vector<std::string> names = {"tiny",
+                                          "empty_T",
+                                          "empty_H",
+                                          "skewed",
+                                          "topk1",
+                                          "topk8",
+                                          "H3",
+                                          "H4097",
+                                          "H4096_vec",
+                                          "align16_tiny_segments",
+                                          "mb_T1024_H768_E64_K4",
                                           "only_last_expert"};
   for (int mode : {0, -1}) {
     SCOPED_TRACE("dest search " + std::to_string(mode));
@@ -898,8 +952,10 @@ TEST(DestSearch, BothFormsMatchReference) {
       if (weighted) w = dw.view();
       o.push_back(to_cpu(padmoe::padded_gather(dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K, w)));
       o.push_back(to_cpu(padmoe::padded_scatter(dy, d.indices, d.bin_ids, w, d.bins, d.padded_bins, K)));
-      const padmoe::RowGrads gb = padmoe::padded_gather_backward(dy, dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K, w);
-      const padmoe::RowGrads sb = padmoe::padded_scatter_backward(dx, dy, d.indices, d.bin_ids, w, d.bins, d.padded_bins, K);
+      const padmoe::RowGrads gb =
+          padmoe::padded_gather_backward(dy, dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K, w);
+      const padmoe::RowGrads sb =
+          padmoe::padded_scatter_backward(dx, dy, d.indices, d.bin_ids, w, d.bins, d.padded_bins, K);
       o.push_back(to_cpu(gb.grad_rows));
       o.push_back(to_cpu(sb.grad_rows));
       if (weighted) {
@@ -960,11 +1016,13 @@ TEST(DestSearch, BadUncheckedInputStaysInBounds) {
     Tensor out = gpu_poison_rows(DType::kFloat32, T, H), gw = gpu_filled(DType::kFloat32, {A}, kPoison);
     padmoe::padded_scatter_out(dy, d.indices, d.bin_ids, std::nullopt, d.bins, d.padded_bins, K, out, o);
     padmoe::padded_scatter_wgrad_out(dy, dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K, gw, o);
-    padmoe::padded_gather_backward_out(dy, dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K, std::nullopt, out, gw, o);
+    padmoe::padded_gather_backward_out(dy, dx, d.indices, d.bin_ids, d.bins, d.padded_bins, K, std::nullopt, out, gw,
+                                       o);
     Tensor gy2 = gpu_poison_rows(DType::kFloat32, P + kGuard, H);
     TensorView y2 = gy2.view();
     y2.shape[0] = P;
-    padmoe::padded_scatter_backward_out(dx, dy, d.indices, d.bin_ids, std::nullopt, d.bins, d.padded_bins, K, y2, gw, o);
+    padmoe::padded_scatter_backward_out(dx, dy, d.indices, d.bin_ids, std::nullopt, d.bins, d.padded_bins, K, y2, gw,
+                                        o);
     const Tensor hy = to_cpu(gy), hy2 = to_cpu(gy2);  // a kernel fault would throw here
     const unsigned char* b = static_cast<const unsigned char*>(hy.data());
     const unsigned char* b2 = static_cast<const unsigned char*>(hy2.data());
@@ -993,8 +1051,17 @@ TEST(DestSearch, BadUncheckedInputStaysInBounds) {
 // default's bits at decode size (T = 256, K = 8, H = 7168), twice.
 TEST(ReduceShapes, MatchReferenceAndDefault) {
   REQUIRE_GPU();
-  const std::vector<std::string> names = {"tiny", "empty_T", "empty_H", "skewed", "topk1", "topk8", "H3",
-                                          "H4097", "H4096_vec", "mb_T1024_H768_E64_K4", "only_last_expert"};
+  const std::vector<std::string> names = {"tiny",
+                                          "empty_T",
+                                          "empty_H",
+                                          "skewed",
+                                          "topk1",
+                                          "topk8",
+                                          "H3",
+                                          "H4097",
+                                          "H4096_vec",
+                                          "mb_T1024_H768_E64_K4",
+                                          "only_last_expert"};
   const int64_t T = 256, H = 7168;
   const int K = 8, E = 256, m = 16;
   const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 3);
@@ -1006,9 +1073,9 @@ TEST(ReduceShapes, MatchReferenceAndDefault) {
   const Tensor dy = to_gpu(rows_from_float(random_values(P * H, DType::kBFloat16, rng), DType::kBFloat16, P, H));
   const Tensor dw = to_gpu(vec_from_float(random_values(T * K, DType::kFloat32, rng, 0, 1), DType::kFloat32));
   auto run = [&] {
-    return std::vector<Tensor>{to_cpu(padmoe::combine(dy, v, TensorView(dw))), to_cpu(padmoe::combine(dy, v)),
-                               to_cpu(padmoe::padded_scatter(dy, v.indices, v.bin_ids, TensorView(dw), v.bins,
-                                                             v.padded_bins, K))};
+    return std::vector<Tensor>{
+        to_cpu(padmoe::combine(dy, v, TensorView(dw))), to_cpu(padmoe::combine(dy, v)),
+        to_cpu(padmoe::padded_scatter(dy, v.indices, v.bin_ids, TensorView(dw), v.bins, v.padded_bins, K))};
   };
   kernel_overrides().reduce.reset();
   const std::vector<Tensor> want = run();
@@ -1034,9 +1101,12 @@ TEST(ReduceShapes, MatchReferenceAndDefault) {
 // against the references, with few tokens (A < E: vLLM's smaller buffer) and many, both count kernels.
 TEST(CpuVsGpuEdge, PlanLayoutsAndAlignedBlocks) {
   REQUIRE_GPU();
-  struct Case { int64_t T; int K, E, m; };
-  for (const Case c : {Case{3, 2, 64, 16}, Case{1000, 8, 256, 128}, Case{4096, 2, 8, 64}, Case{777, 4, 2048, 16},
-                       Case{0, 2, 8, 16}}) {
+  struct Case {
+    int64_t T;
+    int K, E, m;
+  };
+  for (const Case c :
+       {Case{3, 2, 64, 16}, Case{1000, 8, 256, 128}, Case{4096, 2, 8, 64}, Case{777, 4, 2048, 16}, Case{0, 2, 8, 16}}) {
     SCOPED_TRACE("T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) + " E=" + std::to_string(c.E) +
                  " m=" + std::to_string(c.m));
     const std::vector<int64_t> te = make_routing(c.T, c.K, c.E, Dist::kSkewed, 31);
@@ -1048,8 +1118,14 @@ TEST(CpuVsGpuEdge, PlanLayoutsAndAlignedBlocks) {
            bins = gpu_poison_index(c.E), ptpe = gpu_poison_index(c.E), pb = gpu_poison_index(c.E),
            dest = gpu_poison_index(A), rs = gpu_poison_index(R);
     padmoe::PlanView out;
-    out.indices = ind; out.bin_ids = bid; out.tokens_per_expert = tpe; out.bins = bins;
-    out.padded_tokens_per_expert = ptpe; out.padded_bins = pb; out.dest_rows = dest; out.row_sources = rs;
+    out.indices = ind;
+    out.bin_ids = bid;
+    out.tokens_per_expert = tpe;
+    out.bins = bins;
+    out.padded_tokens_per_expert = ptpe;
+    out.padded_bins = pb;
+    out.dest_rows = dest;
+    out.row_sources = rs;
     GpuLayouts l = gpu_layout_buffers(R, c.m);
     padmoe::make_plan_out(dte, c.E, c.m, out, l.view);
     EXPECT_EQ(index_to_vec(to_cpu(l.row_experts)), ref::row_experts(te, c.E, c.m, R));
@@ -1065,7 +1141,8 @@ TEST(CpuVsGpuEdge, PlanLayoutsAndAlignedBlocks) {
       if (e % 3 != 1) map[static_cast<size_t>(e)] = next++;
     }
     const Tensor dmap = to_gpu(index_matrix(map, 1, c.E, DType::kInt32));
-    const padmoe::TensorView map_view = padmoe::TensorView::contiguous(dmap.data(), DType::kInt32, {c.E}, dmap.device());
+    const padmoe::TensorView map_view =
+        padmoe::TensorView::contiguous(dmap.data(), DType::kInt32, {c.E}, dmap.device());
     for (bool pad : {false, true}) {
       for (bool mapped : {false, true}) {
         SCOPED_TRACE(std::string(pad ? "pad_sorted_ids" : "unpadded") + (mapped ? ", expert_map" : ""));
@@ -1133,10 +1210,10 @@ TEST(CpuVsGpuEdge, ZeroPaddingOff) {
   padmoe::Options o;
   o.zero_padding = false;
   Tensor ggy = gpu_poison_rows(DType::kFloat32, p.capacity, H);
-  const Tensor y1 = to_gpu(rows_from_float(std::vector<float>(static_cast<size_t>(p.capacity * H), 1.0f),
-                                           DType::kFloat32, p.capacity, H));
-  padmoe::combine_backward_out(to_gpu(rows_from_float(gf, DType::kFloat32, T, H)), y1, gplan.view(), std::nullopt,
-                               ggy, TensorView{}, o);
+  const Tensor y1 = to_gpu(
+      rows_from_float(std::vector<float>(static_cast<size_t>(p.capacity * H), 1.0f), DType::kFloat32, p.capacity, H));
+  padmoe::combine_backward_out(to_gpu(rows_from_float(gf, DType::kFloat32, T, H)), y1, gplan.view(), std::nullopt, ggy,
+                               TensorView{}, o);
   EXPECT_TRUE(rows_bitwise(to_cpu(ggy), ref::padded_gather(gf, H, p, nullptr), p.padded_rows));
 }
 
@@ -1187,7 +1264,8 @@ TEST(RoutingOptionsGpu, MatchesCpuAndReference) {
     r.by_probs = c.by_probs;
     if (c.by_probs) {
       r.probs.resize(static_cast<size_t>(A));
-      for (auto& p : r.probs) p = c.ties ? static_cast<float>(rng.below(5)) / 4.0f : static_cast<float>(rng.uniform(0, 1));
+      for (auto& p : r.probs)
+        p = c.ties ? static_cast<float>(rng.below(5)) / 4.0f : static_cast<float>(rng.uniform(0, 1));
     }
     const Tensor hte = index_matrix(te, c.T, c.K, DType::kInt64);
     const Tensor hmap = index_tensor(r.expert_map.empty() ? std::vector<int64_t>{0} : r.expert_map, DType::kInt32);
@@ -1342,7 +1420,8 @@ TEST(RoutingOptionsGpu, CheckedErrorsAsCpuNothingWritten) {
     const std::string got = plan_error([&] { padmoe::make_plan_out(dte, E, 4, g.view, {}, go); });
     EXPECT_EQ(got, want);
     EXPECT_NE(want.find(which == 0 ? "expert id 8 at [18, 1]" : "plan_options.expert_map: entry 5 is 4"),
-              std::string::npos) << want;
+              std::string::npos)
+        << want;
     EXPECT_TRUE(all_bytes_are(to_cpu(g.dest_rows), kIndexPoison)) << "written before the error";
   }
 }
@@ -1377,13 +1456,16 @@ TEST(Determinism, EveryOpTwiceBitwise) {
     auto run_all = [&]() {
       std::vector<Tensor> r;
       const padmoe::Plan plan = padmoe::make_plan(dte, c.E, c.m);
-      for (const Tensor* t : {&plan.indices, &plan.bin_ids, &plan.bins, &plan.padded_bins, &plan.dest_rows,
-                              &plan.row_sources})
+      for (const Tensor* t :
+           {&plan.indices, &plan.bin_ids, &plan.bins, &plan.padded_bins, &plan.dest_rows, &plan.row_sources})
         r.push_back(to_cpu(*t));
       const padmoe::PlanView pv = plan.view();
-      r.push_back(to_cpu(padmoe::padded_gather(dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, c.K, dw.view())));
-      r.push_back(to_cpu(padmoe::padded_scatter(dy, dii.indices, dii.bin_ids, dw.view(), dii.bins, dii.padded_bins, c.K)));
-      r.push_back(to_cpu(padmoe::padded_scatter_wgrad(dy, dgo, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, c.K)));
+      r.push_back(
+          to_cpu(padmoe::padded_gather(dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, c.K, dw.view())));
+      r.push_back(
+          to_cpu(padmoe::padded_scatter(dy, dii.indices, dii.bin_ids, dw.view(), dii.bins, dii.padded_bins, c.K)));
+      r.push_back(
+          to_cpu(padmoe::padded_scatter_wgrad(dy, dgo, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, c.K)));
       const padmoe::RowGrads gb =
           padmoe::padded_gather_backward(dy, dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, c.K, dw.view());
       r.push_back(to_cpu(gb.grad_rows));
@@ -1404,7 +1486,8 @@ TEST(Determinism, EveryOpTwiceBitwise) {
       r.push_back(to_cpu(padmoe::unpad_from_alignment(pad.padded, pad.permutation_map, N, dprobs.view())));
       Tensor gout = Tensor::empty(c.dt, {N, c.H}, kGpu);
       CUDA_OK(cudaMemcpy(gout.data(), dy.data(), nbytes(gout), cudaMemcpyDeviceToDevice));
-      const padmoe::RowGrads ub = padmoe::unpad_from_alignment_backward(gout, pad.padded, pad.permutation_map, dprobs.view());
+      const padmoe::RowGrads ub =
+          padmoe::unpad_from_alignment_backward(gout, pad.padded, pad.permutation_map, dprobs.view());
       r.push_back(to_cpu(ub.grad_rows));
       r.push_back(to_cpu(ub.grad_weights));
       return r;
@@ -1413,7 +1496,8 @@ TEST(Determinism, EveryOpTwiceBitwise) {
     const std::vector<Tensor> a = run_all();
     const std::vector<Tensor> b = run_all();
     ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(all_same(a[i], b[i])) << "output " << i << " differs between runs";
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(all_same(a[i], b[i])) << "output " << i << " differs between runs";
   }
 }
 
@@ -1463,8 +1547,8 @@ TEST(Pdl, ChainedOpsMatchWithAndWithoutPdl) {
     padmoe::unpad_from_alignment_out(padded, map, std::nullopt, back, o);
     CUDA_OK(cudaStreamSynchronize(stream));
     std::vector<Tensor> r;
-    for (const Tensor* t : std::initializer_list<const Tensor*>{&gp.dest_rows, &gp.row_sources, &y, &out, &gy, &gw,
-                                                                 &gx, &gw2, &padded, &map, &offs, &back})
+    for (const Tensor* t : std::initializer_list<const Tensor*>{&gp.dest_rows, &gp.row_sources, &y, &out, &gy, &gw, &gx,
+                                                                &gw2, &padded, &map, &offs, &back})
       r.push_back(to_cpu(*t));
     return r;
   };
@@ -1527,8 +1611,8 @@ TEST(CheckedMode, BadDataThrowsAndWritesNothing) {
     const std::string at = "[" + std::to_string(37 / s.K) + ", " + std::to_string(37 % s.K) + "]";
     EXPECT_TRUE(throws_error([&] { padmoe::make_plan_out(dte, s.E, s.m, gp.view); },
                              {"make_plan", "top_experts", "expert id 8", at.c_str()}));
-    for (const Tensor* t : {&gp.indices, &gp.bin_ids, &gp.tpe, &gp.bins, &gp.ptpe, &gp.padded_bins, &gp.dest_rows,
-                            &gp.row_sources})
+    for (const Tensor* t :
+         {&gp.indices, &gp.bin_ids, &gp.tpe, &gp.bins, &gp.ptpe, &gp.padded_bins, &gp.dest_rows, &gp.row_sources})
       EXPECT_TRUE(all_bytes_are(to_cpu(*t), kIndexPoison)) << "make_plan_out wrote a plan buffer";
     EXPECT_TRUE(throws_error([&] { padmoe::make_plan(dte, s.E, s.m); }, {"top_experts"}));
     std::vector<int64_t> te2 = s.te;
@@ -1545,21 +1629,15 @@ TEST(CheckedMode, BadDataThrowsAndWritesNothing) {
     std::vector<std::string> needles;
   };
   const std::vector<Bad> bads = {
-      {"bins decreasing",
-       [](ref::Plan& p) { p.bins[2] = p.bins[1] - 1; },
-       {"bins", "nondecreasing"}},
+      {"bins decreasing", [](ref::Plan& p) { p.bins[2] = p.bins[1] - 1; }, {"bins", "nondecreasing"}},
       {"padded segment too small",
        [](ref::Plan& p) { p.padded_bins[3] = p.padded_bins[2] + (p.bins[3] - p.bins[2]) - 1; },
        {"padded_bins", "expert 3"}},
       {"bin_ids inconsistent",
        [](ref::Plan& p) { p.bin_ids[10] = (p.bin_ids[10] + 1) % 8; },
        {"bin_ids", "position 10"}},
-      {"repeated index",
-       [](ref::Plan& p) { p.indices[5] = p.indices[6]; },
-       {"indices", "more than once"}},
-      {"index out of range",
-       [](ref::Plan& p) { p.indices[7] = 100000; },
-       {"indices", "position 7"}},
+      {"repeated index", [](ref::Plan& p) { p.indices[5] = p.indices[6]; }, {"indices", "more than once"}},
+      {"index out of range", [](ref::Plan& p) { p.indices[7] = 100000; }, {"indices", "position 7"}},
   };
   for (const Bad& b : bads) {
     SCOPED_TRACE(b.what);
@@ -1569,25 +1647,33 @@ TEST(CheckedMode, BadDataThrowsAndWritesNothing) {
       const IndexInputs hii = index_inputs(q, idx);
       const IndexInputs dii{to_gpu(hii.indices), to_gpu(hii.bin_ids), to_gpu(hii.bins), to_gpu(hii.padded_bins)};
       // CPU agrees that it is an error naming the same argument.
-      EXPECT_TRUE(throws_error([&] {
-        Tensor y = poison_rows(DType::kFloat32, cap, s.H);
-        padmoe::padded_gather_out(s.hx, hii.indices, hii.bin_ids, hii.bins, hii.padded_bins, s.K, s.hw.view(), y);
-      }, {b.needles[0]}));
+      EXPECT_TRUE(throws_error(
+          [&] {
+            Tensor y = poison_rows(DType::kFloat32, cap, s.H);
+            padmoe::padded_gather_out(s.hx, hii.indices, hii.bin_ids, hii.bins, hii.padded_bins, s.K, s.hw.view(), y);
+          },
+          {b.needles[0]}));
       Tensor gy = gpu_poison_rows(DType::kFloat32, cap, s.H);
-      EXPECT_TRUE(throws_error([&] {
-        padmoe::padded_gather_out(s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, s.dw.view(), gy);
-      }, b.needles));
+      EXPECT_TRUE(throws_error(
+          [&] {
+            padmoe::padded_gather_out(s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, s.dw.view(), gy);
+          },
+          b.needles));
       EXPECT_TRUE(all_bytes_are(to_cpu(gy), kPoison)) << "padded_gather_out wrote before failing";
       Tensor go = gpu_poison_rows(DType::kFloat32, s.T, s.H);
       const Tensor dyin = gpu_filled(DType::kFloat32, {cap, s.H}, 0);
-      EXPECT_TRUE(throws_error([&] {
-        padmoe::padded_scatter_out(dyin, dii.indices, dii.bin_ids, s.dw.view(), dii.bins, dii.padded_bins, s.K, go);
-      }, b.needles));
+      EXPECT_TRUE(throws_error(
+          [&] {
+            padmoe::padded_scatter_out(dyin, dii.indices, dii.bin_ids, s.dw.view(), dii.bins, dii.padded_bins, s.K, go);
+          },
+          b.needles));
       EXPECT_TRUE(all_bytes_are(to_cpu(go), kPoison)) << "padded_scatter_out wrote before failing";
       Tensor gwg = gpu_filled(DType::kFloat32, {A}, kPoison);
-      EXPECT_TRUE(throws_error([&] {
-        padmoe::padded_scatter_wgrad_out(dyin, s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, gwg);
-      }, b.needles));
+      EXPECT_TRUE(throws_error(
+          [&] {
+            padmoe::padded_scatter_wgrad_out(dyin, s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, gwg);
+          },
+          b.needles));
       EXPECT_TRUE(all_bytes_are(to_cpu(gwg), kPoison)) << "padded_scatter_wgrad_out wrote before failing";
     }
   }
@@ -1597,9 +1683,11 @@ TEST(CheckedMode, BadDataThrowsAndWritesNothing) {
     const IndexInputs hii = index_inputs(s.p, DType::kInt32);
     const IndexInputs dii{to_gpu(hii.indices), to_gpu(hii.bin_ids), to_gpu(hii.bins), to_gpu(hii.padded_bins)};
     Tensor gy = gpu_poison_rows(DType::kFloat32, P - 1, s.H);
-    EXPECT_TRUE(throws_error([&] {
-      padmoe::padded_gather_out(s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, std::nullopt, gy);
-    }, {"padded_gather", "y", std::to_string(P)}));
+    EXPECT_TRUE(throws_error(
+        [&] {
+          padmoe::padded_gather_out(s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, std::nullopt, gy);
+        },
+        {"padded_gather", "y", std::to_string(P)}));
     EXPECT_TRUE(all_bytes_are(to_cpu(gy), kPoison));
     const padmoe::Plan plan = padmoe::make_plan(to_gpu(index_matrix(s.te, s.T, s.K, DType::kInt32)), s.E, s.m);
     EXPECT_TRUE(throws_error([&] { padmoe::dispatch_out(s.dx, plan.view(), s.dw.view(), gy); },
@@ -1608,8 +1696,9 @@ TEST(CheckedMode, BadDataThrowsAndWritesNothing) {
     Tensor cgy = gpu_poison_rows(DType::kFloat32, P - 1, s.H);
     const Tensor dyin = gpu_filled(DType::kFloat32, {P, s.H}, 0);
     const Tensor dgo = gpu_filled(DType::kFloat32, {s.T, s.H}, 0);
-    EXPECT_TRUE(throws_error([&] { padmoe::combine_backward_out(dgo, dyin, plan.view(), s.dw.view(), cgy, TensorView{}); },
-                             {"combine_backward", std::to_string(P)}));
+    EXPECT_TRUE(
+        throws_error([&] { padmoe::combine_backward_out(dgo, dyin, plan.view(), s.dw.view(), cgy, TensorView{}); },
+                     {"combine_backward", std::to_string(P)}));
     EXPECT_TRUE(all_bytes_are(to_cpu(cgy), kPoison));
     // A plan whose dest_rows does not match row_sources.
     GpuPlan gp = gpu_plan_buffers(s.T, s.K, s.E, s.m);
@@ -1679,9 +1768,9 @@ TEST(CheckedMode, BadDataThrowsAndWritesNothing) {
         EXPECT_TRUE(all_bytes_are(to_cpu(gu), kPoison));
         const Tensor dgo = gpu_filled(DType::kFloat32, {A, s.H}, 0);
         Tensor ggp = gpu_poison_rows(DType::kFloat32, P, s.H), ggr = gpu_filled(DType::kFloat32, {A}, kPoison);
-        EXPECT_TRUE(throws_error([&] {
-          padmoe::unpad_from_alignment_backward_out(dgo, dpad, dmap, std::nullopt, ggp, ggr);
-        }, {"unpad_from_alignment_backward", "permutation_map"}));
+        EXPECT_TRUE(
+            throws_error([&] { padmoe::unpad_from_alignment_backward_out(dgo, dpad, dmap, std::nullopt, ggp, ggr); },
+                         {"unpad_from_alignment_backward", "permutation_map"}));
         EXPECT_TRUE(all_bytes_are(to_cpu(ggp), kPoison));
         EXPECT_TRUE(all_bytes_are(to_cpu(ggr), kPoison));
       }
@@ -1714,34 +1803,41 @@ TEST(CheckedMode, UncheckedAgreesOnValidInput) {
     op(o2, fast);
     EXPECT_TRUE(all_same(to_cpu(o1), to_cpu(o2))) << what << ": unchecked differs from checked";
   };
-  both("padded_gather_out", [&](Tensor& o, const padmoe::Options& opt) {
-    padmoe::padded_gather_out(s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, s.dw.view(), o, opt);
-  }, {cap, s.H});
+  both("padded_gather_out",
+       [&](Tensor& o, const padmoe::Options& opt) {
+         padmoe::padded_gather_out(s.dx, dii.indices, dii.bin_ids, dii.bins, dii.padded_bins, s.K, s.dw.view(), o, opt);
+       },
+       {cap, s.H});
   const Tensor dy = to_gpu(rows_from_float(ones(P * s.H), DType::kFloat32, P, s.H));
-  both("padded_scatter_out", [&](Tensor& o, const padmoe::Options& opt) {
-    padmoe::padded_scatter_out(dy, dii.indices, dii.bin_ids, s.dw.view(), dii.bins, dii.padded_bins, s.K, o, opt);
-  }, {s.T, s.H});
-  both("dispatch_out", [&](Tensor& o, const padmoe::Options& opt) {
-    padmoe::dispatch_out(s.dx, a.view, s.dw.view(), o, opt);
-  }, {cap, s.H});
-  both("combine_out", [&](Tensor& o, const padmoe::Options& opt) {
-    padmoe::combine_out(dy, a.view, s.dw.view(), o, opt);
-  }, {s.T, s.H});
+  both("padded_scatter_out",
+       [&](Tensor& o, const padmoe::Options& opt) {
+         padmoe::padded_scatter_out(dy, dii.indices, dii.bin_ids, s.dw.view(), dii.bins, dii.padded_bins, s.K, o, opt);
+       },
+       {s.T, s.H});
+  both("dispatch_out",
+       [&](Tensor& o, const padmoe::Options& opt) { padmoe::dispatch_out(s.dx, a.view, s.dw.view(), o, opt); },
+       {cap, s.H});
+  both("combine_out",
+       [&](Tensor& o, const padmoe::Options& opt) { padmoe::combine_out(dy, a.view, s.dw.view(), o, opt); },
+       {s.T, s.H});
   const Tensor dc = to_gpu(index_tensor(s.p.tokens_per_expert, DType::kInt32));
   const Tensor dh = to_gpu(rows_from_float(ones(A * s.H), DType::kFloat32, A, s.H));
   Tensor map1 = gpu_poison_index(cap), map2 = gpu_poison_index(cap), off1 = gpu_poison_index(s.E),
          off2 = gpu_poison_index(s.E);
-  both("pad_to_alignment_out", [&](Tensor& o, const padmoe::Options& opt) {
-    padmoe::pad_to_alignment_out(dh, dc, s.m, o, opt.check_data ? map1 : map2, opt.check_data ? off1 : off2, opt);
-  }, {cap, s.H});
+  both("pad_to_alignment_out",
+       [&](Tensor& o, const padmoe::Options& opt) {
+         padmoe::pad_to_alignment_out(dh, dc, s.m, o, opt.check_data ? map1 : map2, opt.check_data ? off1 : off2, opt);
+       },
+       {cap, s.H});
   EXPECT_TRUE(all_same(to_cpu(map1), to_cpu(map2)));
   EXPECT_TRUE(all_same(to_cpu(off1), to_cpu(off2)));
   TensorView pmap = map1.view();
   pmap.shape[0] = P;
   TensorView ppad = dy.view();
-  both("unpad_from_alignment_out", [&](Tensor& o, const padmoe::Options& opt) {
-    padmoe::unpad_from_alignment_out(ppad, pmap, s.dw.view(), o, opt);
-  }, {A, s.H});
+  both(
+      "unpad_from_alignment_out",
+      [&](Tensor& o, const padmoe::Options& opt) { padmoe::unpad_from_alignment_out(ppad, pmap, s.dw.view(), o, opt); },
+      {A, s.H});
 }
 
 // ---------------------------------------------------------------------------
@@ -1868,9 +1964,9 @@ TEST(Large, DeepSeekV3DispatchCombine) {
   const Tensor dte = to_gpu(hte), dx = to_gpu(hx), dw = to_gpu(hw);
   GpuPlan gp = gpu_plan_buffers(T, K, E, m);
   padmoe::make_plan_out(dte, E, m, gp.view);
-  for (const auto& f : {std::make_pair(&gp.indices, &cplan.indices), std::make_pair(&gp.dest_rows, &cplan.dest_rows),
-                        std::make_pair(&gp.row_sources, &cplan.row_sources),
-                        std::make_pair(&gp.padded_bins, &cplan.padded_bins)})
+  for (const auto& f :
+       {std::make_pair(&gp.indices, &cplan.indices), std::make_pair(&gp.dest_rows, &cplan.dest_rows),
+        std::make_pair(&gp.row_sources, &cplan.row_sources), std::make_pair(&gp.padded_bins, &cplan.padded_bins)})
     EXPECT_TRUE(all_same(to_cpu(*f.first), *f.second)) << "plan field GPU vs CPU";
 
   // dispatch (weighted): bitwise vs CPU, rows past P untouched.
@@ -1927,8 +2023,9 @@ TEST(Large, DeepSeekV3DispatchCombine) {
 namespace pt {
 namespace {
 // make_plan_and_dispatch on the GPU against the CPU (and the reference plan) and against
-// make_plan_out + dispatch_out on the GPU, bit for bit, at the decode shape and awkward ones (E = 1, E = 512 with A = 2048, experts left empty, K = 1, unaligned and
-// odd H, int64 ids, weights, float8 rows), zero_tail and zero_padding both ways; twice, equal.
+// make_plan_out + dispatch_out on the GPU, bit for bit, at the decode shape and awkward ones (E = 1, E = 512 with A =
+// 2048, experts left empty, K = 1, unaligned and odd H, int64 ids, weights, float8 rows), zero_tail and zero_padding
+// both ways; twice, equal.
 TEST(PlanAndDispatchGpu, MatchesCpuAndSeparateCalls) {
   REQUIRE_GPU();
   struct Shape {
@@ -1977,7 +2074,8 @@ TEST(PlanAndDispatchGpu, MatchesCpuAndSeparateCalls) {
     ASSERT_EQ(cap, padmoe::capacity_bound(T, K, E, m));
     for (bool zero_tail : {false, true}) {
       for (bool zero_padding : {true, false}) {
-        SCOPED_TRACE(std::string("zero_tail ") + (zero_tail ? "1" : "0") + " zero_padding " + (zero_padding ? "1" : "0"));
+        SCOPED_TRACE(std::string("zero_tail ") + (zero_tail ? "1" : "0") + " zero_padding " +
+                     (zero_padding ? "1" : "0"));
         padmoe::Options o;
         o.zero_tail = zero_tail;
         o.zero_padding = zero_padding;
@@ -2045,8 +2143,8 @@ TEST(PlanAndDispatchGpu, BadIdsUncheckedDroppedCheckedRaised) {
     EXPECT_EQ(dest[5], -1);
     EXPECT_EQ(dest[77], -1);
     EXPECT_EQ(dest[300], -1);
-    for (const Tensor* t : {&gp.indices, &gp.bin_ids, &gp.tpe, &gp.bins, &gp.ptpe, &gp.padded_bins, &gp.dest_rows,
-                            &gp.row_sources}) {
+    for (const Tensor* t :
+         {&gp.indices, &gp.bin_ids, &gp.tpe, &gp.bins, &gp.ptpe, &gp.padded_bins, &gp.dest_rows, &gp.row_sources}) {
       got.push_back(to_cpu(*t));
     }
     const Tensor hy = to_cpu(gy);
@@ -2054,7 +2152,8 @@ TEST(PlanAndDispatchGpu, BadIdsUncheckedDroppedCheckedRaised) {
     got.push_back(hy);
   }
   const size_t n = got.size() / 2;
-  for (size_t i = 0; i < n; ++i) EXPECT_TRUE(all_same(got[i], got[n + i])) << "output " << i << ": one call vs two calls";
+  for (size_t i = 0; i < n; ++i)
+    EXPECT_TRUE(all_same(got[i], got[n + i])) << "output " << i << ": one call vs two calls";
   GpuPlan gp = gpu_plan_buffers(T, K, E, m);
   Tensor gy = gpu_poison_rows(DType::kBFloat16, cap, H);
   EXPECT_TRUE(throws_error([&] { padmoe::make_plan_and_dispatch_out(dx, dte, E, m, gp.view, std::nullopt, gy); },
@@ -2125,20 +2224,26 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
     int64_t H = 0;  // 0: 66 for float32, else 256
   };
   const std::vector<Cfg> cfgs = {
-      {8, 4, 16, DType::kBFloat16, DType::kInt32, false, true},  {8, 32, 128, DType::kBFloat16, DType::kInt64, false, false},
-      {1, 6, 4, DType::kFloat32, DType::kInt64, false, false},   {5, 1, 8, DType::kFloat16, DType::kInt32, false, true},
-      {4, 8, 1, DType::kFloat32, DType::kInt32, true, false},    {3, 5, 16, DType::kFloat8E4M3, DType::kInt64, true, true},
-      {64, 16, 16, DType::kBFloat16, DType::kInt32, false, true}, {2, 3, 4, DType::kFloat8E5M2, DType::kInt32, false, false},
+      {8, 4, 16, DType::kBFloat16, DType::kInt32, false, true},
+      {8, 32, 128, DType::kBFloat16, DType::kInt64, false, false},
+      {1, 6, 4, DType::kFloat32, DType::kInt64, false, false},
+      {5, 1, 8, DType::kFloat16, DType::kInt32, false, true},
+      {4, 8, 1, DType::kFloat32, DType::kInt32, true, false},
+      {3, 5, 16, DType::kFloat8E4M3, DType::kInt64, true, true},
+      {64, 16, 16, DType::kBFloat16, DType::kInt32, false, true},
+      {2, 3, 4, DType::kFloat8E5M2, DType::kInt32, false, false},
       {16, 70, 8, DType::kFloat32, DType::kInt64, true, false},  // C = 1120 > the scan's 1024 threads
       {16, 160, 8, DType::kBFloat16, DType::kInt32, true, true},  // C = 2560: past the shared-memory layout
-      // rows that are not 16-byte multiples: the one-launch form's 1- and 2-byte words (added
-      // 2026-12-03, after the session's last device call: first run by the next session)
-      {8, 32, 16, DType::kFloat8E4M3, DType::kInt32, false, true, 33}, {4, 16, 8, DType::kBFloat16, DType::kInt64, true, false, 35},
+      // rows that are not 16-byte multiples: the one-launch form's 1- and 2-byte words
+      {8, 32, 16, DType::kFloat8E4M3, DType::kInt32, false, true, 33},
+      {4, 16, 8, DType::kBFloat16, DType::kInt64, true, false, 35},
       // rows of 256 words and more (the one launch's row-by-row form, forms 3 and 4): 300 16-byte
       // words, and 1101 4-byte words
-      {8, 8, 16, DType::kBFloat16, DType::kInt32, false, true, 2400}, {4, 6, 8, DType::kFloat32, DType::kInt64, true, false, 1101},
+      {8, 8, 16, DType::kBFloat16, DType::kInt32, false, true, 2400},
+      {4, 6, 8, DType::kFloat32, DType::kInt64, true, false, 1101},
       // form 4's bounds: C = 256 chunks with 256-word rows, and 4-byte words with no sorted_index
-      {8, 32, 16, DType::kBFloat16, DType::kInt64, false, false, 2048}, {4, 6, 8, DType::kFloat32, DType::kInt32, false, true, 1101}};
+      {8, 32, 16, DType::kBFloat16, DType::kInt64, false, false, 2048},
+      {4, 6, 8, DType::kFloat32, DType::kInt32, false, true, 1101}};
   for (const Cfg& cf : cfgs) {
     SCOPED_TRACE("R=" + std::to_string(cf.R) + " E=" + std::to_string(cf.E) + " m=" + std::to_string(cf.m) + " " +
                  dname(cf.dt) + (cf.sorted ? " sorted" : ""));
@@ -2148,7 +2253,8 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
     const int64_t sum = std::accumulate(sizes.begin(), sizes.end(), int64_t{0}), N = sum + 3;
     std::vector<int64_t> perm(static_cast<size_t>(C));
     std::iota(perm.begin(), perm.end(), int64_t{0});
-    for (int64_t i = C - 1; i > 0; --i) std::swap(perm[static_cast<size_t>(i)], perm[static_cast<size_t>(rng.below(i + 1))]);
+    for (int64_t i = C - 1; i > 0; --i)
+      std::swap(perm[static_cast<size_t>(i)], perm[static_cast<size_t>(rng.below(i + 1))]);
     const std::vector<float> hf = random_values(N * H, cf.dt, rng);
     const Tensor hh = rows_from_float(hf, cf.dt, N, H);
     const Tensor hs = cf.two_d ? index_matrix(sizes, cf.R, cf.E, cf.sdt) : index_tensor(sizes, cf.sdt);
@@ -2169,36 +2275,36 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
     // block (chunk_rows_one_scan_kernel: no sorted_index, C <= 256, rows of 256 words and more;
     // else form 3). Form 4 is the default where it applies: the allocating call below takes it.
     for (int form : {0, 1, 2, 3, 4})
-    for (bool checked : {true, false}) {
-      for (bool zero_tail : {false, true}) {
-        for (bool zero_padding : {true, false}) {
-          SCOPED_TRACE("form " + std::to_string(form) + (zero_padding ? "" : " zero_padding off"));
-          KernelOverrides ko;
-          ko.chunk_map_fused = form != 0;
-          ko.chunk_rows = form >= 2;
-          ko.chunk_rows_form = form == 4   ? pol::ChunkRowsForm::kOneScan
-                               : form == 3 ? pol::ChunkRowsForm::kRowwise
-                                           : pol::ChunkRowsForm::kFlat;
-          kernel_overrides() = ko;
-          padmoe::Options o;
-          o.check_data = checked;
-          o.zero_tail = zero_tail;
-          o.zero_padding = zero_padding;
-          Tensor gpad = gpu_poison_rows(cf.dt, cap, H), gmap = gpu_poison_index(cap), goff = gpu_poison_index(cf.E);
-          padmoe::sort_chunks_out(dh, ds, cf.R, cf.m, dsi, gpad, gmap, goff, o);
-          kernel_overrides() = KernelOverrides{};
-          Tensor cpad = poison_rows(cf.dt, cap, H), cmap = poison_index(cap), coff = poison_index(cf.E);
-          padmoe::sort_chunks_out(hh, hs, cf.R, cf.m, hsi, cpad, cmap, coff, o);
-          const Tensor hpad = to_cpu(gpad);
-          EXPECT_TRUE(all_same(hpad, cpad)) << "padded, checked=" << checked << " zero_tail=" << zero_tail;
-          EXPECT_TRUE(all_same(to_cpu(gmap), cmap)) << "permutation_map";
-          EXPECT_TRUE(all_same(to_cpu(goff), coff)) << "inclusive_offsets";
-          if (zero_padding) EXPECT_TRUE(rows_bitwise(hpad, want.padded, P));
-          EXPECT_TRUE(bytes_are(hpad, P, cap, zero_tail && zero_padding ? 0x00 : kPoison)) << "rows past P";
-          EXPECT_EQ(index_to_vec(to_cpu(goff)), want.inclusive_offsets);
+      for (bool checked : {true, false}) {
+        for (bool zero_tail : {false, true}) {
+          for (bool zero_padding : {true, false}) {
+            SCOPED_TRACE("form " + std::to_string(form) + (zero_padding ? "" : " zero_padding off"));
+            KernelOverrides ko;
+            ko.chunk_map_fused = form != 0;
+            ko.chunk_rows = form >= 2;
+            ko.chunk_rows_form = form == 4   ? pol::ChunkRowsForm::kOneScan
+                                 : form == 3 ? pol::ChunkRowsForm::kRowwise
+                                             : pol::ChunkRowsForm::kFlat;
+            kernel_overrides() = ko;
+            padmoe::Options o;
+            o.check_data = checked;
+            o.zero_tail = zero_tail;
+            o.zero_padding = zero_padding;
+            Tensor gpad = gpu_poison_rows(cf.dt, cap, H), gmap = gpu_poison_index(cap), goff = gpu_poison_index(cf.E);
+            padmoe::sort_chunks_out(dh, ds, cf.R, cf.m, dsi, gpad, gmap, goff, o);
+            kernel_overrides() = KernelOverrides{};
+            Tensor cpad = poison_rows(cf.dt, cap, H), cmap = poison_index(cap), coff = poison_index(cf.E);
+            padmoe::sort_chunks_out(hh, hs, cf.R, cf.m, hsi, cpad, cmap, coff, o);
+            const Tensor hpad = to_cpu(gpad);
+            EXPECT_TRUE(all_same(hpad, cpad)) << "padded, checked=" << checked << " zero_tail=" << zero_tail;
+            EXPECT_TRUE(all_same(to_cpu(gmap), cmap)) << "permutation_map";
+            EXPECT_TRUE(all_same(to_cpu(goff), coff)) << "inclusive_offsets";
+            if (zero_padding) EXPECT_TRUE(rows_bitwise(hpad, want.padded, P));
+            EXPECT_TRUE(bytes_are(hpad, P, cap, zero_tail && zero_padding ? 0x00 : kPoison)) << "rows past P";
+            EXPECT_EQ(index_to_vec(to_cpu(goff)), want.inclusive_offsets);
+          }
         }
       }
-    }
     const padmoe::PadResult gpu = padmoe::sort_chunks(dh, ds, cf.R, cf.m, dsi);
     EXPECT_TRUE(all_same(to_cpu(gpu.padded), cpu.padded)) << "allocating form";
     EXPECT_TRUE(all_same(to_cpu(gpu.permutation_map), cpu.permutation_map));
@@ -2356,8 +2462,8 @@ TEST(Fp8ScalesGpu, EveryScaledOpMatchesCpuBitwise) {
   for (DType dt : {DType::kFloat8E4M3, DType::kFloat8E5M2, DType::kBFloat16}) {
     for (Fp8Layout l : layouts) {
       for (int64_t H : {int64_t{200}, int64_t{7168}, int64_t{0}}) {
-        SCOPED_TRACE(std::string(dname(dt)) + " layout " + std::to_string(static_cast<int>(l)) + " H=" +
-                     std::to_string(H));
+        SCOPED_TRACE(std::string(dname(dt)) + " layout " + std::to_string(static_cast<int>(l)) +
+                     " H=" + std::to_string(H));
         const int64_t T = 333;
         const int K = 4, E = 9, m = 32;
         const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 71 + H);
@@ -2386,7 +2492,9 @@ TEST(Fp8ScalesGpu, EveryScaledOpMatchesCpuBitwise) {
           for (const std::optional<pol::SpreadKernel> spread :
                {std::optional<pol::SpreadKernel>(), std::optional<pol::SpreadKernel>(pol::SpreadKernel::kBlock),
                 std::optional<pol::SpreadKernel>(pol::SpreadKernel::kWarp)}) {
-            SCOPED_TRACE("spread " + std::string(!spread ? "default" : *spread == pol::SpreadKernel::kWarp ? "warp" : "block"));
+            SCOPED_TRACE("spread " + std::string(!spread                               ? "default"
+                                                 : *spread == pol::SpreadKernel::kWarp ? "warp"
+                                                                                       : "block"));
             kernel_overrides().spread = spread;
             Tensor gy = gpu_poison_rows(dt, rows, H), gs = to_gpu(fp8_poison_scales(l, rows, H));
             padmoe::dispatch_scaled_out(dx, gp.view, ds, gy, gs, o);
@@ -2403,7 +2511,8 @@ TEST(Fp8ScalesGpu, EveryScaledOpMatchesCpuBitwise) {
           std::vector<float> hf;
           const std::vector<float> xf = rows_to_float(hx);
           Tensor grouped_s = fp8_poison_scales(l, T * K, H);
-          const int64_t srow = static_cast<int64_t>(grouped_s.numel() / std::max<int64_t>(T * K, 1)) * esize(grouped_s.dtype());
+          const int64_t srow =
+              static_cast<int64_t>(grouped_s.numel() / std::max<int64_t>(T * K, 1)) * esize(grouped_s.dtype());
           for (int64_t i = 0; i < T * K; ++i) {
             const int64_t t = p.indices[static_cast<size_t>(i)] / K;
             hf.insert(hf.end(), xf.begin() + t * H, xf.begin() + (t + 1) * H);
@@ -2467,7 +2576,7 @@ TEST(Fp8ScalesGpu, ShapeErrorsWriteNothing) {
 }  // namespace
 }  // namespace pt
 
-// The fused quantizing dispatch (ops.hpp section 4; issue 11, item 2) on the GPU: dispatch_quantized and
+// The fused quantizing dispatch (ops.hpp section 4) on the GPU: dispatch_quantized and
 // quantize, every scale layout x bf16 / f16 / f32 rows x e4m3 / e5m2, widths with partial blocks and
 // unaligned rows, values with all-zero, tiny, huge, tied, saturating and NaN / inf blocks; bitwise equal
 // to the CPU backend (codes, scales, padding rows, the poison past P) and to the reference quantizer,
@@ -2517,8 +2626,8 @@ TEST(QuantDispatchGpu, MatchesCpuAndReferenceBitwise) {
         for (int64_t H : {int64_t{1}, int64_t{31}, int64_t{200}, int64_t{2100}, int64_t{7168}, int64_t{0}}) {
           for (int K : {4, 70}) {
             if (K == 70 && H > 200) continue;
-            SCOPED_TRACE(std::string(dname(dt)) + " -> " + dname(out) + " layout " + std::to_string(static_cast<int>(l)) +
-                         " H=" + std::to_string(H) + " K=" + std::to_string(K));
+            SCOPED_TRACE(std::string(dname(dt)) + " -> " + dname(out) + " layout " +
+                         std::to_string(static_cast<int>(l)) + " H=" + std::to_string(H) + " K=" + std::to_string(K));
             const int64_t T = H >= 2048 ? 97 : 333;
             const int E = 9, m = 32;
             const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 71 + H + K);
@@ -2530,8 +2639,8 @@ TEST(QuantDispatchGpu, MatchesCpuAndReferenceBitwise) {
             const padmoe::Plan cplan = padmoe::make_plan(hte, E, m);
             GpuPlan gp = gpu_plan_buffers(T, K, E, m);
             padmoe::make_plan_out(to_gpu(hte), E, m, gp.view);
-            const ref::QuantRows want = ref::dispatch_quantized(xf, H, p, static_cast<ref::QuantLayout>(static_cast<int>(l)),
-                                                                out == DType::kFloat8E5M2);
+            const ref::QuantRows want = ref::dispatch_quantized(
+                xf, H, p, static_cast<ref::QuantLayout>(static_cast<int>(l)), out == DType::kFloat8E5M2);
             // 0 the defaults, 1 zero_padding off, 2 zero_tail, 3 unchecked (T = 97 at H = 2100 and
             // 7168: the row's steps in blocks of their own, policy::quant_slices)
             for (int variant = 0; variant < 4; ++variant) {
@@ -2597,7 +2706,8 @@ TEST(QuantDispatchGpu, UnalignedRowsMatchCpu) {
   const padmoe::Plan gplan = padmoe::make_plan(to_gpu(hte), E, m);
   for (padmoe::ScaleLayout l : {padmoe::ScaleLayout::kBlock128, padmoe::ScaleLayout::kMxE8M0}) {
     const int64_t rows = p.capacity;
-    Tensor cyb = poison_rows(DType::kFloat8E4M3, rows, ys_stride), gyb = gpu_poison_rows(DType::kFloat8E4M3, rows, ys_stride);
+    Tensor cyb = poison_rows(DType::kFloat8E4M3, rows, ys_stride),
+           gyb = gpu_poison_rows(DType::kFloat8E4M3, rows, ys_stride);
     const TensorView cy = TensorView::matrix(cyb.data(), DType::kFloat8E4M3, rows, H, ys_stride);
     const TensorView gy = TensorView::matrix(gyb.data(), DType::kFloat8E4M3, rows, H, ys_stride, kGpu);
     Tensor cs = quant_poison_scales(l, rows, H), gs = to_gpu(quant_poison_scales(l, rows, H));
@@ -2719,11 +2829,11 @@ TEST(L2Prefetch, OpsOnRowsJustWrittenMatchOffAndCpu) {
 }  // namespace
 }  // namespace pt
 
-// ---- pad and unpad against the CPU and the reference (2026-12-03) ----------------
+// ---- pad and unpad against the CPU and the reference -----------------------------
 // pad_to_alignment at many expert counts (up to 1024), capacity rows past P, 1- and 2-byte words,
 // and unchecked bad counts; unpad_from_alignment over partial maps (rows no entry names), int64
 // maps, probs of each dtype and many rows a block. (Written for one-launch forms of both, which
-// were measured on the H200 and removed: bench/results/cuda-h200-2026-12-03-seventeenth.md.)
+// were measured on the H200 and removed.)
 namespace pt {
 namespace {
 
@@ -2741,8 +2851,8 @@ TEST(PadUnpadGpu, PadMatchesCpuAndReference) {
                                  {70, 1, DType::kFloat8E4M3, DType::kInt32, 33, 2},  // 1-byte words
                                  {1024, 4, DType::kBFloat16, DType::kInt32, 8, 9}};  // E = the kernel's 1024
   for (const Cfg& cf : cfgs) {
-    SCOPED_TRACE("E=" + std::to_string(cf.E) + " m=" + std::to_string(cf.m) + " " + dname(cf.dt) + " H=" +
-                 std::to_string(cf.H));
+    SCOPED_TRACE("E=" + std::to_string(cf.E) + " m=" + std::to_string(cf.m) + " " + dname(cf.dt) +
+                 " H=" + std::to_string(cf.H));
     Rng rng(static_cast<uint64_t>(cf.E * 31 + cf.m));
     std::vector<int64_t> counts(static_cast<size_t>(cf.E));
     for (auto& n : counts) n = rng.below(4) == 0 ? 0 : rng.below(3 * cf.m + 5);
@@ -2771,7 +2881,8 @@ TEST(PadUnpadGpu, PadMatchesCpuAndReference) {
           EXPECT_TRUE(bytes_are(hpad, P, cap, kPoison)) << "rows past P";
           const std::vector<int64_t> gm = index_to_vec(to_cpu(gmap));
           for (int64_t p = 0; p < cap; ++p) {
-            ASSERT_EQ(gm[static_cast<size_t>(p)], p < P ? want.permutation_map[static_cast<size_t>(p)] : -1) << "map " << p;
+            ASSERT_EQ(gm[static_cast<size_t>(p)], p < P ? want.permutation_map[static_cast<size_t>(p)] : -1)
+                << "map " << p;
           }
           EXPECT_EQ(index_to_vec(to_cpu(goff)), want.inclusive_offsets);
         }
@@ -2807,8 +2918,10 @@ std::vector<int64_t> partial_map(int64_t P, int64_t N, int64_t k, Rng& rng) {
   std::vector<int64_t> pos(static_cast<size_t>(P)), rows(static_cast<size_t>(N)), map(static_cast<size_t>(P), -1);
   std::iota(pos.begin(), pos.end(), int64_t{0});
   std::iota(rows.begin(), rows.end(), int64_t{0});
-  for (int64_t i = P - 1; i > 0; --i) std::swap(pos[static_cast<size_t>(i)], pos[static_cast<size_t>(rng.below(i + 1))]);
-  for (int64_t i = N - 1; i > 0; --i) std::swap(rows[static_cast<size_t>(i)], rows[static_cast<size_t>(rng.below(i + 1))]);
+  for (int64_t i = P - 1; i > 0; --i)
+    std::swap(pos[static_cast<size_t>(i)], pos[static_cast<size_t>(rng.below(i + 1))]);
+  for (int64_t i = N - 1; i > 0; --i)
+    std::swap(rows[static_cast<size_t>(i)], rows[static_cast<size_t>(rng.below(i + 1))]);
   for (int64_t i = 0; i < k; ++i) map[static_cast<size_t>(pos[static_cast<size_t>(i)])] = rows[static_cast<size_t>(i)];
   return map;
 }

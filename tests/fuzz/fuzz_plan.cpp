@@ -85,8 +85,8 @@ struct Failure {
 [[noreturn]] void fail(const std::string& what) { throw Failure{what}; }
 
 void expect_equal(const std::vector<int64_t>& got, const std::vector<int64_t>& want, const char* name) {
-  if (got.size() != want.size()) fail(std::string(name) + ": size " + std::to_string(got.size()) + " vs " +
-                                      std::to_string(want.size()));
+  if (got.size() != want.size())
+    fail(std::string(name) + ": size " + std::to_string(got.size()) + " vs " + std::to_string(want.size()));
   for (size_t i = 0; i < got.size(); ++i) {
     if (got[i] != want[i]) {
       fail(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(got[i]) + ", want " +
@@ -189,7 +189,9 @@ void plan_case(pt::Rng& rng, Stats& st, std::string& log) {
       r.by_probs = with_probs = true;
       po.drop_policy = padmoe::DropPolicy::kProbs;
       probs.resize(static_cast<size_t>(A));
-      for (auto& p : probs) p = chance(rng, 30) ? static_cast<float>(rng.below(4)) / 4.0f : static_cast<float>(rng.below(1 << 20)) / (1 << 20);
+      for (auto& p : probs)
+        p = chance(rng, 30) ? static_cast<float>(rng.below(4)) / 4.0f
+                            : static_cast<float>(rng.below(1 << 20)) / (1 << 20);
       r.probs = probs;
     }
   } else if (chance(rng, 3)) {
@@ -219,8 +221,8 @@ void plan_case(pt::Rng& rng, Stats& st, std::string& log) {
   const Tensor top = index_tensor(ids, id_dtype, {T, K});
 
   log = "make_plan T=" + std::to_string(T) + " K=" + std::to_string(K) + " E=" + std::to_string(E) +
-        " m=" + std::to_string(m) + " G=" + std::to_string(po.global_experts) + " first=" +
-        std::to_string(po.first_expert) + " map=" + (map.empty() ? "none" : describe_ids(map)) +
+        " m=" + std::to_string(m) + " G=" + std::to_string(po.global_experts) +
+        " first=" + std::to_string(po.first_expert) + " map=" + (map.empty() ? "none" : describe_ids(map)) +
         " drop_invalid=" + std::to_string(po.drop_invalid) + " C=" + std::to_string(po.expert_capacity) +
         " probs=" + std::to_string(with_probs) + " ids=" + describe_ids(ids);
 
@@ -300,8 +302,8 @@ void plan_case(pt::Rng& rng, Stats& st, std::string& log) {
     if (with_total) expect_equal(read(total), {p.padded_rows}, "padded_total");
   } catch (const padmoe::Error& e) {
     if (expect_ok) fail(std::string("a valid call threw: ") + e.what());
-    const Tensor* all[] = {&indices, &bin_ids, &dest, &rows, &tpe, &bins, &ptpe, &pbins, &row_experts,
-                           &block_experts, &total, &dropped};
+    const Tensor* all[] = {&indices, &bin_ids, &dest,        &rows,          &tpe,   &bins,
+                           &ptpe,    &pbins,   &row_experts, &block_experts, &total, &dropped};
     for (const Tensor* t : all) {
       if (!untouched(*t)) fail(std::string("an invalid call wrote an output before failing: ") + e.what());
     }
@@ -333,8 +335,8 @@ void align_case(pt::Rng& rng, Stats& st, std::string& log) {
   }
   const bool pad = chance(rng, 50);
   log = "moe_align_block_size T=" + std::to_string(T) + " K=" + std::to_string(K) + " E=" + std::to_string(E) +
-        " bs=" + std::to_string(bs) + " pad=" + std::to_string(pad) + " map=" +
-        (map.empty() ? "none" : describe_ids(map)) + " ids=" + describe_ids(ids);
+        " bs=" + std::to_string(bs) + " pad=" + std::to_string(pad) +
+        " map=" + (map.empty() ? "none" : describe_ids(map)) + " ids=" + describe_ids(ids);
   const Tensor top = index_tensor(ids, chance(rng, 50) ? DType::kInt32 : DType::kInt64, {T, K});
   Tensor map_t;
   if (!map.empty()) map_t = index_tensor(map, DType::kInt64, {E});

@@ -42,7 +42,7 @@ void run_on_threads(int threads, Fn fn) {
 // Copy bandwidths of this machine on one pair of 512 MiB buffers, bytes
 // counted as read + written, median of 7 runs each:
 //   memcpy: glibc memcpy split into one contiguous chunk per thread (the
-//           floor of SPEC section 7 and %memcpy);
+//           floor of docs/spec.md §16 and %memcpy);
 //   copy:   padmoe::copy on the same buffers and thread count (streaming
 //           stores past 64 MiB), after one untimed run that starts its
 //           worker threads (%copy).
@@ -57,7 +57,10 @@ CopyBandwidth measure_copy_bandwidth(int threads) {
   // ratio see the same pages.
   const Tensor src_t = Tensor::empty(DType::kFloat8E4M3, {static_cast<int64_t>(bytes)});
   const Tensor dst_t = Tensor::empty(DType::kFloat8E4M3, {static_cast<int64_t>(bytes)});
-  struct Buf { char* p; char* get() const { return p; } };
+  struct Buf {
+    char* p;
+    char* get() const { return p; }
+  };
   const Buf src{static_cast<char*>(src_t.data())}, dst{static_cast<char*>(dst_t.data())};
   auto chunk = [&](int t, size_t* off, size_t* len) {
     const size_t per = (bytes / threads + 63) / 64 * 64;
@@ -120,8 +123,8 @@ constexpr int64_t kL2FlushBytes = int64_t{256} << 20;
 constexpr int kGraphReplays = 10;
 // `in-graph us`: kGraphInner calls of the op captured into one graph, a sample is CUDA events around
 // one replay divided by kGraphInner (median of max(3, iters / 5) samples): the op inside a larger
-// captured step, with no graph launch of its own per call; the way ../shared/bench/user_bench.py's
-// --graphs figures (and the decode baselines) were taken.
+// captured step, with no graph launch of its own per call; the way user_bench.py --graphs (the
+// shared benchmark harness the decode baselines come from) times.
 constexpr int kGraphInner = 20;
 
 // Cold L2 without dirty lines: a read-only pass over 256 MiB of scratch rows
@@ -165,8 +168,7 @@ double measure_gpu_copy_gbps(Data& d, const std::function<void()>& flush) {
   const Tensor dst = Tensor::empty(DType::kFloat8E4M3, {kGpuCopyBytes}, d.w.device);
   gpu_memset(*d.gpu, src, 1);
   gpu_memset(*d.gpu, dst, 0);
-  const std::vector<double> us =
-      gpu_time_us(*d.gpu, [&] { padmoe::copy(src, dst, d.opt); }, 1, kGpuCopyReps, flush);
+  const std::vector<double> us = gpu_time_us(*d.gpu, [&] { padmoe::copy(src, dst, d.opt); }, 1, kGpuCopyReps, flush);
   const double t = median(us);
   return t > 0 ? 2.0 * static_cast<double>(kGpuCopyBytes) / (t * 1e-6) / 1e9 : 0.0;
 }
@@ -199,8 +201,8 @@ int cmd_bench(const Args& args) {
     // a scratch buffer whose overwrite before each timed run evicts L2.
     d.opt.check_data = false;
     workspace_bytes = workspace_bound(w.T, w.K, w.E, w.m);
-    workspace = Tensor::empty(DType::kFloat8E4M3, {std::max<int64_t>(1, static_cast<int64_t>(workspace_bytes))},
-                              w.device);
+    workspace =
+        Tensor::empty(DType::kFloat8E4M3, {std::max<int64_t>(1, static_cast<int64_t>(workspace_bytes))}, w.device);
     d.opt.workspace = workspace.data();
     d.opt.workspace_bytes = workspace_bytes;
     flush = L2Flush(d, *d.gpu);
@@ -275,36 +277,37 @@ int cmd_bench(const Args& args) {
 
   const std::string timing_words =
       on_gpu ? "CUDA events around each call on one stream; cold L2 (a read-only pass over 256 MiB before each timed "
-               "run, outside the timed region, leaving no dirty lines); check_data=false (the sync-free fast path); caller workspace "
+               "run, outside the timed region, leaving no dirty lines); check_data=false (the sync-free fast path); "
+               "caller workspace "
                "(padmoe::workspace_bound)"
              : "steady_clock wall time";
   const std::string graph_words =
       "each op captured once into a CUDA graph (cudaStreamCaptureModeGlobal; plan+dispatch+combine: one graph of its "
-      "three launches, plan+dispatch and dispatch+combine of their two); per replay: CUDA events around " + std::to_string(kGraphReplays) +
-      " back-to-back cudaGraphLaunch calls / " + std::to_string(kGraphReplays) +
+      "three launches, plan+dispatch and dispatch+combine of their two); per replay: CUDA events around " +
+      std::to_string(kGraphReplays) + " back-to-back cudaGraphLaunch calls / " + std::to_string(kGraphReplays) +
       ", median of iters samples after warmup replays; warm L2 (no flush), as a serving loop replays a decode step; "
-      "in_graph_us: " + std::to_string(kGraphInner) + " calls captured in one graph, one replay / " +
-      std::to_string(kGraphInner) + " per sample, median of max(3, iters / 5) samples";
+      "in_graph_us: " +
+      std::to_string(kGraphInner) + " calls captured in one graph, one replay / " + std::to_string(kGraphInner) +
+      " per sample, median of max(3, iters / 5) samples";
   if (json) {
-    std::printf("{\"command\": \"bench\", \"date\": \"%s\", \"device\": \"%s\", \"card\": %s,\n"
-                " \"workload\": {\"label\": \"%s\", \"tokens\": %" PRId64
-                ", \"experts\": %d, \"top_k\": %d, \"hidden\": %" PRId64
-                ", \"alignment\": %d, \"assignments\": %" PRId64 ", \"padded_rows\": %" PRId64
-                ", \"capacity\": %" PRId64
-                ", \"dtype\": \"%s\", \"device\": \"%s\", "
-                "\"seed\": %" PRIu64 "},\n \"variant\": \"%s\",\n",
-                utc_now().c_str(), device_name(w.device).c_str(),
-                on_gpu ? ("\"" + json_escape(d.gpu->card) + "\"").c_str() : "null", json_escape(w.label).c_str(), w.T,
-                w.E, w.K, w.H, w.m, d.A, d.P, d.R, dtype_name(w.dtype), device_name(w.device).c_str(), w.seed,
-                json_escape(variants).c_str());
+    std::printf(
+        "{\"command\": \"bench\", \"date\": \"%s\", \"device\": \"%s\", \"card\": %s,\n"
+        " \"workload\": {\"label\": \"%s\", \"tokens\": %" PRId64
+        ", \"experts\": %d, \"top_k\": %d, \"hidden\": %" PRId64 ", \"alignment\": %d, \"assignments\": %" PRId64
+        ", \"padded_rows\": %" PRId64 ", \"capacity\": %" PRId64
+        ", \"dtype\": \"%s\", \"device\": \"%s\", "
+        "\"seed\": %" PRIu64 "},\n \"variant\": \"%s\",\n",
+        utc_now().c_str(), device_name(w.device).c_str(),
+        on_gpu ? ("\"" + json_escape(d.gpu->card) + "\"").c_str() : "null", json_escape(w.label).c_str(), w.T, w.E, w.K,
+        w.H, w.m, d.A, d.P, d.R, dtype_name(w.dtype), device_name(w.device).c_str(), w.seed,
+        json_escape(variants).c_str());
     if (on_gpu) {
-      std::printf(
-          " \"timing\": \"%s\", \"cold_l2\": true, \"l2_flush_bytes\": %" PRId64
-          ", \"check_data\": false, \"workspace_bytes\": %zu, \"warmup\": %d, \"iters\": %d,\n"
-          " \"floor\": \"padmoe::copy device->device\", \"copy_bytes\": %" PRId64
-          ", \"copy_reps\": %d, \"copy_gbps\": %s, \"copy_tbps\": %s, \"memcpy_gbps\": null,\n",
-          json_escape(timing_words).c_str(), kL2FlushBytes, workspace_bytes, warmup, iters, kGpuCopyBytes,
-          kGpuCopyReps, json_num(copy_gbps).c_str(), json_num(copy_gbps / 1e3).c_str());
+      std::printf(" \"timing\": \"%s\", \"cold_l2\": true, \"l2_flush_bytes\": %" PRId64
+                  ", \"check_data\": false, \"workspace_bytes\": %zu, \"warmup\": %d, \"iters\": %d,\n"
+                  " \"floor\": \"padmoe::copy device->device\", \"copy_bytes\": %" PRId64
+                  ", \"copy_reps\": %d, \"copy_gbps\": %s, \"copy_tbps\": %s, \"memcpy_gbps\": null,\n",
+                  json_escape(timing_words).c_str(), kL2FlushBytes, workspace_bytes, warmup, iters, kGpuCopyBytes,
+                  kGpuCopyReps, json_num(copy_gbps).c_str(), json_num(copy_gbps / 1e3).c_str());
       if (with_graph) {
         std::printf(" \"graph_timing\": \"%s\", \"graph_replays\": %d,\n", json_escape(graph_words).c_str(),
                     kGraphReplays);
@@ -324,18 +327,16 @@ int cmd_bench(const Args& args) {
       const bool graphed = r.graph_us >= 0;
       // --device cuda without --no-graph only (else nothing: the output as before the column).
       const std::string graph_json =
-          with_graph ? "\"graph_us\": " + (graphed ? json_num(r.graph_us) : std::string("null")) +
-                           ", \"graph_over_floor\": " +
-                           (graphed ? json_num(r.graph_us / r.floor_us) : std::string("null")) +
-                           ", \"graph_nodes\": " + (graphed ? std::to_string(r.graph_nodes) : std::string("null")) +
-                           ", \"in_graph_us\": " +
-                           (r.in_graph_us >= 0 ? json_num(r.in_graph_us) : std::string("null")) +
-                           ", \"in_graph_over_floor\": " +
-                           (r.in_graph_us >= 0 ? json_num(r.in_graph_us / r.floor_us) : std::string("null")) +
-                           ", \"graph_error\": " +
-                           (r.graph_error.empty() ? std::string("null") : "\"" + json_escape(r.graph_error) + "\"") +
-                           ", "
-                     : std::string();
+          with_graph
+              ? "\"graph_us\": " + (graphed ? json_num(r.graph_us) : std::string("null")) +
+                    ", \"graph_over_floor\": " + (graphed ? json_num(r.graph_us / r.floor_us) : std::string("null")) +
+                    ", \"graph_nodes\": " + (graphed ? std::to_string(r.graph_nodes) : std::string("null")) +
+                    ", \"in_graph_us\": " + (r.in_graph_us >= 0 ? json_num(r.in_graph_us) : std::string("null")) +
+                    ", \"in_graph_over_floor\": " +
+                    (r.in_graph_us >= 0 ? json_num(r.in_graph_us / r.floor_us) : std::string("null")) +
+                    ", \"graph_error\": " +
+                    (r.graph_error.empty() ? std::string("null") : "\"" + json_escape(r.graph_error) + "\"") + ", "
+              : std::string();
       std::printf(
           "  {\"name\": \"%s\", \"us\": %s, \"gbps\": %s, \"tbps\": %s, \"min_bytes\": %.0f, \"floor_us\": %s, "
           "\"time_over_floor\": %s, \"pct_memcpy\": %s, \"pct_copy\": %s, \"reference_us\": %s, "
@@ -344,9 +345,9 @@ int cmd_bench(const Args& args) {
           ok ? json_num(r.gbps / 1e3).c_str() : "null", r.min_bytes, json_num(r.floor_us).c_str(),
           ok ? json_num(r.us / r.floor_us).c_str() : "null",
           ok && !on_gpu ? json_num(100.0 * r.floor_us / r.us).c_str() : "null",
-          ok ? json_num(100.0 * r.copy_us / r.us).c_str() : "null",
-          r.ref_us >= 0 ? json_num(r.ref_us).c_str() : "null", graph_json.c_str(),
-          ok ? "null" : ("\"" + json_escape(r.error) + "\"").c_str(), i + 1 < records.size() ? "," : "");
+          ok ? json_num(100.0 * r.copy_us / r.us).c_str() : "null", r.ref_us >= 0 ? json_num(r.ref_us).c_str() : "null",
+          graph_json.c_str(), ok ? "null" : ("\"" + json_escape(r.error) + "\"").c_str(),
+          i + 1 < records.size() ? "," : "");
     }
     std::printf(" ]}\n");
     return errors == 0 ? 0 : 1;
@@ -355,9 +356,10 @@ int cmd_bench(const Args& args) {
   print_header("bench", d);
   if (!variants.empty()) std::printf("variant: %s (kernel choices forced)\n", variants.c_str());
   if (on_gpu) {
-    std::printf("device copy (the floor): %.3f TB/s (padmoe::copy device->device, 1 GiB, read + write bytes, CUDA "
-                "events, median of %d)\n",
-                copy_gbps / 1e3, kGpuCopyReps);
+    std::printf(
+        "device copy (the floor): %.3f TB/s (padmoe::copy device->device, 1 GiB, read + write bytes, CUDA "
+        "events, median of %d)\n",
+        copy_gbps / 1e3, kGpuCopyReps);
     std::printf(
         "timing: median of %d runs after %d warm-up runs; CUDA events around each call on one stream;\n"
         "  cold L2: a read-only pass over 256 MiB of scratch (padmoe wgrad) before each timed run, outside the "
@@ -406,7 +408,8 @@ int cmd_bench(const Args& args) {
           "replays back to back per\n"
           "  sample, warm L2 (no flush): a serving loop's step, one cudaGraphLaunch and none of padmoe's host code; "
           "plan+dispatch+combine\n"
-          "  is one graph of its three launches (the decode step's routing), plan+dispatch and dispatch+combine one of\n"
+          "  is one graph of its three launches (the decode step's routing), plan+dispatch and dispatch+combine one "
+          "of\n"
           "  their two. graph/floor = graph us / floor us (below 1 where the bytes stay in L2).\n"
           "in-graph us = per call with %d calls captured in one graph and replayed once (median of max(3, iters / 5)): "
           "the op inside a\n"

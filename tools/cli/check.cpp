@@ -68,10 +68,8 @@ int cmd_check(const Args& args) {
         "  each compared output copied back whole.\n",
         device_name(w.device).c_str());
   }
-  if (failures == 0)
-    std::printf("%zu ops: all PASS\n", ops.size());
-  else
-    std::printf("%zu ops: %d FAIL\n", ops.size(), failures);
+  if (failures == 0) std::printf("%zu ops: all PASS\n", ops.size());
+  else std::printf("%zu ops: %d FAIL\n", ops.size(), failures);
   return failures == 0 ? 0 : 1;
 }
 

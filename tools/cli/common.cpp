@@ -62,7 +62,8 @@ std::string apply_variants(const Args& args) {
     const size_t eq = pair.find('=');
     if (eq == std::string::npos) throw UsageError("--variant expects KEY=VALUE, got '" + pair + "'");
     std::string error;
-    if (!padmoe::detail::set_kernel_variant(o, pair.substr(0, eq), pair.substr(eq + 1), &error)) throw UsageError(error);
+    if (!padmoe::detail::set_kernel_variant(o, pair.substr(0, eq), pair.substr(eq + 1), &error))
+      throw UsageError(error);
     if (comma == std::string::npos) break;
     start = comma + 1;
   }

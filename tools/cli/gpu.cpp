@@ -57,12 +57,11 @@ std::shared_ptr<GpuContext> open_gpu(Device device) {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear the error
-    throw Error(ErrorKind::kRuntime,
-                "--device " + name + ": no usable CUDA device (" + cudaGetErrorString(err) + ")");
+    throw Error(ErrorKind::kRuntime, "--device " + name + ": no usable CUDA device (" + cudaGetErrorString(err) + ")");
   }
   if (device.index < 0 || device.index >= count) {
-    throw Error(ErrorKind::kValue, "--device " + name + ": this machine has " + std::to_string(count) +
-                                       " CUDA device(s)");
+    throw Error(ErrorKind::kValue,
+                "--device " + name + ": this machine has " + std::to_string(count) + " CUDA device(s)");
   }
   // The library launches on the current device: make it the one asked for.
   cuda_check(cudaSetDevice(device.index), "cudaSetDevice");
@@ -155,8 +154,9 @@ std::unique_ptr<GpuGraph> gpu_capture_graph(const GpuContext& g, const std::func
   } else if (query != cudaSuccess) {
     why = std::string("cudaStreamIsCapturing failed: ") + cudaGetErrorString(query);
   } else if (status != cudaStreamCaptureStatusActive) {
-    why = std::string("capture invalidated by an unsafe call inside the op (a host synchronization, cudaMalloc or a "
-                      "read back to the host): cudaStreamEndCapture: ") +
+    why = std::string(
+              "capture invalidated by an unsafe call inside the op (a host synchronization, cudaMalloc or a "
+              "read back to the host): cudaStreamEndCapture: ") +
           cudaGetErrorString(end);
   } else if (end != cudaSuccess || graph == nullptr) {
     why = std::string("cudaStreamEndCapture failed: ") + cudaGetErrorString(end);

@@ -70,7 +70,6 @@ std::unique_ptr<GpuGraph> gpu_capture_graph(const GpuContext& g, const std::func
 // replays, then `iters` samples, each a pair of CUDA events around `replays`
 // back-to-back cudaGraphLaunch calls divided by `replays`; no L2 flush (warm
 // caches, as a serving loop replays its step).
-std::vector<double> gpu_graph_replay_us(const GpuContext& g, const GpuGraph& graph, int warmup, int iters,
-                                        int replays);
+std::vector<double> gpu_graph_replay_us(const GpuContext& g, const GpuGraph& graph, int warmup, int iters, int replays);
 
 }  // namespace cli

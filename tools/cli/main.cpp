@@ -4,7 +4,7 @@
 //                  reference loops (src/reference): moves bitwise, sums within
 //                  a stated float32 tolerance of a float64 reference.
 //   padmoe bench   time every op (median wall clock) against the copy floor of
-//                  SPEC section 7: min_bytes / memcpy bandwidth measured in the
+//                  docs/spec.md §16: min_bytes / memcpy bandwidth measured in the
 //                  same run; also reports padmoe::copy's (streaming) bandwidth
 //                  and each op's share of it (%copy). With --device cuda: CUDA
 //                  events on one stream, cold L2, check_data=false, a caller
@@ -13,7 +13,7 @@
 //                  captured once into a CUDA graph and its warm back-to-back
 //                  replays timed (`graph us`, `graph/floor`), and 20 calls
 //                  captured into one graph (`in-graph us`; --no-graph skips both).
-//   padmoe plan    print and validate the tile plan of SPEC section 6.
+//   padmoe plan    print and validate the tile plan of docs/spec.md §15.
 //   padmoe presets list the workload presets (src/workload).
 //
 // One table, `op_table()`, lists every op once: its name, how to run it into
@@ -48,9 +48,9 @@ const char* const kUsage = R"(usage: padmoe <command> [options]
 
 commands:
   check     run every op on a workload and compare with the reference loops
-  bench     time every op against the copy floor (SPEC section 7): memcpy on
+  bench     time every op against the copy floor (docs/spec.md §16): memcpy on
             the CPU; padmoe::copy device->device with --device cuda
-  plan      print and validate a tile plan (SPEC section 6)
+  plan      print and validate a tile plan (docs/spec.md §15)
   presets   list the workload presets
   help      this text
 
@@ -87,10 +87,9 @@ plan:
 exit status: 0 ok, 1 a check failed, 2 usage or setup error
 )";
 
-const std::set<std::string> kValueOptions = {"preset",    "tokens", "experts", "top-k", "hidden",
-                                             "alignment", "dtype",  "device",  "seed",  "threads",
-                                             "warmup",    "iters",  "target",  "op",    "cores",
-                                             "ops",       "variant"};
+const std::set<std::string> kValueOptions = {"preset", "tokens", "experts", "top-k",   "hidden", "alignment",
+                                             "dtype",  "device", "seed",    "threads", "warmup", "iters",
+                                             "target", "op",     "cores",   "ops",     "variant"};
 const std::set<std::string> kFlagOptions = {"small", "json", "no-reference", "no-graph", "help"};
 
 Args parse_args(int argc, char** argv) {

@@ -28,7 +28,7 @@ std::vector<OpCase> op_table() {
   using W = std::optional<TensorView>;
   std::vector<OpCase> ops;
 
-  // Byte formulas of SPEC section 7 and their extension to the other ops.
+  // Byte formulas of docs/spec.md §16, op by op.
   const std::string kGatherRule = "(T*H + P*H)*s";
   auto gather_bytes = [](const Dims& d) { return (d.T * d.H + d.P * d.H) * d.s; };
   const std::string kScatterRule = "(A*H + T*H)*s";
@@ -69,8 +69,7 @@ std::vector<OpCase> op_table() {
   };
 
   ops.push_back(
-      {"make_plan", "A*4 + (3*A + 4*E + R)*4 (top_experts read, plan written; R = capacity)",
-       plan_bytes,
+      {"make_plan", "A*4 + (3*A + 4*E + R)*4 (top_experts read, plan written; R = capacity)", plan_bytes,
        [](Data& d) { make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), d.opt); },
        [](Data& d) {
          ref::Plan rp = ref::make_plan(std::vector<int64_t>(d.routing.top_experts.begin(), d.routing.top_experts.end()),
@@ -89,26 +88,27 @@ std::vector<OpCase> op_table() {
 
   // The layouts other kernels consume, from make_plan's own pass (DeepGEMM rows, vLLM blocks, P), and vLLM's
   // moe_align_block_size: the references are written from those projects' definitions.
+  ops.push_back({"make_plan+layouts", "make_plan + (R + R/m + 1)*4 (row_experts, block_experts, P written)",
+                 [=](const Dims& d) { return plan_bytes(d) + (d.R + d.R / d.m + 1) * 4; },
+                 [](Data& d) {
+                   PlanLayouts l;
+                   l.row_experts = d.out_row_experts_R;
+                   l.block_experts = d.out_block_experts;
+                   l.padded_total = d.out_total_1;
+                   make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), l, d.opt);
+                 },
+                 [](Data& d) {
+                   const std::vector<int64_t> te(d.routing.top_experts.begin(), d.routing.top_experts.end());
+                   return std::vector<Expect>{
+                       expect_index("row_sources", d.plan_out.row_sources, d.ref_plan.row_sources),
+                       expect_index("row_experts", d.out_row_experts_R, ref::row_experts(te, d.w.E, d.w.m, d.R)),
+                       expect_index("block_experts", d.out_block_experts, ref::block_experts(te, d.w.E, d.w.m, d.R)),
+                       expect_index("padded_total", d.out_total_1, {d.ref_plan.padded_rows})};
+                 }});
   ops.push_back(
-      {"make_plan+layouts", "make_plan + (R + R/m + 1)*4 (row_experts, block_experts, P written)",
-       [=](const Dims& d) { return plan_bytes(d) + (d.R + d.R / d.m + 1) * 4; },
-       [](Data& d) {
-         PlanLayouts l;
-         l.row_experts = d.out_row_experts_R;
-         l.block_experts = d.out_block_experts;
-         l.padded_total = d.out_total_1;
-         make_plan_out(d.top_experts, d.w.E, d.w.m, d.plan_out.view(), l, d.opt);
-       },
-       [](Data& d) {
-         const std::vector<int64_t> te(d.routing.top_experts.begin(), d.routing.top_experts.end());
-         return std::vector<Expect>{
-             expect_index("row_sources", d.plan_out.row_sources, d.ref_plan.row_sources),
-             expect_index("row_experts", d.out_row_experts_R, ref::row_experts(te, d.w.E, d.w.m, d.R)),
-             expect_index("block_experts", d.out_block_experts, ref::block_experts(te, d.w.E, d.w.m, d.R)),
-             expect_index("padded_total", d.out_total_1, {d.ref_plan.padded_rows})};
-       }});
-  ops.push_back(
-      {"moe_align_block_size", "A*4 + (3*A + 4*E)*4 + (V + V/m + 1)*4 (ids read; plan scratch and vLLM's outputs written; V = A + min(A,E)*(m-1))",
+      {"moe_align_block_size",
+       "A*4 + (3*A + 4*E)*4 + (V + V/m + 1)*4 (ids read; plan scratch and vLLM's outputs written; V = A + "
+       "min(A,E)*(m-1))",
        [](const Dims& d) {
          const double v = d.A + std::min(d.A, d.E) * (d.m - 1);
          return d.A * 4 + (3 * d.A + 4 * d.E) * 4 + (v + v / d.m + 1) * 4;
@@ -127,10 +127,11 @@ std::vector<OpCase> op_table() {
   // make_plan with PlanOptions (expert parallelism; a capacity with the probs drop policy), against
   // ref::make_plan(..., RoutingOptions).
   // A plan with PlanOptions against ref::make_plan(..., RoutingOptions) (row_sources to o's length).
-  auto routed_expects = [](Data& d, const Plan& o, int experts, const ref::RoutingOptions& r, bool with_dropped = false) {
-    const ref::RoutedPlan rp = ref::make_plan(
-        std::vector<int64_t>(d.routing.top_experts.begin(), d.routing.top_experts.end()), d.w.T, d.w.K, experts,
-        d.w.m, r);
+  auto routed_expects = [](Data& d, const Plan& o, int experts, const ref::RoutingOptions& r,
+                           bool with_dropped = false) {
+    const ref::RoutedPlan rp =
+        ref::make_plan(std::vector<int64_t>(d.routing.top_experts.begin(), d.routing.top_experts.end()), d.w.T, d.w.K,
+                       experts, d.w.m, r);
     std::vector<int64_t> rows = rp.plan.row_sources;
     rows.resize(static_cast<size_t>(o.row_sources.numel()), -1);
     std::vector<Expect> e{expect_index("indices", o.indices, rp.plan.indices),
@@ -233,15 +234,15 @@ std::vector<OpCase> op_table() {
                    [=](Data& d) { return gather_bwd_expect(d, weighted); }});
   }
   for (bool weighted : {false, true}) {
-    ops.push_back(
-        {weighted ? "padded_scatter_backward(w)" : "padded_scatter_backward", weighted ? kScatterBwdRule : kGatherRule,
-         weighted ? scatter_bwd_bytes : gather_bytes,
-         [=](Data& d) {
-           const Plan& p = d.plan;
-           padded_scatter_backward_out(d.grad_out, d.y, p.indices, p.bin_ids, weighted ? W(d.weights) : W(), p.bins,
-                                       p.padded_bins, d.w.K, d.out_rows_R2, grad_w_out(d, weighted), d.opt);
-         },
-         [=](Data& d) { return scatter_bwd_expect(d, d.out_rows_R2, d.out_f32_A, weighted); }});
+    ops.push_back({weighted ? "padded_scatter_backward(w)" : "padded_scatter_backward",
+                   weighted ? kScatterBwdRule : kGatherRule, weighted ? scatter_bwd_bytes : gather_bytes,
+                   [=](Data& d) {
+                     const Plan& p = d.plan;
+                     padded_scatter_backward_out(d.grad_out, d.y, p.indices, p.bin_ids, weighted ? W(d.weights) : W(),
+                                                 p.bins, p.padded_bins, d.w.K, d.out_rows_R2, grad_w_out(d, weighted),
+                                                 d.opt);
+                   },
+                   [=](Data& d) { return scatter_bwd_expect(d, d.out_rows_R2, d.out_f32_A, weighted); }});
   }
   for (bool weighted : {false, true}) {
     ops.push_back(
@@ -249,35 +250,34 @@ std::vector<OpCase> op_table() {
          [weighted](Data& d) { dispatch_out(d.x, d.plan.view(), weighted ? W(d.weights) : W(), d.out_rows_R, d.opt); },
          [=](Data& d) { return std::vector<Expect>{rows_P(d, "y", d.out_rows_R, gather_ref(d, d.x_f, weighted))}; }});
   }
-  // dispatch with Options::zero_padding = false: padding rows left unwritten (item 7); real rows checked
+  // dispatch with Options::zero_padding = false: padding rows left unwritten; real rows checked
   // against the reference, padding rows compared to what the buffer held before the call.
-  ops.push_back(
-      {"dispatch(no-pad)", "(T*H + A*H)*s (padding rows not written)",
-       [](const Dims& d) { return (d.T * d.H + d.A * d.H) * d.s; },
-       [](Data& d) {
-         Options o = d.opt;
-         o.zero_padding = false;
-         dispatch_out(d.x, d.plan.view(), W(), d.out_rows_R, o);
-       },
-       [=](Data& d) {
-         // Again into a buffer filled with 3.0 (exact in every row format): real rows as the reference,
-         // padding rows and rows past P still 3.0.
-         const int64_t H = d.w.H, R = d.out_rows_R.view().shape[0];
-         Tensor fill = Tensor::empty(d.w.dtype, {R, H});
-         for (int64_t i = 0; i < R * H; ++i) numeric::store_from_float(fill.data(), d.w.dtype, i, 3.0f);
-         padmoe::copy(fill, d.out_rows_R, d.opt);
-         Options o = d.opt;
-         o.zero_padding = false;
-         dispatch_out(d.x, d.plan.view(), W(), d.out_rows_R, o);
-         std::vector<float> ref = gather_ref(d, d.x_f, false);
-         ref.resize(static_cast<size_t>(R * H), 3.0f);
-         for (int64_t r = 0; r < d.P; ++r) {
-           if (d.ref_plan.row_sources[static_cast<size_t>(r)] >= 0) continue;
-           std::fill(ref.begin() + r * H, ref.begin() + (r + 1) * H, 3.0f);
-         }
-         return std::vector<Expect>{expect_move("y", d.out_rows_R, R, H, std::move(ref))};
-       }});
-  // float8 e4m3 rows moved with their [T, ceil(H/128)] float32 scales in the same pass (issue 11 item 1):
+  ops.push_back({"dispatch(no-pad)", "(T*H + A*H)*s (padding rows not written)",
+                 [](const Dims& d) { return (d.T * d.H + d.A * d.H) * d.s; },
+                 [](Data& d) {
+                   Options o = d.opt;
+                   o.zero_padding = false;
+                   dispatch_out(d.x, d.plan.view(), W(), d.out_rows_R, o);
+                 },
+                 [=](Data& d) {
+                   // Again into a buffer filled with 3.0 (exact in every row format): real rows as the reference,
+                   // padding rows and rows past P still 3.0.
+                   const int64_t H = d.w.H, R = d.out_rows_R.view().shape[0];
+                   Tensor fill = Tensor::empty(d.w.dtype, {R, H});
+                   for (int64_t i = 0; i < R * H; ++i) numeric::store_from_float(fill.data(), d.w.dtype, i, 3.0f);
+                   padmoe::copy(fill, d.out_rows_R, d.opt);
+                   Options o = d.opt;
+                   o.zero_padding = false;
+                   dispatch_out(d.x, d.plan.view(), W(), d.out_rows_R, o);
+                   std::vector<float> ref = gather_ref(d, d.x_f, false);
+                   ref.resize(static_cast<size_t>(R * H), 3.0f);
+                   for (int64_t r = 0; r < d.P; ++r) {
+                     if (d.ref_plan.row_sources[static_cast<size_t>(r)] >= 0) continue;
+                     std::fill(ref.begin() + r * H, ref.begin() + (r + 1) * H, 3.0f);
+                   }
+                   return std::vector<Expect>{expect_move("y", d.out_rows_R, R, H, std::move(ref))};
+                 }});
+  // float8 e4m3 rows moved with their [T, ceil(H/128)] float32 scales in the same pass:
   // rows and scale rows both checked against the reference (padding rows: zero data, scale 1.0).
   ops.push_back(
       {"dispatch(fp8+scales)", "(T*H + P*H)*1 + (T + P)*ceil(H/128)*4 (e4m3 rows, float32 scales)",
@@ -295,7 +295,7 @@ std::vector<OpCase> op_table() {
          s.untouched_rows = std::max<int64_t>(0, d.R - d.P);
          return std::vector<Expect>{rows_P(d, "y", d.out_rows8_R, gather_ref(d, d.x8_f, false)), std::move(s)};
        }});
-  // The fused quantizing dispatch (issue 11 item 2): x (the workload's dtype) quantized once per token to
+  // The fused quantizing dispatch: x (the workload's dtype) quantized once per token to
   // e4m3 with DeepSeek-V3 1x128 float32 scales or MXFP8 E8M0 scales, written to its K rows; codes and
   // scales both checked bitwise against the reference quantizer (padding rows: zero codes, scale 1).
   for (bool mx : {false, true}) {
@@ -397,23 +397,22 @@ std::vector<OpCase> op_table() {
     v.shape[0] = d.w.E / d.ep_ranks;
     return v;
   };
-  ops.push_back(
-      {"sort_chunks", "(N*H + Pc*H)*s (N = A rank-major rows of 8 ranks, Pc = its padded rows)",
-       [](const Dims& d) { return (d.N * d.H + d.Pc * d.H) * d.s; },
-       [=](Data& d) {
-         sort_chunks_out(d.h, d.split_sizes, d.ep_ranks, d.w.m, std::nullopt, d.out_rows_R, d.out_map_R,
-                         local_offsets(d), d.opt);
-       },
-       [=](Data& d) {
-         ref::PadResult r = ref::sort_chunks(d.h_f, d.w.H, d.split_sizes_ref, d.ep_ranks, d.w.m, nullptr);
-         std::vector<int64_t> map = r.permutation_map;
-         map.resize(static_cast<size_t>(d.R), -1);  // entries past P are set to -1
-         Expect rows = expect_move("padded", d.out_rows_R, r.padded_rows, d.w.H, std::move(r.padded));
-         rows.untouched_rows = std::max<int64_t>(0, d.out_rows_R.view().shape[0] - r.padded_rows);
-         return std::vector<Expect>{std::move(rows), expect_index("permutation_map", d.out_map_R, std::move(map)),
-                                    expect_index("inclusive_offsets", local_offsets(d),
-                                                 std::move(r.inclusive_offsets))};
-       }});
+  ops.push_back({"sort_chunks", "(N*H + Pc*H)*s (N = A rank-major rows of 8 ranks, Pc = its padded rows)",
+                 [](const Dims& d) { return (d.N * d.H + d.Pc * d.H) * d.s; },
+                 [=](Data& d) {
+                   sort_chunks_out(d.h, d.split_sizes, d.ep_ranks, d.w.m, std::nullopt, d.out_rows_R, d.out_map_R,
+                                   local_offsets(d), d.opt);
+                 },
+                 [=](Data& d) {
+                   ref::PadResult r = ref::sort_chunks(d.h_f, d.w.H, d.split_sizes_ref, d.ep_ranks, d.w.m, nullptr);
+                   std::vector<int64_t> map = r.permutation_map;
+                   map.resize(static_cast<size_t>(d.R), -1);  // entries past P are set to -1
+                   Expect rows = expect_move("padded", d.out_rows_R, r.padded_rows, d.w.H, std::move(r.padded));
+                   rows.untouched_rows = std::max<int64_t>(0, d.out_rows_R.view().shape[0] - r.padded_rows);
+                   return std::vector<Expect>{
+                       std::move(rows), expect_index("permutation_map", d.out_map_R, std::move(map)),
+                       expect_index("inclusive_offsets", local_offsets(d), std::move(r.inclusive_offsets))};
+                 }});
 
   // dispatch then the weighted combine of the dispatched rows: the reference's gather is exact (an
   // unweighted move), its scatter the sum's reference.
@@ -432,37 +431,34 @@ std::vector<OpCase> op_table() {
          dispatch_out(d.x, d.plan_out.view(), W(), d.out_rows_R, d.opt);
        },
        [=](Data& d) { return std::vector<Expect>{rows_P(d, "y", d.out_rows_R, gather_ref(d, d.x_f, false))}; }});
-  ops.push_back(
-      {"dispatch+combine", "(T*H + P*H)*s + (A*H + T*H)*s (the two rules summed)",
-       [=](const Dims& d) { return gather_bytes(d) + scatter_bytes(d); },
-       [](Data& d) {
-         const PlanView plan = d.plan.view();
-         dispatch_out(d.x, plan, W(), d.out_rows_R, d.opt);
-         combine_out(d.out_rows_R, plan, W(d.weights), d.out_rows_T, d.opt);
-       },
-       composite_expect});
+  ops.push_back({"dispatch+combine", "(T*H + P*H)*s + (A*H + T*H)*s (the two rules summed)",
+                 [=](const Dims& d) { return gather_bytes(d) + scatter_bytes(d); },
+                 [](Data& d) {
+                   const PlanView plan = d.plan.view();
+                   dispatch_out(d.x, plan, W(), d.out_rows_R, d.opt);
+                   combine_out(d.out_rows_R, plan, W(d.weights), d.out_rows_T, d.opt);
+                 },
+                 composite_expect});
 
   // The decode question: route and move a small batch end to end. make_plan
   // into the output plan, an unweighted dispatch on it, then the weighted
   // combine of the dispatched rows (standing in for the expert outputs), back
   // to back; on a GPU nothing synchronizes between them.
-  ops.push_back(
-      {"plan+dispatch+combine", "make_plan + (T*H + P*H)*s + (A*H + T*H)*s (the three rules summed)",
-       [=](const Dims& d) { return plan_bytes(d) + gather_bytes(d) + scatter_bytes(d); },
-       [](Data& d) { plan_dispatch_combine(d, /*zero_padding=*/true); },
-       composite_expect});
+  ops.push_back({"plan+dispatch+combine", "make_plan + (T*H + P*H)*s + (A*H + T*H)*s (the three rules summed)",
+                 [=](const Dims& d) { return plan_bytes(d) + gather_bytes(d) + scatter_bytes(d); },
+                 [](Data& d) { plan_dispatch_combine(d, /*zero_padding=*/true); }, composite_expect});
   // The same with the inference dispatch (padding rows and rows past P left unwritten: combine
   // reads real rows only), as GroupedExperts and the transformers experts run with no gradient.
-  ops.push_back(
-      {"plan+dispatch(no-pad)+combine", "make_plan + (T*H + A*H)*s + (A*H + T*H)*s (the three rules summed)",
-       [=](const Dims& d) { return plan_bytes(d) + (d.T * d.H + d.A * d.H) * d.s + scatter_bytes(d); },
-       [](Data& d) { plan_dispatch_combine(d, /*zero_padding=*/false); },
-       composite_expect});
+  ops.push_back({"plan+dispatch(no-pad)+combine", "make_plan + (T*H + A*H)*s + (A*H + T*H)*s (the three rules summed)",
+                 [=](const Dims& d) { return plan_bytes(d) + (d.T * d.H + d.A * d.H) * d.s + scatter_bytes(d); },
+                 [](Data& d) { plan_dispatch_combine(d, /*zero_padding=*/false); }, composite_expect});
   // The same two steps as one call (make_plan_and_dispatch).
   ops.push_back(
       {"make_plan_and_dispatch", "make_plan + (T*H + P*H)*s (as plan+dispatch)",
        [=](const Dims& d) { return plan_bytes(d) + gather_bytes(d); },
-       [](Data& d) { make_plan_and_dispatch_out(d.x, d.top_experts, d.w.E, d.w.m, d.plan_out.view(), W(), d.out_rows_R, d.opt); },
+       [](Data& d) {
+         make_plan_and_dispatch_out(d.x, d.top_experts, d.w.E, d.w.m, d.plan_out.view(), W(), d.out_rows_R, d.opt);
+       },
        [=](Data& d) { return std::vector<Expect>{rows_P(d, "y", d.out_rows_R, gather_ref(d, d.x_f, false))}; }});
   return ops;
 }

@@ -1,4 +1,4 @@
-// plan.cpp — `padmoe plan`: print and validate the tile plan of SPEC section 6.
+// plan.cpp — `padmoe plan`: print and validate the tile plan of docs/spec.md §15.
 #include <cinttypes>
 #include <cstdio>
 #include <sstream>
@@ -23,16 +23,11 @@ int cmd_plan(const Args& args) {
 
   std::vector<TileOp> tile_ops;
   const std::string op_name = args.get("op", "all");
-  if (op_name == "gather")
-    tile_ops = {TileOp::kGather};
-  else if (op_name == "scatter")
-    tile_ops = {TileOp::kScatter};
-  else if (op_name == "wgrad")
-    tile_ops = {TileOp::kWgrad};
-  else if (op_name == "all")
-    tile_ops = {TileOp::kGather, TileOp::kScatter, TileOp::kWgrad};
-  else
-    throw UsageError("--op expects gather, scatter or wgrad, got '" + op_name + "'");
+  if (op_name == "gather") tile_ops = {TileOp::kGather};
+  else if (op_name == "scatter") tile_ops = {TileOp::kScatter};
+  else if (op_name == "wgrad") tile_ops = {TileOp::kWgrad};
+  else if (op_name == "all") tile_ops = {TileOp::kGather, TileOp::kScatter, TileOp::kWgrad};
+  else throw UsageError("--op expects gather, scatter or wgrad, got '" + op_name + "'");
 
   const TargetInfo info = target_info(target, cores);
   std::printf("target %s: %d cores x %d program(s), buffer %" PRId64 " B per program, %" PRId64

@@ -151,10 +151,8 @@ void progress(const char* command, size_t i, size_t n, const std::string& name) 
 
 void fill_sentinel(const Data& d, const Tensor& t) {
   if (!t.defined()) return;
-  if (t.device().is_cuda())
-    gpu_memset(*d.gpu, t, kSentinel);  // ordered on the ops' stream
-  else
-    std::memset(t.data(), kSentinel, static_cast<size_t>(t.numel()) * element_size(t.dtype()));
+  if (t.device().is_cuda()) gpu_memset(*d.gpu, t, kSentinel);  // ordered on the ops' stream
+  else std::memset(t.data(), kSentinel, static_cast<size_t>(t.numel()) * element_size(t.dtype()));
 }
 
 void fill_outputs_with_sentinel(Data& d) {
@@ -165,10 +163,8 @@ std::string json_escape(const std::string& s) {
   std::string o;
   for (char c : s) {
     if (c == '"' || c == '\\') o += '\\';
-    if (static_cast<unsigned char>(c) < 0x20)
-      o += ' ';
-    else
-      o += c;
+    if (static_cast<unsigned char>(c) < 0x20) o += ' ';
+    else o += c;
   }
   return o;
 }

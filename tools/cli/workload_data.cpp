@@ -38,12 +38,10 @@ Workload parse_workload(const Args& args) {
   w.seed = static_cast<uint64_t>(args.get_int("seed", 0));
   w.threads = static_cast<int>(args.get_int("threads", 0));
   const std::string dev = args.get("device", "cpu");
-  if (dev == "cpu")
-    w.device = Device::cpu();
+  if (dev == "cpu") w.device = Device::cpu();
   else if (dev == "cuda" || dev.rfind("cuda:", 0) == 0)
     w.device = Device::cuda(dev.size() > 5 ? std::atoi(dev.c_str() + 5) : 0);
-  else
-    throw UsageError("--device expects cpu or cuda, got '" + dev + "'");
+  else throw UsageError("--device expects cpu or cuda, got '" + dev + "'");
 
   if (w.T < 0) throw UsageError("--tokens must be >= 0");
   if (w.E < 1) throw UsageError("--experts must be >= 1");
@@ -60,8 +58,8 @@ Workload parse_workload(const Args& args) {
   }
   const int64_t capacity = w.T * w.K + static_cast<int64_t>(w.E) * (w.m - 1);
   if (capacity > kMax) {
-    throw Error(ErrorKind::kValue,
-                "make_plan: capacity: size overflow: " + std::to_string(capacity) + " does not fit the int32 index outputs");
+    throw Error(ErrorKind::kValue, "make_plan: capacity: size overflow: " + std::to_string(capacity) +
+                                       " does not fit the int32 index outputs");
   }
   if (w.H > 0 && capacity > std::numeric_limits<int64_t>::max() / 8 / w.H) {
     throw Error(ErrorKind::kValue, "workload: hidden: size overflow: " + std::to_string(capacity) + " rows of " +
@@ -116,10 +114,28 @@ Tensor to_device(const Tensor& t, Device dev, const Options& opt) {
 // The input tensors of Data (what the ops read).
 std::vector<Tensor*> input_tensors(Data& d) {
   Plan& p = d.plan;
-  return {&d.top_experts, &d.weights,     &p.indices,  &p.bin_ids,     &p.tokens_per_expert, &p.bins,
-          &p.padded_tokens_per_expert,    &p.padded_bins, &p.dest_rows, &p.row_sources,       &d.x,
-          &d.grad_out,    &d.y,          &d.grad_y,   &d.h,           &d.grad_unpadded,     &d.padded,
-          &d.perm_map,    &d.probs,      &d.x8,       &d.x8_scales, &d.split_sizes};
+  return {&d.top_experts,
+          &d.weights,
+          &p.indices,
+          &p.bin_ids,
+          &p.tokens_per_expert,
+          &p.bins,
+          &p.padded_tokens_per_expert,
+          &p.padded_bins,
+          &p.dest_rows,
+          &p.row_sources,
+          &d.x,
+          &d.grad_out,
+          &d.y,
+          &d.grad_y,
+          &d.h,
+          &d.grad_unpadded,
+          &d.padded,
+          &d.perm_map,
+          &d.probs,
+          &d.x8,
+          &d.x8_scales,
+          &d.split_sizes};
 }
 
 
@@ -128,13 +144,40 @@ std::vector<Tensor*> input_tensors(Data& d) {
 // The output tensors of Data (what the ops write).
 std::vector<Tensor*> output_tensors(Data& d) {
   Plan& p = d.plan_out;
-  return {&p.indices,    &p.bin_ids,      &p.tokens_per_expert, &p.bins,       &p.padded_tokens_per_expert,
-          &p.padded_bins, &p.dest_rows,    &p.row_sources,       &d.out_rows_R, &d.out_rows_R2,
-          &d.out_rows_T, &d.out_rows_N,   &d.out_rows_P,        &d.out_f32_A,  &d.out_f32_N,
-          &d.out_map_R,  &d.out_offsets_E, &d.out_row_experts_R, &d.out_block_experts, &d.out_total_1,
-          &d.out_sorted_V, &d.out_block_ids_V, &d.out_post_1, &d.out_rows8_R, &d.out_scales_R, &d.out_e8m0_R,
-          &d.plan_ep.indices, &d.plan_ep.bin_ids, &d.plan_ep.tokens_per_expert, &d.plan_ep.bins,
-          &d.plan_ep.padded_tokens_per_expert, &d.plan_ep.padded_bins, &d.plan_ep.dest_rows, &d.plan_ep.row_sources,
+  return {&p.indices,
+          &p.bin_ids,
+          &p.tokens_per_expert,
+          &p.bins,
+          &p.padded_tokens_per_expert,
+          &p.padded_bins,
+          &p.dest_rows,
+          &p.row_sources,
+          &d.out_rows_R,
+          &d.out_rows_R2,
+          &d.out_rows_T,
+          &d.out_rows_N,
+          &d.out_rows_P,
+          &d.out_f32_A,
+          &d.out_f32_N,
+          &d.out_map_R,
+          &d.out_offsets_E,
+          &d.out_row_experts_R,
+          &d.out_block_experts,
+          &d.out_total_1,
+          &d.out_sorted_V,
+          &d.out_block_ids_V,
+          &d.out_post_1,
+          &d.out_rows8_R,
+          &d.out_scales_R,
+          &d.out_e8m0_R,
+          &d.plan_ep.indices,
+          &d.plan_ep.bin_ids,
+          &d.plan_ep.tokens_per_expert,
+          &d.plan_ep.bins,
+          &d.plan_ep.padded_tokens_per_expert,
+          &d.plan_ep.padded_bins,
+          &d.plan_ep.dest_rows,
+          &d.plan_ep.row_sources,
           &d.out_dropped_1};
 }
 

@@ -40,11 +40,13 @@ import torch
 try:
     import transformers as _transformers
     from transformers.integrations import moe as _moe
+
     _ExpertsInterface = _moe.ExpertsInterface
 except (ImportError, AttributeError) as _e:  # pragma: no cover (tested by the skip)
     raise ImportError(
         "padmoe.integrations.transformers needs transformers >= 5 (its ExpertsInterface in "
-        f"transformers.integrations.moe): {_e}") from _e
+        f"transformers.integrations.moe): {_e}"
+    ) from _e
 
 from padmoe.torch import experts_forward
 
@@ -94,7 +96,8 @@ def _unsupported(module, reason: str) -> UnsupportedExpertsError:
         f"'{family_of(module)}') is not supported: {reason}. padmoe runs experts modules made by transformers' "
         "@use_experts_implementation with 3D float expert weights (gate_up_proj or up_proj, down_proj; "
         "optional per-expert biases); use another experts implementation for this model, e.g. "
-        "model.set_experts_implementation('grouped_mm') or 'eager'.")
+        "model.set_experts_implementation('grouped_mm') or 'eager'."
+    )
 
 
 def _weight(module, name: str) -> torch.Tensor:
@@ -104,8 +107,9 @@ def _weight(module, name: str) -> torch.Tensor:
     if w.dim() != 3:
         raise _unsupported(module, f"`{name}` has shape {tuple(w.shape)}, not 3D [experts, ., .]")
     if not w.is_floating_point() or w.element_size() < 2:
-        raise _unsupported(module, f"`{name}` is {w.dtype} (quantized weights are not supported; "
-                                   "float32 / bfloat16 / float16 are)")
+        raise _unsupported(
+            module, f"`{name}` is {w.dtype} (quantized weights are not supported; float32 / bfloat16 / float16 are)"
+        )
     return w
 
 
@@ -121,12 +125,17 @@ def _layout(module, hidden: int):
     """(up, down, up_bias, down_bias, gate, activation, post, transposed) of a transformers experts
     module, checked; raises UnsupportedExpertsError naming the module and family."""
     if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
-        raise _unsupported(module, "it has no has_gate / is_transposed attributes (not an experts module of "
-                                   "transformers' ExpertsInterface)")
+        raise _unsupported(
+            module,
+            "it has no has_gate / is_transposed attributes (not an experts module of transformers' ExpertsInterface)",
+        )
     for flag, default in _UNKNOWN_FLAGS.items():
         if getattr(module, flag, default) != default:
-            raise _unsupported(module, f"it sets the experts option {flag}={getattr(module, flag)!r}, which this "
-                                       f"padmoe version does not handle (transformers {_transformers.__version__})")
+            raise _unsupported(
+                module,
+                f"it sets the experts option {flag}={getattr(module, flag)!r}, which this "
+                f"padmoe version does not handle (transformers {_transformers.__version__})",
+            )
     gated, transposed = bool(module.has_gate), bool(module.is_transposed)
     up_name = "gate_up_proj" if gated else "up_proj"
     up, down = _weight(module, up_name), _weight(module, "down_proj")
@@ -140,8 +149,11 @@ def _layout(module, hidden: int):
     down_in, down_out = (down.shape[1], down.shape[2]) if transposed else (down.shape[2], down.shape[1])
     if up_in != hidden or down_out != hidden:
         layout = "[E, in, out]" if transposed else "[E, out, in]"
-        raise _unsupported(module, f"hidden size {hidden} does not match {up_name} {tuple(up.shape)} and down_proj "
-                                   f"{tuple(down.shape)} in the {layout} layout (is_transposed={transposed})")
+        raise _unsupported(
+            module,
+            f"hidden size {hidden} does not match {up_name} {tuple(up.shape)} and down_proj "
+            f"{tuple(down.shape)} in the {layout} layout (is_transposed={transposed})",
+        )
     up_bias = down_bias = None
     if getattr(module, "has_bias", False):
         up_bias = _bias(module, up_name + "_bias", experts, up_out)
@@ -163,8 +175,13 @@ def _layout(module, hidden: int):
     return up, down, up_bias, down_bias, gate, activation, post, transposed, down_in
 
 
-def padmoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: Optional[torch.Tensor] = None,
-                           top_k_weights: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+def padmoe_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: Optional[torch.Tensor] = None,
+    top_k_weights: Optional[torch.Tensor] = None,
+    **kwargs,
+) -> torch.Tensor:
     """The "padmoe" experts implementation: ``(experts module, hidden_states[T, H], top_k_index[T, K],
     top_k_weights[T, K]) -> [T, H]``, ``sum_k w[t, k] * expert_{e[t, k]}(x[t])`` in
     ``hidden_states``' dtype, differentiable in the rows, the router weights and every expert
@@ -174,20 +191,36 @@ def padmoe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
     if top_k_weights is None:
         top_k_weights = kwargs.pop("routing_weights", None)
     if kwargs:
-        raise TypeError(f"padmoe experts implementation: unexpected arguments {sorted(kwargs)} from "
-                        f"{type(self).__name__} (transformers model family '{family_of(self)}')")
+        raise TypeError(
+            f"padmoe experts implementation: unexpected arguments {sorted(kwargs)} from "
+            f"{type(self).__name__} (transformers model family '{family_of(self)}')"
+        )
     if top_k_index is None or top_k_weights is None:
         raise _unsupported(self, "its block calls the experts without top-k ids and weights")
     up, down, up_bias, down_bias, gate, activation, post, transposed, _ = _layout(self, hidden_states.shape[-1])
     return experts_forward(
-        hidden_states, top_k_index, top_k_weights, up, down, up_bias=up_bias, down_bias=down_bias,
-        transposed=transposed, gate=gate, activation=activation, post=post, weighting="after",
-        alignment=_OPTIONS["alignment"], gemm=_OPTIONS["gemm"], check=_OPTIONS["check"],
-        drop_invalid=bool(getattr(self, "_is_expert_parallel", False)))
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        up,
+        down,
+        up_bias=up_bias,
+        down_bias=down_bias,
+        transposed=transposed,
+        gate=gate,
+        activation=activation,
+        post=post,
+        weighting="after",
+        alignment=_OPTIONS["alignment"],
+        gemm=_OPTIONS["gemm"],
+        check=_OPTIONS["check"],
+        drop_invalid=bool(getattr(self, "_is_expert_parallel", False)),
+    )
 
 
-def register(name: str = NAME, *, alignment: Optional[int] = None, gemm: str = "auto",
-             check: Optional[bool] = None) -> str:
+def register(
+    name: str = NAME, *, alignment: Optional[int] = None, gemm: str = "auto", check: Optional[bool] = None
+) -> str:
     """Add (or update) the experts implementation ``name`` ("padmoe") in transformers'
     ``ExpertsInterface``; returns the name. Importing this module already calls ``register()``.
 

@@ -85,19 +85,39 @@ except ImportError as e:
     raise ImportError(
         f"padmoe.torch: padmoe's torch operators (padmoe/_torch_ops.so) are missing or do not load with torch "
         f"{torch.__version__} ({e}). To build them against this torch, run in padmoe's source directory, with "
-        "this environment's pip:\n    pip install scikit-build-core nanobind && pip install --no-build-isolation .") from e
+        "this environment's pip:\n    pip install scikit-build-core nanobind && pip install --no-build-isolation ."
+    ) from e
 
 from padmoe._plan import Plan  # noqa: E402
 from padmoe._sizes import aligned_rows_bound, padded_rows_bound, sort_chunks_rows_bound, workspace_bound  # noqa: E402
 
 from ._common import set_default_check  # noqa: E402, F401 (deprecated)
-from ._dropin_ops import (pad_to_alignment, pad_to_alignment_scaled, padded_gather,  # noqa: E402
-                          padded_gather_backward, padded_gather_scaled, padded_scatter, padded_scatter_backward,
-                          padded_scatter_wgrad, sort_chunks, unpad_from_alignment, unpad_from_alignment_backward,
-                          unpad_from_alignment_scaled, unsort_chunks)
+from ._dropin_ops import (  # noqa: E402
+    pad_to_alignment,
+    pad_to_alignment_scaled,
+    padded_gather,
+    padded_gather_backward,
+    padded_gather_scaled,
+    padded_scatter,
+    padded_scatter_backward,
+    padded_scatter_wgrad,
+    sort_chunks,
+    unpad_from_alignment,
+    unpad_from_alignment_backward,
+    unpad_from_alignment_scaled,
+    unsort_chunks,
+)
 from ._layouts import batched_moe_align_block_size, moe_align_block_size  # noqa: E402
-from ._plan_ops import (combine, combine_backward, dispatch, dispatch_backward, dispatch_quantized,  # noqa: E402
-                        dispatch_scaled, make_plan, make_plan_and_dispatch)
+from ._plan_ops import (  # noqa: E402
+    combine,
+    combine_backward,
+    dispatch,
+    dispatch_backward,
+    dispatch_quantized,
+    dispatch_scaled,
+    make_plan,
+    make_plan_and_dispatch,
+)
 from ._routing import Routing  # noqa: E402
 from .grouped import GroupedExperts, experts_forward  # noqa: E402
 

@@ -71,8 +71,9 @@ _eager_check = 2
 def set_default_check(check: Optional[bool]) -> None:
     """Deprecated (removed in the next release): pass ``check=`` per call (``Routing.from_topk(...,
     check=False)`` for a whole step). Sets what ``check=None`` means in eager mode."""
-    warnings.warn("padmoe.torch.set_default_check is deprecated: pass check= per call", DeprecationWarning,
-                  stacklevel=2)
+    warnings.warn(
+        "padmoe.torch.set_default_check is deprecated: pass check= per call", DeprecationWarning, stacklevel=2
+    )
     global _eager_check
     _eager_check = 2 if check is None else int(bool(check))
 

@@ -17,13 +17,23 @@ def _(topk_ids, block_size, num_experts, pad_sorted_ids=False, check=2, expert_m
     r = a + min(a, num_experts) * (block_size - 1)
     if pad_sorted_ids:
         r = -(-r // block_size) * block_size
-    return (topk_ids.new_empty(r, dtype=torch.int32), topk_ids.new_empty(-(-r // block_size), dtype=torch.int32),
-            topk_ids.new_empty(1, dtype=torch.int32))
+    return (
+        topk_ids.new_empty(r, dtype=torch.int32),
+        topk_ids.new_empty(-(-r // block_size), dtype=torch.int32),
+        topk_ids.new_empty(1, dtype=torch.int32),
+    )
 
 
-def moe_align_block_size(topk_ids: Tensor, block_size: int, num_experts: int, expert_map: Optional[Tensor] = None,
-                         pad_sorted_ids: bool = False, ignore_invalid_experts: bool = False, *,
-                         check: Optional[bool] = None):
+def moe_align_block_size(
+    topk_ids: Tensor,
+    block_size: int,
+    num_experts: int,
+    expert_map: Optional[Tensor] = None,
+    pad_sorted_ids: bool = False,
+    ignore_invalid_experts: bool = False,
+    *,
+    check: Optional[bool] = None,
+):
     """vLLM / SGLang ``moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     pad_sorted_ids=False, ignore_invalid_experts=False)`` -> ``(sorted_token_ids, expert_ids,
     num_tokens_post_padded)``, int32 on ``topk_ids``' device, from one make_plan (no host
@@ -48,18 +58,21 @@ def moe_align_block_size(topk_ids: Tensor, block_size: int, num_experts: int, ex
         raise TypeError(f"moe_align_block_size: expert_map: expected a torch tensor, got {type(expert_map).__name__}")
     remap = expert_map is not None and not ignore_invalid_experts  # (the operator checks a map it is given)
     if remap:  # before the operator runs; entries as the op's data are (never under torch.compile)
-        check_expert_map("moe_align_block_size", expert_map, num_experts,
-                         not compiling_now and host_check(check, expert_map))
+        check_expert_map(
+            "moe_align_block_size", expert_map, num_experts, not compiling_now and host_check(check, expert_map)
+        )
     in_kernel = expert_map if ignore_invalid_experts else None
-    sorted_ids, expert_ids, post = ops.moe_align_block_size.default(topk_ids, int(block_size), int(num_experts),
-                                                                bool(pad_sorted_ids), eager_mode(check), in_kernel)
+    sorted_ids, expert_ids, post = ops.moe_align_block_size.default(
+        topk_ids, int(block_size), int(num_experts), bool(pad_sorted_ids), eager_mode(check), in_kernel
+    )
     if remap:
         expert_ids = map_experts(expert_ids, expert_map)
     return sorted_ids, expert_ids, post
 
 
-def batched_moe_align_block_size(max_tokens_per_batch: int, block_size: int, expert_num_tokens: Tensor, *,
-                                 check: Optional[bool] = None) -> Tuple[Tensor, Tensor, Tensor]:
+def batched_moe_align_block_size(
+    max_tokens_per_batch: int, block_size: int, expert_num_tokens: Tensor, *, check: Optional[bool] = None
+) -> Tuple[Tensor, Tensor, Tensor]:
     """vLLM's ``batched_moe_align_block_size(max_tokens_per_batch, block_size, expert_num_tokens)`` for
     the batched layout (expert e's tokens at rows ``e * max_tokens_per_batch + j``, ``j <
     expert_num_tokens[e]``) -> ``(sorted_ids, block_ids, num_tokens_post_pad)``, int32 on the counts'
@@ -80,8 +93,10 @@ def batched_moe_align_block_size(max_tokens_per_batch: int, block_size: int, exp
     if expert_num_tokens.dim() != 1:
         raise ValueError(f"{op}: expert_num_tokens: expected a 1-D tensor, got shape {list(expert_num_tokens.shape)}")
     if expert_num_tokens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{op}: expert_num_tokens: expected int32 or int64, got "
-                        f"{str(expert_num_tokens.dtype).replace('torch.', '')}")
+        raise TypeError(
+            f"{op}: expert_num_tokens: expected int32 or int64, got "
+            f"{str(expert_num_tokens.dtype).replace('torch.', '')}"
+        )
     e_count = expert_num_tokens.numel()
     size = -(-max_tokens // block) * block * e_count
     if size > 2**31 - 1:
@@ -91,8 +106,10 @@ def batched_moe_align_block_size(max_tokens_per_batch: int, block_size: int, exp
         bad = (counts < 0) | (counts > max_tokens)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"{op}: expert_num_tokens: entry {i} is {int(counts[i])}, outside "
-                             f"[0, max_tokens_per_batch = {max_tokens}]")
+            raise ValueError(
+                f"{op}: expert_num_tokens: entry {i} is {int(counts[i])}, outside "
+                f"[0, max_tokens_per_batch = {max_tokens}]"
+            )
     device = expert_num_tokens.device
     sentinel = e_count * max_tokens
     if e_count == 0:

@@ -15,8 +15,19 @@ import torch
 
 from padmoe._plan import Plan, rows_bound
 
-from ._common import (Tensor, call, eager_mode, fake_plan_sizes, fake_scales, fake_wgrad, fp8_dtype,
-                      mode, ops, packed, plan_args)
+from ._common import (
+    Tensor,
+    call,
+    eager_mode,
+    fake_plan_sizes,
+    fake_scales,
+    fake_wgrad,
+    fp8_dtype,
+    mode,
+    ops,
+    packed,
+    plan_args,
+)
 
 # ---------------------------------------------------------------------------
 # make_plan
@@ -30,16 +41,41 @@ def _(top_experts, num_experts, alignment, check=2, weights=None):
 
 
 @torch.library.register_fake("padmoe::make_plan_routed")
-def _(top_experts, num_experts, alignment, expert_map, first_expert, global_experts, drop_invalid, expert_capacity,
-      by_probs, probs, check=2):
+def _(
+    top_experts,
+    num_experts,
+    alignment,
+    expert_map,
+    first_expert,
+    global_experts,
+    drop_invalid,
+    expert_capacity,
+    by_probs,
+    probs,
+    check=2,
+):
     t, k = top_experts.shape
     rows = rows_bound(t, k, num_experts, alignment, expert_capacity)
-    return (top_experts.new_empty(3 * t * k + 4 * num_experts + rows, dtype=torch.int32),
-            top_experts.new_empty(1, dtype=torch.int32))
+    return (
+        top_experts.new_empty(3 * t * k + 4 * num_experts + rows, dtype=torch.int32),
+        top_experts.new_empty(1, dtype=torch.int32),
+    )
 
 
-def routed_plan(top_experts, weights, num_experts, alignment, check, expert_map, first_expert, global_experts,
-                drop_invalid, expert_capacity, drop_policy, probs) -> Plan:
+def routed_plan(
+    top_experts,
+    weights,
+    num_experts,
+    alignment,
+    check,
+    expert_map,
+    first_expert,
+    global_experts,
+    drop_invalid,
+    expert_capacity,
+    drop_policy,
+    probs,
+) -> Plan:
     """make_plan with routing options: the Plan (with ``expert_capacity`` and ``dropped``)."""
     if drop_policy not in ("position", "probs"):
         raise ValueError(f"make_plan: drop_policy: expected 'position' or 'probs', got {drop_policy!r}")
@@ -49,16 +85,36 @@ def routed_plan(top_experts, weights, num_experts, alignment, check, expert_map,
     if probs is not None and probs.requires_grad:
         probs = probs.detach()
     plan, dropped = ops.make_plan_routed.default(
-        top_experts, num_experts, alignment, expert_map, int(first_expert), int(global_experts), bool(drop_invalid),
-        cap, drop_policy == "probs", probs, eager_mode(check))
+        top_experts,
+        num_experts,
+        alignment,
+        expert_map,
+        int(first_expert),
+        int(global_experts),
+        bool(drop_invalid),
+        cap,
+        drop_policy == "probs",
+        probs,
+        eager_mode(check),
+    )
     t, k = top_experts.shape
     return Plan._from_packed(plan, t, k, num_experts, alignment, cap, dropped if cap is not None else None)
 
 
-def make_plan(top_experts: Tensor, num_experts: int, alignment: int, *, check: Optional[bool] = None,
-              expert_map: Optional[Tensor] = None, first_expert: int = 0, global_experts: int = 0,
-              drop_invalid: bool = False, expert_capacity: Optional[int] = None, drop_policy: str = "position",
-              probs: Optional[Tensor] = None) -> Plan:
+def make_plan(
+    top_experts: Tensor,
+    num_experts: int,
+    alignment: int,
+    *,
+    check: Optional[bool] = None,
+    expert_map: Optional[Tensor] = None,
+    first_expert: int = 0,
+    global_experts: int = 0,
+    drop_invalid: bool = False,
+    expert_capacity: Optional[int] = None,
+    drop_policy: str = "position",
+    probs: Optional[Tensor] = None,
+) -> Plan:
     """Routing plan of ``top_experts[T, K]`` (int32/int64, any stride) over ``num_experts``
     experts, segments padded to multiples of ``alignment``: a :class:`padmoe.Plan` of int32
     tensors on top_experts' device, ``row_sources`` with ``padded_rows_bound`` entries (-1 past P).
@@ -70,10 +126,29 @@ def make_plan(top_experts: Tensor, num_experts: int, alignment: int, *, check: O
     assignments (``drop_policy="position"``) or the C largest ``probs`` (``"probs"``), and
     ``plan.dropped`` ([1] int32, on the device) counts the dropped. The row ops treat a dropped
     assignment as absent: no row, zero contribution, zero weight gradient."""
-    if (expert_map is not None or first_expert or global_experts or drop_invalid or expert_capacity is not None
-            or drop_policy != "position" or probs is not None):
-        return routed_plan(top_experts, None, num_experts, alignment, check, expert_map, first_expert,
-                           global_experts, drop_invalid, expert_capacity, drop_policy, probs)
+    if (
+        expert_map is not None
+        or first_expert
+        or global_experts
+        or drop_invalid
+        or expert_capacity is not None
+        or drop_policy != "position"
+        or probs is not None
+    ):
+        return routed_plan(
+            top_experts,
+            None,
+            num_experts,
+            alignment,
+            check,
+            expert_map,
+            first_expert,
+            global_experts,
+            drop_invalid,
+            expert_capacity,
+            drop_policy,
+            probs,
+        )
     # the plain plan, the operator called inline: this is the hot path (a helper call is about 0.1 us)
     op, default = call("make_plan")
     p = op(top_experts, num_experts, alignment, default if check is None else int(bool(check)), None)
@@ -99,27 +174,38 @@ def _(grad_y, x, plan, weights, top_k, num_experts, alignment, expert_capacity, 
     return gx, fake_wgrad(grad_y, weights, a, need_wgrad)
 
 
-def dispatch(x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None,
-             zero_padding: bool = True) -> Tensor:
+def dispatch(
+    x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None, zero_padding: bool = True
+) -> Tensor:
     """``y[plan.padded_rows_bound, H]``: ``y[dest_rows[t*K+k]] = x[t]`` (times ``weights[t*K+k]`` when
     given); padding rows and rows at or past P are zero (``zero_padding=False``: left unwritten, for
     consumers that never read them; see Routing.dispatch). Differentiable wrt ``x`` and ``weights``
     (backward: the ``dispatch_backward`` operator)."""
     op, default = call("dispatch")
     p = getattr(plan, "packed", None)
-    return op(x, packed(plan) if p is None else p, weights, plan.top_k, plan.num_experts, plan.alignment,
-              getattr(plan, "expert_capacity", None), default if check is None else int(bool(check)),
-              bool(zero_padding))
+    return op(
+        x,
+        packed(plan) if p is None else p,
+        weights,
+        plan.top_k,
+        plan.num_experts,
+        plan.alignment,
+        getattr(plan, "expert_capacity", None),
+        default if check is None else int(bool(check)),
+        bool(zero_padding),
+    )
 
 
-def dispatch_backward(grad_y: Tensor, x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *,
-                      check: Optional[bool] = None) -> Tuple[Tensor, Optional[Tensor]]:
+def dispatch_backward(
+    grad_y: Tensor, x: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None
+) -> Tuple[Tensor, Optional[Tensor]]:
     """The backward of :func:`dispatch`, called explicitly (autograd calls it for you):
     ``(grad_x, grad_weights)`` with ``grad_x = combine(grad_y, plan, weights)`` (x's dtype) and
     ``grad_weights[a] = <grad_y[dest_rows[a]], x[a // K]>`` (weights' dtype) when weights are given,
     else None. For a hand-written autograd.Function or a captured training step."""
-    gx, gw = ops.dispatch_backward.default(grad_y, x, packed(plan), weights, *plan_args(plan), weights is not None,
-                                           eager_mode(check))
+    gx, gw = ops.dispatch_backward.default(
+        grad_y, x, packed(plan), weights, *plan_args(plan), weights is not None, eager_mode(check)
+    )
     return gx, (gw if weights is not None else None)
 
 
@@ -127,13 +213,22 @@ def dispatch_backward(grad_y: Tensor, x: Tensor, plan: Plan, weights: Optional[T
 def _(x, top_experts, num_experts, alignment, weights=None, check=2, zero_padding=True):
     t, k = top_experts.shape
     a = t * k
-    return (x.new_empty(a + num_experts * (alignment - 1), x.shape[1]),
-            top_experts.new_empty(4 * a + num_experts * (alignment + 3), dtype=torch.int32))
+    return (
+        x.new_empty(a + num_experts * (alignment - 1), x.shape[1]),
+        top_experts.new_empty(4 * a + num_experts * (alignment + 3), dtype=torch.int32),
+    )
 
 
-def make_plan_and_dispatch(x: Tensor, top_experts: Tensor, num_experts: int, alignment: int,
-                           weights: Optional[Tensor] = None, *, check: Optional[bool] = None,
-                           zero_padding: bool = True) -> Tuple[Tensor, Plan]:
+def make_plan_and_dispatch(
+    x: Tensor,
+    top_experts: Tensor,
+    num_experts: int,
+    alignment: int,
+    weights: Optional[Tensor] = None,
+    *,
+    check: Optional[bool] = None,
+    zero_padding: bool = True,
+) -> Tuple[Tensor, Plan]:
     """:func:`make_plan` then :func:`dispatch` in one operator: ``(y, plan)`` with ``plan`` the
     :class:`padmoe.Plan` that ``make_plan(top_experts, num_experts, alignment)`` returns and
     ``y[plan.padded_rows_bound, H]`` what ``dispatch(x, plan, weights)`` returns, bit for bit (the
@@ -168,19 +263,36 @@ def combine(y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: O
     output gradient)."""
     op, default = call("combine")
     p = getattr(plan, "packed", None)
-    return op(y, packed(plan) if p is None else p, weights, plan.top_k, plan.num_experts, plan.alignment,
-              getattr(plan, "expert_capacity", None), default if check is None else int(bool(check)))
+    return op(
+        y,
+        packed(plan) if p is None else p,
+        weights,
+        plan.top_k,
+        plan.num_experts,
+        plan.alignment,
+        getattr(plan, "expert_capacity", None),
+        default if check is None else int(bool(check)),
+    )
 
 
-def combine_backward(grad_out: Tensor, y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *,
-                     check: Optional[bool] = None) -> Tuple[Tensor, Optional[Tensor]]:
+def combine_backward(
+    grad_out: Tensor, y: Tensor, plan: Plan, weights: Optional[Tensor] = None, *, check: Optional[bool] = None
+) -> Tuple[Tensor, Optional[Tensor]]:
     """The backward of :func:`combine`, called explicitly (autograd calls it for you), from one read
     of ``grad_out``: ``(grad_y, grad_weights)`` with ``grad_y[dest_rows[a]] = w(a) * grad_out[a // K]``
     (``plan.padded_rows_bound`` rows, padding rows and rows past P zero; y's dtype) and
     ``grad_weights[a] = <y[dest_rows[a]], grad_out[a // K]>`` (weights' dtype) when weights are
     given, else None."""
-    gy, gw = ops.combine_backward.default(grad_out, y, packed(plan), weights, *plan_args(plan), weights is not None,
-                                          eager_mode(check), plan.padded_rows_bound)
+    gy, gw = ops.combine_backward.default(
+        grad_out,
+        y,
+        packed(plan),
+        weights,
+        *plan_args(plan),
+        weights is not None,
+        eager_mode(check),
+        plan.padded_rows_bound,
+    )
     return gy, (gw if weights is not None else None)
 
 
@@ -195,15 +307,17 @@ def _(x, plan, x_scales, top_k, num_experts, alignment, expert_capacity, check=2
     return x.new_empty(rows, x.shape[1]), fake_scales(x_scales, rows)
 
 
-def dispatch_scaled(x: Tensor, plan: Plan, x_scales: Tensor, *, check: Optional[bool] = None,
-                    zero_padding: bool = True) -> Tuple[Tensor, Tensor]:
+def dispatch_scaled(
+    x: Tensor, plan: Plan, x_scales: Tensor, *, check: Optional[bool] = None, zero_padding: bool = True
+) -> Tuple[Tensor, Tensor]:
     """:func:`dispatch` of already-quantized rows with their scales moved in the same kernel:
     ``(y, y_scales)``, both with ``plan.padded_rows_bound`` rows. Scales: per-row float32 ``[T]`` /
     ``[T, 1]``, per-128-column float32 ``[T, ceil(H/128)]``, or MXFP8 E8M0 ``[T, ceil(H/32)]`` as
     uint8 or ``torch.float8_e8m0fnu``; padding rows (and rows past P) get zero data and scale 1.
     Unweighted; not differentiable."""
-    return ops.dispatch_scaled.default(x, packed(plan), x_scales, *plan_args(plan), eager_mode(check),
-                                       bool(zero_padding))
+    return ops.dispatch_scaled.default(
+        x, packed(plan), x_scales, *plan_args(plan), eager_mode(check), bool(zero_padding)
+    )
 
 
 @torch.library.register_fake("padmoe::dispatch_quantized")
@@ -222,9 +336,16 @@ def _(x, plan, top_k, num_experts, alignment, expert_capacity, scale_layout, dty
 _UNSET = object()
 
 
-def dispatch_quantized(x: Tensor, plan: Plan, *, scale_layout: str = "block128", fp8: str = "e4m3",
-                       check: Optional[bool] = None, zero_padding: bool = True,
-                       dtype=_UNSET) -> Tuple[Tensor, Tensor]:
+def dispatch_quantized(
+    x: Tensor,
+    plan: Plan,
+    *,
+    scale_layout: str = "block128",
+    fp8: str = "e4m3",
+    check: Optional[bool] = None,
+    zero_padding: bool = True,
+    dtype=_UNSET,
+) -> Tuple[Tensor, Tensor]:
     """Fused quantizing dispatch: ``(y, y_scales)`` with ``plan.padded_rows_bound`` rows from bfloat16
     / float16 / float32 rows ``x[T, H]``, each token row read once, quantized once and written to its
     K padded rows. ``fp8``: ``"e4m3"`` (``y`` is ``torch.float8_e4m3fn``) or ``"e5m2"``
@@ -235,13 +356,23 @@ def dispatch_quantized(x: Tensor, plan: Plan, *, scale_layout: str = "block128",
     differentiable (an ``x`` that requires a gradient under grad mode raises NotImplementedError);
     unweighted. ``dtype=`` (a torch float8 dtype) is the deprecated spelling of ``fp8=``."""
     if dtype is not _UNSET:
-        warnings.warn("padmoe.torch.dispatch_quantized: dtype= is deprecated: pass fp8='e4m3' or 'e5m2'",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "padmoe.torch.dispatch_quantized: dtype= is deprecated: pass fp8='e4m3' or 'e5m2'",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         names = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", None: "e4m3"}
         if dtype not in names:
-            raise ValueError(f"dispatch_quantized: dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, "
-                             f"got {dtype}")
+            raise ValueError(
+                f"dispatch_quantized: dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
+            )
         fp8 = names[dtype]
-    return ops.dispatch_quantized.default(x, packed(plan), *plan_args(plan), scale_layout,
-                                          fp8_dtype("dispatch_quantized", fp8), eager_mode(check),
-                                          bool(zero_padding))
+    return ops.dispatch_quantized.default(
+        x,
+        packed(plan),
+        *plan_args(plan),
+        scale_layout,
+        fp8_dtype("dispatch_quantized", fp8),
+        eager_mode(check),
+        bool(zero_padding),
+    )

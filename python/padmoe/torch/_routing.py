@@ -41,17 +41,46 @@ class Routing:
         self._row_experts = None
 
     @classmethod
-    def from_topk(cls, top_experts: Tensor, weights: Optional[Tensor], num_experts: int, alignment: int, *,
-                  check: Optional[bool] = None, expert_map: Optional[Tensor] = None, first_expert: int = 0,
-                  global_experts: int = 0, drop_invalid: bool = False, expert_capacity: Optional[int] = None,
-                  drop_policy: str = "position") -> "Routing":
+    def from_topk(
+        cls,
+        top_experts: Tensor,
+        weights: Optional[Tensor],
+        num_experts: int,
+        alignment: int,
+        *,
+        check: Optional[bool] = None,
+        expert_map: Optional[Tensor] = None,
+        first_expert: int = 0,
+        global_experts: int = 0,
+        drop_invalid: bool = False,
+        expert_capacity: Optional[int] = None,
+        drop_policy: str = "position",
+    ) -> "Routing":
         """The routing options are :func:`make_plan`'s; ``drop_policy="probs"`` ranks by ``weights``.
         Dropped assignments (other ranks' experts, invalid ids, past the capacity) get no row,
         contribute zero to ``combine`` and get a zero weight gradient."""
-        if (expert_map is not None or first_expert or global_experts or drop_invalid or expert_capacity is not None
-                or drop_policy != "position"):
-            plan = routed_plan(top_experts, weights, num_experts, alignment, check, expert_map, first_expert,
-                               global_experts, drop_invalid, expert_capacity, drop_policy, None)
+        if (
+            expert_map is not None
+            or first_expert
+            or global_experts
+            or drop_invalid
+            or expert_capacity is not None
+            or drop_policy != "position"
+        ):
+            plan = routed_plan(
+                top_experts,
+                weights,
+                num_experts,
+                alignment,
+                check,
+                expert_map,
+                first_expert,
+                global_experts,
+                drop_invalid,
+                expert_capacity,
+                drop_policy,
+                None,
+            )
         else:  # the plain plan with the weights checked, the operator called inline (the hot path)
             op, default = call("make_plan")
             p = op(top_experts, num_experts, alignment, default if check is None else int(bool(check)), weights)
@@ -92,8 +121,7 @@ class Routing:
     @property
     def capacity(self) -> int:
         """Deprecated name of :attr:`padded_rows_bound` (removed in the next release)."""
-        warnings.warn("Routing.capacity is deprecated: use Routing.padded_rows_bound", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn("Routing.capacity is deprecated: use Routing.padded_rows_bound", DeprecationWarning, stacklevel=2)
         return self.plan.padded_rows_bound
 
     @property

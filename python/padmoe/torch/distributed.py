@@ -63,10 +63,24 @@ __all__ = ["ExpertParallel", "EPRouting"]
 Tensor = torch.Tensor
 
 # dtype codes in the metadata that ranks compare (any stable small integers).
-_DTYPE_CODE = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
-               getattr(torch, "float8_e4m3fn", None): 5, getattr(torch, "float8_e5m2", None): 6}
-_META_FIELDS = ("error", "top_k", "hidden size", "dtype", "weighted", "x.requires_grad", "weights.requires_grad",
-                "has weights")
+_DTYPE_CODE = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+    getattr(torch, "float8_e4m3fn", None): 5,
+    getattr(torch, "float8_e5m2", None): 6,
+}
+_META_FIELDS = (
+    "error",
+    "top_k",
+    "hidden size",
+    "dtype",
+    "weighted",
+    "x.requires_grad",
+    "weights.requires_grad",
+    "has weights",
+)
 _COMBINE_FIELDS = ("error", "hidden size of h", "dtype of h", "h.requires_grad", "weighted")
 
 
@@ -135,12 +149,22 @@ class ExpertParallel:
     and ``drop_policy`` ``"position"`` or ``"probs"``). ``check``: see the module's docstring.
     Every rank constructs it with the same arguments (checked here, with one small collective)."""
 
-    def __init__(self, num_experts: int, alignment: int = 1, *, group=None,
-                 expert_ranks: Optional[Union[Sequence[int], Tensor]] = None, mode: str = "exact",
-                 capacity: Optional[int] = None, drop_policy: str = "position", check: Optional[bool] = None):
+    def __init__(
+        self,
+        num_experts: int,
+        alignment: int = 1,
+        *,
+        group=None,
+        expert_ranks: Optional[Union[Sequence[int], Tensor]] = None,
+        mode: str = "exact",
+        capacity: Optional[int] = None,
+        drop_policy: str = "position",
+        check: Optional[bool] = None,
+    ):
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ExpertParallel: torch.distributed is not initialized "
-                               "(call torch.distributed.init_process_group first)")
+            raise RuntimeError(
+                "ExpertParallel: torch.distributed is not initialized (call torch.distributed.init_process_group first)"
+            )
         op = "ExpertParallel"
         # Sizes first, as integers that fit the int32 ids and counts of padmoe's plans: the placement
         # below builds lists of E entries.
@@ -159,18 +183,23 @@ class ExpertParallel:
         if mode == "exact" and capacity is not None:
             raise ValueError("ExpertParallel: capacity: only with mode='sync_free' (the exact mode drops nothing)")
         if mode == "sync_free" and capacity is None:
-            raise ValueError("ExpertParallel: capacity: mode='sync_free' needs a capacity of at least 1 row per "
-                             "(source rank, expert), got None")
+            raise ValueError(
+                "ExpertParallel: capacity: mode='sync_free' needs a capacity of at least 1 row per "
+                "(source rank, expert), got None"
+            )
         if expert_ranks is None:
             if E % R:
-                raise ValueError(f"ExpertParallel: num_experts: {E} experts do not divide over {R} ranks "
-                                 "(pass expert_ranks= for an uneven placement)")
+                raise ValueError(
+                    f"ExpertParallel: num_experts: {E} experts do not divide over {R} ranks "
+                    "(pass expert_ranks= for an uneven placement)"
+                )
             ranks = [e * R // E for e in range(E)]
         else:
             ranks = list(expert_ranks.tolist() if isinstance(expert_ranks, Tensor) else expert_ranks)
             if len(ranks) != E:
-                raise ValueError(f"ExpertParallel: expert_ranks: expected {E} entries (one per expert), got "
-                                 f"{len(ranks)}")
+                raise ValueError(
+                    f"ExpertParallel: expert_ranks: expected {E} entries (one per expert), got {len(ranks)}"
+                )
             for e in range(E):
                 q = ranks[e] = int_arg(op, f"expert_ranks: entry {e}", ranks[e])
                 if not 0 <= q < R:
@@ -178,8 +207,10 @@ class ExpertParallel:
             held = set(ranks)
             for q in range(R):
                 if q not in held:
-                    raise ValueError(f"ExpertParallel: expert_ranks: rank {q} holds no expert (every rank of the "
-                                     "group must hold at least one)")
+                    raise ValueError(
+                        f"ExpertParallel: expert_ranks: rank {q} holds no expert (every rank of the "
+                        "group must hold at least one)"
+                    )
         self.num_experts = E
         self.alignment = alignment
         self.mode = mode
@@ -211,16 +242,24 @@ class ExpertParallel:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl_only else torch.device("cpu")
         self._row_devices = ("cuda",) if nccl_only else ("cpu", "cuda")
         # Every rank must build the same configuration.
-        conf = [E, self.alignment, 0 if mode == "exact" else 1, -1 if capacity is None else int(capacity),
-                0 if drop_policy == "position" else 1] + ranks
+        conf = [
+            E,
+            self.alignment,
+            0 if mode == "exact" else 1,
+            -1 if capacity is None else int(capacity),
+            0 if drop_policy == "position" else 1,
+        ] + ranks
         mine = torch.tensor(conf, dtype=torch.int64, device=self.device)
         table = torch.empty((R, len(conf)), dtype=torch.int64, device=self.device)
         lengths = torch.empty(R, dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(lengths, torch.tensor([len(conf)], dtype=torch.int64, device=self.device),
-                                    group=group)
+        dist.all_gather_into_tensor(
+            lengths, torch.tensor([len(conf)], dtype=torch.int64, device=self.device), group=group
+        )
         if len(set(lengths.tolist())) != 1:
-            raise ValueError("ExpertParallel: num_experts: the ranks passed different numbers of experts "
-                             f"({lengths.tolist()} configuration entries by rank)")
+            raise ValueError(
+                "ExpertParallel: num_experts: the ranks passed different numbers of experts "
+                f"({lengths.tolist()} configuration entries by rank)"
+            )
         dist.all_gather_into_tensor(table.view(-1), mine, group=group)
         rows = table.cpu().tolist()
         names = ("num_experts", "alignment", "mode", "capacity", "drop_policy")
@@ -228,8 +267,10 @@ class ExpertParallel:
             if rows[q] != rows[0]:
                 j = next(i for i in range(len(conf)) if rows[q][i] != rows[0][i])
                 what = names[j] if j < len(names) else f"expert_ranks (entry {j - len(names)})"
-                raise ValueError(f"ExpertParallel: {what}: rank {q} passed {rows[q][j]}, rank 0 passed {rows[0][j]}; "
-                                 "every rank must construct ExpertParallel with the same arguments")
+                raise ValueError(
+                    f"ExpertParallel: {what}: rank {q} passed {rows[q][j]}, rank 0 passed {rows[0][j]}; "
+                    "every rank must construct ExpertParallel with the same arguments"
+                )
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -242,26 +283,34 @@ class ExpertParallel:
                 self._maps[key] = torch.tensor(self._send_id, dtype=torch.int32, device=top_experts.device)
             kw = dict(expert_map=self._maps[key], global_experts=E)
         if self.mode == "sync_free":
-            kw.update(expert_capacity=self.capacity, drop_policy=self.drop_policy,
-                      probs=weights if self.drop_policy == "probs" else None)
+            kw.update(
+                expert_capacity=self.capacity,
+                drop_policy=self.drop_policy,
+                probs=weights if self.drop_policy == "probs" else None,
+            )
         return pt.make_plan(top_experts, E, 1, check=check, **kw)
 
     def _local_checks(self, op: str, x: Tensor, top_experts: Tensor, weights: Optional[Tensor], weighted: bool):
         if x.dim() != 2:
             raise ValueError(f"{op}: x: expected a 2-D [tokens, hidden] tensor, got shape {tuple(x.shape)}")
         if top_experts.dim() != 2:
-            raise ValueError(f"{op}: top_experts: expected a 2-D [tokens, top_k] tensor, got shape "
-                             f"{tuple(top_experts.shape)}")
+            raise ValueError(
+                f"{op}: top_experts: expected a 2-D [tokens, top_k] tensor, got shape {tuple(top_experts.shape)}"
+            )
         if top_experts.shape[0] != x.shape[0]:
             raise ValueError(f"{op}: top_experts: has {top_experts.shape[0]} rows but x has {x.shape[0]} tokens")
         if top_experts.device != x.device:
             raise ValueError(f"{op}: top_experts: on {top_experts.device}, x on {x.device}")
         if x.device.type not in self._row_devices:
-            raise ValueError(f"{op}: x: on {x.device}, but the process group's backend moves "
-                             f"{' or '.join(self._row_devices)} tensors")
+            raise ValueError(
+                f"{op}: x: on {x.device}, but the process group's backend moves "
+                f"{' or '.join(self._row_devices)} tensors"
+            )
         if weights is not None and weights.numel() != top_experts.numel():
-            raise ValueError(f"{op}: weights: expected {top_experts.numel()} entries (one per assignment, "
-                             f"[T, K] or [T*K]), got shape {tuple(weights.shape)}")
+            raise ValueError(
+                f"{op}: weights: expected {top_experts.numel()} entries (one per assignment, "
+                f"[T, K] or [T*K]), got shape {tuple(weights.shape)}"
+            )
         if weighted and weights is None:
             raise ValueError(f"{op}: weighted=True needs router weights")
         if self.mode == "sync_free" and self.drop_policy == "probs" and weights is None:
@@ -272,11 +321,20 @@ class ExpertParallel:
     def _meta(self, err, x, top_experts, weights, weighted) -> List[int]:
         if err is not None:
             return [1] + [0] * (len(_META_FIELDS) - 1)
-        return [0, top_experts.shape[1], x.shape[1], _DTYPE_CODE[x.dtype], int(weighted), int(x.requires_grad),
-                int(weights is not None and weights.requires_grad), int(weights is not None)]
+        return [
+            0,
+            top_experts.shape[1],
+            x.shape[1],
+            _DTYPE_CODE[x.dtype],
+            int(weighted),
+            int(x.requires_grad),
+            int(weights is not None and weights.requires_grad),
+            int(weights is not None),
+        ]
 
-    def _agree(self, op: str, rows: List[List[int]], err: Optional[BaseException],
-               fields: Sequence[str] = _META_FIELDS) -> None:
+    def _agree(
+        self, op: str, rows: List[List[int]], err: Optional[BaseException], fields: Sequence[str] = _META_FIELDS
+    ) -> None:
         """The metadata every rank sent: raise the same way on every rank if any rank failed or
         disagrees."""
         if err is not None:
@@ -287,11 +345,14 @@ class ExpertParallel:
         for q, row in enumerate(rows):
             for j in range(1, len(fields)):
                 if row[j] != rows[0][j]:
-                    raise ValueError(f"{op}: {fields[j]}: rank {q} has {row[j]}, rank 0 has {rows[0][j]}; "
-                                     "every rank must pass the same (nothing was exchanged)")
+                    raise ValueError(
+                        f"{op}: {fields[j]}: rank {q} has {row[j]}, rank 0 has {rows[0][j]}; "
+                        "every rank must pass the same (nothing was exchanged)"
+                    )
 
-    def _gather_agree(self, op: str, meta: List[int], err: Optional[BaseException],
-                      fields: Sequence[str] = _META_FIELDS) -> None:
+    def _gather_agree(
+        self, op: str, meta: List[int], err: Optional[BaseException], fields: Sequence[str] = _META_FIELDS
+    ) -> None:
         """One small all_gather of every rank's metadata, read on the host, then :meth:`_agree`."""
         mine = torch.tensor(meta, dtype=torch.int64, device=self.device)
         table = torch.empty((self.world_size, mine.numel()), dtype=torch.int64, device=self.device)
@@ -307,15 +368,15 @@ class ExpertParallel:
 
     # -- dispatch ------------------------------------------------------------------------------
 
-    def dispatch(self, x: Tensor, top_experts: Tensor, weights: Optional[Tensor] = None, *,
-                 weighted: bool = False) -> Tuple[Tensor, "EPRouting"]:
+    def dispatch(
+        self, x: Tensor, top_experts: Tensor, weights: Optional[Tensor] = None, *, weighted: bool = False
+    ) -> Tuple[Tensor, "EPRouting"]:
         """``x[T, H]`` rows and their router choices ``top_experts[T, K]`` (global expert ids,
         int32/int64) and ``weights`` (``[T, K]`` or ``[T*K]``, any float dtype; used by
         :meth:`EPRouting.combine`, or here with ``weighted=True`` for routers that weight before
         the experts) -> ``(y, routing)``: ``y[routing.rows, H]``, this rank's padded expert buffer
         (padding rows zero), and the :class:`EPRouting` that combines the experts' outputs."""
         op = "ExpertParallel.dispatch"
-        R, E = self.world_size, self.num_experts
         check = _checking(self.check, x.device)
         err, plan = None, None
         try:
@@ -334,23 +395,26 @@ class ExpertParallel:
     def _dispatch_exact(self, op, x, top_experts, weights, weighted, plan, err, check):
         R, E, q0, q1 = self.world_size, self.num_experts, self._first[self.rank], self._first[self.rank + 1]
         meta = self._meta(err, x, top_experts, weights, weighted)
-        counts = (torch.zeros(E, dtype=torch.int64, device=self.device) if err is not None
-                  else plan.tokens_per_expert.to(device=self.device, dtype=torch.int64))
+        counts = (
+            torch.zeros(E, dtype=torch.int64, device=self.device)
+            if err is not None
+            else plan.tokens_per_expert.to(device=self.device, dtype=torch.int64)
+        )
         mine = torch.cat([torch.tensor(meta, dtype=torch.int64, device=self.device), counts])
         table = torch.empty((R, mine.numel()), dtype=torch.int64, device=self.device)
         dist.all_gather_into_tensor(table.view(-1), mine, group=self.group)
         host = table.cpu()  # the one host read of the exact mode: the split sizes
         m = len(_META_FIELDS)
         self._agree(op, host[:, :m].tolist(), err)
-        counts_all = host[:, m:]                                   # [R, E], send order
-        send_splits = [int(counts_all[self.rank, self._first[q]:self._first[q + 1]].sum()) for q in range(R)]
+        counts_all = host[:, m:]  # [R, E], send order
+        send_splits = [int(counts_all[self.rank, self._first[q] : self._first[q + 1]].sum()) for q in range(R)]
         recv_splits = [int(counts_all[r, q0:q1].sum()) for r in range(R)]
         per_expert = counts_all[:, q0:q1].sum(0).tolist()
         rows = sum(_round_up(n, self.alignment) for n in per_expert)
         # Only make_plan checks (the caller's ids); the rest runs on arrays padmoe built.
-        send = pt.dispatch(x, plan, weights if weighted else None, check=False)   # [T*K, H], send order
+        send = pt.dispatch(x, plan, weights if weighted else None, check=False)  # [T*K, H], send order
         received = _AllToAll.apply(send, recv_splits, send_splits, sum(recv_splits), self.group)
-        split_sizes = table[:, m + q0:m + q1].to(device=x.device, dtype=torch.int32).contiguous()   # [R, E_local]
+        split_sizes = table[:, m + q0 : m + q1].to(device=x.device, dtype=torch.int32).contiguous()  # [R, E_local]
         y, pmap, offsets = pt.sort_chunks(received, split_sizes, R, self.alignment, rows=rows, check=False)
         r = EPRouting(self, plan, weights, check)
         r.rows = rows
@@ -365,31 +429,32 @@ class ExpertParallel:
         R, C, El = self.world_size, self.capacity, self.num_local_experts
         S = _round_up(R * C, self.alignment)
         dev = x.device
-        send = pt.dispatch(x, plan, weights if weighted else None, check=False)   # [E*C, H]: C rows per expert
+        send = pt.dispatch(x, plan, weights if weighted else None, check=False)  # [E*C, H]: C rows per expert
         in_splits = [len(self._experts_of[q]) * C for q in range(R)]
         out_splits = [El * C] * R
         received = _AllToAll.apply(send, out_splits, in_splits, R * El * C, self.group)
         # The kept count of each (source rank, local expert): [R, El] on the device.
         cnt = torch.empty(R * El, dtype=torch.int32, device=dev)
-        dist.all_to_all_single(cnt, plan.tokens_per_expert.contiguous(), [El] * R,
-                               [len(e) for e in self._experts_of], group=self.group)
+        dist.all_to_all_single(
+            cnt, plan.tokens_per_expert.contiguous(), [El] * R, [len(e) for e in self._experts_of], group=self.group
+        )
         cnt = cnt.view(R, El).to(torch.int64)
-        excl = cnt.cumsum(0) - cnt                                         # rows of earlier source ranks
+        excl = cnt.cumsum(0) - cnt  # rows of earlier source ranks
         i = self._map("arange_c", dev, lambda: torch.arange(C, device=dev, dtype=torch.int64))
         base = self._map(("base", S), dev, lambda: torch.arange(El, device=dev, dtype=torch.int64) * S)
         # received row (r, e, i) -> expert-major row e*S + excl[r, e] + i when i < cnt[r, e]
         dest = torch.where(i.view(1, 1, C) < cnt.unsqueeze(2), (base.view(1, El) + excl).unsqueeze(2) + i, -1)
         dest = dest.reshape(-1).to(torch.int32)
-        y = pt.unpad_from_alignment(received, dest, El * S, check=False)     # [El*S, H]
-        total = cnt.sum(0)                                                 # [El] real rows per local expert
+        y = pt.unpad_from_alignment(received, dest, El * S, check=False)  # [El*S, H]
+        total = cnt.sum(0)  # [El] real rows per local expert
         # the inverse map: expert-major row e*S + s <- received row (r, e, s - excl[r, e]), r the rank
         # whose rows cover s; -1 past the expert's real rows.
         s = self._map(("arange_s", S), dev, lambda: torch.arange(S, device=dev, dtype=torch.int64))
-        incl = (excl + cnt).t().contiguous()                               # [El, R], ascending
-        src = torch.searchsorted(incl, s.unsqueeze(0).expand(El, S).contiguous(), right=True)   # [El, S]
+        incl = (excl + cnt).t().contiguous()  # [El, R], ascending
+        src = torch.searchsorted(incl, s.unsqueeze(0).expand(El, S).contiguous(), right=True)  # [El, S]
         e_ix = self._map("arange_e", dev, lambda: torch.arange(El, device=dev, dtype=torch.int64)).view(El, 1)
         src_c = src.clamp(max=R - 1)
-        start = torch.gather(excl.t(), 1, src_c)                           # excl[src, e]
+        start = torch.gather(excl.t(), 1, src_c)  # excl[src, e]
         inv = torch.where(s.unsqueeze(0) < total.view(El, 1), (src_c * El + e_ix) * C + s.unsqueeze(0) - start, -1)
         r = EPRouting(self, plan, weights, check)
         r.rows = El * S
@@ -415,8 +480,21 @@ class EPRouting:
     - ``send_splits`` / ``recv_splits``: rows sent to / received from each rank (host ints).
     """
 
-    __slots__ = ("ep", "plan", "weights", "check", "rows", "offsets", "tokens_per_expert", "dropped",
-                 "send_splits", "recv_splits", "_pmap", "_received", "_row_experts")
+    __slots__ = (
+        "ep",
+        "plan",
+        "weights",
+        "check",
+        "rows",
+        "offsets",
+        "tokens_per_expert",
+        "dropped",
+        "send_splits",
+        "recv_splits",
+        "_pmap",
+        "_received",
+        "_row_experts",
+    )
 
     def __init__(self, ep: ExpertParallel, plan, weights, check):
         self.ep, self.plan, self.weights, self.check = ep, plan, weights, check
@@ -427,7 +505,7 @@ class EPRouting:
         if self._row_experts is None:
             offs = self.offsets
             rows = torch.arange(self.rows, device=offs.device, dtype=torch.int32)
-            expert = torch.searchsorted(offs, rows, right=True, out_int32=True)   # < E_local: rows < offs[-1]
+            expert = torch.searchsorted(offs, rows, right=True, out_int32=True)  # < E_local: rows < offs[-1]
             start = torch.cat([offs.new_zeros(1), offs[:-1]])[expert.long()]
             self._row_experts = torch.where(rows - start < self.tokens_per_expert[expert.long()], expert, -1)
         return self._row_experts
@@ -443,8 +521,10 @@ class EPRouting:
         err = None
         try:
             if h.dim() != 2 or h.shape[0] != self.rows:
-                raise ValueError(f"{op}: h: expected [{self.rows}, hidden] (the dispatched buffer's rows), got "
-                                 f"shape {tuple(h.shape)}")
+                raise ValueError(
+                    f"{op}: h: expected [{self.rows}, hidden] (the dispatched buffer's rows), got "
+                    f"shape {tuple(h.shape)}"
+                )
             if h.dtype not in _DTYPE_CODE:
                 raise TypeError(f"{op}: h: dtype {h.dtype} is not supported")
         except (ValueError, TypeError) as e:
@@ -452,8 +532,17 @@ class EPRouting:
                 raise
             err = e
         if _checking(self.check, h.device):
-            meta = [1, 0, 0, 0, 0] if err is not None else \
-                [0, h.shape[1], _DTYPE_CODE[h.dtype], int(h.requires_grad), int(weighted and self.weights is not None)]
+            meta = (
+                [1, 0, 0, 0, 0]
+                if err is not None
+                else [
+                    0,
+                    h.shape[1],
+                    _DTYPE_CODE[h.dtype],
+                    int(h.requires_grad),
+                    int(weighted and self.weights is not None),
+                ]
+            )
             ep._gather_agree(op, meta, err, _COMBINE_FIELDS)
         # The maps and the plan were built (and the plan checked) by dispatch: nothing to check again.
         back = pt.unpad_from_alignment(h, self._pmap, self._received, check=False)

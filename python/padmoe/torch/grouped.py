@@ -159,8 +159,10 @@ def _gemm(a: Tensor, w: Tensor, offs: Tensor, transposed: bool, gemm: str) -> Te
     b = w if transposed else w.transpose(-2, -1)  # [E, in, out]; a view, no copy
     if gemm == "grouped_mm" or (gemm == "auto" and grouped_mm_usable(a, b)):
         if _GROUPED_MM is None:
-            raise RuntimeError("padmoe experts: gemm='grouped_mm' but this torch has no "
-                               "torch.nn.functional.grouped_mm / torch._grouped_mm")
+            raise RuntimeError(
+                "padmoe experts: gemm='grouped_mm' but this torch has no "
+                "torch.nn.functional.grouped_mm / torch._grouped_mm"
+            )
         return _GROUPED_MM(a, b, offs=offs)
     return torch.ops.padmoe_experts.segment_mm(a, b, offs)
 
@@ -207,13 +209,25 @@ def default_alignment(device: torch.device) -> int:
     return 16 if torch.device(device).type == "cuda" else 1
 
 
-def experts_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Optional[Tensor], up: Tensor,
-                    down: Tensor, *, up_bias: Optional[Tensor] = None, down_bias: Optional[Tensor] = None,
-                    transposed: bool = False, gate: Optional[Callable[[Tensor], Tensor]] = None,
-                    activation: Optional[Callable[[Tensor], Tensor]] = None,
-                    post: Optional[Callable[[Tensor], Tensor]] = None, weighting: str = "after",
-                    alignment: Optional[int] = None, gemm: str = "auto", drop_invalid: bool = False,
-                    check: Optional[bool] = None) -> Tensor:
+def experts_forward(
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Optional[Tensor],
+    up: Tensor,
+    down: Tensor,
+    *,
+    up_bias: Optional[Tensor] = None,
+    down_bias: Optional[Tensor] = None,
+    transposed: bool = False,
+    gate: Optional[Callable[[Tensor], Tensor]] = None,
+    activation: Optional[Callable[[Tensor], Tensor]] = None,
+    post: Optional[Callable[[Tensor], Tensor]] = None,
+    weighting: str = "after",
+    alignment: Optional[int] = None,
+    gemm: str = "auto",
+    drop_invalid: bool = False,
+    check: Optional[bool] = None,
+) -> Tensor:
     """The experts of a MoE layer on padmoe's routing: ``out[t] = sum_k w[t,k] * expert_{e[t,k]}(x[t])``.
 
     ``hidden_states`` ``[..., H]``; ``top_k_index`` / ``top_k_weights`` ``[T, K]`` (the router's ids
@@ -257,7 +271,8 @@ def experts_forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: O
     # the real ones). A weight gradient sums over every row of a segment, so with gradients they are
     # zero, as Routing.dispatch writes them by default.
     grads = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, up, down, up_bias, down_bias, weights))
+        t is not None and t.requires_grad for t in (x, up, down, up_bias, down_bias, weights)
+    )
     rows = r.dispatch(x, weighted=(weighting == "before"), zero_padding=grads)
     h = _gemm(rows, up, offs, transposed, gemm)
     if up_bias is not None:
@@ -319,12 +334,25 @@ class GroupedExperts(nn.Module):
     ``check`` go to :func:`experts_forward`, the function the transformers integration runs too.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
-                 activation: Union[str, Callable[[Tensor], Tensor]] = "silu", gated: bool = True, bias: bool = False,
-                 transposed: bool = False, interleaved: bool = False,
-                 gate_fn: Optional[Callable[[Tensor], Tensor]] = None, weighting: str = "after",
-                 alignment: Optional[int] = None, gemm: str = "auto", check: Optional[bool] = None,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        activation: Union[str, Callable[[Tensor], Tensor]] = "silu",
+        gated: bool = True,
+        bias: bool = False,
+        transposed: bool = False,
+        interleaved: bool = False,
+        gate_fn: Optional[Callable[[Tensor], Tensor]] = None,
+        weighting: str = "after",
+        alignment: Optional[int] = None,
+        gemm: str = "auto",
+        check: Optional[bool] = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         op = "GroupedExperts"
         num_experts = int_arg(op, "num_experts", num_experts, 1, INT32_MAX)  # padmoe's plans index experts in int32
@@ -334,8 +362,10 @@ class GroupedExperts(nn.Module):
             alignment = int_arg(op, "alignment", alignment, 1, INT32_MAX)
         if isinstance(activation, str):
             if activation not in ACTIVATIONS:
-                raise ValueError(f"GroupedExperts: activation: unknown name {activation!r} "
-                                 f"(known: {', '.join(sorted(ACTIVATIONS))}; or pass a callable)")
+                raise ValueError(
+                    f"GroupedExperts: activation: unknown name {activation!r} "
+                    f"(known: {', '.join(sorted(ACTIVATIONS))}; or pass a callable)"
+                )
             self.activation_name = activation
             activation = ACTIVATIONS[activation]
         else:
@@ -353,8 +383,11 @@ class GroupedExperts(nn.Module):
         kw = dict(device=device, dtype=dtype)
         n1 = 2 * intermediate_size if gated else intermediate_size
         up_shape = (num_experts, hidden_size, n1) if transposed else (num_experts, n1, hidden_size)
-        down_shape = (num_experts, intermediate_size, hidden_size) if transposed else (num_experts, hidden_size,
-                                                                                        intermediate_size)
+        down_shape = (
+            (num_experts, intermediate_size, hidden_size)
+            if transposed
+            else (num_experts, hidden_size, intermediate_size)
+        )
         up_name = "gate_up_proj" if gated else "up_proj"
         setattr(self, up_name, nn.Parameter(torch.empty(up_shape, **kw)))
         self.down_proj = nn.Parameter(torch.empty(down_shape, **kw))
@@ -392,15 +425,30 @@ class GroupedExperts(nn.Module):
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Optional[Tensor] = None) -> Tensor:
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(f"GroupedExperts: hidden_states: expected [..., hidden_size = {self.hidden_size}], got "
-                             f"shape {list(hidden_states.shape)}")
+            raise ValueError(
+                f"GroupedExperts: hidden_states: expected [..., hidden_size = {self.hidden_size}], got "
+                f"shape {list(hidden_states.shape)}"
+            )
         return experts_forward(
-            hidden_states, top_k_index, top_k_weights, self.up_weight, self.down_proj, up_bias=self.up_bias,
-            down_bias=getattr(self, "down_proj_bias", None), transposed=self.transposed,
-            gate=self._gate if self.gated else None, activation=None if self.gated else self.act_fn,
-            weighting=self.weighting, alignment=self.alignment, gemm=self.gemm, check=self.check)
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            self.up_weight,
+            self.down_proj,
+            up_bias=self.up_bias,
+            down_bias=getattr(self, "down_proj_bias", None),
+            transposed=self.transposed,
+            gate=self._gate if self.gated else None,
+            activation=None if self.gated else self.act_fn,
+            weighting=self.weighting,
+            alignment=self.alignment,
+            gemm=self.gemm,
+            check=self.check,
+        )
 
     def extra_repr(self) -> str:
-        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, activation={self.activation_name}, gated={self.gated}, "
-                f"bias={self.has_bias}, transposed={self.transposed}, weighting={self.weighting!r}")
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, activation={self.activation_name}, gated={self.gated}, "
+            f"bias={self.has_bias}, transposed={self.transposed}, weighting={self.weighting!r}"
+        )

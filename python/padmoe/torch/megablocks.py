@@ -22,8 +22,16 @@ import torch
 
 from padmoe.torch import padded_gather, padded_scatter, padded_scatter_wgrad
 
-__all__ = ["padded_gather", "padded_scatter", "padded_scatter_wgrad", "sort", "histogram", "inclusive_cumsum",
-           "exclusive_cumsum", "round_up"]
+__all__ = [
+    "padded_gather",
+    "padded_scatter",
+    "padded_scatter_wgrad",
+    "sort",
+    "histogram",
+    "inclusive_cumsum",
+    "exclusive_cumsum",
+    "round_up",
+]
 
 Tensor = torch.Tensor
 

@@ -14,9 +14,8 @@
 namespace padmoe_torch {
 
 std::tuple<Tensor, Tensor, Tensor> sort_chunks_kernel(const Tensor& received_in, const Tensor& sizes_in,
-                                                      int64_t num_ranks, int64_t alignment,
-                                                      const OptTensor& sorted_in, int64_t check, bool zero_padding,
-                                                      int64_t rows) {
+                                                      int64_t num_ranks, int64_t alignment, const OptTensor& sorted_in,
+                                                      int64_t check, bool zero_padding, int64_t rows) {
   const char* op = "sort_chunks";
   Tensor sizes = index_arg(sizes_in);
   OptTensor sorted = sorted_in && sorted_in->defined() ? OptTensor(index_arg(*sorted_in)) : std::nullopt;
@@ -55,8 +54,9 @@ std::tuple<Tensor, Tensor, Tensor> sort_chunks_kernel(const Tensor& received_in,
   o.zero_padding = zero_padding;
   native([&] {
     padmoe::sort_chunks_out(view(h, op, "received"), view(sizes, op, "split_sizes"), static_cast<int>(num_ranks),
-                            static_cast<int>(alignment), opt_view(sorted, op, "sorted_index"), view(padded, op, "padded"),
-                            view(map, op, "permutation_map"), view(offs, op, "inclusive_offsets"), o);
+                            static_cast<int>(alignment), opt_view(sorted, op, "sorted_index"),
+                            view(padded, op, "padded"), view(map, op, "permutation_map"),
+                            view(offs, op, "inclusive_offsets"), o);
   });
   return {padded, map, offs};
 }
@@ -92,8 +92,9 @@ std::tuple<Tensor, Tensor, Tensor> sort_chunks_autograd(const Tensor& received, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(padmoe, m) {
-  m.def("sort_chunks(Tensor received, Tensor split_sizes, int num_ranks, int alignment, Tensor? sorted_index=None, "
-        "int check=2, bool zero_padding=True, int rows=-1) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "sort_chunks(Tensor received, Tensor split_sizes, int num_ranks, int alignment, Tensor? sorted_index=None, "
+      "int check=2, bool zero_padding=True, int rows=-1) -> (Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) { m.impl("sort_chunks", sort_chunks_kernel); }
 #ifdef PADMOE_TORCH_CUDA

@@ -27,10 +27,12 @@ namespace padmoe_torch {
 }
 
 [[noreturn]] void value_error(const char* op, const char* arg, const std::string& what) {
-  throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::string(op) + ": " + arg + ": " + what);
+  throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                        std::string(op) + ": " + arg + ": " + what);
 }
 [[noreturn]] void type_error(const char* op, const char* arg, const std::string& what) {
-  throw c10::TypeError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::string(op) + ": " + arg + ": " + what);
+  throw c10::TypeError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                       std::string(op) + ": " + arg + ": " + what);
 }
 
 // --- tensors -> views -----------------------------------------------------------
@@ -54,8 +56,9 @@ DType dtype_of(const Tensor& t, const char* op, const char* arg) {
     case at::kLong: return DType::kInt64;
     case at::kByte: return DType::kUInt8;  // E8M0 scale bytes (the `_scaled` ops)
     default:
-      type_error(op, arg, std::string("unsupported dtype ") + c10::toString(t.scalar_type()) +
-                              "; expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32 or int64");
+      type_error(op, arg,
+                 std::string("unsupported dtype ") + c10::toString(t.scalar_type()) +
+                     "; expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32 or int64");
   }
 }
 
@@ -117,7 +120,8 @@ Tensor as_weights_dtype(const Tensor& g, const OptTensor& weights) {
 }
 
 Tensor no_grad_placeholder(const Tensor& like, const OptTensor& weights) {
-  return at::empty({0}, like.options().dtype(weights && weights->defined() ? weights->scalar_type() : like.scalar_type()));
+  return at::empty({0},
+                   like.options().dtype(weights && weights->defined() ? weights->scalar_type() : like.scalar_type()));
 }
 
 // --- options: stream, checks, scratch -----------------------------------------
@@ -239,7 +243,9 @@ TensorView shadow(const Tensor& t, int64_t rows) {
   if (t.is_cuda()) v.device = padmoe::Device::cuda(t.get_device());
   return v;
 }
-TensorView shadow_rows(int64_t rows, const Tensor& like) { return shadow(like.dim() == 2 ? like : like.reshape({-1, 1}), rows); }
+TensorView shadow_rows(int64_t rows, const Tensor& like) {
+  return shadow(like.dim() == 2 ? like : like.reshape({-1, 1}), rows);
+}
 
 static Tensor w64(const OptTensor& w, int64_t n, const Tensor& like) {
   if (!w || !w->defined()) return at::ones({n}, like.options());

@@ -29,8 +29,18 @@
 namespace padmoe_torch {
 namespace {
 
-enum PyOp { kPyMakePlan, kPyDispatch, kPyCombine, kPyPaddedGather, kPyPaddedScatter, kPyPaddedScatterWgrad,
-            kPyPad, kPyUnpad, kPyMakePlanAndDispatch, kPyOpCount };
+enum PyOp {
+  kPyMakePlan,
+  kPyDispatch,
+  kPyCombine,
+  kPyPaddedGather,
+  kPyPaddedScatter,
+  kPyPaddedScatterWgrad,
+  kPyPad,
+  kPyUnpad,
+  kPyMakePlanAndDispatch,
+  kPyOpCount
+};
 PyObject* g_fallback[kPyOpCount] = {};
 
 PyObject* fallback(PyOp op, PyObject* const* args, Py_ssize_t nargs) {
@@ -112,9 +122,15 @@ PyObject* wrap_result(std::tuple<Tensor, Tensor, Tensor> t) {
 }
 
 // The operator each entry point calls ("padmoe::<name>"), by PyOp.
-constexpr const char* kPyOpNames[kPyOpCount] = {"make_plan", "dispatch", "combine", "padded_gather",
-                                                "padded_scatter", "padded_scatter_wgrad", "pad_to_alignment",
-                                                "unpad_from_alignment", "make_plan_and_dispatch"};
+constexpr const char* kPyOpNames[kPyOpCount] = {"make_plan",
+                                                "dispatch",
+                                                "combine",
+                                                "padded_gather",
+                                                "padded_scatter",
+                                                "padded_scatter_wgrad",
+                                                "pad_to_alignment",
+                                                "unpad_from_alignment",
+                                                "make_plan_and_dispatch"};
 
 // One entry point per operator, made from the kernel's signature: the
 // arguments positionally, each read as the kernel takes it (Tensor, optional
@@ -169,8 +185,9 @@ PyObject* py_packed_plan_layout(PyObject*, PyObject* const* args, Py_ssize_t nar
   constexpr const char* kArgs[5] = {"num_tokens", "top_k", "num_experts", "alignment", "expert_capacity"};
   constexpr int64_t kMin[5] = {0, 1, 1, 1, 0};
   if (nargs != 4 && nargs != 5) {
-    PyErr_SetString(PyExc_TypeError,
-                    "packed_plan_layout(num_tokens, top_k, num_experts, alignment, expert_capacity=None): 4 or 5 arguments");
+    PyErr_SetString(
+        PyExc_TypeError,
+        "packed_plan_layout(num_tokens, top_k, num_experts, alignment, expert_capacity=None): 4 or 5 arguments");
     return nullptr;
   }
   int64_t v[5] = {};
@@ -224,7 +241,7 @@ PyObject* py_packed_plan_layout(PyObject*, PyObject* const* args, Py_ssize_t nar
 }
 
 #define PADMOE_PY_FN(name, fn) \
-  { name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_FASTCALL, nullptr }
+  {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_FASTCALL, nullptr}
 
 PyMethodDef g_methods[] = {
     PADMOE_PY_FN("make_plan", (PyEntry<kPyMakePlan, decltype(make_plan_kernel)>::call)),
@@ -232,8 +249,7 @@ PyMethodDef g_methods[] = {
     PADMOE_PY_FN("combine", (PyEntry<kPyCombine, decltype(combine_kernel)>::call)),
     PADMOE_PY_FN("padded_gather", (PyEntry<kPyPaddedGather, decltype(padded_gather_kernel)>::call)),
     PADMOE_PY_FN("padded_scatter", (PyEntry<kPyPaddedScatter, decltype(padded_scatter_kernel)>::call)),
-    PADMOE_PY_FN("padded_scatter_wgrad",
-                 (PyEntry<kPyPaddedScatterWgrad, decltype(padded_scatter_wgrad_kernel)>::call)),
+    PADMOE_PY_FN("padded_scatter_wgrad", (PyEntry<kPyPaddedScatterWgrad, decltype(padded_scatter_wgrad_kernel)>::call)),
     PADMOE_PY_FN("pad_to_alignment", (PyEntry<kPyPad, decltype(pad_kernel)>::call)),
     PADMOE_PY_FN("unpad_from_alignment", (PyEntry<kPyUnpad, decltype(unpad_kernel)>::call)),
     PADMOE_PY_FN("make_plan_and_dispatch",

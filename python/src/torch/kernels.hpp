@@ -52,8 +52,8 @@ Tensor padded_scatter_kernel(const Tensor& y_in, const Tensor& indices_in, const
 std::tuple<Tensor, Tensor> padded_scatter_backward_kernel(const Tensor& grad_out_in, const Tensor& y_in,
                                                           const Tensor& indices_in, const Tensor& bin_ids_in,
                                                           const OptTensor& weights, const Tensor& bins_in,
-                                                          const Tensor& padded_bins_in, int64_t top_k,
-                                                          bool need_wgrad, int64_t check);
+                                                          const Tensor& padded_bins_in, int64_t top_k, bool need_wgrad,
+                                                          int64_t check);
 Tensor padded_scatter_wgrad_kernel(const Tensor& y_in, const Tensor& grad_in, const Tensor& indices_in,
                                    const Tensor& bin_ids_in, const Tensor& bins_in, const Tensor& padded_bins_in,
                                    int64_t top_k, int64_t check);
@@ -69,9 +69,8 @@ std::tuple<Tensor, Tensor> unpad_backward_kernel(const Tensor& grad_out_in, cons
 
 // chunks_ops.cpp
 std::tuple<Tensor, Tensor, Tensor> sort_chunks_kernel(const Tensor& received_in, const Tensor& sizes_in,
-                                                      int64_t num_ranks, int64_t alignment,
-                                                      const OptTensor& sorted_in, int64_t check, bool zero_padding,
-                                                      int64_t rows);
+                                                      int64_t num_ranks, int64_t alignment, const OptTensor& sorted_in,
+                                                      int64_t check, bool zero_padding, int64_t rows);
 
 // layouts_ops.cpp
 std::tuple<Tensor, Tensor, Tensor> moe_align_kernel(const Tensor& ids_in, int64_t block_size, int64_t num_experts,
@@ -86,13 +85,13 @@ std::tuple<Tensor, Tensor> padded_gather_scaled_kernel(const Tensor& x_in, const
                                                        const Tensor& padded_bins_in, int64_t top_k,
                                                        const Tensor& x_scales, int64_t check, bool zero_padding);
 std::tuple<Tensor, Tensor, Tensor, Tensor> pad_scaled_kernel(const Tensor& h_in, const Tensor& tpe_in,
-                                                             int64_t alignment, const Tensor& h_scales,
-                                                             int64_t check, bool zero_padding);
+                                                             int64_t alignment, const Tensor& h_scales, int64_t check,
+                                                             bool zero_padding);
 std::tuple<Tensor, Tensor> unpad_scaled_kernel(const Tensor& padded_in, const Tensor& map_in, int64_t original_size,
                                                const Tensor& padded_scales, int64_t check);
 std::tuple<Tensor, Tensor> dispatch_quantized_kernel(const Tensor& x_in, const Tensor& plan, int64_t top_k,
                                                      int64_t num_experts, int64_t alignment, OptInt expert_capacity,
-                                                     c10::string_view scale_layout, at::ScalarType dtype,
-                                                     int64_t check, bool zero_padding);
+                                                     c10::string_view scale_layout, at::ScalarType dtype, int64_t check,
+                                                     bool zero_padding);
 
 }  // namespace padmoe_torch

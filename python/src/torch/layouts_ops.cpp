@@ -12,13 +12,16 @@ std::tuple<Tensor, Tensor, Tensor> moe_align_kernel(const Tensor& ids_in, int64_
                                                     bool pad_sorted_ids, int64_t check, const OptTensor& map_in) {
   const char* op = "moe_align_block_size";
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  if (block_size < 1 || block_size > kMax) value_error(op, "block_size", "must be in [1, 2^31), got " + std::to_string(block_size));
-  if (num_experts < 1 || num_experts > kMax) value_error(op, "num_experts", "must be in [1, 2^31), got " + std::to_string(num_experts));
+  if (block_size < 1 || block_size > kMax)
+    value_error(op, "block_size", "must be in [1, 2^31), got " + std::to_string(block_size));
+  if (num_experts < 1 || num_experts > kMax)
+    value_error(op, "num_experts", "must be in [1, 2^31), got " + std::to_string(num_experts));
   if (ids_in.dim() != 2) value_error(op, "topk_ids", "expected [T, K], got shape " + shape_of(ids_in));
   Tensor ids = index_arg(ids_in);
   const int64_t a = ids.numel();
   if (a > kMax) value_error(op, "topk_ids", "size overflow: " + std::to_string(a) + " assignments do not fit int32");
-  const int64_t r = padmoe::aligned_rows_bound(a, static_cast<int>(num_experts), static_cast<int>(block_size), pad_sorted_ids);
+  const int64_t r =
+      padmoe::aligned_rows_bound(a, static_cast<int>(num_experts), static_cast<int>(block_size), pad_sorted_ids);
   check_rows_fit(op, "sorted_token_ids", r);
   const auto int32 = ids.options().dtype(at::kInt);
   Tensor sorted = at::empty({r}, int32);
@@ -30,17 +33,18 @@ std::tuple<Tensor, Tensor, Tensor> moe_align_kernel(const Tensor& ids_in, int64_
   Tensor map;
   if (map_in && map_in->defined()) map = index_arg(*map_in);
   native([&] {
-    padmoe::moe_align_block_size_out(view(ids, op, "topk_ids"), static_cast<int>(block_size), static_cast<int>(num_experts),
-                                     map.defined() ? view(map, op, "expert_map") : padmoe::TensorView{},
-                                     view(sorted, op, "sorted_token_ids"), view(experts, op, "expert_ids"),
-                                     view(post, op, "num_tokens_post_padded"), o);
+    padmoe::moe_align_block_size_out(
+        view(ids, op, "topk_ids"), static_cast<int>(block_size), static_cast<int>(num_experts),
+        map.defined() ? view(map, op, "expert_map") : padmoe::TensorView{}, view(sorted, op, "sorted_token_ids"),
+        view(experts, op, "expert_ids"), view(post, op, "num_tokens_post_padded"), o);
   });
   return {sorted, experts, post};
 }
 
 TORCH_LIBRARY_FRAGMENT(padmoe, m) {
-  m.def("moe_align_block_size(Tensor topk_ids, int block_size, int num_experts, bool pad_sorted_ids=False, "
-        "int check=2, Tensor? expert_map=None) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "moe_align_block_size(Tensor topk_ids, int block_size, int num_experts, bool pad_sorted_ids=False, "
+      "int check=2, Tensor? expert_map=None) -> (Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) { m.impl("moe_align_block_size", moe_align_kernel); }
 #ifdef PADMOE_TORCH_CUDA

@@ -17,7 +17,8 @@ Tensor dest_of(const Tensor& indices, const Tensor& bin_ids, const Tensor& bins,
   Tensor e = bin_ids.to(at::kLong);
   Tensor zero = at::zeros({1}, bins.options().dtype(at::kLong));
   Tensor real_start = at::cat({zero, bins.to(at::kLong).narrow(0, 0, std::max<int64_t>(bins.numel() - 1, 0))});
-  Tensor pad_start = at::cat({zero, padded_bins.to(at::kLong).narrow(0, 0, std::max<int64_t>(padded_bins.numel() - 1, 0))});
+  Tensor pad_start =
+      at::cat({zero, padded_bins.to(at::kLong).narrow(0, 0, std::max<int64_t>(padded_bins.numel() - 1, 0))});
   Tensor rows = pad_start.index_select(0, e) + at::arange(a, e.options()) - real_start.index_select(0, e);
   Tensor dest = at::empty({a}, indices.options().dtype(at::kInt));
   dest.index_put_({indices.to(at::kLong)}, rows.to(at::kInt));
@@ -56,8 +57,8 @@ Tensor padded_gather_kernel(const Tensor& x_in, const Tensor& indices_in, const 
   native([&] {
     padmoe::padded_gather_out(f64 ? shadow(x) : view(x, op, "x"), view(indices, op, "indices"),
                               view(bin_ids, op, "bin_ids"), view(bins, op, "bins"),
-                              view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
-                              opt_view(w, op, "weights"), f64 ? shadow_rows(p, x) : view(y, op, "y"), o);
+                              view(padded_bins, op, "padded_bins"), static_cast<int>(top_k), opt_view(w, op, "weights"),
+                              f64 ? shadow_rows(p, x) : view(y, op, "y"), o);
   });
   if (f64) return spread64(x_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, weights, p);
   return y;
@@ -75,14 +76,15 @@ std::tuple<Tensor, Tensor> padded_gather_backward_kernel(const Tensor& grad_y_in
   if (is_f64(x_in)) {
     OptTensor w = scale_arg(weights);
     native([&] {
-      padmoe::padded_gather_backward_out(shadow(grad_y_in), shadow(x_in), view(indices, op, "indices"),
-                                         view(bin_ids, op, "bin_ids"), view(bins, op, "bins"),
-                                         view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
-                                         opt_view(w, op, "weights"), shadow(x_in), TensorView{}, options_for(x_in, check));
+      padmoe::padded_gather_backward_out(
+          shadow(grad_y_in), shadow(x_in), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
+          view(bins, op, "bins"), view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+          opt_view(w, op, "weights"), shadow(x_in), TensorView{}, options_for(x_in, check));
     });
     Tensor dest = dest_of(indices, bin_ids, bins, padded_bins);
     Tensor gx = reduce64(grad_y_in, dest, top_k, weights);
-    Tensor gw = want_w ? dots64(grad_y_in, dest, top_k, x_in).to(weights->scalar_type()) : no_grad_placeholder(x_in, weights);
+    Tensor gw =
+        want_w ? dots64(grad_y_in, dest, top_k, x_in).to(weights->scalar_type()) : no_grad_placeholder(x_in, weights);
     return {gx, gw};
   }
   Tensor grad_y = rows_arg(grad_y_in), x = rows_arg(x_in);
@@ -92,11 +94,10 @@ std::tuple<Tensor, Tensor> padded_gather_backward_kernel(const Tensor& grad_y_in
   c10::OptionalDeviceGuard guard(x.device());
   const padmoe::Options o = options_for(x, check);
   native([&] {
-    padmoe::padded_gather_backward_out(view(grad_y, op, "grad_y"), view(x, op, "x"), view(indices, op, "indices"),
-                                       view(bin_ids, op, "bin_ids"), view(bins, op, "bins"),
-                                       view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
-                                       opt_view(w, op, "weights"), view(gx, op, "grad_x"),
-                                       want_w ? view(gw, op, "grad_weights") : TensorView{}, o);
+    padmoe::padded_gather_backward_out(
+        view(grad_y, op, "grad_y"), view(x, op, "x"), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
+        view(bins, op, "bins"), view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+        opt_view(w, op, "weights"), view(gx, op, "grad_x"), want_w ? view(gw, op, "grad_weights") : TensorView{}, o);
   });
   return {gx, want_w ? as_weights_dtype(gw, weights) : no_grad_placeholder(x, weights)};
 }
@@ -111,9 +112,9 @@ Tensor padded_scatter_kernel(const Tensor& y_in, const Tensor& indices_in, const
     OptTensor w = scale_arg(weights);
     native([&] {
       padmoe::padded_scatter_out(shadow(y_in), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
-                                 opt_view(w, op, "weights"), view(bins, op, "bins"), view(padded_bins, op, "padded_bins"),
-                                 static_cast<int>(top_k), shadow_rows(top_k >= 1 ? indices.numel() / top_k : 0, y_in),
-                                 options_for(y_in, check));
+                                 opt_view(w, op, "weights"), view(bins, op, "bins"),
+                                 view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+                                 shadow_rows(top_k >= 1 ? indices.numel() / top_k : 0, y_in), options_for(y_in, check));
     });
     return reduce64(y_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, weights);
   }
@@ -125,8 +126,8 @@ Tensor padded_scatter_kernel(const Tensor& y_in, const Tensor& indices_in, const
   const padmoe::Options o = options_for(y, check);
   native([&] {
     padmoe::padded_scatter_out(view(y, op, "y"), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
-                               opt_view(w, op, "weights"), view(bins, op, "bins"),
-                               view(padded_bins, op, "padded_bins"), static_cast<int>(top_k), view(out, op, "out"), o);
+                               opt_view(w, op, "weights"), view(bins, op, "bins"), view(padded_bins, op, "padded_bins"),
+                               static_cast<int>(top_k), view(out, op, "out"), o);
   });
   return out;
 }
@@ -134,8 +135,8 @@ Tensor padded_scatter_kernel(const Tensor& y_in, const Tensor& indices_in, const
 std::tuple<Tensor, Tensor> padded_scatter_backward_kernel(const Tensor& grad_out_in, const Tensor& y_in,
                                                           const Tensor& indices_in, const Tensor& bin_ids_in,
                                                           const OptTensor& weights, const Tensor& bins_in,
-                                                          const Tensor& padded_bins_in, int64_t top_k,
-                                                          bool need_wgrad, int64_t check) {
+                                                          const Tensor& padded_bins_in, int64_t top_k, bool need_wgrad,
+                                                          int64_t check) {
   const char* op = "padded_scatter_backward";
   const bool want_w = need_wgrad && weights && weights->defined();
   Tensor indices = index_arg(indices_in), bin_ids = index_arg(bin_ids_in), bins = index_arg(bins_in),
@@ -143,14 +144,15 @@ std::tuple<Tensor, Tensor> padded_scatter_backward_kernel(const Tensor& grad_out
   if (is_f64(y_in)) {
     OptTensor w = scale_arg(weights);
     native([&] {
-      padmoe::padded_scatter_backward_out(shadow(grad_out_in), shadow(y_in), view(indices, op, "indices"),
-                                          view(bin_ids, op, "bin_ids"), opt_view(w, op, "weights"),
-                                          view(bins, op, "bins"), view(padded_bins, op, "padded_bins"),
-                                          static_cast<int>(top_k), shadow(y_in), TensorView{}, options_for(y_in, check));
+      padmoe::padded_scatter_backward_out(
+          shadow(grad_out_in), shadow(y_in), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
+          opt_view(w, op, "weights"), view(bins, op, "bins"), view(padded_bins, op, "padded_bins"),
+          static_cast<int>(top_k), shadow(y_in), TensorView{}, options_for(y_in, check));
     });
     Tensor dest = dest_of(indices, bin_ids, bins, padded_bins);
     Tensor gy = spread64(grad_out_in, dest, top_k, weights, y_in.size(0));
-    Tensor gw = want_w ? dots64(y_in, dest, top_k, grad_out_in).to(weights->scalar_type()) : no_grad_placeholder(y_in, weights);
+    Tensor gw =
+        want_w ? dots64(y_in, dest, top_k, grad_out_in).to(weights->scalar_type()) : no_grad_placeholder(y_in, weights);
     return {gy, gw};
   }
   Tensor grad_out = rows_arg(grad_out_in), y = rows_arg(y_in);
@@ -160,10 +162,10 @@ std::tuple<Tensor, Tensor> padded_scatter_backward_kernel(const Tensor& grad_out
   c10::OptionalDeviceGuard guard(y.device());
   const padmoe::Options o = options_for(y, check, /*zero_tail=*/true);
   native([&] {
-    padmoe::padded_scatter_backward_out(view(grad_out, op, "grad_out"), view(y, op, "y"), view(indices, op, "indices"),
-                                        view(bin_ids, op, "bin_ids"), opt_view(w, op, "weights"), view(bins, op, "bins"),
-                                        view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
-                                        view(gy, op, "grad_y"), want_w ? view(gw, op, "grad_weights") : TensorView{}, o);
+    padmoe::padded_scatter_backward_out(
+        view(grad_out, op, "grad_out"), view(y, op, "y"), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
+        opt_view(w, op, "weights"), view(bins, op, "bins"), view(padded_bins, op, "padded_bins"),
+        static_cast<int>(top_k), view(gy, op, "grad_y"), want_w ? view(gw, op, "grad_weights") : TensorView{}, o);
   });
   return {gy, want_w ? as_weights_dtype(gw, weights) : no_grad_placeholder(y, weights)};
 }
@@ -176,11 +178,10 @@ Tensor padded_scatter_wgrad_kernel(const Tensor& y_in, const Tensor& grad_in, co
          padded_bins = index_arg(padded_bins_in);
   if (is_f64(y_in)) {
     native([&] {
-      padmoe::padded_scatter_wgrad_out(shadow(y_in), shadow(grad_in), view(indices, op, "indices"),
-                                       view(bin_ids, op, "bin_ids"), view(bins, op, "bins"),
-                                       view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
-                                       TensorView::contiguous(nullptr, DType::kFloat32, {indices.numel()}),
-                                       options_for(y_in, check));
+      padmoe::padded_scatter_wgrad_out(
+          shadow(y_in), shadow(grad_in), view(indices, op, "indices"), view(bin_ids, op, "bin_ids"),
+          view(bins, op, "bins"), view(padded_bins, op, "padded_bins"), static_cast<int>(top_k),
+          TensorView::contiguous(nullptr, DType::kFloat32, {indices.numel()}), options_for(y_in, check));
     });
     return dots64(y_in, dest_of(indices, bin_ids, bins, padded_bins), top_k, grad_in);
   }
@@ -214,12 +215,12 @@ struct SortedOpBackward : Node {
     Tensor g_rows, g_w;
     if (is_scatter) {
       static auto op = handle<decltype(padded_scatter_backward_kernel)>("padmoe::padded_scatter_backward");
-      std::tie(g_rows, g_w) = op.call(grads[0], r, indices, bin_ids, optional_of(w), bins, padded_bins, top_k, need_w,
-                                      check);
+      std::tie(g_rows, g_w) =
+          op.call(grads[0], r, indices, bin_ids, optional_of(w), bins, padded_bins, top_k, need_w, check);
     } else {
       static auto op = handle<decltype(padded_gather_backward_kernel)>("padmoe::padded_gather_backward");
-      std::tie(g_rows, g_w) = op.call(grads[0], r, indices, bin_ids, bins, padded_bins, top_k, optional_of(w), need_w,
-                                      check);
+      std::tie(g_rows, g_w) =
+          op.call(grads[0], r, indices, bin_ids, bins, padded_bins, top_k, optional_of(w), need_w, check);
     }
     return {g_rows, need_w ? shaped_as(g_w, weight_shape) : Tensor()};
   }
@@ -232,9 +233,9 @@ struct SortedOpBackward : Node {
   }
 };
 
-void attach_sorted(bool is_scatter, const Tensor& out, const Tensor& rows, const Tensor& indices,
-                   const Tensor& bin_ids, const Tensor& bins, const Tensor& padded_bins, const OptTensor& weights,
-                   int64_t top_k, int64_t check) {
+void attach_sorted(bool is_scatter, const Tensor& out, const Tensor& rows, const Tensor& indices, const Tensor& bin_ids,
+                   const Tensor& bins, const Tensor& padded_bins, const OptTensor& weights, int64_t top_k,
+                   int64_t check) {
   NodePtr node = new_node<SortedOpBackward>();
   auto* n = static_cast<SortedOpBackward*>(node.get());
   n->set_next_edges(torch::autograd::collect_next_edges(rows, weights));
@@ -279,23 +280,28 @@ Tensor padded_scatter_autograd(const Tensor& y, const Tensor& indices, const Ten
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(padmoe, m) {
-  m.def("padded_gather(Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, Tensor padded_bins, int top_k, "
-        "Tensor? weights=None, int check=2, bool zero_padding=True) -> Tensor");
-  m.def("padded_gather_backward(Tensor grad_y, Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, "
-        "Tensor padded_bins, int top_k, Tensor? weights, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
-  m.def("padded_scatter(Tensor y, Tensor indices, Tensor bin_ids, Tensor? weights, Tensor bins, Tensor padded_bins, "
-        "int top_k, int check=2) -> Tensor");
-  m.def("padded_scatter_backward(Tensor grad_out, Tensor y, Tensor indices, Tensor bin_ids, Tensor? weights, "
-        "Tensor bins, Tensor padded_bins, int top_k, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
-  m.def("padded_scatter_wgrad(Tensor y, Tensor grad, Tensor indices, Tensor bin_ids, Tensor bins, "
-        "Tensor padded_bins, int top_k, int check=2) -> Tensor");
+  m.def(
+      "padded_gather(Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, Tensor padded_bins, int top_k, "
+      "Tensor? weights=None, int check=2, bool zero_padding=True) -> Tensor");
+  m.def(
+      "padded_gather_backward(Tensor grad_y, Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, "
+      "Tensor padded_bins, int top_k, Tensor? weights, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
+  m.def(
+      "padded_scatter(Tensor y, Tensor indices, Tensor bin_ids, Tensor? weights, Tensor bins, Tensor padded_bins, "
+      "int top_k, int check=2) -> Tensor");
+  m.def(
+      "padded_scatter_backward(Tensor grad_out, Tensor y, Tensor indices, Tensor bin_ids, Tensor? weights, "
+      "Tensor bins, Tensor padded_bins, int top_k, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
+  m.def(
+      "padded_scatter_wgrad(Tensor y, Tensor grad, Tensor indices, Tensor bin_ids, Tensor bins, "
+      "Tensor padded_bins, int top_k, int check=2) -> Tensor");
 }
 
-#define PADMOE_TORCH_MEGABLOCKS_KERNELS(m)                             \
-  m.impl("padded_gather", padded_gather_kernel);                       \
-  m.impl("padded_gather_backward", padded_gather_backward_kernel);     \
-  m.impl("padded_scatter", padded_scatter_kernel);                     \
-  m.impl("padded_scatter_backward", padded_scatter_backward_kernel);   \
+#define PADMOE_TORCH_MEGABLOCKS_KERNELS(m)                           \
+  m.impl("padded_gather", padded_gather_kernel);                     \
+  m.impl("padded_gather_backward", padded_gather_backward_kernel);   \
+  m.impl("padded_scatter", padded_scatter_kernel);                   \
+  m.impl("padded_scatter_backward", padded_scatter_backward_kernel); \
   m.impl("padded_scatter_wgrad", padded_scatter_wgrad_kernel)
 
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) { PADMOE_TORCH_MEGABLOCKS_KERNELS(m); }

@@ -24,8 +24,8 @@ std::tuple<Tensor, Tensor, Tensor> pad_kernel(const Tensor& h_in, const Tensor& 
     const padmoe::Options o = options_for(h, check);
     native([&] {
       padmoe::pad_to_alignment_out(view(none, op, "hidden_states"), view(tpe, op, "tokens_per_expert"),
-                                   static_cast<int>(alignment), view(pn, op, "padded"), view(map, op, "permutation_map"),
-                                   view(offs, op, "inclusive_offsets"), o);
+                                   static_cast<int>(alignment), view(pn, op, "padded"),
+                                   view(map, op, "permutation_map"), view(offs, op, "inclusive_offsets"), o);
     });
     Tensor keep = map.ge(0).to(h.scalar_type()).unsqueeze(1);
     Tensor padded = h.index_select(0, map.clamp_min(0).to(at::kLong)) * keep;
@@ -58,7 +58,8 @@ Tensor unpad_kernel(const Tensor& padded_in, const Tensor& map_in, int64_t origi
     Tensor src = at::nonzero(map.ge(0)).squeeze(1);
     Tensor dst = map.to(at::kLong).index_select(0, src);
     Tensor rows = padded_in.index_select(0, src);
-    if (probs && probs->defined()) rows = rows * probs->reshape({-1}).to(rows.scalar_type()).index_select(0, dst).unsqueeze(1);
+    if (probs && probs->defined())
+      rows = rows * probs->reshape({-1}).to(rows.scalar_type()).index_select(0, dst).unsqueeze(1);
     out.index_put_({dst}, rows);
     return out;
   }
@@ -84,9 +85,9 @@ std::tuple<Tensor, Tensor> unpad_backward_kernel(const Tensor& grad_out_in, cons
   if (is_f64(padded_in)) {
     OptTensor pr = scale_arg(probs);
     native([&] {
-      padmoe::unpad_from_alignment_backward_out(shadow(grad_out_in), shadow(padded_in), view(map, op, "permutation_map"),
-                                                opt_view(pr, op, "probs"), shadow(padded_in), TensorView{},
-                                                options_for(padded_in, check));
+      padmoe::unpad_from_alignment_backward_out(shadow(grad_out_in), shadow(padded_in),
+                                                view(map, op, "permutation_map"), opt_view(pr, op, "probs"),
+                                                shadow(padded_in), TensorView{}, options_for(padded_in, check));
     });
     Tensor src = at::nonzero(map.ge(0)).squeeze(1);
     Tensor dst = map.to(at::kLong).index_select(0, src);
@@ -109,10 +110,9 @@ std::tuple<Tensor, Tensor> unpad_backward_kernel(const Tensor& grad_out_in, cons
   c10::OptionalDeviceGuard guard(padded.device());
   const padmoe::Options o = options_for(padded, check);
   native([&] {
-    padmoe::unpad_from_alignment_backward_out(view(grad_out, op, "grad_out"), view(padded, op, "padded"),
-                                              view(map, op, "permutation_map"), opt_view(pr, op, "probs"),
-                                              view(gp, op, "grad_padded"),
-                                              want_p ? view(gpr, op, "grad_probs") : TensorView{}, o);
+    padmoe::unpad_from_alignment_backward_out(
+        view(grad_out, op, "grad_out"), view(padded, op, "padded"), view(map, op, "permutation_map"),
+        opt_view(pr, op, "probs"), view(gp, op, "grad_padded"), want_p ? view(gpr, op, "grad_probs") : TensorView{}, o);
   });
   return {gp, want_p ? as_weights_dtype(gpr, probs) : no_grad_placeholder(padded, probs)};
 }
@@ -195,17 +195,20 @@ Tensor unpad_autograd(const Tensor& padded, const Tensor& map, int64_t original_
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(padmoe, m) {
-  m.def("pad_to_alignment(Tensor hidden_states, Tensor tokens_per_expert, int alignment, int check=2, "
-        "bool zero_padding=True) -> (Tensor, Tensor, Tensor)");
-  m.def("unpad_from_alignment(Tensor padded_output, Tensor permutation_map, int original_size, Tensor? probs=None, "
-        "int check=2) -> Tensor");
-  m.def("unpad_from_alignment_backward(Tensor grad_out, Tensor padded_output, Tensor permutation_map, Tensor? probs, "
-        "bool need_pgrad, int check=2) -> (Tensor, Tensor)");
+  m.def(
+      "pad_to_alignment(Tensor hidden_states, Tensor tokens_per_expert, int alignment, int check=2, "
+      "bool zero_padding=True) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "unpad_from_alignment(Tensor padded_output, Tensor permutation_map, int original_size, Tensor? probs=None, "
+      "int check=2) -> Tensor");
+  m.def(
+      "unpad_from_alignment_backward(Tensor grad_out, Tensor padded_output, Tensor permutation_map, Tensor? probs, "
+      "bool need_pgrad, int check=2) -> (Tensor, Tensor)");
 }
 
-#define PADMOE_TORCH_MEGATRON_KERNELS(m)                                      \
-  m.impl("pad_to_alignment", pad_kernel);                                     \
-  m.impl("unpad_from_alignment", unpad_kernel);                               \
+#define PADMOE_TORCH_MEGATRON_KERNELS(m)        \
+  m.impl("pad_to_alignment", pad_kernel);       \
+  m.impl("unpad_from_alignment", unpad_kernel); \
   m.impl("unpad_from_alignment_backward", unpad_backward_kernel)
 
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) { PADMOE_TORCH_MEGATRON_KERNELS(m); }

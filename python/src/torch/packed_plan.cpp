@@ -6,10 +6,9 @@
 
 namespace padmoe_torch {
 
-const char* const kPlanFieldNames[kPlanFields] = {"indices",     "bin_ids",
-                                                  "tokens_per_expert", "bins",
-                                                  "padded_tokens_per_expert", "padded_bins",
-                                                  "dest_rows",   "row_sources"};
+const char* const kPlanFieldNames[kPlanFields] = {
+    "indices",     "bin_ids",   "tokens_per_expert", "bins", "padded_tokens_per_expert",
+    "padded_bins", "dest_rows", "row_sources"};
 
 PlanLayout plan_layout(int64_t a, int64_t e, int64_t alignment, OptInt expert_capacity) {
   PlanLayout l;
@@ -36,8 +35,9 @@ PlanLayout plan_layout(int64_t a, int64_t e, int64_t alignment, OptInt expert_ca
 
 padmoe::PlanView PackedPlan::view(const char* op) const {
   padmoe::PlanView p;
-  TensorView* fields[kPlanFields] = {&p.indices, &p.bin_ids, &p.tokens_per_expert, &p.bins,
-                                     &p.padded_tokens_per_expert, &p.padded_bins, &p.dest_rows, &p.row_sources};
+  TensorView* fields[kPlanFields] = {
+      &p.indices,     &p.bin_ids,   &p.tokens_per_expert, &p.bins, &p.padded_tokens_per_expert,
+      &p.padded_bins, &p.dest_rows, &p.row_sources};
   const TensorView whole = padmoe_torch::view(t, op, "plan");
   for (int i = 0; i < kPlanFields; ++i) {
     TensorView v = whole;
@@ -62,19 +62,22 @@ PackedPlan packed_plan(const Tensor& plan, int64_t top_k, int64_t num_experts, i
     value_error(op, "expert_capacity", "must be >= 0 (or None), got " + std::to_string(*expert_capacity));
   }
   if (plan.scalar_type() != at::kInt || plan.dim() != 1 || !plan.is_contiguous()) {
-    type_error(op, "plan", std::string("expected the packed plan of make_plan (a contiguous 1-D int32 tensor), got ") +
-                               c10::toString(plan.scalar_type()) + " of shape " + shape_of(plan));
+    type_error(op, "plan",
+               std::string("expected the packed plan of make_plan (a contiguous 1-D int32 tensor), got ") +
+                   c10::toString(plan.scalar_type()) + " of shape " + shape_of(plan));
   }
   // The length is affine in A: fixed + per_a * A (per_a = 4, or 3 with a capacity).
   const PlanLayout fixed = plan_layout(0, num_experts, alignment, expert_capacity);
   const int64_t per_a = plan_layout(1, num_experts, alignment, expert_capacity).total - fixed.total;
   const int64_t rest = plan.numel() - fixed.total;
   if (fixed.overflow || rest < 0 || rest % (per_a * top_k) != 0) {
-    const std::string sizes = std::to_string(plan.numel()) + " entries is no packed plan for top_k=" +
-                              std::to_string(top_k) + ", num_experts=" + std::to_string(num_experts);
+    const std::string sizes = std::to_string(plan.numel()) +
+                              " entries is no packed plan for top_k=" + std::to_string(top_k) +
+                              ", num_experts=" + std::to_string(num_experts);
     if (expert_capacity) {
-      value_error(op, "plan", sizes + ", expert_capacity=" + std::to_string(*expert_capacity) +
-                                  " (expected 3*T*K + E*(expert_capacity+4))");
+      value_error(op, "plan",
+                  sizes + ", expert_capacity=" + std::to_string(*expert_capacity) +
+                      " (expected 3*T*K + E*(expert_capacity+4))");
     }
     value_error(op, "plan", sizes + ", alignment=" + std::to_string(alignment) + " (expected 4*T*K + E*(alignment+3))");
   }

@@ -24,11 +24,14 @@ void check_plan_sizes(const char* op, int64_t t, int64_t k, int64_t num_experts,
   if (num_experts < 1) value_error(op, "num_experts", "must be >= 1, got " + std::to_string(num_experts));
   if (alignment < 1) value_error(op, "alignment", "must be >= 1, got " + std::to_string(alignment));
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  if (num_experts > kMax) value_error(op, "num_experts", "size overflow: " + std::to_string(num_experts) + " does not fit int32");
-  if (alignment > kMax) value_error(op, "alignment", "size overflow: " + std::to_string(alignment) + " does not fit int32");
+  if (num_experts > kMax)
+    value_error(op, "num_experts", "size overflow: " + std::to_string(num_experts) + " does not fit int32");
+  if (alignment > kMax)
+    value_error(op, "alignment", "size overflow: " + std::to_string(alignment) + " does not fit int32");
   if (k >= 1 && t > kMax / k) {
-    value_error(op, "top_experts", "size overflow: " + std::to_string(t) + " x " + std::to_string(k) +
-                                       " assignments do not fit the int32 index outputs");
+    value_error(op, "top_experts",
+                "size overflow: " + std::to_string(t) + " x " + std::to_string(k) +
+                    " assignments do not fit the int32 index outputs");
   }
   const int64_t a = std::max<int64_t>(t * k, 0);
   const int64_t cap = a + num_experts * (alignment - 1);  // capacity_bound, at most 2^31 * 2^31
@@ -63,7 +66,8 @@ void use_workspace(padmoe::Options& o, const Tensor& workspace) {
 Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64_t alignment, int64_t check,
                         const OptTensor& weights) {
   const char* op = "make_plan";
-  if (top_experts_in.dim() != 2) value_error(op, "top_experts", "expected [T, K], got shape " + shape_of(top_experts_in));
+  if (top_experts_in.dim() != 2)
+    value_error(op, "top_experts", "expected [T, K], got shape " + shape_of(top_experts_in));
   const int64_t t = top_experts_in.size(0), k = top_experts_in.size(1);
   if (weights && weights->defined()) {  // checked here, not first at combine after the expert GEMMs
     const Tensor& w = *weights;
@@ -72,11 +76,13 @@ Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64
       type_error(op, "weights", std::string("expected a float dtype, got ") + c10::toString(w.scalar_type()));
     }
     if (w.numel() != t * k) {
-      value_error(op, "weights", "expected " + std::to_string(t * k) + " elements ([T, K] = [" + std::to_string(t) +
-                                     ", " + std::to_string(k) + "]), got shape " + shape_of(w));
+      value_error(op, "weights",
+                  "expected " + std::to_string(t * k) + " elements ([T, K] = [" + std::to_string(t) + ", " +
+                      std::to_string(k) + "]), got shape " + shape_of(w));
     }
     if (w.device() != top_experts_in.device()) {
-      type_error(op, "weights", "expected a tensor on " + top_experts_in.device().str() + ", got one on " + w.device().str());
+      type_error(op, "weights",
+                 "expected a tensor on " + top_experts_in.device().str() + ", got one on " + w.device().str());
     }
   }
   Tensor top = index_arg(top_experts_in);
@@ -89,7 +95,10 @@ Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64
   const padmoe::PlanView pv = packed_plan(out, std::max<int64_t>(k, 1), e, alignment, std::nullopt, op).view(op);
   padmoe::Options o = options_for(top, check);
   use_workspace(o, workspace);
-  native([&] { padmoe::make_plan_out(view(top, op, "top_experts"), static_cast<int>(num_experts), static_cast<int>(alignment), pv, o); });
+  native([&] {
+    padmoe::make_plan_out(view(top, op, "top_experts"), static_cast<int>(num_experts), static_cast<int>(alignment), pv,
+                          o);
+  });
   return out;
 }
 
@@ -101,31 +110,39 @@ std::tuple<Tensor, Tensor> make_plan_routed_kernel(const Tensor& top_experts_in,
                                                    int64_t global_experts, bool drop_invalid, OptInt expert_capacity,
                                                    bool by_probs, const OptTensor& probs, int64_t check) {
   const char* op = "make_plan";
-  if (top_experts_in.dim() != 2) value_error(op, "top_experts", "expected [T, K], got shape " + shape_of(top_experts_in));
+  if (top_experts_in.dim() != 2)
+    value_error(op, "top_experts", "expected [T, K], got shape " + shape_of(top_experts_in));
   const int64_t t = top_experts_in.size(0), k = top_experts_in.size(1);
   Tensor top = index_arg(top_experts_in);
   if (num_experts < 1) value_error(op, "num_experts", "must be >= 1, got " + std::to_string(num_experts));
   if (alignment < 1) value_error(op, "alignment", "must be >= 1, got " + std::to_string(alignment));
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
-  if (num_experts > kMax) value_error(op, "num_experts", "size overflow: " + std::to_string(num_experts) + " does not fit int32");
-  if (alignment > kMax) value_error(op, "alignment", "size overflow: " + std::to_string(alignment) + " does not fit int32");
-  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"first_expert", first_expert}, {"global_experts", global_experts}}) {
-    if (v < std::numeric_limits<int32_t>::min() || v > kMax) value_error(op, name, "does not fit int32: " + std::to_string(v));
+  if (num_experts > kMax)
+    value_error(op, "num_experts", "size overflow: " + std::to_string(num_experts) + " does not fit int32");
+  if (alignment > kMax)
+    value_error(op, "alignment", "size overflow: " + std::to_string(alignment) + " does not fit int32");
+  for (const auto& [name, v] :
+       {std::pair<const char*, int64_t>{"first_expert", first_expert}, {"global_experts", global_experts}}) {
+    if (v < std::numeric_limits<int32_t>::min() || v > kMax)
+      value_error(op, name, "does not fit int32: " + std::to_string(v));
   }
   if (k >= 1 && t > kMax / k) {
-    value_error(op, "top_experts", "size overflow: " + std::to_string(t) + " x " + std::to_string(k) +
-                                       " assignments do not fit the int32 index outputs");
+    value_error(op, "top_experts",
+                "size overflow: " + std::to_string(t) + " x " + std::to_string(k) +
+                    " assignments do not fit the int32 index outputs");
   }
   if (expert_capacity && *expert_capacity < 0) {
     value_error(op, "expert_capacity", "must be >= 0 (or None), got " + std::to_string(*expert_capacity));
   }
   const int64_t a = std::max<int64_t>(t * k, 0), e = num_experts;
   if (expert_capacity && *expert_capacity > kMax / e) {
-    value_error(op, "expert_capacity", "size overflow: " + std::to_string(e) + " experts x capacity " +
-                                           std::to_string(*expert_capacity) + " rows do not fit the int32 index outputs");
+    value_error(op, "expert_capacity",
+                "size overflow: " + std::to_string(e) + " experts x capacity " + std::to_string(*expert_capacity) +
+                    " rows do not fit the int32 index outputs");
   }
   const int64_t cap = expert_capacity ? e * *expert_capacity : a + e * (alignment - 1);
-  if (cap > kMax) value_error(op, "capacity", "size overflow: " + std::to_string(cap) + " does not fit the int32 index outputs");
+  if (cap > kMax)
+    value_error(op, "capacity", "size overflow: " + std::to_string(cap) + " does not fit the int32 index outputs");
   c10::OptionalDeviceGuard guard(top.device());
   Tensor out = at::empty({plan_layout(a, e, alignment, expert_capacity).total}, top.options().dtype(at::kInt));
   Tensor dropped = at::empty({1}, top.options().dtype(at::kInt));
@@ -163,7 +180,10 @@ Tensor dispatch_kernel(const Tensor& x_in, const Tensor& plan, const OptTensor& 
   const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, expert_capacity, op);
   if (is_f64(x_in)) {
     OptTensor w = scale_arg(weights);
-    native([&] { padmoe::dispatch_out(shadow(x_in), pp.view(op), opt_view(w, op, "weights"), shadow_rows(pp.cap, x_in), options_for(x_in, check)); });
+    native([&] {
+      padmoe::dispatch_out(shadow(x_in), pp.view(op), opt_view(w, op, "weights"), shadow_rows(pp.cap, x_in),
+                           options_for(x_in, check));
+    });
     return spread64(x_in, pp.dest_rows(), top_k, weights, pp.cap);
   }
   Tensor x = rows_arg(x_in);
@@ -185,7 +205,8 @@ std::tuple<Tensor, Tensor> make_plan_and_dispatch_kernel(const Tensor& x_in, con
                                                          int64_t num_experts, int64_t alignment,
                                                          const OptTensor& weights, int64_t check, bool zero_padding) {
   const char* op = "make_plan_and_dispatch";
-  if (top_experts_in.dim() != 2) value_error(op, "top_experts", "expected [T, K], got shape " + shape_of(top_experts_in));
+  if (top_experts_in.dim() != 2)
+    value_error(op, "top_experts", "expected [T, K], got shape " + shape_of(top_experts_in));
   const int64_t t = top_experts_in.size(0), k = top_experts_in.size(1);
   check_plan_sizes(op, t, k, num_experts, alignment);
   const int64_t a = std::max<int64_t>(t * k, 0), e = num_experts;
@@ -222,7 +243,10 @@ Tensor combine_kernel(const Tensor& y_in, const Tensor& plan, const OptTensor& w
   const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, expert_capacity, op);
   if (is_f64(y_in)) {
     OptTensor w = scale_arg(weights);
-    native([&] { padmoe::combine_out(shadow(y_in), pp.view(op), opt_view(w, op, "weights"), shadow_rows(pp.tokens, y_in), options_for(y_in, check)); });
+    native([&] {
+      padmoe::combine_out(shadow(y_in), pp.view(op), opt_view(w, op, "weights"), shadow_rows(pp.tokens, y_in),
+                          options_for(y_in, check));
+    });
     return reduce64(y_in, pp.dest_rows(), top_k, weights);
   }
   Tensor y = rows_arg(y_in);
@@ -250,9 +274,9 @@ std::tuple<Tensor, Tensor> combine_backward_kernel(const Tensor& grad_out_in, co
   if (is_f64(grad_out_in)) {
     OptTensor w = scale_arg(weights);
     native([&] {
-      padmoe::combine_backward_out(shadow(grad_out_in), have_y ? shadow(*y_in) : shadow_rows(rows, grad_out_in), pp.view(op),
-                                   opt_view(w, op, "weights"), shadow_rows(rows, grad_out_in), TensorView{},
-                                   options_for(grad_out_in, check));
+      padmoe::combine_backward_out(shadow(grad_out_in), have_y ? shadow(*y_in) : shadow_rows(rows, grad_out_in),
+                                   pp.view(op), opt_view(w, op, "weights"), shadow_rows(rows, grad_out_in),
+                                   TensorView{}, options_for(grad_out_in, check));
     });
     Tensor gy = spread64(grad_out_in, pp.dest_rows(), top_k, weights, rows);
     Tensor gw = want_w ? dots64(*y_in, pp.dest_rows(), top_k, grad_out_in).to(weights->scalar_type())
@@ -376,8 +400,8 @@ void record_plan_op(bool is_combine, const Tensor& out, const Tensor& rows, cons
 }
 
 Tensor plan_op_autograd(bool is_combine, const Tensor& rows, const Tensor& plan, const OptTensor& weights,
-                        int64_t top_k, int64_t num_experts, int64_t alignment, OptInt expert_capacity,
-                        int64_t check, bool zero_padding = true) {
+                        int64_t top_k, int64_t num_experts, int64_t alignment, OptInt expert_capacity, int64_t check,
+                        bool zero_padding = true) {
   Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -398,8 +422,7 @@ Tensor plan_op_autograd(bool is_combine, const Tensor& rows, const Tensor& plan,
 Tensor dispatch_autograd(const Tensor& x, const Tensor& plan, const OptTensor& weights, int64_t top_k,
                          int64_t num_experts, int64_t alignment, OptInt expert_capacity, int64_t check,
                          bool zero_padding) {
-  return plan_op_autograd(false, x, plan, weights, top_k, num_experts, alignment, expert_capacity, check,
-                          zero_padding);
+  return plan_op_autograd(false, x, plan, weights, top_k, num_experts, alignment, expert_capacity, check, zero_padding);
 }
 Tensor combine_autograd(const Tensor& y, const Tensor& plan, const OptTensor& weights, int64_t top_k,
                         int64_t num_experts, int64_t alignment, OptInt expert_capacity, int64_t check) {
@@ -448,28 +471,34 @@ Tensor make_plan_autograd(const Tensor& top_experts, int64_t num_experts, int64_
 
 TORCH_LIBRARY_FRAGMENT(padmoe, m) {
   m.def("make_plan(Tensor top_experts, int num_experts, int alignment, int check=2, Tensor? weights=None) -> Tensor");
-  m.def("make_plan_routed(Tensor top_experts, int num_experts, int alignment, Tensor? expert_map, int first_expert, "
-        "int global_experts, bool drop_invalid, int? expert_capacity, bool by_probs, Tensor? probs, int check=2) "
-        "-> (Tensor, Tensor)");
-  m.def("dispatch(Tensor x, Tensor plan, Tensor? weights, int top_k, int num_experts, int alignment, "
-        "int? expert_capacity, int check=2, bool zero_padding=True) -> Tensor");
-  m.def("dispatch_backward(Tensor grad_y, Tensor? x, Tensor plan, Tensor? weights, int top_k, int num_experts, "
-        "int alignment, int? expert_capacity, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
-  m.def("make_plan_and_dispatch(Tensor x, Tensor top_experts, int num_experts, int alignment, Tensor? weights=None, "
-        "int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
-  m.def("combine(Tensor y, Tensor plan, Tensor? weights, int top_k, int num_experts, int alignment, "
-        "int? expert_capacity, int check=2) -> Tensor");
-  m.def("combine_backward(Tensor grad_out, Tensor? y, Tensor plan, Tensor? weights, int top_k, int num_experts, "
-        "int alignment, int? expert_capacity, bool need_wgrad, int check=2, int rows=-1) -> (Tensor, Tensor)");
+  m.def(
+      "make_plan_routed(Tensor top_experts, int num_experts, int alignment, Tensor? expert_map, int first_expert, "
+      "int global_experts, bool drop_invalid, int? expert_capacity, bool by_probs, Tensor? probs, int check=2) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "dispatch(Tensor x, Tensor plan, Tensor? weights, int top_k, int num_experts, int alignment, "
+      "int? expert_capacity, int check=2, bool zero_padding=True) -> Tensor");
+  m.def(
+      "dispatch_backward(Tensor grad_y, Tensor? x, Tensor plan, Tensor? weights, int top_k, int num_experts, "
+      "int alignment, int? expert_capacity, bool need_wgrad, int check=2) -> (Tensor, Tensor)");
+  m.def(
+      "make_plan_and_dispatch(Tensor x, Tensor top_experts, int num_experts, int alignment, Tensor? weights=None, "
+      "int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
+  m.def(
+      "combine(Tensor y, Tensor plan, Tensor? weights, int top_k, int num_experts, int alignment, "
+      "int? expert_capacity, int check=2) -> Tensor");
+  m.def(
+      "combine_backward(Tensor grad_out, Tensor? y, Tensor plan, Tensor? weights, int top_k, int num_experts, "
+      "int alignment, int? expert_capacity, bool need_wgrad, int check=2, int rows=-1) -> (Tensor, Tensor)");
 }
 
-#define PADMOE_TORCH_PLAN_KERNELS(m)                                   \
-  m.impl("make_plan", make_plan_kernel);                               \
-  m.impl("make_plan_routed", make_plan_routed_kernel);                 \
-  m.impl("dispatch", dispatch_kernel);                                 \
-  m.impl("dispatch_backward", dispatch_backward_kernel);               \
-  m.impl("make_plan_and_dispatch", make_plan_and_dispatch_kernel);     \
-  m.impl("combine", combine_kernel);                                   \
+#define PADMOE_TORCH_PLAN_KERNELS(m)                               \
+  m.impl("make_plan", make_plan_kernel);                           \
+  m.impl("make_plan_routed", make_plan_routed_kernel);             \
+  m.impl("dispatch", dispatch_kernel);                             \
+  m.impl("dispatch_backward", dispatch_backward_kernel);           \
+  m.impl("make_plan_and_dispatch", make_plan_and_dispatch_kernel); \
+  m.impl("combine", combine_kernel);                               \
   m.impl("combine_backward", combine_backward_kernel)
 
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) { PADMOE_TORCH_PLAN_KERNELS(m); }

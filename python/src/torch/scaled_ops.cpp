@@ -102,8 +102,8 @@ std::tuple<Tensor, Tensor> padded_gather_scaled_kernel(const Tensor& x_in, const
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> pad_scaled_kernel(const Tensor& h_in, const Tensor& tpe_in,
-                                                             int64_t alignment, const Tensor& h_scales,
-                                                             int64_t check, bool zero_padding) {
+                                                             int64_t alignment, const Tensor& h_scales, int64_t check,
+                                                             bool zero_padding) {
   const char* op = "pad_to_alignment";
   Tensor tpe = index_arg(tpe_in);
   Tensor h = rows_arg(h_in), hs = scales_arg(h_scales);
@@ -145,12 +145,13 @@ std::tuple<Tensor, Tensor> unpad_scaled_kernel(const Tensor& padded_in, const Te
 
 std::tuple<Tensor, Tensor> dispatch_quantized_kernel(const Tensor& x_in, const Tensor& plan, int64_t top_k,
                                                      int64_t num_experts, int64_t alignment, OptInt expert_capacity,
-                                                     c10::string_view scale_layout, at::ScalarType dtype,
-                                                     int64_t check, bool zero_padding) {
+                                                     c10::string_view scale_layout, at::ScalarType dtype, int64_t check,
+                                                     bool zero_padding) {
   const char* op = "dispatch_quantized";
   const padmoe::ScaleLayout l = quant_layout(std::string(scale_layout), op);
   if (dtype != at::kFloat8_e4m3fn && dtype != at::kFloat8_e5m2) {
-    type_error(op, "dtype", std::string("expected torch.float8_e4m3fn or torch.float8_e5m2, got ") + c10::toString(dtype));
+    type_error(op, "dtype",
+               std::string("expected torch.float8_e4m3fn or torch.float8_e5m2, got ") + c10::toString(dtype));
   }
   const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, expert_capacity, op);
   Tensor x = rows_arg(x_in);
@@ -171,9 +172,10 @@ namespace {
 void no_grad_for_scaled(const char* op, const Tensor& rows, const Tensor& scales) {
   if (at::GradMode::is_enabled() && (rows.requires_grad() || scales.requires_grad())) {
     throw c10::NotImplementedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                                   std::string(op) + ": rows moved with their scales are not differentiable "
-                                                     "(quantized rows carry no gradient); detach the inputs or "
-                                                     "use the op without scales");
+                                   std::string(op) +
+                                       ": rows moved with their scales are not differentiable "
+                                       "(quantized rows carry no gradient); detach the inputs or "
+                                       "use the op without scales");
   }
 }
 
@@ -227,23 +229,28 @@ std::tuple<Tensor, Tensor> dispatch_quantized_autograd(const Tensor& x, const Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(padmoe, m) {
-  m.def("dispatch_scaled(Tensor x, Tensor plan, Tensor x_scales, int top_k, int num_experts, int alignment, "
-        "int? expert_capacity, int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
-  m.def("padded_gather_scaled(Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, Tensor padded_bins, int top_k, "
-        "Tensor x_scales, int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
-  m.def("pad_to_alignment_scaled(Tensor hidden_states, Tensor tokens_per_expert, int alignment, "
-        "Tensor hidden_scales, int check=2, bool zero_padding=True) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("unpad_from_alignment_scaled(Tensor padded_output, Tensor permutation_map, int original_size, "
-        "Tensor padded_scales, int check=2) -> (Tensor, Tensor)");
-  m.def("dispatch_quantized(Tensor x, Tensor plan, int top_k, int num_experts, int alignment, int? expert_capacity, "
-        "str scale_layout, ScalarType dtype, int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
+  m.def(
+      "dispatch_scaled(Tensor x, Tensor plan, Tensor x_scales, int top_k, int num_experts, int alignment, "
+      "int? expert_capacity, int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
+  m.def(
+      "padded_gather_scaled(Tensor x, Tensor indices, Tensor bin_ids, Tensor bins, Tensor padded_bins, int top_k, "
+      "Tensor x_scales, int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
+  m.def(
+      "pad_to_alignment_scaled(Tensor hidden_states, Tensor tokens_per_expert, int alignment, "
+      "Tensor hidden_scales, int check=2, bool zero_padding=True) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "unpad_from_alignment_scaled(Tensor padded_output, Tensor permutation_map, int original_size, "
+      "Tensor padded_scales, int check=2) -> (Tensor, Tensor)");
+  m.def(
+      "dispatch_quantized(Tensor x, Tensor plan, int top_k, int num_experts, int alignment, int? expert_capacity, "
+      "str scale_layout, ScalarType dtype, int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
 }
 
-#define PADMOE_TORCH_SCALED_KERNELS(m)                            \
-  m.impl("dispatch_scaled", dispatch_scaled_kernel);              \
-  m.impl("padded_gather_scaled", padded_gather_scaled_kernel);    \
-  m.impl("pad_to_alignment_scaled", pad_scaled_kernel);           \
-  m.impl("unpad_from_alignment_scaled", unpad_scaled_kernel);     \
+#define PADMOE_TORCH_SCALED_KERNELS(m)                         \
+  m.impl("dispatch_scaled", dispatch_scaled_kernel);           \
+  m.impl("padded_gather_scaled", padded_gather_scaled_kernel); \
+  m.impl("pad_to_alignment_scaled", pad_scaled_kernel);        \
+  m.impl("unpad_from_alignment_scaled", unpad_scaled_kernel);  \
   m.impl("dispatch_quantized", dispatch_quantized_kernel)
 
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) { PADMOE_TORCH_SCALED_KERNELS(m); }
