@@ -2,9 +2,9 @@
 """padmoe.triton (the Ascend design as Triton kernels) on a GPU, beside padmoe's CUDA kernels
 and MegaBlocks' Triton kernels' recorded figures.
 
-Per preset (the shared harness's shapes: bf16 rows, weights from softmax + topk, alignment 128) and
-op (padded_gather unweighted, padded_scatter weighted, padded_scatter_wgrad), as in the shared
-harness (``user_bench.py``):
+Per preset (the user-level benchmark's shapes: bf16 rows, weights from softmax + topk, alignment 128) and
+op (padded_gather unweighted, padded_scatter weighted, padded_scatter_wgrad), as in the user-level
+benchmark harness:
 
 - ``eager``: one eager call at a time with CUDA events around the Python call, median of ``--iters``
   calls, L2 warm, nothing queued in front (host time that delays the kernels counts). Like

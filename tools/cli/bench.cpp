@@ -123,8 +123,7 @@ constexpr int64_t kL2FlushBytes = int64_t{256} << 20;
 constexpr int kGraphReplays = 10;
 // `in-graph us`: kGraphInner calls of the op captured into one graph, a sample is CUDA events around
 // one replay divided by kGraphInner (median of max(3, iters / 5) samples): the op inside a larger
-// captured step, with no graph launch of its own per call; the way user_bench.py --graphs (the
-// shared benchmark harness the decode baselines come from) times.
+// captured step, with no graph launch of its own per call, as a serving loop replays its step.
 constexpr int kGraphInner = 20;
 
 // Cold L2 without dirty lines: a read-only pass over 256 MiB of scratch rows
@@ -413,8 +412,8 @@ int cmd_bench(const Args& args) {
           "  their two. graph/floor = graph us / floor us (below 1 where the bytes stay in L2).\n"
           "in-graph us = per call with %d calls captured in one graph and replayed once (median of max(3, iters / 5)): "
           "the op inside a\n"
-          "  larger captured step, without a graph launch of its own (how ../shared/bench/user_bench.py --graphs "
-          "times).\n"
+          "  larger captured step, without a graph launch of its own (as a serving loop's captured step runs "
+          "it).\n"
           "  - = not capturable (the op synchronizes the host, allocates or reads back to the host): the capture's "
           "error below.\n",
           kGraphReplays, kGraphInner);
