@@ -1,38 +1,409 @@
-"""TransformerEngine's MoE permutation API (``transformer_engine.pytorch``) on padmoe, so that code
-written against TE's functions runs with ``import padmoe.torch.transformer_engine as te``.
+"""TransformerEngine's MoE permutation API (``transformer_engine.pytorch``) on padmoe: code written
+against TE's functions runs with ``import padmoe.torch.transformer_engine as te``.
 
-So far: ``moe_sort_chunks_by_index`` and ``moe_sort_chunks_by_index_with_probs``, the chunk sort
-after an expert-parallel all-to-all. TE's ``moe_permute``, ``moe_permute_with_probs``,
-``moe_permute_and_pad_with_probs`` and ``moe_unpermute`` are not here yet; padmoe's own
-:class:`padmoe.torch.Routing` covers the same routing (plan, dispatch, combine, backward).
+- ``moe_permute(inp[T, H], routing_map, num_out_tokens, max_token_num=-1, map_type="mask") ->
+  (permuted, row_id_map)``. **mask** (``routing_map[T, E]``, bool or 0/1): rows expert-major, tokens
+  in order within an expert; ``num_out_tokens`` rows (> 0): destinations at or past it are dropped
+  (the last in that order: TE's fix of its open out-of-bounds bug), rows past the routed count are
+  zero. ``row_id_map[T, 2E+1]`` int32: per token its rows in descending order, then their experts,
+  then the count; the rest -1. **index** (``routing_map[T, K]`` expert ids): the assignments ``t*K +
+  k`` stable-sorted by id read as uint32 (-1 last), ``num_out_tokens`` rows (0: T*K), the rest
+  dropped; ``row_id_map[K*T]`` k-major (``row_id_map[k*T + t]``, -1 = dropped).
+- ``moe_permute_with_probs(inp, probs[T, E], routing_map, num_out_tokens) -> (output,
+  permuted_probs, row_id_map)`` (mask): ``probs`` moved with the rows; a routed slot of probability
+  exactly 0 gives a zero row (Megatron's routing-map padding). Unrouted probs are never read.
+- ``moe_permute_and_pad_with_probs(inp, probs, routing_map, tokens_per_expert, align_size) ->
+  (output, permuted_probs, row_id_map, pad_offsets, target_tokens_per_expert)``: each expert's rows
+  padded with zero rows to a multiple of ``align_size``; ``pad_offsets[E]`` (int64, the exclusive
+  sum of the pad lengths, None when nothing is padded). The output has exactly P rows, read on the
+  host as TE does (one synchronization on CUDA, none when ``tokens_per_expert`` is on the CPU);
+  padmoe's ``out_rows=`` keyword is the sync-free form: ``out_rows`` rows (rows past P zero), the
+  real size on the device (``target_tokens_per_expert.sum()``), ``pad_offsets`` always a tensor.
+- ``moe_unpermute(inp, row_id_map, merging_probs=None, restore_shape=None, map_type="mask",
+  probs=None, pad_offsets=None) -> output[T, H]``: each token's rows summed (times
+  ``merging_probs[T, E]`` or ``[T, K]``), float32 accumulation, one rounding. Index map without
+  probs: ``[T*K, H]`` k-major, one row per map entry (TE's behaviour). ``probs`` is TE's deprecated
+  name of ``merging_probs``.
+- ``moe_sort_chunks_by_index(inp, split_sizes[S], sorted_index[S]) -> output`` and
+  ``moe_sort_chunks_by_index_with_probs(inp, probs[T], split_sizes, sorted_index) -> (output,
+  permuted_probs)``: output position j holds chunk ``sorted_index[j]``, chunks back to back; rows
+  past ``sum(split_sizes)`` stay where they are.
 
-``moe_sort_chunks_by_index(inp[T, H], split_sizes[S], sorted_index[S]) -> output[T, H]``: the rows
-of ``inp`` are S consecutive chunks of ``split_sizes[i]`` rows; output position j holds chunk
-``sorted_index[j]``, chunks back to back (``torch.cat([inp.split(split_sizes)[i] for i in
-sorted_index])``), and the rows of ``inp`` past ``sum(split_sizes)`` stay where they are, as in TE.
-``moe_sort_chunks_by_index_with_probs(inp, probs[T], split_sizes, sorted_index) -> (output,
-permuted_probs[T])`` moves ``probs`` with the rows. Both are differentiable (the backward moves the
-gradient rows back; ``probs``' gradient likewise), read nothing on the host with ``check=False``,
-under ``torch.compile`` or while a CUDA graph captures (``check=None`` in eager mode checks the
-chunk sizes and order: one synchronization on CUDA), and are bitwise deterministic: one padmoe ``sort_chunks`` with a last chunk that holds
-the rows past ``sum(split_sizes)`` and stays last.
+All are differentiable as in TE: the permute's input gradient sums each token's rows (a row zeroed
+for probability 0 passes its gradient too), ``probs``' gradient is the moved probs' gradient, the
+unpermute's gradients are the spread rows (zero where no token lands) and, with
+``merging_probs``, float32 dot products in their dtype. Empty input returns ``inp.clone()`` and
+float32 empty tensors, as TE. Nothing reads the device on the host except the exact-size padded
+form and the ``check`` of the eager calls noted below; outputs are bitwise deterministic.
 
-Where padmoe differs from TE: ``split_sizes`` and ``sorted_index`` may be int32 or int64 and live
-on ``inp``'s device (TE requires CUDA tensors); ``sorted_index`` must be a permutation of
-``[0, S)`` and ``sum(split_sizes)`` at most T, checked in eager mode (TE leaves rows unwritten or
-writes past the output); CPU tensors run too."""
+The permutes are padmoe plans: the routing map becomes a plan (``make_plan`` on the map's ids) and
+padmoe's ``dispatch`` / ``combine`` move the rows. ``moe_unpermute`` uses the plan its
+``moe_permute`` kept on ``row_id_map`` (eager mode), else rebuilds one from ``row_id_map``.
+
+Where padmoe differs from TE: CPU tensors run too; the unwritten rows of TE's outputs (rows past
+the routed count, the input gradient's rows no token uses) are zero; padmoe sums in ascending
+expert order where TE's mask path sums descending, and in float32 where TE's index path sums in
+the rows' dtype; a non-finite row routed with probability 0 gives NaN where TE writes zeros;
+``num_out_tokens`` drops on the mask path (TE writes past its output). padmoe's keywords:
+``num_experts=`` (index map: ids in ``[0, E)`` or -1, sorted by padmoe's plan in one operator
+instead of ``torch.argsort``), ``out_rows=`` (above), ``check=`` (eager default: the index ids with
+``num_experts``, ``tokens_per_expert`` against the map, the chunk sizes and order; one read of the
+device each; ``check=False`` reads nothing). float8 tensors (TE's QuantizedTensor) are not
+taken."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Tuple
 
 import torch
 
 from padmoe.torch import sort_chunks
 
+from . import _te_plans as tp
 from ._common import Tensor, compiling, host_check
+from ._plan_ops import combine
 
-__all__ = ["moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]
+__all__ = [
+    "moe_permute",
+    "moe_permute_with_probs",
+    "moe_permute_and_pad_with_probs",
+    "moe_unpermute",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
+]
+
+
+# ---------------------------------------------------------------------------
+# permute / unpermute
+# ---------------------------------------------------------------------------
+
+_ATTR = "_padmoe_te_plan"  # the plan moe_permute made, kept on its row_id_map for moe_unpermute
+
+
+class _Permute(torch.autograd.Function):
+    """dispatch by a plan, ``probs`` moved with the rows; the backward sums each token's rows (a
+    row zeroed for probability 0 passes its gradient too, as in TE) and gathers the gradient of
+    the moved probs."""
+
+    @staticmethod
+    def forward(ctx, inp, probs, packed, top_k, num_experts, capacity, weights, sources):
+        y = torch.ops.padmoe.dispatch.default(inp, packed, weights, top_k, num_experts, 1, capacity, 0, True)
+        moved = None
+        if probs is not None:
+            flat = probs.reshape(-1)
+            moved = torch.where(sources >= 0, flat[sources.clamp(min=0).long()], 0).to(probs.dtype)
+        ctx.plan = (top_k, num_experts, capacity)
+        ctx.probs_shape = None if probs is None else probs.shape
+        ctx.save_for_backward(packed)
+        ctx.mark_non_differentiable(packed)
+        return y, moved
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_moved):
+        (packed,) = ctx.saved_tensors
+        top_k, num_experts, capacity = ctx.plan
+        grad_inp = grad_probs = None
+        if ctx.needs_input_grad[0] and grad_y is not None:
+            grad_inp, _ = torch.ops.padmoe.dispatch_backward.default(
+                grad_y.contiguous(), None, packed, None, top_k, num_experts, 1, capacity, False, 0
+            )
+        if ctx.needs_input_grad[1] and grad_moved is not None:
+            # grad_probs[a] = grad_moved[dest_rows[a]], 0 where a has no row
+            a = (packed.numel() - num_experts * (4 + capacity)) // 3
+            dest = packed[2 * a + 4 * num_experts : 3 * a + 4 * num_experts].long()
+            live = (dest >= 0) & (dest < grad_moved.numel())
+            picked = grad_moved[torch.where(live, dest, 0)] if grad_moved.numel() else grad_moved.new_zeros(a)
+            grad_probs = torch.where(live, picked, 0).to(grad_moved.dtype).reshape(ctx.probs_shape)
+        return grad_inp, grad_probs, None, None, None, None, None, None
+
+
+def _check_rows(op: str, inp) -> None:
+    if not isinstance(inp, Tensor):
+        raise TypeError(f"{op}: inp: expected a torch tensor, got {type(inp).__name__}")
+    if inp.dim() != 2:
+        raise ValueError(f"{op}: inp: expected [num_tokens, hidden], got shape {list(inp.shape)}")
+
+
+def _check_map(op: str, inp: Tensor, routing_map, name: str = "routing_map") -> None:
+    if not isinstance(routing_map, Tensor):
+        raise TypeError(f"{op}: {name}: expected a torch tensor, got {type(routing_map).__name__}")
+    if routing_map.dim() != 2 or routing_map.shape[0] != inp.shape[0]:
+        raise ValueError(
+            f"{op}: {name}: expected [{inp.shape[0]}, E] (one row per row of inp), got shape {list(routing_map.shape)}"
+        )
+    if routing_map.device != inp.device:
+        raise ValueError(f"{op}: {name}: expected a tensor on {inp.device}, got {routing_map.device}")
+    if routing_map.is_floating_point() or routing_map.is_complex():
+        raise TypeError(f"{op}: {name}: expected a bool or integer tensor, got {routing_map.dtype}")
+
+
+def _check_probs(op: str, probs, like: Tensor) -> None:
+    if not isinstance(probs, Tensor):
+        raise TypeError(f"{op}: probs: expected a torch tensor, got {type(probs).__name__}")
+    if tuple(probs.shape) != tuple(like.shape):
+        raise ValueError(f"{op}: probs: expected shape {list(like.shape)} (the routing map's), got {list(probs.shape)}")
+    if not probs.is_floating_point():
+        raise TypeError(f"{op}: probs: expected a float tensor, got {probs.dtype}")
+    if probs.device != like.device:
+        raise ValueError(f"{op}: probs: expected a tensor on {like.device}, got {probs.device}")
+
+
+def _empty_float(inp: Tensor) -> Tensor:
+    return torch.empty(0, dtype=torch.float32, device=inp.device)
+
+
+def _keep(row_id_map: Tensor, plan, padded: bool) -> None:
+    if not compiling():
+        setattr(row_id_map, _ATTR, (plan, padded))
+
+
+def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
+    if not isinstance(num_out_tokens, int) or isinstance(num_out_tokens, bool) or num_out_tokens <= 0:
+        raise ValueError(
+            f"{op}: num_out_tokens: the mask map needs the output's rows (> 0), got {num_out_tokens!r}; "
+            "pass int(routing_map.sum()) or num_tokens * top_k"
+        )
+    _check_map(op, inp, routing_map)
+    if probs is not None:
+        _check_probs(op, probs, routing_map)
+    plan, dest = tp.mask_plan(routing_map, num_out_tokens)
+    t, e = routing_map.shape
+    sources = plan.packed[3 * t * e + 4 :]
+    weights = None
+    if probs is not None:  # a routed slot of probability 0 is a zero row (TE's routing-map padding)
+        weights = (probs.detach() != 0).reshape(-1).to(torch.float32)
+    out, moved = _Permute.apply(inp, probs, plan.packed, e, 1, num_out_tokens, weights, sources)
+    row_id_map = tp.mask_row_id_map(dest, e)
+    _keep(row_id_map, plan, False)
+    return out, moved, row_id_map
+
+
+def moe_permute(
+    inp: Tensor,
+    routing_map: Tensor,
+    num_out_tokens: int,
+    max_token_num: int = -1,
+    map_type: str = "mask",
+    *,
+    num_experts: Optional[int] = None,
+    check: Optional[bool] = None,
+) -> Tuple[Tensor, Tensor]:
+    """TE's ``moe_permute -> (permuted_inp, row_id_map)`` (this module's docstring): map_type "mask"
+    (``routing_map[T, E]``) or "index" (``routing_map[T, K]`` expert ids). ``max_token_num`` is
+    accepted and ignored (TE sizes a workspace by it). ``num_experts`` (index map only, padmoe's
+    keyword): the ids are in ``[0, num_experts)`` or -1, and padmoe's plan sorts them in one
+    operator (without it, ``torch.argsort`` does)."""
+    op = "moe_permute"
+    if map_type not in ("mask", "index"):
+        raise ValueError(f"{op}: map_type: expected 'mask' or 'index', got {map_type!r}")
+    _check_rows(op, inp)
+    if inp.numel() == 0:
+        return inp.clone(), _empty_float(inp)
+    if map_type == "mask":
+        out, _, row_id_map = _mask_permute(op, inp, routing_map, num_out_tokens, None)
+        return out, row_id_map
+    _check_map(op, inp, routing_map, "index")
+    if not isinstance(num_out_tokens, int) or isinstance(num_out_tokens, bool) or num_out_tokens < 0:
+        raise ValueError(f"{op}: num_out_tokens: expected an int >= 0 (0: all T*K), got {num_out_tokens!r}")
+    t, k = routing_map.shape
+    rows = num_out_tokens if num_out_tokens > 0 else t * k
+    if num_experts is not None:
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"{op}: num_experts: expected an int >= 1, got {num_experts!r}")
+        if not compiling() and host_check(check, inp):
+            _check_index(op, routing_map, num_experts)
+    plan = tp.index_plan(routing_map, rows, num_experts)
+    sources = plan.packed[3 * t * k + 4 :]
+    out, _ = _Permute.apply(inp, None, plan.packed, k, 1, rows, None, sources)
+    row_id_map = plan.packed[2 * t * k + 4 : 3 * t * k + 4].view(t, k).t().reshape(-1)
+    _keep(row_id_map, plan, False)
+    return out, row_id_map
+
+
+def _check_index(op: str, index: Tensor, num_experts: int) -> None:
+    """With num_experts: every id in [0, num_experts) or -1 (one read of the device)."""
+    flat = index.reshape(-1)
+    bad = ((flat < -1) | (flat >= num_experts)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"{op}: index: entry [{i // index.shape[1]}, {i % index.shape[1]}] is {int(flat[i])}, "
+            f"outside [0, num_experts={num_experts}) and not -1"
+        )
+
+
+def moe_permute_with_probs(
+    inp: Tensor, probs: Tensor, routing_map: Tensor, num_out_tokens: int
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """TE's ``moe_permute_with_probs -> (output, permuted_probs, row_id_map)`` (mask map): the rows
+    and their probabilities; a routed slot of probability 0 gives a zero row."""
+    op = "moe_permute_with_probs"
+    _check_rows(op, inp)
+    if inp.numel() == 0:
+        return inp.clone(), _empty_float(inp), _empty_float(inp)
+    return _mask_permute(op, inp, routing_map, num_out_tokens, probs)
+
+
+def moe_permute_and_pad_with_probs(
+    inp: Tensor,
+    probs: Tensor,
+    routing_map: Tensor,
+    tokens_per_expert: Tensor,
+    align_size: int,
+    *,
+    out_rows: Optional[int] = None,
+    check: Optional[bool] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Tensor]:
+    """TE's ``moe_permute_and_pad_with_probs -> (output, permuted_probs, row_id_map, pad_offsets,
+    target_tokens_per_expert)``: each expert's rows padded with zero rows to a multiple of
+    ``align_size``. As TE, the output has exactly P rows, read on the host (and ``pad_offsets`` is
+    None when no expert needs padding): one synchronization on CUDA unless ``tokens_per_expert``
+    is a CPU tensor. ``out_rows`` (padmoe's keyword) is the sync-free form: the output has
+    ``out_rows`` rows (at least P; rows past P zero), ``pad_offsets`` is always a tensor, and
+    nothing is read on the host."""
+    op = "moe_permute_and_pad_with_probs"
+    if tokens_per_expert is None:
+        raise ValueError(f"{op}: tokens_per_expert: must be given (the count of each expert)")
+    if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size <= 0:
+        raise ValueError(f"{op}: align_size: expected an int > 0, got {align_size!r}")
+    _check_rows(op, inp)
+    _check_map(op, inp, routing_map)
+    _check_probs(op, probs, routing_map)
+    e = routing_map.shape[1]
+    if not isinstance(tokens_per_expert, Tensor) or tuple(tokens_per_expert.shape) != (e,):
+        raise ValueError(f"{op}: tokens_per_expert: expected a tensor of shape [{e}], got {tokens_per_expert!r}")
+    counts = tokens_per_expert.to(torch.int64)
+    target = (counts + align_size - 1) // align_size * align_size
+    pads = target - counts
+    pad_offsets = torch.cumsum(pads, 0) - pads
+    if out_rows is None:
+        host = target.cpu()  # TE's size: on CUDA one synchronization
+        rows = int(host.sum())
+        if not compiling() and host_check(check, inp):
+            _check_counts(op, routing_map, counts)
+        if not bool((pads != 0).any()):
+            pad_offsets = None
+    else:
+        if not isinstance(out_rows, int) or isinstance(out_rows, bool) or out_rows < 0:
+            raise ValueError(f"{op}: out_rows: expected an int >= 0, got {out_rows!r}")
+        rows = out_rows
+        if not compiling() and host_check(check, inp):
+            _check_counts(op, routing_map, counts, out_rows, int(target.sum()))
+    target = target.to(inp.device)
+    pad_offsets = None if pad_offsets is None else pad_offsets.to(inp.device)
+    if inp.numel() == 0:
+        return inp.clone(), _empty_float(inp), _empty_float(inp), pad_offsets, target
+    plan, full_rows, packed = tp.padded_mask_plan(routing_map, align_size, rows)
+    t = routing_map.shape[0]
+    a = t * e
+    sources = plan.packed[3 * a + 4 * e :]
+    weights = (probs.detach() != 0).reshape(-1).to(torch.float32)
+    out, moved = _Permute.apply(inp, probs, plan.packed, e, e, plan.expert_capacity, weights, sources)
+    if full_rows != rows:
+        out, moved = out[:rows], moved[:rows]
+    _, _, dest = tp.plan_arrays(packed, t, e, e)
+    shift = (pad_offsets if pad_offsets is not None else torch.zeros_like(target)).to(inp.device)
+    row_id_map = tp.mask_row_id_map(dest.view(t, e), e, shift)
+    _keep(row_id_map, plan, True)
+    return out, moved, row_id_map, pad_offsets, target
+
+
+def _check_counts(op, routing_map, counts, out_rows=None, padded=None) -> None:
+    """tokens_per_expert equal to the routing map's column counts (TE trusts them); with out_rows,
+    the padded total at most out_rows."""
+    have = routing_map.bool().sum(0).cpu()
+    want = counts.cpu()
+    diff = (have != want).nonzero()
+    if diff.numel():
+        e = int(diff[0])
+        raise ValueError(
+            f"{op}: tokens_per_expert: expert {e} has {int(want[e])}, but routing_map routes {int(have[e])} tokens to it"
+        )
+    if out_rows is not None and padded > out_rows:
+        raise ValueError(f"{op}: out_rows: {out_rows} rows cannot hold the padded total {padded}")
+
+
+def moe_unpermute(
+    inp: Tensor,
+    row_id_map: Tensor,
+    merging_probs: Optional[Tensor] = None,
+    restore_shape: Optional[torch.Size] = None,
+    map_type: str = "mask",
+    probs: Optional[Tensor] = None,
+    pad_offsets: Optional[Tensor] = None,
+) -> Tensor:
+    """TE's ``moe_unpermute -> output``: each token's rows summed back (times ``merging_probs``
+    when given), float32 accumulation in ascending expert order (mask) or ascending k (index),
+    cast once. ``probs`` is TE's deprecated name of ``merging_probs``."""
+    op = "moe_unpermute"
+    if probs is not None:
+        if merging_probs is not None:
+            raise ValueError(f"{op}: both merging_probs and probs are given (probs is deprecated)")
+        warnings.warn("moe_unpermute: probs is deprecated, use merging_probs", DeprecationWarning, stacklevel=2)
+        merging_probs = probs
+    if map_type not in ("mask", "index"):
+        raise ValueError(f"{op}: map_type: expected 'mask' or 'index', got {map_type!r}")
+    _check_rows(op, inp)
+    if inp.numel() == 0:
+        return inp.clone()
+    if not isinstance(row_id_map, Tensor):
+        raise TypeError(f"{op}: row_id_map: expected a torch tensor, got {type(row_id_map).__name__}")
+    if map_type == "index":
+        return _unpermute_index(op, inp, row_id_map, merging_probs)
+    if row_id_map.dim() != 2 or row_id_map.shape[1] % 2 != 1:
+        raise ValueError(f"{op}: row_id_map: expected the mask map's [T, 2E+1], got shape {list(row_id_map.shape)}")
+    t, w = row_id_map.shape
+    e = (w - 1) // 2
+    if restore_shape is None:
+        restore_shape = inp.shape
+    if tuple(restore_shape) != (t, inp.shape[1]):
+        raise ValueError(
+            f"{op}: restore_shape: expected ({t}, {inp.shape[1]}) (row_id_map's tokens, inp's hidden), "
+            f"got {tuple(restore_shape)}"
+        )
+    if merging_probs is not None and tuple(merging_probs.shape) != (t, e):
+        raise ValueError(f"{op}: merging_probs: expected shape [{t}, {e}], got {list(merging_probs.shape)}")
+    kept = None if compiling() else getattr(row_id_map, _ATTR, None)
+    padded = pad_offsets is not None
+    if kept is not None and kept[1] == padded and kept[0].expert_capacity * kept[0].num_experts >= inp.shape[0]:
+        plan = kept[0]
+    elif padded:
+        dest = tp.mask_dest_from_map(row_id_map, pad_offsets)
+        plan, _ = tp.padded_plan_from_dest(dest, pad_offsets, inp.shape[0])
+    else:
+        dest = tp.mask_dest_from_map(row_id_map).reshape(-1)
+        dest = torch.where(dest < inp.shape[0], dest, -1)
+        plan = tp.row_plan(dest, None, (dest >= 0).sum(dtype=torch.int32), inp.shape[0], t, e)
+    return combine(inp, plan, merging_probs, check=False)
+
+
+def _unpermute_index(op, inp, row_id_map, merging_probs):
+    if row_id_map.dim() != 1:
+        raise ValueError(f"{op}: row_id_map: expected the index map's [T*K], got shape {list(row_id_map.shape)}")
+    rows = inp.shape[0]
+    if merging_probs is None:
+        # TE: one output row per map entry (k-major), no sum over k
+        live = (row_id_map >= 0) & (row_id_map < rows)
+        picked = inp.index_select(0, torch.where(live, row_id_map, 0).long())
+        return torch.where(live.unsqueeze(1), picked, picked.new_zeros(()))
+    if merging_probs.dim() != 2 or merging_probs.numel() != row_id_map.numel():
+        raise ValueError(
+            f"{op}: merging_probs: expected [T, K] with T*K = {row_id_map.numel()} (row_id_map's entries), "
+            f"got shape {list(merging_probs.shape)}"
+        )
+    if merging_probs.dtype != torch.float32:
+        warnings.warn(f"moe_unpermute: merging_probs is {merging_probs.dtype}; TE reads them as float32", stacklevel=3)
+        merging_probs = merging_probs.to(torch.float32)
+    t, k = merging_probs.shape
+    kept = None if compiling() else getattr(row_id_map, _ATTR, None)
+    if kept is not None and kept[0].top_k == k and kept[0].expert_capacity == rows:
+        plan = kept[0]
+    else:
+        dest = tp.index_dest_from_map(row_id_map, k)
+        dest = torch.where(dest < rows, dest, -1)
+        plan = tp.row_plan(dest, None, (dest >= 0).sum(dtype=torch.int32), rows, t, k)
+    return combine(inp, plan, merging_probs, check=False)
 
 
 def _check_chunks(op: str, rows: int, sizes: Tensor, order: Tensor) -> None:

@@ -1,0 +1,231 @@
+"""padmoe plans for TransformerEngine's routing maps (used by :mod:`padmoe.torch.transformer_engine`).
+
+TE's permute API names the rows of its outputs by routing maps; padmoe moves rows by plans. Every
+builder here makes a packed padmoe plan (``Plan._from_packed``) whose ``dest_rows`` are TE's
+destination rows, with sync-free tensor ops only (no value is read on the host), so that padmoe's
+dispatch / combine operators and their backward do the moves:
+
+- a **row plan** (one expert, capacity R): ``dest_rows[a]`` in ``[0, R)`` or -1, rows
+  ``[kept, R)`` zero. TE's unpadded layouts (mask map without padding, index map) fill a prefix
+  ``[0, kept)`` of the output, so one expert covers them, and the output has exactly R rows.
+- an **expert plan** (E experts, capacity C, ``E*C >= R``): the padded mask layout, whose padding
+  rows lie between the experts' rows; a prefix view of the plan ``make_plan`` made (no copy).
+
+An assignment is ``a = t*K + k``: for the mask map K = E and ``k`` is the expert (``a = t*E + e``),
+for the index map ``k`` is the column of ``index``."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from padmoe._plan import Plan
+
+from ._common import Tensor, ops
+
+
+def _layout(a: int, e: int) -> Tuple[int, int]:
+    """(offset of dest_rows, offset of row_sources) in a packed plan of A assignments, E experts."""
+    return 2 * a + 4 * e, 3 * a + 4 * e
+
+
+def mask_ids(routing_map: Tensor) -> Tensor:
+    """``top_experts[T, E]`` of a mask map: column e holds e where ``routing_map[t, e]`` is set, -1
+    elsewhere (padmoe drops -1 with ``drop_invalid``). Any nonzero entry counts as routed."""
+    experts = torch.arange(routing_map.shape[1], dtype=torch.int32, device=routing_map.device)
+    return torch.where(routing_map.bool(), experts, -1)
+
+
+def expert_plan(top_experts: Tensor, num_experts: int, alignment: int) -> Tensor:
+    """The packed plan of ``top_experts`` (ids outside ``[0, num_experts)`` dropped), no checks:
+    every builder below passes ids it made itself."""
+    packed, _ = ops.make_plan_routed.default(
+        top_experts, num_experts, alignment, None, 0, 0, True, None, False, None, 0
+    )
+    return packed
+
+
+def capacity_view(packed: Tensor, tokens: int, top_k: int, num_experts: int, rows: int) -> Tuple[Plan, int]:
+    """``(plan, C)``: ``packed`` (a plan of ``make_plan``) seen as a plan with expert capacity
+    ``C = ceil(rows / E)``: the same arrays, ``row_sources`` cut (or extended with -1) to ``E*C``
+    entries, so that dispatch writes ``E*C >= rows`` rows. P must be at most E*C."""
+    a = tokens * top_k
+    cap = -(-rows // num_experts)
+    want = 3 * a + num_experts * (4 + cap)
+    if packed.numel() >= want:
+        view = packed[:want]
+    else:
+        view = torch.cat([packed, packed.new_full((want - packed.numel(),), -1)])
+    return Plan._from_packed(view, tokens, top_k, num_experts, 1, cap), cap
+
+
+def row_plan(
+    dest: Tensor, sources: Optional[Tensor], kept, rows: int, tokens: int, top_k: int, head: Optional[Tensor] = None
+) -> Plan:
+    """A one-expert plan with capacity ``rows``: ``dest_rows = dest`` ([A] int32, entries in
+    ``[0, rows)`` or -1, the used rows exactly ``[0, kept)``), ``row_sources`` = ``sources`` ([at
+    least min(kept, rows)] int32: the assignment of each row, then -1) or, when None, the inverse of
+    ``dest``. ``kept`` is an int or a 0-d/[1] int32 tensor on the device. ``head`` ([2A] int32) fills
+    ``indices`` and ``bin_ids``, which the row operators do not read (zeros when None)."""
+    a = tokens * top_k
+    device = dest.device
+    packed = torch.empty(3 * a + 4 + rows + (1 if sources is None else 0), dtype=torch.int32, device=device)
+    if head is None:
+        packed[: 2 * a].zero_()
+    else:
+        packed[: 2 * a].copy_(head)
+    counts = packed[2 * a : 2 * a + 4]
+    if isinstance(kept, Tensor):
+        counts[:2].copy_(kept.reshape(1).expand(2))
+    else:
+        counts[:2].fill_(kept)
+    counts[2:].fill_(rows)
+    d0, s0 = _layout(a, 1)
+    packed[d0:s0].copy_(dest)
+    src = packed[s0:]
+    if sources is None:
+        # row_sources[dest[a]] = a; a dropped assignment (dest -1) writes the scratch entry at the end
+        src.fill_(-1)
+        src.index_put_((dest.long(),), torch.arange(a, dtype=torch.int32, device=device))
+        src[-1] = -1
+        packed = packed[:-1]
+    else:
+        n = min(sources.numel(), rows)
+        src[:n].copy_(sources[:n])
+        if n < rows:
+            src[n:].fill_(-1)
+    return Plan._from_packed(packed, tokens, top_k, 1, 1, rows)
+
+
+def mask_plan(routing_map: Tensor, rows: int) -> Tuple[Plan, Tensor]:
+    """TE's mask-map permute without padding: ``(row plan with R = rows, dest[T, E])``; the rows
+    go expert-major, tokens in order within an expert, and destinations at or past ``rows`` are
+    dropped (-1), the last ones in that order (TE's num_out_tokens cut)."""
+    t, e = routing_map.shape
+    a = t * e
+    packed = expert_plan(mask_ids(routing_map), e, 1)
+    d0, s0 = _layout(a, e)
+    dest = packed[d0:s0]
+    if rows < a:  # a cut can drop: only destinations below rows stay
+        dest = torch.where(dest < rows, dest, -1)
+    kept = packed[2 * a + 2 * e - 1 : 2 * a + 2 * e].clamp(max=rows)  # bins[E-1]: the routed count
+    plan = row_plan(dest, packed[s0:], kept, rows, t, e, head=packed[: 2 * a])
+    return plan, plan.packed[2 * a + 4 : 3 * a + 4].view(t, e)
+
+
+def padded_mask_plan(routing_map: Tensor, alignment: int, rows: int) -> Tuple[Plan, int, Tensor]:
+    """TE's mask-map permute padded to ``alignment`` per expert: ``(expert plan, its rows E*C >=
+    rows, packed plan of make_plan)``."""
+    t, e = routing_map.shape
+    packed = expert_plan(mask_ids(routing_map), e, alignment)
+    plan, cap = capacity_view(packed, t, e, e, rows)
+    return plan, e * cap, packed
+
+
+def plan_arrays(packed: Tensor, tokens: int, top_k: int, num_experts: int):
+    """(bins, padded_bins, dest_rows) views of a packed plan."""
+    a, e = tokens * top_k, num_experts
+    return (
+        packed[2 * a + e : 2 * a + 2 * e],
+        packed[2 * a + 3 * e : 2 * a + 4 * e],
+        packed[2 * a + 4 * e : 3 * a + 4 * e],
+    )
+
+
+def mask_row_id_map(dest: Tensor, num_experts: int, shift: Optional[Tensor] = None) -> Tensor:
+    """TE's mask-map ``row_id_map[T, 2E+1]`` int32 from ``dest[T, E]`` (-1 = not routed): per token
+    the destination rows in descending order (so experts descending), then the matching experts,
+    then the count in the last column; the entries past the count are -1. ``shift[E]``, when given,
+    is subtracted from each expert's rows (padded rows back to TE's unpadded numbering)."""
+    t, e = dest.shape
+    w = 2 * e + 1
+    routed = dest >= 0
+    n = routed.sum(1, dtype=torch.int32)
+    # slot of (t, e) among t's routed experts, counted from the highest expert
+    slot = n.unsqueeze(1) - routed.cumsum(1, dtype=torch.int32)
+    base = torch.arange(t, dtype=torch.int64, device=dest.device).unsqueeze(1) * w
+    scratch = t * w
+    pos = torch.where(routed, base + slot, scratch).reshape(-1)
+    buf = torch.full((scratch + 1,), -1, dtype=torch.int32, device=dest.device)
+    rows = dest if shift is None else torch.where(routed, dest - shift.to(torch.int32), -1)
+    buf.index_put_((pos,), rows.reshape(-1))
+    experts = torch.arange(e, dtype=torch.int32, device=dest.device).expand(t, e).reshape(-1)
+    buf.index_put_((torch.where(routed.reshape(-1), pos + e, scratch),), experts)
+    out = buf[:scratch].view(t, w)
+    out[:, 2 * e] = n
+    return out
+
+
+def mask_dest_from_map(row_id_map: Tensor, shift: Optional[Tensor] = None) -> Tensor:
+    """``dest[T, E]`` (-1 = not routed) from TE's mask-map ``row_id_map[T, 2E+1]`` (entries past
+    each token's count ignored); ``shift[E]`` is added to each expert's rows (TE's pad_offsets)."""
+    t, w = row_id_map.shape
+    e = (w - 1) // 2
+    m = row_id_map.to(torch.int64)
+    n = m[:, 2 * e : 2 * e + 1]
+    live = torch.arange(e, device=m.device).unsqueeze(0) < n
+    experts = torch.where(live, m[:, e : 2 * e], e)  # a dead slot goes to the scratch column e
+    rows = m[:, :e]
+    if shift is not None:
+        rows = rows + shift.to(torch.int64)[experts.clamp(max=e - 1)]
+    dest = torch.full((t, e + 1), -1, dtype=torch.int32, device=m.device)
+    dest.scatter_(1, experts, torch.where(live, rows, -1).to(torch.int32))
+    return dest[:, :e].contiguous()
+
+
+def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
+    """TE's index-map permute: a row plan of ``index[T, K]`` with R = ``rows``. The assignments
+    ``t*K + k`` are stable-sorted by expert id read as uint32 (so -1 sorts last, as in TE) and
+    position j holds the j-th; positions at or past ``rows`` are dropped. With ``num_experts`` (ids
+    in ``[0, E)`` or -1) padmoe's plan does the sort in one operator; without, ``torch.argsort``."""
+    t, k = index.shape
+    a = t * k
+    kept = min(a, rows)
+    if num_experts is None:
+        keys = index.reshape(-1).to(torch.int64) & 0xFFFFFFFF
+        order = torch.argsort(keys, stable=True)
+        dest = torch.empty(a, dtype=torch.int32, device=index.device)
+        dest[order] = torch.arange(a, dtype=torch.int32, device=index.device)
+        if rows < a:
+            dest = torch.where(dest < rows, dest, -1)
+        return row_plan(dest, order[:kept].to(torch.int32), kept, rows, t, k)
+    e = num_experts + 1  # -1 -> the extra expert E, whose rows come last
+    packed = expert_plan(index.remainder(e), e, 1)
+    d0, s0 = _layout(a, e)
+    dest = packed[d0:s0]
+    if rows < a:
+        dest = torch.where(dest < rows, dest, -1)
+    return row_plan(dest, packed[s0:], kept, rows, t, k, head=packed[: 2 * a])
+
+
+def index_dest_from_map(row_id_map: Tensor, top_k: int) -> Tensor:
+    """Token-major ``dest[T*K]`` from TE's k-major index-map ``row_id_map[K*T]``."""
+    return row_id_map.reshape(top_k, -1).t().reshape(-1).to(torch.int32)
+
+
+def padded_plan_from_dest(dest: Tensor, pad_offsets: Tensor, rows: int) -> Tuple[Plan, int]:
+    """An expert plan (capacity C = ceil(rows / E)) from padded ``dest[T, E]`` (-1 = not routed)
+    and TE's ``pad_offsets[E]`` (expert e's rows start ``pad_offsets[e]`` after its unpadded
+    start), for an input of ``rows`` rows: ``(plan, C)``."""
+    t, e = dest.shape
+    a = t * e
+    cap = -(-rows // e)
+    device = dest.device
+    routed = dest >= 0
+    n = routed.sum(0, dtype=torch.int32)
+    bins = n.cumsum(0, dtype=torch.int32)
+    pstart = bins - n + pad_offsets.to(torch.int32)
+    pbins = torch.cat([pstart[1:], pstart.new_full((1,), rows)])
+    packed = torch.empty(3 * a + e * (4 + cap) + 1, dtype=torch.int32, device=device)
+    packed[: 2 * a].zero_()
+    torch.cat([n, bins, pbins - pstart, pbins], out=packed[2 * a : 2 * a + 4 * e])
+    d0, s0 = _layout(a, e)
+    flat = dest.reshape(-1)
+    flat = torch.where(flat < e * cap, flat, -1)  # a row past the input names nothing
+    packed[d0:s0].copy_(flat)
+    src = packed[s0:]
+    src.fill_(-1)
+    src.index_put_((flat.long(),), torch.arange(a, dtype=torch.int32, device=device))
+    src[-1] = -1
+    return Plan._from_packed(packed[:-1], t, e, e, 1, cap), cap
