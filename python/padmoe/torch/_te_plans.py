@@ -60,21 +60,16 @@ def capacity_view(packed: Tensor, tokens: int, top_k: int, num_experts: int, row
     return Plan._from_packed(view, tokens, top_k, num_experts, 1, cap), cap
 
 
-def row_plan(
-    dest: Tensor, sources: Optional[Tensor], kept, rows: int, tokens: int, top_k: int, head: Optional[Tensor] = None
-) -> Plan:
+def row_plan(dest: Tensor, sources: Optional[Tensor], kept, rows: int, tokens: int, top_k: int) -> Plan:
     """A one-expert plan with capacity ``rows``: ``dest_rows = dest`` ([A] int32, entries in
     ``[0, rows)`` or -1, the used rows exactly ``[0, kept)``), ``row_sources`` = ``sources`` ([at
     least min(kept, rows)] int32: the assignment of each row, then -1) or, when None, the inverse of
-    ``dest``. ``kept`` is an int or a 0-d/[1] int32 tensor on the device. ``head`` ([2A] int32) fills
-    ``indices`` and ``bin_ids``, which the row operators do not read (zeros when None)."""
+    ``dest``. ``kept`` is an int or a 0-d/[1] int32 tensor on the device. ``indices`` and
+    ``bin_ids`` are left unwritten: the row operators read only ``dest_rows``, ``row_sources``
+    and the counts."""
     a = tokens * top_k
     device = dest.device
     packed = torch.empty(3 * a + 4 + rows + (1 if sources is None else 0), dtype=torch.int32, device=device)
-    if head is None:
-        packed[: 2 * a].zero_()
-    else:
-        packed[: 2 * a].copy_(head)
     counts = packed[2 * a : 2 * a + 4]
     if isinstance(kept, Tensor):
         counts[:2].copy_(kept.reshape(1).expand(2))
@@ -110,7 +105,7 @@ def mask_plan(routing_map: Tensor, rows: int) -> Tuple[Plan, Tensor]:
     if rows < a:  # a cut can drop: only destinations below rows stay
         dest = torch.where(dest < rows, dest, -1)
     kept = packed[2 * a + 2 * e - 1 : 2 * a + 2 * e].clamp(max=rows)  # bins[E-1]: the routed count
-    plan = row_plan(dest, packed[s0:], kept, rows, t, e, head=packed[: 2 * a])
+    plan = row_plan(dest, packed[s0:], kept, rows, t, e)
     return plan, plan.packed[2 * a + 4 : 3 * a + 4].view(t, e)
 
 
@@ -196,7 +191,7 @@ def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
     dest = packed[d0:s0]
     if rows < a:
         dest = torch.where(dest < rows, dest, -1)
-    return row_plan(dest, packed[s0:], kept, rows, t, k, head=packed[: 2 * a])
+    return row_plan(dest, packed[s0:], kept, rows, t, k)
 
 
 def index_dest_from_map(row_id_map: Tensor, top_k: int) -> Tensor:
@@ -217,8 +212,7 @@ def padded_plan_from_dest(dest: Tensor, pad_offsets: Tensor, rows: int) -> Tuple
     bins = n.cumsum(0, dtype=torch.int32)
     pstart = bins - n + pad_offsets.to(torch.int32)
     pbins = torch.cat([pstart[1:], pstart.new_full((1,), rows)])
-    packed = torch.empty(3 * a + e * (4 + cap) + 1, dtype=torch.int32, device=device)
-    packed[: 2 * a].zero_()
+    packed = torch.empty(3 * a + e * (4 + cap) + 1, dtype=torch.int32, device=device)  # indices, bin_ids unread
     torch.cat([n, bins, pbins - pstart, pbins], out=packed[2 * a : 2 * a + 4 * e])
     d0, s0 = _layout(a, e)
     flat = dest.reshape(-1)

@@ -153,9 +153,19 @@ def _empty_float(inp: Tensor) -> Tensor:
     return torch.empty(0, dtype=torch.float32, device=inp.device)
 
 
-def _keep(row_id_map: Tensor, plan, padded: bool) -> None:
+def _keep(row_id_map: Tensor, plan, padded: bool, rows: int) -> None:
+    """Keeps the plan on row_id_map for moe_unpermute (eager mode: under torch.compile the
+    unpermute rebuilds it from the map)."""
     if not compiling():
-        setattr(row_id_map, _ATTR, (plan, padded))
+        setattr(row_id_map, _ATTR, (plan, padded, rows))
+
+
+def _kept(row_id_map: Tensor, padded: bool, rows: int):
+    """The plan moe_permute kept on row_id_map, if it was made for this unpermute's input."""
+    kept = None if compiling() else getattr(row_id_map, _ATTR, None)
+    if kept is not None and kept[1] == padded and kept[2] == rows:
+        return kept[0]
+    return None
 
 
 def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
@@ -175,7 +185,7 @@ def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
         weights = (probs.detach() != 0).reshape(-1).to(torch.float32)
     out, moved = _Permute.apply(inp, probs, plan.packed, e, 1, num_out_tokens, weights, sources)
     row_id_map = tp.mask_row_id_map(dest, e)
-    _keep(row_id_map, plan, False)
+    _keep(row_id_map, plan, False, num_out_tokens)
     return out, moved, row_id_map
 
 
@@ -217,7 +227,7 @@ def moe_permute(
     sources = plan.packed[3 * t * k + 4 :]
     out, _ = _Permute.apply(inp, None, plan.packed, k, 1, rows, None, sources)
     row_id_map = plan.packed[2 * t * k + 4 : 3 * t * k + 4].view(t, k).t().reshape(-1)
-    _keep(row_id_map, plan, False)
+    _keep(row_id_map, plan, False, rows)
     return out, row_id_map
 
 
@@ -278,11 +288,12 @@ def moe_permute_and_pad_with_probs(
     pads = target - counts
     pad_offsets = torch.cumsum(pads, 0) - pads
     if out_rows is None:
-        host = target.cpu()  # TE's size: on CUDA one synchronization
-        rows = int(host.sum())
+        host = counts.cpu()  # TE's size: on CUDA one synchronization (none for CPU counts)
+        host_target = (host + align_size - 1) // align_size * align_size
+        rows = int(host_target.sum())
         if not compiling() and host_check(check, inp):
-            _check_counts(op, routing_map, counts)
-        if not bool((pads != 0).any()):
+            _check_counts(op, routing_map, host)
+        if bool((host_target == host).all()):
             pad_offsets = None
     else:
         if not isinstance(out_rows, int) or isinstance(out_rows, bool) or out_rows < 0:
@@ -305,7 +316,7 @@ def moe_permute_and_pad_with_probs(
     _, _, dest = tp.plan_arrays(packed, t, e, e)
     shift = (pad_offsets if pad_offsets is not None else torch.zeros_like(target)).to(inp.device)
     row_id_map = tp.mask_row_id_map(dest.view(t, e), e, shift)
-    _keep(row_id_map, plan, True)
+    _keep(row_id_map, plan, True, rows)
     return out, moved, row_id_map, pad_offsets, target
 
 
@@ -364,14 +375,12 @@ def moe_unpermute(
         )
     if merging_probs is not None and tuple(merging_probs.shape) != (t, e):
         raise ValueError(f"{op}: merging_probs: expected shape [{t}, {e}], got {list(merging_probs.shape)}")
-    kept = None if compiling() else getattr(row_id_map, _ATTR, None)
     padded = pad_offsets is not None
-    if kept is not None and kept[1] == padded and kept[0].expert_capacity * kept[0].num_experts >= inp.shape[0]:
-        plan = kept[0]
-    elif padded:
+    plan = _kept(row_id_map, padded, inp.shape[0])
+    if plan is None and padded:
         dest = tp.mask_dest_from_map(row_id_map, pad_offsets)
         plan, _ = tp.padded_plan_from_dest(dest, pad_offsets, inp.shape[0])
-    else:
+    elif plan is None:
         dest = tp.mask_dest_from_map(row_id_map).reshape(-1)
         dest = torch.where(dest < inp.shape[0], dest, -1)
         plan = tp.row_plan(dest, None, (dest >= 0).sum(dtype=torch.int32), inp.shape[0], t, e)
@@ -396,10 +405,8 @@ def _unpermute_index(op, inp, row_id_map, merging_probs):
         warnings.warn(f"moe_unpermute: merging_probs is {merging_probs.dtype}; TE reads them as float32", stacklevel=3)
         merging_probs = merging_probs.to(torch.float32)
     t, k = merging_probs.shape
-    kept = None if compiling() else getattr(row_id_map, _ATTR, None)
-    if kept is not None and kept[0].top_k == k and kept[0].expert_capacity == rows:
-        plan = kept[0]
-    else:
+    plan = _kept(row_id_map, False, rows)
+    if plan is None or plan.top_k != k:
         dest = tp.index_dest_from_map(row_id_map, k)
         dest = torch.where(dest < rows, dest, -1)
         plan = tp.row_plan(dest, None, (dest >= 0).sum(dtype=torch.int32), rows, t, k)
