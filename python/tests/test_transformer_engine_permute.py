@@ -341,13 +341,21 @@ def test_index_probs_dtype_warns_and_grad_dtype():
 
 
 def test_empty_input():
-    x = torch.empty(0, 8)
+    x = torch.empty(0, 8, requires_grad=True)
     rmap = torch.zeros(0, 4, dtype=torch.bool)
     out, row_id_map = te.moe_permute(x, rmap, 0)
     assert out.shape == (0, 8) and row_id_map.dtype == torch.float32 and row_id_map.numel() == 0
-    out, moved, row_id_map = te.moe_permute_with_probs(x, torch.empty(0, 4), rmap, 0)
+    probs = torch.empty(0, 4, requires_grad=True)
+    out, moved, row_id_map = te.moe_permute_with_probs(x, probs, rmap, 0)
     assert moved.dtype == torch.float32 and moved.numel() == 0
-    assert te.moe_unpermute(x, row_id_map).shape == (0, 8)
+    # as in TE, the gradients are tensors: the input's passed through, probs' zero
+    torch.autograd.backward((out, moved), (torch.empty(0, 8), torch.empty(0)))
+    assert x.grad.shape == (0, 8) and probs.grad.shape == (0, 4)
+    merging = torch.empty(0, 4, requires_grad=True)
+    back = te.moe_unpermute(out.detach(), row_id_map, merging_probs=merging)
+    assert back.shape == (0, 8)
+    back.backward(torch.empty(0, 8))
+    assert merging.grad.shape == (0, 4)
 
 
 def test_deprecated_probs_keyword():

@@ -149,8 +149,31 @@ def _check_probs(op: str, probs, like: Tensor) -> None:
         raise ValueError(f"{op}: probs: expected a tensor on {like.device}, got {probs.device}")
 
 
+def _is_int(v) -> bool:
+    """A Python int (or the symbolic int torch.compile passes), not a bool."""
+    return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
+
+
 def _empty_float(inp: Tensor) -> Tensor:
     return torch.empty(0, dtype=torch.float32, device=inp.device)
+
+
+class _Empty(torch.autograd.Function):
+    """TE's empty-input result: ``(inp.clone(), float32 empty)``, the gradient passed through and
+    ``probs``' gradient zero (so that a caller reading ``probs.grad`` finds a tensor, as with TE)."""
+
+    @staticmethod
+    def forward(ctx, inp, probs):
+        ctx.probs_like = None if probs is None else (probs.shape, probs.dtype, probs.device)
+        return inp.clone(), _empty_float(inp)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_moved):
+        gp = None
+        if ctx.probs_like is not None and ctx.needs_input_grad[1]:
+            shape, dtype, device = ctx.probs_like
+            gp = torch.zeros(shape, dtype=dtype, device=device)
+        return grad, gp
 
 
 def _keep(row_id_map: Tensor, plan, padded: bool, rows: int) -> None:
@@ -169,7 +192,7 @@ def _kept(row_id_map: Tensor, padded: bool, rows: int):
 
 
 def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
-    if not isinstance(num_out_tokens, int) or isinstance(num_out_tokens, bool) or num_out_tokens <= 0:
+    if not _is_int(num_out_tokens) or num_out_tokens <= 0:
         raise ValueError(
             f"{op}: num_out_tokens: the mask map needs the output's rows (> 0), got {num_out_tokens!r}; "
             "pass int(routing_map.sum()) or num_tokens * top_k"
@@ -214,12 +237,12 @@ def moe_permute(
         out, _, row_id_map = _mask_permute(op, inp, routing_map, num_out_tokens, None)
         return out, row_id_map
     _check_map(op, inp, routing_map, "index")
-    if not isinstance(num_out_tokens, int) or isinstance(num_out_tokens, bool) or num_out_tokens < 0:
+    if not _is_int(num_out_tokens) or num_out_tokens < 0:
         raise ValueError(f"{op}: num_out_tokens: expected an int >= 0 (0: all T*K), got {num_out_tokens!r}")
     t, k = routing_map.shape
     rows = num_out_tokens if num_out_tokens > 0 else t * k
     if num_experts is not None:
-        if not isinstance(num_experts, int) or num_experts < 1:
+        if not _is_int(num_experts) or num_experts < 1:
             raise ValueError(f"{op}: num_experts: expected an int >= 1, got {num_experts!r}")
         if not compiling() and host_check(check, inp):
             _check_index(op, routing_map, num_experts)
@@ -251,7 +274,8 @@ def moe_permute_with_probs(
     op = "moe_permute_with_probs"
     _check_rows(op, inp)
     if inp.numel() == 0:
-        return inp.clone(), _empty_float(inp), _empty_float(inp)
+        out, moved = _Empty.apply(inp, probs if isinstance(probs, Tensor) else None)
+        return out, moved, _empty_float(inp)
     return _mask_permute(op, inp, routing_map, num_out_tokens, probs)
 
 
@@ -275,7 +299,7 @@ def moe_permute_and_pad_with_probs(
     op = "moe_permute_and_pad_with_probs"
     if tokens_per_expert is None:
         raise ValueError(f"{op}: tokens_per_expert: must be given (the count of each expert)")
-    if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size <= 0:
+    if not _is_int(align_size) or align_size <= 0:
         raise ValueError(f"{op}: align_size: expected an int > 0, got {align_size!r}")
     _check_rows(op, inp)
     _check_map(op, inp, routing_map)
@@ -296,7 +320,7 @@ def moe_permute_and_pad_with_probs(
         if bool((host_target == host).all()):
             pad_offsets = None
     else:
-        if not isinstance(out_rows, int) or isinstance(out_rows, bool) or out_rows < 0:
+        if not _is_int(out_rows) or out_rows < 0:
             raise ValueError(f"{op}: out_rows: expected an int >= 0, got {out_rows!r}")
         rows = out_rows
         if not compiling() and host_check(check, inp):
@@ -304,7 +328,8 @@ def moe_permute_and_pad_with_probs(
     target = target.to(inp.device)
     pad_offsets = None if pad_offsets is None else pad_offsets.to(inp.device)
     if inp.numel() == 0:
-        return inp.clone(), _empty_float(inp), _empty_float(inp), pad_offsets, target
+        out, moved = _Empty.apply(inp, probs)
+        return out, moved, _empty_float(inp), pad_offsets, target
     plan, full_rows, packed = tp.padded_mask_plan(routing_map, align_size, rows)
     t = routing_map.shape[0]
     a = t * e
@@ -357,7 +382,7 @@ def moe_unpermute(
         raise ValueError(f"{op}: map_type: expected 'mask' or 'index', got {map_type!r}")
     _check_rows(op, inp)
     if inp.numel() == 0:
-        return inp.clone()
+        return _Empty.apply(inp, merging_probs if isinstance(merging_probs, Tensor) else None)[0]
     if not isinstance(row_id_map, Tensor):
         raise TypeError(f"{op}: row_id_map: expected a torch tensor, got {type(row_id_map).__name__}")
     if map_type == "index":
