@@ -393,5 +393,124 @@ TEST(MakePlan, ThreadCountDoesNotChangeThePlan) {
   }
 }
 
+
+// vLLM's batched_moe_align_block_size against the reference loops: E = 0, counts 0 and at the
+// maximum, block_size 1 and larger than max_tokens, int32 and int64 counts, one thread and several.
+// Every entry of the poisoned _out buffers is written.
+TEST(BatchedAlignBlocks, MatchesReference) {
+  Rng rng(17);
+  for (const int E : {0, 1, 3, 64, 300}) {
+    for (const int max_tokens : {0, 1, 13, 16, 512}) {
+      for (const int block : {1, 8, 16, 64, 600}) {
+        std::vector<int64_t> counts(static_cast<size_t>(E));
+        for (int e = 0; e < E; ++e) {
+          const int64_t r = rng.below(4);  // 0, the maximum, or anything between
+          counts[static_cast<size_t>(e)] = r == 0 ? 0 : (r == 1 ? max_tokens : rng.below(max_tokens + 1));
+        }
+        const ref::AlignedBlocks want = ref::batched_moe_align_block_size(counts, max_tokens, block);
+        const int64_t n = static_cast<int64_t>(want.sorted_token_ids.size());
+        ASSERT_EQ(n, (max_tokens + block - 1) / block * block * E);
+        for (const DType idx : {DType::kInt32, DType::kInt64}) {
+          for (const int threads : {1, 4}) {
+            SCOPED_TRACE("E " + std::to_string(E) + " max_tokens " + std::to_string(max_tokens) + " block " +
+                         std::to_string(block) + (idx == DType::kInt64 ? " int64" : " int32") + " threads " +
+                         std::to_string(threads));
+            const Tensor c = index_tensor(counts, idx);
+            Tensor sorted = poison_index(n), blocks = poison_index(n / block), post = poison_index(1);
+            padmoe::Options o;
+            o.num_threads = threads;
+            padmoe::batched_moe_align_block_size_out(c, max_tokens, block, sorted, blocks, post, o);
+            EXPECT_EQ(index_to_vec(sorted), want.sorted_token_ids);
+            EXPECT_EQ(index_to_vec(blocks), want.expert_ids);
+            EXPECT_EQ(index_to_vec(post), std::vector<int64_t>{want.num_tokens_post_padded});
+          }
+        }
+        const padmoe::AlignedBlocks got =
+            padmoe::batched_moe_align_block_size(index_tensor(counts, DType::kInt32), max_tokens, block);
+        EXPECT_EQ(index_to_vec(got.sorted_token_ids), want.sorted_token_ids);
+        EXPECT_EQ(index_to_vec(got.expert_ids), want.expert_ids);
+        EXPECT_EQ(index_to_vec(got.num_tokens_post_padded), std::vector<int64_t>{want.num_tokens_post_padded});
+      }
+    }
+  }
+}
+
+TEST(BatchedAlignBlocks, HandExample) {
+  // counts {3, 0, 16, 5}, max_tokens 16, block 8: runs of 8, 0, 16 and 8 entries; sentinel 4 * 16 = 64
+  const Tensor c = index_tensor({3, 0, 16, 5}, DType::kInt64);
+  const padmoe::AlignedBlocks r = padmoe::batched_moe_align_block_size(c, 16, 8);
+  std::vector<int64_t> want(64, 64);
+  for (int j = 0; j < 3; ++j) want[static_cast<size_t>(j)] = j;
+  for (int j = 0; j < 16; ++j) want[static_cast<size_t>(8 + j)] = 32 + j;
+  for (int j = 0; j < 5; ++j) want[static_cast<size_t>(24 + j)] = 48 + j;
+  EXPECT_EQ(index_to_vec(r.sorted_token_ids), want);
+  EXPECT_EQ(index_to_vec(r.expert_ids), (std::vector<int64_t>{0, 2, 2, 3, -1, -1, -1, -1}));
+  EXPECT_EQ(index_to_vec(r.num_tokens_post_padded), std::vector<int64_t>{32});
+  // E = 0: empty outputs, a padded total of 0 (any max_tokens and block_size)
+  const padmoe::AlignedBlocks z = padmoe::batched_moe_align_block_size(index_tensor({}, DType::kInt32), 1 << 30, 7);
+  EXPECT_EQ(z.sorted_token_ids.view().numel(), 0);
+  EXPECT_EQ(z.expert_ids.view().numel(), 0);
+  EXPECT_EQ(index_to_vec(z.num_tokens_post_padded), std::vector<int64_t>{0});
+  // max_tokens 0: no entries, every count must be 0
+  const padmoe::AlignedBlocks m0 = padmoe::batched_moe_align_block_size(index_tensor({0, 0, 0}, DType::kInt32), 0, 4);
+  EXPECT_EQ(m0.sorted_token_ids.view().numel(), 0);
+  EXPECT_EQ(index_to_vec(m0.num_tokens_post_padded), std::vector<int64_t>{0});
+}
+
+TEST(BatchedAlignBlocks, BadInputNamesTheArgumentAndWritesNothing) {
+  const char* op = "batched_moe_align_block_size";
+  const int kValue = static_cast<int>(padmoe::ErrorKind::kValue), kType = static_cast<int>(padmoe::ErrorKind::kType);
+  for (const DType idx : {DType::kInt32, DType::kInt64}) {
+    for (const auto& bad : {std::make_pair(std::vector<int64_t>{3, 17, -1}, "entry 1 is 17"),
+                            std::make_pair(std::vector<int64_t>{3, -1, 17}, "entry 1 is -1"),
+                            std::make_pair(std::vector<int64_t>{0, 0, 0, 16, 0, 0, 99}, "entry 6 is 99")}) {
+      const Tensor c = index_tensor(bad.first, idx);
+      const int64_t n = 16 * static_cast<int64_t>(bad.first.size());
+      Tensor sorted = poison_index(n), blocks = poison_index(n / 8), post = poison_index(1);
+      EXPECT_TRUE(throws_error(
+          [&] { padmoe::batched_moe_align_block_size_out(c, 16, 8, sorted, blocks, post); },
+          {std::string(op) + ": expert_num_tokens: " + bad.second + ", outside [0, max_tokens_per_batch = 16]"},
+          kValue));
+      EXPECT_TRUE(all_bytes_are(sorted, kIndexPoison));
+      EXPECT_TRUE(all_bytes_are(blocks, kIndexPoison));
+      EXPECT_TRUE(all_bytes_are(post, kIndexPoison));
+    }
+  }
+  const Tensor c = index_tensor({3, 0, 5}, DType::kInt32);
+  EXPECT_TRUE(throws_error([&] { padmoe::batched_moe_align_block_size(c, 16, 0); },
+                           {std::string(op) + ": block_size: must be >= 1, got 0"}, kValue));
+  EXPECT_TRUE(throws_error([&] { padmoe::batched_moe_align_block_size(c, -1, 8); },
+                           {std::string(op) + ": max_tokens_per_batch: must be >= 0, got -1"}, kValue));
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::batched_moe_align_block_size(index_tensor({1, 4}, DType::kInt32), 0, 8); },
+      {std::string(op) + ": expert_num_tokens: entry 0 is 1, outside [0, max_tokens_per_batch = 0]"}, kValue));
+  const Tensor f = Tensor::empty(DType::kFloat32, {3});
+  EXPECT_TRUE(throws_error([&] { padmoe::batched_moe_align_block_size(f, 16, 8); },
+                           {op, "expert_num_tokens", "expected int32 or int64"}, kType));
+  const Tensor c2 = index_matrix({3, 0, 5, 1}, 2, 2, DType::kInt32);
+  EXPECT_TRUE(throws_error([&] { padmoe::batched_moe_align_block_size(c2, 16, 8); },
+                           {op, "expert_num_tokens", "expected a 1-D tensor"}, kValue));
+  // N = 2^31 entries: one past the int32 outputs
+  const Tensor wide = Tensor::empty(DType::kInt32, {int64_t{1} << 16});
+  EXPECT_TRUE(throws_error([&] { padmoe::batched_moe_align_block_size(wide, 1 << 15, 8); },
+                           {op, "sorted_ids", "size overflow"}, kValue));
+  // output sizes, dtypes and aliasing
+  Tensor sorted = poison_index(48), blocks = poison_index(6), post = poison_index(1);
+  Tensor short_sorted = poison_index(40), long_blocks = poison_index(7), two = poison_index(2);
+  EXPECT_TRUE(throws_error([&] { padmoe::batched_moe_align_block_size_out(c, 16, 8, short_sorted, blocks, post); },
+                           {op, "sorted_ids", "needs 48 entries, got 40"}, kValue));
+  EXPECT_TRUE(throws_error([&] { padmoe::batched_moe_align_block_size_out(c, 16, 8, sorted, long_blocks, post); },
+                           {op, "block_ids", "needs 6 entries, got 7"}, kValue));
+  EXPECT_TRUE(throws_error([&] { padmoe::batched_moe_align_block_size_out(c, 16, 8, sorted, blocks, two); },
+                           {op, "num_tokens_post_pad"}, kValue));
+  const Tensor f48 = Tensor::empty(DType::kFloat32, {48});
+  EXPECT_TRUE(throws_error([&] { padmoe::batched_moe_align_block_size_out(c, 16, 8, f48, blocks, post); },
+                           {op, "sorted_ids", "expected int32"}, kType));
+  const TensorView head = TensorView::contiguous(sorted.data(), DType::kInt32, {6});
+  EXPECT_TRUE(throws_error([&] { padmoe::batched_moe_align_block_size_out(c, 16, 8, sorted, head, post); },
+                           {op, "block_ids: shares memory with sorted_ids"}, kValue));
+  EXPECT_TRUE(all_bytes_are(sorted, kIndexPoison));
+}
+
 }  // namespace
 }  // namespace pt

@@ -260,6 +260,29 @@ void moe_align_block_size_out(const TensorView& top_experts, int block_size, int
                               const TensorView& expert_ids, const TensorView& num_tokens_post_padded,
                               const Options& options = {});
 
+// vLLM's batched_moe_align_block_size(max_tokens_per_batch, block_size,
+// expert_num_tokens) for the batched layout, where expert e's tokens are the
+// rows e * max_tokens_per_batch + j, j < expert_num_tokens[e]. With E experts
+// and N = ceil(max_tokens_per_batch / block_size) * block_size * E:
+//   sorted_ids [N]: expert e's row ids in ascending order, its run padded to a
+//     multiple of block_size, the runs back to back in expert order; every
+//     other entry the sentinel E * max_tokens_per_batch;
+//   block_ids [N / block_size]: each block's expert, -1 for the blocks past
+//     the runs;
+//   num_tokens_post_pad [1]: the padded total (0 when E = 0).
+// expert_num_tokens: [E] int32/int64, every count in [0, max_tokens_per_batch]
+// (checked on the CPU always, on CUDA with check_data: one synchronization;
+// unchecked, a count outside that range reads as clamped into it). Outputs
+// int32, exactly these sizes, on the counts' device; every entry is written.
+// On CUDA unchecked: no host synchronization (capturable in a CUDA graph).
+void batched_moe_align_block_size_out(const TensorView& expert_num_tokens, int max_tokens_per_batch, int block_size,
+                                      const TensorView& sorted_ids, const TensorView& block_ids,
+                                      const TensorView& num_tokens_post_pad, const Options& options = {});
+// The allocating form: (sorted_ids, block_ids, num_tokens_post_pad) as AlignedBlocks'
+// (sorted_token_ids, expert_ids, num_tokens_post_padded).
+AlignedBlocks batched_moe_align_block_size(const TensorView& expert_num_tokens, int max_tokens_per_batch,
+                                           int block_size, const Options& options = {});
+
 // ---------------------------------------------------------------------------
 // 2. MegaBlocks family (input in token order)
 // ---------------------------------------------------------------------------

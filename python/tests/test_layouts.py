@@ -397,3 +397,51 @@ def test_batched_moe_align_block_size_compiles_and_checks():
         pt.batched_moe_align_block_size(16, 0, counts)
     s, b, n = pt.batched_moe_align_block_size(16, 8, torch.zeros(0, dtype=torch.int32))
     assert s.numel() == 0 and b.numel() == 0 and n.tolist() == [0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_moe_align_block_size_operator(device):
+    """One native operator: its schema and fake kernel agree with it (opcheck); block_size 1 and past
+    max_tokens_per_batch, max_tokens_per_batch 0, no experts and int64 counts match the loops. Bad
+    counts raise on the CPU whatever ``check`` says, on CUDA when checked; unchecked on CUDA they
+    read as clamped into [0, max_tokens_per_batch]."""
+    op = torch.ops.padmoe.batched_moe_align_block_size.default
+    for max_tokens, block, counts in ((16, 1, [3, 0, 16]), (5, 64, [5, 0, 2, 5]), (0, 4, [0, 0]), (7, 3, [])):
+        c = torch.tensor(counts, dtype=torch.int64, device=device)
+        got = pt.batched_moe_align_block_size(max_tokens, block, c)
+        assert [t.cpu().tolist() for t in got] == list(ref_batched_align(max_tokens, block, counts))
+        torch.library.opcheck(op, (c, max_tokens, block, 1), test_utils=("test_schema", "test_faketensor"))
+    bad = torch.tensor([3, 17, -1], dtype=torch.int32, device=device)
+    message = (
+        r"batched_moe_align_block_size: expert_num_tokens: entry 1 is 17, outside \[0, max_tokens_per_batch = 16\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        pt.batched_moe_align_block_size(16, 8, bad, check=True)
+    if device == "cpu":
+        with pytest.raises(ValueError, match=message):
+            pt.batched_moe_align_block_size(16, 8, bad, check=False)
+    else:
+        got = pt.batched_moe_align_block_size(16, 8, bad, check=False)
+        assert [t.cpu().tolist() for t in got] == list(ref_batched_align(16, 8, [3, 16, 0]))
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA")
+@pytest.mark.parametrize("E", [8, 5000])  # the one-launch form and the two-launch one
+def test_batched_moe_align_block_size_captures_in_a_cuda_graph(E):
+    """check=None reads no data while capturing: the op captures, and replays follow new counts."""
+    g = torch.Generator().manual_seed(E)
+    counts = torch.randint(0, 25, (E,), generator=g, dtype=torch.int32).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture
+        pt.batched_moe_align_block_size(24, 16, counts)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pt.batched_moe_align_block_size(24, 16, counts)
+    for seed in (1, 2):
+        new = torch.randint(0, 25, (E,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+        counts.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert [t.cpu().tolist() for t in out] == list(ref_batched_align(24, 16, new.tolist()))

@@ -97,6 +97,16 @@ void gather_rows(const RowsRef& src, const int32_t* map, Scale s, bool scale_by_
 void chunk_map(const int64_t* row_begin, const int64_t* src_begin, const int64_t* size, int64_t num_chunks,
                int64_t padded_rows, int32_t* map, int64_t map_len, int threads);
 
+// vLLM's batched layout (batched_moe_align_block_size) from validated counts
+// (`counts`: [E] int32, or int64 when wide, each in [0, max_tokens]) and their
+// padded inclusive ends (ends[e] = sum over e' <= e of round_up(counts[e'],
+// block_size)): sorted_ids[entries] and block_ids[entries / block_size]
+// (entries a multiple of block_size, at least ends[E-1]). Each worker owns a
+// contiguous range of blocks; a block lies inside one expert's run or past
+// them all, because every end is a multiple of block_size.
+void batched_align_blocks(const void* counts, bool wide, const int32_t* ends, int64_t num_experts, int max_tokens,
+                          int block_size, int64_t entries, int32_t* sorted_ids, int32_t* block_ids, int threads);
+
 // dst = src for `bytes` bytes, split into contiguous per-worker chunks;
 // large copies use streaming stores.
 void copy_bytes(void* dst, const void* src, int64_t bytes, int threads);

@@ -172,6 +172,16 @@ void pad_map(IndexRef counts, int num_experts, int alignment, int64_t map_len, i
 // inverse[n] = p for map[p] == n, else -1 (n < original_size).
 void invert_map(IndexRef map, int64_t map_len, int64_t original_size, int32_t* inverse, void* stream);
 
+// --- vLLM's batched layout (batched_moe_align_block_size) -----------------------------
+// sorted_ids[entries], block_ids[entries / block_size] and *post from the counts, each read as
+// clamped into [0, max_tokens] (unchecked bad counts then give a valid layout, never a write past
+// the outputs); entries = round_up(max_tokens, block_size) * num_experts (< 2^31). One launch for
+// E <= 4096 (every block scans the counts in shared memory); two above (a one-block scan into
+// workspace, then the layout). entries == 0: *post = 0 only (num_experts may then pass 2^31).
+size_t batched_align_workspace_bytes(int64_t num_experts);
+void batched_align_blocks(IndexRef counts, int64_t num_experts, int max_tokens, int block_size, int64_t entries,
+                          int32_t* sorted_ids, int32_t* block_ids, int32_t* post, void* workspace, void* stream);
+
 // --- checked mode -------------------------------------------------------------------
 // Each returns 0 when valid, else an error code (below) with the first
 // offending position in *pos and details in *v1 / *v2 (read back on the host;
@@ -194,6 +204,7 @@ enum ValidateCode : int {
   kPlanDestRows = 14,          // pos: a, v1: dest row
   kPlanRowSources = 15,        // pos: row, v1: value
   kExpertMapOutOfRange = 16,   // pos: global id, v1: entry
+  kCountOutOfRange = 17,       // pos: e, v1: count (outside [0, limit])
 };
 struct Violation {
   int code = kOk;
@@ -213,6 +224,8 @@ Violation validate_plan(const PlanView& plan, int64_t output_rows, void* workspa
 Violation validate_counts(IndexRef counts, int num_experts, int alignment, int64_t rows, int64_t output_rows,
                           void* workspace, void* stream);
 Violation validate_map(IndexRef map, int64_t map_len, int64_t original_size, void* workspace, void* stream);
+// Every count in [0, limit] (kCountOutOfRange at the first one outside); workspace: validate_workspace_bytes(0).
+Violation validate_count_range(IndexRef counts, int64_t num_experts, int64_t limit, void* workspace, void* stream);
 
 // --- chunk sort (sort_chunks) ------------------------------------------------------
 // The layout of C = num_chunks chunks (src/cuda/chunks.cu): a single-block

@@ -60,6 +60,10 @@ void gather_rows_dots(const RowsArg&, IndexRef, ScaleArg, const RowsArg&, int64_
 }
 void pad_map(IndexRef, int, int, int64_t, int64_t, int32_t*, int32_t*, void*, void*) { unavailable("pad_map"); }
 void invert_map(IndexRef, int64_t, int64_t, int32_t*, void*) { unavailable("invert_map"); }
+size_t batched_align_workspace_bytes(int64_t) { return 0; }
+void batched_align_blocks(IndexRef, int64_t, int, int, int64_t, int32_t*, int32_t*, int32_t*, void*, void*) {
+  unavailable("batched_moe_align_block_size");
+}
 Violation validate_top_experts(IndexRef, int64_t, int, void*, void*) { unavailable("validate"); }
 Violation validate_routing_ids(IndexRef, int64_t, int64_t, bool, IndexRef, int, void*, void*) {
   unavailable("validate");
@@ -70,6 +74,7 @@ Violation validate_sorted_routing(IndexRef, IndexRef, IndexRef, IndexRef, int64_
 Violation validate_plan(const PlanView&, int64_t, void*, void*) { unavailable("validate"); }
 Violation validate_counts(IndexRef, int, int, int64_t, int64_t, void*, void*) { unavailable("validate"); }
 Violation validate_map(IndexRef, int64_t, int64_t, void*, void*) { unavailable("validate"); }
+Violation validate_count_range(IndexRef, int64_t, int64_t, void*, void*) { unavailable("validate"); }
 bool chunk_layout(IndexRef, IndexRef, int64_t, int, int, int64_t, void*, void*, int64_t, int32_t*, int32_t*) {
   unavailable("chunk_layout");
   return false;

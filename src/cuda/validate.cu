@@ -117,6 +117,14 @@ __global__ void counts_kernel(IndexRef counts, int num_experts, int alignment, u
   });
 }
 
+__global__ void count_range_kernel(IndexRef counts, int64_t n, int64_t limit, Key* key) {
+  pdl_begin();
+  grid_loop(n, [&](int64_t e) {
+    const int64_t v = load_index(counts, e);
+    if (v < 0 || v > limit) report(key, kCountOutOfRange, e);
+  });
+}
+
 __global__ void map_kernel(IndexRef map, int64_t map_len, int64_t original_size, int* seen, Key* key) {
   pdl_begin();
   grid_loop(map_len, [&](int64_t p) {
@@ -298,6 +306,19 @@ Violation validate_map(IndexRef map, int64_t map_len, int64_t original_size, voi
   Violation v = finish(l, s);
   if (v.code == kMapOutOfRange) v.v1 = read_index(map, v.pos, s);
   if (v.code == kMapRepeated) v.v1 = v.pos;
+  return v;
+}
+
+Violation validate_count_range(IndexRef counts, int64_t num_experts, int64_t limit, void* workspace, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  const Layout l = layout(workspace);
+  begin(l, 0, s);
+  if (num_experts > 0) {
+    launch_kernel("count_range_kernel", count_range_kernel, blocks_for(num_experts), 256, 0, s, counts, num_experts,
+                  limit, l.key);
+  }
+  Violation v = finish(l, s);
+  if (v.code == kCountOutOfRange) v.v1 = read_index(counts, v.pos, s);
   return v;
 }
 

@@ -419,6 +419,25 @@ AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int 
   return r;
 }
 
+AlignedBlocks batched_moe_align_block_size(const std::vector<int64_t>& counts, int64_t max_tokens, int block_size) {
+  const int64_t experts = static_cast<int64_t>(counts.size());
+  const int64_t size = up(max_tokens, block_size) * experts;
+  AlignedBlocks r;
+  r.sorted_token_ids.assign(static_cast<size_t>(size), experts * max_tokens);
+  r.expert_ids.assign(static_cast<size_t>(size / block_size), -1);
+  int64_t start = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t n = counts[static_cast<size_t>(e)];
+    require(n >= 0 && n <= max_tokens, "count outside [0, max_tokens]");
+    for (int64_t j = 0; j < n; ++j) r.sorted_token_ids[static_cast<size_t>(start + j)] = e * max_tokens + j;
+    const int64_t end = start + up(n, block_size);
+    for (int64_t b = start / block_size; b < end / block_size; ++b) r.expert_ids[static_cast<size_t>(b)] = e;
+    start = end;
+  }
+  r.num_tokens_post_padded = start;
+  return r;
+}
+
 std::vector<uint8_t> move_scale_rows(const std::vector<uint8_t>& src, int64_t row_bytes,
                                      const std::vector<int64_t>& sources, const std::vector<uint8_t>& one) {
   require(static_cast<int64_t>(one.size()) == row_bytes, "one must hold one scale row");

@@ -125,6 +125,10 @@ struct AlignedBlocks {
 // (vLLM's ignore_invalid_experts): assignments counted under expert_map[e], none where it is -1.
 AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int block_size, int num_experts,
                                    bool pad_sorted_ids, const std::vector<int64_t>* expert_map = nullptr);
+// vLLM's batched_moe_align_block_size: expert e's rows e * max_tokens + j (j < counts[e]) back to
+// back, each run padded to whole blocks of block_size; the sentinel E * max_tokens elsewhere in the
+// ceil(max_tokens / block_size) * block_size * E entries, block id -1 for the blocks past the runs.
+AlignedBlocks batched_moe_align_block_size(const std::vector<int64_t>& counts, int64_t max_tokens, int block_size);
 
 // Scales moved with the rows (ops.hpp section 4), on raw bytes: scale row r
 // of the output (row_bytes bytes) is source row sources[r] of `src`, or the

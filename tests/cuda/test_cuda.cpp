@@ -1157,6 +1157,80 @@ TEST(CpuVsGpuEdge, PlanLayoutsAndAlignedBlocks) {
   }
 }
 
+// vLLM's batched layout (batched_moe_align_block_size): the GPU bitwise against the CPU backend and
+// the reference, checked and unchecked, int32 and int64 counts, over the one-launch form (E <= 4096)
+// and the two-launch one (E = 5000), E = 0, max_tokens 0, block_size 1 and larger than max_tokens.
+// Checked mode names the first bad count as the CPU does and writes nothing; unchecked mode reads a
+// bad count as clamped into [0, max_tokens].
+TEST(CpuVsGpuEdge, BatchedAlignBlocks) {
+  REQUIRE_GPU();
+  struct Case {
+    int E, max_tokens, block;
+  };
+  Rng rng(23);
+  for (const Case c : {Case{0, 16, 8}, Case{1, 13, 16}, Case{8, 16, 8}, Case{7, 5, 64}, Case{64, 100, 1},
+                       Case{32, 512, 64}, Case{256, 1024, 16}, Case{4096, 64, 16}, Case{5000, 24, 16}, Case{3, 0, 4}}) {
+    SCOPED_TRACE("E=" + std::to_string(c.E) + " max_tokens=" + std::to_string(c.max_tokens) +
+                 " block=" + std::to_string(c.block));
+    std::vector<int64_t> counts(static_cast<size_t>(c.E));
+    for (int64_t& n : counts) {
+      const int64_t r = rng.below(4);  // 0, the maximum, or anything between
+      n = r == 0 ? 0 : (r == 1 ? c.max_tokens : rng.below(c.max_tokens + 1));
+    }
+    const ref::AlignedBlocks want = ref::batched_moe_align_block_size(counts, c.max_tokens, c.block);
+    const int64_t n = static_cast<int64_t>(want.sorted_token_ids.size());
+    for (const DType idx : {DType::kInt32, DType::kInt64}) {
+      const Tensor hc = index_tensor(counts, idx);
+      const padmoe::AlignedBlocks cpu = padmoe::batched_moe_align_block_size(hc, c.max_tokens, c.block);
+      const Tensor dc = to_gpu(hc);
+      for (const bool checked : {true, false}) {
+        SCOPED_TRACE(std::string(idx == DType::kInt64 ? "int64" : "int32") + (checked ? " checked" : " unchecked"));
+        padmoe::Options o;
+        o.check_data = checked;
+        Tensor sorted = gpu_poison_index(n), blocks = gpu_poison_index(n / c.block), post = gpu_poison_index(1);
+        padmoe::batched_moe_align_block_size_out(dc, c.max_tokens, c.block, sorted, blocks, post, o);
+        EXPECT_TRUE(all_same(to_cpu(sorted), cpu.sorted_token_ids));
+        EXPECT_TRUE(all_same(to_cpu(blocks), cpu.expert_ids));
+        EXPECT_TRUE(all_same(to_cpu(post), cpu.num_tokens_post_padded));
+        EXPECT_EQ(index_to_vec(to_cpu(sorted)), want.sorted_token_ids);
+        EXPECT_EQ(index_to_vec(to_cpu(blocks)), want.expert_ids);
+        EXPECT_EQ(index_to_vec(to_cpu(post)), std::vector<int64_t>{want.num_tokens_post_padded});
+      }
+      const padmoe::AlignedBlocks gpu = padmoe::batched_moe_align_block_size(dc, c.max_tokens, c.block);
+      EXPECT_TRUE(all_same(to_cpu(gpu.sorted_token_ids), cpu.sorted_token_ids));
+      EXPECT_TRUE(all_same(to_cpu(gpu.expert_ids), cpu.expert_ids));
+    }
+  }
+  for (const int E : {3, 5000}) {  // both forms
+    SCOPED_TRACE("bad counts, E=" + std::to_string(E));
+    std::vector<int64_t> bad(static_cast<size_t>(E), 2);
+    bad[1] = 17;
+    bad[static_cast<size_t>(E) - 1] = -1;
+    std::vector<int64_t> clamped = bad;
+    clamped[1] = 16;
+    clamped[static_cast<size_t>(E) - 1] = 0;
+    const ref::AlignedBlocks want = ref::batched_moe_align_block_size(clamped, 16, 8);
+    const int64_t n = static_cast<int64_t>(want.sorted_token_ids.size());
+    for (const DType idx : {DType::kInt32, DType::kInt64}) {
+      const Tensor dc = to_gpu(index_tensor(bad, idx));
+      Tensor sorted = gpu_poison_index(n), blocks = gpu_poison_index(n / 8), post = gpu_poison_index(1);
+      EXPECT_TRUE(throws_error([&] { padmoe::batched_moe_align_block_size_out(dc, 16, 8, sorted, blocks, post); },
+                               {"batched_moe_align_block_size: expert_num_tokens: entry 1 is 17, outside [0, "
+                                "max_tokens_per_batch = 16]"},
+                               static_cast<int>(padmoe::ErrorKind::kValue)));
+      EXPECT_TRUE(all_bytes_are(to_cpu(sorted), kIndexPoison));
+      EXPECT_TRUE(all_bytes_are(to_cpu(blocks), kIndexPoison));
+      EXPECT_TRUE(all_bytes_are(to_cpu(post), kIndexPoison));
+      padmoe::Options o;
+      o.check_data = false;
+      padmoe::batched_moe_align_block_size_out(dc, 16, 8, sorted, blocks, post, o);
+      EXPECT_EQ(index_to_vec(to_cpu(sorted)), want.sorted_token_ids);
+      EXPECT_EQ(index_to_vec(to_cpu(blocks)), want.expert_ids);
+      EXPECT_EQ(index_to_vec(to_cpu(post)), std::vector<int64_t>{want.num_tokens_post_padded});
+    }
+  }
+}
+
 // Options::zero_padding = false: the GPU's forward spreads leave padding rows unwritten (poison stays)
 // and write the real rows as the CPU does; backward grad_y still zeroes them.
 TEST(CpuVsGpuEdge, ZeroPaddingOff) {

@@ -123,6 +123,22 @@ std::vector<OpCase> op_table() {
                                     expect_index("expert_ids", d.out_block_ids_V, std::move(r.expert_ids)),
                                     expect_index("num_tokens_post_padded", d.out_post_1, {r.num_tokens_post_padded})};
        }});
+  // vLLM's batched layout over the plan's counts, max_tokens_per_batch = the largest count.
+  ops.push_back({"batched_moe_align_block_size",
+                 "E*4 + (B + B/m + 1)*4 (counts read; vLLM's batched outputs written; B = round_up(max count, m)*E)",
+                 [](const Dims& d) { return d.E * 4 + (d.B + d.B / d.m + 1) * 4; },
+                 [](Data& d) {
+                   batched_moe_align_block_size_out(d.tokens_per_expert, d.batched_max, d.w.m, d.out_batched_B,
+                                                    d.out_batched_blocks, d.out_batched_post_1, d.opt);
+                 },
+                 [](Data& d) {
+                   ref::AlignedBlocks r =
+                       ref::batched_moe_align_block_size(d.tokens_per_expert_ref, d.batched_max, d.w.m);
+                   return std::vector<Expect>{
+                       expect_index("sorted_ids", d.out_batched_B, std::move(r.sorted_token_ids)),
+                       expect_index("block_ids", d.out_batched_blocks, std::move(r.expert_ids)),
+                       expect_index("num_tokens_post_pad", d.out_batched_post_1, {r.num_tokens_post_padded})};
+                 }});
 
   // make_plan with PlanOptions (expert parallelism; a capacity with the probs drop policy), against
   // ref::make_plan(..., RoutingOptions).
@@ -468,7 +484,8 @@ Dims dims_of(const Data& d) {
               static_cast<double>(d.A),   static_cast<double>(d.P),
               static_cast<double>(d.R),   static_cast<double>(d.N),
               static_cast<double>(d.w.E), static_cast<double>(element_size(d.w.dtype)),
-              static_cast<double>(d.w.m), static_cast<double>(d.Pc)};
+              static_cast<double>(d.w.m), static_cast<double>(d.Pc),
+              static_cast<double>(d.B)};
 }
 
 // --ops: a comma-separated list of op names (all ops when absent).

@@ -19,6 +19,7 @@ namespace cli {
 struct Dims {
   double T, H, A, P, R, N, E, s, m;
   double Pc;  // sort_chunks' padded rows
+  double B;   // batched_moe_align_block_size's entries
 };
 
 struct OpCase {

@@ -167,6 +167,9 @@ std::vector<Tensor*> output_tensors(Data& d) {
           &d.out_sorted_V,
           &d.out_block_ids_V,
           &d.out_post_1,
+          &d.out_batched_B,
+          &d.out_batched_blocks,
+          &d.out_batched_post_1,
           &d.out_rows8_R,
           &d.out_scales_R,
           &d.out_e8m0_R,
@@ -300,6 +303,13 @@ Data build_data(const Workload& w, bool reference) {
   d.out_sorted_V = Tensor::empty(DType::kInt32, {V}, dev);
   d.out_block_ids_V = Tensor::empty(DType::kInt32, {(V + w.m - 1) / w.m}, dev);
   d.out_post_1 = Tensor::empty(DType::kInt32, {1}, dev);
+  d.batched_max = w.E > 0 ? *std::max_element(i32(d.tokens_per_expert), i32(d.tokens_per_expert) + w.E) : 0;
+  d.B = (d.batched_max + w.m - 1) / w.m * w.m * static_cast<int64_t>(w.E);
+  // past the int32 outputs the op's own size check reports it: no buffer of that size is made
+  const int64_t b_len = d.B <= std::numeric_limits<int32_t>::max() ? d.B : 0;
+  d.out_batched_B = Tensor::empty(DType::kInt32, {b_len}, dev);
+  d.out_batched_blocks = Tensor::empty(DType::kInt32, {b_len / w.m}, dev);
+  d.out_batched_post_1 = Tensor::empty(DType::kInt32, {1}, dev);
   d.out_rows8_R = Tensor::empty(DType::kFloat8E4M3, {R, H}, dev);
   d.out_scales_R = Tensor::empty(DType::kFloat32, {R, blocks}, dev);
   d.out_e8m0_R = Tensor::empty(DType::kUInt8, {R, (H + 31) / 32}, dev);

@@ -74,6 +74,11 @@ struct Data {
   Tensor out_offsets_E;  // [E] int32
   Tensor out_row_experts_R, out_block_experts, out_total_1;  // make_plan's layouts: [R], [ceil(R/m)], [1]
   Tensor out_sorted_V, out_block_ids_V, out_post_1;          // moe_align_block_size: [V], [ceil(V/m)], [1]
+  // batched_moe_align_block_size over tokens_per_expert with max_tokens_per_batch = the largest count
+  // (batched_max): B = round_up(batched_max, m) * E entries; [B], [B/m], [1]
+  int batched_max = 0;
+  int64_t B = 0;
+  Tensor out_batched_B, out_batched_blocks, out_batched_post_1;
   Tensor out_rows8_R, out_scales_R;  // [R, H] e4m3 and [R, ceil(H/128)] float32: dispatch(fp8+scales)
   Tensor out_e8m0_R;                 // [R, ceil(H/32)] uint8 E8M0: dispatch(quant-mxfp8)
   // make_plan with PlanOptions: rank 1's local experts of ep_ranks ([E/ep_ranks] plan), and an expert

@@ -45,6 +45,7 @@ OPERATORS = {
     "unpad_from_alignment_scaled": "unpad_from_alignment_scaled",
     "sort_chunks": "sort_chunks",
     "moe_align_block_size": "moe_align_block_size",
+    "batched_moe_align_block_size": "batched_moe_align_block_size",
 }
 
 # operators without an autograd rule, and why
@@ -56,6 +57,7 @@ NO_AUTOGRAD = {
     "unpad_from_alignment_backward": "a backward operator: double backward is not supported",
     "padded_scatter_wgrad": "MegaBlocks' weight-gradient kernel: itself a backward, not differentiable",
     "moe_align_block_size": "integer outputs only",
+    "batched_moe_align_block_size": "integer outputs only",
 }
 
 # The module's entry points hand calls they do not take as they are (tensor subclasses, torch

@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from padmoe._args import check_expert_map, int_arg, map_experts
+from padmoe._plan import INT32_MAX
 
 from ._common import Tensor, compiling, eager_mode, host_check, ops
 
@@ -70,21 +71,33 @@ def moe_align_block_size(
     return sorted_ids, expert_ids, post
 
 
+@torch.library.register_fake("padmoe::batched_moe_align_block_size")
+def _(expert_num_tokens, max_tokens_per_batch, block_size, check=2):
+    size = -(-max_tokens_per_batch // block_size) * block_size * expert_num_tokens.numel()
+    return (
+        expert_num_tokens.new_empty(size, dtype=torch.int32),
+        expert_num_tokens.new_empty(size // block_size, dtype=torch.int32),
+        expert_num_tokens.new_empty(1, dtype=torch.int32),
+    )
+
+
 def batched_moe_align_block_size(
     max_tokens_per_batch: int, block_size: int, expert_num_tokens: Tensor, *, check: Optional[bool] = None
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """vLLM's ``batched_moe_align_block_size(max_tokens_per_batch, block_size, expert_num_tokens)`` for
     the batched layout (expert e's tokens at rows ``e * max_tokens_per_batch + j``, ``j <
     expert_num_tokens[e]``) -> ``(sorted_ids, block_ids, num_tokens_post_pad)``, int32 on the counts'
-    device, in a few torch ops with no host synchronization when unchecked (graph-capturable).
+    device, from one native operator (no host synchronization when unchecked: graph-capturable;
+    static shapes under torch.compile).
 
     With ``N = ceil(max_tokens_per_batch / block_size) * block_size * E`` (``E =
     expert_num_tokens.numel()``): ``sorted_ids[N]`` holds each expert's row ids in order, its run
     padded to a multiple of ``block_size``, runs back to back, the sentinel ``E *
     max_tokens_per_batch`` elsewhere; ``block_ids[N / block_size]`` each block's expert, -1 past
-    the runs; ``num_tokens_post_pad[1]`` the padded total. Checked (eager, as ``check=None``
-    reads it; one synchronization on CUDA): every count in ``[0, max_tokens_per_batch]``, a
-    ``ValueError`` naming the first one outside (vLLM does not check)."""
+    the runs; ``num_tokens_post_pad[1]`` the padded total (0 when ``E = 0``). Every count must be in
+    ``[0, max_tokens_per_batch]`` (vLLM does not check): a ``ValueError`` names the first one outside,
+    always on the CPU, on CUDA when checked (eager, as ``check=None`` reads it; one
+    synchronization). Unchecked on CUDA, a count outside reads as clamped into that range."""
     op = "batched_moe_align_block_size"
     max_tokens = int_arg(op, "max_tokens_per_batch", max_tokens_per_batch, 0)
     block = int_arg(op, "block_size", block_size, 1)
@@ -97,35 +110,11 @@ def batched_moe_align_block_size(
             f"{op}: expert_num_tokens: expected int32 or int64, got "
             f"{str(expert_num_tokens.dtype).replace('torch.', '')}"
         )
-    e_count = expert_num_tokens.numel()
-    size = -(-max_tokens // block) * block * e_count
-    if size > 2**31 - 1:
+    size = -(-max_tokens // block) * block * expert_num_tokens.numel()
+    if size > INT32_MAX:
         raise ValueError(f"{op}: sorted_ids: size overflow: {size} entries do not fit the int32 outputs")
-    counts = expert_num_tokens.to(torch.int64)
-    if not compiling() and host_check(check, expert_num_tokens) and e_count:
-        bad = (counts < 0) | (counts > max_tokens)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"{op}: expert_num_tokens: entry {i} is {int(counts[i])}, outside "
-                f"[0, max_tokens_per_batch = {max_tokens}]"
-            )
-    device = expert_num_tokens.device
-    sentinel = e_count * max_tokens
-    if e_count == 0:
-        empty = torch.empty(0, dtype=torch.int32, device=device)
-        return empty, empty.clone(), torch.zeros(1, dtype=torch.int32, device=device)
-    # Block by block: ends are multiples of block_size, so every block lies in one expert's run (or
-    # past them all); only the final [blocks, block_size] fill touches N entries.
-    padded = (counts + (block - 1)) // block * block
-    ends = torch.cumsum(padded, 0)
-    first = torch.arange(0, size, block, dtype=torch.int64, device=device)  # each block's first position
-    owner = torch.searchsorted(ends, first, right=True)  # its expert (E past the runs)
-    mine = owner.clamp(max=e_count - 1)
-    offset = first - (ends - padded)[mine]  # the block's first position inside its expert's run
-    live = torch.where(owner < e_count, counts[mine] - offset, torch.zeros_like(offset))  # real rows in the block
-    lane = torch.arange(block, dtype=torch.int64, device=device)
-    ids = (mine * max_tokens + offset).unsqueeze(1) + lane
-    sorted_ids = torch.where(lane < live.unsqueeze(1), ids, sentinel).reshape(-1).to(torch.int32)
-    block_ids = torch.where(owner < e_count, owner, -1).to(torch.int32)
-    return sorted_ids, block_ids, ends[-1:].to(torch.int32)
+    # Where N > 0 both sizes are at most N; where N = 0 (no experts, or max_tokens_per_batch = 0)
+    # neither changes a result, so a larger one goes to the operator as INT32_MAX.
+    return ops.batched_moe_align_block_size.default(
+        expert_num_tokens, min(max_tokens, INT32_MAX), min(block, INT32_MAX), eager_mode(check)
+    )
