@@ -96,7 +96,6 @@ class _Permute(torch.autograd.Function):
         ctx.plan = (top_k, num_experts, capacity)
         ctx.probs_shape = None if probs is None else probs.shape
         ctx.save_for_backward(packed)
-        ctx.mark_non_differentiable(packed)
         return y, moved
 
     @staticmethod
