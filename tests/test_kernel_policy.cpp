@@ -152,6 +152,27 @@ TEST(KernelPolicy, ZeroRowsAndPrefetch) {
   EXPECT_FALSE(l2_prefetch(1, 1024, kSmall));  // no PDL: no wait to overlap
 }
 
+TEST(KernelPolicy, SpreadDots) {
+  EXPECT_FALSE(spread_dots_by_token(1));
+  EXPECT_FALSE(spread_dots_by_token(8));
+  EXPECT_TRUE(spread_dots_by_token(9));
+  EXPECT_TRUE(spread_dots_by_token(256));
+}
+
+// One tile of 32 tokens a block up to 4 blocks a multiprocessor (528 tiles on 132), then the grid
+// stays near that with more tiles a block.
+TEST(KernelPolicy, MaskPlan) {
+  EXPECT_EQ(mask_tiles_per_chunk(0, kH200), 1);
+  EXPECT_EQ(mask_tiles_per_chunk(256, kH200), 1);
+  EXPECT_EQ(mask_tiles_per_chunk(528 * 32, kH200), 1);
+  EXPECT_EQ(mask_tiles_per_chunk(528 * 32 + 1, kH200), 2);
+  EXPECT_EQ(mask_tiles_per_chunk(1 << 20, kH200), 63);  // 32768 tiles: 521 blocks
+  Device one;
+  one.sms = 1;
+  EXPECT_EQ(mask_tiles_per_chunk(4 * 32, one), 1);
+  EXPECT_EQ(mask_tiles_per_chunk(4 * 32 + 1, one), 2);
+}
+
 TEST(KernelPolicy, Chunks) {
   EXPECT_TRUE(chunk_map_fused(16384));
   EXPECT_FALSE(chunk_map_fused(16385));

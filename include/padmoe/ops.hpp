@@ -283,6 +283,31 @@ void batched_moe_align_block_size_out(const TensorView& expert_num_tokens, int m
 AlignedBlocks batched_moe_align_block_size(const TensorView& expert_num_tokens, int max_tokens_per_batch,
                                            int block_size, const Options& options = {});
 
+// A plan from a routing mask (TransformerEngine's mask map): routing_map [T, E]
+// uint8 (a bool tensor's bytes; nonzero = token t routed to expert e), the
+// assignment of (t, e) being a = t * E + e (top_k = E). Rows go expert-major,
+// tokens ascending within an expert, each expert's rows padded to a multiple of
+// `alignment`: dest(t, e) = pstart[e] + (tokens before t routed to e), where
+// pstart is the exclusive sum of the padded counts; a destination at or past
+// `rows` is dropped (-1), as is every unrouted pair. Outputs, int32, every entry
+// written:
+//   counts [4 * E]: tokens_per_expert, bins (inclusive sums), the padded counts,
+//     padded_bins (a plan's four [E] arrays; the counts before any drop); or,
+//     with one_bin (alignment 1 only), [4]: {kept, kept, rows, rows} with kept =
+//     min(routed, rows): the plan seen as one expert of capacity `rows`;
+//   dest_rows [T * E]: the destinations above;
+//   row_sources [S] (any S >= 0): the assignment whose destination is r, -1 for
+//     padding rows and rows past the routed ones;
+//   row_id_map [T, 2E + 1] (optional: unset skips it): TransformerEngine's mask
+//     row_id_map: per token the kept destinations in descending expert order,
+//     less the expert's padding offset (pstart[e] - the unpadded start), then
+//     those experts, the rest of both halves -1, and the count last.
+// T * E and rows at most INT32_MAX. No data checks (every mask is valid); on
+// CUDA no host synchronization, three launches (capturable in a CUDA graph).
+void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
+                   const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
+                   const Options& options = {});
+
 // ---------------------------------------------------------------------------
 // 2. MegaBlocks family (input in token order)
 // ---------------------------------------------------------------------------

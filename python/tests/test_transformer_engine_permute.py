@@ -325,6 +325,67 @@ def test_index_permute_unpermute(device, dtype, T, E, K, cut, minus):
     assert torch.equal(each.cpu().double(), torch.tensor(want_each))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "T,E,align,one_bin,cut",
+    [
+        (37, 8, 1, True, 1.0),
+        (37, 8, 1, True, 0.5),
+        (300, 40, 16, False, 1.0),
+        (65, 256, 128, False, 0.9),
+        (0, 4, 4, False, 1.0),
+    ],
+)
+def test_mask_plan_operator(device, T, E, align, one_bin, cut):
+    """torch.ops.padmoe.mask_plan, the native plan of the mask forms, against the loops: the packed
+    plan's counts, dest_rows and row_sources, TE's row_id_map (its rows unpadded), -1 in the unused
+    indices / bin_ids; int32 and uint8 maps read as bool; the fake kernel agrees (opcheck)."""
+    rng = np.random.default_rng(T * E + align)
+    routing = rng.random((T, E)) < 0.2
+    n = routing.sum(0)
+    padded = -(-n // align) * align
+    rows = int((n.sum() if one_bin else padded.sum()) * cut)
+    pstart = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    ustart = np.concatenate([[0], np.cumsum(n)[:-1]])
+    dst = -np.ones((T, E), dtype=np.int64)
+    for e in range(E):
+        ts = np.nonzero(routing[:, e])[0]
+        for i, t in enumerate(ts):
+            d = pstart[e] + i
+            dst[t, e] = d if d < rows else -1
+    bins = 1 if one_bin else E
+    cap = rows if one_bin else -(-rows // E)
+    src = -np.ones(bins * cap, dtype=np.int64)
+    for t, e in zip(*np.nonzero(dst >= 0)):
+        if dst[t, e] < src.size:
+            src[dst[t, e]] = t * E + e
+    kept = min(int(n.sum()), rows)
+    counts = [kept, kept, rows, rows] if one_bin else [*n, *np.cumsum(n), *padded, *np.cumsum(padded)]
+    want_map = ref_mask_row_id_map(np.where(dst >= 0, dst - (pstart - ustart)[None, :], -1))
+    a = T * E
+    for m in (torch.tensor(routing), torch.tensor(routing.astype(np.int32)), torch.tensor(routing.astype(np.uint8))):
+        m = m.to(device)
+        packed, row_id_map = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True)
+        got = packed.cpu().long().numpy()
+        assert got.size == 3 * a + 4 * bins + bins * cap
+        assert (got[: 2 * a] == -1).all()
+        assert got[2 * a : 2 * a + 4 * bins].tolist() == [int(v) for v in counts]
+        assert (got[2 * a + 4 * bins : 3 * a + 4 * bins] == dst.reshape(-1)).all()
+        assert (got[3 * a + 4 * bins :] == src).all()
+        assert (row_id_map.cpu().long().numpy() == want_map).all()
+    torch.library.opcheck(
+        torch.ops.padmoe.mask_plan.default,
+        (m, rows, align, one_bin, True),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    _, none = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, False)
+    assert none.shape == (0, 0)
+    with pytest.raises(TypeError, match="mask_plan: routing_map: expected a bool or integer tensor"):
+        torch.ops.padmoe.mask_plan(m.float(), rows, align, one_bin, True)
+    with pytest.raises(ValueError, match="mask_plan: alignment: one_bin needs alignment 1"):
+        torch.ops.padmoe.mask_plan(m, rows, 2, True, True)
+
+
 def test_index_probs_dtype_warns_and_grad_dtype():
     T, E, K, H = 16, 4, 2, 8
     idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()

@@ -123,6 +123,12 @@ inline SpreadKernel spread_kernel(int64_t tokens, int64_t units, int top_k, cons
   return short_rows && tokens >= 16 * static_cast<int64_t>(d.sms) ? SpreadKernel::kWarp : SpreadKernel::kBlock;
 }
 
+// The spread with dots (combine_backward with weights, gather_backward's weight gradient): a warp
+// an assignment up to top_k 8, a block a token above, where each token stages only its live
+// assignments (a mask plan's K = E slots: E = 256 launches T * 256 warps the other way, nearly all
+// for dropped slots).
+inline bool spread_dots_by_token(int top_k) { return top_k > kWarpReduceMaxK; }
+
 enum class ReduceKernel {
   kBlock,               // a block a token, (1, 4): units a thread, rows loaded together; top-2 (2, 2)
   kBlockWide,           // the same kernel at (1, 8) (top_k > 2)
@@ -214,6 +220,19 @@ inline int zero_rows_per_block(int64_t tokens, int64_t row_bytes, const Device& 
 // decode 24.9 -> 23.4 us; a prefetch shortly before the loads costs.
 inline bool l2_prefetch(int64_t rows, int64_t row_bytes, const Device& d) {
   return d.pdl && rows * row_bytes <= d.l2_bytes / 10 * 6;
+}
+
+// --- mask_plan -------------------------------------------------------------------------------
+constexpr int kMaskTile = 32;         // tokens a warp's ballot covers (one bit a token)
+constexpr int kMaskThreads = 256;     // threads of the count and place blocks (8 warps)
+constexpr int kMaskChunkBlocks = 4;   // chunks a multiprocessor the grid aims at
+// Tiles of 32 tokens a block counts and places: one where that gives at most 4 blocks a
+// multiprocessor, else enough to keep the grid there (the per-expert scan then walks fewer
+// chunks). The grid is ceil(tiles / tiles_per_chunk) blocks, at least one.
+inline int64_t mask_tiles_per_chunk(int64_t tokens, const Device& d) {
+  const int64_t tiles = (tokens + kMaskTile - 1) / kMaskTile;
+  const int64_t target = kMaskChunkBlocks * static_cast<int64_t>(d.sms > 0 ? d.sms : 1);
+  return tiles <= target ? 1 : (tiles + target - 1) / target;
 }
 
 // --- sort_chunks -----------------------------------------------------------------------------

@@ -12,8 +12,8 @@ namespace cuda {
 namespace {
 
 // --- reduce ---------------------------------------------------------------------
-// out[t] = sum_k w*y[dest] (ascending k, no FMA contraction: the CPU's
-// rounding). When dots are wanted, also dots[a] = <y[dest[a]], g[t]> from the
+// out[t] = sum_k w*y[dest] (ascending k over the live assignments, staged
+// compacted, no FMA contraction: the CPU's rounding). When dots are wanted, also dots[a] = <y[dest[a]], g[t]> from the
 // same reads of y (the weight gradient of a gather / dispatch backward).
 // kDots is a template parameter so that plain combine keeps a lean kernel.
 template <typename T, bool kVec, bool kDots, int kReduceUnits, int kLoadBatch>
@@ -25,6 +25,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kReduceChunk = kThreads * kReduceUnits;
   __shared__ int64_t s_dest[kGroupK];
   __shared__ float s_w[kGroupK];
+  __shared__ int s_k[kGroupK];
   __shared__ float s_part[kDots ? kThreads / 32 : 1][kGroupK];
   // Block (t, slice): units [u0, units) of output row t (slices > 1 only without dots).
   const int64_t t = blockIdx.x / slices;
@@ -34,18 +35,19 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   char* dst = row_ptr(out, t);
   const char* grow = want_dots ? row_ptr(g, t) : nullptr;
-  for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
-    const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
-    stage_group(t, k0, nk, top_k, dest, nullptr, w, y.rows, want_dots, s_dest, s_w, s_part);
-    // More than kGroupK assignments (rare): later groups add onto the stored
-    // row, which rounds the partial sum to the row dtype once per group.
+  int k0 = 0;
+  bool first = true;
+  do {  // at least once: a token with no live assignment gets a zero row
+    const int nk = stage_live(t, &k0, top_k, dest, w, y.rows, want_dots, dots, s_dest, s_w, s_k, s_part);
+    // More than kGroupK live assignments (rare): later groups add onto the
+    // stored row, which rounds the partial sum to the row dtype once per group.
     for (int64_t c = u0; c < units; c += kReduceChunk) {
       float acc[kReduceUnits][U::N];
       typename U::Raw gv[kReduceUnits];
 #pragma unroll
       for (int j = 0; j < kReduceUnits; ++j) {
         const int64_t u = c + j * kThreads + threadIdx.x;
-        if (k0 > 0 && u < units) U::to_float(U::load(dst, u), acc[j]);
+        if (!first && u < units) U::to_float(U::load(dst, u), acc[j]);
         else {
 #pragma unroll
           for (int i = 0; i < U::N; ++i) acc[j][i] = 0.0f;
@@ -91,8 +93,9 @@ __global__ void __launch_bounds__(kThreads)
         if (u < units) U::store(dst, u, U::from_float(acc[j]));
       }
     }
-    if (want_dots) finish_dots(t, k0, nk, top_k, s_dest, s_part, dots);
-  }
+    if (want_dots) finish_live_dots(t, nk, top_k, s_k, s_part, dots);
+    first = false;
+  } while (k0 < top_k);
 }
 
 // Reduce with dots, a warp a token (kSplit 1) or a block a token (kSplit 8: few tokens), for

@@ -154,15 +154,71 @@ __device__ void stage_group(int64_t t, int k0, int nk, int top_k, const int32_t*
   __syncthreads();
 }
 
-// dots[a] = the warps' partials summed in order (0 for dropped assignments).
+// Stages the next live assignments of token t (destination in [0, rows)) in ascending k, from slot
+// *k0 on, at most kGroupK of them: s_dest / s_w / s_k (the slot) for q < the count returned, and
+// moves *k0 past the last one staged (to top_k when none is left). Dropped slots take no place, so
+// a token whose live assignments fit one group (every token up to top_k 64, and a mask plan's
+// K = E slots of a few routed experts) is summed in one group and rounded once, as the CPU does;
+// with dots, each dropped slot's dot is written 0 here (a slot scanned twice writes it twice).
+// Clears each warp's dot partials of the staged entries (s_part null: none kept). All threads call
+// it, with one *k0.
 template <int kWarpRows>
-__device__ void finish_dots(int64_t t, int k0, int nk, int top_k, const int64_t* s_dest,
-                            const float (*s_part)[kWarpRows], const FloatOutArg& dots) {
+__device__ int stage_live(int64_t t, int* k0, int top_k, const int32_t* __restrict__ dest, const ScaleArg& w,
+                          int64_t rows, bool want_dots, const FloatOutArg& dots, int64_t* s_dest, float* s_w, int* s_k,
+                          float (*s_part)[kWarpRows]) {
+  __shared__ int s_live[kThreads / 32];
+  __shared__ int s_next;
+  __syncthreads();  // the previous group is done with the staging arrays
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  int staged = 0, next = top_k;
+  for (int k = *k0; k < top_k; k += kThreads) {  // uniform: every thread sees the same counts
+    const int slot = k + static_cast<int>(threadIdx.x);
+    const int64_t a = index::assignment_id(t, slot, top_k);
+    int64_t r = -1;
+    if (slot < top_k) {
+      r = dest[a];
+      if (r >= rows) r = -1;
+    }
+    const bool live = r >= 0;
+    if (!live && slot < top_k && want_dots) store_float(dots, a, 0.0f);
+    const unsigned m = __ballot_sync(0xffffffffu, live);
+    if (lane == 0) s_live[warp] = __popc(m);
+    __syncthreads();
+    int before = 0, total = 0;
+    for (int v = 0; v < kThreads / 32; ++v) {
+      before += v < warp ? s_live[v] : 0;
+      total += s_live[v];
+    }
+    const int pos = staged + before + __popc(m & ((1u << lane) - 1u));
+    if (live && pos < kGroupK) {
+      s_dest[pos] = r;
+      s_w[pos] = load_scale(w, a);
+      s_k[pos] = slot;
+      if (pos == kGroupK - 1) s_next = slot + 1;
+    }
+    __syncthreads();  // s_live read by all, s_next written
+    if (staged + total >= kGroupK) {
+      next = s_next;
+      staged = kGroupK;
+      break;
+    }
+    staged += total;
+  }
+  for (int q = lane; want_dots && s_part != nullptr && q < staged; q += 32) s_part[warp][q] = 0.0f;
+  __syncthreads();
+  *k0 = next;
+  return staged;
+}
+
+// dots[t*K + s_k[q]] = the warps' partials of staged entry q summed in order.
+template <int kWarpRows>
+__device__ void finish_live_dots(int64_t t, int nk, int top_k, const int* s_k, const float (*s_part)[kWarpRows],
+                                 const FloatOutArg& dots) {
   __syncthreads();
   for (int q = threadIdx.x; q < nk; q += kThreads) {
     float sum = 0.0f;
     for (int v = 0; v < kThreads / 32; ++v) sum += s_part[v][q];
-    store_float(dots, index::assignment_id(t, k0 + q, top_k), s_dest[q] < 0 ? 0.0f : sum);
+    store_float(dots, index::assignment_id(t, s_k[q], top_k), sum);
   }
 }
 

@@ -38,6 +38,10 @@ struct SpreadDotsWarp {
     static constexpr auto fn = spread_dots_warp_kernel<T, kVec, kSearch>;
   };
 };
+template <typename T, bool kVec>
+struct SpreadDotsToken {
+  static constexpr auto fn = spread_dots_token_kernel<T, kVec>;
+};
 template <bool kScales>
 struct SpreadWarp {
   template <typename T, bool kVec>
@@ -111,6 +115,15 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
   if (blocks == 0 || (y.cols == 0 && dots.data == nullptr && !scale_cols)) return;  // H = 0 still writes zero dots
   const RowsArg with = dots_with != nullptr ? *dots_with : RowsArg{};
   const ScaleRowsArg sc = scales != nullptr ? *scales : ScaleRowsArg{};
+  if (dots.data != nullptr && dest.rows != nullptr && policy::spread_dots_by_token(top_k)) {  // a block a token
+    auto token_launch = [&](auto tag) {
+      using Tag = decltype(tag);
+      launch_kernel("spread_dots_token_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream),
+                    x, top_k, dest.rows, w, y, padding, zero_padding, zero_past_end, with, dots, zero_rows);
+    };
+    pick<SpreadDotsToken>(x.dtype, vec, token_launch);
+    return;
+  }
   if (dots.data != nullptr) {  // with dots (never with scales): a warp an assignment
     const int64_t assignment_blocks = index::ceil_div(tokens * top_k, kBlockWarps);
     if (assignment_blocks + zero_blocks == 0) return;  // top_k 0 (never through the API)

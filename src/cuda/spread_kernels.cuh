@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __shared__ int64_t s_dest[kGroupK];
   __shared__ float s_w[kGroupK];
+  __shared__ int s_k[kSearch ? 1 : kGroupK];
   const int64_t t = blockIdx.x;
   const int64_t units = units_of<U>(y);
   const char* src = row_ptr(x, t);
@@ -38,9 +39,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   load_chunk_units<U>(src, 0, units, reg);  // issued before the destinations are staged: the two loads overlap
   const bool own_scale = kScales && threadIdx.x < sc.cols;
   const uint32_t my_scale = own_scale ? load_scale_entry(sc, t, threadIdx.x) : 0u;
-  for (int k0 = 0; k0 < top_k; k0 += kGroupK) {
-    const int nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
-    stage_group<kGroupK, kSearch>(t, k0, nk, top_k, dest.rows, &dest, w, y.rows, false, s_dest, s_w, nullptr);
+  int k0 = 0;
+  bool first = true;
+  do {  // the direct form stages only live assignments (one group for up to 64 of them, whatever top_k)
+    int nk;
+    if constexpr (kSearch) {
+      nk = top_k - k0 < kGroupK ? top_k - k0 : kGroupK;
+      stage_group<kGroupK, kSearch>(t, k0, nk, top_k, dest.rows, &dest, w, y.rows, false, s_dest, s_w, nullptr);
+      k0 += nk;
+    } else {
+      nk = stage_live<kGroupK>(t, &k0, top_k, dest.rows, w, y.rows, false, FloatOutArg{}, s_dest, s_w, s_k, nullptr);
+    }
     if (kScales) {  // entry i by thread i (entries past kThreads: a load each)
       if (own_scale) {
         for (int q = 0; q < nk; ++q) {
@@ -57,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     for (int64_t c = 0; c < units; c += kChunkUnits) {
-      if (c > 0 || k0 > 0) load_chunk_units<U>(src, c, units, reg);
+      if (c > 0 || !first) load_chunk_units<U>(src, c, units, reg);
       for (int q = 0; q < nk; ++q) {
         const int64_t r = s_dest[q];
         if (r < 0) continue;
@@ -70,7 +79,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-  }
+    first = false;
+  } while (k0 < top_k);
 }
 
 // Spread with dots, a warp an assignment: warp a moves x[a/K] to y[dest[a]] (scaled by w) and sums
@@ -152,6 +162,44 @@ __global__ void __launch_bounds__(kThreads, kSpreadDotsBlocks)
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
   if (lane == 0) store_float(dots, a, r < 0 ? 0.0f : partial);
+}
+
+// Spread with dots, a block a token, for top_k above policy::kWarpReduceMaxK (a mask plan's K = E
+// slots, a few of them live): the token's live assignments staged compacted (stage_live, which
+// writes a dropped assignment's dot 0), then a warp an assignment moves x[t] and sums its dot with
+// move_row_dot and the shuffle tree of the warp kernel: the same bits, without a warp launched for
+// each dropped slot. Zero blocks as above.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads)
+    spread_dots_token_kernel(RowsArg x, int top_k, const int32_t* __restrict__ dest, ScaleArg w, RowsArg y,
+                             PaddingRef pad, bool zero_padding, bool zero_past_end, RowsArg dots_with, FloatOutArg dots,
+                             int zero_rows) {
+  pdl_begin();
+  using U = Unit<T, kVec>;
+  const int64_t tokens = x.rows;
+  if (blockIdx.x >= tokens) {
+    zero_padding_rows<U, false>(y, pad, zero_padding, zero_past_end,
+                                (static_cast<int64_t>(blockIdx.x) - tokens) * zero_rows, zero_rows, ScaleRowsArg{});
+    return;
+  }
+  __shared__ int64_t s_dest[kGroupK];
+  __shared__ float s_w[kGroupK];
+  __shared__ int s_k[kGroupK];
+  const int64_t t = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const char* src = row_ptr(x, t);
+  int k0 = 0;
+  do {
+    const int nk = stage_live<kGroupK>(t, &k0, top_k, dest, w, y.rows, true, dots, s_dest, s_w, s_k, nullptr);
+    for (int q = warp; q < nk; q += kThreads / 32) {
+      const int64_t r = s_dest[q];
+      float partial = move_row_dot<U, kSpreadDotsUnits, 32, true>(src, row_ptr(dots_with, r), row_ptr(y, r),
+                                                                  w.data != nullptr, s_w[q], units_of<U>(y), lane);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
+      if (lane == 0) store_float(dots, index::assignment_id(t, s_k[q], top_k), partial);
+    }
+  } while (k0 < top_k);
 }
 
 // Spread without dots, a warp a token (short rows: fp8 rows, the `_scaled` ops): warp t loads

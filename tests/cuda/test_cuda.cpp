@@ -496,6 +496,9 @@ std::vector<Workload> workloads() {
   w.push_back({"topk2", 200, 16, 2, 24, 16, Dist::kUniform});
   w.push_back({"topk4", 200, 16, 4, 24, 16, Dist::kDistinct});
   w.push_back({"topk8", 200, 16, 8, 24, 16, Dist::kUniform});
+  // above top_k 8: the reduce stages live assignments and the spread with dots takes a block a token
+  w.push_back({"topk16", 200, 32, 16, 24, 16, Dist::kDistinct});
+  w.push_back({"topk64", 40, 64, 64, 40, 8, Dist::kDistinct});
   w.push_back({"H1", 300, 8, 2, 1, 16});
   w.push_back({"H3", 300, 8, 2, 3, 16});
   w.push_back({"H33", 300, 8, 2, 33, 16});
@@ -1227,6 +1230,51 @@ TEST(CpuVsGpuEdge, BatchedAlignBlocks) {
       EXPECT_EQ(index_to_vec(to_cpu(sorted)), want.sorted_token_ids);
       EXPECT_EQ(index_to_vec(to_cpu(blocks)), want.expert_ids);
       EXPECT_EQ(index_to_vec(to_cpu(post)), std::vector<int64_t>{want.num_tokens_post_padded});
+    }
+  }
+}
+
+// mask_plan_out on the GPU equals the CPU's, entry for entry, over sizes that take one and several
+// tiles a chunk, experts not a multiple of 32, cuts, padding, one_bin and the E above 3072 that
+// needs more than 48 KiB of shared memory; the GPU's outputs are the same on a second run.
+TEST(CpuVsGpuEdge, MaskPlan) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t T, E;
+    int alignment;
+    bool one_bin;
+    double cut;
+  };
+  Rng rng(29);
+  for (const Case c : {Case{1, 1, 1, true, 1.0}, Case{33, 8, 1, true, 0.5}, Case{256, 256, 1, true, 1.0},
+                       Case{256, 256, 16, false, 1.0}, Case{1000, 7, 128, false, 1.0}, Case{4099, 40, 1, false, 0.8},
+                       Case{20000, 8, 16, false, 1.0}, Case{70000, 3, 1, true, 1.0}, Case{9, 4000, 4, false, 1.0},
+                       Case{0, 16, 16, false, 1.0}, Case{5, 0, 1, true, 1.0}}) {
+    SCOPED_TRACE("T=" + std::to_string(c.T) + " E=" + std::to_string(c.E) + " align=" + std::to_string(c.alignment) +
+                 (c.one_bin ? " one_bin" : "") + " cut=" + std::to_string(c.cut));
+    Tensor map = Tensor::empty(DType::kUInt8, {c.T, c.E});
+    int64_t routed = 0;
+    for (int64_t i = 0; i < c.T * c.E; ++i) {
+      const bool set = rng.below(c.E > 8 ? c.E / 8 : 2) == 0;
+      map.data_as<uint8_t>()[i] = set ? 1 : 0;
+      routed += set;
+    }
+    const int64_t total = c.one_bin ? routed : routed + c.E * (c.alignment - 1);
+    const int64_t rows = static_cast<int64_t>(total * c.cut);
+    const int64_t bins = c.one_bin ? 1 : c.E;
+    const int64_t sources_len = c.one_bin ? rows : (c.E > 0 ? (rows + c.E - 1) / c.E * c.E : 0);
+    Tensor counts = poison_index(4 * bins), dest = poison_index(c.T * c.E), sources = poison_index(sources_len);
+    Tensor rim = filled(DType::kInt32, {c.T, 2 * c.E + 1}, kIndexPoison);
+    padmoe::mask_plan_out(map, c.alignment, rows, c.one_bin, counts, dest, sources, rim);
+    const Tensor dmap = to_gpu(map);
+    for (int run = 0; run < 2; ++run) {
+      Tensor gc = gpu_poison_index(4 * bins), gd = gpu_poison_index(c.T * c.E), gs = gpu_poison_index(sources_len);
+      Tensor gr = gpu_filled(DType::kInt32, {c.T, 2 * c.E + 1}, kIndexPoison);
+      padmoe::mask_plan_out(dmap, c.alignment, rows, c.one_bin, gc, gd, gs, gr);
+      EXPECT_TRUE(all_same(to_cpu(gc), counts));
+      EXPECT_TRUE(all_same(to_cpu(gd), dest));
+      EXPECT_TRUE(all_same(to_cpu(gs), sources));
+      EXPECT_TRUE(all_same(to_cpu(gr), rim));
     }
   }
 }

@@ -46,6 +46,7 @@ OPERATORS = {
     "sort_chunks": "sort_chunks",
     "moe_align_block_size": "moe_align_block_size",
     "batched_moe_align_block_size": "batched_moe_align_block_size",
+    "mask_plan": "mask_plan",
 }
 
 # operators without an autograd rule, and why
@@ -58,6 +59,7 @@ NO_AUTOGRAD = {
     "padded_scatter_wgrad": "MegaBlocks' weight-gradient kernel: itself a backward, not differentiable",
     "moe_align_block_size": "integer outputs only",
     "batched_moe_align_block_size": "integer outputs only",
+    "mask_plan": "integer outputs only",
 }
 
 # The module's entry points hand calls they do not take as they are (tensor subclasses, torch

@@ -81,6 +81,16 @@ def _(expert_num_tokens, max_tokens_per_batch, block_size, check=2):
     )
 
 
+@torch.library.register_fake("padmoe::mask_plan")
+def _(routing_map, rows, alignment=1, one_bin=False, with_row_id_map=True):
+    t, e = routing_map.shape
+    bins = 1 if one_bin else e
+    cap = rows if one_bin else (-(-rows // e) if e else 0)
+    packed = routing_map.new_empty(3 * t * e + 4 * bins + bins * cap, dtype=torch.int32)
+    shape = (t, 2 * e + 1) if with_row_id_map else (0, 0)
+    return packed, routing_map.new_empty(shape, dtype=torch.int32)
+
+
 def batched_moe_align_block_size(
     max_tokens_per_batch: int, block_size: int, expert_num_tokens: Tensor, *, check: Optional[bool] = None
 ) -> Tuple[Tensor, Tensor, Tensor]:

@@ -9,7 +9,11 @@ dispatch / combine operators and their backward do the moves:
   ``[kept, R)`` zero. TE's unpadded layouts (mask map without padding, index map) fill a prefix
   ``[0, kept)`` of the output, so one expert covers them, and the output has exactly R rows.
 - an **expert plan** (E experts, capacity C, ``E*C >= R``): the padded mask layout, whose padding
-  rows lie between the experts' rows; a prefix view of the plan ``make_plan`` made (no copy).
+  rows lie between the experts' rows.
+
+The mask forms come from the native ``mask_plan`` operator (the plan and TE's row_id_map in three
+launches on CUDA); the index form from ``make_plan`` or ``torch.argsort``; the unpermute without a
+kept plan rebuilds one from TE's row_id_map.
 
 An assignment is ``a = t*K + k``: for the mask map K = E and ``k`` is the expert (``a = t*E + e``),
 for the index map ``k`` is the column of ``index``."""
@@ -30,13 +34,6 @@ def _layout(a: int, e: int) -> Tuple[int, int]:
     return 2 * a + 4 * e, 3 * a + 4 * e
 
 
-def mask_ids(routing_map: Tensor) -> Tensor:
-    """``top_experts[T, E]`` of a mask map: column e holds e where ``routing_map[t, e]`` is set, -1
-    elsewhere (padmoe drops -1 with ``drop_invalid``). Any nonzero entry counts as routed."""
-    experts = torch.arange(routing_map.shape[1], dtype=torch.int32, device=routing_map.device)
-    return torch.where(routing_map.bool(), experts, -1)
-
-
 def expert_plan(top_experts: Tensor, num_experts: int, alignment: int) -> Tensor:
     """The packed plan of ``top_experts`` (ids outside ``[0, num_experts)`` dropped), no checks:
     every builder below passes ids it made itself."""
@@ -44,20 +41,6 @@ def expert_plan(top_experts: Tensor, num_experts: int, alignment: int) -> Tensor
         top_experts, num_experts, alignment, None, 0, 0, True, None, False, None, 0
     )
     return packed
-
-
-def capacity_view(packed: Tensor, tokens: int, top_k: int, num_experts: int, rows: int) -> Tuple[Plan, int]:
-    """``(plan, C)``: ``packed`` (a plan of ``make_plan``) seen as a plan with expert capacity
-    ``C = ceil(rows / E)``: the same arrays, ``row_sources`` cut (or extended with -1) to ``E*C``
-    entries, so that dispatch writes ``E*C >= rows`` rows. P must be at most E*C."""
-    a = tokens * top_k
-    cap = -(-rows // num_experts)
-    want = 3 * a + num_experts * (4 + cap)
-    if packed.numel() >= want:
-        view = packed[:want]
-    else:
-        view = torch.cat([packed, packed.new_full((want - packed.numel(),), -1)])
-    return Plan._from_packed(view, tokens, top_k, num_experts, 1, cap), cap
 
 
 def row_plan(dest: Tensor, sources: Optional[Tensor], kept, rows: int, tokens: int, top_k: int) -> Plan:
@@ -94,62 +77,22 @@ def row_plan(dest: Tensor, sources: Optional[Tensor], kept, rows: int, tokens: i
 
 
 def mask_plan(routing_map: Tensor, rows: int) -> Tuple[Plan, Tensor]:
-    """TE's mask-map permute without padding: ``(row plan with R = rows, dest[T, E])``; the rows
-    go expert-major, tokens in order within an expert, and destinations at or past ``rows`` are
-    dropped (-1), the last ones in that order (TE's num_out_tokens cut)."""
+    """TE's mask-map permute without padding: ``(row plan with R = rows, TE's row_id_map[T, 2E+1])``
+    from one native operator; the rows go expert-major, tokens in order within an expert, and
+    destinations at or past ``rows`` are dropped (the last ones in that order: TE's num_out_tokens
+    cut)."""
     t, e = routing_map.shape
-    a = t * e
-    packed = expert_plan(mask_ids(routing_map), e, 1)
-    d0, s0 = _layout(a, e)
-    dest = packed[d0:s0]
-    if rows < a:  # a cut can drop: only destinations below rows stay
-        dest = torch.where(dest < rows, dest, -1)
-    kept = packed[2 * a + 2 * e - 1 : 2 * a + 2 * e].clamp(max=rows)  # bins[E-1]: the routed count
-    plan = row_plan(dest, packed[s0:], kept, rows, t, e)
-    return plan, plan.packed[2 * a + 4 : 3 * a + 4].view(t, e)
+    packed, row_id_map = ops.mask_plan.default(routing_map, rows, 1, True, True)
+    return Plan._from_packed(packed, t, e, 1, 1, rows), row_id_map
 
 
 def padded_mask_plan(routing_map: Tensor, alignment: int, rows: int) -> Tuple[Plan, int, Tensor]:
-    """TE's mask-map permute padded to ``alignment`` per expert: ``(expert plan, its rows E*C >=
-    rows, packed plan of make_plan)``."""
+    """TE's mask-map permute padded to ``alignment`` per expert: ``(expert plan of capacity C =
+    ceil(rows / E), its rows E*C >= rows, TE's row_id_map with the unpadded rows)``."""
     t, e = routing_map.shape
-    packed = expert_plan(mask_ids(routing_map), e, alignment)
-    plan, cap = capacity_view(packed, t, e, e, rows)
-    return plan, e * cap, packed
-
-
-def plan_arrays(packed: Tensor, tokens: int, top_k: int, num_experts: int):
-    """(bins, padded_bins, dest_rows) views of a packed plan."""
-    a, e = tokens * top_k, num_experts
-    return (
-        packed[2 * a + e : 2 * a + 2 * e],
-        packed[2 * a + 3 * e : 2 * a + 4 * e],
-        packed[2 * a + 4 * e : 3 * a + 4 * e],
-    )
-
-
-def mask_row_id_map(dest: Tensor, num_experts: int, shift: Optional[Tensor] = None) -> Tensor:
-    """TE's mask-map ``row_id_map[T, 2E+1]`` int32 from ``dest[T, E]`` (-1 = not routed): per token
-    the destination rows in descending order (so experts descending), then the matching experts,
-    then the count in the last column; the entries past the count are -1. ``shift[E]``, when given,
-    is subtracted from each expert's rows (padded rows back to TE's unpadded numbering)."""
-    t, e = dest.shape
-    w = 2 * e + 1
-    routed = dest >= 0
-    n = routed.sum(1, dtype=torch.int32)
-    # slot of (t, e) among t's routed experts, counted from the highest expert
-    slot = n.unsqueeze(1) - routed.cumsum(1, dtype=torch.int32)
-    base = torch.arange(t, dtype=torch.int64, device=dest.device).unsqueeze(1) * w
-    scratch = t * w
-    pos = torch.where(routed, base + slot, scratch).reshape(-1)
-    buf = torch.full((scratch + 1,), -1, dtype=torch.int32, device=dest.device)
-    rows = dest if shift is None else torch.where(routed, dest - shift.to(torch.int32), -1)
-    buf.index_put_((pos,), rows.reshape(-1))
-    experts = torch.arange(e, dtype=torch.int32, device=dest.device).expand(t, e).reshape(-1)
-    buf.index_put_((torch.where(routed.reshape(-1), pos + e, scratch),), experts)
-    out = buf[:scratch].view(t, w)
-    out[:, 2 * e] = n
-    return out
+    packed, row_id_map = ops.mask_plan.default(routing_map, rows, alignment, False, True)
+    cap = -(-rows // e) if e else 0
+    return Plan._from_packed(packed, t, e, e, 1, cap), e * cap, row_id_map
 
 
 def mask_dest_from_map(row_id_map: Tensor, shift: Optional[Tensor] = None) -> Tensor:
@@ -173,7 +116,8 @@ def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
     """TE's index-map permute: a row plan of ``index[T, K]`` with R = ``rows``. The assignments
     ``t*K + k`` are stable-sorted by expert id read as uint32 (so -1 sorts last, as in TE) and
     position j holds the j-th; positions at or past ``rows`` are dropped. With ``num_experts`` (ids
-    in ``[0, E)`` or -1) padmoe's plan does the sort in one operator; without, ``torch.argsort``."""
+    in ``[0, E)`` or -1) padmoe's plan does the sort in one operator (and, with ``rows = T*K``, is
+    itself the plan: an expert plan of E + 1 experts, alignment 1); without, ``torch.argsort``."""
     t, k = index.shape
     a = t * k
     kept = min(a, rows)
@@ -187,11 +131,19 @@ def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
         return row_plan(dest, order[:kept].to(torch.int32), kept, rows, t, k)
     e = num_experts + 1  # -1 -> the extra expert E, whose rows come last
     packed = expert_plan(index.remainder(e), e, 1)
+    if rows == a:  # no cut: the plan's rows (alignment 1: the sorted positions) are TE's, as they are
+        return Plan._from_packed(packed, t, k, e, 1)
     d0, s0 = _layout(a, e)
     dest = packed[d0:s0]
     if rows < a:
         dest = torch.where(dest < rows, dest, -1)
     return row_plan(dest, packed[s0:], kept, rows, t, k)
+
+
+def plan_views(plan: Plan) -> Tuple[Tensor, Tensor]:
+    """(dest_rows, row_sources) views of a packed plan of this module (row or expert plan)."""
+    d0, s0 = _layout(plan.num_tokens * plan.top_k, plan.num_experts)
+    return plan.packed[d0:s0], plan.packed[s0:]
 
 
 def index_dest_from_map(row_id_map: Tensor, top_k: int) -> Tensor:

@@ -89,6 +89,7 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, probs, packed, top_k, num_experts, capacity, weights, sources):
         y = torch.ops.padmoe.dispatch.default(inp, packed, weights, top_k, num_experts, 1, capacity, 0, True)
+        ctx.assignments = inp.shape[0] * top_k
         moved = None
         if probs is not None:
             flat = probs.reshape(-1)
@@ -109,12 +110,16 @@ class _Permute(torch.autograd.Function):
             )
         if ctx.needs_input_grad[1] and grad_moved is not None:
             # grad_probs[a] = grad_moved[dest_rows[a]], 0 where a has no row
-            a = (packed.numel() - num_experts * (4 + capacity)) // 3
+            a = ctx.assignments
             dest = packed[2 * a + 4 * num_experts : 3 * a + 4 * num_experts].long()
             live = (dest >= 0) & (dest < grad_moved.numel())
             picked = grad_moved[torch.where(live, dest, 0)] if grad_moved.numel() else grad_moved.new_zeros(a)
             grad_probs = torch.where(live, picked, 0).to(grad_moved.dtype).reshape(ctx.probs_shape)
         return grad_inp, grad_probs, None, None, None, None, None, None
+
+
+def _permute(inp, probs, plan, weights, sources):
+    return _Permute.apply(inp, probs, plan.packed, plan.top_k, plan.num_experts, plan.expert_capacity, weights, sources)
 
 
 def _check_rows(op: str, inp) -> None:
@@ -199,14 +204,12 @@ def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
     _check_map(op, inp, routing_map)
     if probs is not None:
         _check_probs(op, probs, routing_map)
-    plan, dest = tp.mask_plan(routing_map, num_out_tokens)
-    t, e = routing_map.shape
-    sources = plan.packed[3 * t * e + 4 :]
+    plan, row_id_map = tp.mask_plan(routing_map, num_out_tokens)
+    _, sources = tp.plan_views(plan)
     weights = None
     if probs is not None:  # a routed slot of probability 0 is a zero row (TE's routing-map padding)
         weights = (probs.detach() != 0).reshape(-1).to(torch.float32)
-    out, moved = _Permute.apply(inp, probs, plan.packed, e, 1, num_out_tokens, weights, sources)
-    row_id_map = tp.mask_row_id_map(dest, e)
+    out, moved = _permute(inp, probs, plan, weights, sources)
     _keep(row_id_map, plan, False, num_out_tokens)
     return out, moved, row_id_map
 
@@ -246,9 +249,9 @@ def moe_permute(
         if not compiling() and host_check(check, inp):
             _check_index(op, routing_map, num_experts)
     plan = tp.index_plan(routing_map, rows, num_experts)
-    sources = plan.packed[3 * t * k + 4 :]
-    out, _ = _Permute.apply(inp, None, plan.packed, k, 1, rows, None, sources)
-    row_id_map = plan.packed[2 * t * k + 4 : 3 * t * k + 4].view(t, k).t().reshape(-1)
+    dest, sources = tp.plan_views(plan)
+    out, _ = _permute(inp, None, plan, None, sources)
+    row_id_map = dest.view(t, k).t().reshape(-1)
     _keep(row_id_map, plan, False, rows)
     return out, row_id_map
 
@@ -329,17 +332,12 @@ def moe_permute_and_pad_with_probs(
     if inp.numel() == 0:
         out, moved = _Empty.apply(inp, probs)
         return out, moved, _empty_float(inp), pad_offsets, target
-    plan, full_rows, packed = tp.padded_mask_plan(routing_map, align_size, rows)
-    t = routing_map.shape[0]
-    a = t * e
-    sources = plan.packed[3 * a + 4 * e :]
+    plan, full_rows, row_id_map = tp.padded_mask_plan(routing_map, align_size, rows)
+    _, sources = tp.plan_views(plan)
     weights = (probs.detach() != 0).reshape(-1).to(torch.float32)
-    out, moved = _Permute.apply(inp, probs, plan.packed, e, e, plan.expert_capacity, weights, sources)
+    out, moved = _permute(inp, probs, plan, weights, sources)
     if full_rows != rows:
         out, moved = out[:rows], moved[:rows]
-    _, _, dest = tp.plan_arrays(packed, t, e, e)
-    shift = (pad_offsets if pad_offsets is not None else torch.zeros_like(target)).to(inp.device)
-    row_id_map = tp.mask_row_id_map(dest.view(t, e), e, shift)
     _keep(row_id_map, plan, True, rows)
     return out, moved, row_id_map, pad_offsets, target
 

@@ -1,5 +1,6 @@
-// layouts_ops.cpp — vLLM's moe_align_block_size (from one make_plan) and batched_moe_align_block_size:
-// their schemas and CPU / CUDA kernels (no Autograd kernels: their outputs are integers).
+// layouts_ops.cpp — vLLM's moe_align_block_size (from one make_plan), batched_moe_align_block_size
+// and the plan of a routing mask (TransformerEngine's mask map): their schemas and CPU / CUDA
+// kernels (no Autograd kernels: their outputs are integers).
 #include <algorithm>
 #include <limits>
 #include <tuple>
@@ -82,6 +83,51 @@ std::tuple<Tensor, Tensor, Tensor> batched_align_kernel(const Tensor& counts_in,
   return {sorted, blocks, post};
 }
 
+// mask_plan(routing_map[T, E], rows, alignment, one_bin, with_row_id_map) -> (packed, row_id_map):
+// padmoe::mask_plan_out into a packed plan (the layout of padmoe.torch's plans: indices and bin_ids
+// [A] (-1: a mask plan has no sorted order to give), the four count arrays, dest_rows [A],
+// row_sources) of B experts of capacity C: B = 1, C = rows with one_bin; else B = E, C =
+// ceil(rows / E). row_id_map: TE's [T, 2E + 1] int32, or [0, 0] when not asked for.
+std::tuple<Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_t rows, int64_t alignment, bool one_bin,
+                                            bool with_row_id_map) {
+  const char* op = "mask_plan";
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  if (map_in.dim() != 2)
+    value_error(op, "routing_map", "expected [num_tokens, num_experts], got shape " + shape_of(map_in));
+  if (map_in.is_floating_point() || map_in.is_complex())
+    type_error(op, "routing_map",
+               std::string("expected a bool or integer tensor, got ") + c10::toString(map_in.scalar_type()));
+  if (rows < 0 || rows > kMax) value_error(op, "rows", "must be in [0, 2^31), got " + std::to_string(rows));
+  if (alignment < 1 || alignment > kMax)
+    value_error(op, "alignment", "must be in [1, 2^31), got " + std::to_string(alignment));
+  Tensor map =
+      map_in.scalar_type() == at::kBool || map_in.scalar_type() == at::kByte ? index_arg(map_in) : map_in.ne(0);
+  if (map.scalar_type() == at::kBool) map = map.view(at::kByte);
+  const int64_t t = map.size(0), e = map.size(1);
+  if (e > 0 && t > kMax / e)
+    value_error(op, "routing_map",
+                "size overflow: " + std::to_string(t) + " x " + std::to_string(e) + " pairs do not fit int32");
+  const int64_t a = t * e;
+  const int64_t bins = one_bin ? 1 : e;
+  const int64_t cap = one_bin ? rows : (e > 0 ? (rows + e - 1) / e : 0);
+  const int64_t sources = bins * cap;
+  check_rows_fit(op, "rows", sources);
+  const auto int32 = map.options().dtype(at::kInt);
+  Tensor packed = at::empty({3 * a + 4 * bins + sources}, int32);
+  Tensor row_id_map = with_row_id_map ? at::empty({t, 2 * e + 1}, int32) : at::empty({0, 0}, int32);
+  c10::OptionalDeviceGuard guard(map.device());
+  const padmoe::Options o = options_for(map, 0);
+  packed.narrow(0, 0, 2 * a).fill_(-1);
+  native([&] {
+    padmoe::mask_plan_out(view(map, op, "routing_map"), static_cast<int>(alignment), rows, one_bin,
+                          view(packed.narrow(0, 2 * a, 4 * bins), op, "counts"),
+                          view(packed.narrow(0, 2 * a + 4 * bins, a), op, "dest_rows"),
+                          view(packed.narrow(0, 3 * a + 4 * bins, sources), op, "row_sources"),
+                          with_row_id_map ? view(row_id_map, op, "row_id_map") : padmoe::TensorView{}, o);
+  });
+  return {packed, row_id_map};
+}
+
 TORCH_LIBRARY_FRAGMENT(padmoe, m) {
   m.def(
       "moe_align_block_size(Tensor topk_ids, int block_size, int num_experts, bool pad_sorted_ids=False, "
@@ -89,15 +135,20 @@ TORCH_LIBRARY_FRAGMENT(padmoe, m) {
   m.def(
       "batched_moe_align_block_size(Tensor expert_num_tokens, int max_tokens_per_batch, int block_size, "
       "int check=2) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "mask_plan(Tensor routing_map, int rows, int alignment=1, bool one_bin=False, bool with_row_id_map=True) "
+      "-> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) {
   m.impl("moe_align_block_size", moe_align_kernel);
   m.impl("batched_moe_align_block_size", batched_align_kernel);
+  m.impl("mask_plan", mask_plan_kernel);
 }
 #ifdef PADMOE_TORCH_CUDA
 TORCH_LIBRARY_IMPL(padmoe, CUDA, m) {
   m.impl("moe_align_block_size", moe_align_kernel);
   m.impl("batched_moe_align_block_size", batched_align_kernel);
+  m.impl("mask_plan", mask_plan_kernel);
 }
 #endif
 

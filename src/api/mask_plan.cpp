@@ -1,0 +1,80 @@
+// mask_plan.cpp — a plan from a routing mask (TransformerEngine's mask map): check, size, dispatch
+// to the backend.
+#include <memory>
+#include <string>
+
+#include "api/checks.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "padmoe/index_math.hpp"
+#include "padmoe/ops.hpp"
+
+namespace padmoe {
+
+void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
+                   const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
+                   const Options& options) {
+  const detail::Checker c("mask_plan");
+  if (routing_map.ndim != 2) {
+    c.value_error("routing_map", "expected a 2-D [num_tokens, num_experts] tensor, got " +
+                                     std::to_string(routing_map.ndim) + " dimensions");
+  }
+  if (routing_map.dtype != DType::kUInt8) {
+    c.fail(ErrorKind::kType, "routing_map",
+           std::string("expected uint8 (a bool mask's bytes), got ") + dtype_name(routing_map.dtype));
+  }
+  if (!routing_map.is_contiguous()) c.value_error("routing_map", "expected a contiguous tensor");
+  c.alignment(alignment);
+  if (rows < 0) c.value_error("rows", "must be >= 0, got " + std::to_string(rows));
+  detail::check_int32_extent(c, "rows", rows);
+  if (one_bin && alignment != 1)
+    c.value_error("alignment", "one_bin needs alignment 1, got " + std::to_string(alignment));
+  const int64_t tokens = routing_map.shape[0], experts = routing_map.shape[1];
+  const Device device = routing_map.device;
+  detail::require_backend(c, device);
+  const int64_t assignments = detail::checked_mul(c, "routing_map", tokens, experts);
+  detail::check_int32_extent(c, "routing_map", assignments);
+  // the padded total: every count padded by at most alignment - 1
+  const int64_t pad = detail::checked_mul(c, "alignment", experts, alignment - 1);
+  detail::check_int32_extent(c, "alignment", assignments + pad);
+  if (device.is_cuda() && experts > cuda::kMaskPlanMaxExperts) {
+    c.value_error("routing_map", "CUDA takes at most " + std::to_string(cuda::kMaskPlanMaxExperts) + " experts, got " +
+                                     std::to_string(experts));
+  }
+  c.int32_output(counts, "counts", one_bin ? 4 : 4 * experts);
+  c.int32_output(dest_rows, "dest_rows", assignments);
+  c.int32_output(row_sources, "row_sources", 0, /*at_least=*/true);
+  c.same_device(counts, "counts", device);
+  c.same_device(dest_rows, "dest_rows", device);
+  c.same_device(row_sources, "row_sources", device);
+  const bool with_map = row_id_map.data != nullptr;
+  if (with_map) {
+    const int64_t width = 2 * experts + 1;
+    if (row_id_map.dtype != DType::kInt32 || row_id_map.ndim != 2 || row_id_map.shape[0] != tokens ||
+        row_id_map.shape[1] != width || !row_id_map.is_contiguous()) {
+      c.value_error("row_id_map", "expected a contiguous int32 [" + std::to_string(tokens) + ", " +
+                                      std::to_string(width) + "] tensor");
+    }
+    c.same_device(row_id_map, "row_id_map", device);
+  }
+  detail::check_disjoint_all(c,
+                             {detail::named(counts, "counts"), detail::named(dest_rows, "dest_rows"),
+                              detail::named(row_sources, "row_sources"), detail::named(row_id_map, "row_id_map")},
+                             {detail::named(routing_map, "routing_map")});
+  const uint8_t* map = routing_map.data_as<const uint8_t>();
+  int32_t* rim = with_map ? row_id_map.data_as<int32_t>() : nullptr;
+  const int64_t sources_len = row_sources.numel();
+  if (device.is_cuda()) {
+    const size_t bytes = cuda::mask_plan_workspace_bytes(tokens, experts);
+    std::unique_ptr<cuda::Scratch> scratch;
+    if (bytes > 0) scratch.reset(new cuda::Scratch(options, bytes, device.index));
+    cuda::mask_plan(map, tokens, static_cast<int>(experts), alignment, rows, one_bin, counts.data_as<int32_t>(),
+                    dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, rim,
+                    scratch ? scratch->get() : nullptr, options.stream);
+    return;
+  }
+  cpu::mask_plan(map, tokens, experts, alignment, rows, one_bin, counts.data_as<int32_t>(),
+                 dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, rim);
+}
+
+}  // namespace padmoe

@@ -1,0 +1,274 @@
+// mask_plan.cu — a plan from a routing mask [T, E] (TransformerEngine's mask map) on the GPU, in
+// three launches over tiles of 32 tokens. A block reads a tile's 32 x E bytes coalesced and ORs
+// each set byte into a per-expert 32-bit mask of the tile's tokens in shared memory (OR commutes:
+// the masks do not depend on the order of the atomics); then:
+//   1. count: per chunk of tiles, each expert's routed tokens (the masks' popcounts); the blocks
+//      also fill row_sources with -1;
+//   2. scan:  per expert (a warp each), the exclusive sum of its chunk counts, and its count;
+//   3. place: per chunk, every block scans the (padded) counts over the experts itself, then for
+//      each tile a warp a token writes the token's dest_rows, row_sources and TE's row_id_map row
+//      (experts descending, compacted with a ballot).
+// dest_rows and row_id_map rows are written by consecutive lanes; the result does not depend on
+// the schedule.
+#include <cub/block/block_scan.cuh>
+
+#include "core/kernel_policy.hpp"
+#include "cuda/common.cuh"
+
+namespace padmoe {
+namespace cuda {
+namespace {
+
+constexpr int kTile = policy::kMaskTile;
+constexpr int kThreads = policy::kMaskThreads;
+constexpr int kWarps = kThreads / 32;
+
+// s_mask[e] = the tokens of the tile at t0 routed to e, bit tl for token t0 + tl. A word a thread
+// where `words` (E a multiple of 4 and the map 4-byte aligned: a word is 4 experts of one token),
+// else a byte a thread. Starts and ends with a barrier.
+__device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t tokens, int experts, bool words,
+                           uint32_t* s_mask) {
+  for (int e = threadIdx.x; e < experts; e += kThreads) s_mask[e] = 0u;
+  __syncthreads();
+  const int64_t n = tokens - t0 < kTile ? tokens - t0 : kTile;
+  const uint8_t* base = map + t0 * experts;
+  const int64_t bytes = n * experts;
+  if (words) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(base);
+    for (int64_t i = threadIdx.x; i < bytes / 4; i += kThreads) {
+      const uint32_t v = w[i];
+      if (v == 0u) continue;
+      const int tl = static_cast<int>((4 * i) / experts), e = static_cast<int>((4 * i) % experts);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if ((v >> (8 * j)) & 0xffu) atomicOr(&s_mask[e + j], 1u << tl);
+      }
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < bytes; i += kThreads) {
+      if (base[i] != 0) atomicOr(&s_mask[i % experts], 1u << (i / experts));
+    }
+  }
+  __syncthreads();
+}
+
+// Shared memory: the masks and the counts, two arrays of E entries.
+__global__ void __launch_bounds__(kThreads)
+    mask_count_kernel(const uint8_t* __restrict__ map, int64_t tokens, int experts, bool words, int64_t tiles_per_chunk,
+                      int32_t* __restrict__ chunk_counts, int32_t* __restrict__ row_sources, int64_t sources_len) {
+  pdl_begin();
+  extern __shared__ int32_t s_mem[];
+  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_mem);
+  int32_t* s_count = s_mem + experts;
+  const int64_t chunk = blockIdx.x;
+  const int64_t first = chunk * tiles_per_chunk * kTile;
+  for (int e = threadIdx.x; e < experts; e += kThreads) s_count[e] = 0;
+  for (int64_t tile = 0; tile < tiles_per_chunk; ++tile) {
+    const int64_t t0 = first + tile * kTile;
+    if (t0 >= tokens) break;  // uniform across the block
+    tile_masks(map, t0, tokens, experts, words, s_mask);
+    for (int e = threadIdx.x; e < experts; e += kThreads) s_count[e] += __popc(s_mask[e]);  // e's own thread
+  }
+  for (int e = threadIdx.x; e < experts; e += kThreads) chunk_counts[chunk * experts + e] = s_count[e];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t r = chunk * kThreads + threadIdx.x; r < sources_len; r += stride) row_sources[r] = -1;
+}
+
+// chunk_counts[c * E + e] becomes the exclusive sum over chunks c' < c; n[e] the total.
+__global__ void __launch_bounds__(kThreads)
+    mask_scan_kernel(int32_t* __restrict__ chunk_counts, int64_t chunks, int experts, int32_t* __restrict__ n) {
+  pdl_begin();
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int e = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32;
+  if (e >= experts) return;
+  int run = 0;
+  for (int64_t base = 0; base < chunks; base += 32) {
+    const int64_t c = base + lane;
+    const int v = c < chunks ? chunk_counts[c * experts + e] : 0;
+    int x = v;
+    for (int d = 1; d < 32; d *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, x, d);
+      if (lane >= d) x += y;
+    }
+    if (c < chunks) chunk_counts[c * experts + e] = run + x - v;
+    run += __shfl_sync(0xffffffffu, x, 31);
+  }
+  if (lane == 0) n[e] = run;
+}
+
+struct PlaceArgs {
+  const uint8_t* map;
+  int64_t tokens;
+  int experts;
+  bool words;
+  int alignment;
+  int64_t rows;
+  bool one_bin;
+  int64_t tiles_per_chunk;
+  const int32_t* n;
+  const int32_t* chunk_offsets;
+  int32_t* counts;
+  int32_t* dest_rows;
+  int32_t* row_sources;
+  int64_t sources_len;
+  int32_t* row_id_map;  // null: not written
+};
+
+// Shared memory: four int arrays of E entries (running base, tile base, token mask, padding shift).
+__global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
+  pdl_begin();
+  extern __shared__ int32_t s_mem[];
+  __shared__ typename cub::BlockScan<int, kThreads>::TempStorage storage;
+  __shared__ int s_total;
+  const int E = a.experts;
+  int32_t* s_base = s_mem;
+  int32_t* s_tile = s_mem + E;
+  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_mem + 2 * E);
+  int32_t* s_shift = s_mem + 3 * E;
+  const int64_t chunk = blockIdx.x;
+
+  // Each thread a contiguous range of experts; two exclusive scans give the unpadded and the
+  // padded starts (the padded total is below 2^31: checked by the caller).
+  const int per = (E + kThreads - 1) / kThreads;
+  const int e0 = min(E, static_cast<int>(threadIdx.x) * per), e1 = min(E, e0 + per);
+  int mine = 0, mine_padded = 0;
+  for (int e = e0; e < e1; ++e) {
+    mine += a.n[e];
+    mine_padded += round_up_32(a.n[e], a.alignment);
+  }
+  int ustart = 0, pstart = 0, total = 0;
+  cub::BlockScan<int, kThreads>(storage).ExclusiveSum(mine, ustart, total);
+  __syncthreads();
+  cub::BlockScan<int, kThreads>(storage).ExclusiveSum(mine_padded, pstart);
+  if (threadIdx.x == 0) s_total = total;
+  for (int e = e0; e < e1; ++e) {
+    const int count = a.n[e], padded = round_up_32(count, a.alignment);
+    s_base[e] = pstart + a.chunk_offsets[chunk * E + e];
+    s_shift[e] = pstart - ustart;
+    if (chunk == 0 && !a.one_bin) {
+      a.counts[e] = count;
+      a.counts[E + e] = ustart + count;
+      a.counts[2 * E + e] = padded;
+      a.counts[3 * E + e] = pstart + padded;
+    }
+    ustart += count;
+    pstart += padded;
+  }
+  __syncthreads();
+  if (chunk == 0 && a.one_bin && threadIdx.x == 0) {
+    const int kept = static_cast<int>(s_total < a.rows ? s_total : a.rows);
+    a.counts[0] = kept;
+    a.counts[1] = kept;
+    a.counts[2] = static_cast<int32_t>(a.rows);
+    a.counts[3] = static_cast<int32_t>(a.rows);
+  }
+
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t width = 2 * static_cast<int64_t>(E) + 1;
+  const int64_t first = chunk * a.tiles_per_chunk * kTile;
+  for (int64_t tile = 0; tile < a.tiles_per_chunk; ++tile) {
+    const int64_t t0 = first + tile * kTile;
+    if (t0 >= a.tokens) break;  // uniform across the block
+    tile_masks(a.map, t0, a.tokens, E, a.words, s_mask);
+    for (int e = threadIdx.x; e < E; e += kThreads) {  // e's own thread, as in the scan above
+      s_tile[e] = s_base[e];
+      s_base[e] += __popc(s_mask[e]);
+    }
+    __syncthreads();
+    for (int tl = warp; tl < kTile; tl += kWarps) {
+      const int64_t t = t0 + tl;
+      if (t >= a.tokens) break;  // uniform across the warp
+      const uint32_t below = (1u << tl) - 1u;
+      int kept = 0;
+      for (int g = 0; g < E; g += 32) {
+        const int e = E - 1 - (g + lane);  // descending experts: TE's row_id_map order
+        int d = -1;
+        if (e >= 0) {
+          const uint32_t m = s_mask[e];
+          if ((m >> tl) & 1u) {
+            const int64_t r = s_tile[e] + __popc(m & below);
+            if (r < a.rows) d = static_cast<int>(r);
+          }
+          a.dest_rows[t * E + e] = d;
+          if (d >= 0 && d < a.sources_len) a.row_sources[d] = static_cast<int32_t>(t * E + e);
+        }
+        if (a.row_id_map != nullptr) {
+          const uint32_t live = __ballot_sync(0xffffffffu, d >= 0);
+          if (d >= 0) {
+            const int pos = kept + __popc(live & ((1u << lane) - 1u));
+            a.row_id_map[t * width + pos] = d - s_shift[e];
+            a.row_id_map[t * width + E + pos] = e;
+          }
+          kept += __popc(live);
+        }
+      }
+      if (a.row_id_map != nullptr) {
+        for (int p = kept + lane; p < E; p += 32) {
+          a.row_id_map[t * width + p] = -1;
+          a.row_id_map[t * width + E + p] = -1;
+        }
+        if (lane == 0) a.row_id_map[t * width + 2 * E] = kept;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// The place kernel's dynamic shared memory: four int arrays of E entries.
+size_t mask_plan_shared_bytes(int64_t num_experts) { return 4 * sizeof(int32_t) * static_cast<size_t>(num_experts); }
+
+}  // namespace
+
+size_t mask_plan_workspace_bytes(int64_t tokens, int64_t num_experts) {
+  const int64_t tpc = policy::mask_tiles_per_chunk(tokens, device_policy());
+  const int64_t tiles = (tokens + kTile - 1) / kTile;
+  const int64_t chunks = tiles > tpc ? (tiles + tpc - 1) / tpc : 1;
+  return sizeof(int32_t) * static_cast<size_t>((chunks + 1) * num_experts);
+}
+
+void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignment, int64_t rows, bool one_bin,
+               int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* row_id_map,
+               void* workspace, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  const int64_t tpc = policy::mask_tiles_per_chunk(tokens, device_policy());
+  const int64_t tiles = (tokens + kTile - 1) / kTile;
+  const int64_t chunks = tiles > tpc ? (tiles + tpc - 1) / tpc : 1;
+  int32_t* chunk_counts = static_cast<int32_t*>(workspace);
+  int32_t* n = chunk_counts + chunks * num_experts;
+  const bool words = num_experts % 4 == 0 && reinterpret_cast<uintptr_t>(map) % 4 == 0;
+  const size_t smem = mask_plan_shared_bytes(num_experts);  // the count kernel takes half
+  if (smem > 48 * 1024) {
+    PADMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(mask_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  if (smem / 2 > 48 * 1024) {
+    PADMOE_CUDA_CHECK(cudaFuncSetAttribute(mask_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem / 2)));
+  }
+  launch_kernel("mask_count_kernel", mask_count_kernel, static_cast<unsigned>(chunks), kThreads, smem / 2, s, map,
+                tokens, num_experts, words, tpc, chunk_counts, row_sources, sources_len);
+  if (num_experts > 0) {
+    launch_kernel("mask_scan_kernel", mask_scan_kernel, static_cast<unsigned>((num_experts + kWarps - 1) / kWarps),
+                  kThreads, 0, s, chunk_counts, chunks, num_experts, n);
+  }
+  PlaceArgs a{};
+  a.map = map;
+  a.tokens = tokens;
+  a.experts = num_experts;
+  a.words = words;
+  a.alignment = alignment;
+  a.rows = rows;
+  a.one_bin = one_bin;
+  a.tiles_per_chunk = tpc;
+  a.n = n;
+  a.chunk_offsets = chunk_counts;
+  a.counts = counts;
+  a.dest_rows = dest_rows;
+  a.row_sources = row_sources;
+  a.sources_len = sources_len;
+  a.row_id_map = row_id_map;
+  launch_kernel("mask_place_kernel", mask_place_kernel, static_cast<unsigned>(chunks), kThreads, smem, s, a);
+}
+
+}  // namespace cuda
+}  // namespace padmoe
