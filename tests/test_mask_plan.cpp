@@ -11,7 +11,7 @@ namespace pt {
 namespace {
 
 struct MaskRef {
-  std::vector<int64_t> counts, dest, sources, row_id_map;
+  std::vector<int64_t> counts, dest, sources, row_id_map, indices, bin_ids;
 };
 
 MaskRef mask_reference(const std::vector<uint8_t>& map, int64_t T, int64_t E, int alignment, int64_t rows, bool one_bin,
@@ -39,11 +39,16 @@ MaskRef mask_reference(const std::vector<uint8_t>& map, int64_t T, int64_t E, in
   if (one_bin) r.counts = {std::min(u, rows), std::min(u, rows), rows, rows};
   r.dest.assign(static_cast<size_t>(T * E), -1);
   r.sources.assign(static_cast<size_t>(sources_len), -1);
+  r.indices.assign(static_cast<size_t>(T * E), -1);
+  r.bin_ids.assign(static_cast<size_t>(T * E), -1);
   std::vector<int64_t> seen(static_cast<size_t>(E), 0);
+  size_t position = 0;  // the kept pairs, in (expert, token) order
   for (const auto& pr : pairs) {
     const int64_t e = std::get<0>(pr), t = std::get<1>(pr);
     const int64_t d = pstart[e] + seen[e]++;
     if (d >= rows) continue;
+    r.indices[position] = t * E + e;
+    r.bin_ids[position++] = e;
     r.dest[static_cast<size_t>(t * E + e)] = d;
     if (d < sources_len) r.sources[static_cast<size_t>(d)] = t * E + e;
   }
@@ -115,12 +120,15 @@ TEST(MaskPlan, MatchesReference) {
     const Tensor m = byte_matrix(map, c.T, c.E);
     Tensor counts = poison_index(4 * bins), dest = poison_index(c.T * c.E), sources = poison_index(sources_len);
     Tensor rim = filled(DType::kInt32, {c.T, 2 * c.E + 1}, kIndexPoison);
-    padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest, sources, rim);
+    Tensor indices = poison_index(c.T * c.E), bin_ids = poison_index(c.T * c.E);
+    padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest, sources, rim, indices, bin_ids);
     EXPECT_EQ(index_to_vec(counts), want.counts);
     EXPECT_EQ(index_to_vec(dest), want.dest);
     EXPECT_EQ(index_to_vec(sources), want.sources);
     EXPECT_EQ(index_to_vec(rim), want.row_id_map);
-    // without the row_id_map: the same plan
+    EXPECT_EQ(index_to_vec(indices), want.indices);
+    EXPECT_EQ(index_to_vec(bin_ids), want.bin_ids);
+    // without the row_id_map and the sorted order: the same plan
     Tensor dest2 = poison_index(c.T * c.E);
     padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest2, sources, padmoe::TensorView{});
     EXPECT_EQ(index_to_vec(dest2), want.dest);
@@ -149,6 +157,10 @@ TEST(MaskPlan, BadArguments) {
                            {"mask_plan: row_id_map: expected a contiguous int32 [3, 5] tensor"}, value));
   EXPECT_TRUE(throws_error([&] { padmoe::mask_plan_out(m, 1, 4, false, counts, dest, dest, rim); },
                            {"mask_plan: ", "shares memory with"}));
+  Tensor short_indices = poison_index(5), bin_ids = poison_index(6);
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::mask_plan_out(m, 1, 4, false, counts, dest, sources, rim, short_indices, bin_ids); },
+                   {"mask_plan: indices"}, value));
   // nothing was written by a call that raised
   EXPECT_TRUE(all_bytes_are(counts, kIndexPoison));
   EXPECT_TRUE(all_bytes_are(rim, kIndexPoison));

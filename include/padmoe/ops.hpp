@@ -298,6 +298,8 @@ AlignedBlocks batched_moe_align_block_size(const TensorView& expert_num_tokens, 
 //   dest_rows [T * E]: the destinations above;
 //   row_sources [S] (any S >= 0): the assignment whose destination is r, -1 for
 //     padding rows and rows past the routed ones;
+//   indices, bin_ids [T * E] (optional, both or neither): the kept assignments
+//     and their experts in sorted (expert-major, token) order, then -1;
 //   row_id_map [T, 2E + 1] (optional: unset skips it): TransformerEngine's mask
 //     row_id_map: per token the kept destinations in descending expert order,
 //     less the expert's padding offset (pstart[e] - the unpadded start), then
@@ -306,7 +308,7 @@ AlignedBlocks batched_moe_align_block_size(const TensorView& expert_num_tokens, 
 // CUDA no host synchronization, three launches (capturable in a CUDA graph).
 void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
                    const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
-                   const Options& options = {});
+                   const TensorView& indices = {}, const TensorView& bin_ids = {}, const Options& options = {});
 
 // ---------------------------------------------------------------------------
 // 2. MegaBlocks family (input in token order)

@@ -445,3 +445,51 @@ def test_batched_moe_align_block_size_captures_in_a_cuda_graph(E):
         graph.replay()
         torch.cuda.synchronize()
         assert [t.cpu().tolist() for t in out] == list(ref_batched_align(24, 16, new.tolist()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,E,align", [(1, 1, 1), (40, 8, 1), (97, 16, 4), (64, 130, 16), (0, 5, 8), (7, 0, 1)])
+def test_mask_plan_is_make_plan_of_the_mask(device, T, E, align):
+    """pt.mask_plan(routing_map, alignment) is the plan make_plan makes of the ids where(map, e, -1)
+    with drop_invalid, entry for entry (the eight arrays), and dispatch / combine with it move rows
+    as the loops say; its row_id_map lists each token's rows by descending expert."""
+    g = torch.Generator().manual_seed(T * 131 + E + align)
+    routing = torch.rand(T, E, generator=g) < 0.3
+    ids = torch.where(routing, torch.arange(E, dtype=torch.int32), -1)
+    plan, row_id_map = pt.mask_plan(routing.to(device), align)
+    assert plan.top_k == E and plan.num_experts == E and plan.alignment == align
+    if E:  # make_plan takes E >= 1; with no experts the plan is empty and each count 0
+        want = pt.make_plan(ids.to(device), E, align, drop_invalid=True)
+        assert torch.equal(plan.packed.cpu(), want.packed.cpu())
+    else:
+        assert plan.packed.numel() == 0 and row_id_map.shape == (T, 1)
+    dest = plan.dest_rows.cpu().view(T, E)
+    for t in range(T):
+        live = [(int(dest[t, e]), e) for e in reversed(range(E)) if routing[t, e]]
+        unpadded = [
+            d
+            - int(plan.padded_bins[e].cpu() - plan.padded_tokens_per_expert[e].cpu())
+            + int(plan.bins[e].cpu() - plan.tokens_per_expert[e].cpu())
+            for d, e in live
+        ]
+        assert row_id_map[t].cpu().tolist() == unpadded + [-1] * (E - len(live)) + [e for _, e in live] + [-1] * (
+            E - len(live)
+        ) + [len(live)]
+    if T and E:
+        x = torch.randn(T, 8, generator=g).to(device)
+        w = torch.rand(T, E, generator=g).to(device)
+        y = pt.dispatch(x, plan)
+        out = pt.combine(y, plan, w)
+        want_y = torch.zeros(plan.padded_rows_bound, 8, dtype=torch.float64)
+        want_out = torch.zeros(T, 8, dtype=torch.float64)
+        for t in range(T):
+            for e in range(E):
+                if routing[t, e]:
+                    want_y[int(dest[t, e])] = x[t].cpu().double()
+                    want_out[t] += w[t, e].cpu().double() * x[t].cpu().double()
+        assert torch.equal(y.cpu().double(), want_y)
+        torch.testing.assert_close(out.cpu().double(), want_out, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="mask_plan: alignment"):
+        pt.mask_plan(routing, 0)
+    with pytest.raises(TypeError, match="mask_plan: routing_map: expected a bool or integer tensor"):
+        pt.mask_plan(routing.float())

@@ -338,8 +338,9 @@ def test_index_permute_unpermute(device, dtype, T, E, K, cut, minus):
 )
 def test_mask_plan_operator(device, T, E, align, one_bin, cut):
     """torch.ops.padmoe.mask_plan, the native plan of the mask forms, against the loops: the packed
-    plan's counts, dest_rows and row_sources, TE's row_id_map (its rows unpadded), -1 in the unused
-    indices / bin_ids; int32 and uint8 maps read as bool; the fake kernel agrees (opcheck)."""
+    plan's indices / bin_ids (the kept pairs expert-major, then -1), counts, dest_rows and
+    row_sources, TE's row_id_map (its rows unpadded); int32 and uint8 maps read as bool; the fake
+    kernel agrees (opcheck)."""
     rng = np.random.default_rng(T * E + align)
     routing = rng.random((T, E)) < 0.2
     n = routing.sum(0)
@@ -360,6 +361,9 @@ def test_mask_plan_operator(device, T, E, align, one_bin, cut):
         if dst[t, e] < src.size:
             src[dst[t, e]] = t * E + e
     kept = min(int(n.sum()), rows)
+    pairs = sorted((e, t) for t, e in zip(*np.nonzero(dst >= 0)))  # the kept pairs, expert-major
+    indices = [int(t) * E + int(e) for e, t in pairs] + [-1] * (T * E - len(pairs))
+    bin_ids = [int(e) for e, _ in pairs] + [-1] * (T * E - len(pairs))
     counts = [kept, kept, rows, rows] if one_bin else [*n, *np.cumsum(n), *padded, *np.cumsum(padded)]
     want_map = ref_mask_row_id_map(np.where(dst >= 0, dst - (pstart - ustart)[None, :], -1))
     a = T * E
@@ -368,7 +372,7 @@ def test_mask_plan_operator(device, T, E, align, one_bin, cut):
         packed, row_id_map = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True)
         got = packed.cpu().long().numpy()
         assert got.size == 3 * a + 4 * bins + bins * cap
-        assert (got[: 2 * a] == -1).all()
+        assert got[:a].tolist() == indices and got[a : 2 * a].tolist() == bin_ids
         assert got[2 * a : 2 * a + 4 * bins].tolist() == [int(v) for v in counts]
         assert (got[2 * a + 4 * bins : 3 * a + 4 * bins] == dst.reshape(-1)).all()
         assert (got[3 * a + 4 * bins :] == src).all()

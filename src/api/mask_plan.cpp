@@ -13,7 +13,7 @@ namespace padmoe {
 
 void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
                    const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
-                   const Options& options) {
+                   const TensorView& indices, const TensorView& bin_ids, const Options& options) {
   const detail::Checker c("mask_plan");
   if (routing_map.ndim != 2) {
     c.value_error("routing_map", "expected a 2-D [num_tokens, num_experts] tensor, got " +
@@ -23,7 +23,9 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
     c.fail(ErrorKind::kType, "routing_map",
            std::string("expected uint8 (a bool mask's bytes), got ") + dtype_name(routing_map.dtype));
   }
-  if (!routing_map.is_contiguous()) c.value_error("routing_map", "expected a contiguous tensor");
+  if (routing_map.numel() > 0 && !routing_map.is_contiguous()) {  // an empty map is read nowhere
+    c.value_error("routing_map", "expected a contiguous tensor");
+  }
   c.alignment(alignment);
   if (rows < 0) c.value_error("rows", "must be >= 0, got " + std::to_string(rows));
   detail::check_int32_extent(c, "rows", rows);
@@ -47,6 +49,13 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
   c.same_device(counts, "counts", device);
   c.same_device(dest_rows, "dest_rows", device);
   c.same_device(row_sources, "row_sources", device);
+  const bool sorted = indices.data != nullptr || bin_ids.data != nullptr;
+  if (sorted) {
+    c.int32_output(indices, "indices", assignments);
+    c.int32_output(bin_ids, "bin_ids", assignments);
+    c.same_device(indices, "indices", device);
+    c.same_device(bin_ids, "bin_ids", device);
+  }
   const bool with_map = row_id_map.data != nullptr;
   if (with_map) {
     const int64_t width = 2 * experts + 1;
@@ -59,22 +68,25 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
   }
   detail::check_disjoint_all(c,
                              {detail::named(counts, "counts"), detail::named(dest_rows, "dest_rows"),
-                              detail::named(row_sources, "row_sources"), detail::named(row_id_map, "row_id_map")},
+                              detail::named(row_sources, "row_sources"), detail::named(row_id_map, "row_id_map"),
+                              detail::named(indices, "indices"), detail::named(bin_ids, "bin_ids")},
                              {detail::named(routing_map, "routing_map")});
   const uint8_t* map = routing_map.data_as<const uint8_t>();
   int32_t* rim = with_map ? row_id_map.data_as<int32_t>() : nullptr;
+  int32_t* idx = sorted ? indices.data_as<int32_t>() : nullptr;
+  int32_t* bid = sorted ? bin_ids.data_as<int32_t>() : nullptr;
   const int64_t sources_len = row_sources.numel();
   if (device.is_cuda()) {
     const size_t bytes = cuda::mask_plan_workspace_bytes(tokens, experts);
     std::unique_ptr<cuda::Scratch> scratch;
     if (bytes > 0) scratch.reset(new cuda::Scratch(options, bytes, device.index));
     cuda::mask_plan(map, tokens, static_cast<int>(experts), alignment, rows, one_bin, counts.data_as<int32_t>(),
-                    dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, rim,
+                    dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, idx, bid, rim,
                     scratch ? scratch->get() : nullptr, options.stream);
     return;
   }
   cpu::mask_plan(map, tokens, experts, alignment, rows, one_bin, counts.data_as<int32_t>(),
-                 dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, rim);
+                 dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, idx, bid, rim);
 }
 
 }  // namespace padmoe

@@ -10,7 +10,8 @@ namespace padmoe {
 namespace cpu {
 
 void mask_plan(const uint8_t* map, int64_t tokens, int64_t experts, int alignment, int64_t rows, bool one_bin,
-               int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* row_id_map) {
+               int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* indices,
+               int32_t* bin_ids, int32_t* row_id_map) {
   std::vector<int64_t> n(static_cast<size_t>(experts), 0), pstart(n), shift(n), next(n);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t e = 0; e < experts; ++e) n[e] += map[t * experts + e] != 0;
@@ -38,6 +39,9 @@ void mask_plan(const uint8_t* map, int64_t tokens, int64_t experts, int alignmen
     counts[3] = static_cast<int32_t>(rows);
   }
   for (int64_t r = 0; r < sources_len; ++r) row_sources[r] = -1;
+  if (indices != nullptr) {
+    for (int64_t i = 0; i < tokens * experts; ++i) indices[i] = bin_ids[i] = -1;
+  }
   const int64_t width = 2 * experts + 1;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t e = 0; e < experts; ++e) {
@@ -49,6 +53,10 @@ void mask_plan(const uint8_t* map, int64_t tokens, int64_t experts, int alignmen
       }
       dest_rows[a] = static_cast<int32_t>(d);
       if (d >= 0 && d < sources_len) row_sources[d] = static_cast<int32_t>(a);
+      if (d >= 0 && indices != nullptr) {  // the sorted position: the unpadded row
+        indices[d - shift[e]] = static_cast<int32_t>(a);
+        bin_ids[d - shift[e]] = static_cast<int32_t>(e);
+      }
     }
     if (row_id_map == nullptr) continue;
     int32_t* out = row_id_map + t * width;

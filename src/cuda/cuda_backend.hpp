@@ -185,12 +185,13 @@ void batched_align_blocks(IndexRef counts, int64_t num_experts, int max_tokens, 
 // --- a plan from a routing mask (mask_plan; src/cuda/mask_plan.cu) --------------------
 // mask_plan_out's outputs from map [T, E] bytes (sizes checked: T * E, rows and the padded total
 // below 2^31, E at most kMaskPlanMaxExperts): three launches, no host synchronization. The
-// workspace holds the per-chunk counts (mask_plan_workspace_bytes); row_id_map may be null.
+// workspace holds the per-chunk counts (mask_plan_workspace_bytes); indices / bin_ids (both or
+// neither) and row_id_map may be null.
 constexpr int64_t kMaskPlanMaxExperts = 8192;  // the place kernel's 16 bytes of shared memory an expert
 size_t mask_plan_workspace_bytes(int64_t tokens, int64_t num_experts);
 void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignment, int64_t rows, bool one_bin,
-               int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* row_id_map,
-               void* workspace, void* stream);
+               int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* indices,
+               int32_t* bin_ids, int32_t* row_id_map, void* workspace, void* stream);
 
 // --- checked mode -------------------------------------------------------------------
 // Each returns 0 when valid, else an error code (below) with the first

@@ -3,10 +3,11 @@
 // each set byte into a per-expert 32-bit mask of the tile's tokens in shared memory (OR commutes:
 // the masks do not depend on the order of the atomics); then:
 //   1. count: per chunk of tiles, each expert's routed tokens (the masks' popcounts); the blocks
-//      also fill row_sources with -1;
+//      also fill row_sources (and indices, bin_ids) with -1;
 //   2. scan:  per expert (a warp each), the exclusive sum of its chunk counts, and its count;
 //   3. place: per chunk, every block scans the (padded) counts over the experts itself, then for
-//      each tile a warp a token writes the token's dest_rows, row_sources and TE's row_id_map row
+//      each tile a warp a token writes the token's dest_rows, row_sources, sorted positions and TE's
+//      row_id_map row
 //      (experts descending, compacted with a ballot).
 // dest_rows and row_id_map rows are written by consecutive lanes; the result does not depend on
 // the schedule.
@@ -55,7 +56,8 @@ __device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t 
 // Shared memory: the masks and the counts, two arrays of E entries.
 __global__ void __launch_bounds__(kThreads)
     mask_count_kernel(const uint8_t* __restrict__ map, int64_t tokens, int experts, bool words, int64_t tiles_per_chunk,
-                      int32_t* __restrict__ chunk_counts, int32_t* __restrict__ row_sources, int64_t sources_len) {
+                      int32_t* __restrict__ chunk_counts, int32_t* __restrict__ row_sources, int64_t sources_len,
+                      int32_t* __restrict__ indices, int32_t* __restrict__ bin_ids, int64_t assignments) {
   pdl_begin();
   extern __shared__ int32_t s_mem[];
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_mem);
@@ -72,6 +74,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int e = threadIdx.x; e < experts; e += kThreads) chunk_counts[chunk * experts + e] = s_count[e];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t r = chunk * kThreads + threadIdx.x; r < sources_len; r += stride) row_sources[r] = -1;
+  if (indices == nullptr) return;
+  for (int64_t i = chunk * kThreads + threadIdx.x; i < assignments; i += stride) indices[i] = bin_ids[i] = -1;
 }
 
 // chunk_counts[c * E + e] becomes the exclusive sum over chunks c' < c; n[e] the total.
@@ -111,6 +115,8 @@ struct PlaceArgs {
   int32_t* dest_rows;
   int32_t* row_sources;
   int64_t sources_len;
+  int32_t* indices;  // null: indices and bin_ids not written
+  int32_t* bin_ids;
   int32_t* row_id_map;  // null: not written
 };
 
@@ -191,6 +197,10 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
           }
           a.dest_rows[t * E + e] = d;
           if (d >= 0 && d < a.sources_len) a.row_sources[d] = static_cast<int32_t>(t * E + e);
+          if (d >= 0 && a.indices != nullptr) {  // the sorted position: the unpadded row
+            a.indices[d - s_shift[e]] = static_cast<int32_t>(t * E + e);
+            a.bin_ids[d - s_shift[e]] = e;
+          }
         }
         if (a.row_id_map != nullptr) {
           const uint32_t live = __ballot_sync(0xffffffffu, d >= 0);
@@ -227,8 +237,8 @@ size_t mask_plan_workspace_bytes(int64_t tokens, int64_t num_experts) {
 }
 
 void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignment, int64_t rows, bool one_bin,
-               int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* row_id_map,
-               void* workspace, void* stream) {
+               int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* indices,
+               int32_t* bin_ids, int32_t* row_id_map, void* workspace, void* stream) {
   const cudaStream_t s = as_stream(stream);
   const int64_t tpc = policy::mask_tiles_per_chunk(tokens, device_policy());
   const int64_t tiles = (tokens + kTile - 1) / kTile;
@@ -246,7 +256,8 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
                                            static_cast<int>(smem / 2)));
   }
   launch_kernel("mask_count_kernel", mask_count_kernel, static_cast<unsigned>(chunks), kThreads, smem / 2, s, map,
-                tokens, num_experts, words, tpc, chunk_counts, row_sources, sources_len);
+                tokens, num_experts, words, tpc, chunk_counts, row_sources, sources_len, indices, bin_ids,
+                tokens * num_experts);
   if (num_experts > 0) {
     launch_kernel("mask_scan_kernel", mask_scan_kernel, static_cast<unsigned>((num_experts + kWarps - 1) / kWarps),
                   kThreads, 0, s, chunk_counts, chunks, num_experts, n);
@@ -266,6 +277,8 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
   a.dest_rows = dest_rows;
   a.row_sources = row_sources;
   a.sources_len = sources_len;
+  a.indices = indices;
+  a.bin_ids = bin_ids;
   a.row_id_map = row_id_map;
   launch_kernel("mask_place_kernel", mask_place_kernel, static_cast<unsigned>(chunks), kThreads, smem, s, a);
 }

@@ -65,8 +65,8 @@ void batched_align_blocks(IndexRef, int64_t, int, int, int64_t, int32_t*, int32_
   unavailable("batched_moe_align_block_size");
 }
 size_t mask_plan_workspace_bytes(int64_t, int64_t) { return 0; }
-void mask_plan(const uint8_t*, int64_t, int, int, int64_t, bool, int32_t*, int32_t*, int32_t*, int64_t, int32_t*, void*,
-               void*) {
+void mask_plan(const uint8_t*, int64_t, int, int, int64_t, bool, int32_t*, int32_t*, int32_t*, int64_t, int32_t*,
+               int32_t*, int32_t*, void*, void*) {
   unavailable("mask_plan");
 }
 Violation validate_top_experts(IndexRef, int64_t, int, void*, void*) { unavailable("validate"); }

@@ -1265,16 +1265,20 @@ TEST(CpuVsGpuEdge, MaskPlan) {
     const int64_t sources_len = c.one_bin ? rows : (c.E > 0 ? (rows + c.E - 1) / c.E * c.E : 0);
     Tensor counts = poison_index(4 * bins), dest = poison_index(c.T * c.E), sources = poison_index(sources_len);
     Tensor rim = filled(DType::kInt32, {c.T, 2 * c.E + 1}, kIndexPoison);
-    padmoe::mask_plan_out(map, c.alignment, rows, c.one_bin, counts, dest, sources, rim);
+    Tensor indices = poison_index(c.T * c.E), bin_ids = poison_index(c.T * c.E);
+    padmoe::mask_plan_out(map, c.alignment, rows, c.one_bin, counts, dest, sources, rim, indices, bin_ids);
     const Tensor dmap = to_gpu(map);
     for (int run = 0; run < 2; ++run) {
       Tensor gc = gpu_poison_index(4 * bins), gd = gpu_poison_index(c.T * c.E), gs = gpu_poison_index(sources_len);
       Tensor gr = gpu_filled(DType::kInt32, {c.T, 2 * c.E + 1}, kIndexPoison);
-      padmoe::mask_plan_out(dmap, c.alignment, rows, c.one_bin, gc, gd, gs, gr);
+      Tensor gi = gpu_poison_index(c.T * c.E), gb = gpu_poison_index(c.T * c.E);
+      padmoe::mask_plan_out(dmap, c.alignment, rows, c.one_bin, gc, gd, gs, gr, gi, gb);
       EXPECT_TRUE(all_same(to_cpu(gc), counts));
       EXPECT_TRUE(all_same(to_cpu(gd), dest));
       EXPECT_TRUE(all_same(to_cpu(gs), sources));
       EXPECT_TRUE(all_same(to_cpu(gr), rim));
+      EXPECT_TRUE(all_same(to_cpu(gi), indices));
+      EXPECT_TRUE(all_same(to_cpu(gb), bin_ids));
     }
   }
 }

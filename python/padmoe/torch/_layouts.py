@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from padmoe._args import check_expert_map, int_arg, map_experts
-from padmoe._plan import INT32_MAX
+from padmoe._plan import INT32_MAX, Plan
 
 from ._common import Tensor, compiling, eager_mode, host_check, ops
 
@@ -89,6 +89,32 @@ def _(routing_map, rows, alignment=1, one_bin=False, with_row_id_map=True):
     packed = routing_map.new_empty(3 * t * e + 4 * bins + bins * cap, dtype=torch.int32)
     shape = (t, 2 * e + 1) if with_row_id_map else (0, 0)
     return packed, routing_map.new_empty(shape, dtype=torch.int32)
+
+
+def mask_plan(routing_map: Tensor, alignment: int = 1) -> Tuple[Plan, Tensor]:
+    """The plan of a routing mask ``routing_map[T, E]`` (bool or integer, nonzero = routed:
+    TransformerEngine's mask map) and TE's ``row_id_map[T, 2E+1]``, from one native operator (no
+    data checks: every mask is valid; no host synchronization).
+
+    The plan's assignments are the pairs ``a = t*E + e`` (``plan.top_k == E``), the unrouted ones
+    dropped: it is the plan ``make_plan(torch.where(routing_map != 0, e, -1), E, alignment,
+    drop_invalid=True)`` makes (rows expert-major, tokens in order within an expert, each expert
+    padded to a multiple of ``alignment``), without sorting T*E ids. ``dispatch`` / ``combine``
+    take it as any plan (weights ``[T, E]``). ``row_id_map[t]``: t's rows in descending expert
+    order less the expert's padding offset (TE's unpadded rows), then those experts, -1 in the rest
+    of both halves, and the count last."""
+    op = "mask_plan"
+    if not isinstance(routing_map, Tensor):
+        raise TypeError(f"{op}: routing_map: expected a torch tensor, got {type(routing_map).__name__}")
+    if routing_map.dim() != 2:
+        raise ValueError(f"{op}: routing_map: expected [num_tokens, num_experts], got shape {list(routing_map.shape)}")
+    m = int_arg(op, "alignment", alignment, 1)
+    t, e = routing_map.shape
+    rows = t * e + e * (m - 1)  # padded_rows_bound: the plan's row_sources, as make_plan sizes it
+    if rows > INT32_MAX:
+        raise ValueError(f"{op}: routing_map: size overflow: {t} x {e} pairs at alignment {m} do not fit int32")
+    packed, row_id_map = ops.mask_plan.default(routing_map, rows, m, False, True)
+    return Plan._from_packed(packed, t, e, e, m), row_id_map
 
 
 def batched_moe_align_block_size(

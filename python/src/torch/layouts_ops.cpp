@@ -85,9 +85,9 @@ std::tuple<Tensor, Tensor, Tensor> batched_align_kernel(const Tensor& counts_in,
 
 // mask_plan(routing_map[T, E], rows, alignment, one_bin, with_row_id_map) -> (packed, row_id_map):
 // padmoe::mask_plan_out into a packed plan (the layout of padmoe.torch's plans: indices and bin_ids
-// [A] (-1: a mask plan has no sorted order to give), the four count arrays, dest_rows [A],
-// row_sources) of B experts of capacity C: B = 1, C = rows with one_bin; else B = E, C =
-// ceil(rows / E). row_id_map: TE's [T, 2E + 1] int32, or [0, 0] when not asked for.
+// [A], the four count arrays, dest_rows [A], row_sources) of B experts of capacity C: B = 1, C =
+// rows with one_bin; else B = E, C = ceil(rows / E). row_id_map: TE's [T, 2E + 1] int32, or [0, 0]
+// when not asked for.
 std::tuple<Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_t rows, int64_t alignment, bool one_bin,
                                             bool with_row_id_map) {
   const char* op = "mask_plan";
@@ -117,13 +117,13 @@ std::tuple<Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_t rows, 
   Tensor row_id_map = with_row_id_map ? at::empty({t, 2 * e + 1}, int32) : at::empty({0, 0}, int32);
   c10::OptionalDeviceGuard guard(map.device());
   const padmoe::Options o = options_for(map, 0);
-  packed.narrow(0, 0, 2 * a).fill_(-1);
   native([&] {
     padmoe::mask_plan_out(view(map, op, "routing_map"), static_cast<int>(alignment), rows, one_bin,
                           view(packed.narrow(0, 2 * a, 4 * bins), op, "counts"),
                           view(packed.narrow(0, 2 * a + 4 * bins, a), op, "dest_rows"),
                           view(packed.narrow(0, 3 * a + 4 * bins, sources), op, "row_sources"),
-                          with_row_id_map ? view(row_id_map, op, "row_id_map") : padmoe::TensorView{}, o);
+                          with_row_id_map ? view(row_id_map, op, "row_id_map") : padmoe::TensorView{},
+                          view(packed.narrow(0, 0, a), op, "indices"), view(packed.narrow(0, a, a), op, "bin_ids"), o);
   });
   return {packed, row_id_map};
 }
