@@ -13,8 +13,9 @@ namespace {
 
 // --- reduce ---------------------------------------------------------------------
 // out[t] = sum_k w*y[dest] (ascending k over the live assignments, staged
-// compacted, no FMA contraction: the CPU's rounding). When dots are wanted, also dots[a] = <y[dest[a]], g[t]> from the
-// same reads of y (the weight gradient of a gather / dispatch backward).
+// compacted, no FMA contraction: the CPU's rounding). When dots are wanted,
+// also dots[a] = <y[dest[a]], g[t]> from the same reads of y (the weight
+// gradient of a gather / dispatch backward).
 // kDots is a template parameter so that plain combine keeps a lean kernel.
 template <typename T, bool kVec, bool kDots, int kReduceUnits, int kLoadBatch>
 __global__ void __launch_bounds__(kThreads)
