@@ -1,7 +1,8 @@
 // test_mask_plan.cpp — mask_plan_out (a plan from a routing mask, TransformerEngine's mask map)
-// against a reference written from its definition: the routed pairs sorted by (expert, token),
-// each expert's run padded to the alignment, destinations at or past `rows` dropped; TE's
-// row_id_map spelled out per token. Sizes, one_bin, cuts, empty maps and bad arguments.
+// against ref::mask_plan, written from its definition (the routed pairs sorted by (expert, token),
+// each expert's run padded to the alignment, destinations at or past `rows` dropped, TE's
+// row_id_map spelled out per token), and against make_plan of the ids where(map, e, -1) with
+// drop_invalid. Sizes, one_bin, cuts, empty maps and bad arguments.
 #include <algorithm>
 #include <tuple>
 
@@ -9,64 +10,6 @@
 
 namespace pt {
 namespace {
-
-struct MaskRef {
-  std::vector<int64_t> counts, dest, sources, row_id_map, indices, bin_ids;
-};
-
-MaskRef mask_reference(const std::vector<uint8_t>& map, int64_t T, int64_t E, int alignment, int64_t rows, bool one_bin,
-                       int64_t sources_len) {
-  std::vector<std::tuple<int64_t, int64_t>> pairs;  // (e, t) of every routed pair
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t e = 0; e < E; ++e)
-      if (map[static_cast<size_t>(t * E + e)]) pairs.emplace_back(e, t);
-  std::sort(pairs.begin(), pairs.end());
-  std::vector<int64_t> n(static_cast<size_t>(E), 0);
-  for (const auto& p : pairs) ++n[static_cast<size_t>(std::get<0>(p))];
-  std::vector<int64_t> pstart(static_cast<size_t>(E)), ustart(static_cast<size_t>(E));
-  MaskRef r;
-  r.counts.assign(static_cast<size_t>(one_bin ? 4 : 4 * E), 0);
-  int64_t u = 0, p = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t padded = (n[e] + alignment - 1) / alignment * alignment;
-    ustart[e] = u;
-    pstart[e] = p;
-    if (!one_bin)
-      r.counts[e] = n[e], r.counts[E + e] = u + n[e], r.counts[2 * E + e] = padded, r.counts[3 * E + e] = p + padded;
-    u += n[e];
-    p += padded;
-  }
-  if (one_bin) r.counts = {std::min(u, rows), std::min(u, rows), rows, rows};
-  r.dest.assign(static_cast<size_t>(T * E), -1);
-  r.sources.assign(static_cast<size_t>(sources_len), -1);
-  r.indices.assign(static_cast<size_t>(T * E), -1);
-  r.bin_ids.assign(static_cast<size_t>(T * E), -1);
-  std::vector<int64_t> seen(static_cast<size_t>(E), 0);
-  size_t position = 0;  // the kept pairs, in (expert, token) order
-  for (const auto& pr : pairs) {
-    const int64_t e = std::get<0>(pr), t = std::get<1>(pr);
-    const int64_t d = pstart[e] + seen[e]++;
-    if (d >= rows) continue;
-    r.indices[position] = t * E + e;
-    r.bin_ids[position++] = e;
-    r.dest[static_cast<size_t>(t * E + e)] = d;
-    if (d < sources_len) r.sources[static_cast<size_t>(d)] = t * E + e;
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<int64_t> rws, exps;
-    for (int64_t e = E - 1; e >= 0; --e) {
-      const int64_t d = r.dest[static_cast<size_t>(t * E + e)];
-      if (d >= 0) rws.push_back(d - (pstart[e] - ustart[e])), exps.push_back(e);
-    }
-    const int64_t k = static_cast<int64_t>(rws.size());
-    rws.resize(static_cast<size_t>(E), -1);
-    exps.resize(static_cast<size_t>(E), -1);
-    r.row_id_map.insert(r.row_id_map.end(), rws.begin(), rws.end());
-    r.row_id_map.insert(r.row_id_map.end(), exps.begin(), exps.end());
-    r.row_id_map.push_back(k);
-  }
-  return r;
-}
 
 Tensor byte_matrix(const std::vector<uint8_t>& v, int64_t rows, int64_t cols) {
   Tensor t = Tensor::empty(DType::kUInt8, {rows, cols});
@@ -110,28 +53,28 @@ TEST(MaskPlan, MatchesReference) {
     for (uint8_t b : map) routed += b != 0;
     int64_t padded_total = 0;
     {
-      const MaskRef full = mask_reference(map, c.T, c.E, c.alignment, INT32_MAX, false, 0);
+      const ref::MaskPlan full = ref::mask_plan(map, c.T, c.E, c.alignment, INT32_MAX, false, 0);
       padded_total = c.E > 0 ? full.counts[static_cast<size_t>(4 * c.E - 1)] : 0;
     }
     const int64_t rows = static_cast<int64_t>((c.one_bin ? routed : padded_total) * c.cut);
     const int64_t bins = c.one_bin ? 1 : c.E;
     const int64_t sources_len = c.one_bin ? rows : (c.E > 0 ? (rows + c.E - 1) / c.E * c.E : 0);
-    const MaskRef want = mask_reference(map, c.T, c.E, c.alignment, rows, c.one_bin, sources_len);
+    const ref::MaskPlan want = ref::mask_plan(map, c.T, c.E, c.alignment, rows, c.one_bin, sources_len);
     const Tensor m = byte_matrix(map, c.T, c.E);
     Tensor counts = poison_index(4 * bins), dest = poison_index(c.T * c.E), sources = poison_index(sources_len);
     Tensor rim = filled(DType::kInt32, {c.T, 2 * c.E + 1}, kIndexPoison);
     Tensor indices = poison_index(c.T * c.E), bin_ids = poison_index(c.T * c.E);
     padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest, sources, rim, indices, bin_ids);
     EXPECT_EQ(index_to_vec(counts), want.counts);
-    EXPECT_EQ(index_to_vec(dest), want.dest);
-    EXPECT_EQ(index_to_vec(sources), want.sources);
+    EXPECT_EQ(index_to_vec(dest), want.dest_rows);
+    EXPECT_EQ(index_to_vec(sources), want.row_sources);
     EXPECT_EQ(index_to_vec(rim), want.row_id_map);
     EXPECT_EQ(index_to_vec(indices), want.indices);
     EXPECT_EQ(index_to_vec(bin_ids), want.bin_ids);
     // without the row_id_map and the sorted order: the same plan
     Tensor dest2 = poison_index(c.T * c.E);
     padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest2, sources, padmoe::TensorView{});
-    EXPECT_EQ(index_to_vec(dest2), want.dest);
+    EXPECT_EQ(index_to_vec(dest2), want.dest_rows);
   }
 }
 

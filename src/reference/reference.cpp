@@ -11,6 +11,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace padmoe {
 namespace ref {
@@ -435,6 +436,66 @@ AlignedBlocks batched_moe_align_block_size(const std::vector<int64_t>& counts, i
     start = end;
   }
   r.num_tokens_post_padded = start;
+  return r;
+}
+
+MaskPlan mask_plan(const std::vector<uint8_t>& map, int64_t tokens, int64_t experts, int alignment, int64_t rows,
+                   bool one_bin, int64_t sources_len) {
+  require(static_cast<int64_t>(map.size()) == tokens * experts, "map must hold T * E entries");
+  std::vector<std::pair<int64_t, int64_t>> pairs;  // (e, t) of every routed pair
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t e = 0; e < experts; ++e)
+      if (map[static_cast<size_t>(t * experts + e)] != 0) pairs.emplace_back(e, t);
+  std::sort(pairs.begin(), pairs.end());
+  std::vector<int64_t> n(static_cast<size_t>(experts), 0), pstart(n), ustart(n), seen(n);
+  for (const auto& p : pairs) ++n[static_cast<size_t>(p.first)];
+  MaskPlan r;
+  r.counts.assign(static_cast<size_t>(one_bin ? 4 : 4 * experts), 0);
+  int64_t u = 0, pad = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const size_t i = static_cast<size_t>(e);
+    const int64_t padded = up(n[i], alignment);
+    ustart[i] = u;
+    pstart[i] = pad;
+    if (!one_bin) {
+      r.counts[i] = n[i];
+      r.counts[static_cast<size_t>(experts + e)] = u + n[i];
+      r.counts[static_cast<size_t>(2 * experts + e)] = padded;
+      r.counts[static_cast<size_t>(3 * experts + e)] = pad + padded;
+    }
+    u += n[i];
+    pad += padded;
+  }
+  if (one_bin) r.counts = {std::min(u, rows), std::min(u, rows), rows, rows};
+  r.dest_rows.assign(static_cast<size_t>(tokens * experts), -1);
+  r.row_sources.assign(static_cast<size_t>(sources_len), -1);
+  r.indices.assign(static_cast<size_t>(tokens * experts), -1);
+  r.bin_ids.assign(static_cast<size_t>(tokens * experts), -1);
+  size_t position = 0;  // the kept pairs, in (expert, token) order
+  for (const auto& p : pairs) {
+    const int64_t e = p.first, t = p.second;
+    const int64_t d = pstart[static_cast<size_t>(e)] + seen[static_cast<size_t>(e)]++;
+    if (d >= rows) continue;
+    r.indices[position] = t * experts + e;
+    r.bin_ids[position++] = e;
+    r.dest_rows[static_cast<size_t>(t * experts + e)] = d;
+    if (d < sources_len) r.row_sources[static_cast<size_t>(d)] = t * experts + e;
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<int64_t> kept_rows, kept_experts;
+    for (int64_t e = experts - 1; e >= 0; --e) {
+      const int64_t d = r.dest_rows[static_cast<size_t>(t * experts + e)];
+      if (d < 0) continue;
+      kept_rows.push_back(d - (pstart[static_cast<size_t>(e)] - ustart[static_cast<size_t>(e)]));
+      kept_experts.push_back(e);
+    }
+    const int64_t k = static_cast<int64_t>(kept_rows.size());
+    kept_rows.resize(static_cast<size_t>(experts), -1);
+    kept_experts.resize(static_cast<size_t>(experts), -1);
+    r.row_id_map.insert(r.row_id_map.end(), kept_rows.begin(), kept_rows.end());
+    r.row_id_map.insert(r.row_id_map.end(), kept_experts.begin(), kept_experts.end());
+    r.row_id_map.push_back(k);
+  }
   return r;
 }
 

@@ -129,6 +129,15 @@ AlignedBlocks moe_align_block_size(const std::vector<int64_t>& top_experts, int 
 // back, each run padded to whole blocks of block_size; the sentinel E * max_tokens elsewhere in the
 // ceil(max_tokens / block_size) * block_size * E entries, block id -1 for the blocks past the runs.
 AlignedBlocks batched_moe_align_block_size(const std::vector<int64_t>& counts, int64_t max_tokens, int block_size);
+// mask_plan_out from its definition: the routed pairs (t, e) of map [T, E] sorted by (e, t), each
+// expert's run padded to the alignment, destinations at or past `rows` dropped; counts [4E] (or
+// [4] with one_bin), dest_rows [T*E], row_sources [sources_len], indices / bin_ids [T*E] and TE's
+// row_id_map [T, 2E + 1] spelled out per token.
+struct MaskPlan {
+  std::vector<int64_t> counts, dest_rows, row_sources, indices, bin_ids, row_id_map;
+};
+MaskPlan mask_plan(const std::vector<uint8_t>& map, int64_t tokens, int64_t experts, int alignment, int64_t rows,
+                   bool one_bin, int64_t sources_len);
 
 // Scales moved with the rows (ops.hpp section 4), on raw bytes: scale row r
 // of the output (row_bytes bytes) is source row sources[r] of `src`, or the

@@ -140,6 +140,38 @@ std::vector<OpCase> op_table() {
                        expect_index("num_tokens_post_pad", d.out_batched_post_1, {r.num_tokens_post_padded})};
                  }});
 
+  // The routing as TransformerEngine's mask map [T, E]: the plan of the mask (K = E slots a token, no
+  // cut) and TE's row_id_map.
+  ops.push_back(
+      {"mask_plan",
+       "T*E + (4*E + 3*T*E + Rm + T*(2*E+1))*4 (the map read; counts, dest_rows, indices, bin_ids, row_sources "
+       "and row_id_map written; Rm = T*E + E*(m-1))",
+       [](const Dims& d) {
+         const double te = d.T * d.E, rm = te + d.E * (d.m - 1);
+         return te + (4 * d.E + 3 * te + rm + d.T * (2 * d.E + 1)) * 4;
+       },
+       [](Data& d) {
+         const int64_t rows = d.out_mask_sources.numel();
+         mask_plan_out(d.mask, d.w.m, rows, false, d.out_mask_counts, d.out_mask_dest, d.out_mask_sources,
+                       d.out_mask_row_id_map, d.out_mask_indices, d.out_mask_bin_ids, d.opt);
+       },
+       [](Data& d) {
+         const int64_t rows = d.out_mask_sources.numel();
+         ref::MaskPlan r = ref::mask_plan(d.mask_ref, d.w.T, d.w.E, d.w.m, rows, false, rows);
+         TensorView row_id_map = d.out_mask_row_id_map.view();  // compared flat: [T * (2E + 1)]
+         const int64_t entries = row_id_map.numel();
+         row_id_map.ndim = 1;
+         row_id_map.shape[0] = entries;
+         row_id_map.shape[1] = 0;
+         row_id_map.strides[0] = 1;
+         return std::vector<Expect>{expect_index("counts", d.out_mask_counts, std::move(r.counts)),
+                                    expect_index("dest_rows", d.out_mask_dest, std::move(r.dest_rows)),
+                                    expect_index("row_sources", d.out_mask_sources, std::move(r.row_sources)),
+                                    expect_index("indices", d.out_mask_indices, std::move(r.indices)),
+                                    expect_index("bin_ids", d.out_mask_bin_ids, std::move(r.bin_ids)),
+                                    expect_index("row_id_map", row_id_map, std::move(r.row_id_map))};
+       }});
+
   // make_plan with PlanOptions (expert parallelism; a capacity with the probs drop policy), against
   // ref::make_plan(..., RoutingOptions).
   // A plan with PlanOptions against ref::make_plan(..., RoutingOptions) (row_sources to o's length).

@@ -135,7 +135,8 @@ std::vector<Tensor*> input_tensors(Data& d) {
           &d.probs,
           &d.x8,
           &d.x8_scales,
-          &d.split_sizes};
+          &d.split_sizes,
+          &d.mask};
 }
 
 
@@ -170,6 +171,12 @@ std::vector<Tensor*> output_tensors(Data& d) {
           &d.out_batched_B,
           &d.out_batched_blocks,
           &d.out_batched_post_1,
+          &d.out_mask_counts,
+          &d.out_mask_dest,
+          &d.out_mask_sources,
+          &d.out_mask_indices,
+          &d.out_mask_bin_ids,
+          &d.out_mask_row_id_map,
           &d.out_rows8_R,
           &d.out_scales_R,
           &d.out_e8m0_R,
@@ -310,6 +317,22 @@ Data build_data(const Workload& w, bool reference) {
   d.out_batched_B = Tensor::empty(DType::kInt32, {b_len}, dev);
   d.out_batched_blocks = Tensor::empty(DType::kInt32, {b_len / w.m}, dev);
   d.out_batched_post_1 = Tensor::empty(DType::kInt32, {1}, dev);
+  {
+    d.mask = Tensor::empty(DType::kUInt8, {T, w.E});
+    uint8_t* m = d.mask.data_as<uint8_t>();
+    std::fill(m, m + T * w.E, uint8_t{0});
+    for (int64_t a = 0; a < d.A; ++a) m[(a / w.K) * w.E + d.routing.top_experts[static_cast<size_t>(a)]] = 1;
+    if (reference) d.mask_ref.assign(m, m + T * w.E);
+    // past int32 the op's own size check reports it: no buffer of that size is made
+    const int64_t te = T * w.E, rm = te + static_cast<int64_t>(w.E) * (w.m - 1);
+    const bool fits = rm <= std::numeric_limits<int32_t>::max();
+    d.out_mask_counts = Tensor::empty(DType::kInt32, {4 * static_cast<int64_t>(w.E)}, dev);
+    d.out_mask_dest = Tensor::empty(DType::kInt32, {fits ? te : 0}, dev);
+    d.out_mask_indices = Tensor::empty(DType::kInt32, {fits ? te : 0}, dev);
+    d.out_mask_bin_ids = Tensor::empty(DType::kInt32, {fits ? te : 0}, dev);
+    d.out_mask_sources = Tensor::empty(DType::kInt32, {fits ? rm : 0}, dev);
+    d.out_mask_row_id_map = Tensor::empty(DType::kInt32, {fits ? T : 0, 2 * static_cast<int64_t>(w.E) + 1}, dev);
+  }
   d.out_rows8_R = Tensor::empty(DType::kFloat8E4M3, {R, H}, dev);
   d.out_scales_R = Tensor::empty(DType::kFloat32, {R, blocks}, dev);
   d.out_e8m0_R = Tensor::empty(DType::kUInt8, {R, (H + 31) / 32}, dev);

@@ -79,6 +79,11 @@ struct Data {
   int batched_max = 0;
   int64_t B = 0;
   Tensor out_batched_B, out_batched_blocks, out_batched_post_1;
+  // mask_plan: the routing as TE's mask map [T, E] uint8 (an input), and the plan of it with
+  // Rm = T*E + E*(m-1) row_sources: counts [4E], dest_rows / indices / bin_ids [T*E], [T, 2E+1]
+  Tensor mask;
+  std::vector<uint8_t> mask_ref;
+  Tensor out_mask_counts, out_mask_dest, out_mask_sources, out_mask_indices, out_mask_bin_ids, out_mask_row_id_map;
   Tensor out_rows8_R, out_scales_R;  // [R, H] e4m3 and [R, ceil(H/128)] float32: dispatch(fp8+scales)
   Tensor out_e8m0_R;                 // [R, ceil(H/32)] uint8 E8M0: dispatch(quant-mxfp8)
   // make_plan with PlanOptions: rank 1's local experts of ep_ranks ([E/ep_ranks] plan), and an expert
