@@ -152,7 +152,9 @@ std::vector<OpCase> op_table() {
        },
        [](Data& d) {
          const int64_t rows = d.out_mask_sources.numel();
-         mask_plan_out(d.mask, d.w.m, rows, false, d.out_mask_counts, d.out_mask_dest, d.out_mask_sources,
+         TensorView map = d.mask.view();  // no mask made past int32: its shape alone, for the op to reject
+         if (map.shape[0] != d.w.T) map = TensorView::contiguous(nullptr, DType::kUInt8, {d.w.T, d.w.E}, d.w.device);
+         mask_plan_out(map, d.w.m, rows, false, d.out_mask_counts, d.out_mask_dest, d.out_mask_sources,
                        d.out_mask_row_id_map, d.out_mask_indices, d.out_mask_bin_ids, d.opt);
        },
        [](Data& d) {

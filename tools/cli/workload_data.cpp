@@ -318,14 +318,16 @@ Data build_data(const Workload& w, bool reference) {
   d.out_batched_blocks = Tensor::empty(DType::kInt32, {b_len / w.m}, dev);
   d.out_batched_post_1 = Tensor::empty(DType::kInt32, {1}, dev);
   {
-    d.mask = Tensor::empty(DType::kUInt8, {T, w.E});
-    uint8_t* m = d.mask.data_as<uint8_t>();
-    std::fill(m, m + T * w.E, uint8_t{0});
-    for (int64_t a = 0; a < d.A; ++a) m[(a / w.K) * w.E + d.routing.top_experts[static_cast<size_t>(a)]] = 1;
-    if (reference) d.mask_ref.assign(m, m + T * w.E);
-    // past int32 the op's own size check reports it: no buffer of that size is made
+    // past int32 the op's own size check reports it (ops_table.cpp): no buffer of that size is made
     const int64_t te = T * w.E, rm = te + static_cast<int64_t>(w.E) * (w.m - 1);
     const bool fits = rm <= std::numeric_limits<int32_t>::max();
+    d.mask = Tensor::empty(DType::kUInt8, {fits ? T : 0, w.E});
+    uint8_t* m = d.mask.data_as<uint8_t>();
+    if (fits) {
+      std::fill(m, m + te, uint8_t{0});
+      for (int64_t a = 0; a < d.A; ++a) m[(a / w.K) * w.E + d.routing.top_experts[static_cast<size_t>(a)]] = 1;
+      if (reference) d.mask_ref.assign(m, m + te);
+    }
     d.out_mask_counts = Tensor::empty(DType::kInt32, {4 * static_cast<int64_t>(w.E)}, dev);
     d.out_mask_dest = Tensor::empty(DType::kInt32, {fits ? te : 0}, dev);
     d.out_mask_indices = Tensor::empty(DType::kInt32, {fits ? te : 0}, dev);
