@@ -88,13 +88,18 @@ class _Permute(torch.autograd.Function):
     the moved probs."""
 
     @staticmethod
-    def forward(ctx, inp, probs, packed, top_k, num_experts, capacity, weights, sources):
+    def forward(ctx, inp, probs, packed, top_k, num_experts, capacity, weights, sources, rows):
         y = torch.ops.padmoe.dispatch.default(inp, packed, weights, top_k, num_experts, 1, capacity, 0, True)
+        if 0 <= rows < y.shape[0]:
+            # the first `rows` rows hold every destination; the gradient comes with as many rows, and
+            # dispatch_backward reads only the destinations (no zero-padded copy of it is made)
+            y = y[:rows]
         ctx.assignments = inp.shape[0] * top_k
         moved = None
         if probs is not None:
             flat = probs.reshape(-1)
             moved = torch.where(sources >= 0, flat[sources.clamp(min=0).long()], 0).to(probs.dtype)
+            moved = moved[:rows] if rows >= 0 else moved
         ctx.plan = (top_k, num_experts, capacity)
         ctx.probs_shape = None if probs is None else probs.shape
         ctx.save_for_backward(packed)
@@ -116,11 +121,15 @@ class _Permute(torch.autograd.Function):
             live = (dest >= 0) & (dest < grad_moved.numel())
             picked = grad_moved[torch.where(live, dest, 0)] if grad_moved.numel() else grad_moved.new_zeros(a)
             grad_probs = torch.where(live, picked, 0).to(grad_moved.dtype).reshape(ctx.probs_shape)
-        return grad_inp, grad_probs, None, None, None, None, None, None
+        return grad_inp, grad_probs, None, None, None, None, None, None, None
 
 
-def _permute(inp, probs, plan, weights, sources):
-    return _Permute.apply(inp, probs, plan.packed, plan.top_k, plan.num_experts, plan.expert_capacity, weights, sources)
+def _permute(inp, probs, plan, weights, sources, rows=None):
+    """(rows, moved probs) of ``plan``: its first ``rows`` rows (default: all)."""
+    return _Permute.apply(
+        inp, probs, plan.packed, plan.top_k, plan.num_experts, plan.expert_capacity, weights, sources,
+        -1 if rows is None else rows,
+    )
 
 
 def _check_rows(op: str, inp) -> None:
@@ -333,12 +342,10 @@ def moe_permute_and_pad_with_probs(
     if inp.numel() == 0:
         out, moved = _Empty.apply(inp, probs)
         return out, moved, _empty_float(inp), pad_offsets, target
-    plan, full_rows, row_id_map = tp.padded_mask_plan(routing_map, align_size, rows)
+    plan, _, row_id_map = tp.padded_mask_plan(routing_map, align_size, rows)
     _, sources = tp.plan_views(plan)
     weights = (probs.detach() != 0).reshape(-1).to(torch.float32)
-    out, moved = _permute(inp, probs, plan, weights, sources)
-    if full_rows != rows:
-        out, moved = out[:rows], moved[:rows]
+    out, moved = _permute(inp, probs, plan, weights, sources, rows)
     _keep(row_id_map, plan, True, rows)
     return out, moved, row_id_map, pad_offsets, target
 
