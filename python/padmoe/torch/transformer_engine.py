@@ -127,7 +127,14 @@ class _Permute(torch.autograd.Function):
 def _permute(inp, probs, plan, weights, sources, rows=None):
     """(rows, moved probs) of ``plan``: its first ``rows`` rows (default: all)."""
     return _Permute.apply(
-        inp, probs, plan.packed, plan.top_k, plan.num_experts, plan.expert_capacity, weights, sources,
+        inp,
+        probs,
+        plan.packed,
+        plan.top_k,
+        plan.num_experts,
+        plan.expert_capacity,
+        weights,
+        sources,
         -1 if rows is None else rows,
     )
 
