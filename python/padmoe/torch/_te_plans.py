@@ -34,15 +34,6 @@ def _layout(a: int, e: int) -> Tuple[int, int]:
     return 2 * a + 4 * e, 3 * a + 4 * e
 
 
-def expert_plan(top_experts: Tensor, num_experts: int, alignment: int) -> Tensor:
-    """The packed plan of ``top_experts`` (ids outside ``[0, num_experts)`` dropped), no checks:
-    every builder below passes ids it made itself."""
-    packed, _ = ops.make_plan_routed.default(
-        top_experts, num_experts, alignment, None, 0, 0, True, None, False, None, 0
-    )
-    return packed
-
-
 def row_plan(dest: Tensor, sources: Optional[Tensor], kept, rows: int, tokens: int, top_k: int) -> Plan:
     """A one-expert plan with capacity ``rows``: ``dest_rows = dest`` ([A] int32, entries in
     ``[0, rows)`` or -1, the used rows exactly ``[0, kept)``), ``row_sources`` = ``sources`` ([at
@@ -130,7 +121,8 @@ def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
             dest = torch.where(dest < rows, dest, -1)
         return row_plan(dest, order[:kept].to(torch.int32), kept, rows, t, k)
     e = num_experts + 1  # -1 -> the extra expert E, whose rows come last
-    packed = expert_plan(index.remainder(e), e, 1)
+    # every id in [0, e) after the remainder: the plain plan, unchecked (no dropped count to write)
+    packed = ops.make_plan.default(index.remainder(e), e, 1, 0, None)
     if rows == a:  # no cut: the plan's rows (alignment 1: the sorted positions) are TE's, as they are
         return Plan._from_packed(packed, t, k, e, 1)
     d0, s0 = _layout(a, e)
