@@ -512,7 +512,7 @@ def test_cuda_graph_capture():
             x, p, rmap, rmap.sum(0), 16, out_rows=T * K + E * 15, check=False
         )
         c = te.moe_unpermute(y3, m3, merging_probs=p, restore_shape=x.shape, pad_offsets=off)
-        return a, b, c
+        return a, b, c, y2, m2  # the index row_id_map: a branch of the graph beside the rows
 
     want = step()
     s = torch.cuda.Stream()

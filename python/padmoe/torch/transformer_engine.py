@@ -267,10 +267,34 @@ def moe_permute(
             _check_index(op, routing_map, num_experts)
     plan = tp.index_plan(routing_map, rows, num_experts)
     dest, sources = tp.plan_views(plan)
+    row_id_map, side = _k_major(dest, t, k)
     out, _ = _permute(inp, None, plan, None, sources)
-    row_id_map = dest.view(t, k).t().reshape(-1)
+    if side is not None:
+        torch.cuda.current_stream(inp.device).wait_stream(side)
     _keep(row_id_map, plan, False, rows)
     return out, row_id_map
+
+
+_SIDE_STREAMS = {}  # device index -> the stream of _k_major's graph branch
+
+
+def _k_major(dest: Tensor, t: int, k: int):
+    """TE's k-major ``row_id_map[k*T + t]`` from the plan's token-major ``dest_rows``: ``(map,
+    stream to join or None)``. While a CUDA graph is captured the copy is a branch of the graph
+    beside the rows' dispatch (a side stream that the caller joins after it), so that in the graph
+    it costs no time of its own; eagerly it is one copy on the current stream (a fork and join cost
+    the host more than the copy)."""
+    if not dest.is_cuda or compiling() or not torch.cuda.is_current_stream_capturing():
+        return dest.view(t, k).t().reshape(-1), None
+    main = torch.cuda.current_stream(dest.device)
+    side = _SIDE_STREAMS.get(dest.device.index)
+    if side is None:
+        side = _SIDE_STREAMS.setdefault(dest.device.index, torch.cuda.Stream(dest.device))
+    row_id_map = torch.empty(t * k, dtype=dest.dtype, device=dest.device)  # on the current stream
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        row_id_map.view(k, t).copy_(dest.view(t, k).t())
+    return row_id_map, side
 
 
 def _check_index(op: str, index: Tensor, num_experts: int) -> None:
