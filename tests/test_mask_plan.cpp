@@ -45,7 +45,8 @@ TEST(MaskPlan, MatchesReference) {
         Case{37, 8, 0.25, 1, true, 1.5}, Case{100, 8, 0.25, 16, false, 1.0}, Case{100, 8, 0.25, 128, false, 1.0},
         Case{64, 33, 0.1, 4, false, 0.7}, Case{257, 256, 0.03, 16, false, 1.0}, Case{300, 5, 0.5, 1, false, 1.0},
         Case{50, 70, 0.0, 8, false, 1.0}, Case{0, 8, 0.5, 16, false, 1.0}, Case{6, 0, 0.5, 1, true, 1.0},
-        Case{6, 0, 0.5, 4, false, 1.0}}) {
+        Case{6, 0, 0.5, 4, false, 1.0}, Case{3000, 64, 0.1, 16, false, 1.0}, Case{2500, 160, 0.05, 1, true, 0.8},
+        Case{2100, 128, 0.06, 128, false, 0.9}}) {
     SCOPED_TRACE("T=" + std::to_string(c.T) + " E=" + std::to_string(c.E) + " align=" + std::to_string(c.alignment) +
                  (c.one_bin ? " one_bin" : "") + " cut=" + std::to_string(c.cut));
     const std::vector<uint8_t> map = random_mask(c.T, c.E, c.density, rng);
@@ -62,15 +63,21 @@ TEST(MaskPlan, MatchesReference) {
     const ref::MaskPlan want = ref::mask_plan(map, c.T, c.E, c.alignment, rows, c.one_bin, sources_len);
     const Tensor m = byte_matrix(map, c.T, c.E);
     Tensor counts = poison_index(4 * bins), dest = poison_index(c.T * c.E), sources = poison_index(sources_len);
-    Tensor rim = filled(DType::kInt32, {c.T, 2 * c.E + 1}, kIndexPoison);
-    Tensor indices = poison_index(c.T * c.E), bin_ids = poison_index(c.T * c.E);
-    padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest, sources, rim, indices, bin_ids);
-    EXPECT_EQ(index_to_vec(counts), want.counts);
-    EXPECT_EQ(index_to_vec(dest), want.dest_rows);
-    EXPECT_EQ(index_to_vec(sources), want.row_sources);
-    EXPECT_EQ(index_to_vec(rim), want.row_id_map);
-    EXPECT_EQ(index_to_vec(indices), want.indices);
-    EXPECT_EQ(index_to_vec(bin_ids), want.bin_ids);
+    for (int threads : {1, 3}) {  // the maps past 2^17 pairs take several workers at 3
+      SCOPED_TRACE("threads=" + std::to_string(threads));
+      padmoe::Options o;
+      o.num_threads = threads;
+      Tensor rim = filled(DType::kInt32, {c.T, 2 * c.E + 1}, kIndexPoison);
+      Tensor indices = poison_index(c.T * c.E), bin_ids = poison_index(c.T * c.E);
+      counts = poison_index(4 * bins), dest = poison_index(c.T * c.E), sources = poison_index(sources_len);
+      padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest, sources, rim, indices, bin_ids, o);
+      EXPECT_EQ(index_to_vec(counts), want.counts);
+      EXPECT_EQ(index_to_vec(dest), want.dest_rows);
+      EXPECT_EQ(index_to_vec(sources), want.row_sources);
+      EXPECT_EQ(index_to_vec(rim), want.row_id_map);
+      EXPECT_EQ(index_to_vec(indices), want.indices);
+      EXPECT_EQ(index_to_vec(bin_ids), want.bin_ids);
+    }
     // without the row_id_map and the sorted order: the same plan
     Tensor dest2 = poison_index(c.T * c.E);
     padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest2, sources, padmoe::TensorView{});

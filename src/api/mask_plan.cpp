@@ -86,7 +86,8 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
     return;
   }
   cpu::mask_plan(map, tokens, experts, alignment, rows, one_bin, counts.data_as<int32_t>(),
-                 dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, idx, bid, rim);
+                 dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, idx, bid, rim,
+                 options.num_threads);
 }
 
 }  // namespace padmoe
