@@ -527,3 +527,35 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     for w, g in zip(want, got):
         assert torch.equal(w, g)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("static", [False, True])
+def test_permute_and_pad_rows_not_a_multiple_of_experts(device, static):
+    """Output rows that E does not divide (the exact P = 144 at E = 5, P + 7): values, the outputs
+    modified in place, and the gradients through them."""
+    T, E, K, H, align = 50, 5, 2, 8, 16
+    dtype = torch.float32
+    routing, probs = mask_case(T, E, K, 13)
+    rng = np.random.default_rng(4)
+    (x,) = tensors(device, dtype, rng.standard_normal((T, H)), grad=True)
+    (p,) = tensors(device, dtype, probs, grad=True)
+    rmap = torch.tensor(routing, device=device)
+    _, padded, _, target = ref_padded(routing, routing.sum(0), align)
+    P = int(target.sum())
+    rows = P + 7 if static else P
+    kw = dict(out_rows=rows, check=True) if static else {}
+    out, moved, _, _, _ = te.moe_permute_and_pad_with_probs(x, p, rmap, rmap.sum(0), align, **kw)
+    assert rows % E != 0 and out.shape == (rows, H) and moved.shape == (rows,)
+    want, want_p = ref_permute(x.detach().cpu().double().numpy(), padded, rows, p.detach().cpu().double().numpy())
+    assert torch.equal(out.detach().cpu().double(), torch.tensor(want))
+    assert torch.equal(moved.detach().cpu().double(), torch.tensor(want_p))
+    out.mul_(2.0)
+    moved.mul_(3.0)
+    g, gp = tensors(device, dtype, rng.standard_normal((rows, H)), rng.standard_normal(rows))
+    torch.autograd.backward((out, moved), (g, gp))
+    close(x.grad, ref_gather_grad(2.0 * g.cpu().double().numpy(), padded, rows), dtype)
+    want_gp = np.zeros((T, E))
+    for t, e in zip(*np.nonzero(padded >= 0)):
+        want_gp[t, e] = 3.0 * gp.cpu().double().numpy()[padded[t, e]]
+    close(p.grad, want_gp, dtype)

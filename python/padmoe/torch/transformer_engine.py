@@ -90,16 +90,16 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, probs, packed, top_k, num_experts, capacity, weights, sources, rows):
         y = torch.ops.padmoe.dispatch.default(inp, packed, weights, top_k, num_experts, 1, capacity, 0, True)
-        if 0 <= rows < y.shape[0]:
-            # the first `rows` rows hold every destination; the gradient comes with as many rows, and
-            # dispatch_backward reads only the destinations (no zero-padded copy of it is made)
-            y = y[:rows]
         ctx.assignments = inp.shape[0] * top_k
         moved = None
         if probs is not None:
             flat = probs.reshape(-1)
             moved = torch.where(sources >= 0, flat[sources.clamp(min=0).long()], 0).to(probs.dtype)
-            moved = moved[:rows] if rows >= 0 else moved
+        if 0 <= rows < y.shape[0]:
+            # the first `rows` rows hold every destination: the gradient comes with as many rows, and
+            # dispatch_backward reads only the destinations (no zero-padded copy of it is made)
+            y = _head(y, rows)
+            moved = None if moved is None else _head(moved, rows)
         ctx.plan = (top_k, num_experts, capacity)
         ctx.probs_shape = None if probs is None else probs.shape
         ctx.save_for_backward(packed)
@@ -124,19 +124,24 @@ class _Permute(torch.autograd.Function):
         return grad_inp, grad_probs, None, None, None, None, None, None, None
 
 
+def _head(t: Tensor, rows: int) -> Tensor:
+    """The first ``rows`` rows of ``t`` as a tensor of their own, on ``t``'s memory but not a view
+    of it: autograd forbids modifying in place a view made inside a Function, and callers of the
+    permute may (the unused rows past ``rows`` stay allocated with it)."""
+    shape = (rows,) + tuple(t.shape[1:])
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), shape, t.stride())
+
+
 def _permute(inp, probs, plan, weights, sources, rows=None):
-    """(rows, moved probs) of ``plan``: its first ``rows`` rows (default: all)."""
-    return _Permute.apply(
-        inp,
-        probs,
-        plan.packed,
-        plan.top_k,
-        plan.num_experts,
-        plan.expert_capacity,
-        weights,
-        sources,
-        -1 if rows is None else rows,
+    """(rows, moved probs) of ``plan``: its first ``rows`` rows (default: all). Under torch.compile
+    the rows are a slice of the whole (its backward pads the gradient; the compiler may fuse it)."""
+    head = -1 if rows is None or compiling() else rows
+    y, moved = _Permute.apply(
+        inp, probs, plan.packed, plan.top_k, plan.num_experts, plan.expert_capacity, weights, sources, head
     )
+    if rows is not None and head < 0 and rows < y.shape[0]:
+        y, moved = y[:rows], (None if moved is None else moved[:rows])
+    return y, moved
 
 
 def _check_rows(op: str, inp) -> None:
