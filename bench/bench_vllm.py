@@ -41,12 +41,12 @@ import os
 import pathlib
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 
 import torch
+from bench_te import eager_time, graph_time  # the same timing as the TE page
 
 PRESETS = {
     "mixtral-8x7b": dict(T=16384, E=8, K=2),
@@ -191,37 +191,6 @@ class Vllm:
             max_tokens_per_batch, block_size, expert_num_tokens, sorted_ids, expert_ids, post
         )
         return sorted_ids, expert_ids, post
-
-
-def eager_time(fn, iters, warm=5, per=1):
-    """Median µs of ``fn()`` between two CUDA events, each waited for (nothing queued ahead), over
-    ``iters`` calls after ``warm`` more; divided by ``per``."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / per)
-    return statistics.median(ts)
-
-
-def graph_time(fn, inner, reps=20):
-    s = torch.cuda.Stream()  # warm-up on a side stream before capture, as torch.cuda.graphs asks
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    return eager_time(g.replay, reps, warm=1, per=inner)
 
 
 def workload(cfg, seed=0, device="cuda"):
