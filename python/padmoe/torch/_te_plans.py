@@ -77,13 +77,13 @@ def mask_plan(routing_map: Tensor, rows: int) -> Tuple[Plan, Tensor]:
     return Plan._from_packed(packed, t, e, 1, 1, rows), row_id_map
 
 
-def padded_mask_plan(routing_map: Tensor, alignment: int, rows: int) -> Tuple[Plan, int, Tensor]:
+def padded_mask_plan(routing_map: Tensor, alignment: int, rows: int) -> Tuple[Plan, Tensor]:
     """TE's mask-map permute padded to ``alignment`` per expert: ``(expert plan of capacity C =
-    ceil(rows / E), its rows E*C >= rows, TE's row_id_map with the unpadded rows)``."""
+    ceil(rows / E), so E*C >= rows, TE's row_id_map with the unpadded rows)``."""
     t, e = routing_map.shape
     packed, row_id_map = ops.mask_plan.default(routing_map, rows, alignment, False, True)
     cap = -(-rows // e) if e else 0
-    return Plan._from_packed(packed, t, e, e, 1, cap), e * cap, row_id_map
+    return Plan._from_packed(packed, t, e, e, 1, cap), row_id_map
 
 
 def mask_dest_from_map(row_id_map: Tensor, shift: Optional[Tensor] = None) -> Tensor:

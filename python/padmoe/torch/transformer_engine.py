@@ -378,7 +378,7 @@ def moe_permute_and_pad_with_probs(
     if inp.numel() == 0:
         out, moved = _Empty.apply(inp, probs)
         return out, moved, _empty_float(inp), pad_offsets, target
-    plan, _, row_id_map = tp.padded_mask_plan(routing_map, align_size, rows)
+    plan, row_id_map = tp.padded_mask_plan(routing_map, align_size, rows)
     _, sources = tp.plan_views(plan)
     weights = (probs.detach() != 0).reshape(-1).to(torch.float32)
     out, moved = _permute(inp, probs, plan, weights, sources, rows)
