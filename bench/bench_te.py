@@ -522,9 +522,18 @@ def render_md(rep):
     return "\n".join(lines) + "\n"
 
 
-def git_commit(path):
-    r = shutil.which("git") and subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True)
-    return r.stdout.decode().strip() if r and r.returncode == 0 else None
+def git_commit(path, own_root=False):
+    """The short HEAD commit of the git checkout holding ``path`` (None without one). With
+    ``own_root``, only of a checkout rooted at ``path``: a tree copied into another repository
+    names no commit of its own."""
+    if not shutil.which("git"):
+        return None
+    if own_root:
+        top = subprocess.run(["git", "-C", path, "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+        if top.returncode or os.path.realpath(top.stdout.strip()) != os.path.realpath(path):
+            return None
+    r = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else None
 
 
 def load_te(te_src):
@@ -584,7 +593,7 @@ def main(argv=None):
     report = dict(card=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), copy_tbps=bw / 1e12)
     report.update(torch=torch.__version__, triton=triton_version, iters=args.iters, graph_inner=args.graph_inner)
     report.update(padmoe_commit=git_commit(os.path.dirname(os.path.abspath(__file__))), te_src=args.te_src)
-    report.update(te_commit=git_commit(args.te_src) if args.te_src else None, te_status=te_status)
+    report.update(te_commit=git_commit(args.te_src, own_root=True) if args.te_src else None, te_status=te_status)
     report.update(rows=rows, mismatches=mismatches)
     if args.out_json:
         pathlib.Path(args.out_json).write_text(json.dumps(report, indent=1))

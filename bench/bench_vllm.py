@@ -40,13 +40,11 @@ import json
 import os
 import pathlib
 import re
-import shutil
-import subprocess
 import sys
 import tempfile
 
 import torch
-from bench_te import eager_time, graph_time  # the same timing as the TE page
+from bench_te import eager_time, git_commit, graph_time  # the same timing and commit lookup as the TE page
 
 PRESETS = {
     "mixtral-8x7b": dict(T=16384, E=8, K=2),
@@ -330,21 +328,9 @@ def render_md(rep):
     return "\n".join(lines) + "\n"
 
 
-def git_commit(path):
-    """The short commit of the git checkout rooted at ``path`` (None if ``path`` is not the root of
-    one: a tree inside another repository names no commit of its own)."""
-    if not shutil.which("git"):
-        return None
-    top = subprocess.run(["git", "-C", path, "rev-parse", "--show-toplevel"], capture_output=True, text=True)
-    if top.returncode or os.path.realpath(top.stdout.strip()) != os.path.realpath(path):
-        return None
-    r = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
 def vllm_commit(vllm_src):
     """The tree's commit: its git HEAD, else the first line of a COMMIT.txt at its root."""
-    commit = git_commit(vllm_src)
+    commit = git_commit(vllm_src, own_root=True)
     note = os.path.join(vllm_src, "COMMIT.txt")
     if commit is None and os.path.isfile(note):
         commit = (pathlib.Path(note).read_text().strip().splitlines() or [""])[0].strip()[:120] or None
