@@ -564,6 +564,33 @@ def load_te(te_src):
     return te, status
 
 
+def preset_names(parser, arg, table):
+    """The comma-separated preset names of ``arg``, each a key of ``table`` (else a usage error)."""
+    names = arg.split(",")
+    if any(n not in table for n in names):
+        parser.error(f"--presets: expected names among {', '.join(table)}, got {arg}")
+    return names
+
+
+def run_presets(names, run):
+    """``run(name) -> (rows, mismatches)`` for each preset in order, both lists concatenated."""
+    rows, mismatches = [], []
+    for name in names:
+        r, m = run(name)
+        rows, mismatches = rows + r, mismatches + m
+    return rows, mismatches
+
+
+def write_report(report, md, out_json, out_md):
+    """The report as JSON to ``out_json`` and its page ``md`` to ``out_md`` (where given), and
+    the page printed."""
+    if out_json:
+        pathlib.Path(out_json).write_text(json.dumps(report, indent=1))
+    if out_md:
+        pathlib.Path(out_md).write_text(md)
+    print(md)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default=",".join(PRESETS), help=f"comma-separated, of {', '.join(PRESETS)}")
@@ -573,9 +600,7 @@ def main(argv=None):
     p.add_argument("--out-md")
     p.add_argument("--out-json")
     args = p.parse_args(argv)
-    presets = args.presets.split(",")
-    if any(n not in PRESETS for n in presets):
-        p.error(f"--presets: expected names among {', '.join(PRESETS)}, got {args.presets}")
+    presets = preset_names(p, args.presets, PRESETS)
     if not torch.cuda.is_available():
         p.error("a CUDA device is needed")
     import padmoe.torch.transformer_engine as pte
@@ -586,21 +611,13 @@ def main(argv=None):
     triton_version = triton.__version__ if triton else "(not installed)"
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy {bw / 1e12:.2f} TB/s  torch {torch.__version__}", flush=True)
-    rows, mismatches = [], []
-    for name in presets:
-        r, m = run_preset(name, PRESETS[name], args, bw, te, pte)
-        rows, mismatches = rows + r, mismatches + m
+    rows, mismatches = run_presets(presets, lambda name: run_preset(name, PRESETS[name], args, bw, te, pte))
     report = dict(card=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), copy_tbps=bw / 1e12)
     report.update(torch=torch.__version__, triton=triton_version, iters=args.iters, graph_inner=args.graph_inner)
     report.update(padmoe_commit=git_commit(os.path.dirname(os.path.abspath(__file__))), te_src=args.te_src)
     report.update(te_commit=git_commit(args.te_src, own_root=True) if args.te_src else None, te_status=te_status)
     report.update(rows=rows, mismatches=mismatches)
-    if args.out_json:
-        pathlib.Path(args.out_json).write_text(json.dumps(report, indent=1))
-    md = render_md(report)
-    if args.out_md:
-        pathlib.Path(args.out_md).write_text(md)
-    print(md)
+    write_report(report, render_md(report), args.out_json, args.out_md)
     return 0
 
 

@@ -36,7 +36,6 @@ or fails a 4-token example, the reason is printed and padmoe is timed alone.
 import argparse
 import datetime
 import hashlib
-import json
 import os
 import pathlib
 import re
@@ -44,7 +43,7 @@ import sys
 import tempfile
 
 import torch
-from bench_te import eager_time, git_commit, graph_time  # the same timing and commit lookup as the TE page
+from bench_te import eager_time, git_commit, graph_time, preset_names, run_presets, write_report  # as the TE page
 
 PRESETS = {
     "mixtral-8x7b": dict(T=16384, E=8, K=2),
@@ -390,9 +389,7 @@ def main(argv=None):
     p.add_argument("--out-md")
     p.add_argument("--out-json")
     args = p.parse_args(argv)
-    presets = args.presets.split(",")
-    if any(n not in PRESETS for n in presets):
-        p.error(f"--presets: expected names among {', '.join(PRESETS)}, got {args.presets}")
+    presets = preset_names(p, args.presets, PRESETS)
     try:
         args.blocks = [int(b) for b in args.blocks.split(",")]
     except ValueError:
@@ -408,21 +405,13 @@ def main(argv=None):
     vllm, vllm_status = load_vllm(args.vllm_src, args.verbose_build)
     print("\n".join(f"{k}: {v}" for k, v in vllm_status.items()), flush=True)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    rows, mismatches = [], []
-    for name in presets:
-        r, m = run_preset(name, PRESETS[name], args, vllm, pm)
-        rows, mismatches = rows + r, mismatches + m
+    rows, mismatches = run_presets(presets, lambda name: run_preset(name, PRESETS[name], args, vllm, pm))
     report = dict(card=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__)
     report.update(iters=args.iters, graph_inner=args.graph_inner, blocks=args.blocks)
     report.update(padmoe_commit=git_commit(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     report.update(vllm_src=args.vllm_src, vllm_commit=vllm_commit(args.vllm_src) if args.vllm_src else None)
     report.update(vllm_status=vllm_status, rows=rows, mismatches=mismatches)
-    if args.out_json:
-        pathlib.Path(args.out_json).write_text(json.dumps(report, indent=1))
-    md = render_md(report)
-    if args.out_md:
-        pathlib.Path(args.out_md).write_text(md)
-    print(md)
+    write_report(report, render_md(report), args.out_json, args.out_md)
     return 0
 
 

@@ -64,33 +64,32 @@ class _Quantizer:
 Float8Quantizer = Float8CurrentScalingQuantizer = Float8BlockQuantizer = MXFP8Quantizer = _Quantizer
 
 
-def _padded(m_splits, align):
-    return [(m + align - 1) // align * align for m in m_splits]
-
-
-class Fp8Padding(torch.nn.Module):
-    """Each block of m_splits rows padded with zero rows to a multiple of align_size."""
+class _Aligned(torch.nn.Module):
+    """TE's constructor (num_gemms, align_size) and the padded size of each block."""
 
     def __init__(self, num_gemms, align_size=16):
         super().__init__()
         self.align = align_size
 
+    def padded(self, m_splits):
+        return [(m + self.align - 1) // self.align * self.align for m in m_splits]
+
+
+class Fp8Padding(_Aligned):
+    """Each block of m_splits rows padded with zero rows to a multiple of align_size."""
+
     def forward(self, inp, m_splits):
-        padded = _padded(m_splits, self.align)
+        padded = self.padded(m_splits)
         blocks = torch.split(inp, list(m_splits))
         pad = [(0, 0) * (inp.dim() - 1) + (0, q - m) for m, q in zip(m_splits, padded)]
         return torch.cat([torch.nn.functional.pad(b, p) for b, p in zip(blocks, pad)]), padded
 
 
-class Fp8Unpadding(torch.nn.Module):
+class Fp8Unpadding(_Aligned):
     """The inverse of Fp8Padding: the first m rows of each padded block."""
 
-    def __init__(self, num_gemms, align_size=16):
-        super().__init__()
-        self.align = align_size
-
     def forward(self, inp, m_splits):
-        blocks = torch.split(inp, _padded(m_splits, self.align))
+        blocks = torch.split(inp, self.padded(m_splits))
         return torch.cat([b[:m] for b, m in zip(blocks, m_splits)])
 '''
 
