@@ -493,6 +493,42 @@ def test_torch_compile(form):
     assert torch.equal(gx, gx_eager)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_probs_gradient(device, backend):
+    """The moved probs' gradient under torch.compile (TE's permute-with-probs, chunk sort, unpermute
+    chain), against the plain-loop gradient: probs.grad[t, e] = c[dst[t, e]] for the loss sum(moved
+    * c), 0 where (t, e) has no row."""
+    T, E, K, H = 40, 5, 2, 4
+    n_out = T * K - 7  # some routed slots dropped
+    routing, probs = mask_case(T, E, K, 21)
+    dst = ref_mask_dest(routing, n_out)
+    rmap = torch.tensor(routing, device=device)
+    p0 = torch.tensor(np.nan_to_num(probs), dtype=torch.float32, device=device)
+    c = np.arange(1.0, n_out + 1.0) / n_out
+    ct = torch.tensor(c, dtype=torch.float32, device=device)
+    sizes = torch.tensor([n_out - 30, 30], device=device)
+    order = torch.tensor([1, 0], device=device)
+
+    def step(x, p):
+        y, moved, m = te.moe_permute_with_probs(x, p, rmap, n_out)
+        y, moved = te.moe_sort_chunks_by_index_with_probs(y, moved, sizes, order)
+        y = te.moe_sort_chunks_by_index(y, sizes[order], torch.tensor([1, 0], device=device))
+        moved = te.moe_sort_chunks_by_index(moved.unsqueeze(1), sizes[order], torch.tensor([1, 0], device=device))
+        return te.moe_unpermute(y, m, restore_shape=x.shape).sum() + (moved.squeeze(1) * ct).sum()
+
+    want = np.zeros((T, E))
+    for t in range(T):
+        for e in range(E):
+            if dst[t, e] >= 0:
+                want[t, e] = c[dst[t, e]]
+    x = torch.randn(T, H, device=device, requires_grad=True)
+    p = p0.clone().requires_grad_(True)
+    torch.compile(step, fullgraph=True, backend=backend)(x, p).backward()
+    close(p.grad, want, torch.float32)
+    close(x.grad, np.asarray(routing & (dst >= 0)).sum(1, keepdims=True).repeat(H, 1), torch.float32)
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA")
 def test_cuda_graph_capture():
     T, E, K, H = 256, 16, 4, 64

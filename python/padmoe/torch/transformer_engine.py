@@ -93,8 +93,10 @@ class _Permute(torch.autograd.Function):
         ctx.assignments = inp.shape[0] * top_k
         moved = None
         if probs is not None:
+            # no trailing .to(probs.dtype): where() keeps the dtype, and torch.compile of some torch
+            # releases (2.11) drops the gradient of a Function output that a no-op .to() returned
             flat = probs.reshape(-1)
-            moved = torch.where(sources >= 0, flat[sources.clamp(min=0).long()], 0).to(probs.dtype)
+            moved = torch.where(sources >= 0, flat[sources.clamp(min=0).long()], 0)
         if 0 <= rows < y.shape[0]:
             # the first `rows` rows hold every destination: the gradient comes with as many rows, and
             # dispatch_backward reads only the destinations (no zero-padded copy of it is made)
@@ -120,7 +122,7 @@ class _Permute(torch.autograd.Function):
             dest = packed[2 * a + 4 * num_experts : 3 * a + 4 * num_experts].long()
             live = (dest >= 0) & (dest < grad_moved.numel())
             picked = grad_moved[torch.where(live, dest, 0)] if grad_moved.numel() else grad_moved.new_zeros(a)
-            grad_probs = torch.where(live, picked, 0).to(grad_moved.dtype).reshape(ctx.probs_shape)
+            grad_probs = torch.where(live, picked, 0).reshape(ctx.probs_shape)
         return grad_inp, grad_probs, None, None, None, None, None, None, None
 
 
