@@ -173,6 +173,24 @@ TEST(KernelPolicy, MaskPlan) {
   EXPECT_EQ(mask_tiles_per_chunk(4 * 32 + 1, one), 2);
 }
 
+// A chunk of one tile split over up to 4 place blocks while the grid stays within 4 blocks a
+// multiprocessor; none once a chunk holds several tiles.
+TEST(KernelPolicy, MaskPlaceSlices) {
+  EXPECT_EQ(mask_place_slices(0, kH200), 4);
+  EXPECT_EQ(mask_place_slices(256, kH200), 4);        // decode: 8 tiles, 32 blocks
+  EXPECT_EQ(mask_place_slices(132 * 32, kH200), 4);   // 132 tiles: 528 blocks
+  EXPECT_EQ(mask_place_slices(133 * 32, kH200), 2);
+  EXPECT_EQ(mask_place_slices(264 * 32, kH200), 2);   // 528 blocks
+  EXPECT_EQ(mask_place_slices(265 * 32, kH200), 1);
+  EXPECT_EQ(mask_place_slices(16384, kH200), 1);      // 512 tiles
+  EXPECT_EQ(mask_place_slices(1 << 20, kH200), 1);    // several tiles a chunk
+  Device one;
+  one.sms = 1;
+  EXPECT_EQ(mask_place_slices(32, one), 4);  // 1 tile: 4 blocks
+  EXPECT_EQ(mask_place_slices(64, one), 2);
+  EXPECT_EQ(mask_place_slices(65, one), 1);
+}
+
 TEST(KernelPolicy, Chunks) {
   EXPECT_TRUE(chunk_map_fused(16384));
   EXPECT_FALSE(chunk_map_fused(16385));

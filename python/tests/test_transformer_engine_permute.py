@@ -334,6 +334,7 @@ def test_index_permute_unpermute(device, dtype, T, E, K, cut, minus):
         (300, 40, 16, False, 1.0),
         (65, 256, 128, False, 0.9),
         (0, 4, 4, False, 1.0),
+        (17000, 4, 1, True, 0.9),  # CUDA: more tiles than the grid's blocks, several a block
     ],
 )
 def test_mask_plan_operator(device, T, E, align, one_bin, cut):

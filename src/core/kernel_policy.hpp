@@ -235,6 +235,20 @@ inline int64_t mask_tiles_per_chunk(int64_t tokens, const Device& d) {
   return tiles <= target ? 1 : (tiles + target - 1) / target;
 }
 
+// Blocks a chunk of one tile is split into (each places kMaskTile / slices of its tokens, a warp a
+// token at most): 1, 2 or 4, the most that keeps the grid within 4 blocks a multiprocessor. A
+// place block walks its tokens' experts serially, so a grid of few chunks (decode: T = 256 is 8
+// tiles) is bound by one warp's instruction stream; the slices divide that stream.
+constexpr int kMaskMaxSlices = kMaskTile / (kMaskThreads / 32);
+inline int mask_place_slices(int64_t tokens, const Device& d) {
+  if (mask_tiles_per_chunk(tokens, d) > 1) return 1;
+  const int64_t chunks = tokens > kMaskTile ? (tokens + kMaskTile - 1) / kMaskTile : 1;
+  const int64_t target = kMaskChunkBlocks * static_cast<int64_t>(d.sms > 0 ? d.sms : 1);
+  int slices = 1;
+  while (slices < kMaskMaxSlices && chunks * slices * 2 <= target) slices *= 2;
+  return slices;
+}
+
 // --- sort_chunks -----------------------------------------------------------------------------
 constexpr int64_t kChunkFusedMapRows = 16384;  // the layout block also writes the map up to here
 constexpr int kChunkRowsMaxChunks = 1024;     // the one launch's chunks

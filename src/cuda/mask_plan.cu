@@ -7,8 +7,9 @@
 //   2. scan:  per expert (a warp each), the exclusive sum of its chunk counts, and its count;
 //   3. place: per chunk, every block scans the (padded) counts over the experts itself, then for
 //      each tile a warp a token writes the token's dest_rows, row_sources, sorted positions and TE's
-//      row_id_map row
-//      (experts descending, compacted with a ballot).
+//      row_id_map row (experts descending, compacted with a ballot). A chunk of one tile may be
+//      split over 2 or 4 blocks (slices), each placing its share of the tile's tokens.
+// The count kernel runs on the same grid: slice 0 of a chunk counts, every block fills.
 // dest_rows and row_id_map rows are written by consecutive lanes; the result does not depend on
 // the schedule.
 #include <cub/block/block_scan.cuh>
@@ -56,26 +57,30 @@ __device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t 
 // Shared memory: the masks and the counts, two arrays of E entries.
 __global__ void __launch_bounds__(kThreads)
     mask_count_kernel(const uint8_t* __restrict__ map, int64_t tokens, int experts, bool words, int64_t tiles_per_chunk,
-                      int32_t* __restrict__ chunk_counts, int32_t* __restrict__ row_sources, int64_t sources_len,
-                      int32_t* __restrict__ indices, int32_t* __restrict__ bin_ids, int64_t assignments) {
+                      int slices, int32_t* __restrict__ chunk_counts, int32_t* __restrict__ row_sources,
+                      int64_t sources_len, int32_t* __restrict__ indices, int32_t* __restrict__ bin_ids,
+                      int64_t assignments) {
   pdl_begin();
   extern __shared__ int32_t s_mem[];
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_mem);
   int32_t* s_count = s_mem + experts;
-  const int64_t chunk = blockIdx.x;
-  const int64_t first = chunk * tiles_per_chunk * kTile;
-  for (int e = threadIdx.x; e < experts; e += kThreads) s_count[e] = 0;
-  for (int64_t tile = 0; tile < tiles_per_chunk; ++tile) {
-    const int64_t t0 = first + tile * kTile;
-    if (t0 >= tokens) break;  // uniform across the block
-    tile_masks(map, t0, tokens, experts, words, s_mask);
-    for (int e = threadIdx.x; e < experts; e += kThreads) s_count[e] += __popc(s_mask[e]);  // e's own thread
+  if (static_cast<int>(blockIdx.x) % slices == 0) {  // uniform across the block
+    const int64_t chunk = blockIdx.x / slices;
+    const int64_t first = chunk * tiles_per_chunk * kTile;
+    for (int e = threadIdx.x; e < experts; e += kThreads) s_count[e] = 0;
+    for (int64_t tile = 0; tile < tiles_per_chunk; ++tile) {
+      const int64_t t0 = first + tile * kTile;
+      if (t0 >= tokens) break;  // uniform across the block
+      tile_masks(map, t0, tokens, experts, words, s_mask);
+      for (int e = threadIdx.x; e < experts; e += kThreads) s_count[e] += __popc(s_mask[e]);  // e's own thread
+    }
+    for (int e = threadIdx.x; e < experts; e += kThreads) chunk_counts[chunk * experts + e] = s_count[e];
   }
-  for (int e = threadIdx.x; e < experts; e += kThreads) chunk_counts[chunk * experts + e] = s_count[e];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t r = chunk * kThreads + threadIdx.x; r < sources_len; r += stride) row_sources[r] = -1;
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  for (int64_t r = start; r < sources_len; r += stride) row_sources[r] = -1;
   if (indices == nullptr) return;
-  for (int64_t i = chunk * kThreads + threadIdx.x; i < assignments; i += stride) indices[i] = bin_ids[i] = -1;
+  for (int64_t i = start; i < assignments; i += stride) indices[i] = bin_ids[i] = -1;
 }
 
 // chunk_counts[c * E + e] becomes the exclusive sum over chunks c' < c; n[e] the total.
@@ -109,6 +114,7 @@ struct PlaceArgs {
   int64_t rows;
   bool one_bin;
   int64_t tiles_per_chunk;
+  int slices;  // blocks a chunk is split into (tiles_per_chunk 1 when above 1)
   const int32_t* n;
   const int32_t* chunk_offsets;
   int32_t* counts;
@@ -131,7 +137,8 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
   int32_t* s_tile = s_mem + E;
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_mem + 2 * E);
   int32_t* s_shift = s_mem + 3 * E;
-  const int64_t chunk = blockIdx.x;
+  const int64_t chunk = blockIdx.x / a.slices;
+  const int slice = static_cast<int>(blockIdx.x) % a.slices;
 
   // Each thread a contiguous range of experts; two exclusive scans give the unpadded and the
   // padded starts (the padded total is below 2^31: checked by the caller).
@@ -151,7 +158,7 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
     const int count = a.n[e], padded = round_up_32(count, a.alignment);
     s_base[e] = pstart + a.chunk_offsets[chunk * E + e];
     s_shift[e] = pstart - ustart;
-    if (chunk == 0 && !a.one_bin) {
+    if (chunk == 0 && slice == 0 && !a.one_bin) {
       a.counts[e] = count;
       a.counts[E + e] = ustart + count;
       a.counts[2 * E + e] = padded;
@@ -161,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
     pstart += padded;
   }
   __syncthreads();
-  if (chunk == 0 && a.one_bin && threadIdx.x == 0) {
+  if (chunk == 0 && slice == 0 && a.one_bin && threadIdx.x == 0) {
     const int kept = static_cast<int>(s_total < a.rows ? s_total : a.rows);
     a.counts[0] = kept;
     a.counts[1] = kept;
@@ -181,7 +188,8 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
       s_base[e] += __popc(s_mask[e]);
     }
     __syncthreads();
-    for (int tl = warp; tl < kTile; tl += kWarps) {
+    const int share = kTile / a.slices;  // this block's tokens of the tile: [slice * share, + share)
+    for (int tl = slice * share + warp; tl < (slice + 1) * share; tl += kWarps) {
       const int64_t t = t0 + tl;
       if (t >= a.tokens) break;  // uniform across the warp
       const uint32_t below = (1u << tl) - 1u;
@@ -243,6 +251,8 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
   const int64_t tpc = policy::mask_tiles_per_chunk(tokens, device_policy());
   const int64_t tiles = (tokens + kTile - 1) / kTile;
   const int64_t chunks = tiles > tpc ? (tiles + tpc - 1) / tpc : 1;
+  const int slices = policy::mask_place_slices(tokens, device_policy());
+  const auto grid = static_cast<unsigned>(chunks * slices);
   int32_t* chunk_counts = static_cast<int32_t*>(workspace);
   int32_t* n = chunk_counts + chunks * num_experts;
   const bool words = num_experts % 4 == 0 && reinterpret_cast<uintptr_t>(map) % 4 == 0;
@@ -255,9 +265,8 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
     PADMOE_CUDA_CHECK(cudaFuncSetAttribute(mask_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem / 2)));
   }
-  launch_kernel("mask_count_kernel", mask_count_kernel, static_cast<unsigned>(chunks), kThreads, smem / 2, s, map,
-                tokens, num_experts, words, tpc, chunk_counts, row_sources, sources_len, indices, bin_ids,
-                tokens * num_experts);
+  launch_kernel("mask_count_kernel", mask_count_kernel, grid, kThreads, smem / 2, s, map, tokens, num_experts, words,
+                tpc, slices, chunk_counts, row_sources, sources_len, indices, bin_ids, tokens * num_experts);
   if (num_experts > 0) {
     launch_kernel("mask_scan_kernel", mask_scan_kernel, static_cast<unsigned>((num_experts + kWarps - 1) / kWarps),
                   kThreads, 0, s, chunk_counts, chunks, num_experts, n);
@@ -271,6 +280,7 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
   a.rows = rows;
   a.one_bin = one_bin;
   a.tiles_per_chunk = tpc;
+  a.slices = slices;
   a.n = n;
   a.chunk_offsets = chunk_counts;
   a.counts = counts;
@@ -280,7 +290,7 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
   a.indices = indices;
   a.bin_ids = bin_ids;
   a.row_id_map = row_id_map;
-  launch_kernel("mask_place_kernel", mask_place_kernel, static_cast<unsigned>(chunks), kThreads, smem, s, a);
+  launch_kernel("mask_place_kernel", mask_place_kernel, grid, kThreads, smem, s, a);
 }
 
 }  // namespace cuda

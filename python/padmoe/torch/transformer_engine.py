@@ -219,6 +219,14 @@ def _kept(row_id_map: Tensor, padded: bool, rows: int):
     return None
 
 
+def _nonzero_weights(probs: Tensor) -> Tensor:
+    """float32 ``[T*E]``: 1 where ``probs`` is nonzero (NaN included), else 0; the dispatch weights
+    that zero the rows of probability 0. One comparison written straight into float32 (no bool
+    tensor and cast)."""
+    flat = probs.detach().reshape(-1)
+    return torch.ne(flat, 0, out=torch.empty(flat.shape, dtype=torch.float32, device=flat.device))
+
+
 def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
     if not _is_int(num_out_tokens) or num_out_tokens <= 0:
         raise ValueError(
@@ -232,7 +240,7 @@ def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
     _, sources = tp.plan_views(plan)
     weights = None
     if probs is not None:  # a routed slot of probability 0 is a zero row (TE's routing-map padding)
-        weights = (probs.detach() != 0).reshape(-1).to(torch.float32)
+        weights = _nonzero_weights(probs)
     out, moved = _permute(inp, probs, plan, weights, sources)
     _keep(row_id_map, plan, False, num_out_tokens)
     return out, moved, row_id_map
@@ -382,7 +390,7 @@ def moe_permute_and_pad_with_probs(
         return out, moved, _empty_float(inp), pad_offsets, target
     plan, row_id_map = tp.padded_mask_plan(routing_map, align_size, rows)
     _, sources = tp.plan_views(plan)
-    weights = (probs.detach() != 0).reshape(-1).to(torch.float32)
+    weights = _nonzero_weights(probs)
     out, moved = _permute(inp, probs, plan, weights, sources, rows)
     _keep(row_id_map, plan, True, rows)
     return out, moved, row_id_map, pad_offsets, target
