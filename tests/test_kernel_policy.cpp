@@ -171,6 +171,11 @@ TEST(KernelPolicy, MaskPlan) {
   one.sms = 1;
   EXPECT_EQ(mask_tiles_per_chunk(4 * 32, one), 1);
   EXPECT_EQ(mask_tiles_per_chunk(4 * 32 + 1, one), 2);
+  EXPECT_EQ(mask_chunks(0, kH200), 1);
+  EXPECT_EQ(mask_chunks(256, kH200), 8);
+  EXPECT_EQ(mask_chunks(528 * 32 + 1, kH200), 265);  // 529 tiles, 2 a chunk
+  EXPECT_EQ(mask_chunks(1 << 20, kH200), 521);
+  EXPECT_EQ(mask_chunks(4 * 32 + 1, one), 3);
 }
 
 // A chunk of one tile split over up to 4 place blocks while the grid stays within 4 blocks a

@@ -509,13 +509,13 @@ def test_torch_compile_probs_gradient(device, backend):
     c = np.arange(1.0, n_out + 1.0) / n_out
     ct = torch.tensor(c, dtype=torch.float32, device=device)
     sizes = torch.tensor([n_out - 30, 30], device=device)
-    order = torch.tensor([1, 0], device=device)
+    order = torch.tensor([1, 0], device=device)  # its own inverse: sorting by it again restores the rows
 
     def step(x, p):
         y, moved, m = te.moe_permute_with_probs(x, p, rmap, n_out)
         y, moved = te.moe_sort_chunks_by_index_with_probs(y, moved, sizes, order)
-        y = te.moe_sort_chunks_by_index(y, sizes[order], torch.tensor([1, 0], device=device))
-        moved = te.moe_sort_chunks_by_index(moved.unsqueeze(1), sizes[order], torch.tensor([1, 0], device=device))
+        y = te.moe_sort_chunks_by_index(y, sizes[order], order)
+        moved = te.moe_sort_chunks_by_index(moved.unsqueeze(1), sizes[order], order)
         return te.moe_unpermute(y, m, restore_shape=x.shape).sum() + (moved.squeeze(1) * ct).sum()
 
     want = np.zeros((T, E))

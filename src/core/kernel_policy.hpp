@@ -226,13 +226,25 @@ inline bool l2_prefetch(int64_t rows, int64_t row_bytes, const Device& d) {
 constexpr int kMaskTile = 32;         // tokens a warp's ballot covers (one bit a token)
 constexpr int kMaskThreads = 256;     // threads of the count and place blocks (8 warps)
 constexpr int kMaskChunkBlocks = 4;   // chunks a multiprocessor the grid aims at
+// The grid the mask launches aim at: 4 blocks a multiprocessor.
+inline int64_t mask_target_blocks(const Device& d) {
+  return kMaskChunkBlocks * static_cast<int64_t>(d.sms > 0 ? d.sms : 1);
+}
+
 // Tiles of 32 tokens a block counts and places: one where that gives at most 4 blocks a
 // multiprocessor, else enough to keep the grid there (the per-expert scan then walks fewer
 // chunks). The grid is ceil(tiles / tiles_per_chunk) blocks, at least one.
 inline int64_t mask_tiles_per_chunk(int64_t tokens, const Device& d) {
   const int64_t tiles = (tokens + kMaskTile - 1) / kMaskTile;
-  const int64_t target = kMaskChunkBlocks * static_cast<int64_t>(d.sms > 0 ? d.sms : 1);
+  const int64_t target = mask_target_blocks(d);
   return tiles <= target ? 1 : (tiles + target - 1) / target;
+}
+
+// The chunks of mask_tiles_per_chunk's tiles: ceil(tiles / tiles_per_chunk), at least one.
+inline int64_t mask_chunks(int64_t tokens, const Device& d) {
+  const int64_t tiles = (tokens + kMaskTile - 1) / kMaskTile;
+  const int64_t tpc = mask_tiles_per_chunk(tokens, d);
+  return tiles > tpc ? (tiles + tpc - 1) / tpc : 1;
 }
 
 // Blocks a chunk of one tile is split into (each places kMaskTile / slices of its tokens, a warp a
@@ -242,8 +254,7 @@ inline int64_t mask_tiles_per_chunk(int64_t tokens, const Device& d) {
 constexpr int kMaskMaxSlices = kMaskTile / (kMaskThreads / 32);
 inline int mask_place_slices(int64_t tokens, const Device& d) {
   if (mask_tiles_per_chunk(tokens, d) > 1) return 1;
-  const int64_t chunks = tokens > kMaskTile ? (tokens + kMaskTile - 1) / kMaskTile : 1;
-  const int64_t target = kMaskChunkBlocks * static_cast<int64_t>(d.sms > 0 ? d.sms : 1);
+  const int64_t chunks = mask_chunks(tokens, d), target = mask_target_blocks(d);
   int slices = 1;
   while (slices < kMaskMaxSlices && chunks * slices * 2 <= target) slices *= 2;
   return slices;

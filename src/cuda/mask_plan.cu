@@ -238,9 +238,7 @@ size_t mask_plan_shared_bytes(int64_t num_experts) { return 4 * sizeof(int32_t) 
 }  // namespace
 
 size_t mask_plan_workspace_bytes(int64_t tokens, int64_t num_experts) {
-  const int64_t tpc = policy::mask_tiles_per_chunk(tokens, device_policy());
-  const int64_t tiles = (tokens + kTile - 1) / kTile;
-  const int64_t chunks = tiles > tpc ? (tiles + tpc - 1) / tpc : 1;
+  const int64_t chunks = policy::mask_chunks(tokens, device_policy());
   return sizeof(int32_t) * static_cast<size_t>((chunks + 1) * num_experts);
 }
 
@@ -249,8 +247,7 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
                int32_t* bin_ids, int32_t* row_id_map, void* workspace, void* stream) {
   const cudaStream_t s = as_stream(stream);
   const int64_t tpc = policy::mask_tiles_per_chunk(tokens, device_policy());
-  const int64_t tiles = (tokens + kTile - 1) / kTile;
-  const int64_t chunks = tiles > tpc ? (tiles + tpc - 1) / tpc : 1;
+  const int64_t chunks = policy::mask_chunks(tokens, device_policy());
   const int slices = policy::mask_place_slices(tokens, device_policy());
   const auto grid = static_cast<unsigned>(chunks * slices);
   int32_t* chunk_counts = static_cast<int32_t*>(workspace);
