@@ -401,5 +401,63 @@ TEST(EntryHardening, OutOfHostMemoryInsideMakePlanIsAPadmoeError) {
 #endif
 }
 
+// A fixed capacity by position: the probs policy's key slices do not exist (their vector is empty),
+// and no offset from its null data may be formed (clang's UBSan: pointer arithmetic on null).
+TEST(EntryHardening, CapacityByPositionFormsNoKeyPointer) {
+  const Tensor ids = index_tensor({0, 1}, DType::kInt32);
+  const TensorView top = TensorView::contiguous(ids.data(), DType::kInt32, {2, 1});
+  padmoe::PlanOptions o;
+  o.expert_capacity = 1;
+  const padmoe::Plan plan = padmoe::make_plan(top, 2, 1, o);
+  const int32_t* dest = plan.view().dest_rows.data_as<const int32_t>();
+  const int32_t* src = plan.view().row_sources.data_as<const int32_t>();
+  EXPECT_EQ(dest[0], 0);  // token 0 -> expert 0's one slot, token 1 -> expert 1's
+  EXPECT_EQ(dest[1], 1);
+  EXPECT_EQ(src[0], 0);
+  EXPECT_EQ(src[1], 1);
+}
+
+// Rows without columns may have null data (the failure model): the row moves form no offset from it.
+TEST(EntryHardening, RowMovesOfRowsWithoutColumns) {
+  const TensorView empty18 = TensorView::matrix(nullptr, DType::kFloat32, 18, 0, 7);  // a stride, no bytes
+  std::vector<int64_t> rows(18, -1);  // padded row r of the first 3 holds token 2 - r; the rest padding
+  rows[0] = 2;
+  rows[1] = 1;
+  rows[2] = 0;
+  const Tensor map = index_tensor(rows, DType::kInt32);
+  const Tensor out = padmoe::unpad_from_alignment(empty18, map, 3);
+  EXPECT_EQ(out.size(0), 3);
+  EXPECT_EQ(out.size(1), 0);
+  const Tensor ids = index_tensor({0, 1, 1, 0, 0, 1, 1, 0}, DType::kInt32);
+  const padmoe::Plan plan = padmoe::make_plan(TensorView::contiguous(ids.data(), DType::kInt32, {4, 2}), 2, 4);
+  const TensorView empty4 = TensorView::matrix(nullptr, DType::kBFloat16, 4, 0, 5);
+  const Tensor y = padmoe::dispatch(empty4, plan.view());
+  EXPECT_EQ(y.size(0), 8);  // P: 4 assignments an expert, aligned to 4
+  EXPECT_EQ(y.size(1), 0);
+  const Tensor back = padmoe::combine(y, plan.view());
+  EXPECT_EQ(back.size(0), 4);
+  EXPECT_EQ(back.size(1), 0);
+}
+
+// A 2-D split_sizes view whose shape's product passes 2^63: the count is checked before it is formed.
+TEST(EntryHardening, SortChunksSizesShapeProductIsChecked) {
+  const TensorView received = TensorView::contiguous(nullptr, DType::kFloat32, {4, 0});
+  std::vector<int32_t> one = {1};
+  TensorView sizes = TensorView::contiguous(one.data(), DType::kInt32, {1});
+  sizes.ndim = 2;
+  sizes.shape[0] = 2;
+  sizes.shape[1] = int64_t{1} << 62;
+  sizes.strides[0] = int64_t{1} << 62;
+  sizes.strides[1] = 1;
+  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks(received, sizes, 2, 1); },
+                           {"sort_chunks: split_sizes: ", "size overflow"}, kValue));
+  // received of 2^63 - 1 rows (the device sums of sizes saturate there) is refused by name
+  const TensorView most = TensorView::contiguous(nullptr, DType::kFloat32, {kI64Max, 0});
+  std::vector<int64_t> two = {1, 1};
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::sort_chunks(most, TensorView::contiguous(two.data(), DType::kInt64, {2}), 1, 1); },
+      {"sort_chunks: received: ", "2^63 - 1 rows"}, kValue));
+}
+
 }  // namespace
 }  // namespace pt

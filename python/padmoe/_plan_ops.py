@@ -265,9 +265,33 @@ def _plan_assignments(plan) -> int:
     return max(int(plan.num_tokens) * int(plan.top_k), 0)
 
 
-def _bound_rows(plan):
-    """The rows of a plan op's padded output: ``plan.padded_rows_bound`` (its ``row_sources``' length)."""
-    return lambda: int(plan.row_sources.shape[0]) if ndim(plan.row_sources) == 1 else 0
+def _entry_stride(a) -> int:
+    """The stride in entries of a 1-D array: numpy and DLPack arrays (``strides`` in bytes) or torch."""
+    strides = getattr(a, "strides", None)
+    if isinstance(strides, tuple) and strides:
+        return int(strides[0]) // max(int(getattr(a, "itemsize", 1)), 1)
+    stride = getattr(a, "stride", None)
+    return int(stride(0)) if callable(stride) else 1
+
+
+def _bound_rows(plan, op: str = "dispatch"):
+    """The rows of a plan op's padded output: ``plan.padded_rows_bound`` (its ``row_sources``' length).
+    What sizes the output is checked first, as the operator checks it, so that a bad plan is an error
+    before anything is allocated: a Plan-like object (TypeError otherwise) whose ``row_sources`` is a
+    contiguous 1-D array (a zero-stride view could name 2^31 rows)."""
+
+    def rows() -> int:
+        if not hasattr(plan, "row_sources"):
+            raise TypeError(f"{op}: plan: expected a padmoe Plan (make_plan's result), got {type(plan).__name__}")
+        src = plan.row_sources
+        if ndim(src) != 1:
+            return 0  # the operator reports the shape
+        n = int(src.shape[0])
+        if n > 1 and _entry_stride(src) != 1:
+            raise ValueError(f"{op}: plan.row_sources: expected a contiguous tensor, got stride {_entry_stride(src)}")
+        return n
+
+    return rows
 
 
 def dispatch(
@@ -291,7 +315,7 @@ def dispatch(
     op = "dispatch"
     arrays = arrays_of(x, op, "x")
     x, weights, out = prepare(arrays, x, weights, out)
-    y = _padded_out(arrays, op, x, rows, out, _bound_rows(plan))
+    y = _padded_out(arrays, op, x, rows, out, _bound_rows(plan, op))
     _C.dispatch_out(
         x, plan, weights, y, **_options(arrays, x, check, num_threads, workspace, stream, zero_padding, out is not None)
     )
@@ -320,7 +344,7 @@ def dispatch_scaled(
     arrays = arrays_of(x, op, "x")
     out_y, out_s = _split_out(op, out, 2)
     x, x_scales, out_y, out_s = prepare(arrays, x, x_scales, out_y, out_s)
-    y = _padded_out(arrays, op, x, rows, out_y, _bound_rows(plan))
+    y = _padded_out(arrays, op, x, rows, out_y, _bound_rows(plan, op))
     ys = _scales_out(arrays, x_scales, y.shape[0], x, out_s)
     _C.dispatch_scaled_out(
         x,
@@ -364,7 +388,7 @@ def make_plan_and_dispatch(
     x, weights, out_y = prepare(arrays, x, weights, out_y)
     (top_experts,) = prepare(index_arrays, top_experts)
     plan = _plan_buffers(op, out_plan, top_experts, num_experts, alignment)
-    slots = _bound_rows(plan)()
+    slots = _bound_rows(plan, op)()
     if out_y is None and rows is not None and int(rows) < slots:  # P is not known before the call
         raise ValueError(f"{op}: rows: must be >= plan.padded_rows_bound = {slots}, got {int(rows)}")
     y = _padded_out(arrays, op, x, rows, out_y, lambda: slots)
@@ -425,7 +449,7 @@ def combine_backward(
     arrays = arrays_of(y, op, "y")
     out_y, out_w = _split_out(op, out, 2)
     grad_out, y, weights, out_y, out_w = prepare(arrays, grad_out, y, weights, out_y, out_w)
-    grad_y = _padded_out(arrays, op, y, rows, out_y, _bound_rows(plan))
+    grad_y = _padded_out(arrays, op, y, rows, out_y, _bound_rows(plan, op))
     grad_w = _weight_grad(arrays, y, weights, out_w if out is not None else _UNSET, _plan_assignments(plan))
     _C.combine_backward_out(
         grad_out,

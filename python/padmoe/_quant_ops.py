@@ -16,7 +16,7 @@ from ._common import (
     _split_out,
     numpy_only,
 )
-from ._plan import Plan
+from ._plan import INT32_MAX, Plan
 from ._plan_ops import _bound_rows
 
 _QUANT_LAYOUTS = ("block128", "mxfp8", "row")
@@ -103,11 +103,14 @@ def dispatch_quantized(
     x, out_y, out_s = prepare(arrays, x, out_y, out_s)
     if out_y is None:
         if rows is None:
-            n = _bound_rows(plan)()
+            n = _bound_rows(plan, op)()
         else:
             n = int(rows)
             if n < 0:
                 raise ValueError(f"{op}: rows: must be >= 0, got {n}")
+        if n > INT32_MAX:  # before allocating, as dispatch: the rows must fit the int32 index outputs
+            what = "padded rows" if rows is None else "rows"
+            raise ValueError(f"{op}: {what}: size overflow: {n} does not fit the int32 index outputs")
         y = _quant_rows_out(arrays, x, n, fp8)
     elif rows is not None:
         raise ValueError(f"{op}: pass rows= or out=, not both")

@@ -101,7 +101,7 @@ def _gather_rows(
                 m = live[:, None] & (cc[None, :] < H)
                 v = tl.load(x + tok[:, None] * H + cc[None, :], mask=m, other=0.0)
                 if WEIGHTED:
-                    v = (v.to(tl.float32) * wv[:, None]).to(v.dtype)
+                    v = (v.to(tl.float32) * wv[:, None] + 0.0).to(v.dtype)  # + 0: a zero product is +0.0
                 tl.store(y + dst[:, None] * H + cc[None, :], v, mask=m)
 
 
@@ -161,7 +161,7 @@ def _gather_tokens(
                     r = tl.load(dest + a, mask=live, other=0).to(tl.int64)
                     if WEIGHTED:
                         wv = tl.load(w + a, mask=live, other=0.0).to(tl.float32)
-                        tl.store(y + r[:, None] * H + cc[None, :], (v.to(tl.float32) * wv[:, None]).to(v.dtype), mask=m)
+                        tl.store(y + r[:, None] * H + cc[None, :], (v.to(tl.float32) * wv[:, None] + 0.0).to(v.dtype), mask=m)
                     else:
                         tl.store(y + r[:, None] * H + cc[None, :], v, mask=m)
 

@@ -96,9 +96,10 @@ def _as_float32(w: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _weighted(rows: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32(rows) * w (float32, broadcast over the last dim), cast once to dtype.
-    Type promotion forms the product in float32 without a float32 copy of rows."""
-    return (rows * w.unsqueeze(-1)).to(dtype)
+    """float32(rows) * w (float32, broadcast over the last dim), cast once to dtype; a zero
+    product is +0.0 (the ``+ 0``). Type promotion forms the product in float32 without a float32
+    copy of rows."""
+    return (rows * w.unsqueeze(-1) + 0.0).to(dtype)
 
 
 def _combine_rows(y: torch.Tensor, dest2d: torch.Tensor, w2d: Optional[torch.Tensor]) -> torch.Tensor:

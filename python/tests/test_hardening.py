@@ -164,3 +164,47 @@ def test_counts_are_checked_before_they_size_the_output(api):
         padded, pmap, offs = padmoe.pad_to_alignment(h.numpy(), np.array([0, 1], np.int32), 2)
     assert list(np.asarray(pmap)) == [0, -1] and list(np.asarray(offs)) == [0, 2]
     assert np.array_equal(np.asarray(padded)[0], h.numpy()[0]) and not np.asarray(padded)[1].any()
+
+
+def _plan_with_sources(sources):
+    plan = padmoe.make_plan(np.array([[0, 1], [1, 0]], dtype=np.int32), 2, 2)
+    object.__setattr__(plan, "row_sources", sources)
+    return plan
+
+
+def test_plan_ops_check_what_sizes_their_output_before_allocating():
+    from numpy.lib.stride_tricks import as_strided
+
+    x = np.ones((2, 8), dtype=np.float32)
+    # a zero-stride row_sources naming 2^31 - 1 rows: 64 GiB of output before the plan's own checks
+    plan = _plan_with_sources(as_strided(np.zeros(1, dtype=np.int32), shape=(2**31 - 1,), strides=(0,)))
+    for op, call in (
+        ("dispatch", lambda: padmoe.dispatch(x, plan)),
+        ("combine_backward", lambda: padmoe.combine_backward(x, np.ones((6, 8), np.float32), plan)),
+        ("dispatch_quantized", lambda: padmoe.dispatch_quantized(x, plan)),
+    ):
+        with pytest.raises(ValueError, match=op + r": plan.row_sources: expected a contiguous tensor, got stride 0"):
+            call()
+    good = padmoe.make_plan(np.array([[0, 1], [1, 0]], dtype=np.int32), 2, 2)
+    with pytest.raises(ValueError, match=r"dispatch_quantized: rows: size overflow"):
+        padmoe.dispatch_quantized(x, good, rows=2**40)  # 8 TiB of codes before
+
+    class NotAPlan:  # a duck-typed plan without row_sources
+        num_tokens, top_k, num_experts, alignment = 2, 2, 2, 2
+
+    for call in (lambda: padmoe.dispatch(x, NotAPlan()), lambda: padmoe.dispatch_quantized(x, NotAPlan())):
+        with pytest.raises(TypeError, match=r"plan: expected a padmoe Plan"):
+            call()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and padmoe.has_cuda()), reason="needs CUDA")
+def test_cuda_sort_chunks_size_sums_saturate():
+    # received of 2^62 rows without columns and four chunks of 2^62: the device's sum of the sizes
+    # is 2^64, which wrapped to 0 and passed validation; it saturates and is reported
+    received = torch.empty((2**62, 0), device="cuda")
+    sizes = torch.full((4,), 2**62, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match=r"sort_chunks: split_sizes: sums to at least 9223372036854775807 but received"):
+        pt.sort_chunks(received, sizes, 1, 1, rows=8)
+    # the same call on the CPU: the checked sum reports the overflow
+    with pytest.raises(ValueError, match=r"sort_chunks: split_sizes: size overflow"):
+        pt.sort_chunks(received.cpu(), sizes.cpu(), 1, 1, rows=8)

@@ -439,7 +439,7 @@ def test_bad_input_names_the_argument():
     x = torch.randn(6, 8)
     rmap = torch.ones(6, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="num_out_tokens"):
-        te.moe_permute(x, rmap, 0)
+        te.moe_permute(x, rmap, -1)
     with pytest.raises(ValueError, match="map_type"):
         te.moe_permute(x, rmap, 18, map_type="dense")
     with pytest.raises(ValueError, match="routing_map: expected \\[6, E\\]"):

@@ -64,7 +64,7 @@ TensorView flat_sizes(const Checker& c, const TensorView& split_sizes, int num_r
   }
   TensorView flat = split_sizes;
   flat.ndim = 1;
-  flat.shape[0] = rows * cols;
+  flat.shape[0] = detail::checked_mul(c, "split_sizes", rows, cols);
   flat.strides[0] = 1;
   flat.shape[1] = flat.strides[1] = 0;
   return flat;
@@ -75,6 +75,11 @@ TensorView flat_sizes(const Checker& c, const TensorView& split_sizes, int num_r
 ChunkGrid check_chunk_shapes(const Checker& c, const TensorView& received, const TensorView& split_sizes, int num_ranks,
                              int alignment, const std::optional<TensorView>& sorted_index, TensorView& sizes) {
   c.row_tensor(received, "received", -1, -1, /*allow_fp8=*/true);
+  // The CUDA layout's sums saturate at 2^63 - 1 (src/cuda/chunks.cu), which must exceed the rows
+  // for a saturated sum to be reported: received (only possible with no columns) stays below it.
+  if (received.shape[0] == std::numeric_limits<int64_t>::max()) {
+    c.value_error("received", "has 2^63 - 1 rows; at most 2^63 - 2 are supported");
+  }
   sizes = flat_sizes(c, split_sizes, num_ranks);
   c.index_vector(sizes, "split_sizes", -1);
   c.same_device(sizes, "split_sizes", received.device);
@@ -181,7 +186,9 @@ void raise_chunk_violation(const Checker& c, const ChunkGrid& g, const cuda::Vio
       c.value_error("sorted_index", "must be a permutation of [0, " + str(g.chunks) + "): chunk " + str(v.v1) +
                                         " appears more than once");
     case cuda::kChunkCountTotal:
-      c.value_error("split_sizes", "sums to " + str(v.v1) + " but received has " + str(v.v2) + " rows");
+      // the device's sum saturates at 2^63 - 1 (src/cuda/chunks.cu): a total there is a lower bound
+      c.value_error("split_sizes", std::string(v.v1 == std::numeric_limits<int64_t>::max() ? "sums to at least " : "sums to ") +
+                                       str(v.v1) + " but received has " + str(v.v2) + " rows");
     case cuda::kChunkOverflow: detail::check_int32_extent(c, "split_sizes", v.v1); return;
     case cuda::kChunkCapacity:
       c.value_error("padded", "output capacity: needs at least " + str(v.v1) + " rows, got " + str(v.v2));

@@ -25,8 +25,11 @@ struct RowsRef {
   uint32_t l2_bytes = 0;
   int32_t l2_blocks = 0;
 
+  // Rows without columns hold no bytes and may have null data: their stride is taken as 0, so
+  // row(r) is the data pointer itself (an offset from null would be undefined behaviour).
   static RowsRef of(const TensorView& t) {
-    return RowsRef{t.data, t.shape[0], t.shape[1], t.strides[0] * static_cast<int64_t>(element_size(t.dtype)), t.dtype};
+    const int64_t stride = t.shape[1] == 0 ? 0 : t.strides[0] * static_cast<int64_t>(element_size(t.dtype));
+    return RowsRef{t.data, t.shape[0], t.shape[1], stride, t.dtype};
   }
   char* row(int64_t r) const { return static_cast<char*>(data) + r * stride_bytes; }  // host
   int64_t row_bytes() const { return cols * static_cast<int64_t>(element_size(dtype)); }

@@ -198,8 +198,10 @@ void apply_capacity(const PlanView& full, int64_t assignments, int num_experts, 
     for (int64_t e = er.begin; e < er.end; ++e) {
       const int32_t* seg = f_indices + full_start[e];
       const int64_t n = f_counts[e];
-      uint32_t* keys = key_space.data() + full_start[e];
-      uint32_t* sorted = keys + a_count;
+      // The key slices exist only under the probs policy (key_space is empty otherwise, and an
+      // offset from its null data would be undefined behaviour).
+      uint32_t* keys = by_probs ? key_space.data() + full_start[e] : nullptr;
+      uint32_t* sorted = by_probs ? keys + a_count : nullptr;
       // Kept: key above the threshold, or equal to it and among the first `equal_kept` equal ones.
       uint32_t threshold = 0;
       int64_t equal_kept = n;

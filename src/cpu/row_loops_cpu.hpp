@@ -75,7 +75,7 @@ template <typename T>
 PADMOE_CPU_CLONES void scale_row(char* dst, const char* src, int64_t n, float w) {
   auto* d = reinterpret_cast<typename T::S*>(dst);
   const auto* s = reinterpret_cast<const typename T::S*>(src);
-  for (int64_t i = 0; i < n; ++i) d[i] = T::st(T::ld(s[i]) * w);
+  for (int64_t i = 0; i < n; ++i) d[i] = T::st(T::ld(s[i]) * w + 0.0f);  // + 0: a zero product is +0.0
 }
 
 template <typename T>
@@ -206,6 +206,10 @@ __attribute__((target("avx2"))) inline __m256 mul_ps_first(__m256 a, __m256 b) {
   __asm__("vmulps %2, %1, %0" : "=x"(r) : "x"(a), "xm"(b));
   return r;
 }
+// w * a + 0: a weighted row's elements, a zero product stored as +0.0 (docs/spec.md, weighted rows).
+__attribute__((target("avx2"))) inline __m256 weigh_ps(__m256 w, __m256 a) {
+  return _mm256_add_ps(mul_ps_first(w, a), _mm256_setzero_ps());
+}
 
 // The bf16 vectors keep each 32-bit lane's two elements where they are: of the
 // 16 bf16 at p, `even` holds elements 0, 2, ..., 14 as float32 (the low halves
@@ -298,18 +302,18 @@ __attribute__((target("avx2"))) void scale_row_bf16_avx2(char* dst, const char* 
       __m256 e, o;
       load_bf16_eo(src + i * 2, e, o);
       store_bf16x16<kStream>(dst + i * 2,
-                             merge_bf16_eo(round_bf16_high(mul_ps_first(wv, e)), round_bf16_high(mul_ps_first(wv, o))));
+                             merge_bf16_eo(round_bf16_high(weigh_ps(wv, e)), round_bf16_high(weigh_ps(wv, o))));
     }
   } else {
     for (; i + 16 <= n; i += 16) {
       __m256 e, o;
       load_bf16_eo(src + i * 2, e, o);
-      store_bf16x16<kStream>(dst + i * 2, pack_bf16_eo(mul_ps_first(wv, e), mul_ps_first(wv, o)));
+      store_bf16x16<kStream>(dst + i * 2, pack_bf16_eo(weigh_ps(wv, e), weigh_ps(wv, o)));
     }
   }
   auto* d = reinterpret_cast<uint16_t*>(dst);
   const auto* s = reinterpret_cast<const uint16_t*>(src);
-  for (; i < n; ++i) d[i] = BF16::st(BF16::ld(s[i]) * w);
+  for (; i < n; ++i) d[i] = BF16::st(BF16::ld(s[i]) * w + 0.0f);
 }
 
 // dot_rows for bf16 over columns [0, cols64) (cols rounded down to 64), by

@@ -70,6 +70,22 @@ __device__ __forceinline__ int64_t clamped_size(const IndexRef& sizes, int64_t i
   return n < 0 ? 0 : (n > rows ? rows + 1 : n);
 }
 
+// The 64-bit layout's sums saturate at INT64_MAX: C unvalidated sizes of up to rows + 1 each can
+// pass 2^63 when received has ~2^63 / C rows of no columns, and a wrapped total could pass
+// validation with a wrong map. A saturated total exceeds received's rows (the host refuses 2^63 - 1
+// rows) and is reported; without validation the map's writes stay within map_len.
+constexpr long long kSumCap = 0x7fffffffffffffffLL;
+__device__ __forceinline__ long long sat_add(long long a, long long b) {  // a, b >= 0
+  const unsigned long long s = static_cast<unsigned long long>(a) + static_cast<unsigned long long>(b);
+  return s < static_cast<unsigned long long>(kSumCap) ? static_cast<long long>(s) : kSumCap;
+}
+struct SatSum {
+  __device__ long long operator()(long long a, long long b) const { return sat_add(a, b); }
+};
+__device__ __forceinline__ long long sat_round_up(long long x, long long m) {  // x >= 0, m >= 1
+  return x > kSumCap - (m - 1) ? kSumCap : index::round_up(x, m);
+}
+
 // One block, each thread over a contiguous range of chunks / positions / groups:
 // (1) exclusive scan of the sizes in source order; (2) in output order, with
 // each position's source start and size; (3) over groups, padded; (4) each
@@ -84,11 +100,11 @@ __global__ void __launch_bounds__(kScanThreads) layout_kernel(IndexRef sizes, In
   const int64_t i0 = min(c, static_cast<int64_t>(threadIdx.x) * per), i1 = min(c, i0 + per);
 
   long long mine = 0, run = 0, total = 0;
-  for (int64_t i = i0; i < i1; ++i) mine += clamped_size(sizes, i, rows);
-  Scan(storage).ExclusiveSum(mine, run, total);
+  for (int64_t i = i0; i < i1; ++i) mine = sat_add(mine, clamped_size(sizes, i, rows));
+  Scan(storage).ExclusiveScan(mine, run, 0LL, SatSum{}, total);
   for (int64_t i = i0; i < i1; ++i) {
     l.src_excl[i] = run;
-    run += clamped_size(sizes, i, rows);
+    run = sat_add(run, clamped_size(sizes, i, rows));
   }
   if (threadIdx.x == 0) *l.real_total = total;
   __syncthreads();
@@ -99,30 +115,30 @@ __global__ void __launch_bounds__(kScanThreads) layout_kernel(IndexRef sizes, In
     const int64_t n = s < 0 ? 0 : clamped_size(sizes, s, rows);
     l.pos_src[j] = s < 0 ? 0 : l.src_excl[s];
     l.pos_size[j] = n;
-    mine += n;
+    mine = sat_add(mine, n);
   }
-  Scan(storage).ExclusiveSum(mine, run);
+  Scan(storage).ExclusiveScan(mine, run, 0LL, SatSum{});
   for (int64_t j = i0; j < i1; ++j) {
     l.pos_row[j] = run;  // exclusive real offset for now
-    run += l.pos_size[j];
+    run = sat_add(run, l.pos_size[j]);
   }
   __syncthreads();
 
+  // a group's real rows: from its first position's offset to its last's end (saturated, so >= 0)
+  auto group_rows = [&](int64_t g) -> long long {
+    const int64_t last = (g + 1) * ranks - 1;
+    return sat_add(l.pos_row[last], l.pos_size[last]) - l.pos_row[g * ranks];
+  };
   const int64_t gper = (groups + kScanThreads - 1) / kScanThreads;
   const int64_t g0 = min(groups, static_cast<int64_t>(threadIdx.x) * gper), g1 = min(groups, g0 + gper);
   mine = 0;
-  for (int64_t g = g0; g < g1; ++g) {
-    const int64_t last = (g + 1) * ranks - 1;
-    mine += index::round_up(l.pos_row[last] + l.pos_size[last] - l.pos_row[g * ranks], alignment);
-  }
+  for (int64_t g = g0; g < g1; ++g) mine = sat_add(mine, sat_round_up(group_rows(g), alignment));
   long long padded = 0;
-  Scan(storage).ExclusiveSum(mine, padded, total);
+  Scan(storage).ExclusiveScan(mine, padded, 0LL, SatSum{}, total);
   for (int64_t g = g0; g < g1; ++g) {
-    const int64_t last = (g + 1) * ranks - 1;
-    const int64_t real_start = l.pos_row[g * ranks];
-    padded += index::round_up(l.pos_row[last] + l.pos_size[last] - real_start, alignment);
+    padded = sat_add(padded, sat_round_up(group_rows(g), alignment));
     l.group_incl[g] = padded;
-    l.group_real[g] = real_start;
+    l.group_real[g] = l.pos_row[g * ranks];
   }
   if (threadIdx.x == 0) *l.padded_total = total;
   __syncthreads();
@@ -130,7 +146,7 @@ __global__ void __launch_bounds__(kScanThreads) layout_kernel(IndexRef sizes, In
   for (int64_t j = i0; j < i1; ++j) {
     const int64_t g = j / ranks;
     const int64_t pstart = g == 0 ? 0 : l.group_incl[g - 1];
-    l.pos_row[j] = pstart + l.pos_row[j] - l.group_real[g];
+    l.pos_row[j] = sat_add(pstart, l.pos_row[j] - l.group_real[g]);
   }
 }
 

@@ -53,7 +53,7 @@ struct Unit {
     float f[N];
     to_float(v, f);
 #pragma unroll
-    for (int i = 0; i < N; ++i) f[i] *= w;
+    for (int i = 0; i < N; ++i) f[i] = f[i] * w + 0.0f;  // + 0: a zero product is +0.0 (spec: weighted rows)
     return from_float(f);
   }
   __device__ static float dot(const Raw& a, const Raw& b) {

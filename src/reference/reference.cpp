@@ -25,7 +25,8 @@ int64_t round_up_multiple(int64_t x, int64_t m) {
 }
 
 // A move with a weight: the product is formed in double and rounded once to float.
-float weighted(float v, float w) { return static_cast<float>(static_cast<double>(v) * static_cast<double>(w)); }
+// A weighted row's element: the product rounded once, a zero product +0.0 (docs/spec.md).
+float weighted(float v, float w) { return static_cast<float>(static_cast<double>(v) * static_cast<double>(w)) + 0.0f; }
 
 void require(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("padmoe::ref: " + what);

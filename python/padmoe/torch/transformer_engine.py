@@ -146,11 +146,31 @@ def _permute(inp, probs, plan, weights, sources, rows=None):
     return y, moved
 
 
-def _check_rows(op: str, inp) -> None:
+_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+_MAX_ROWS = 2**31 - 1  # padmoe's row indices are int32
+
+
+def _check_rows(op: str, inp, weighted: bool = False) -> None:
+    """inp: a 2-D tensor of rows padmoe moves: float32 / float16 / bfloat16 / float64, or float8
+    where the rows are only moved (not ``weighted`` by probs)."""
     if not isinstance(inp, Tensor):
         raise TypeError(f"{op}: inp: expected a torch tensor, got {type(inp).__name__}")
     if inp.dim() != 2:
         raise ValueError(f"{op}: inp: expected [num_tokens, hidden], got shape {list(inp.shape)}")
+    if inp.dtype not in _ROW_DTYPES and (weighted or inp.dtype not in _FP8_DTYPES):
+        kinds = "float32, float16, bfloat16 or float64" + ("" if weighted else " (or float8)")
+        raise TypeError(f"{op}: inp: expected {kinds} rows, got {inp.dtype}")
+
+
+def _check_out_tokens(op: str, num_out_tokens, mask: bool) -> None:
+    """num_out_tokens: an int in [0, 2^31); the mask map's output rows, or the index map's (0: T*K)."""
+    if not _is_int(num_out_tokens) or num_out_tokens < 0 or num_out_tokens > _MAX_ROWS:
+        what = "the mask map's output rows (an int >= 0" if mask else "an int >= 0 (0: all T*K"
+        raise ValueError(
+            f"{op}: num_out_tokens: expected {what}, at most 2^31 - 1), got {num_out_tokens!r}; "
+            "pass int(routing_map.sum()) or num_tokens * top_k"
+        )
 
 
 def _check_map(op: str, inp: Tensor, routing_map, name: str = "routing_map") -> None:
@@ -164,6 +184,8 @@ def _check_map(op: str, inp: Tensor, routing_map, name: str = "routing_map") -> 
         raise ValueError(f"{op}: {name}: expected a tensor on {inp.device}, got {routing_map.device}")
     if routing_map.is_floating_point() or routing_map.is_complex():
         raise TypeError(f"{op}: {name}: expected a bool or integer tensor, got {routing_map.dtype}")
+    if routing_map.shape[1] == 0:
+        raise ValueError(f"{op}: {name}: has no experts (shape {list(routing_map.shape)}); expected [T, E] with E >= 1")
 
 
 def _check_probs(op: str, probs, like: Tensor) -> None:
@@ -228,11 +250,9 @@ def _nonzero_weights(probs: Tensor) -> Tensor:
 
 
 def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
-    if not _is_int(num_out_tokens) or num_out_tokens <= 0:
-        raise ValueError(
-            f"{op}: num_out_tokens: the mask map needs the output's rows (> 0), got {num_out_tokens!r}; "
-            "pass int(routing_map.sum()) or num_tokens * top_k"
-        )
+    # 0 rows is a legal output (local experts that receive nothing: num_out_tokens =
+    # int(routing_map.sum()) = 0); every destination is then dropped
+    _check_out_tokens(op, num_out_tokens, True)
     _check_map(op, inp, routing_map)
     if probs is not None:
         _check_probs(op, probs, routing_map)
@@ -271,10 +291,11 @@ def moe_permute(
         out, _, row_id_map = _mask_permute(op, inp, routing_map, num_out_tokens, None)
         return out, row_id_map
     _check_map(op, inp, routing_map, "index")
-    if not _is_int(num_out_tokens) or num_out_tokens < 0:
-        raise ValueError(f"{op}: num_out_tokens: expected an int >= 0 (0: all T*K), got {num_out_tokens!r}")
+    _check_out_tokens(op, num_out_tokens, False)
     t, k = routing_map.shape
     rows = num_out_tokens if num_out_tokens > 0 else t * k
+    if rows > _MAX_ROWS:
+        raise ValueError(f"{op}: routing_map: T*K = {rows} rows, more than 2^31 - 1")
     if num_experts is not None:
         if not _is_int(num_experts) or num_experts < 1:
             raise ValueError(f"{op}: num_experts: expected an int >= 1, got {num_experts!r}")
@@ -330,7 +351,7 @@ def moe_permute_with_probs(
     """TE's ``moe_permute_with_probs -> (output, permuted_probs, row_id_map)`` (mask map): the rows
     and their probabilities; a routed slot of probability 0 gives a zero row."""
     op = "moe_permute_with_probs"
-    _check_rows(op, inp)
+    _check_rows(op, inp, weighted=True)
     if inp.numel() == 0:
         out, moved = _Empty.apply(inp, probs if isinstance(probs, Tensor) else None)
         return out, moved, _empty_float(inp)
@@ -359,7 +380,7 @@ def moe_permute_and_pad_with_probs(
         raise ValueError(f"{op}: tokens_per_expert: must be given (the count of each expert)")
     if not _is_int(align_size) or align_size <= 0:
         raise ValueError(f"{op}: align_size: expected an int > 0, got {align_size!r}")
-    _check_rows(op, inp)
+    _check_rows(op, inp, weighted=True)
     _check_map(op, inp, routing_map)
     _check_probs(op, probs, routing_map)
     e = routing_map.shape[1]
@@ -373,13 +394,15 @@ def moe_permute_and_pad_with_probs(
         host = counts.cpu()  # TE's size: on CUDA one synchronization (none for CPU counts)
         host_target = (host + align_size - 1) // align_size * align_size
         rows = int(host_target.sum())
+        if rows > _MAX_ROWS:
+            raise ValueError(f"{op}: tokens_per_expert: the padded total {rows} is more than 2^31 - 1 rows")
         if not compiling() and host_check(check, inp):
             _check_counts(op, routing_map, host)
         if bool((host_target == host).all()):
             pad_offsets = None
     else:
-        if not _is_int(out_rows) or out_rows < 0:
-            raise ValueError(f"{op}: out_rows: expected an int >= 0, got {out_rows!r}")
+        if not _is_int(out_rows) or out_rows < 0 or out_rows > _MAX_ROWS:
+            raise ValueError(f"{op}: out_rows: expected an int in [0, 2^31), got {out_rows!r}")
         rows = out_rows
         if not compiling() and host_check(check, inp):
             _check_counts(op, routing_map, counts, out_rows, int(target.sum()))
@@ -419,10 +442,16 @@ def moe_unpermute(
     map_type: str = "mask",
     probs: Optional[Tensor] = None,
     pad_offsets: Optional[Tensor] = None,
+    *,
+    check: Optional[bool] = None,
 ) -> Tensor:
     """TE's ``moe_unpermute -> output``: each token's rows summed back (times ``merging_probs``
     when given), float32 accumulation in ascending expert order (mask) or ascending k (index),
-    cast once. ``probs`` is TE's deprecated name of ``merging_probs``."""
+    cast once. ``probs`` is TE's deprecated name of ``merging_probs``. A ``row_id_map`` that
+    padmoe's permute did not make (or any map under torch.compile) is read as TE defines it;
+    ``check`` (eager default) first verifies it on the host (one read of the device): integer
+    entries, each token's experts in ``[0, E)`` and distinct, its rows naming each output row of
+    the permute once, ``pad_offsets[E]`` keeping them inside ``inp``."""
     op = "moe_unpermute"
     if probs is not None:
         if merging_probs is not None:
@@ -431,13 +460,19 @@ def moe_unpermute(
         merging_probs = probs
     if map_type not in ("mask", "index"):
         raise ValueError(f"{op}: map_type: expected 'mask' or 'index', got {map_type!r}")
-    _check_rows(op, inp)
+    _check_rows(op, inp, weighted=merging_probs is not None)
+    if merging_probs is not None:
+        _check_merging_probs(op, merging_probs, inp)
     if inp.numel() == 0:
-        return _Empty.apply(inp, merging_probs if isinstance(merging_probs, Tensor) else None)[0]
+        return _Empty.apply(inp, merging_probs)[0]
     if not isinstance(row_id_map, Tensor):
         raise TypeError(f"{op}: row_id_map: expected a torch tensor, got {type(row_id_map).__name__}")
+    if row_id_map.is_floating_point() or row_id_map.is_complex() or row_id_map.dtype == torch.bool:
+        raise TypeError(f"{op}: row_id_map: expected an integer tensor (TE's int32 map), got {row_id_map.dtype}")
+    if row_id_map.device != inp.device:
+        raise ValueError(f"{op}: row_id_map: expected a tensor on {inp.device}, got {row_id_map.device}")
     if map_type == "index":
-        return _unpermute_index(op, inp, row_id_map, merging_probs)
+        return _unpermute_index(op, inp, row_id_map, merging_probs, check)
     if row_id_map.dim() != 2 or row_id_map.shape[1] % 2 != 1:
         raise ValueError(f"{op}: row_id_map: expected the mask map's [T, 2E+1], got shape {list(row_id_map.shape)}")
     t, w = row_id_map.shape
@@ -452,7 +487,15 @@ def moe_unpermute(
     if merging_probs is not None and tuple(merging_probs.shape) != (t, e):
         raise ValueError(f"{op}: merging_probs: expected shape [{t}, {e}], got {list(merging_probs.shape)}")
     padded = pad_offsets is not None
+    if padded:
+        if not isinstance(pad_offsets, Tensor) or tuple(pad_offsets.shape) != (e,):
+            got = list(pad_offsets.shape) if isinstance(pad_offsets, Tensor) else type(pad_offsets).__name__
+            raise ValueError(f"{op}: pad_offsets: expected a tensor of shape [{e}] (one per expert), got {got}")
+        if pad_offsets.is_floating_point() or pad_offsets.is_complex() or pad_offsets.dtype == torch.bool:
+            raise TypeError(f"{op}: pad_offsets: expected an integer tensor, got {pad_offsets.dtype}")
     plan = _kept(row_id_map, padded, inp.shape[0])
+    if plan is None and not compiling() and host_check(check, inp):
+        _check_mask_map(op, row_id_map, pad_offsets, inp.shape[0])
     if plan is None and padded:
         dest = tp.mask_dest_from_map(row_id_map, pad_offsets)
         plan, _ = tp.padded_plan_from_dest(dest, pad_offsets, inp.shape[0])
@@ -463,10 +506,103 @@ def moe_unpermute(
     return combine(inp, plan, merging_probs, check=False)
 
 
-def _unpermute_index(op, inp, row_id_map, merging_probs):
+def _check_merging_probs(op: str, merging_probs, inp: Tensor) -> None:
+    if not isinstance(merging_probs, Tensor):
+        raise TypeError(f"{op}: merging_probs: expected a torch tensor, got {type(merging_probs).__name__}")
+    if not merging_probs.is_floating_point():
+        raise TypeError(f"{op}: merging_probs: expected a float tensor, got {merging_probs.dtype}")
+    if merging_probs.device != inp.device:
+        raise ValueError(f"{op}: merging_probs: expected a tensor on {inp.device}, got {merging_probs.device}")
+
+
+def _first(bad: Tensor) -> int:
+    """The flat position of the first True of ``bad``."""
+    return int(bad.reshape(-1).nonzero()[0])
+
+
+def _check_mask_map(op: str, row_id_map: Tensor, pad_offsets: Optional[Tensor], rows: int) -> None:
+    """A mask-map ``row_id_map[T, 2E+1]`` as TE defines it: per token a count n in [0, E], then n
+    distinct experts in [0, E), and its n rows; the rows of all tokens name each row of the
+    permute's output once ([0, total), total = the counts' sum; rows at or past ``rows`` were cut
+    by num_out_tokens). With ``pad_offsets[E]`` (>= 0), each row plus its expert's offset lies in
+    [0, rows) and names one row. One read of the device when the map is valid."""
+    t, w = row_id_map.shape
+    e = (w - 1) // 2
+    m = row_id_map.to(torch.int64)
+    n = m[:, 2 * e]
+    live = torch.arange(e, device=m.device).unsqueeze(0) < n.clamp(0, e).unsqueeze(1)
+    experts = m[:, e : 2 * e]
+    dest = m[:, :e]
+    bad_n = (n < 0) | (n > e)
+    bad_e = live & ((experts < 0) | (experts >= e))
+    ex = torch.where(live & ~bad_e, experts, e)  # distinct experts: a token's live ones counted once
+    seen = torch.zeros(t, e + 1, dtype=torch.int64, device=m.device).scatter_add_(1, ex, torch.ones_like(ex))
+    repeated = live & (seen.gather(1, ex) > 1) & (ex < e)
+    if pad_offsets is not None:
+        shift = pad_offsets.to(device=m.device, dtype=torch.int64)
+        dest = dest + shift[ex.clamp(max=e - 1)]
+        bound = torch.full((), rows, device=m.device)
+        bad_shift = (shift < 0).any()
+    else:
+        bound = n.clamp(0, e).sum()
+        bad_shift = torch.zeros((), dtype=torch.bool, device=m.device)
+    out = live & ((dest < 0) | (dest >= bound))
+    inside = torch.where(live & ~out, dest, 0)
+    hits = torch.zeros(t * e + rows + 1, dtype=torch.int64, device=m.device)
+    hits.scatter_add_(0, inside.reshape(-1), (live & ~out).reshape(-1).to(torch.int64))
+    twice = live & ~out & (hits[inside] > 1)
+    flags = torch.stack([bad_n.any(), bad_e.any(), repeated.any(), bad_shift, out.any(), twice.any()]).cpu()
+    if not bool(flags.any()):
+        return
+    if flags[0]:
+        i = _first(bad_n)
+        raise ValueError(f"{op}: row_id_map: token {i} has count {int(n[i])}, outside [0, {e}]")
+    if flags[1]:
+        i = _first(bad_e)
+        raise ValueError(f"{op}: row_id_map: token {i // e} names expert {int(experts.reshape(-1)[i])}, outside [0, {e})")
+    if flags[2]:
+        i = _first(repeated)
+        raise ValueError(f"{op}: row_id_map: token {i // e} names expert {int(ex.reshape(-1)[i])} twice")
+    if flags[3]:
+        raise ValueError(f"{op}: pad_offsets: entry {_first(shift < 0)} is negative")
+    if flags[4]:
+        i = _first(out)
+        if pad_offsets is not None:
+            raise ValueError(
+                f"{op}: pad_offsets: token {i // e}'s row plus its expert's offset is {int(dest.reshape(-1)[i])}, "
+                f"outside inp's {rows} rows"
+            )
+        raise ValueError(
+            f"{op}: row_id_map: token {i // e} names row {int(dest.reshape(-1)[i])}, outside [0, {int(bound)}) "
+            "(the routed rows)"
+        )
+    i = _first(twice)
+    raise ValueError(f"{op}: row_id_map: row {int(dest.reshape(-1)[i])} is named twice (first repeat: token {i // e})")
+
+
+def _check_index_map(op: str, row_id_map: Tensor, rows_total: int) -> None:
+    """An index-map ``row_id_map[K*T]``: entries -1 (dropped) or in [0, T*K), each row once; one
+    read of the device when the map is valid."""
+    m = row_id_map.to(torch.int64)
+    bad = (m < -1) | (m >= rows_total)
+    inside = torch.where((m >= 0) & ~bad, m, rows_total)
+    hits = torch.zeros(rows_total + 1, dtype=torch.int64, device=m.device).scatter_add_(0, inside, torch.ones_like(inside))
+    twice = (inside < rows_total) & (hits[inside] > 1)
+    flags = torch.stack([bad.any(), twice.any()]).cpu()
+    if flags[0]:
+        i = _first(bad)
+        raise ValueError(f"{op}: row_id_map: entry {i} is {int(m[i])}, outside [0, {rows_total}) and not -1")
+    if flags[1]:
+        i = _first(twice)
+        raise ValueError(f"{op}: row_id_map: row {int(m[i])} is named twice (first repeat: entry {i})")
+
+
+def _unpermute_index(op, inp, row_id_map, merging_probs, check):
     if row_id_map.dim() != 1:
         raise ValueError(f"{op}: row_id_map: expected the index map's [T*K], got shape {list(row_id_map.shape)}")
     rows = inp.shape[0]
+    if _kept(row_id_map, False, rows) is None and not compiling() and host_check(check, inp):
+        _check_index_map(op, row_id_map, row_id_map.numel())
     if merging_probs is None:
         # TE: one output row per map entry (k-major), no sum over k
         live = (row_id_map >= 0) & (row_id_map < rows)
@@ -523,6 +659,9 @@ def _chunk_sort(op: str, inp: Tensor, split_sizes: Tensor, sorted_index: Tensor,
             f"{op}: split_sizes and sorted_index: expected two 1-D tensors of one length, got shapes "
             f"{list(split_sizes.shape)} and {list(sorted_index.shape)}"
         )
+    for name, t in (("split_sizes", split_sizes), ("sorted_index", sorted_index)):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{op}: {name}: expected an integer tensor, got {t.dtype}")
     chunks = split_sizes.numel()
     device = inp.device
     sizes = split_sizes.to(device=device, dtype=torch.int64)

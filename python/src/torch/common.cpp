@@ -252,10 +252,12 @@ static Tensor w64(const OptTensor& w, int64_t n, const Tensor& like) {
   return w->reshape({-1}).to(like.scalar_type());
 }
 
-// y[rows, H]: y[dest[a]] = x[a / K] * w[a]; other rows zero (dest < 0: dropped).
+// y[rows, H]: y[dest[a]] = x[a / K] * w[a] (+ 0: a zero product is +0.0); other rows zero
+// (dest < 0: dropped). Unweighted, the rows are copied as they are.
 Tensor spread64(const Tensor& x, const Tensor& dest, int64_t k, const OptTensor& w, int64_t rows) {
   const int64_t a = dest.numel();
-  Tensor src = x.repeat_interleave(k, 0) * w64(w, a, x).unsqueeze(1);
+  Tensor src = x.repeat_interleave(k, 0);
+  if (w && w->defined()) src = src * w64(w, a, x).unsqueeze(1) + 0.0;
   Tensor y = at::zeros({rows, x.size(1)}, x.options());
   Tensor keep = dest.ge(0);
   y.index_put_({dest.masked_select(keep).to(at::kLong)}, src.index({keep}));
