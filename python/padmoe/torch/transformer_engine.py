@@ -3,7 +3,8 @@ against TE's functions runs with ``import padmoe.torch.transformer_engine as te`
 
 - ``moe_permute(inp[T, H], routing_map, num_out_tokens, max_token_num=-1, map_type="mask") ->
   (permuted, row_id_map)``. **mask** (``routing_map[T, E]``, bool or 0/1): rows expert-major, tokens
-  in order within an expert; ``num_out_tokens`` rows (> 0): destinations at or past it are dropped
+  in order within an expert; ``num_out_tokens`` rows (>= 0; 0 is an empty output, where TE asserts
+  > 0): destinations at or past it are dropped
   (the last in that order: TE's fix of its open out-of-bounds bug), rows past the routed count are
   zero. ``row_id_map[T, 2E+1]`` int32: per token its rows in descending order, then their experts,
   then the count; the rest -1. **index** (``routing_map[T, K]`` expert ids): the assignments ``t*K +
@@ -11,7 +12,7 @@ against TE's functions runs with ``import padmoe.torch.transformer_engine as te`
   dropped; ``row_id_map[K*T]`` k-major (``row_id_map[k*T + t]``, -1 = dropped).
 - ``moe_permute_with_probs(inp, probs[T, E], routing_map, num_out_tokens) -> (output,
   permuted_probs, row_id_map)`` (mask): ``probs`` moved with the rows; a routed slot of probability
-  exactly 0 gives a zero row (Megatron's routing-map padding). Unrouted probs are never read.
+  exactly 0 gives a +0.0 row (Megatron's routing-map padding). Unrouted probs are never read.
 - ``moe_permute_and_pad_with_probs(inp, probs, routing_map, tokens_per_expert, align_size) ->
   (output, permuted_probs, row_id_map, pad_offsets, target_tokens_per_expert)``: each expert's rows
   padded with zero rows to a multiple of ``align_size``; ``pad_offsets[E]`` (int64, the exclusive
@@ -23,7 +24,8 @@ against TE's functions runs with ``import padmoe.torch.transformer_engine as te`
   probs=None, pad_offsets=None) -> output[T, H]``: each token's rows summed (times
   ``merging_probs[T, E]`` or ``[T, K]``), float32 accumulation, one rounding. Index map without
   probs: ``[T*K, H]`` k-major, one row per map entry (TE's behaviour). ``probs`` is TE's deprecated
-  name of ``merging_probs``.
+  name of ``merging_probs``. A ``row_id_map`` padmoe's permute did not make is verified first
+  (``check=``, eager default).
 - ``moe_sort_chunks_by_index(inp, split_sizes[S], sorted_index[S]) -> output`` and
   ``moe_sort_chunks_by_index_with_probs(inp, probs[T], split_sizes, sorted_index) -> (output,
   permuted_probs)``: output position j holds chunk ``sorted_index[j]``, chunks back to back; rows
