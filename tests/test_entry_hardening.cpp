@@ -454,9 +454,9 @@ TEST(EntryHardening, SortChunksSizesShapeProductIsChecked) {
   // received of 2^63 - 1 rows (the device sums of sizes saturate there) is refused by name
   const TensorView most = TensorView::contiguous(nullptr, DType::kFloat32, {kI64Max, 0});
   std::vector<int64_t> two = {1, 1};
-  EXPECT_TRUE(throws_error(
-      [&] { padmoe::sort_chunks(most, TensorView::contiguous(two.data(), DType::kInt64, {2}), 1, 1); },
-      {"sort_chunks: received: ", "2^63 - 1 rows"}, kValue));
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::sort_chunks(most, TensorView::contiguous(two.data(), DType::kInt64, {2}), 1, 1); },
+                   {"sort_chunks: received: ", "2^63 - 1 rows"}, kValue));
 }
 
 }  // namespace

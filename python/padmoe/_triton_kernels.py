@@ -161,7 +161,9 @@ def _gather_tokens(
                     r = tl.load(dest + a, mask=live, other=0).to(tl.int64)
                     if WEIGHTED:
                         wv = tl.load(w + a, mask=live, other=0.0).to(tl.float32)
-                        tl.store(y + r[:, None] * H + cc[None, :], (v.to(tl.float32) * wv[:, None] + 0.0).to(v.dtype), mask=m)
+                        tl.store(
+                            y + r[:, None] * H + cc[None, :], (v.to(tl.float32) * wv[:, None] + 0.0).to(v.dtype), mask=m
+                        )
                     else:
                         tl.store(y + r[:, None] * H + cc[None, :], v, mask=m)
 

@@ -203,7 +203,9 @@ def test_cuda_sort_chunks_size_sums_saturate():
     # is 2^64, which wrapped to 0 and passed validation; it saturates and is reported
     received = torch.empty((2**62, 0), device="cuda")
     sizes = torch.full((4,), 2**62, dtype=torch.int64, device="cuda")
-    with pytest.raises(ValueError, match=r"sort_chunks: split_sizes: sums to at least 9223372036854775807 but received"):
+    with pytest.raises(
+        ValueError, match=r"sort_chunks: split_sizes: sums to at least 9223372036854775807 but received"
+    ):
         pt.sort_chunks(received, sizes, 1, 1, rows=8)
     # the same call on the CPU: the checked sum reports the overflow
     with pytest.raises(ValueError, match=r"sort_chunks: split_sizes: size overflow"):

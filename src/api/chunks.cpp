@@ -187,8 +187,9 @@ void raise_chunk_violation(const Checker& c, const ChunkGrid& g, const cuda::Vio
                                         " appears more than once");
     case cuda::kChunkCountTotal:
       // the device's sum saturates at 2^63 - 1 (src/cuda/chunks.cu): a total there is a lower bound
-      c.value_error("split_sizes", std::string(v.v1 == std::numeric_limits<int64_t>::max() ? "sums to at least " : "sums to ") +
-                                       str(v.v1) + " but received has " + str(v.v2) + " rows");
+      c.value_error("split_sizes",
+                    std::string(v.v1 == std::numeric_limits<int64_t>::max() ? "sums to at least " : "sums to ") +
+                        str(v.v1) + " but received has " + str(v.v2) + " rows");
     case cuda::kChunkOverflow: detail::check_int32_extent(c, "split_sizes", v.v1); return;
     case cuda::kChunkCapacity:
       c.value_error("padded", "output capacity: needs at least " + str(v.v1) + " rows, got " + str(v.v2));

@@ -561,7 +561,9 @@ def _check_mask_map(op: str, row_id_map: Tensor, pad_offsets: Optional[Tensor], 
         raise ValueError(f"{op}: row_id_map: token {i} has count {int(n[i])}, outside [0, {e}]")
     if flags[1]:
         i = _first(bad_e)
-        raise ValueError(f"{op}: row_id_map: token {i // e} names expert {int(experts.reshape(-1)[i])}, outside [0, {e})")
+        raise ValueError(
+            f"{op}: row_id_map: token {i // e} names expert {int(experts.reshape(-1)[i])}, outside [0, {e})"
+        )
     if flags[2]:
         i = _first(repeated)
         raise ValueError(f"{op}: row_id_map: token {i // e} names expert {int(ex.reshape(-1)[i])} twice")
@@ -588,7 +590,9 @@ def _check_index_map(op: str, row_id_map: Tensor, rows_total: int) -> None:
     m = row_id_map.to(torch.int64)
     bad = (m < -1) | (m >= rows_total)
     inside = torch.where((m >= 0) & ~bad, m, rows_total)
-    hits = torch.zeros(rows_total + 1, dtype=torch.int64, device=m.device).scatter_add_(0, inside, torch.ones_like(inside))
+    hits = torch.zeros(rows_total + 1, dtype=torch.int64, device=m.device).scatter_add_(
+        0, inside, torch.ones_like(inside)
+    )
     twice = (inside < rows_total) & (hits[inside] > 1)
     flags = torch.stack([bad.any(), twice.any()]).cpu()
     if flags[0]:

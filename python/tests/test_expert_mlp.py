@@ -1,0 +1,244 @@
+"""The expert MLP operator (padmoe.torch._expert_mlp, run by experts_forward and GroupedExperts for
+activations given by name) against float64 per-token loops: the output and every gradient (x, both
+weights, both biases, the router weights) for each activation, gated side by side or interleaved
+and ungated, both weight layouts, weighting after / before / none; odd cases (one expert, top-1,
+one token, no tokens, every token on one expert, dropped ids, alignment 1 and 128, float32 and
+bfloat16); bitwise determinism; the composition it replaces agrees."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import padmoe  # noqa: E402
+import padmoe.torch as pt  # noqa: E402
+from padmoe.torch.grouped import _GROUPED_MM, ACTIVATIONS, _named_gate, experts_forward  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and padmoe.has_cuda() else [])
+pytestmark = pytest.mark.skipif(
+    _GROUPED_MM is None or tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 9),
+    reason="needs torch's grouped_mm on the CPU (torch 2.9 or newer)",
+)
+
+
+def act64(name, g):
+    if name == "silu":
+        return g * torch.sigmoid(g)
+    if name == "gelu":
+        return 0.5 * g * (1 + torch.erf(g / math.sqrt(2)))
+    if name == "gelu_tanh":
+        return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+    if name == "relu2":
+        return torch.relu(g) ** 2
+    raise AssertionError(name)
+
+
+def reference(x, idx, w, up, down, ub, db, act, gated, interleaved, transposed, weighting, num_experts):
+    """out[t] = sum_k w[t,k] * mlp_{e}(x[t]) in float64, token by token (ids outside [0, E) dropped)."""
+    out = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            if not 0 <= e < num_experts:
+                continue
+            xt = x[t] * w[t, k] if weighting == "before" else x[t]
+            wu = up[e] if transposed else up[e].t()
+            h = xt @ wu + (ub[e] if ub is not None else 0)
+            if gated:
+                n = h.shape[0] // 2
+                g, u = (h[0::2], h[1::2]) if interleaved else (h[:n], h[n:])
+                a = act64(act, g) * u
+            else:
+                a = act64(act, h)
+            wd = down[e] if transposed else down[e].t()
+            y = a @ wd + (db[e] if db is not None else 0)
+            acc = acc + (y * w[t, k] if weighting == "after" else y)
+        out.append(acc)
+    return torch.stack(out) if out else torch.zeros(0, x.shape[1], dtype=torch.float64)
+
+
+def make_case(T, H, I, E, K, gated, transposed, bias, weighting, seed, one_expert=False, invalid=False):
+    g = torch.Generator().manual_seed(seed)
+    n1 = 2 * I if gated else I
+    x = torch.randn(T, H, generator=g)
+    up = torch.randn((E, H, n1) if transposed else (E, n1, H), generator=g) / math.sqrt(H)
+    down = torch.randn((E, I, H) if transposed else (E, H, I), generator=g) / math.sqrt(I)
+    ub = torch.randn(E, n1, generator=g) * 0.1 if bias else None
+    db = torch.randn(E, H, generator=g) * 0.1 if bias else None
+    if one_expert:
+        idx = torch.zeros(T, K, dtype=torch.int64)
+        idx[:, 1:] = torch.arange(1, K).clamp(max=E - 1)
+    else:
+        idx = (
+            torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+            if T
+            else torch.zeros(0, K, dtype=torch.int64)
+        )
+    if invalid and T:
+        idx[::3, -1] = -1
+        idx[1::4, 0] = E + 3
+    w = torch.rand(T, K, generator=g) if weighting != "none" else None
+    return x, idx, w, up, down, ub, db
+
+
+def run_case(
+    device,
+    dtype,
+    act,
+    gated,
+    interleaved,
+    transposed,
+    bias,
+    weighting,
+    T=41,
+    H=32,
+    I=16,
+    E=6,
+    K=2,
+    alignment=8,
+    seed=0,
+    one_expert=False,
+    invalid=False,
+):
+    x, idx, w, up, down, ub, db = make_case(
+        T, H, I, E, K, gated, transposed, bias, weighting, seed, one_expert, invalid
+    )
+    leaves = [x, up, down] + [t for t in (ub, db, w) if t is not None]
+    ref_in = [t.double().requires_grad_() for t in leaves]
+    xr, upr, downr = ref_in[:3]
+    rest = iter(ref_in[3:])
+    ubr = next(rest) if ub is not None else None
+    dbr = next(rest) if db is not None else None
+    wr = next(rest) if w is not None else None
+    want = reference(xr, idx, wr, upr, downr, ubr, dbr, act, gated, interleaved, transposed, weighting, E)
+    grad_out = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    want_grads = torch.autograd.grad(want, ref_in, grad_out, allow_unused=True) if T else [None] * len(ref_in)
+
+    dev_in = [t.to(device=device, dtype=dtype if t is not w else torch.float32).requires_grad_() for t in leaves]
+    xd, upd, downd = dev_in[:3]
+    rest = iter(dev_in[3:])
+    ubd = next(rest) if ub is not None else None
+    dbd = next(rest) if db is not None else None
+    wd = next(rest) if w is not None else None
+    kw = dict(up_bias=ubd, down_bias=dbd, transposed=transposed, weighting=weighting, alignment=alignment)
+    if gated:
+        out = experts_forward(
+            xd, idx.to(device), wd, upd, downd, gate=act, interleaved=interleaved, drop_invalid=invalid, **kw
+        )
+    else:
+        out = experts_forward(xd, idx.to(device), wd, upd, downd, activation=act, drop_invalid=invalid, **kw)
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=4e-2, atol=4e-2)
+    torch.testing.assert_close(out.double().cpu(), want.detach(), **tol)
+    if T == 0:
+        return
+    got_grads = torch.autograd.grad(out, dev_in, grad_out.to(device=device, dtype=out.dtype), allow_unused=True)
+    for name, got, ref in zip(["x", "up", "down", "bias", "bias", "w"], got_grads, want_grads):
+        if ref is None:
+            assert got is None or not got.abs().any(), name
+            continue
+        scale = max(ref.abs().max().item(), 1.0)
+        torch.testing.assert_close(got.double().cpu() / scale, ref / scale, **tol, msg=lambda m: f"{name}: {m}")
+    return out, got_grads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "act, gated, interleaved",
+    [
+        ("silu", True, False),
+        ("silu", True, True),
+        ("gelu", True, False),
+        ("gelu_tanh", True, True),
+        ("relu2", True, False),
+        ("gelu", False, False),
+        ("relu2", False, False),
+    ],
+)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("bias, weighting", [(False, "after"), (True, "after"), (True, "before"), (False, "none")])
+def test_forms_against_float64_loops(device, act, gated, interleaved, transposed, bias, weighting):
+    run_case(device, torch.float32, act, gated, interleaved, transposed, bias, weighting)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "T, E, K, alignment, extra",
+    [
+        (1, 6, 2, 8, {}),  # one token
+        (0, 6, 2, 8, {}),  # no tokens
+        (33, 1, 1, 8, {}),  # one expert, top-1
+        (29, 6, 1, 1, {}),  # top-1, alignment 1
+        (50, 4, 2, 128, {}),  # alignment 128: most rows padding
+        (40, 5, 2, 16, {"one_expert": True}),  # every token on expert 0
+        (45, 6, 3, 8, {"invalid": True}),  # dropped ids (drop_invalid)
+    ],
+)
+def test_odd_cases(device, T, E, K, alignment, extra):
+    run_case(
+        device, torch.float32, "silu", True, False, False, True, "after", T=T, E=E, K=K, alignment=alignment, **extra
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bfloat16(device, transposed):
+    run_case(device, torch.bfloat16, "silu", True, False, transposed, True, "after", H=64, I=32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bitwise_deterministic(device):
+    first = run_case(device, torch.bfloat16, "gelu_tanh", True, True, False, True, "after", T=64, H=64, I=32)
+    again = run_case(device, torch.bfloat16, "gelu_tanh", True, True, False, True, "after", T=64, H=64, I=32)
+    assert torch.equal(first[0], again[0])
+    for a, b in zip(first[1], again[1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_recompute_rows_gives_the_same_bits(device):
+    x, idx, w, up, down, ub, db = make_case(30, 32, 16, 4, 2, True, False, False, "after", 3)
+    grads = []
+    for recompute in (False, True):
+        ins = [t.to(device).requires_grad_() for t in (x, up, down, w)]
+        out = experts_forward(
+            ins[0], idx.to(device), ins[3], ins[1], ins[2], gate="silu", alignment=8, recompute_rows=recompute
+        )
+        grads.append((out,) + torch.autograd.grad(out.sum(), ins))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_grouped_experts_runs_the_operator_and_agrees_with_the_composition():
+    torch.manual_seed(0)
+    m = pt.GroupedExperts(6, 32, 16, activation="silu", bias=True)
+    assert m._fused_name == "silu"
+    x = torch.randn(20, 32, requires_grad=True)
+    idx = torch.stack([torch.randperm(6)[:2] for _ in range(20)])
+    w = torch.rand(20, 2, requires_grad=True)
+    out = m(x, idx, w)
+    comp = experts_forward(
+        x,
+        idx,
+        w,
+        m.gate_up_proj,
+        m.down_proj,
+        up_bias=m.gate_up_proj_bias,
+        down_bias=m.down_proj_bias,
+        gate=_named_gate("silu", False),
+    )
+    torch.testing.assert_close(out, comp, rtol=1e-5, atol=1e-5)
+    g1 = torch.autograd.grad(out.sum(), [x, w, m.gate_up_proj, m.down_proj])
+    g2 = torch.autograd.grad(comp.sum(), [x, w, m.gate_up_proj, m.down_proj])
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    custom = pt.GroupedExperts(6, 32, 16, gate_fn=lambda h: torch.nn.functional.silu(h[:, :16]) * h[:, 16:])
+    assert custom._fused_name is None  # a user's gate keeps the composition
+
+
+def test_unknown_activation_name_is_an_error():
+    x = torch.randn(4, 32)
+    idx = torch.zeros(4, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="gate: unknown activation 'swiglu'"):
+        experts_forward(x, idx, torch.ones(4, 1), torch.randn(2, 32, 32), torch.randn(2, 32, 16), gate="swiglu")
+    assert set(ACTIVATIONS) >= {"silu", "gelu", "gelu_tanh", "relu2"}
