@@ -1,6 +1,6 @@
 """The expert MLP on padmoe's routing, per shape, in one run: the dense ``torch.mm`` rate and the copy
-bandwidth (the floors), the GEMMs' FLOP floor, today's autograd composition (``gate=`` a callable)
-and the expert-MLP operator (``gate=`` a name): eager forward and forward + backward (the host
+bandwidth (the floors), the GEMMs' FLOP floor, padmoe's expert MLP (``experts_forward``, the autograd composition)
+and the one-operator variant under study (``dev/expert_mlp.py``): eager forward and forward + backward (the host
 included), the forward replayed in a CUDA graph, and the peak memory of forward + backward.
 
     python bench/bench_experts.py [--shapes qwen3-30b-a3b,mixtral-8x7b,deepseek-v3,decode] [--iters 10]
@@ -18,12 +18,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 
 import padmoe.torch  # noqa: F401  (the operators)
-from padmoe.torch.grouped import _named_gate, experts_forward
+from padmoe.torch.grouped import Routing, experts_forward
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dev"))
+from expert_mlp import expert_mlp  # noqa: E402  (the one-operator variant under study, dev/)
+
+
+def operator_forward(x, idx, w, up, down, alignment, check):
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, up, down))
+    r = Routing.from_topk(idx, w, up.shape[0], alignment, check=check)
+    return expert_mlp(
+        x,
+        r,
+        up,
+        down,
+        up_bias=None,
+        down_bias=None,
+        transposed=False,
+        activation="silu",
+        gated=True,
+        interleaved=False,
+        weighting="after",
+        grads=grads,
+    )
+
 
 SHAPES = {
     "qwen3-30b-a3b": dict(T=16384, H=2048, I=768, E=128, K=8, backward=True),
@@ -90,19 +114,25 @@ def run_shape(name, s, iters, flops_rate, bandwidth):
     floor_fwd = max(gemm_flops / flops_rate, weight_bytes / bandwidth) * 1e6
     floor_fb = max(3 * gemm_flops / flops_rate, 3 * weight_bytes / bandwidth) * 1e6
     row = dict(shape=name, floor_fwd_us=floor_fwd, floor_fwd_bwd_us=floor_fb)
-    forms = {"composition": _named_gate("silu", False), "operator": "silu"}
-    for form, gate in forms.items():
+
+    def composition(xx, ww):
+        return experts_forward(xx, idx, ww, up, down, gate="silu", alignment=128, check=False)
+
+    def operator(xx, ww):
+        return operator_forward(xx, idx, ww, up, down, 128, False)
+
+    for form, call in (("composition", composition), ("operator", operator)):
 
         def fwd():
             with torch.no_grad():
-                return experts_forward(x, idx, w, up, down, gate=gate, alignment=128, check=False)
+                return call(x, w)
 
         row[f"{form}_fwd_us"] = timed(fwd, iters)
         row[f"{form}_graph_fwd_us"] = graph_timed(fwd, iters)
         if s["backward"]:
 
             def fwd_bwd():
-                out = experts_forward(xg, idx, wg, up, down, gate=gate, alignment=128, check=False)
+                out = call(xg, wg)
                 out.backward(torch.ones_like(out))
                 xg.grad = wg.grad = up.grad = down.grad = None
 

@@ -44,7 +44,6 @@ from torch import nn
 from padmoe._args import int_arg
 from padmoe._plan import INT32_MAX
 
-from ._expert_mlp import FUSED_ACTIVATIONS, expert_mlp
 from ._routing import Routing
 
 Tensor = torch.Tensor
@@ -229,7 +228,6 @@ def experts_forward(
     drop_invalid: bool = False,
     check: Optional[bool] = None,
     interleaved: bool = False,
-    recompute_rows: bool = False,
 ) -> Tensor:
     """The experts of a MoE layer on padmoe's routing: ``out[t] = sum_k w[t,k] * expert_{e[t,k]}(x[t])``.
 
@@ -244,13 +242,9 @@ def experts_forward(
     ``"grouped_mm"`` or ``"loop"``. ``drop_invalid``: ids outside ``[0, E)`` (expert-parallel
     sentinels) contribute nothing, instead of raising. Differentiable in everything float.
 
-    ``gate`` or ``activation`` given by name (a key of ``FUSED_ACTIVATIONS``: ``"silu"``,
-    ``"gelu"``, ``"gelu_tanh"``, ``"relu2"``, ...; ``gate="silu"`` is ``silu(g) * u`` over the two
-    halves of the up projection, side by side or, with ``interleaved``, alternating columns) runs the
-    expert MLP as one operator with a hand-written backward (``padmoe.torch._expert_mlp``: each GEMM
-    once, the activation in one pass each way, no slicing copies); ``recompute_rows`` recomputes the
-    dispatched rows in its backward instead of keeping them. A callable, ``post`` or ``gemm="loop"``
-    run the autograd composition."""
+    ``gate`` or ``activation`` may be given by name (a key of :data:`ACTIVATIONS`: ``"silu"``,
+    ``"gelu"``, ``"gelu_tanh"``, ``"relu2"``, ...): ``gate="silu"`` is ``silu(g) * u`` over the two
+    halves of the up projection, side by side or, with ``interleaved``, alternating columns."""
     if weighting not in ("after", "before", "none"):
         raise ValueError(f"padmoe experts: weighting: expected 'after', 'before' or 'none', got {weighting!r}")
     if gemm not in ("auto", "grouped_mm", "loop"):
@@ -261,9 +255,9 @@ def experts_forward(
         raise ValueError(f"padmoe experts: weighting={weighting!r} needs the router weights (got None)")
 
     for name, fn in (("gate", gate), ("activation", activation)):
-        if isinstance(fn, str) and fn not in FUSED_ACTIVATIONS:
+        if isinstance(fn, str) and fn not in ACTIVATIONS:
             raise ValueError(
-                f"padmoe experts: {name}: unknown activation {fn!r} (known: {', '.join(sorted(FUSED_ACTIVATIONS))})"
+                f"padmoe experts: {name}: unknown activation {fn!r} (known: {', '.join(sorted(ACTIVATIONS))})"
             )
     if interleaved and not isinstance(gate, str):
         raise ValueError("padmoe experts: interleaved= is for gate= given by name (a callable gate splits h itself)")
@@ -292,32 +286,6 @@ def experts_forward(
     grads = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, up, down, up_bias, down_bias, weights)
     )
-    named = gate if gate is not None else activation
-    if (
-        isinstance(named, str)
-        and post is None
-        and gemm != "loop"
-        and _GROUPED_MM is not None
-        and grouped_mm_usable(x, up)
-        and grouped_mm_usable(x, down)
-        and up.dtype == down.dtype == x.dtype
-    ):
-        out = expert_mlp(
-            x,
-            r,
-            up,
-            down,
-            up_bias=up_bias,
-            down_bias=down_bias,
-            transposed=transposed,
-            activation=named,
-            gated=gate is not None,
-            interleaved=interleaved,
-            weighting=weighting,
-            grads=grads,
-            recompute_rows=recompute_rows,
-        )
-        return out.to(out_dtype).reshape(shape)
     if isinstance(gate, str):
         gate = _named_gate(gate, interleaved)
     if isinstance(activation, str):
@@ -455,10 +423,6 @@ class GroupedExperts(nn.Module):
             setattr(self, up_name + "_bias", nn.Parameter(torch.empty(num_experts, n1, **kw)))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
         self._up_name = up_name
-        # a built-in activation (and gate) runs the fused operator; a callable keeps the composition
-        named = isinstance(self.activation_name, str) and self.activation_name in FUSED_ACTIVATIONS
-        fused = named and self.act_fn is ACTIVATIONS.get(self.activation_name) and gate_fn is None
-        self._fused_name = self.activation_name if fused else None
         self.reset_parameters()
 
     @property
@@ -502,13 +466,12 @@ class GroupedExperts(nn.Module):
             up_bias=self.up_bias,
             down_bias=getattr(self, "down_proj_bias", None),
             transposed=self.transposed,
-            gate=(self._fused_name or self._gate) if self.gated else None,
-            activation=None if self.gated else (self._fused_name or self.act_fn),
+            gate=self._gate if self.gated else None,
+            activation=None if self.gated else self.act_fn,
             weighting=self.weighting,
             alignment=self.alignment,
             gemm=self.gemm,
             check=self.check,
-            interleaved=self.interleaved and self._fused_name is not None,
         )
 
     def extra_repr(self) -> str:

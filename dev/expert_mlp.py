@@ -1,6 +1,7 @@
-"""The expert MLP as one autograd operator: routing, both grouped GEMMs, the activation and the
-combine with a hand-written backward (:func:`expert_mlp`, run by :func:`experts_forward` for the
-activations named in :data:`FUSED_ACTIVATIONS`).
+"""The expert MLP as one autograd operator (not in the library: measured slower than the composition
+on an H100, bench/results/experts.md): routing, both grouped GEMMs, the activation and the combine
+with a hand-written backward. bench/bench_experts.py times it beside padmoe.torch.experts_forward;
+its tests agreed with float64 loops and the composition (float32, CPU) before it moved here.
 
 Forward (T tokens, K top-k, H hidden, I intermediate, N1 = 2I gated or I, R padded rows)::
 
@@ -159,8 +160,7 @@ class _ExpertMLP(torch.autograd.Function):
         (k, e, align, cap, check, transposed, act, gated, interleaved, weighting, grads, recompute) = spec
         before = w if weighting == "before" else None
         after = w if weighting == "after" else None
-        dispatch = torch.ops.padmoe.dispatch.default
-        rows = dispatch(x, packed, before, k, e, align, cap, check, grads)
+        rows = _dispatch(x, packed, before, k, e, align, cap, check, grads)
         offs = _offsets(packed, x.shape[0] * k, e)
         h = _mm(rows, up, offs, transposed)
         if up_bias is not None:
@@ -196,7 +196,7 @@ class _ExpertMLP(torch.autograd.Function):
         del grad_a
         grad_up_bias = _bias_grad(grad_h, row_experts, e) if ctx.has_bias[0] and need[4] else None
         if rows is None and need[2]:
-            rows = torch.ops.padmoe.dispatch.default(x, packed, before, k, e, align, cap, 0, True)
+            rows = _dispatch(x, packed, before, k, e, align, cap, 0, True)
         grad_up = _mm_wgrad(rows, grad_h, offs, transposed) if need[2] else None
         grad_x = None
         if need[0] or (before is not None and need[1]):
@@ -209,6 +209,12 @@ class _ExpertMLP(torch.autograd.Function):
         if not need[1] or weighting == "none":
             grad_w = None
         return grad_x, grad_w, grad_up, grad_down, grad_up_bias, grad_down_bias, None, None, None
+
+
+def _dispatch(x, packed, weights, k, e, align, cap, check, zero_padding) -> Tensor:
+    """The rows of the plan; ``zero_padding`` False (no gradient to take) leaves padding rows and
+    rows past P unwritten: the GEMMs and the activation work row by row and combine reads real rows."""
+    return torch.ops.padmoe.dispatch.default(x, packed, weights, k, e, align, cap, check, zero_padding)
 
 
 def _offsets(packed: Tensor, a: int, e: int) -> Tensor:
