@@ -22,6 +22,7 @@ import os
 import sys
 
 import torch
+from bench_te import copy_bandwidth, eager_time, graph_time  # the timing of the TE page
 
 import padmoe.torch  # noqa: F401  (the operators)
 from padmoe.torch.grouped import Routing, experts_forward
@@ -57,45 +58,10 @@ SHAPES = {
 }
 
 
-def timed(fn, iters):
-    """Median µs of ``fn()`` over ``iters`` eager calls, each synchronized (the host included)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def graph_timed(fn, iters):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return timed(g.replay, iters)
-
-
 def dense_rate():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    us = timed(lambda: torch.mm(a, a), 10)
+    us = eager_time(lambda: torch.mm(a, a), 10)
     return 2 * 8192**3 / (us * 1e-6)
-
-
-def copy_bandwidth():
-    a = torch.empty(1 << 30, device="cuda", dtype=torch.uint8)
-    b = torch.empty_like(a)
-    us = timed(lambda: b.copy_(a), 10)
-    return 2 * a.numel() / (us * 1e-6)
 
 
 def run_shape(name, s, iters, flops_rate, bandwidth):
@@ -127,8 +93,8 @@ def run_shape(name, s, iters, flops_rate, bandwidth):
             with torch.no_grad():
                 return call(x, w)
 
-        row[f"{form}_fwd_us"] = timed(fwd, iters)
-        row[f"{form}_graph_fwd_us"] = graph_timed(fwd, iters)
+        row[f"{form}_fwd_us"] = eager_time(fwd, iters)
+        row[f"{form}_graph_fwd_us"] = graph_time(fwd, 1, iters)
         if s["backward"]:
 
             def fwd_bwd():
@@ -136,7 +102,7 @@ def run_shape(name, s, iters, flops_rate, bandwidth):
                 out.backward(torch.ones_like(out))
                 xg.grad = wg.grad = up.grad = down.grad = None
 
-            row[f"{form}_fwd_bwd_us"] = timed(fwd_bwd, max(iters // 2, 3))
+            row[f"{form}_fwd_bwd_us"] = eager_time(fwd_bwd, max(iters // 2, 3), warm=1)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()

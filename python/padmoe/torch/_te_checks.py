@@ -66,6 +66,20 @@ def _check_probs(op: str, probs, like: Tensor) -> None:
         raise ValueError(f"{op}: probs: expected a tensor on {like.device}, got {probs.device}")
 
 
+def _check_integer(op: str, name: str, t: Tensor, what: str = "an integer tensor") -> None:
+    """An integer tensor (not float, complex or bool): index maps, offsets, chunk sizes and order."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{op}: {name}: expected {what}, got {t.dtype}")
+
+
+def _repeats(values: Tensor, live: Tensor, size: int) -> Tensor:
+    """Where a live entry of ``values`` (each in [0, size)) holds a value another live entry holds too."""
+    at = torch.where(live, values, size)
+    hits = torch.zeros(size + 1, dtype=torch.int64, device=values.device)
+    hits.scatter_add_(0, at.reshape(-1), torch.ones_like(at).reshape(-1))
+    return live & (hits[at] > 1)
+
+
 def _is_int(v) -> bool:
     """A Python int (or the symbolic int torch.compile passes), not a bool."""
     return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
@@ -139,10 +153,7 @@ def _check_mask_map(op: str, row_id_map: Tensor, pad_offsets: Optional[Tensor], 
         bound = n.clamp(0, e).sum()
         bad_shift = torch.zeros((), dtype=torch.bool, device=m.device)
     out = live & ((dest < 0) | (dest >= bound))
-    inside = torch.where(live & ~out, dest, 0)
-    hits = torch.zeros(t * e + rows + 1, dtype=torch.int64, device=m.device)
-    hits.scatter_add_(0, inside.reshape(-1), (live & ~out).reshape(-1).to(torch.int64))
-    twice = live & ~out & (hits[inside] > 1)
+    twice = _repeats(dest, live & ~out, t * e + rows)
     flags = torch.stack([bad_n.any(), bad_e.any(), repeated.any(), bad_shift, out.any(), twice.any()]).cpu()
     if not bool(flags.any()):
         return
@@ -179,11 +190,7 @@ def _check_index_map(op: str, row_id_map: Tensor, rows_total: int) -> None:
     read of the device when the map is valid."""
     m = row_id_map.to(torch.int64)
     bad = (m < -1) | (m >= rows_total)
-    inside = torch.where((m >= 0) & ~bad, m, rows_total)
-    hits = torch.zeros(rows_total + 1, dtype=torch.int64, device=m.device).scatter_add_(
-        0, inside, torch.ones_like(inside)
-    )
-    twice = (inside < rows_total) & (hits[inside] > 1)
+    twice = _repeats(m, (m >= 0) & ~bad, rows_total)
     flags = torch.stack([bad.any(), twice.any()]).cpu()
     if flags[0]:
         i = _first(bad)

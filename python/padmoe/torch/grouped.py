@@ -315,15 +315,16 @@ def _gelu_tanh(t: Tensor) -> Tensor:
     return F.gelu(t, approximate="tanh")
 
 
+def _apply_gate(act: Callable[[Tensor], Tensor], h: Tensor, interleaved: bool) -> Tensor:
+    """``act(g) * u`` over h's two halves: side by side, or alternating columns (``interleaved``)."""
+    g, u = (h[..., 0::2], h[..., 1::2]) if interleaved else h.chunk(2, dim=-1)
+    return act(g) * u
+
+
 def _named_gate(name: str, interleaved: bool) -> Callable[[Tensor], Tensor]:
-    """The composition's gate of ``gate=name``: ``act(g) * u`` over h's two halves."""
+    """The gate of ``gate=name``."""
     act = ACTIVATIONS[name]
-
-    def gate(h: Tensor) -> Tensor:
-        g, u = (h[..., 0::2], h[..., 1::2]) if interleaved else h.chunk(2, dim=-1)
-        return act(g) * u
-
-    return gate
+    return lambda h: _apply_gate(act, h, interleaved)
 
 
 ACTIVATIONS = {
@@ -445,11 +446,7 @@ class GroupedExperts(nn.Module):
     def _gate(self, h: Tensor) -> Tensor:
         if self.gate_fn is not None:
             return self.gate_fn(h)
-        if self.interleaved:
-            g, u = h[..., 0::2], h[..., 1::2]
-        else:
-            g, u = h.chunk(2, dim=-1)
-        return self.act_fn(g) * u
+        return _apply_gate(self.act_fn, h, self.interleaved)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Optional[Tensor] = None) -> Tensor:
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:

@@ -72,6 +72,7 @@ from ._te_checks import (
     _check_counts,
     _check_index,
     _check_index_map,
+    _check_integer,
     _check_map,
     _check_mask_map,
     _check_merging_probs,
@@ -398,8 +399,7 @@ def moe_unpermute(
         return _Empty.apply(inp, merging_probs)[0]
     if not isinstance(row_id_map, Tensor):
         raise TypeError(f"{op}: row_id_map: expected a torch tensor, got {type(row_id_map).__name__}")
-    if row_id_map.is_floating_point() or row_id_map.is_complex() or row_id_map.dtype == torch.bool:
-        raise TypeError(f"{op}: row_id_map: expected an integer tensor (TE's int32 map), got {row_id_map.dtype}")
+    _check_integer(op, "row_id_map", row_id_map, "an integer tensor (TE's int32 map)")
     if row_id_map.device != inp.device:
         raise ValueError(f"{op}: row_id_map: expected a tensor on {inp.device}, got {row_id_map.device}")
     if map_type == "index":
@@ -422,8 +422,7 @@ def moe_unpermute(
         if not isinstance(pad_offsets, Tensor) or tuple(pad_offsets.shape) != (e,):
             got = list(pad_offsets.shape) if isinstance(pad_offsets, Tensor) else type(pad_offsets).__name__
             raise ValueError(f"{op}: pad_offsets: expected a tensor of shape [{e}] (one per expert), got {got}")
-        if pad_offsets.is_floating_point() or pad_offsets.is_complex() or pad_offsets.dtype == torch.bool:
-            raise TypeError(f"{op}: pad_offsets: expected an integer tensor, got {pad_offsets.dtype}")
+        _check_integer(op, "pad_offsets", pad_offsets)
     plan = _kept(row_id_map, padded, inp.shape[0])
     if plan is None and not compiling() and host_check(check, inp):
         _check_mask_map(op, row_id_map, pad_offsets, inp.shape[0])
@@ -441,7 +440,8 @@ def _unpermute_index(op, inp, row_id_map, merging_probs, check):
     if row_id_map.dim() != 1:
         raise ValueError(f"{op}: row_id_map: expected the index map's [T*K], got shape {list(row_id_map.shape)}")
     rows = inp.shape[0]
-    if _kept(row_id_map, False, rows) is None and not compiling() and host_check(check, inp):
+    plan = _kept(row_id_map, False, rows)
+    if plan is None and not compiling() and host_check(check, inp):
         _check_index_map(op, row_id_map, row_id_map.numel())
     if merging_probs is None:
         # TE: one output row per map entry (k-major), no sum over k
@@ -457,7 +457,6 @@ def _unpermute_index(op, inp, row_id_map, merging_probs, check):
         warnings.warn(f"moe_unpermute: merging_probs is {merging_probs.dtype}; TE reads them as float32", stacklevel=3)
         merging_probs = merging_probs.to(torch.float32)
     t, k = merging_probs.shape
-    plan = _kept(row_id_map, False, rows)
     if plan is None or plan.top_k != k:
         dest = tp.index_dest_from_map(row_id_map, k)
         dest = torch.where(dest < rows, dest, -1)
@@ -479,9 +478,8 @@ def _chunk_sort(op: str, inp: Tensor, split_sizes: Tensor, sorted_index: Tensor,
             f"{op}: split_sizes and sorted_index: expected two 1-D tensors of one length, got shapes "
             f"{list(split_sizes.shape)} and {list(sorted_index.shape)}"
         )
-    for name, t in (("split_sizes", split_sizes), ("sorted_index", sorted_index)):
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise TypeError(f"{op}: {name}: expected an integer tensor, got {t.dtype}")
+    _check_integer(op, "split_sizes", split_sizes)
+    _check_integer(op, "sorted_index", sorted_index)
     chunks = split_sizes.numel()
     device = inp.device
     sizes = split_sizes.to(device=device, dtype=torch.int64)
