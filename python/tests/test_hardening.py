@@ -197,9 +197,13 @@ def test_plan_ops_check_what_sizes_their_output_before_allocating():
             call()
 
 
-def test_sort_chunks_size_sums_past_2_63_are_reported():
-    # received of 2^62 rows without columns and four chunks of 2^62: the sizes sum to 2^64
-    received = torch.empty((2**62, 0))
-    sizes = torch.full((4,), 2**62, dtype=torch.int64)
-    with pytest.raises(ValueError, match=r"sort_chunks: split_sizes: size overflow"):
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() and padmoe.has_cuda() else []))
+def test_sort_chunks_size_sums_past_2_63_are_reported(device):
+    # received of 2^62 rows without columns and four chunks of 2^62: the sizes sum to 2^64. The CPU's
+    # checked sum reports the overflow; on CUDA the 64-bit layout's sums saturate and are reported
+    # (before, the choice of the 32-bit layout overflowed and the wrapped sums passed validation)
+    received = torch.empty((2**62, 0), device=device)
+    sizes = torch.full((4,), 2**62, dtype=torch.int64, device=device)
+    want = "size overflow" if device == "cpu" else "sums to at least 9223372036854775807 but received"
+    with pytest.raises(ValueError, match=r"sort_chunks: split_sizes: " + want):
         pt.sort_chunks(received, sizes, 1, 1, rows=8)

@@ -586,7 +586,11 @@ int64_t read_index(IndexRef r, int64_t i, cudaStream_t s) {
 // Whether every sum of the layout fits in 32 bits (the shared-memory layouts' int32 arrays): at
 // most C * (rows + 1) real rows (sizes are clamped at rows + 1), plus alignment - 1 a group.
 bool layout_sums_fit_32(int64_t num_chunks, int64_t groups, int alignment, int64_t rows) {
-  return (rows + 1) * num_chunks + groups * alignment < 2147483647LL;
+  // Each factor below 2^31 first, so that the bound itself cannot overflow (received of 2^62 rows
+  // without columns made (rows + 1) * C wrap to a small number and chose the 32-bit layout).
+  constexpr int64_t kMax = 2147483647LL;
+  if (rows >= kMax || num_chunks >= kMax) return false;
+  return (rows + 1) * num_chunks + groups * alignment < kMax;
 }
 
 // The layout block writes the map too (one launch fewer) up to policy::kChunkFusedMapRows map rows
