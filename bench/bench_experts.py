@@ -1,54 +1,35 @@
 """The expert MLP on padmoe's routing, per shape, in one run: the dense ``torch.mm`` rate and the copy
-bandwidth (the floors), the GEMMs' FLOP floor, padmoe's expert MLP (``experts_forward``, the autograd composition)
-and the one-operator variant under study (``dev/expert_mlp.py``): eager forward and forward + backward (the host
-included), the forward replayed in a CUDA graph, and the peak memory of forward + backward.
+bandwidth (the floors); each of the six GEMMs alone (torch's ``grouped_mm`` on the same rows), the
+routing ops alone and the activation alone; padmoe's expert MLP operator (``experts_forward`` with the
+gate given by name, what ``GroupedExperts`` and the transformers integration run) and the autograd
+composition (the same call with the gate as a callable): eager forward and forward + backward (the host
+included), the forward replayed in a CUDA graph, the peak memory of forward + backward.
 
     python bench/bench_experts.py [--shapes qwen3-30b-a3b,mixtral-8x7b,deepseek-v3,decode] [--iters 10]
            [--json FILE]
 
-Shapes (bf16, top-k softmax router weights, alignment 128): qwen3-30b-a3b T=16384 H=2048 I=768
-E=128 K=8; mixtral-8x7b T=4096 H=4096 I=14336 E=8 K=2; deepseek-v3 T=4096 H=7168 I=2048 E=256 K=8;
-decode T=256 with deepseek-v3's sizes (forward only). The floor of the forward is its two GEMMs'
-FLOPs (2*A*H*3I for a gated MLP, A = T*K) at the dense rate or its bytes (the weights read once) at
-the copy bandwidth, whichever is larger; forward + backward adds four GEMMs of the same FLOPs and
-twice the weights' bytes (read, gradient written).
+Shapes (bf16, top-k softmax router weights, alignment 128, gated SiLU, ``[E, out, in]`` weights):
+qwen3-30b-a3b T=16384 H=2048 I=768 E=128 K=8; mixtral-8x7b T=4096 H=4096 I=14336 E=8 K=2; deepseek-v3
+T=4096 H=7168 I=2048 E=256 K=8; decode T=256 with deepseek-v3's sizes (forward only). The floor of a
+GEMM is the larger of its FLOPs (over the real rows, A = T*K) at the dense rate and its bytes (operands
+and output) at the copy bandwidth; the MLP's floor sums its GEMMs' (two forward, six forward + backward).
+The sum of parts is the GEMMs alone plus the routing ops alone (make_plan, dispatch, combine; backward:
+combine_backward, dispatch_backward).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
+import torch.nn.functional as F
 from bench_te import copy_bandwidth, eager_time, graph_time  # the timing of the TE page
 
-import padmoe.torch  # noqa: F401  (the operators)
+import padmoe.torch as pt
+from padmoe.torch._expert_mlp import KINDS, _mm, _mm_dgrad, _mm_wgrad
 from padmoe.torch.grouped import Routing, experts_forward
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dev"))
-from expert_mlp import expert_mlp  # noqa: E402  (the one-operator variant under study, dev/)
-
-
-def operator_forward(x, idx, w, up, down, alignment, check):
-    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, up, down))
-    r = Routing.from_topk(idx, w, up.shape[0], alignment, check=check)
-    return expert_mlp(
-        x,
-        r,
-        up,
-        down,
-        up_bias=None,
-        down_bias=None,
-        transposed=False,
-        activation="silu",
-        gated=True,
-        interleaved=False,
-        weighting="after",
-        grads=grads,
-    )
-
 
 SHAPES = {
     "qwen3-30b-a3b": dict(T=16384, H=2048, I=768, E=128, K=8, backward=True),
@@ -56,6 +37,8 @@ SHAPES = {
     "deepseek-v3": dict(T=4096, H=7168, I=2048, E=256, K=8, backward=True),
     "decode": dict(T=256, H=7168, I=2048, E=256, K=8, backward=False),
 }
+ALIGN = 128
+GEMMS = ("up", "down", "down_dgrad", "down_wgrad", "up_dgrad", "up_wgrad")
 
 
 def dense_rate():
@@ -64,7 +47,76 @@ def dense_rate():
     return 2 * 8192**3 / (us * 1e-6)
 
 
-def run_shape(name, s, iters, flops_rate, bandwidth):
+def silu_gate(h):
+    """The composition's gate: a callable, so experts_forward runs the autograd composition."""
+    g, u = h.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def gemm_floor_us(m, n, k, e, out_rows, rate, bw):
+    """A (m x k) @ (k x n) over the segments: FLOPs at the dense rate or bytes (bf16 operands, the
+    weight-side operand per expert, the output) at the copy bandwidth."""
+    flops = 2 * m * n * k
+    return max(flops / rate, 2 * (m * k + e * k * n + out_rows * n) / bw) * 1e6
+
+
+def parts(s, x, idx, w, up, down, iters, rate, bw):
+    """µs of each GEMM alone, the routing ops alone and the activation alone, and each GEMM's floor."""
+    T, H, I, E, K = s["T"], s["H"], s["I"], s["E"], s["K"]
+    A = T * K
+    r = Routing.from_topk(idx, w, E, ALIGN, check=False)
+    offs = r.offsets
+    rows = r.dispatch(x)
+    h = _mm(rows, up, offs, False)
+    act = torch.ops.padmoe_experts.activation
+    a = act(h, offs, KINDS["silu"], True, False, 1.702, 7.0)
+    ys = _mm(a, down, offs, False)
+    grad_out = torch.randn(T, H, device="cuda", dtype=x.dtype)
+    grad_ys, _ = pt.combine_backward(grad_out, ys, r.plan, w)
+    grad_a = _mm_dgrad(grad_ys, down, offs, False)
+    grad_h, _ = torch.ops.padmoe_experts.activation_backward(h, grad_a, offs, KINDS["silu"], True, False, 1.702, 7.0)
+    grad_rows = _mm_dgrad(grad_h, up, offs, False)
+    calls = {
+        "up": (lambda: _mm(rows, up, offs, False), (A, 2 * I, H, A)),
+        "down": (lambda: _mm(a, down, offs, False), (A, H, I, A)),
+        "down_dgrad": (lambda: _mm_dgrad(grad_ys, down, offs, False), (A, I, H, A)),
+        "down_wgrad": (lambda: _mm_wgrad(a, grad_ys, offs, False), (H, I, A, 0)),
+        "up_dgrad": (lambda: _mm_dgrad(grad_h, up, offs, False), (A, H, 2 * I, A)),
+        "up_wgrad": (lambda: _mm_wgrad(rows, grad_h, offs, False), (2 * I, H, A, 0)),
+    }
+    out = {}
+    for name, (fn, (m, n, k, out_rows)) in calls.items():
+        if not s["backward"] and name not in ("up", "down"):
+            continue
+        if name.endswith("wgrad"):  # the output is the weight gradient [E, m, n]: m, n per expert
+            floor = max(2 * m * n * k / rate, 2 * (k * m + k * n + E * m * n) / bw) * 1e6
+        else:
+            floor = gemm_floor_us(m, n, k, E, out_rows, rate, bw)
+        out[name] = (eager_time(fn, iters), floor)
+
+    def routing_fwd():
+        rr = Routing.from_topk(idx, w, E, ALIGN, check=False)
+        rr.dispatch(x, zero_padding=s["backward"])
+        return rr.combine(ys)
+
+    def routing_bwd():
+        pt.combine_backward(grad_out, ys, r.plan, w)
+        pt.dispatch_backward(grad_rows, x, r.plan)
+
+    out["routing_fwd"] = eager_time(routing_fwd, iters)
+    out["act_fwd"] = eager_time(lambda: act(h, offs, KINDS["silu"], True, False, 1.702, 7.0), iters)
+    if s["backward"]:
+        out["routing_bwd"] = eager_time(routing_bwd, iters)
+        out["act_bwd"] = eager_time(
+            lambda: torch.ops.padmoe_experts.activation_backward(
+                h, grad_a, offs, KINDS["silu"], True, False, 1.702, 7.0
+            ),
+            iters,
+        )
+    return out
+
+
+def run_shape(name, s, iters, rate, bw):
     T, H, I, E, K = s["T"], s["H"], s["I"], s["E"], s["K"]
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -75,19 +127,23 @@ def run_shape(name, s, iters, flops_rate, bandwidth):
     down = (torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * I**-0.5).requires_grad_()
     xg = x.clone().requires_grad_()
     wg = w.clone().requires_grad_()
-    gemm_flops = 2 * T * K * H * 3 * I
-    weight_bytes = (up.numel() + down.numel()) * 2
-    floor_fwd = max(gemm_flops / flops_rate, weight_bytes / bandwidth) * 1e6
-    floor_fb = max(3 * gemm_flops / flops_rate, 3 * weight_bytes / bandwidth) * 1e6
-    row = dict(shape=name, floor_fwd_us=floor_fwd, floor_fwd_bwd_us=floor_fb)
+    row = dict(shape=name)
+    with torch.no_grad():
+        row["parts"] = parts(s, x, idx, w, up.detach(), down.detach(), iters, rate, bw)
+    p = row["parts"]
+    row["floor_fwd_us"] = p["up"][1] + p["down"][1]
+    row["parts_fwd_us"] = p["up"][0] + p["down"][0] + p["routing_fwd"]
+    if s["backward"]:
+        row["floor_fwd_bwd_us"] = sum(p[k][1] for k in GEMMS)
+        row["parts_fwd_bwd_us"] = sum(p[k][0] for k in GEMMS) + p["routing_fwd"] + p["routing_bwd"]
 
-    def composition(xx, ww):
-        return experts_forward(xx, idx, ww, up, down, gate="silu", alignment=128, check=False)
-
-    def operator(xx, ww):
-        return operator_forward(xx, idx, ww, up, down, 128, False)
-
-    for form, call in (("composition", composition), ("operator", operator)):
+    forms = {
+        "composition": lambda xx, ww: experts_forward(
+            xx, idx, ww, up, down, gate=silu_gate, alignment=ALIGN, check=False
+        ),
+        "operator": lambda xx, ww: experts_forward(xx, idx, ww, up, down, gate="silu", alignment=ALIGN, check=False),
+    }
+    for form, call in forms.items():
 
         def fwd():
             with torch.no_grad():
@@ -112,6 +168,12 @@ def run_shape(name, s, iters, flops_rate, bandwidth):
     return row
 
 
+def fmt(r, c):
+    fb = r.get(f"{c}_fwd_bwd_us")
+    tail = f"{fb:.0f} ({r[f'{c}_peak_mib']:.0f})" if fb is not None else "-"
+    return f"{r[f'{c}_fwd_us']:.0f} / {r[f'{c}_graph_fwd_us']:.0f} / {tail}"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES))
@@ -126,28 +188,42 @@ def main(argv=None):
         f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  "
         f"dense bf16 mm {rate / 1e12:.0f} TFLOP/s  copy {bw / 1e9:.0f} GB/s"
     )
-    rows = []
-    cols = ["composition", "operator"]
+    rows = [run_shape(n, SHAPES[n], args.iters, rate, bw) for n in args.shapes.split(",")]
     print(
-        "| shape | floor fwd / f+b µs | " + " | ".join(f"{c} fwd / graph fwd / f+b µs (peak MiB)" for c in cols) + " |"
+        "\n| shape | floor fwd / f+b µs | parts fwd / f+b µs | composition fwd / graph fwd / f+b µs (peak MiB) "
+        "| operator fwd / graph fwd / f+b µs (peak MiB) | operator over parts fwd / f+b |"
     )
-    print("|---|---|" + "---|" * len(cols))
-    for name in args.shapes.split(","):
-        r = run_shape(name, SHAPES[name], args.iters, rate, bw)
-        rows.append(r)
-        cells = []
-        for c in cols:
-            fb = r.get(f"{c}_fwd_bwd_us")
-            peak = r.get(f"{c}_peak_mib")
-            cells.append(
-                f"{r[f'{c}_fwd_us']:.0f} / {r[f'{c}_graph_fwd_us']:.0f} / "
-                + (f"{fb:.0f} ({peak:.0f})" if fb is not None else "-")
-            )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        fb = r.get("floor_fwd_bwd_us")
+        pfb = r.get("parts_fwd_bwd_us")
+        ofb = r.get("operator_fwd_bwd_us")
         print(
-            f"| {name} | {r['floor_fwd_us']:.0f} / {r['floor_fwd_bwd_us']:.0f} | " + " | ".join(cells) + " |",
-            flush=True,
+            f"| {r['shape']} | {r['floor_fwd_us']:.0f} / {fb:.0f} | "
+            if fb
+            else f"| {r['shape']} | {r['floor_fwd_us']:.0f} / - | ",
+            end="",
         )
-        torch.cuda.empty_cache()
+        print(
+            (f"{r['parts_fwd_us']:.0f} / {pfb:.0f} | " if pfb else f"{r['parts_fwd_us']:.0f} / - | ")
+            + f"{fmt(r, 'composition')} | {fmt(r, 'operator')} | "
+            + f"{r['operator_fwd_us'] / r['parts_fwd_us']:.2f}x / "
+            + (f"{ofb / pfb:.2f}x |" if pfb else "- |")
+        )
+    print(
+        "\n| shape | "
+        + " | ".join(f"{k} µs (x floor)" for k in GEMMS)
+        + " | routing fwd / bwd µs | activation fwd / bwd µs |"
+    )
+    print("|---|" + "---|" * (len(GEMMS) + 2))
+    for r in rows:
+        p = r["parts"]
+        cells = [f"{p[k][0]:.0f} ({p[k][0] / p[k][1]:.2f}x)" if k in p else "-" for k in GEMMS]
+        rb = f"{p['routing_bwd']:.0f}" if "routing_bwd" in p else "-"
+        ab = f"{p['act_bwd']:.0f}" if "act_bwd" in p else "-"
+        print(
+            f"| {r['shape']} | " + " | ".join(cells) + f" | {p['routing_fwd']:.0f} / {rb} | {p['act_fwd']:.0f} / {ab} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(dense_flops=rate, copy_bytes_per_s=bw, rows=rows), f, indent=1)

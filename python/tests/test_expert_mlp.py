@@ -28,7 +28,21 @@ def act64(name, g):
         return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
     if name == "relu2":
         return torch.relu(g) ** 2
+    if name == "relu":
+        return torch.relu(g)
+    if name == "sigmoid":
+        return torch.sigmoid(g)
+    if name == "identity":
+        return g
     raise AssertionError(name)
+
+
+def gate64(name, g, u):
+    """The gated product in float64; clamped_swiglu as GPT-OSS writes it (alpha 1.702, limit 7)."""
+    if name == "clamped_swiglu":
+        g = g.clamp(max=7.0)
+        return (u.clamp(-7.0, 7.0) + 1) * g * torch.sigmoid(1.702 * g)
+    return act64(name, g) * u
 
 
 def reference(x, idx, w, up, down, ub, db, act, gated, interleaved, transposed, weighting, num_experts):
@@ -46,7 +60,7 @@ def reference(x, idx, w, up, down, ub, db, act, gated, interleaved, transposed, 
             if gated:
                 n = h.shape[0] // 2
                 g, u = (h[0::2], h[1::2]) if interleaved else (h[:n], h[n:])
-                a = act64(act, g) * u
+                a = gate64(act, g, u)
             else:
                 a = act64(act, h)
             wd = down[e] if transposed else down[e].t()
@@ -102,6 +116,8 @@ def run_case(
     x, idx, w, up, down, ub, db = make_case(
         T, H, I, E, K, gated, transposed, bias, weighting, seed, one_expert, invalid
     )
+    if act == "clamped_swiglu":
+        x = x * 6  # gate and up values past the limit 7, so both clamps act
     leaves = [x, up, down] + [t for t in (ub, db, w) if t is not None]
     ref_in = [t.double().requires_grad_() for t in leaves]
     xr, upr, downr = ref_in[:3]
@@ -149,8 +165,15 @@ def run_case(
         ("gelu", True, False),
         ("gelu_tanh", True, True),
         ("relu2", True, False),
+        ("relu", True, False),
+        ("sigmoid", True, True),
+        ("identity", True, False),
+        ("clamped_swiglu", True, True),
+        ("clamped_swiglu", True, False),
         ("gelu", False, False),
+        ("gelu_tanh", False, False),
         ("relu2", False, False),
+        ("silu", False, False),
     ],
 )
 @pytest.mark.parametrize("transposed", [False, True])
@@ -199,3 +222,110 @@ def test_unknown_activation_name_is_an_error():
     with pytest.raises(ValueError, match="gate: unknown activation 'swiglu'"):
         experts_forward(x, idx, torch.ones(4, 1), torch.randn(2, 32, 32), torch.randn(2, 32, 16), gate="swiglu")
     assert set(ACTIVATIONS) >= {"silu", "gelu", "gelu_tanh", "relu2"}
+
+
+def autograd_nodes(t):
+    """Names of the autograd nodes behind ``t``."""
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        names.add(type(n).__name__)
+        todo.extend(f for f, _ in n.next_functions)
+    return names
+
+
+def small_inputs(device, dtype, T=64, H=64, I=32, E=4, K=2, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(device, dtype).requires_grad_()
+    up = (torch.randn(E, 2 * I, H, generator=g) / 8).to(device, dtype).requires_grad_()
+    down = (torch.randn(E, H, I, generator=g) / 6).to(device, dtype).requires_grad_()
+    w, idx = torch.randn(T, E, generator=g).softmax(-1).topk(K)
+    return x, idx.to(device), w.to(device).requires_grad_(), up, down
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_named_gate_is_one_operator_and_agrees_with_the_composition(device):
+    """A gate by name runs the one-operator MLP; the same gate as a callable runs the composition.
+    In float32 they agree to rounding (the operator rounds the activation once, the composition twice)."""
+    x, idx, w, up, down = small_inputs(device, torch.float32)
+
+    def silu_gate(h):
+        g, u = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(g) * u
+
+    fused = experts_forward(x, idx, w, up, down, gate="silu", alignment=8)
+    composed = experts_forward(x, idx, w, up, down, gate=silu_gate, alignment=8)
+    assert "_ExpertMLPBackward" in autograd_nodes(fused)
+    assert "_ExpertMLPBackward" not in autograd_nodes(composed)
+    torch.testing.assert_close(fused, composed, rtol=1e-5, atol=1e-5)
+    leaves = (x, w, up, down)
+    for a, b in zip(torch.autograd.grad(fused.sum(), leaves), torch.autograd.grad(composed.sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_experts_runs_the_operator(device):
+    from padmoe.torch import GroupedExperts
+
+    torch.manual_seed(0)
+    named = GroupedExperts(4, 64, 32, activation="silu", device=device)
+    custom = GroupedExperts(4, 64, 32, gate_fn=lambda h: torch.nn.functional.silu(h[:, :32]) * h[:, 32:], device=device)
+    custom.load_state_dict(named.state_dict())
+    x, idx, w, _, _ = small_inputs(device, torch.float32)
+    out = named(x, idx, w)
+    assert "_ExpertMLPBackward" in autograd_nodes(out)
+    assert "_ExpertMLPBackward" not in autograd_nodes(custom(x, idx, w))
+    torch.testing.assert_close(out, custom(x, idx, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_fullgraph_is_bitwise_eager(device):
+    """torch.compile(fullgraph=True) over the operator, forward and backward: no graph break, the
+    same bits as eager."""
+    x, idx, w, up, down = small_inputs(device, torch.bfloat16)
+
+    def mlp(x, idx, w):
+        return experts_forward(x, idx, w, up, down, gate="gelu_tanh", interleaved=True, alignment=16)
+
+    leaves = (x, w, up, down)
+    want = mlp(x, idx, w)
+    want_grads = torch.autograd.grad(want.float().square().sum(), leaves)
+    torch._dynamo.reset()
+    got = torch.compile(mlp, fullgraph=True)(x, idx, w)
+    got_grads = torch.autograd.grad(got.float().square().sum(), leaves)
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA")
+def test_cuda_graph_replay_is_bitwise_eager():
+    """The forward and forward + backward captured in a CUDA graph (no host synchronization) and
+    replayed on new inputs give eager's bits."""
+    x, idx, w, up, down = small_inputs("cuda", torch.bfloat16)
+    sx, sidx, sw = x.detach().clone().requires_grad_(), idx.clone(), w.detach().clone().requires_grad_()
+
+    def step():
+        out = experts_forward(sx, sidx, sw, up, down, gate="silu", alignment=16)
+        return (out,) + torch.autograd.grad(out.float().square().sum(), (sx, sw, up, down))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    x2, idx2, w2, _, _ = small_inputs("cuda", torch.bfloat16, seed=9)
+    with torch.no_grad():
+        sx.copy_(x2)
+        sidx.copy_(idx2)
+        sw.copy_(w2)
+    graph.replay()
+    want = step()
+    for a, b in zip(captured, want):
+        assert torch.equal(a, b)

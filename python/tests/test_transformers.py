@@ -29,6 +29,8 @@ except (ImportError, AttributeError):  # pragma: no cover
 
 import padmoe.integrations.transformers as ptf  # noqa: E402
 import padmoe.torch as pt  # noqa: E402
+from padmoe._plan import Plan  # noqa: E402
+from padmoe.torch import _expert_mlp as expert_mlp_module  # noqa: E402
 from padmoe.torch import grouped as _grouped  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -259,6 +261,42 @@ def test_block_float32_matches_eager(family, device):
     )
     bad = {n: e for n, e in errs.items() if not e < 2e-6}
     assert not bad, f"{family}: {bad}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_block_runs_the_one_operator(family):
+    """Every family here has a gate padmoe knows by name (transformers' default gate with SiLU, or
+    GPT-OSS's clamped SwiGLU): its experts run as padmoe's one operator, not the composition."""
+    model = _model(family, "cpu")
+    model.set_experts_implementation("padmoe")
+    block = _moe_block(model)
+    assert ptf._named_gate(block.experts) is not None
+    seen = []
+    hook = block.experts.register_forward_hook(lambda mod, args, out: seen.append(out))
+    _first(block(_x("cpu", torch.float32).requires_grad_()))
+    hook.remove()
+    nodes, todo = set(), [seen[0].grad_fn]
+    while todo:
+        n = todo.pop()
+        if n is not None and type(n).__name__ not in nodes:
+            nodes.add(type(n).__name__)
+            todo.extend(f for f, _ in n.next_functions)
+    assert "_ExpertMLPBackward" in nodes
+
+
+def test_activation_names_of_modules():
+    from transformers.activations import ACT2FN
+
+    names = {
+        k: ptf._activation_name(ACT2FN[k])
+        for k in ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2", "sigmoid", "mish")
+    }
+    assert names == {
+        "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+        "relu": "relu", "relu2": "relu2", "sigmoid": "sigmoid", "mish": None,
+    }  # fmt: skip
+    assert ptf._activation_name(torch.nn.GELU(approximate="tanh")) == "gelu_tanh"
+    assert ptf._activation_name(lambda t: t) is None
 
 
 def _routing(model):
@@ -679,18 +717,28 @@ def test_grouped_experts_inference_leaves_padding_unwritten(case, device, monkey
     w = torch.rand(t, K, generator=g).softmax(-1).to(device)
     x = torch.randn(t, H, generator=g).to(device)
     seen = []
-    real = pt.Routing.dispatch
 
-    def spy(self, xx, weighted=False, zero_padding=True):
+    def poison(y, plan, zero_padding):
         seen.append(zero_padding)
-        y = real(self, xx, weighted=weighted, zero_padding=zero_padding)
         if not zero_padding:  # what the rows nobody reads may hold: NaN must not reach the output
             keep = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
-            keep[self.plan.dest_rows.long()[self.plan.dest_rows >= 0]] = True
+            keep[plan.dest_rows.long()[plan.dest_rows >= 0]] = True
             y = torch.where(keep.unsqueeze(1), y, float("nan"))
         return y
 
+    real = pt.Routing.dispatch  # the composition's dispatch (a callable gate)
+
+    def spy(self, xx, weighted=False, zero_padding=True):
+        return poison(real(self, xx, weighted=weighted, zero_padding=zero_padding), self.plan, zero_padding)
+
+    real_op = expert_mlp_module._dispatch  # the one operator's (a gate by name)
+
+    def spy_op(xx, packed, weights, sizes, check, zero_padding):
+        plan = Plan._from_packed(packed, xx.shape[0], sizes[0], sizes[1], sizes[2])
+        return poison(real_op(xx, packed, weights, sizes, check, zero_padding), plan, zero_padding)
+
     monkeypatch.setattr(pt.Routing, "dispatch", spy)
+    monkeypatch.setattr(expert_mlp_module, "_dispatch", spy_op)
     with torch.no_grad():
         out_inference = mod(x, idx, w)
     out_grad = mod(x, idx, w)  # parameters require grad: padding rows zeroed

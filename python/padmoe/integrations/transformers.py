@@ -17,15 +17,17 @@ experts and any scaling stay the model's own code. The decorator records the lay
   GPT-OSS's clamped SwiGLU on interleaved columns) or ``up_proj`` with ``act_fn`` (ungated);
 - ``is_transposed``: weights ``[E, in, out]`` instead of ``nn.Linear``'s ``[E, out, in]``;
 - ``has_bias``: ``gate_up_proj_bias`` / ``up_proj_bias`` and ``down_proj_bias``, per expert;
-- ``is_concatenated``: where gate and up sit in ``gate_up_proj``; ``_apply_gate`` already reads
-  them that way, so nothing here depends on it;
+- ``is_concatenated``: where gate and up sit in ``gate_up_proj`` (side by side, or interleaved);
 - ``has_post_expert_norm`` (newer transformers): ``post_expert_norm`` on each expert's output;
 - ``_is_expert_parallel`` (newer transformers): ids ``>= num_experts`` are other ranks' experts.
 
 :func:`padmoe_experts_forward` reads exactly these and runs :func:`padmoe.torch.experts_forward`
 (the code of ``padmoe.torch.GroupedExperts``): padmoe's ``Routing`` (plan, dispatch, combine with the
 router weights), grouped GEMMs with ``offs = padded_bins`` where torch has them and a loop over
-segments otherwise. An experts module it cannot read (no such attributes, weights that are not 3D
+segments otherwise. Where the gate is one padmoe knows (transformers' default ``_apply_gate`` with
+an activation of ``torch.nn`` or ``transformers.activations`` that padmoe has by name, GPT-OSS's
+clamped SwiGLU) or the ungated ``act_fn`` is, the MLP runs as padmoe's one operator (fused
+activation, hand-written backward); a family's own gate runs as the module writes it. An experts module it cannot read (no such attributes, weights that are not 3D
 float tensors, a decorator option this version does not know) raises
 :class:`UnsupportedExpertsError` naming its class and model family.
 """
@@ -175,6 +177,46 @@ def _layout(module, hidden: int):
     return up, down, up_bias, down_bias, gate, activation, post, transposed, down_in
 
 
+# Activation modules padmoe has by name: class name -> name (classes of torch.nn and transformers.activations).
+_ACTIVATION_CLASSES = {
+    "SiLU": "silu",
+    "SiLUActivation": "silu",
+    "GELUActivation": "gelu",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",
+    "ReLU": "relu",
+    "ReLUSquaredActivation": "relu2",
+    "Sigmoid": "sigmoid",
+}
+
+
+def _activation_name(act) -> Optional[str]:
+    """padmoe's name for an activation module, or None (then the module's own code runs)."""
+    cls = type(act)
+    if not (cls.__module__.startswith("torch.nn") or cls.__module__ == "transformers.activations"):
+        return None
+    if cls.__name__ == "GELU" and cls.__module__.startswith("torch.nn"):
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(getattr(act, "approximate", None))
+    return _ACTIVATION_CLASSES.get(cls.__name__)
+
+
+def _named_gate(module):
+    """(gate name, interleaved, alpha, limit) where padmoe knows the module's gate, else None."""
+    apply = getattr(type(module), "_apply_gate", None)
+    qualname = getattr(apply, "__qualname__", "")
+    interleaved = not getattr(module, "is_concatenated", True)
+    if qualname == "_default_apply_gate":  # act_fn(gate) * up on the halves the layout says
+        name = _activation_name(getattr(module, "act_fn", None))
+        return None if name is None else (name, interleaved, 1.702, 7.0)
+    if qualname == "GptOssExperts._apply_gate" and family_of(module) == "gpt_oss":
+        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+        if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)):
+            return "clamped_swiglu", True, float(alpha), float(limit)  # its _apply_gate reads ::2 / 1::2
+    return None
+
+
 def padmoe_experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -198,6 +240,14 @@ def padmoe_experts_forward(
     if top_k_index is None or top_k_weights is None:
         raise _unsupported(self, "its block calls the experts without top-k ids and weights")
     up, down, up_bias, down_bias, gate, activation, post, transposed, _ = _layout(self, hidden_states.shape[-1])
+    named = {}
+    if gate is not None:
+        known = _named_gate(self)
+        if known is not None:
+            gate = known[0]
+            named = dict(interleaved=known[1], swiglu_alpha=known[2], swiglu_limit=known[3])
+    else:
+        activation = _activation_name(activation) or activation
     return experts_forward(
         hidden_states,
         top_k_index,
@@ -215,6 +265,7 @@ def padmoe_experts_forward(
         gemm=_OPTIONS["gemm"],
         check=_OPTIONS["check"],
         drop_invalid=bool(getattr(self, "_is_expert_parallel", False)),
+        **named,
     )
 
 

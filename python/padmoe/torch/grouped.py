@@ -44,6 +44,7 @@ from torch import nn
 from padmoe._args import int_arg
 from padmoe._plan import INT32_MAX
 
+from ._expert_mlp import expert_mlp
 from ._routing import Routing
 
 Tensor = torch.Tensor
@@ -228,6 +229,8 @@ def experts_forward(
     drop_invalid: bool = False,
     check: Optional[bool] = None,
     interleaved: bool = False,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> Tensor:
     """The experts of a MoE layer on padmoe's routing: ``out[t] = sum_k w[t,k] * expert_{e[t,k]}(x[t])``.
 
@@ -244,7 +247,14 @@ def experts_forward(
 
     ``gate`` or ``activation`` may be given by name (a key of :data:`ACTIVATIONS`: ``"silu"``,
     ``"gelu"``, ``"gelu_tanh"``, ``"relu2"``, ...): ``gate="silu"`` is ``silu(g) * u`` over the two
-    halves of the up projection, side by side or, with ``interleaved``, alternating columns."""
+    halves of the up projection, side by side or, with ``interleaved``, alternating columns.
+    ``gate="clamped_swiglu"`` is GPT-OSS's: ``(clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g')`` with
+    ``g' = min(g, L)``, ``alpha = swiglu_alpha``, ``L = swiglu_limit``.
+
+    With a gate or activation given by name, no ``post`` and torch's ``grouped_mm`` usable, the whole
+    MLP runs as one operator (padmoe/torch/_expert_mlp.py: the activation one fused pass each way, a
+    hand-written backward, the activation computed in float32 and rounded once); otherwise as an
+    autograd composition of padmoe's routing ops, the GEMMs and the callables."""
     if weighting not in ("after", "before", "none"):
         raise ValueError(f"padmoe experts: weighting: expected 'after', 'before' or 'none', got {weighting!r}")
     if gemm not in ("auto", "grouped_mm", "loop"):
@@ -254,11 +264,9 @@ def experts_forward(
     if weighting != "none" and top_k_weights is None:
         raise ValueError(f"padmoe experts: weighting={weighting!r} needs the router weights (got None)")
 
-    for name, fn in (("gate", gate), ("activation", activation)):
-        if isinstance(fn, str) and fn not in ACTIVATIONS:
-            raise ValueError(
-                f"padmoe experts: {name}: unknown activation {fn!r} (known: {', '.join(sorted(ACTIVATIONS))})"
-            )
+    for name, fn, known in (("gate", gate, GATES), ("activation", activation, ACTIVATIONS)):
+        if isinstance(fn, str) and fn not in known:
+            raise ValueError(f"padmoe experts: {name}: unknown activation {fn!r} (known: {', '.join(sorted(known))})")
     if interleaved and not isinstance(gate, str):
         raise ValueError("padmoe experts: interleaved= is for gate= given by name (a callable gate splits h itself)")
 
@@ -286,8 +294,22 @@ def experts_forward(
     grads = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, up, down, up_bias, down_bias, weights)
     )
+    name = gate if gate is not None else activation
+    if (
+        isinstance(name, str)
+        and post is None
+        and gemm != "loop"
+        and x.dtype == out_dtype
+        and all(t is None or t.dtype == x.dtype for t in (up, down, up_bias, down_bias))
+        and _operator_gemms(x, up, down, transposed)
+    ):
+        return expert_mlp(
+            x, r, up, down, up_bias=up_bias, down_bias=down_bias, transposed=transposed, activation=name,
+            gated=gate is not None, interleaved=interleaved, weighting=weighting, grads=grads,
+            alpha=swiglu_alpha, limit=swiglu_limit,
+        ).reshape(shape)  # fmt: skip
     if isinstance(gate, str):
-        gate = _named_gate(gate, interleaved)
+        gate = _named_gate(gate, interleaved, swiglu_alpha, swiglu_limit)
     if isinstance(activation, str):
         activation = ACTIVATIONS[activation]
     rows = r.dispatch(x, weighted=(weighting == "before"), zero_padding=grads)
@@ -321,10 +343,27 @@ def _apply_gate(act: Callable[[Tensor], Tensor], h: Tensor, interleaved: bool) -
     return act(g) * u
 
 
-def _named_gate(name: str, interleaved: bool) -> Callable[[Tensor], Tensor]:
-    """The gate of ``gate=name``."""
+def _named_gate(name: str, interleaved: bool, alpha: float, limit: float) -> Callable[[Tensor], Tensor]:
+    """The gate of ``gate=name`` as torch operations (the composition's)."""
+    if name == "clamped_swiglu":
+        return lambda h: _clamped_swiglu(h, interleaved, alpha, limit)
     act = ACTIVATIONS[name]
     return lambda h: _apply_gate(act, h, interleaved)
+
+
+def _clamped_swiglu(h: Tensor, interleaved: bool, alpha: float, limit: float) -> Tensor:
+    """GPT-OSS's gate, as transformers writes it."""
+    g, u = (h[..., 0::2], h[..., 1::2]) if interleaved else h.chunk(2, dim=-1)
+    g = g.clamp(min=None, max=limit)
+    u = u.clamp(min=-limit, max=limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+
+def _operator_gemms(x: Tensor, up: Tensor, down: Tensor, transposed: bool) -> bool:
+    """Whether torch's grouped_mm takes both projections' operands (the operator's GEMMs)."""
+    up_b = up if transposed else up.transpose(-2, -1)
+    down_b = down if transposed else down.transpose(-2, -1)
+    return grouped_mm_usable(x, up_b) and grouped_mm_usable(x.new_empty(0, down_b.shape[-2]), down_b)
 
 
 ACTIVATIONS = {
@@ -338,6 +377,7 @@ ACTIVATIONS = {
     "sigmoid": torch.sigmoid,
     "identity": lambda t: t,
 }
+GATES = frozenset(ACTIVATIONS) | {"clamped_swiglu"}  # the names gate= takes
 
 
 class GroupedExperts(nn.Module):
@@ -389,14 +429,16 @@ class GroupedExperts(nn.Module):
         intermediate_size = int_arg(op, "intermediate_size", intermediate_size, 1)
         if alignment is not None:
             alignment = int_arg(op, "alignment", alignment, 1, INT32_MAX)
+        self._named = isinstance(activation, str) and gate_fn is None  # the one-operator MLP
         if isinstance(activation, str):
-            if activation not in ACTIVATIONS:
+            known = GATES if gated else ACTIVATIONS
+            if activation not in known:
                 raise ValueError(
                     f"GroupedExperts: activation: unknown name {activation!r} "
-                    f"(known: {', '.join(sorted(ACTIVATIONS))}; or pass a callable)"
+                    f"(known: {', '.join(sorted(known))}; or pass a callable)"
                 )
             self.activation_name = activation
-            activation = ACTIVATIONS[activation]
+            activation = ACTIVATIONS.get(activation)
         else:
             self.activation_name = getattr(activation, "__name__", type(activation).__name__)
         if weighting not in ("after", "before", "none"):
@@ -444,9 +486,7 @@ class GroupedExperts(nn.Module):
             nn.init.uniform_(self.down_proj_bias, -b, b)
 
     def _gate(self, h: Tensor) -> Tensor:
-        if self.gate_fn is not None:
-            return self.gate_fn(h)
-        return _apply_gate(self.act_fn, h, self.interleaved)
+        return self.gate_fn(h) if self.gate_fn is not None else _apply_gate(self.act_fn, h, self.interleaved)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Optional[Tensor] = None) -> Tensor:
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
@@ -463,8 +503,9 @@ class GroupedExperts(nn.Module):
             up_bias=self.up_bias,
             down_bias=getattr(self, "down_proj_bias", None),
             transposed=self.transposed,
-            gate=self._gate if self.gated else None,
-            activation=None if self.gated else self.act_fn,
+            gate=(self.activation_name if self._named else self._gate) if self.gated else None,
+            activation=None if self.gated else (self.activation_name if self._named else self.act_fn),
+            interleaved=self.interleaved and self._named,
             weighting=self.weighting,
             alignment=self.alignment,
             gemm=self.gemm,

@@ -1,0 +1,353 @@
+"""The expert MLP as one autograd operator: routing, both grouped GEMMs, the activation and the combine,
+with a hand-written backward. :func:`padmoe.torch.experts_forward` (so ``GroupedExperts`` and the
+transformers integration) runs it for activations given by name; a callable gate or activation, a
+``post`` function or the segment-loop GEMM keep the autograd composition.
+
+Forward (T tokens, K top-k, H hidden, I intermediate, N1 = 2I gated or I, R padded rows)::
+
+    rows = dispatch(x)                     [R, H]   (weighted by the router weights: "before")
+    h    = grouped_mm(rows, up)  + b_up    [R, N1]
+    a    = act(g) * u   or   act(h)        [R, I]   one pass (g, u: halves of h, side by side or interleaved)
+    ys   = grouped_mm(a, down)  + b_down   [R, H]
+    out  = combine(ys)                     [T, H]   (weighted: "after")
+
+Backward, each GEMM once and in the layout its operands have (no transposed copies, no slicing
+copies, no zero-filled halves)::
+
+    grad_ys, grad_w = combine_backward(grad_out, ys)          one read of grad_out
+    grad_a          = grouped_mm(grad_ys, down^T)
+    grad_h, a       = activation_backward(h, grad_a)          one pass: grad_h [R, N1] whole, a recomputed
+    grad_down       = grad_ys^T a  (or a^T grad_ys)           per segment, the weight's own layout
+    grad_up         = grad_h^T rows                            likewise
+    grad_rows       = grouped_mm(grad_h, up^T)
+    grad_x, grad_w  = dispatch_backward(grad_rows)
+
+Saved for the backward: x, the dispatched rows, h and ys (``a`` is recomputed in the activation's
+backward pass instead of kept: ``R * I`` elements less than the composition keeps). The activation
+runs in float32 and rounds once (the composition rounds ``act(g)`` before the product, so results
+differ from it by bf16 rounding). Every sum is a GEMM's or padmoe's, in a fixed order: bitwise
+deterministic. Rows at or past P are neither computed nor read.
+
+On CUDA the activation is a Triton kernel (``padmoe/_triton_activation.py``); on the CPU the same
+formulas as float32 torch operations. Both passes are custom operators (``padmoe_experts::activation``
+and ``activation_backward``), so the whole operator traces under ``torch.compile(fullgraph=True)``
+and captures in a CUDA graph (no host synchronization on CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._common import eager_mode, packed, plan_args
+
+Tensor = torch.Tensor
+
+# name -> the kernels' activation code (padmoe/_triton_activation.py's KINDS, without importing triton)
+KINDS = {
+    "silu": 0,
+    "swish": 0,
+    "gelu": 1,
+    "gelu_tanh": 2,
+    "gelu_pytorch_tanh": 2,
+    "relu": 3,
+    "relu2": 4,
+    "sigmoid": 5,
+    "identity": 6,
+    "clamped_swiglu": 7,
+}
+CLAMPED_SWIGLU = 7
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+# ---------------------------------------------------------------------------
+# The activation: float32 torch operations (CPU) or the Triton kernels (CUDA)
+# ---------------------------------------------------------------------------
+
+
+def _act(g: Tensor, kind: int, alpha: float, limit: float):
+    """(act(g), act'(g)) in float32 (for clamped_swiglu: the gate's factor, with the clamp's mask)."""
+    if kind == 0:
+        s = torch.sigmoid(g)
+        return g * s, s * (1 + g * (1 - s))
+    if kind == 1:
+        c = 0.5 * (1 + torch.erf(g * _INV_SQRT_2))
+        return g * c, c + g * torch.exp(-0.5 * g * g) * _INV_SQRT_2PI
+    if kind == 2:
+        t = torch.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g))
+        d = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g)
+        return 0.5 * g * (1 + t), d
+    if kind == 3:
+        return torch.relu(g), (g > 0).to(g.dtype)
+    if kind == 4:
+        r = torch.relu(g)
+        return r * r, 2 * r
+    if kind == 5:
+        s = torch.sigmoid(g)
+        return s, s * (1 - s)
+    if kind == 6:
+        return g, torch.ones_like(g)
+    gc = g.clamp(max=limit)
+    s = torch.sigmoid(alpha * gc)
+    return gc * s, torch.where(g <= limit, s * (1 + alpha * gc * (1 - s)), 0.0)
+
+
+def _halves(h: Tensor, gated: bool, interleaved: bool):
+    if not gated:
+        return h, None
+    if interleaved:
+        return h[:, 0::2], h[:, 1::2]
+    n = h.shape[1] // 2
+    return h[:, :n], h[:, n:]
+
+
+def _up(u: Tensor, kind: int, limit: float):
+    """The up half as the product uses it, and its derivative's mask."""
+    if kind != CLAMPED_SWIGLU:
+        return u, None
+    return u.clamp(-limit, limit) + 1, ((u >= -limit) & (u <= limit)).to(u.dtype)
+
+
+def _live_rows(offsets: Tensor, rows: int) -> int:
+    return min(int(offsets[-1]), rows) if offsets.numel() else 0
+
+
+def _torch_forward(h, offsets, kind, gated, interleaved, alpha, limit):
+    width = h.shape[1] // 2 if gated else h.shape[1]
+    a = h.new_empty(h.shape[0], width)
+    p = _live_rows(offsets, h.shape[0])
+    g, u = _halves(h[:p].float(), gated, interleaved)
+    y, _ = _act(g, kind, alpha, limit)
+    if gated:
+        y = y * _up(u, kind, limit)[0]
+    a[:p] = y
+    return a
+
+
+def _torch_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
+    grad_h = torch.empty_like(h)
+    a = h.new_empty(grad_a.shape)
+    p = _live_rows(offsets, h.shape[0])
+    g, u = _halves(h[:p].float(), gated, interleaved)
+    ga = grad_a[:p].float()
+    y, d = _act(g, kind, alpha, limit)
+    if gated:
+        uu, mask = _up(u, kind, limit)
+        dg, du = _halves(grad_h[:p], gated, interleaved)
+        dg.copy_(ga * uu * d)
+        du.copy_(ga * y if mask is None else ga * y * mask)
+        y = y * uu
+    else:
+        grad_h[:p] = ga * d
+    a[:p] = y
+    return grad_h, a
+
+
+def triton_forward(h, offsets, kind, gated, interleaved, alpha, limit) -> Tensor:
+    """The forward pass as the Triton kernel (CUDA tensors; CPU tensors in Triton's interpreter)."""
+    from padmoe import _triton_activation as ta
+
+    width = h.shape[1] // 2 if gated else h.shape[1]
+    a = h.new_empty(h.shape[0], width)
+    if h.shape[0] and width:
+        br, bc, grid = ta.blocks(h.shape[0], width)
+        ta.act_forward_kernel[grid](
+            h, a, offsets, offsets.shape[0], width, h.stride(0), a.stride(0), float(alpha), float(limit),
+            KIND=kind, GATED=gated, INTERLEAVED=interleaved, BLOCK_R=br, BLOCK_C=bc,
+        )  # fmt: skip
+    return a
+
+
+def triton_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
+    """The backward pass as the Triton kernel: ``(grad_h, a)``."""
+    from padmoe import _triton_activation as ta
+
+    width = grad_a.shape[1]
+    grad_h = torch.empty_like(h)
+    a = h.new_empty(grad_a.shape)
+    if h.shape[0] and width:
+        br, bc, grid = ta.blocks(h.shape[0], width)
+        ta.act_backward_kernel[grid](
+            h, grad_a, grad_h, a, offsets, offsets.shape[0], width,
+            h.stride(0), grad_a.stride(0), grad_h.stride(0), a.stride(0), float(alpha), float(limit),
+            KIND=kind, GATED=gated, INTERLEAVED=interleaved, BLOCK_R=br, BLOCK_C=bc,
+        )  # fmt: skip
+    return grad_h, a
+
+
+@torch.library.custom_op("padmoe_experts::activation", mutates_args=())
+def _activation(
+    h: Tensor, offsets: Tensor, kind: int, gated: bool, interleaved: bool, alpha: float, limit: float
+) -> Tensor:
+    """``a[R, I]``: ``act(g) * u`` over h's halves (gated) or ``act(h)``; rows at or past
+    ``offsets[-1]`` unwritten."""
+    if h.is_cuda:
+        return triton_forward(h, offsets, kind, gated, interleaved, alpha, limit)
+    return _torch_forward(h, offsets, kind, gated, interleaved, alpha, limit)
+
+
+@_activation.register_fake
+def _(h, offsets, kind, gated, interleaved, alpha, limit):
+    return h.new_empty(h.shape[0], h.shape[1] // 2 if gated else h.shape[1])
+
+
+@torch.library.custom_op("padmoe_experts::activation_backward", mutates_args=())
+def _activation_backward(
+    h: Tensor, grad_a: Tensor, offsets: Tensor, kind: int, gated: bool, interleaved: bool, alpha: float, limit: float
+) -> tuple[Tensor, Tensor]:
+    """``(grad_h[R, N1], a[R, I])``: the activation's input gradient and its output recomputed."""
+    if h.is_cuda:
+        return triton_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit)
+    return _torch_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit)
+
+
+@_activation_backward.register_fake
+def _(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
+    return torch.empty_like(h), h.new_empty(grad_a.shape)
+
+
+# ---------------------------------------------------------------------------
+# GEMMs in the operands' layouts, biases
+# ---------------------------------------------------------------------------
+
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _mm(a: Tensor, w: Tensor, offs: Tensor, transposed: bool) -> Tensor:
+    """``a[R, in] @ w[e]`` per segment; ``w`` ``[E, out, in]`` or, transposed, ``[E, in, out]``."""
+    return _GROUPED_MM(a, w if transposed else w.transpose(-2, -1), offs=offs)
+
+
+def _mm_dgrad(g: Tensor, w: Tensor, offs: Tensor, transposed: bool) -> Tensor:
+    """``g[R, out] @ w[e]^T`` per segment: the input gradient of :func:`_mm`."""
+    return _GROUPED_MM(g, w.transpose(-2, -1) if transposed else w, offs=offs)
+
+
+def _mm_wgrad(a: Tensor, g: Tensor, offs: Tensor, transposed: bool) -> Tensor:
+    """The weight gradient of :func:`_mm` in the weight's own layout, written once: ``[E, out, in] =
+    g^T a`` or, transposed, ``[E, in, out] = a^T g`` (segment sums in the GEMM's float32)."""
+    if transposed:
+        return _GROUPED_MM(a.t(), g, offs=offs)
+    return _GROUPED_MM(g.t(), a, offs=offs)
+
+
+def _bias_rows(bias: Tensor, row_experts: Tensor) -> Tensor:
+    """``bias[row_experts]`` per padded row, zero on padding rows (row_experts -1)."""
+    table = torch.cat([bias, bias.new_zeros(1, bias.shape[-1])])
+    return table[torch.where(row_experts >= 0, row_experts, bias.shape[0]).long()]
+
+
+def _bias_grad(grad: Tensor, row_experts: Tensor, num_experts: int) -> Tensor:
+    """Per-expert sums of the row gradients as one GEMM (one-hot ``[E, R]`` times ``grad``): float32
+    accumulation, one rounding, no atomics; padding rows and rows past P (unwritten) excluded."""
+    grad = torch.where((row_experts >= 0).unsqueeze(1), grad, 0)
+    experts = torch.arange(num_experts, device=row_experts.device, dtype=row_experts.dtype)
+    onehot = (row_experts.unsqueeze(0) == experts.unsqueeze(1)).to(grad.dtype)
+    return onehot @ grad
+
+
+# ---------------------------------------------------------------------------
+# The operator
+# ---------------------------------------------------------------------------
+
+
+def _dispatch(x, packed, weights, plan_sizes, check, zero_padding) -> Tensor:
+    return torch.ops.padmoe.dispatch.default(x, packed, weights, *plan_sizes, check, zero_padding)
+
+
+class _ExpertMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, up, down, up_bias, down_bias, row_experts, packed, offs, spec):
+        sizes, check, transposed, act, weighting, grads = spec
+        kind, gated, interleaved, alpha, limit = act
+        before = w if weighting == "before" else None
+        after = w if weighting == "after" else None
+        rows = _dispatch(x, packed, before, sizes, check, grads)
+        h = _mm(rows, up, offs, transposed)
+        if up_bias is not None:
+            h = h + _bias_rows(up_bias, row_experts)
+        a = torch.ops.padmoe_experts.activation(h, offs, kind, gated, interleaved, alpha, limit)
+        ys = _mm(a, down, offs, transposed)
+        del a
+        if down_bias is not None:
+            ys = ys + _bias_rows(down_bias, row_experts)
+        out = torch.ops.padmoe.combine.default(ys, packed, after, *sizes, 0)
+        ctx.spec = spec
+        ctx.has_bias = (up_bias is not None, down_bias is not None)
+        ctx.save_for_backward(x, w, up, down, row_experts, packed, offs, rows, h, ys)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w, up, down, row_experts, packed, offs, rows, h, ys = ctx.saved_tensors
+        sizes, _, transposed, act, weighting, _ = ctx.spec
+        kind, gated, interleaved, alpha, limit = act
+        e = sizes[1]
+        need = ctx.needs_input_grad
+        before = w if weighting == "before" else None
+        after = w if weighting == "after" else None
+        grad_ys, grad_w = torch.ops.padmoe.combine_backward.default(
+            grad_out.contiguous(), ys, packed, after, *sizes, after is not None and need[1], 0, ys.shape[0]
+        )
+        grad_down_bias = _bias_grad(grad_ys, row_experts, e) if ctx.has_bias[1] and need[5] else None
+        grad_a = _mm_dgrad(grad_ys, down, offs, transposed)
+        grad_h, a = torch.ops.padmoe_experts.activation_backward(
+            h, grad_a, offs, kind, gated, interleaved, alpha, limit
+        )
+        del grad_a
+        grad_down = _mm_wgrad(a, grad_ys, offs, transposed) if need[3] else None
+        del a, grad_ys
+        grad_up_bias = _bias_grad(grad_h, row_experts, e) if ctx.has_bias[0] and need[4] else None
+        grad_up = _mm_wgrad(rows, grad_h, offs, transposed) if need[2] else None
+        grad_x = None
+        if need[0] or (before is not None and need[1]):
+            grad_rows = _mm_dgrad(grad_h, up, offs, transposed)
+            grad_x, gw = torch.ops.padmoe.dispatch_backward.default(
+                grad_rows, x, packed, before, *sizes, before is not None and need[1], 0
+            )
+            if before is not None:
+                grad_w = gw
+        if not need[1] or weighting == "none":
+            grad_w = None
+        elif grad_w is not None:
+            grad_w = grad_w.view(w.shape)
+        return grad_x, grad_w, grad_up, grad_down, grad_up_bias, grad_down_bias, None, None, None, None
+
+
+def expert_mlp(
+    x: Tensor,
+    routing,
+    up: Tensor,
+    down: Tensor,
+    *,
+    up_bias: Optional[Tensor],
+    down_bias: Optional[Tensor],
+    transposed: bool,
+    activation: str,
+    gated: bool,
+    interleaved: bool,
+    weighting: str,
+    grads: bool,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> Tensor:
+    """``[T, H]``: the expert MLP of ``routing`` (a :class:`Routing`) over ``x[T, H]`` as one operator
+    (this module's docstring). ``activation``: a key of :data:`KINDS`; ``alpha`` / ``limit`` are
+    clamped_swiglu's. ``grads``: whether a gradient will be taken (else padding rows stay unwritten)."""
+    plan = routing.plan
+    spec = (
+        plan_args(plan),
+        eager_mode(routing.check),
+        transposed,
+        (KINDS[activation], gated, interleaved, float(alpha), float(limit)),
+        weighting,
+        grads,
+    )
+    w = routing.weights if weighting != "none" else None
+    row_experts = routing.row_experts if (up_bias is not None or down_bias is not None) else None
+    return _ExpertMLP.apply(x, w, up, down, up_bias, down_bias, row_experts, packed(plan), plan.padded_bins, spec)
