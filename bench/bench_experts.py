@@ -3,7 +3,8 @@ bandwidth (the floors); each of the six GEMMs alone (torch's ``grouped_mm`` on t
 routing ops alone and the activation alone; padmoe's expert MLP operator (``experts_forward`` with the
 gate given by name, what ``GroupedExperts`` and the transformers integration run) and the autograd
 composition (the same call with the gate as a callable): eager forward and forward + backward (the host
-included), the forward replayed in a CUDA graph, the peak memory of forward + backward.
+included), the forward replayed in a CUDA graph, the peak memory of forward + backward; and the operator's
+forward + backward with ``recompute_rows=True``.
 
     python bench/bench_experts.py [--shapes qwen3-30b-a3b,mixtral-8x7b,deepseek-v3,decode] [--iters 10]
            [--json FILE]
@@ -71,7 +72,7 @@ def parts(s, x, idx, w, up, down, iters, rate, bw):
     act = torch.ops.padmoe_experts.activation
     a = act(h, offs, KINDS["silu"], True, False, 1.702, 7.0)
     ys = _mm(a, down, offs, False)
-    grad_out = torch.randn(T, H, device="cuda", dtype=x.dtype)
+    grad_out = torch.randn(T, H, device=x.device, dtype=x.dtype)
     grad_ys, _ = pt.combine_backward(grad_out, ys, r.plan, w)
     grad_a = _mm_dgrad(grad_ys, down, offs, False)
     grad_h, _ = torch.ops.padmoe_experts.activation_backward(h, grad_a, offs, KINDS["silu"], True, False, 1.702, 7.0)
@@ -142,15 +143,21 @@ def run_shape(name, s, iters, rate, bw):
             xx, idx, ww, up, down, gate=silu_gate, alignment=ALIGN, check=False
         ),
         "operator": lambda xx, ww: experts_forward(xx, idx, ww, up, down, gate="silu", alignment=ALIGN, check=False),
+        "recompute": lambda xx, ww: experts_forward(
+            xx, idx, ww, up, down, gate="silu", alignment=ALIGN, check=False, recompute_rows=True
+        ),
     }
     for form, call in forms.items():
+        if form == "recompute" and not s["backward"]:
+            continue
 
         def fwd():
             with torch.no_grad():
                 return call(x, w)
 
-        row[f"{form}_fwd_us"] = eager_time(fwd, iters)
-        row[f"{form}_graph_fwd_us"] = graph_time(fwd, 1, iters)
+        if form != "recompute":  # the same forward as the operator's
+            row[f"{form}_fwd_us"] = eager_time(fwd, iters)
+            row[f"{form}_graph_fwd_us"] = graph_time(fwd, 1, iters)
         if s["backward"]:
 
             def fwd_bwd():
@@ -210,6 +217,11 @@ def main(argv=None):
             + f"{r['operator_fwd_us'] / r['parts_fwd_us']:.2f}x / "
             + (f"{ofb / pfb:.2f}x |" if pfb else "- |")
         )
+    recomputed = [r for r in rows if "recompute_fwd_bwd_us" in r]
+    print("\nrecompute_rows=True, forward + backward µs (peak MiB): ", end="")
+    print(
+        ", ".join(f"{r['shape']} {r['recompute_fwd_bwd_us']:.0f} ({r['recompute_peak_mib']:.0f})" for r in recomputed)
+    )
     print(
         "\n| shape | "
         + " | ".join(f"{k} µs (x floor)" for k in GEMMS)

@@ -23,7 +23,8 @@ copies, no zero-filled halves)::
     grad_x, grad_w  = dispatch_backward(grad_rows)
 
 Saved for the backward: x, the dispatched rows, h and ys (``a`` is recomputed in the activation's
-backward pass instead of kept: ``R * I`` elements less than the composition keeps). The activation
+backward pass instead of kept: ``R * I`` elements less than the composition keeps); with
+``recompute_rows`` the rows are dispatched again in the backward instead (``R * H`` fewer kept). The activation
 runs in float32 and rounds once (the composition rounds ``act(g)`` before the product, so results
 differ from it by bf16 rounding). Every sum is a GEMM's or padmoe's, in a fixed order: bitwise
 deterministic. Rows at or past P are neither computed nor read.
@@ -263,7 +264,7 @@ def _dispatch(x, packed, weights, plan_sizes, check, zero_padding) -> Tensor:
 class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, up, down, up_bias, down_bias, row_experts, packed, offs, spec):
-        sizes, check, transposed, act, weighting, grads = spec
+        sizes, check, transposed, act, weighting, grads, recompute = spec
         kind, gated, interleaved, alpha, limit = act
         before = w if weighting == "before" else None
         after = w if weighting == "after" else None
@@ -279,13 +280,13 @@ class _ExpertMLP(torch.autograd.Function):
         out = torch.ops.padmoe.combine.default(ys, packed, after, *sizes, 0)
         ctx.spec = spec
         ctx.has_bias = (up_bias is not None, down_bias is not None)
-        ctx.save_for_backward(x, w, up, down, row_experts, packed, offs, rows, h, ys)
+        ctx.save_for_backward(x, w, up, down, row_experts, packed, offs, None if recompute else rows, h, ys)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, w, up, down, row_experts, packed, offs, rows, h, ys = ctx.saved_tensors
-        sizes, _, transposed, act, weighting, _ = ctx.spec
+        sizes, _, transposed, act, weighting, _, _ = ctx.spec
         kind, gated, interleaved, alpha, limit = act
         e = sizes[1]
         need = ctx.needs_input_grad
@@ -303,7 +304,10 @@ class _ExpertMLP(torch.autograd.Function):
         grad_down = _mm_wgrad(a, grad_ys, offs, transposed) if need[3] else None
         del a, grad_ys
         grad_up_bias = _bias_grad(grad_h, row_experts, e) if ctx.has_bias[0] and need[4] else None
+        if rows is None and need[2]:  # recompute_rows: dispatched again (padding rows zero) instead of kept
+            rows = _dispatch(x, packed, before, sizes, 0, True)
         grad_up = _mm_wgrad(rows, grad_h, offs, transposed) if need[2] else None
+        del rows
         grad_x = None
         if need[0] or (before is not None and need[1]):
             grad_rows = _mm_dgrad(grad_h, up, offs, transposed)
@@ -335,10 +339,12 @@ def expert_mlp(
     grads: bool,
     alpha: float = 1.702,
     limit: float = 7.0,
+    recompute_rows: bool = False,
 ) -> Tensor:
     """``[T, H]``: the expert MLP of ``routing`` (a :class:`Routing`) over ``x[T, H]`` as one operator
     (this module's docstring). ``activation``: a key of :data:`KINDS`; ``alpha`` / ``limit`` are
-    clamped_swiglu's. ``grads``: whether a gradient will be taken (else padding rows stay unwritten)."""
+    clamped_swiglu's. ``grads``: whether a gradient will be taken (else padding rows stay unwritten).
+    ``recompute_rows``: the backward dispatches x again instead of keeping the dispatched rows."""
     plan = routing.plan
     spec = (
         plan_args(plan),
@@ -347,6 +353,7 @@ def expert_mlp(
         (KINDS[activation], gated, interleaved, float(alpha), float(limit)),
         weighting,
         grads,
+        bool(recompute_rows),
     )
     w = routing.weights if weighting != "none" else None
     row_experts = routing.row_experts if (up_bias is not None or down_bias is not None) else None

@@ -231,6 +231,7 @@ def experts_forward(
     interleaved: bool = False,
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    recompute_rows: bool = False,
 ) -> Tensor:
     """The experts of a MoE layer on padmoe's routing: ``out[t] = sum_k w[t,k] * expert_{e[t,k]}(x[t])``.
 
@@ -254,7 +255,9 @@ def experts_forward(
     With a gate or activation given by name, no ``post`` and torch's ``grouped_mm`` usable, the whole
     MLP runs as one operator (padmoe/torch/_expert_mlp.py: the activation one fused pass each way, a
     hand-written backward, the activation computed in float32 and rounded once); otherwise as an
-    autograd composition of padmoe's routing ops, the GEMMs and the callables."""
+    autograd composition of padmoe's routing ops, the GEMMs and the callables. ``recompute_rows``
+    (the operator only): the backward dispatches x again instead of keeping the ``[rows, H]``
+    dispatched rows (less memory, one more dispatch)."""
     if weighting not in ("after", "before", "none"):
         raise ValueError(f"padmoe experts: weighting: expected 'after', 'before' or 'none', got {weighting!r}")
     if gemm not in ("auto", "grouped_mm", "loop"):
@@ -306,7 +309,7 @@ def experts_forward(
         return expert_mlp(
             x, r, up, down, up_bias=up_bias, down_bias=down_bias, transposed=transposed, activation=name,
             gated=gate is not None, interleaved=interleaved, weighting=weighting, grads=grads,
-            alpha=swiglu_alpha, limit=swiglu_limit,
+            alpha=swiglu_alpha, limit=swiglu_limit, recompute_rows=recompute_rows,
         ).reshape(shape)  # fmt: skip
     if isinstance(gate, str):
         gate = _named_gate(gate, interleaved, swiglu_alpha, swiglu_limit)
@@ -399,8 +402,9 @@ class GroupedExperts(nn.Module):
     the expert inputs instead, as routers that weight before the experts do; ``"none"``: no
     weights). ``activation``: a name in :data:`ACTIVATIONS` or a callable; ``gate_fn``: a callable
     ``[rows, 2I] -> [rows, I]`` replacing the default ``act(gate) * up`` (e.g. a clamped SwiGLU).
-    ``alignment`` (default 16 on CUDA, 1 elsewhere), ``gemm`` ("auto", "grouped_mm", "loop") and
-    ``check`` go to :func:`experts_forward`, the function the transformers integration runs too.
+    ``alignment`` (default 16 on CUDA, 1 elsewhere), ``gemm`` ("auto", "grouped_mm", "loop"),
+    ``check`` and ``recompute_rows`` go to :func:`experts_forward`, the function the transformers
+    integration runs too.
     """
 
     def __init__(
@@ -419,6 +423,7 @@ class GroupedExperts(nn.Module):
         alignment: Optional[int] = None,
         gemm: str = "auto",
         check: Optional[bool] = None,
+        recompute_rows: bool = False,
         device=None,
         dtype=None,
     ):
@@ -451,6 +456,7 @@ class GroupedExperts(nn.Module):
         self.act_fn = activation
         self.gated, self.has_bias, self.transposed, self.interleaved = gated, bias, transposed, interleaved
         self.gate_fn, self.weighting, self.alignment, self.gemm, self.check = gate_fn, weighting, alignment, gemm, check
+        self.recompute_rows = bool(recompute_rows)
         kw = dict(device=device, dtype=dtype)
         n1 = 2 * intermediate_size if gated else intermediate_size
         up_shape = (num_experts, hidden_size, n1) if transposed else (num_experts, n1, hidden_size)
@@ -510,6 +516,7 @@ class GroupedExperts(nn.Module):
             alignment=self.alignment,
             gemm=self.gemm,
             check=self.check,
+            recompute_rows=self.recompute_rows,
         )
 
     def extra_repr(self) -> str:
