@@ -42,3 +42,32 @@ def test_short_and_links_resolve():
         if target.startswith(("http://", "https://")):
             continue
         assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
+
+
+def test_cpp_block_compiles(tmp_path):
+    """The C++ example compiles against the headers as written, inside a function that declares
+    what its comment says the caller has (device pointers, sizes)."""
+    import shutil
+    import subprocess
+
+    cxx = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    block = re.search(r"^```cpp\n(.*?)^```", TEXT, re.S | re.M)
+    assert block, "README.md has a C++ example"
+    lines = block.group(1).splitlines()
+    includes = [line for line in lines if line.startswith("#include")]
+    body = [line for line in lines if not line.startswith("#include")]
+    src = tmp_path / "readme_example.cpp"
+    src.write_text(
+        "\n".join(includes)
+        + "\nvoid readme_example(void* top_ids, void* probs, void* hidden, int64_t T, int64_t K, int64_t H, int E) {\n"
+        + "\n".join(body)
+        + "\n  (void)out;\n}\n"
+    )
+    done = subprocess.run(
+        [cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-I", str(ROOT / "include"), str(src)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
