@@ -40,6 +40,7 @@ SHAPES = {
 }
 ALIGN = 128
 GEMMS = ("up", "down", "down_dgrad", "down_wgrad", "up_dgrad", "up_wgrad")
+SILU = (KINDS["silu"], True, False, 1.702, 7.0)  # the activation ops' (kind, gated, interleaved, alpha, limit)
 
 
 def dense_rate():
@@ -69,13 +70,13 @@ def parts(s, x, idx, w, up, down, iters, rate, bw):
     offs = r.offsets
     rows = r.dispatch(x)
     h = _mm(rows, up, offs, False)
-    act = torch.ops.padmoe_experts.activation
-    a = act(h, offs, KINDS["silu"], True, False, 1.702, 7.0)
+    act, act_bwd = torch.ops.padmoe_experts.activation, torch.ops.padmoe_experts.activation_backward
+    a = act(h, offs, *SILU)
     ys = _mm(a, down, offs, False)
     grad_out = torch.randn(T, H, device=x.device, dtype=x.dtype)
     grad_ys, _ = pt.combine_backward(grad_out, ys, r.plan, w)
     grad_a = _mm_dgrad(grad_ys, down, offs, False)
-    grad_h, _ = torch.ops.padmoe_experts.activation_backward(h, grad_a, offs, KINDS["silu"], True, False, 1.702, 7.0)
+    grad_h, _ = act_bwd(h, grad_a, offs, *SILU)
     grad_rows = _mm_dgrad(grad_h, up, offs, False)
     calls = {
         "up": (lambda: _mm(rows, up, offs, False), (A, 2 * I, H, A)),
@@ -105,15 +106,10 @@ def parts(s, x, idx, w, up, down, iters, rate, bw):
         pt.dispatch_backward(grad_rows, x, r.plan)
 
     out["routing_fwd"] = eager_time(routing_fwd, iters)
-    out["act_fwd"] = eager_time(lambda: act(h, offs, KINDS["silu"], True, False, 1.702, 7.0), iters)
+    out["act_fwd"] = eager_time(lambda: act(h, offs, *SILU), iters)
     if s["backward"]:
         out["routing_bwd"] = eager_time(routing_bwd, iters)
-        out["act_bwd"] = eager_time(
-            lambda: torch.ops.padmoe_experts.activation_backward(
-                h, grad_a, offs, KINDS["silu"], True, False, 1.702, 7.0
-            ),
-            iters,
-        )
+        out["act_bwd"] = eager_time(lambda: act_bwd(h, grad_a, offs, *SILU), iters)
     return out
 
 

@@ -16,17 +16,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Activation codes: the kernels' KIND. padmoe.torch's expert MLP maps names to these.
-KINDS = {
-    "silu": 0,
-    "gelu": 1,
-    "gelu_tanh": 2,
-    "relu": 3,
-    "relu2": 4,
-    "sigmoid": 5,
-    "identity": 6,
-    "clamped_swiglu": 7,  # GPT-OSS: g' = min(g, L), u' = clamp(u, -L, L), (u' + 1) * g' * sigmoid(alpha g')
-}
+# KIND, the activation code: padmoe/torch/_expert_mlp.py's KINDS maps names to it (0 silu, 1 gelu,
+# 2 gelu_tanh, 3 relu, 4 relu2, 5 sigmoid, 6 identity, 7 clamped_swiglu: GPT-OSS's
+# g' = min(g, L), u' = clamp(u, -L, L), (u' + 1) * g' * sigmoid(alpha g')).
 
 _INV_SQRT_2: tl.constexpr = 0.7071067811865476
 _INV_SQRT_2PI: tl.constexpr = 0.3989422804014327
@@ -94,12 +86,21 @@ def _up_mask(u, KIND: tl.constexpr, limit):
 
 
 @triton.jit
-def _tile(offsets, E, pid_r, pid_c, I, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _tile(offsets, E, I, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's tile of ``[R, I]``: (rows, columns, live rows, mask, P, first column)."""
     p = tl.load(offsets + E - 1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    col0 = tl.program_id(1) * BLOCK_C
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = col0 + tl.arange(0, BLOCK_C)
     live = rows < p
-    return rows.to(tl.int64), cols, live, live[:, None] & (cols < I)[None, :], p
+    return rows.to(tl.int64), cols, live, live[:, None] & (cols < I)[None, :], p, col0
+
+
+@triton.jit
+def _pair_cols(col0, live, I, BLOCK_C: tl.constexpr):
+    """The interleaved (gate, up) columns of the tile's outputs, and their mask."""
+    c2 = 2 * col0 + tl.arange(0, 2 * BLOCK_C)
+    return c2, live[:, None] & (c2 < 2 * I)[None, :]
 
 
 @triton.jit
@@ -120,8 +121,7 @@ def _load_halves(
     base = h + rows[:, None] * stride_h
     if GATED:
         if INTERLEAVED:
-            c2 = 2 * col0 + tl.arange(0, 2 * BLOCK_C)
-            m2 = live[:, None] & (c2 < 2 * I)[None, :]
+            c2, m2 = _pair_cols(col0, live, I, BLOCK_C)
             both = tl.load(base + c2[None, :], mask=m2, other=0.0).to(tl.float32)
             g, u = tl.split(tl.reshape(both, [BLOCK_R, BLOCK_C, 2]))
         else:
@@ -150,11 +150,8 @@ def act_forward_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    rows, cols, live, m, p = _tile(offsets, E, pid_r, pid_c, I, BLOCK_R, BLOCK_C)
-    col0 = pid_c * BLOCK_C
-    if pid_r * BLOCK_R < p:
+    rows, cols, live, m, p, col0 = _tile(offsets, E, I, BLOCK_R, BLOCK_C)
+    if tl.program_id(0) * BLOCK_R < p:
         g, u = _load_halves(h, rows, cols, live, m, I, stride_h, col0, GATED, INTERLEAVED, BLOCK_R, BLOCK_C)
         y, _ = _act(g, KIND, alpha, limit)
         if GATED:
@@ -183,11 +180,8 @@ def act_backward_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    rows, cols, live, m, p = _tile(offsets, E, pid_r, pid_c, I, BLOCK_R, BLOCK_C)
-    col0 = pid_c * BLOCK_C
-    if pid_r * BLOCK_R < p:
+    rows, cols, live, m, p, col0 = _tile(offsets, E, I, BLOCK_R, BLOCK_C)
+    if tl.program_id(0) * BLOCK_R < p:
         g, u = _load_halves(h, rows, cols, live, m, I, stride_h, col0, GATED, INTERLEAVED, BLOCK_R, BLOCK_C)
         ga = tl.load(grad_a + rows[:, None] * stride_ga + cols[None, :], mask=m, other=0.0).to(tl.float32)
         y, d = _act(g, KIND, alpha, limit)
@@ -199,8 +193,7 @@ def act_backward_kernel(
             du = ga * y * _up_mask(u, KIND, limit)
             y = y * uu
             if INTERLEAVED:
-                c2 = 2 * col0 + tl.arange(0, 2 * BLOCK_C)
-                m2 = live[:, None] & (c2 < 2 * I)[None, :]
+                c2, m2 = _pair_cols(col0, live, I, BLOCK_C)
                 both = tl.reshape(tl.join(dg, du), [BLOCK_R, 2 * BLOCK_C])
                 tl.store(base + c2[None, :], both.to(out), mask=m2)
             else:

@@ -46,7 +46,7 @@ from ._common import eager_mode, packed, plan_args
 
 Tensor = torch.Tensor
 
-# name -> the kernels' activation code (padmoe/_triton_activation.py's KINDS, without importing triton)
+# name -> the activation code the Triton kernels (padmoe/_triton_activation.py) and _act take
 KINDS = {
     "silu": 0,
     "swish": 0,
@@ -216,6 +216,7 @@ def _(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
 # GEMMs in the operands' layouts, biases
 # ---------------------------------------------------------------------------
 
+# torch's grouped GEMM (the public name, or the private one of older releases), or None.
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 

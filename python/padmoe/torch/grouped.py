@@ -44,7 +44,7 @@ from torch import nn
 from padmoe._args import int_arg
 from padmoe._plan import INT32_MAX
 
-from ._expert_mlp import expert_mlp
+from ._expert_mlp import _GROUPED_MM, _bias_grad, _bias_rows, _mm, expert_mlp
 from ._routing import Routing
 
 Tensor = torch.Tensor
@@ -55,8 +55,6 @@ __all__ = ["GroupedExperts", "experts_forward", "grouped_mm_usable", "ACTIVATION
 # ---------------------------------------------------------------------------
 # GEMM over padded segments
 # ---------------------------------------------------------------------------
-
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def _torch_version() -> tuple:
@@ -164,7 +162,7 @@ def _gemm(a: Tensor, w: Tensor, offs: Tensor, transposed: bool, gemm: str) -> Te
                 "padmoe experts: gemm='grouped_mm' but this torch has no "
                 "torch.nn.functional.grouped_mm / torch._grouped_mm"
             )
-        return _GROUPED_MM(a, b, offs=offs)
+        return _mm(a, w, offs, transposed)
     return torch.ops.padmoe_experts.segment_mm(a, b, offs)
 
 
@@ -176,20 +174,14 @@ class _RowBias(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, bias, row_experts):
-        table = torch.cat([bias, bias.new_zeros(1, bias.shape[-1])])
-        idx = torch.where(row_experts >= 0, row_experts, bias.shape[0]).long()
-        ctx.save_for_backward(idx)
+        ctx.save_for_backward(row_experts)
         ctx.num_experts = bias.shape[0]
-        return table[idx]
+        return _bias_rows(bias, row_experts)
 
     @staticmethod
     def backward(ctx, grad):
-        (idx,) = ctx.saved_tensors
-        # Rows past P may hold garbage (grouped_mm leaves them unwritten, and 0 * NaN is NaN): select, not multiply.
-        grad = torch.where((idx < ctx.num_experts).unsqueeze(1), grad, 0)
-        experts = torch.arange(ctx.num_experts, device=idx.device)
-        onehot = (idx.unsqueeze(0) == experts.unsqueeze(1)).to(grad.dtype)  # [E, rows]; padding rows match none
-        return onehot @ grad, None
+        (row_experts,) = ctx.saved_tensors
+        return _bias_grad(grad, row_experts, ctx.num_experts), None
 
 
 def _row_bias(bias: Tensor, row_experts: Tensor) -> Tensor:
@@ -366,7 +358,10 @@ def _operator_gemms(x: Tensor, up: Tensor, down: Tensor, transposed: bool) -> bo
     """Whether torch's grouped_mm takes both projections' operands (the operator's GEMMs)."""
     up_b = up if transposed else up.transpose(-2, -1)
     down_b = down if transposed else down.transpose(-2, -1)
-    return grouped_mm_usable(x, up_b) and grouped_mm_usable(x.new_empty(0, down_b.shape[-2]), down_b)
+    # The down projection's rows are the activation's, a new tensor of x's dtype and device, I wide:
+    # x stands in for them, with the I-wide stride rule checked here.
+    i_bytes = down_b.shape[-2] * x.element_size()
+    return grouped_mm_usable(x, up_b) and grouped_mm_usable(x, down_b) and i_bytes % 16 == 0
 
 
 ACTIVATIONS = {
