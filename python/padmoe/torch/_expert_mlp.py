@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from ._common import eager_mode, packed, plan_args
+from ._common import call, eager_mode, packed, plan_args
 
 Tensor = torch.Tensor
 
@@ -71,31 +71,34 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 # ---------------------------------------------------------------------------
 
 
-def _act(g: Tensor, kind: int, alpha: float, limit: float):
-    """(act(g), act'(g)) in float32 (for clamped_swiglu: the gate's factor, with the clamp's mask)."""
+def _act(g: Tensor, kind: int, alpha: float, limit: float, deriv: bool):
+    """(act(g), act'(g) or None without ``deriv``) in float32 (for clamped_swiglu: the gate's
+    factor, with the clamp's mask)."""
     if kind == 0:
         s = torch.sigmoid(g)
-        return g * s, s * (1 + g * (1 - s))
+        return g * s, (s * (1 + g * (1 - s)) if deriv else None)
     if kind == 1:
         c = 0.5 * (1 + torch.erf(g * _INV_SQRT_2))
-        return g * c, c + g * torch.exp(-0.5 * g * g) * _INV_SQRT_2PI
+        return g * c, (c + g * torch.exp(-0.5 * g * g) * _INV_SQRT_2PI if deriv else None)
     if kind == 2:
         t = torch.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g))
+        if not deriv:
+            return 0.5 * g * (1 + t), None
         d = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g)
         return 0.5 * g * (1 + t), d
     if kind == 3:
-        return torch.relu(g), (g > 0).to(g.dtype)
+        return torch.relu(g), ((g > 0).to(g.dtype) if deriv else None)
     if kind == 4:
         r = torch.relu(g)
-        return r * r, 2 * r
+        return r * r, (2 * r if deriv else None)
     if kind == 5:
         s = torch.sigmoid(g)
-        return s, s * (1 - s)
+        return s, (s * (1 - s) if deriv else None)
     if kind == 6:
-        return g, torch.ones_like(g)
+        return g, (torch.ones_like(g) if deriv else None)
     gc = g.clamp(max=limit)
     s = torch.sigmoid(alpha * gc)
-    return gc * s, torch.where(g <= limit, s * (1 + alpha * gc * (1 - s)), 0.0)
+    return gc * s, (torch.where(g <= limit, s * (1 + alpha * gc * (1 - s)), 0.0) if deriv else None)
 
 
 def _halves(h: Tensor, gated: bool, interleaved: bool):
@@ -123,7 +126,7 @@ def _torch_forward(h, offsets, kind, gated, interleaved, alpha, limit):
     a = h.new_empty(h.shape[0], width)
     p = _live_rows(offsets, h.shape[0])
     g, u = _halves(h[:p].float(), gated, interleaved)
-    y, _ = _act(g, kind, alpha, limit)
+    y, _ = _act(g, kind, alpha, limit, False)
     if gated:
         y = y * _up(u, kind, limit)[0]
     a[:p] = y
@@ -136,7 +139,7 @@ def _torch_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
     p = _live_rows(offsets, h.shape[0])
     g, u = _halves(h[:p].float(), gated, interleaved)
     ga = grad_a[:p].float()
-    y, d = _act(g, kind, alpha, limit)
+    y, d = _act(g, kind, alpha, limit, True)
     if gated:
         uu, mask = _up(u, kind, limit)
         dg, du = _halves(grad_h[:p], gated, interleaved)
@@ -259,7 +262,8 @@ def _bias_grad(grad: Tensor, row_experts: Tensor, num_experts: int) -> Tensor:
 
 
 def _dispatch(x, packed, weights, plan_sizes, check, zero_padding) -> Tensor:
-    return torch.ops.padmoe.dispatch.default(x, packed, weights, *plan_sizes, check, zero_padding)
+    op, _ = call("dispatch")  # the native fast entry point in eager mode, the OpOverload under compile
+    return op(x, packed, weights, *plan_sizes, check, zero_padding)
 
 
 class _ExpertMLP(torch.autograd.Function):
@@ -278,7 +282,7 @@ class _ExpertMLP(torch.autograd.Function):
         del a
         if down_bias is not None:
             ys = ys + _bias_rows(down_bias, row_experts)
-        out = torch.ops.padmoe.combine.default(ys, packed, after, *sizes, 0)
+        out = call("combine")[0](ys, packed, after, *sizes, 0)
         ctx.spec = spec
         ctx.has_bias = (up_bias is not None, down_bias is not None)
         ctx.save_for_backward(x, w, up, down, row_experts, packed, offs, None if recompute else rows, h, ys)
