@@ -31,8 +31,9 @@ deterministic. Rows at or past P are neither computed nor read.
 
 On CUDA the activation is a Triton kernel (``padmoe/_triton_activation.py``); on the CPU the same
 formulas as float32 torch operations. Both passes are custom operators (``padmoe_experts::activation``
-and ``activation_backward``), so the whole operator traces under ``torch.compile(fullgraph=True)``
-and captures in a CUDA graph (no host synchronization on CUDA).
+and ``activation_backward``) that torch.compile sees, so the whole operator traces under
+``torch.compile(fullgraph=True)``; in eager mode their bodies are called directly (less host time).
+It captures in a CUDA graph (no host synchronization on CUDA).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from ._common import call, eager_mode, packed, plan_args
+from ._common import call, compiling, eager_mode, packed, plan_args
 
 Tensor = torch.Tensor
 
@@ -184,15 +185,25 @@ def triton_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
     return grad_h, a
 
 
+def _activation_impl(h, offsets, kind, gated, interleaved, alpha, limit) -> Tensor:
+    if h.is_cuda:
+        return triton_forward(h, offsets, kind, gated, interleaved, alpha, limit)
+    return _torch_forward(h, offsets, kind, gated, interleaved, alpha, limit)
+
+
+def _activation_backward_impl(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
+    if h.is_cuda:
+        return triton_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit)
+    return _torch_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit)
+
+
 @torch.library.custom_op("padmoe_experts::activation", mutates_args=())
 def _activation(
     h: Tensor, offsets: Tensor, kind: int, gated: bool, interleaved: bool, alpha: float, limit: float
 ) -> Tensor:
     """``a[R, I]``: ``act(g) * u`` over h's halves (gated) or ``act(h)``; rows at or past
     ``offsets[-1]`` unwritten."""
-    if h.is_cuda:
-        return triton_forward(h, offsets, kind, gated, interleaved, alpha, limit)
-    return _torch_forward(h, offsets, kind, gated, interleaved, alpha, limit)
+    return _activation_impl(h, offsets, kind, gated, interleaved, alpha, limit)
 
 
 @_activation.register_fake
@@ -205,14 +216,23 @@ def _activation_backward(
     h: Tensor, grad_a: Tensor, offsets: Tensor, kind: int, gated: bool, interleaved: bool, alpha: float, limit: float
 ) -> tuple[Tensor, Tensor]:
     """``(grad_h[R, N1], a[R, I])``: the activation's input gradient and its output recomputed."""
-    if h.is_cuda:
-        return triton_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit)
-    return _torch_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit)
+    return _activation_backward_impl(h, grad_a, offsets, kind, gated, interleaved, alpha, limit)
 
 
 @_activation_backward.register_fake
 def _(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
     return torch.empty_like(h), h.new_empty(grad_a.shape)
+
+
+def _act_forward(*args) -> Tensor:
+    """The activation's forward: the custom operator while torch.compile traces, else its body
+    directly (a Python custom operator's dispatch costs more host time than the pass at small sizes)."""
+    return torch.ops.padmoe_experts.activation(*args) if compiling() else _activation_impl(*args)
+
+
+def _act_backward(*args):
+    """The activation's backward, chosen as :func:`_act_forward` is."""
+    return torch.ops.padmoe_experts.activation_backward(*args) if compiling() else _activation_backward_impl(*args)
 
 
 # ---------------------------------------------------------------------------
@@ -277,7 +297,7 @@ class _ExpertMLP(torch.autograd.Function):
         h = _mm(rows, up, offs, transposed)
         if up_bias is not None:
             h = h + _bias_rows(up_bias, row_experts)
-        a = torch.ops.padmoe_experts.activation(h, offs, kind, gated, interleaved, alpha, limit)
+        a = _act_forward(h, offs, kind, gated, interleaved, alpha, limit)
         ys = _mm(a, down, offs, transposed)
         del a
         if down_bias is not None:
@@ -302,9 +322,7 @@ class _ExpertMLP(torch.autograd.Function):
         )
         grad_down_bias = _bias_grad(grad_ys, row_experts, e) if ctx.has_bias[1] and need[5] else None
         grad_a = _mm_dgrad(grad_ys, down, offs, transposed)
-        grad_h, a = torch.ops.padmoe_experts.activation_backward(
-            h, grad_a, offs, kind, gated, interleaved, alpha, limit
-        )
+        grad_h, a = _act_backward(h, grad_a, offs, kind, gated, interleaved, alpha, limit)
         del grad_a
         grad_down = _mm_wgrad(a, grad_ys, offs, transposed) if need[3] else None
         del a, grad_ys
