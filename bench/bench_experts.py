@@ -29,7 +29,9 @@ import torch.nn.functional as F
 from bench_te import copy_bandwidth, eager_time, graph_time  # the timing of the TE page
 
 import padmoe.torch as pt
-from padmoe.torch._expert_mlp import KINDS, _mm, _mm_dgrad, _mm_wgrad
+from padmoe.torch import _expert_mlp
+from padmoe.torch._common import plan_args
+from padmoe.torch._expert_mlp import KINDS, _mm, _mm_dgrad, _mm_wgrad, triton_gather_up
 from padmoe.torch.grouped import Routing, experts_forward
 
 SHAPES = {
@@ -40,7 +42,8 @@ SHAPES = {
 }
 ALIGN = 128
 GEMMS = ("up", "down", "down_dgrad", "down_wgrad", "up_dgrad", "up_wgrad")
-SILU = (KINDS["silu"], True, False, 1.702, 7.0)  # the activation ops' (kind, gated, interleaved, alpha, limit)
+SILU = (KINDS["silu"], True, False, 1.702, 7.0)
+GATHER_CONFIG = _expert_mlp.gather_config  # the activation ops' (kind, gated, interleaved, alpha, limit)
 
 
 def dense_rate():
@@ -105,6 +108,21 @@ def parts(s, x, idx, w, up, down, iters, rate, bw):
         pt.combine_backward(grad_out, ys, r.plan, w)
         pt.dispatch_backward(grad_rows, x, r.plan)
 
+    # The gather fused into the up projection (h, and with the activation fused: a) against dispatch +
+    # torch's grouped GEMM (+ the activation pass).
+    pk, sizes = r.plan.packed, plan_args(r.plan)
+    up_floor = out["up"][1]
+    out["dispatch_up"] = eager_time(lambda: _mm(r.dispatch(x, zero_padding=False), up, offs, False), iters)
+    out["gather_up"] = (
+        eager_time(lambda: triton_gather_up(x, pk, None, up, None, sizes, False, SILU, False, False), iters),
+        up_floor,
+    )
+    out["dispatch_up_act"] = eager_time(
+        lambda: act(_mm(r.dispatch(x, zero_padding=False), up, offs, False), offs, *SILU), iters
+    )
+    out["gather_up_act"] = eager_time(
+        lambda: triton_gather_up(x, pk, None, up, None, sizes, False, SILU, True, False), iters
+    )
     out["routing_fwd"] = eager_time(routing_fwd, iters)
     out["act_fwd"] = eager_time(lambda: act(h, offs, *SILU), iters)
     if s["backward"]:
@@ -143,9 +161,12 @@ def run_shape(name, s, iters, rate, bw):
             xx, idx, ww, up, down, gate="silu", alignment=ALIGN, check=False, recompute_rows=True
         ),
     }
+    forms["operator_dispatch"] = forms["operator"]  # the operator with dispatch + torch's GEMM only
     for form, call in forms.items():
         if form == "recompute" and not s["backward"]:
             continue
+        if form == "operator_dispatch":
+            _expert_mlp.gather_config = lambda *a: None
 
         def fwd():
             with torch.no_grad():
@@ -168,6 +189,7 @@ def run_shape(name, s, iters, rate, bw):
             fwd_bwd()
             torch.cuda.synchronize()
             row[f"{form}_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    _expert_mlp.gather_config = GATHER_CONFIG
     return row
 
 
@@ -232,6 +254,22 @@ def main(argv=None):
         print(
             f"| {r['shape']} | " + " | ".join(cells) + f" | {p['routing_fwd']:.0f} / {rb} | {p['act_fwd']:.0f} / {ab} |"
         )
+    print(
+        "\n| shape | up: dispatch + grouped_mm µs | gather-fused µs (x floor) "
+        "| up + activation: dispatch + grouped_mm + act µs | gather-fused, activation fused µs |"
+    )
+    print("|---|---|---|---|---|")
+    for r in rows:
+        p = r["parts"]
+        g, fl = p["gather_up"]
+        print(
+            f"| {r['shape']} | {p['dispatch_up']:.0f} | {g:.0f} ({g / fl:.2f}x) | {p['dispatch_up_act']:.0f} "
+            f"| {p['gather_up_act']:.0f} |"
+        )
+    print(
+        "\noperator with dispatch + grouped_mm only, fwd / graph fwd / f+b µs: "
+        + ", ".join(f"{r['shape']} {fmt(r, 'operator_dispatch')}" for r in rows)
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(dense_flops=rate, copy_bytes_per_s=bw, rows=rows), f, indent=1)

@@ -42,5 +42,6 @@ echo "padmoe: building and installing the Python package (nvcc: $(command -v nvc
 # padmoe.triton in Triton's interpreter (CPU): TRITON_INTERPRET=1 must be set before triton is imported,
 # so in a process of its own.
 if "$py" -c "import triton" 2>/dev/null; then
-  TRITON_INTERPRET=1 "$py" -m pytest python/tests/test_triton.py python/tests/test_triton_activation.py -q "$@"
+  TRITON_INTERPRET=1 "$py" -m pytest python/tests/test_triton.py python/tests/test_triton_activation.py \
+    python/tests/test_triton_gather_gemm.py -q "$@"
 fi

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from ._common import call, compiling, eager_mode, packed, plan_args
+from ._common import call, compiling, eager_mode, fake_plan_sizes, packed, plan_args
 
 Tensor = torch.Tensor
 
@@ -236,6 +236,113 @@ def _act_backward(*args):
 
 
 # ---------------------------------------------------------------------------
+# The up projection with the gather in its A-load (Triton)
+# ---------------------------------------------------------------------------
+
+
+def gather_config(x: Tensor, up: Tensor, sizes, transposed: bool, fused: bool, gated: bool):
+    """The gather-fused up projection's tile configuration, or None where it does not apply: it runs on
+    CUDA (or in Triton's interpreter) on bf16/fp16 operands of one dtype, for plans whose alignment
+    is a multiple of 16 (see ``padmoe/_triton_gather_gemm.py``)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or up.dtype != x.dtype:
+        return None
+    try:
+        from padmoe import _triton_gather_gemm as tg
+        from padmoe._triton_kernels import _interpreting
+    except ImportError:  # no Triton: dispatch and torch's grouped GEMM
+        return None
+    if not x.is_cuda and not (_interpreting() and x.dtype == torch.float16):
+        return None  # Triton's interpreter (the CPU tests) gets bf16 dot products wrong: fp16 only there
+
+    top_k, e, alignment, _ = sizes
+    n = up.shape[2] if transposed else up.shape[1]
+    if fused and gated:
+        n //= 2
+    return tg.config(alignment, x.shape[0] * top_k / max(e, 1), n, fused and gated)
+
+
+def triton_gather_up(
+    x, packed, weights, up, bias, sizes, transposed, act, fused, zero_padding, out: Optional[Tensor] = None
+) -> Tensor:
+    """``h[R, N1]`` (``fused`` False) or ``a[R, I]`` (``fused``: the activation in the epilogue) of the
+    rows ``x[row_sources // K]`` (times ``weights`` when given), never writing the dispatched rows.
+    Padding rows: zero with ``zero_padding``, else unwritten; rows at or past P unwritten. ``out``: the
+    output to write (a new tensor when None)."""
+    from padmoe import _triton_gather_gemm as tg
+    from padmoe._plan import packed_plan_layout
+
+    kind, gated, interleaved, alpha, limit = act
+    top_k, e, alignment, capacity = sizes
+    layout = {name: (offset, length) for name, offset, length in packed_plan_layout(x.shape[0], *sizes)}
+    rows = layout["row_sources"][1]
+    width = up.shape[2] if transposed else up.shape[1]
+    n = width // 2 if fused and gated else width
+    if out is None:
+        out = x.new_empty(rows, n)
+    cfg = gather_config(x, up, sizes, transposed, fused, gated)
+    bm, bn, bk, warps, stages = cfg
+    if rows and n and e:
+        x = x.contiguous()
+        sw = (up.stride(0), up.stride(2), up.stride(1)) if transposed else (up.stride(0), up.stride(1), up.stride(2))
+        bias = None if bias is None else bias.contiguous()
+        grid = (-(-rows // bm) * -(-n // bn),)
+        tg.gather_gemm_kernel[grid](
+            x, x if weights is None else weights.contiguous(), up, x if bias is None else bias, out, packed,
+            layout["tokens_per_expert"][0], layout["padded_bins"][0], layout["row_sources"][0],
+            e, n, x.shape[1], top_k, x.stride(0), *sw, 0 if bias is None else bias.stride(0), out.stride(0),
+            float(alpha), float(limit),
+            WEIGHTED=weights is not None, BIAS=bias is not None, ACT=kind if fused else -1, GATED=gated,
+            INTERLEAVED=interleaved, ZERO_PADDING=zero_padding, E_POW2=1 << (e - 1).bit_length(),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("padmoe_experts::gather_up", mutates_args=())
+def _gather_up(
+    x: Tensor,
+    packed: Tensor,
+    weights: Optional[Tensor],
+    up: Tensor,
+    bias: Optional[Tensor],
+    top_k: int,
+    num_experts: int,
+    alignment: int,
+    capacity: Optional[int],
+    transposed: bool,
+    kind: int,
+    gated: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    fused: bool,
+    zero_padding: bool,
+) -> Tensor:
+    """:func:`triton_gather_up` as an operator torch.compile sees."""
+    return triton_gather_up(
+        x, packed, weights, up, bias, (top_k, num_experts, alignment, capacity), transposed,
+        (kind, gated, interleaved, alpha, limit), fused, zero_padding,
+    )  # fmt: skip
+
+
+@_gather_up.register_fake
+def _(x, packed, weights, up, bias, top_k, num_experts, alignment, capacity, transposed, kind, gated, interleaved,
+      alpha, limit, fused, zero_padding):  # fmt: skip
+    _, _, rows = fake_plan_sizes(packed, top_k, num_experts, alignment, capacity)
+    width = up.shape[2] if transposed else up.shape[1]
+    return x.new_empty(rows, width // 2 if fused and gated else width)
+
+
+def _gather_up_call(x, packed, weights, up, bias, sizes, transposed, act, fused, zero_padding) -> Tensor:
+    """The gather-fused up projection: the custom operator while torch.compile traces, else its body."""
+    if compiling():
+        return torch.ops.padmoe_experts.gather_up(
+            x, packed, weights, up, bias, *sizes, transposed, *act, fused, zero_padding
+        )
+    return triton_gather_up(x, packed, weights, up, bias, sizes, transposed, act, fused, zero_padding)
+
+
+# ---------------------------------------------------------------------------
 # GEMMs in the operands' layouts, biases
 # ---------------------------------------------------------------------------
 
@@ -281,6 +388,16 @@ def _bias_grad(grad: Tensor, row_experts: Tensor, num_experts: int) -> Tensor:
 # ---------------------------------------------------------------------------
 
 
+def _check_rows(x: Tensor, packed: Tensor, sizes) -> None:
+    """The check dispatch makes of x before the gather-fused GEMM reads x's rows through the plan (the
+    plan itself is padmoe's, valid by construction)."""
+    tokens, _, _ = fake_plan_sizes(packed, *sizes)
+    if x.shape[0] != tokens:
+        raise ValueError(
+            f"padmoe experts: hidden_states: expected {tokens} rows (the routing's tokens), got {x.shape[0]}"
+        )
+
+
 def _dispatch(x, packed, weights, plan_sizes, check, zero_padding) -> Tensor:
     op, _ = call("dispatch")  # the native fast entry point in eager mode, the OpOverload under compile
     return op(x, packed, weights, *plan_sizes, check, zero_padding)
@@ -293,11 +410,24 @@ class _ExpertMLP(torch.autograd.Function):
         kind, gated, interleaved, alpha, limit = act
         before = w if weighting == "before" else None
         after = w if weighting == "after" else None
-        rows = _dispatch(x, packed, before, sizes, check, grads)
-        h = _mm(rows, up, offs, transposed)
-        if up_bias is not None:
-            h = h + _bias_rows(up_bias, row_experts)
-        a = _act_forward(h, offs, kind, gated, interleaved, alpha, limit)
+        # The gather fused into the up projection where it applies: without gradients the activation
+        # too (neither the rows nor h written); with gradients and recompute_rows, h with zero padding
+        # rows (the backward dispatches the rows). Kept rows need the dispatch, then torch's GEMM.
+        fuse = (not grads or recompute) and gather_config(x, up, sizes, transposed, not grads, gated) is not None
+        if fuse:
+            _check_rows(x, packed, sizes)
+        rows = h = None
+        if fuse and not grads:
+            a = _gather_up_call(x, packed, before, up, up_bias, sizes, transposed, act, True, False)
+        else:
+            if fuse:
+                h = _gather_up_call(x, packed, before, up, up_bias, sizes, transposed, act, False, True)
+            else:
+                rows = _dispatch(x, packed, before, sizes, check, grads)
+                h = _mm(rows, up, offs, transposed)
+                if up_bias is not None:
+                    h = h + _bias_rows(up_bias, row_experts)
+            a = _act_forward(h, offs, kind, gated, interleaved, alpha, limit)
         ys = _mm(a, down, offs, transposed)
         del a
         if down_bias is not None:

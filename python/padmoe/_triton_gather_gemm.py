@@ -1,0 +1,172 @@
+"""The expert MLP's up projection with the gather in its A-load: one Triton grouped GEMM that reads x's
+rows through the plan's ``row_sources`` instead of a dispatched ``[P, H]`` buffer (padmoe.torch's expert
+MLP operator runs it on CUDA tensors; on CPU tensors it runs in Triton's interpreter, which is how the
+CPU suite tests it).
+
+Program (m, n) computes rows ``[m*BLOCK_M, (m+1)*BLOCK_M)`` of ``x[row_sources // K] @ W[e]`` for output
+columns ``[n*BLOCK_N, (n+1)*BLOCK_N)``. ``BLOCK_M`` divides the plan's alignment (every segment starts
+on a multiple of it), so a tile belongs to one expert ``e``, found by counting the segment ends
+(``padded_bins``) at or before its first row. Real rows come first in a segment, so a tile past
+``padded_start(e) + count(e)`` holds padding only: it computes nothing (zeros written only when the
+caller needs padding rows zero). Tiles at or past P exit. The router weight (``weighting="before"``)
+multiplies each gathered row in float32 and rounds to x's dtype before the product, as ``dispatch``
+does.
+
+Two epilogues:
+- ``ACT < 0``: ``h = acc (+ bias)`` rounded once, ``[R, N]`` (the forward with gradients keeps h).
+- ``ACT = kind``: the activation fused (kinds of padmoe/_triton_activation.py); gated, the program
+  keeps two accumulators, the gate's and the up half's columns of the same outputs (side by side:
+  ``j`` and ``I + j``; interleaved: ``2j`` and ``2j + 1``) and writes ``a[R, I]`` only: neither the
+  dispatched rows nor h is ever written (the forward without gradients).
+
+The bias is added to the float32 accumulator on real rows (padding rows stay zero). Every output is
+one program's dot products in a fixed order: bitwise deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._triton_activation import _act, _up_half
+
+
+@triton.jit
+def _segment(pad_ends, counts, row0, E, E_POW2: tl.constexpr):
+    """(expert, first padding row) of the segment holding row ``row0`` (< P)."""
+    i = tl.arange(0, E_POW2)
+    ends = tl.load(pad_ends + i, mask=i < E, other=0)
+    e = tl.sum(((ends <= row0) & (i < E)).to(tl.int32), axis=0)
+    start = tl.sum(tl.where(i == e - 1, ends, 0), axis=0)
+    return e, start + tl.load(counts + e)
+
+
+@triton.jit
+def gather_gemm_kernel(
+    x,
+    weights,
+    w,
+    bias,
+    out,
+    plan,
+    off_counts,
+    off_ends,
+    off_sources,
+    E,
+    N,
+    KDIM,
+    TOP_K,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_o,
+    alpha,
+    limit,
+    WEIGHTED: tl.constexpr,
+    BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ZERO_PADDING: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    row0 = pid_m * BLOCK_M
+    counts = plan + off_counts
+    pad_ends = plan + off_ends
+    sources = plan + off_sources
+    p = tl.load(pad_ends + E - 1)
+    if row0 < p:
+        e, real_end = _segment(pad_ends, counts, row0, E, E_POW2)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        optr = out + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+        if row0 >= real_end:
+            if ZERO_PADDING:
+                zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=out.dtype.element_ty)
+                tl.store(optr, zero, mask=col_ok[None, :])
+        else:
+            src = tl.load(sources + rows, mask=rows < real_end, other=-1)
+            live = src >= 0
+            tok = tl.where(live, src // TOP_K, 0).to(tl.int64)
+            if WEIGHTED:
+                wv = tl.load(weights + src, mask=live, other=0.0).to(tl.float32)
+            if ACT >= 0 and GATED:  # the weight columns of the gate and up halves of output column j
+                if INTERLEAVED:
+                    cg = 2 * cols
+                    cu = cg + 1
+                else:
+                    cg = cols
+                    cu = cols + N
+            else:
+                cg = cols
+                cu = cols
+            wbase = w + e.to(tl.int64) * stride_we
+            ks = tl.arange(0, BLOCK_K)
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, KDIM, BLOCK_K):
+                kk = k0 + ks
+                k_ok = kk < KDIM
+                at = tl.load(x + tok[:, None] * stride_x + kk[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+                if WEIGHTED:
+                    at = (at.to(tl.float32) * wv[:, None] + 0.0).to(at.dtype)
+                bm = k_ok[:, None] & col_ok[None, :]
+                bg = tl.load(wbase + cg[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk, mask=bm, other=0.0)
+                acc_g = tl.dot(at, bg, acc_g)
+                if ACT >= 0 and GATED:
+                    bu = tl.load(
+                        wbase + cu[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk, mask=bm, other=0.0
+                    )
+                    acc_u = tl.dot(at, bu, acc_u)
+            if BIAS:
+                bb = bias + e.to(tl.int64) * stride_be
+                acc_g += tl.where(live[:, None], tl.load(bb + cg, mask=col_ok, other=0.0).to(tl.float32)[None, :], 0.0)
+                if ACT >= 0 and GATED:
+                    acc_u += tl.where(
+                        live[:, None], tl.load(bb + cu, mask=col_ok, other=0.0).to(tl.float32)[None, :], 0.0
+                    )
+            if ACT >= 0:
+                y, _ = _act(acc_g, ACT, alpha, limit)
+                if GATED:
+                    y = y * _up_half(acc_u, ACT, limit)
+                y = tl.where(live[:, None], y, 0.0)
+            else:
+                y = acc_g
+            m = col_ok[None, :]
+            if not ZERO_PADDING:
+                m = m & live[:, None]
+            tl.store(optr, y.to(out.dtype.element_ty), mask=m)
+
+
+def block_m(alignment: int, rows_per_expert: float):
+    """The tile height: a power of two from 16 to 128 dividing ``alignment`` (so a tile never spans two
+    experts), no taller than the average expert's rows need; None when ``alignment`` is not a multiple
+    of 16 (the tensor cores' smallest tile), and then the caller dispatches and runs torch's grouped GEMM."""
+    if alignment <= 0 or alignment % 16:
+        return None
+    bm = 16
+    want = min(128, triton.next_power_of_2(max(int(rows_per_expert), 16)))
+    while bm < want and alignment % (2 * bm) == 0:
+        bm *= 2
+    return bm
+
+
+def config(alignment: int, rows_per_expert: float, n: int, fused_gated: bool):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an output width ``n`` (I when the gated
+    activation is fused: two accumulators a program), or None (see :func:`block_m`)."""
+    bm = block_m(alignment, rows_per_expert)
+    if bm is None:
+        return None
+    bn = min(64 if fused_gated else 128, triton.next_power_of_2(max(n, 16)))
+    warps = 8 if bm * bn * (2 if fused_gated else 1) >= 128 * 128 else 4
+    return bm, bn, 64, warps, 3 if bm >= 64 else 4

@@ -1,0 +1,239 @@
+"""The gather-fused up projection (padmoe/_triton_gather_gemm.py) against float64 loops: x's rows read
+through the plan, weighted or not, both weight layouts, bias, the plain epilogue (h) and the fused
+activations (gated side by side and interleaved, ungated, GPT-OSS's clamped SwiGLU); padding rows zero
+or unwritten as asked, rows at or past P never written, bitwise the same run to run; the tile choice;
+and the expert MLP operator running it (forward without gradients; with gradients and
+``recompute_rows``). On the CPU in Triton's interpreter (TRITON_INTERPRET=1, a process of its own:
+scripts/pytest.sh), else on CUDA."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from padmoe import _triton_gather_gemm as tg  # noqa: E402
+from padmoe._triton_kernels import _interpreting  # noqa: E402
+from padmoe.torch import _expert_mlp  # noqa: E402
+from padmoe.torch._expert_mlp import KINDS, gather_config, triton_gather_up  # noqa: E402
+from padmoe.torch.grouped import Routing, experts_forward  # noqa: E402
+
+if _interpreting():
+    DEV = "cpu"
+elif torch.cuda.is_available():
+    DEV = "cuda"
+else:
+    pytest.skip("Triton kernels run on CUDA, or on the CPU with TRITON_INTERPRET=1", allow_module_level=True)
+
+ALPHA, LIMIT = 1.702, 2.5
+SENTINEL = 77.0
+DT = torch.float16 if DEV == "cpu" else torch.bfloat16  # the interpreter's bf16 dot products are wrong
+
+
+def act64(kind, g, u):
+    """The activation in float64: act(g) * u (gated; u None ungated)."""
+    if kind == "clamped_swiglu":
+        gc = g.clamp(max=LIMIT)
+        return (u.clamp(-LIMIT, LIMIT) + 1) * gc * torch.sigmoid(ALPHA * gc)
+    if kind == "silu":
+        y = g * torch.sigmoid(g)
+    elif kind == "gelu_tanh":
+        y = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+    elif kind == "relu2":
+        y = torch.relu(g) ** 2
+    else:
+        raise AssertionError(kind)
+    return y if u is None else y * u
+
+
+def problem(seed, T=24, K=2, E=5, H=72, N=80, alignment=16, capacity=None, weighted=True, bias=False, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(DT)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int64)
+    idx[3, 0] = 2  # expert 4 and others may get no rows; 2 gets some
+    w = torch.rand(T, K, generator=gen)
+    r = Routing.from_topk(idx, w, E, alignment, expert_capacity=capacity, **kw)
+    up = (torch.randn(E, N, H, generator=gen) / math.sqrt(H)).to(DT)
+    b = (torch.randn(E, N, generator=gen) * 0.5).to(DT) if bias else None
+    return x, idx, w if weighted else None, r, up, b
+
+
+def reference_h(x, w, r, up, bias):
+    """(h [R, N] float64 with real rows only, real-row mask [R], P)."""
+    plan = r.plan
+    src = plan.row_sources.long()
+    ends = plan.padded_bins.long().tolist()
+    p = ends[-1] if ends else 0
+    K = plan.top_k
+    h = torch.zeros(src.shape[0], up.shape[1], dtype=torch.float64)
+    real = torch.zeros(src.shape[0], dtype=torch.bool)
+    start = 0
+    for e, end in enumerate(ends):
+        for row in range(start, end):
+            a = int(src[row])
+            if a < 0:
+                continue
+            v = x[a // K].float()
+            if w is not None:
+                v = v * w.reshape(-1)[a]
+            v = v.to(DT).double()  # rounded as dispatch rounds the weighted row
+            h[row] = up[e].double() @ v
+            if bias is not None:
+                h[row] += bias[e].double()
+            real[row] = True
+        start = end
+    return h, real, p
+
+
+def run(x, w, r, up, bias, transposed, act, fused, zero_padding):
+    plan = r.plan
+    sizes = (plan.top_k, plan.num_experts, plan.alignment, getattr(plan, "expert_capacity", None))
+    wt = up.transpose(1, 2).contiguous() if transposed else up
+    args = (x.to(DEV), plan.packed.to(DEV), None if w is None else w.to(DEV), wt.to(DEV))
+    out = triton_gather_up(*args, None if bias is None else bias.to(DEV), sizes, transposed, act, fused, zero_padding)
+    return out.cpu()
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_h_against_float64(transposed, weighted, bias):
+    x, _, w, r, up, b = problem(1 + 2 * transposed + weighted, weighted=weighted, bias=bias)
+    want, real, p = reference_h(x, w, r, up, b)
+    act = (KINDS["silu"], True, False, ALPHA, LIMIT)
+    got = run(x, w, r, up, b, transposed, act, False, True)
+    torch.testing.assert_close(got[:p].double(), want[:p].to(DT).double(), rtol=1e-2, atol=1e-2)
+    assert (got[:p][~real[:p]] == 0).all()  # padding rows zero when asked
+    again = run(x, w, r, up, b, transposed, act, False, True)
+    assert torch.equal(got[:p], again[:p])
+
+
+@pytest.mark.parametrize(
+    "kind, gated, interleaved",
+    [("silu", True, False), ("silu", True, True), ("clamped_swiglu", True, True), ("gelu_tanh", False, False),
+     ("relu2", True, False)],
+)  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_activation_against_float64(kind, gated, interleaved, bias):
+    N = 80 if gated else 40
+    x, _, w, r, up, b = problem(11 + len(kind), N=N, bias=bias)
+    h, real, p = reference_h(x, w, r, up, b)
+    if gated:
+        g, u = (h[:, 0::2], h[:, 1::2]) if interleaved else (h[:, : N // 2], h[:, N // 2 :])
+        want = act64(kind, g, u)
+    else:
+        want = act64(kind, h, None)
+    act = (KINDS[kind], gated, interleaved, ALPHA, LIMIT)
+    got = run(x, w, r, up, b, False, act, True, True)
+    assert got.shape == (h.shape[0], N // 2 if gated else N)
+    torch.testing.assert_close(got[:p][real[:p]].double(), want[:p][real[:p]], rtol=2e-2, atol=2e-2)
+    assert (got[:p][~real[:p]] == 0).all()
+
+
+def test_unwritten_rows():
+    """Without zero_padding, padding rows and rows at or past P keep what the output held: the kernel
+    writes real rows only."""
+    x, _, w, r, up, _ = problem(5)
+    plan = r.plan
+    sizes = (plan.top_k, plan.num_experts, plan.alignment, None)
+    act = (KINDS["silu"], True, False, ALPHA, LIMIT)
+    real = plan.row_sources >= 0
+    for fused in (False, True):
+        want = run(x, w, r, up, None, False, act, fused, True)
+        got = torch.full_like(want, SENTINEL).to(DEV)
+        triton_gather_up(x.to(DEV), plan.packed.to(DEV), w.to(DEV), up.to(DEV), None, sizes, False, act, fused, False,
+                         out=got)  # fmt: skip
+        got = got.cpu()
+        assert torch.equal(got[real], want[real])
+        assert (got[~real] == SENTINEL).all()
+
+
+def test_capacity_plan_and_dropped_ids():
+    x, _, w, r, up, _ = problem(7, capacity=16)
+    want, real, p = reference_h(x, w, r, up, None)
+    got = run(x, w, r, up, None, False, (KINDS["silu"], True, False, ALPHA, LIMIT), False, True)
+    torch.testing.assert_close(got[:p].double(), want[:p].to(DT).double(), rtol=1e-2, atol=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.randint(-1, 6, (24, 2), generator=gen)  # -1 and 5: dropped (E = 5)
+    r2 = Routing.from_topk(idx, w, 5, 32, drop_invalid=True)
+    want, real, p = reference_h(x, w, r2, up, None)
+    got = run(x, w, r2, up, None, False, (KINDS["silu"], True, False, ALPHA, LIMIT), False, True)
+    torch.testing.assert_close(got[:p].double(), want[:p].to(DT).double(), rtol=1e-2, atol=1e-2)
+
+
+def test_tile_choice():
+    assert tg.block_m(8, 1000) is None and tg.block_m(24, 1000) is None  # not a multiple of 16
+    assert tg.block_m(128, 1024) == 128 and tg.block_m(128, 8) == 16 and tg.block_m(128, 40) == 64
+    assert tg.block_m(16, 1024) == 16 and tg.block_m(48, 1024) == 16 and tg.block_m(64, 1024) == 64
+    for align in (16, 32, 48, 64, 128, 256):
+        for rows in (1, 8, 100, 5000):
+            bm = tg.block_m(align, rows)
+            assert align % bm == 0 and 16 <= bm <= 128
+    bm, bn, bk, warps, stages = tg.config(128, 1024, 768, True)
+    assert (bm, bn) == (128, 64) and warps == 8
+    assert tg.config(128, 1024, 40, False)[1] == 64  # narrow outputs: a narrower tile
+    x = torch.zeros(4, 8, dtype=torch.float32, device=DEV)
+    assert gather_config(x, torch.zeros(2, 8, 8, device=DEV), (2, 2, 16, None), False, True, True) is None  # fp32
+
+
+def spy(monkeypatch):
+    """The list of ``fused`` flags of the operator's gather-fused GEMM calls."""
+    calls, real = [], _expert_mlp._gather_up_call
+
+    def counting(*args):
+        calls.append(args[8])
+        return real(*args)
+
+    monkeypatch.setattr(_expert_mlp, "_gather_up_call", counting)
+    return calls
+
+
+@pytest.mark.parametrize("weighting", ["after", "before"])
+def test_operator_without_gradients(weighting, monkeypatch):
+    """experts_forward under no_grad runs the gather and the activation fused; against float64."""
+    calls = spy(monkeypatch)
+    T, K, E, H, I = 20, 2, 4, 64, 32
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(T, H, generator=gen).to(DT).to(DEV)
+    idx = torch.randint(0, E, (T, K), generator=gen).to(DEV)
+    w = torch.rand(T, K, generator=gen).to(DEV)
+    up = (torch.randn(E, 2 * I, H, generator=gen) / 8).to(DT).to(DEV)
+    down = (torch.randn(E, H, I, generator=gen) / 6).to(DT).to(DEV)
+    with torch.no_grad():
+        out = experts_forward(x, idx, w, up, down, gate="silu", alignment=16, weighting=weighting)
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(idx[t, k])
+            v = x[t].cpu().double()
+            if weighting == "before":
+                v = (x[t].cpu().float() * w[t, k].cpu()).to(DT).double()
+            hh = up[e].cpu().double() @ v
+            a = act64("silu", hh[:I], hh[I:])
+            y = down[e].cpu().double() @ a
+            want[t] += y * (w[t, k].cpu().double() if weighting == "after" else 1)
+    assert calls == [True]  # one call, the activation fused
+    torch.testing.assert_close(out.cpu().double(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_operator_recompute_rows_gradients(monkeypatch):
+    """With gradients and recompute_rows the forward keeps h from the gather-fused GEMM and the backward
+    dispatches the rows: the same results as the operator that keeps the rows, to bf16 rounding."""
+    T, K, E, H, I = 20, 2, 4, 64, 32
+    gen = torch.Generator().manual_seed(4)
+    x0 = torch.randn(T, H, generator=gen).to(DT).to(DEV)
+    idx = torch.randint(0, E, (T, K), generator=gen).to(DEV)
+    w0 = torch.rand(T, K, generator=gen).to(DEV)
+    up0 = (torch.randn(E, 2 * I, H, generator=gen) / 8).to(DT).to(DEV)
+    down0 = (torch.randn(E, H, I, generator=gen) / 6).to(DT).to(DEV)
+    grads = []
+    calls = spy(monkeypatch)
+    for recompute in (False, True):
+        x, w, up, down = (t.clone().requires_grad_() for t in (x0, w0, up0, down0))
+        out = experts_forward(x, idx, w, up, down, gate="silu", alignment=16, recompute_rows=recompute)
+        out.float().square().sum().backward()
+        grads.append((out.detach(), x.grad, w.grad, up.grad, down.grad))
+        assert calls == ([False] if recompute else [])  # kept rows: dispatch; recomputed: h from the gather
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
