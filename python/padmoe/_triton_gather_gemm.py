@@ -12,6 +12,9 @@ caller needs padding rows zero). Tiles at or past P exit. The router weight (``w
 multiplies each gathered row in float32 and rounds to x's dtype before the product, as ``dispatch``
 does.
 
+The backward's weight gradient of the up projection reads x through the plan the same way
+(:func:`gather_wgrad_kernel`), so with ``recompute_rows`` no ``[P, H]`` rows are dispatched at all.
+
 Two epilogues:
 - ``ACT < 0``: ``h = acc (+ bias)`` rounded once, ``[R, N]`` (the forward with gradients keeps h).
 - ``ACT = kind``: the activation fused (kinds of padmoe/_triton_activation.py); gated, the program
@@ -148,6 +151,64 @@ def gather_gemm_kernel(
             tl.store(optr, y.to(out.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def gather_wgrad_kernel(
+    g,
+    x,
+    weights,
+    out,
+    plan,
+    off_counts,
+    off_ends,
+    off_sources,
+    E,
+    N,
+    H,
+    TOP_K,
+    stride_g,
+    stride_x,
+    stride_oe,
+    stride_on,
+    stride_oh,
+    WEIGHTED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The up projection's weight gradient ``out[e] = g[seg(e)]^T x[row_sources // K]`` (``[N, H]`` per
+    expert, written through ``stride_on`` / ``stride_oh``: either weight layout), reading x's rows through
+    the plan as :func:`gather_gemm_kernel` does; only real rows are summed (padding rows add zero), in
+    row order, in float32, rounded once. An expert without rows gets zeros."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_h = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    e = pid // (num_n * num_h)
+    rest = pid % (num_n * num_h)
+    cols_n = (rest // num_h) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_h = (rest % num_h) * BLOCK_H + tl.arange(0, BLOCK_H)
+    n_ok = cols_n < N
+    h_ok = cols_h < H
+    start = tl.load(plan + off_ends + e - 1, mask=e > 0, other=0)
+    end = start + tl.load(plan + off_counts + e)
+    sources = plan + off_sources
+    acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    rs = tl.arange(0, BLOCK_R)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + rs
+        src = tl.load(sources + rows, mask=rows < end, other=-1)
+        live = src >= 0
+        tok = tl.where(live, src // TOP_K, 0).to(tl.int64)
+        gt = tl.load(g + rows.to(tl.int64)[:, None] * stride_g + cols_n[None, :], mask=live[:, None] & n_ok[None, :],
+                     other=0.0)  # fmt: skip
+        xt = tl.load(x + tok[:, None] * stride_x + cols_h[None, :], mask=live[:, None] & h_ok[None, :], other=0.0)
+        if WEIGHTED:
+            wv = tl.load(weights + src, mask=live, other=0.0).to(tl.float32)
+            xt = (xt.to(tl.float32) * wv[:, None] + 0.0).to(xt.dtype)
+        acc = tl.dot(tl.trans(gt), xt, acc)
+    optr = out + e.to(tl.int64) * stride_oe + cols_n[:, None].to(tl.int64) * stride_on + cols_h[None, :] * stride_oh
+    tl.store(optr, acc.to(out.dtype.element_ty), mask=n_ok[:, None] & h_ok[None, :])
+
+
 def block_m(alignment: int, rows_per_expert: float):
     """The tile height: a power of two from 16 to 128 dividing ``alignment`` (so a tile never spans two
     experts), no taller than the average expert's rows need; None when ``alignment`` is not a multiple
@@ -170,3 +231,10 @@ def config(alignment: int, rows_per_expert: float, n: int, fused_gated: bool):
     bn = min(64 if fused_gated else 128, triton.next_power_of_2(max(n, 16)))
     warps = 8 if bm * bn * (2 if fused_gated else 1) >= 128 * 128 else 4
     return bm, bn, 64, warps, 3 if bm >= 64 else 4
+
+
+def wgrad_config(n: int, h: int):
+    """(BLOCK_N, BLOCK_H, BLOCK_R, num_warps, num_stages) of :func:`gather_wgrad_kernel`."""
+    bn = min(128, triton.next_power_of_2(max(n, 16)))
+    bh = min(128, triton.next_power_of_2(max(h, 16)))
+    return bn, bh, 64, 8 if bn * bh >= 128 * 128 else 4, 3

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from padmoe import _triton_gather_gemm as tg  # noqa: E402
 from padmoe._triton_kernels import _interpreting  # noqa: E402
 from padmoe.torch import _expert_mlp  # noqa: E402
-from padmoe.torch._expert_mlp import KINDS, gather_config, triton_gather_up  # noqa: E402
+from padmoe.torch._expert_mlp import KINDS, gather_config, triton_gather_up, triton_gather_wgrad  # noqa: E402
 from padmoe.torch.grouped import Routing, experts_forward  # noqa: E402
 
 if _interpreting():
@@ -47,13 +47,14 @@ def act64(kind, g, u):
     return y if u is None else y * u
 
 
-def problem(seed, T=24, K=2, E=5, H=72, N=80, alignment=16, capacity=None, weighted=True, bias=False, **kw):
+def problem(seed, T=24, K=2, E=5, H=72, N=80, alignment=16, capacity=None, weighted=True, bias=False, used=None):
+    """(x, ids, weights or None, Routing, up [E, N, H], bias or None); the ids draw from the first
+    ``used`` experts (all by default): the others get no rows."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen).to(DT)
-    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int64)
-    idx[3, 0] = 2  # expert 4 and others may get no rows; 2 gets some
+    idx = torch.stack([torch.randperm(used or E, generator=gen)[:K] for _ in range(T)]).to(torch.int64)
     w = torch.rand(T, K, generator=gen)
-    r = Routing.from_topk(idx, w, E, alignment, expert_capacity=capacity, **kw)
+    r = Routing.from_topk(idx, w, E, alignment, expert_capacity=capacity)
     up = (torch.randn(E, N, H, generator=gen) / math.sqrt(H)).to(DT)
     b = (torch.randn(E, N, generator=gen) * 0.5).to(DT) if bias else None
     return x, idx, w if weighted else None, r, up, b
@@ -162,6 +163,39 @@ def test_capacity_plan_and_dropped_ids():
     torch.testing.assert_close(got[:p].double(), want[:p].to(DT).double(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_wgrad_against_float64(transposed, weighted):
+    """The up projection's weight gradient from x's rows through the plan: sum over each expert's real
+    rows of grad_h[r] (x) row(r); padding rows (NaN in grad_h here) never read; an expert with no rows
+    gets zeros; bitwise the same run to run."""
+    x, _, w, r, up, _ = problem(21 + 2 * transposed + weighted, E=6, weighted=weighted, used=5)
+    plan = r.plan
+    src = plan.row_sources.long()
+    gen = torch.Generator().manual_seed(5)
+    grad_h = torch.randn(src.shape[0], up.shape[1], generator=gen).to(DT)
+    grad_h[src < 0] = float("nan")
+    K = plan.top_k
+    want = torch.zeros(up.shape, dtype=torch.float64)
+    ends = [0] + plan.padded_bins.long().tolist()
+    for e in range(up.shape[0]):
+        for row in range(ends[e], ends[e + 1]):
+            a = int(src[row])
+            if a >= 0:
+                v = x[a // K].float() * (w.reshape(-1)[a] if w is not None else 1)
+                want[e] += torch.outer(grad_h[row].double(), v.to(DT).double())
+    assert plan.tokens_per_expert[5] == 0 and (want[5] == 0).all()  # expert 5 of 6 gets no rows
+    sizes = (K, plan.num_experts, plan.alignment, None)
+    wt = up.transpose(1, 2).contiguous() if transposed else up
+    args = (grad_h.to(DEV), x.to(DEV), plan.packed.to(DEV), None if w is None else w.to(DEV), wt.to(DEV), sizes)
+    got = triton_gather_wgrad(*args, transposed).cpu()
+    assert got.shape == wt.shape
+    got = got.transpose(1, 2) if transposed else got
+    torch.testing.assert_close(got.double(), want.to(DT).double(), rtol=1e-2, atol=1e-2)
+    again = triton_gather_wgrad(*args, transposed).cpu()
+    assert torch.equal(again.transpose(1, 2) if transposed else again, got)
+
+
 def test_tile_choice():
     assert tg.block_m(8, 1000) is None and tg.block_m(24, 1000) is None  # not a multiple of 16
     assert tg.block_m(128, 1024) == 128 and tg.block_m(128, 8) == 16 and tg.block_m(128, 40) == 64
@@ -237,3 +271,28 @@ def test_operator_recompute_rows_gradients(monkeypatch):
         assert calls == ([False] if recompute else [])  # kept rows: dispatch; recomputed: h from the gather
     for a, b in zip(*grads):
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_custom_operators_compiled_fullgraph():
+    """The gather-fused GEMMs as the custom operators torch.compile sees (their schemas and fakes):
+    compiled with fullgraph, the same bits as eager. (The whole operator under torch.compile runs
+    bf16 only, which the interpreter cannot: test_expert_mlp.py covers it on CUDA.)"""
+    x, _, w, r, up, b = problem(31, bias=True)
+    plan = r.plan
+    sizes = (plan.top_k, plan.num_experts, plan.alignment, None)
+    x, pk, w, up, b = (t.to(DEV) for t in (x, plan.packed, w, up, b))
+    act = (KINDS["silu"], True, True, ALPHA, LIMIT)
+    real = (plan.row_sources >= 0).to(DEV)
+
+    def f(x, w, up, b):
+        h = torch.ops.padmoe_experts.gather_up(x, pk, w, up, b, *sizes, False, *act, False, True)
+        a = torch.ops.padmoe_experts.gather_up(x, pk, w, up, b, *sizes, False, *act, True, False)
+        g = torch.ops.padmoe_experts.gather_wgrad(h, x, pk, w, up, *sizes, False)
+        return h, a, g
+
+    want = f(x, w, up, b)
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True)(x, w, up, b)
+    p = int(plan.padded_bins[-1])  # rows at or past P: unwritten
+    assert torch.equal(got[0][:p], want[0][:p]) and torch.equal(got[2], want[2])
+    assert torch.equal(got[1][real], want[1][real])  # padding rows of a: unwritten too

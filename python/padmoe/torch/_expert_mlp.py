@@ -38,7 +38,9 @@ It captures in a CUDA graph (no host synchronization on CUDA).
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from typing import Optional
 
 import torch
@@ -239,20 +241,21 @@ def _act_backward(*args):
 # The up projection with the gather in its A-load (Triton)
 # ---------------------------------------------------------------------------
 
+# Read once, at import (torch.compile traces the choice): whether Triton is installed, and whether it
+# runs kernels in its interpreter (the variable Triton itself reads when imported).
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 def gather_config(x: Tensor, up: Tensor, sizes, transposed: bool, fused: bool, gated: bool):
     """The gather-fused up projection's tile configuration, or None where it does not apply: it runs on
     CUDA (or in Triton's interpreter) on bf16/fp16 operands of one dtype, for plans whose alignment
     is a multiple of 16 (see ``padmoe/_triton_gather_gemm.py``)."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or up.dtype != x.dtype:
-        return None
-    try:
-        from padmoe import _triton_gather_gemm as tg
-        from padmoe._triton_kernels import _interpreting
-    except ImportError:  # no Triton: dispatch and torch's grouped GEMM
-        return None
-    if not x.is_cuda and not (_interpreting() and x.dtype == torch.float16):
+    if not _HAS_TRITON or x.dtype not in (torch.bfloat16, torch.float16) or up.dtype != x.dtype:
+        return None  # without Triton: dispatch and torch's grouped GEMM
+    if not x.is_cuda and not (_INTERPRETING and x.dtype == torch.float16):
         return None  # Triton's interpreter (the CPU tests) gets bf16 dot products wrong: fp16 only there
+    from padmoe import _triton_gather_gemm as tg
 
     top_k, e, alignment, _ = sizes
     n = up.shape[2] if transposed else up.shape[1]
@@ -331,6 +334,61 @@ def _(x, packed, weights, up, bias, top_k, num_experts, alignment, capacity, tra
     _, _, rows = fake_plan_sizes(packed, top_k, num_experts, alignment, capacity)
     width = up.shape[2] if transposed else up.shape[1]
     return x.new_empty(rows, width // 2 if fused and gated else width)
+
+
+def triton_gather_wgrad(
+    grad_h: Tensor, x: Tensor, packed: Tensor, weights, up: Tensor, sizes, transposed: bool
+) -> Tensor:
+    """The up projection's weight gradient, shaped and laid out as ``up``, from ``grad_h[R, N1]`` and
+    x's rows read through the plan (times ``weights`` when given): no dispatched rows."""
+    from padmoe import _triton_gather_gemm as tg
+    from padmoe._plan import packed_plan_layout
+
+    top_k, e = sizes[0], sizes[1]
+    layout = {name: offset for name, offset, _ in packed_plan_layout(x.shape[0], *sizes)}
+    out = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    n = up.shape[2] if transposed else up.shape[1]
+    h = x.shape[1]
+    if out.numel():
+        bn, bh, br, warps, stages = tg.wgrad_config(n, h)
+        so = (out.stride(0), out.stride(2), out.stride(1)) if transposed else out.stride()
+        x, grad_h = x.contiguous(), grad_h.contiguous()
+        grid = (e * -(-n // bn) * -(-h // bh),)
+        tg.gather_wgrad_kernel[grid](
+            grad_h, x, x if weights is None else weights.contiguous(), out, packed,
+            layout["tokens_per_expert"], layout["padded_bins"], layout["row_sources"],
+            e, n, h, top_k, grad_h.stride(0), x.stride(0), *so,
+            WEIGHTED=weights is not None, BLOCK_N=bn, BLOCK_H=bh, BLOCK_R=br, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("padmoe_experts::gather_wgrad", mutates_args=())
+def _gather_wgrad(
+    grad_h: Tensor,
+    x: Tensor,
+    packed: Tensor,
+    weights: Optional[Tensor],
+    up: Tensor,
+    top_k: int,
+    num_experts: int,
+    alignment: int,
+    capacity: Optional[int],
+    transposed: bool,
+) -> Tensor:
+    """:func:`triton_gather_wgrad` as an operator torch.compile sees."""
+    return triton_gather_wgrad(grad_h, x, packed, weights, up, (top_k, num_experts, alignment, capacity), transposed)
+
+
+@_gather_wgrad.register_fake
+def _(grad_h, x, packed, weights, up, top_k, num_experts, alignment, capacity, transposed):
+    return torch.empty_like(up, memory_format=torch.contiguous_format)
+
+
+def _gather_wgrad_call(grad_h, x, packed, weights, up, sizes, transposed) -> Tensor:
+    if compiling():
+        return torch.ops.padmoe_experts.gather_wgrad(grad_h, x, packed, weights, up, *sizes, transposed)
+    return triton_gather_wgrad(grad_h, x, packed, weights, up, sizes, transposed)
 
 
 def _gather_up_call(x, packed, weights, up, bias, sizes, transposed, act, fused, zero_padding) -> Tensor:
@@ -434,6 +492,7 @@ class _ExpertMLP(torch.autograd.Function):
             ys = ys + _bias_rows(down_bias, row_experts)
         out = call("combine")[0](ys, packed, after, *sizes, 0)
         ctx.spec = spec
+        ctx.gathered = fuse
         ctx.has_bias = (up_bias is not None, down_bias is not None)
         ctx.save_for_backward(x, w, up, down, row_experts, packed, offs, None if recompute else rows, h, ys)
         return out
@@ -457,9 +516,13 @@ class _ExpertMLP(torch.autograd.Function):
         grad_down = _mm_wgrad(a, grad_ys, offs, transposed) if need[3] else None
         del a, grad_ys
         grad_up_bias = _bias_grad(grad_h, row_experts, e) if ctx.has_bias[0] and need[4] else None
-        if rows is None and need[2]:  # recompute_rows: dispatched again (padding rows zero) instead of kept
-            rows = _dispatch(x, packed, before, sizes, 0, True)
-        grad_up = _mm_wgrad(rows, grad_h, offs, transposed) if need[2] else None
+        grad_up = None
+        if need[2] and rows is None and ctx.gathered:  # x's rows read through the plan: nothing dispatched
+            grad_up = _gather_wgrad_call(grad_h, x, packed, before, up, sizes, transposed)
+        elif need[2]:
+            if rows is None:  # recompute_rows: dispatched again (padding rows zero) instead of kept
+                rows = _dispatch(x, packed, before, sizes, 0, True)
+            grad_up = _mm_wgrad(rows, grad_h, offs, transposed)
         del rows
         grad_x = None
         if need[0] or (before is not None and need[1]):
