@@ -74,12 +74,12 @@ def parts(s, x, idx, w, up, down, iters, rate, bw):
     rows = r.dispatch(x)
     h = _mm(rows, up, offs, False)
     act, act_bwd = torch.ops.padmoe_experts.activation, torch.ops.padmoe_experts.activation_backward
-    a = act(h, offs, *SILU)
+    a = act(h, offs, None, None, *SILU)
     ys = _mm(a, down, offs, False)
     grad_out = torch.randn(T, H, device=x.device, dtype=x.dtype)
     grad_ys, _ = pt.combine_backward(grad_out, ys, r.plan, w)
     grad_a = _mm_dgrad(grad_ys, down, offs, False)
-    grad_h, _ = act_bwd(h, grad_a, offs, *SILU)
+    grad_h, _ = act_bwd(h, grad_a, offs, None, None, *SILU)
     grad_rows = _mm_dgrad(grad_h, up, offs, False)
     calls = {
         "up": (lambda: _mm(rows, up, offs, False), (A, 2 * I, H, A)),
@@ -118,16 +118,16 @@ def parts(s, x, idx, w, up, down, iters, rate, bw):
         up_floor,
     )
     out["dispatch_up_act"] = eager_time(
-        lambda: act(_mm(r.dispatch(x, zero_padding=False), up, offs, False), offs, *SILU), iters
+        lambda: act(_mm(r.dispatch(x, zero_padding=False), up, offs, False), offs, None, None, *SILU), iters
     )
     out["gather_up_act"] = eager_time(
         lambda: triton_gather_up(x, pk, None, up, None, sizes, False, SILU, True, False), iters
     )
     out["routing_fwd"] = eager_time(routing_fwd, iters)
-    out["act_fwd"] = eager_time(lambda: act(h, offs, *SILU), iters)
+    out["act_fwd"] = eager_time(lambda: act(h, offs, None, None, *SILU), iters)
     if s["backward"]:
         out["routing_bwd"] = eager_time(routing_bwd, iters)
-        out["act_bwd"] = eager_time(lambda: act_bwd(h, grad_a, offs, *SILU), iters)
+        out["act_bwd"] = eager_time(lambda: act_bwd(h, grad_a, offs, None, None, *SILU), iters)
     return out
 
 

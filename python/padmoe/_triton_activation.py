@@ -7,8 +7,10 @@ two halves of ``h`` (side by side, or interleaved: gate and up in alternating co
 ungated (N1 = I). Backward reads ``h`` and ``grad_a`` and writes ``grad_h[R, N1]`` in one tensor and
 ``a`` again (the down projection's weight gradient needs it; recomputing it here costs one write
 instead of keeping ``[R, I]`` from the forward). Everything is computed in float32 and rounded once to
-the output's dtype. Rows at or past P (``offsets[E-1]``, read on the device) are neither read nor
-written: a grouped GEMM leaves them unwritten and nothing downstream reads them.
+the output's dtype. With a bias, each row's expert's up-projection bias (``bias[row_experts[r]]``, none
+on padding rows) is added to h in float32 as it is read, both ways: h is kept without it. Rows at or
+past P (``offsets[E-1]``, read on the device) are neither read nor written: a grouped GEMM leaves them
+unwritten and nothing downstream reads them.
 """
 
 from __future__ import annotations
@@ -105,20 +107,18 @@ def _pair_cols(col0, live, I, BLOCK_C: tl.constexpr):
 
 @triton.jit
 def _load_halves(
-    h,
-    rows,
+    base,
     cols,
     live,
     m,
     I,
-    stride_h,
     col0,
     GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    base = h + rows[:, None] * stride_h
+    """(gate, up) halves in float32 of the rows ``base`` points at ([BLOCK_R, 1] row pointers)."""
     if GATED:
         if INTERLEAVED:
             c2, m2 = _pair_cols(col0, live, I, BLOCK_C)
@@ -134,16 +134,52 @@ def _load_halves(
 
 
 @triton.jit
+def _inputs(
+    h,
+    bias,
+    row_experts,
+    rows,
+    cols,
+    live,
+    m,
+    I,
+    stride_h,
+    stride_b,
+    col0,
+    BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """The activation's inputs (gate, up) in float32: h's halves, plus, with ``BIAS``, the row's
+    expert's bias (``bias[row_experts[r]]``; none on padding rows, whose expert is -1)."""
+    g, u = _load_halves(h + rows[:, None] * stride_h, cols, live, m, I, col0, GATED, INTERLEAVED, BLOCK_R, BLOCK_C)
+    if BIAS:
+        e = tl.load(row_experts + rows, mask=live, other=-1)
+        has = live & (e >= 0)
+        bb = bias + tl.where(has, e, 0).to(tl.int64)[:, None] * stride_b
+        bg, bu = _load_halves(bb, cols, has, m & has[:, None], I, col0, GATED, INTERLEAVED, BLOCK_R, BLOCK_C)
+        g += bg
+        u += bu
+    return g, u
+
+
+@triton.jit
 def act_forward_kernel(
     h,
     a,
     offsets,
+    bias,
+    row_experts,
     E,
     I,
     stride_h,
     stride_a,
+    stride_b,
     alpha,
     limit,
+    BIAS: tl.constexpr,
     KIND: tl.constexpr,
     GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -152,7 +188,8 @@ def act_forward_kernel(
 ):
     rows, cols, live, m, p, col0 = _tile(offsets, E, I, BLOCK_R, BLOCK_C)
     if tl.program_id(0) * BLOCK_R < p:
-        g, u = _load_halves(h, rows, cols, live, m, I, stride_h, col0, GATED, INTERLEAVED, BLOCK_R, BLOCK_C)
+        g, u = _inputs(h, bias, row_experts, rows, cols, live, m, I, stride_h, stride_b, col0, BIAS, GATED, INTERLEAVED,
+                       BLOCK_R, BLOCK_C)  # fmt: skip
         y, _ = _act(g, KIND, alpha, limit)
         if GATED:
             y = y * _up_half(u, KIND, limit)
@@ -166,14 +203,18 @@ def act_backward_kernel(
     grad_h,
     a,
     offsets,
+    bias,
+    row_experts,
     E,
     I,
     stride_h,
     stride_ga,
     stride_gh,
     stride_a,
+    stride_b,
     alpha,
     limit,
+    BIAS: tl.constexpr,
     KIND: tl.constexpr,
     GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -182,7 +223,8 @@ def act_backward_kernel(
 ):
     rows, cols, live, m, p, col0 = _tile(offsets, E, I, BLOCK_R, BLOCK_C)
     if tl.program_id(0) * BLOCK_R < p:
-        g, u = _load_halves(h, rows, cols, live, m, I, stride_h, col0, GATED, INTERLEAVED, BLOCK_R, BLOCK_C)
+        g, u = _inputs(h, bias, row_experts, rows, cols, live, m, I, stride_h, stride_b, col0, BIAS, GATED, INTERLEAVED,
+                       BLOCK_R, BLOCK_C)  # fmt: skip
         ga = tl.load(grad_a + rows[:, None] * stride_ga + cols[None, :], mask=m, other=0.0).to(tl.float32)
         y, d = _act(g, KIND, alpha, limit)
         out = h.dtype.element_ty

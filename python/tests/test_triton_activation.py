@@ -71,19 +71,20 @@ def reference(kind, h, ga, gated, interleaved):
     return y * uu, grad_h
 
 
-def launch(h, ga, offsets, kind, gated, interleaved):
+def launch(h, ga, offsets, kind, gated, interleaved, bias=None, row_experts=None):
     """Both kernels into outputs pre-filled with SENTINEL: (a, grad_h, a recomputed)."""
     width = ga.shape[1]
     a = torch.full((h.shape[0], width), SENTINEL, dtype=h.dtype, device=h.device)
     grad_h = torch.full_like(h, SENTINEL)
     a2 = torch.full_like(a, SENTINEL)
     br, bc, grid = ta.blocks(h.shape[0], width)
-    meta = dict(KIND=KINDS[kind], GATED=gated, INTERLEAVED=interleaved, BLOCK_R=br, BLOCK_C=bc)
+    meta = dict(BIAS=bias is not None, KIND=KINDS[kind], GATED=gated, INTERLEAVED=interleaved, BLOCK_R=br, BLOCK_C=bc)
+    b, rx, sb = (h, h, 0) if bias is None else (bias, row_experts, bias.stride(0))
     e = offsets.shape[0]
-    ta.act_forward_kernel[grid](h, a, offsets, e, width, h.stride(0), a.stride(0), ALPHA, LIMIT, **meta)
+    ta.act_forward_kernel[grid](h, a, offsets, b, rx, e, width, h.stride(0), a.stride(0), sb, ALPHA, LIMIT, **meta)
     ta.act_backward_kernel[grid](
-        h, ga, grad_h, a2, offsets, e, width, h.stride(0), ga.stride(0), grad_h.stride(0), a2.stride(0), ALPHA, LIMIT,
-        **meta,
+        h, ga, grad_h, a2, offsets, b, rx, e, width, h.stride(0), ga.stride(0), grad_h.stride(0), a2.stride(0), sb,
+        ALPHA, LIMIT, **meta,
     )  # fmt: skip
     return a, grad_h, a2
 
@@ -121,3 +122,29 @@ def test_no_rows():
         h, torch.randn(16, 32).to(DEV), torch.zeros(3, dtype=torch.int32, device=DEV), "silu", True, False
     )
     assert (a.cpu() == SENTINEL).all() and (grad_h.cpu() == SENTINEL).all()
+
+
+@pytest.mark.parametrize("kind, gated, interleaved", [("silu", True, False), ("clamped_swiglu", True, True),
+                                                      ("gelu_tanh", False, False)])  # fmt: skip
+def test_bias_added_as_h_is_read(kind, gated, interleaved):
+    """With a bias, both passes act on h + bias[row_experts[r]] (float32), padding rows (expert -1)
+    without it: the same as the kernels on h with the bias added beforehand in float64."""
+    rows, width, p = 45, 40, 37
+    gen = torch.Generator().manual_seed(17 + gated)
+    n1 = 2 * width if gated else width
+    h = torch.randn(rows, n1, generator=gen) * 2
+    ga = torch.randn(rows, width, generator=gen)
+    bias = torch.randn(3, n1, generator=gen)
+    row_experts = torch.tensor(
+        [0] * 8 + [-1] * 2 + [1] * 20 + [2] * 5 + [-1] * 2 + [-1] * (rows - p), dtype=torch.int32
+    )
+    offsets = torch.tensor([10, 30, p], dtype=torch.int32)
+    table = torch.cat([bias.double(), torch.zeros(1, n1, dtype=torch.float64)])
+    hb = h[:p].double() + table[row_experts[:p].long()]  # -1: the zero row
+    want_a, want_gh = reference(kind, hb, ga[:p], gated, interleaved)
+    a, grad_h, a2 = launch(*(t.to(DEV) for t in (h, ga, offsets)), kind, gated, interleaved, bias.to(DEV),
+                           row_experts.to(DEV))  # fmt: skip
+    for got, want in ((a, want_a), (a2, want_a), (grad_h, want_gh)):
+        scale = max(want.abs().max().item(), 1.0)
+        torch.testing.assert_close(got.cpu()[:p].double(), want, rtol=1e-5, atol=1e-6 * scale)
+        assert (got.cpu()[p:] == SENTINEL).all()

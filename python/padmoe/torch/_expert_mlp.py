@@ -6,8 +6,8 @@ transformers integration) runs it for activations given by name; a callable gate
 Forward (T tokens, K top-k, H hidden, I intermediate, N1 = 2I gated or I, R padded rows)::
 
     rows = dispatch(x)                     [R, H]   (weighted by the router weights: "before")
-    h    = grouped_mm(rows, up)  + b_up    [R, N1]
-    a    = act(g) * u   or   act(h)        [R, I]   one pass (g, u: halves of h, side by side or interleaved)
+    h    = grouped_mm(rows, up)            [R, N1]
+    a    = act(g) * u   or   act(h + b_up) [R, I]   one pass (g, u: halves of h + b_up, side by side or interleaved)
     ys   = grouped_mm(a, down)  + b_down   [R, H]
     out  = combine(ys)                     [T, H]   (weighted: "after")
 
@@ -16,7 +16,7 @@ copies, no zero-filled halves)::
 
     grad_ys, grad_w = combine_backward(grad_out, ys)          one read of grad_out
     grad_a          = grouped_mm(grad_ys, down^T)
-    grad_h, a       = activation_backward(h, grad_a)          one pass: grad_h [R, N1] whole, a recomputed
+    grad_h, a       = activation_backward(h + b_up, grad_a)   one pass: grad_h [R, N1] whole, a recomputed
     grad_down       = grad_ys^T a  (or a^T grad_ys)           per segment, the weight's own layout
     grad_up         = grad_h^T rows                            likewise
     grad_rows       = grouped_mm(grad_h, up^T)
@@ -130,11 +130,19 @@ def _live_rows(offsets: Tensor, rows: int) -> int:
     return min(int(offsets[-1]), rows) if offsets.numel() else 0
 
 
-def _torch_forward(h, offsets, kind, gated, interleaved, alpha, limit):
+def _inputs(h, bias, row_experts, p):
+    """h's first p rows in float32, plus each row's expert's bias when given (none on padding rows)."""
+    hf = h[:p].float()
+    if bias is not None:
+        hf = hf + _bias_rows(bias, row_experts[:p]).float()
+    return hf
+
+
+def _torch_forward(h, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit):
     width = h.shape[1] // 2 if gated else h.shape[1]
     a = h.new_empty(h.shape[0], width)
     p = _live_rows(offsets, h.shape[0])
-    g, u = _halves(h[:p].float(), gated, interleaved)
+    g, u = _halves(_inputs(h, bias, row_experts, p), gated, interleaved)
     y, _ = _act(g, kind, alpha, limit, False)
     if gated:
         y = y * _up(u, kind, limit)[0]
@@ -142,11 +150,11 @@ def _torch_forward(h, offsets, kind, gated, interleaved, alpha, limit):
     return a
 
 
-def _torch_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
+def _torch_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit):
     grad_h = torch.empty_like(h)
     a = h.new_empty(grad_a.shape)
     p = _live_rows(offsets, h.shape[0])
-    g, u = _halves(h[:p].float(), gated, interleaved)
+    g, u = _halves(_inputs(h, bias, row_experts, p), gated, interleaved)
     ga = grad_a[:p].float()
     y, d = _act(g, kind, alpha, limit, True)
     if gated:
@@ -161,7 +169,15 @@ def _torch_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
     return grad_h, a
 
 
-def triton_forward(h, offsets, kind, gated, interleaved, alpha, limit) -> Tensor:
+def _bias_args(h, bias, row_experts):
+    """The kernels' (bias, row_experts, stride) arguments: h stands in for absent ones."""
+    if bias is None:
+        return h, h, 0, False
+    bias = bias.contiguous()
+    return bias, row_experts, bias.stride(0), True
+
+
+def triton_forward(h, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit) -> Tensor:
     """The forward pass as the Triton kernel (CUDA tensors; CPU tensors in Triton's interpreter)."""
     from padmoe import _triton_activation as ta
 
@@ -169,14 +185,15 @@ def triton_forward(h, offsets, kind, gated, interleaved, alpha, limit) -> Tensor
     a = h.new_empty(h.shape[0], width)
     if h.shape[0] and width:
         br, bc, grid = ta.blocks(h.shape[0], width)
+        b, rx, sb, has = _bias_args(h, bias, row_experts)
         ta.act_forward_kernel[grid](
-            h, a, offsets, offsets.shape[0], width, h.stride(0), a.stride(0), float(alpha), float(limit),
-            KIND=kind, GATED=gated, INTERLEAVED=interleaved, BLOCK_R=br, BLOCK_C=bc,
+            h, a, offsets, b, rx, offsets.shape[0], width, h.stride(0), a.stride(0), sb, float(alpha), float(limit),
+            BIAS=has, KIND=kind, GATED=gated, INTERLEAVED=interleaved, BLOCK_R=br, BLOCK_C=bc,
         )  # fmt: skip
     return a
 
 
-def triton_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
+def triton_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit):
     """The backward pass as the Triton kernel: ``(grad_h, a)``."""
     from padmoe import _triton_activation as ta
 
@@ -185,50 +202,68 @@ def triton_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
     a = h.new_empty(grad_a.shape)
     if h.shape[0] and width:
         br, bc, grid = ta.blocks(h.shape[0], width)
+        b, rx, sb, has = _bias_args(h, bias, row_experts)
         ta.act_backward_kernel[grid](
-            h, grad_a, grad_h, a, offsets, offsets.shape[0], width,
-            h.stride(0), grad_a.stride(0), grad_h.stride(0), a.stride(0), float(alpha), float(limit),
-            KIND=kind, GATED=gated, INTERLEAVED=interleaved, BLOCK_R=br, BLOCK_C=bc,
+            h, grad_a, grad_h, a, offsets, b, rx, offsets.shape[0], width,
+            h.stride(0), grad_a.stride(0), grad_h.stride(0), a.stride(0), sb, float(alpha), float(limit),
+            BIAS=has, KIND=kind, GATED=gated, INTERLEAVED=interleaved, BLOCK_R=br, BLOCK_C=bc,
         )  # fmt: skip
     return grad_h, a
 
 
-def _activation_impl(h, offsets, kind, gated, interleaved, alpha, limit) -> Tensor:
+def _activation_impl(h, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit) -> Tensor:
     if h.is_cuda:
-        return triton_forward(h, offsets, kind, gated, interleaved, alpha, limit)
-    return _torch_forward(h, offsets, kind, gated, interleaved, alpha, limit)
+        return triton_forward(h, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit)
+    return _torch_forward(h, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit)
 
 
-def _activation_backward_impl(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
+def _activation_backward_impl(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit):
     if h.is_cuda:
-        return triton_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit)
-    return _torch_backward(h, grad_a, offsets, kind, gated, interleaved, alpha, limit)
+        return triton_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit)
+    return _torch_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit)
 
 
 @torch.library.custom_op("padmoe_experts::activation", mutates_args=())
 def _activation(
-    h: Tensor, offsets: Tensor, kind: int, gated: bool, interleaved: bool, alpha: float, limit: float
+    h: Tensor,
+    offsets: Tensor,
+    bias: Optional[Tensor],
+    row_experts: Optional[Tensor],
+    kind: int,
+    gated: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
 ) -> Tensor:
-    """``a[R, I]``: ``act(g) * u`` over h's halves (gated) or ``act(h)``; rows at or past
-    ``offsets[-1]`` unwritten."""
-    return _activation_impl(h, offsets, kind, gated, interleaved, alpha, limit)
+    """``a[R, I]``: ``act(g) * u`` over the halves of ``h + bias[row_experts]`` (gated) or ``act(h +
+    bias[row_experts])``, the bias optional; rows at or past ``offsets[-1]`` unwritten."""
+    return _activation_impl(h, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit)
 
 
 @_activation.register_fake
-def _(h, offsets, kind, gated, interleaved, alpha, limit):
+def _(h, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit):
     return h.new_empty(h.shape[0], h.shape[1] // 2 if gated else h.shape[1])
 
 
 @torch.library.custom_op("padmoe_experts::activation_backward", mutates_args=())
 def _activation_backward(
-    h: Tensor, grad_a: Tensor, offsets: Tensor, kind: int, gated: bool, interleaved: bool, alpha: float, limit: float
+    h: Tensor,
+    grad_a: Tensor,
+    offsets: Tensor,
+    bias: Optional[Tensor],
+    row_experts: Optional[Tensor],
+    kind: int,
+    gated: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
 ) -> tuple[Tensor, Tensor]:
     """``(grad_h[R, N1], a[R, I])``: the activation's input gradient and its output recomputed."""
-    return _activation_backward_impl(h, grad_a, offsets, kind, gated, interleaved, alpha, limit)
+    return _activation_backward_impl(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit)
 
 
 @_activation_backward.register_fake
-def _(h, grad_a, offsets, kind, gated, interleaved, alpha, limit):
+def _(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit):
     return torch.empty_like(h), h.new_empty(grad_a.shape)
 
 
@@ -481,6 +516,7 @@ class _ExpertMLP(torch.autograd.Function):
         if fuse:
             _check_rows(x, packed, sizes)
         rows = h = None
+        act_bias = None if fuse else up_bias  # the gather-fused GEMM adds it itself
         if fuse and not grads:
             a = _gather_up_call(x, packed, before, up, up_bias, sizes, transposed, act, True, False)
         else:
@@ -488,10 +524,8 @@ class _ExpertMLP(torch.autograd.Function):
                 h = _gather_up_call(x, packed, before, up, up_bias, sizes, transposed, act, False, True)
             else:
                 rows = _dispatch(x, packed, before, sizes, check, grads)
-                h = _mm(rows, up, offs, transposed)
-                if up_bias is not None:
-                    h = h + _bias_rows(up_bias, row_experts)
-            a = _act_forward(h, offs, kind, gated, interleaved, alpha, limit)
+                h = _mm(rows, up, offs, transposed)  # the bias: added by the activation as it reads h
+            a = _act_forward(h, offs, act_bias, row_experts, kind, gated, interleaved, alpha, limit)
         ys = _mm(a, down, offs, transposed)
         del a
         if down_bias is not None:
@@ -500,12 +534,13 @@ class _ExpertMLP(torch.autograd.Function):
         ctx.spec = spec
         ctx.gathered = fuse
         ctx.has_bias = (up_bias is not None, down_bias is not None)
-        ctx.save_for_backward(x, w, up, down, row_experts, packed, offs, None if recompute else rows, h, ys)
+        kept = None if recompute else rows
+        ctx.save_for_backward(x, w, up, down, act_bias, row_experts, packed, offs, kept, h, ys)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w, up, down, row_experts, packed, offs, rows, h, ys = ctx.saved_tensors
+        x, w, up, down, act_bias, row_experts, packed, offs, rows, h, ys = ctx.saved_tensors
         sizes, _, transposed, act, weighting, _, _ = ctx.spec
         kind, gated, interleaved, alpha, limit = act
         e = sizes[1]
@@ -517,7 +552,7 @@ class _ExpertMLP(torch.autograd.Function):
         )
         grad_down_bias = _bias_grad(grad_ys, row_experts, e) if ctx.has_bias[1] and need[5] else None
         grad_a = _mm_dgrad(grad_ys, down, offs, transposed)
-        grad_h, a = _act_backward(h, grad_a, offs, kind, gated, interleaved, alpha, limit)
+        grad_h, a = _act_backward(h, grad_a, offs, act_bias, row_experts, kind, gated, interleaved, alpha, limit)
         del grad_a
         grad_down = _mm_wgrad(a, grad_ys, offs, transposed) if need[3] else None
         del a, grad_ys
