@@ -1,415 +1,169 @@
-"""A complete Mixture-of-Experts MLP layer on padmoe's padded routing, checked against a dense reference.
+"""A Mixture-of-Experts MLP layer built on ``padmoe.torch.GroupedExperts``, checked against a dense reference.
 
-Data flow of :class:`MoEMLP` (T tokens, hidden size H, E experts, top-k K, alignment m):
+What a layer of your own needs (T tokens, hidden size H, E experts, top-k K)::
 
-1. **router**: ``logits = x @ W_router^T`` (float32), ``probs = softmax(logits)``,
-   ``(w, top_experts) = topk(probs, K)``, ``w /= w.sum(-1)`` (renormalized top-k weights).
-2. **plan**: ``plan = make_plan(top_experts, E, m)``: the assignments ``a = t*K + k`` sorted by
-   expert; expert ``e`` owns the padded segment ``[padded_bins[e-1], padded_bins[e])`` whose length
-   is its token count rounded up to a multiple of m; ``P = padded_bins[-1]`` rows in all.
-3. **dispatch**: ``xs = dispatch(x, plan)``: ``[rows >= P, H]`` in expert order; row
-   ``dest_rows[a]`` holds ``x[a // K]``. Padding rows (the tail of each segment, and every row at
-   or past P) are **zero**.
-4. **expert MLPs, grouped GEMM**: ``h = grouped_mm(xs, W_in, offs=padded_bins)`` (one GEMM per
-   segment; ``offs`` are the int32 cumulative segment ends, i.e. exactly ``plan.padded_bins``),
-   ``a = silu(h_gate) * h_up`` (SwiGLU; ``--activation gelu`` gives a plain GELU MLP),
-   ``ys = grouped_mm(a, W_out, offs=padded_bins)``. ``torch.nn.functional.grouped_mm`` (or
-   ``torch._grouped_mm``) needs CUDA and bfloat16; elsewhere (CPU, float32) the same math runs as
-   a loop of one matmul per padded segment. The alignment m is what keeps every segment's start a
-   multiple of m rows, the layout grouped-GEMM kernels like best.
-5. **combine**: ``out[t] = sum_k w[t, k] * ys[dest_rows[t*K + k]]``. It reads only the rows of real
-   assignments, so the GEMM output rows of padding rows (zero anyway, since the layer has no
-   biases and SwiGLU / GELU map 0 to 0, but possibly uninitialized past P) are never read.
+    probs = softmax(router(x).float())           # router: nn.Linear(H, E), softmax in float32
+    w, top = probs.topk(K)                       # [T, K] weights and expert ids
+    w = w / w.sum(-1, keepdim=True)              # renormalized top-k weights
+    out = experts(x, top, w)                     # experts: padmoe.torch.GroupedExperts(E, H, I)
 
-Backward runs through autograd: combine's backward yields the gradient of ``ys`` (zero in padding
-rows) and of the router weights ``w`` (hence of the router), the GEMMs' backward the expert weight
-gradients, and dispatch's backward sums the K copies' gradients back into ``x``.
+``GroupedExperts`` runs the rest as one operator: the plan (the T*K assignments sorted by expert,
+each expert's segment padded to a multiple of ``alignment`` rows), dispatch (x's rows copied into
+that expert-grouped buffer), the up projection as one grouped GEMM over the segments, the
+activation (SwiGLU: ``silu(gate) * up``; or a plain GELU), the down projection as a second grouped
+GEMM, and combine (``out[t] = sum_k w[t, k] * expert_k(x[t])``). Its backward gives the gradients
+of x, of the router weights w (hence of the router) and of the expert weights. The expert weights
+are ``gate_up_proj`` ``[E, 2I, H]`` (gate rows first; ``up_proj`` ``[E, I, H]`` for GELU) and
+``down_proj`` ``[E, H, I]``, the layout of transformers' experts modules.
 
-Ops used: ``padmoe.torch.make_plan / dispatch / combine`` (autograd-enabled) when ``padmoe.torch``
-exists; otherwise a small local shim (``torch.autograd.Function`` over the framework-neutral
-``padmoe.dispatch``, ``padmoe.combine``, ``padmoe.combine_backward``, ``padmoe.dispatch_backward``).
-``--ops`` forces one of them; the chosen path is printed.
+Choosing the alignment: 16 rows (the default on CUDA; 1, no padding, on the CPU) is enough for
+torch's ``grouped_mm``. 128 matches the height of the GEMM's tiles (each segment a whole number of
+tiles); it costs at most ``E * (alignment - 1)`` padding rows, which matters when T*K is small.
 
-The dense reference (:func:`dense_reference`) computes the same layer in float64 on the CPU without
-padmoe or padding: plain per-token loops (for each token, the sum over its top-k experts of
-``w_k * expert_k(x_t)``) up to 256 tokens, dense [T, E] weight masks beyond.
-``main()`` runs forward and backward, compares the output and the gradients of x, the router weight
-and both expert weights with the reference (max abs / relative error, asserted within a tolerance
-per dtype) and prints a timing of forward + backward (not part of the check)::
+The GEMMs are ``torch.nn.functional.grouped_mm`` where torch has a kernel for them: on CUDA sm_80 or
+newer, on the CPU torch 2.9 or newer; float32, bfloat16 or float16 (under ``torch.compile``,
+bfloat16 only); H and I a multiple of 16 bytes. Otherwise ``GroupedExperts`` falls back to a
+loop of one matmul per expert (``gemm="loop"`` asks for it); the example prints which one runs.
 
-    python examples/moe_mlp.py                               # CPU, float32, small sizes
+The check (:func:`dense_reference`) computes the same layer in float64 on the CPU without padmoe:
+plain per-token loops up to 256 tokens, dense [T, E] weight masks beyond. The output and the
+gradients of x, the router and both expert weights must match it within a tolerance per dtype;
+then forward + backward is timed::
+
+    python examples/moe_mlp.py                                  # CPU, float32, small sizes
     python examples/moe_mlp.py --device cuda --dtype bfloat16 --tokens 4096 --hidden 1024 \\
-        --ffn 2048 --experts 16 --top-k 2 --alignment 128   # grouped_mm path
+        --ffn 2048 --experts 16 --top-k 2 --alignment 128
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
-import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import padmoe
+from padmoe.torch import GroupedExperts, make_plan
+from padmoe.torch.grouped import default_alignment, grouped_mm_usable
 
-# ---------------------------------------------------------------------------
-# Routing ops: padmoe.torch when it exists, else a local autograd shim
-# ---------------------------------------------------------------------------
-
-
-def _zero_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.zeros(rows, like.shape[1], dtype=like.dtype, device=like.device)
-
-
-class _DispatchFn(torch.autograd.Function):
-    """y = dispatch(x, plan, weights) with capacity rows (rows at or past P zero)."""
-
-    @staticmethod
-    def forward(ctx, x, weights, plan):
-        x_ = x.detach().contiguous()
-        w_ = None if weights is None else weights.detach().contiguous()
-        y = padmoe.dispatch(x_, plan, w_, out=_zero_rows(x_, plan.padded_rows_bound))
-        ctx.plan = plan
-        ctx.save_for_backward(x_, w_)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x_, w_ = ctx.saved_tensors
-        grad_x, grad_w = padmoe.dispatch_backward(grad_y.detach().contiguous(), x_, ctx.plan, w_)
-        return grad_x, grad_w, None
-
-
-class _CombineFn(torch.autograd.Function):
-    """out = combine(y, plan, weights): [T, H]; differentiable wrt y and weights."""
-
-    @staticmethod
-    def forward(ctx, y, weights, plan):
-        y_ = y.detach().contiguous()
-        w_ = None if weights is None else weights.detach().contiguous()
-        out = padmoe.combine(y_, plan, w_)
-        ctx.plan = plan
-        ctx.rows = int(y_.shape[0])
-        ctx.save_for_backward(y_, w_)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        y_, w_ = ctx.saved_tensors
-        grad_w_out = None if w_ is None else torch.empty_like(w_)
-        # y's row count (>= P) without reading P: a zeroed buffer, so rows the op leaves
-        # unwritten (padding rows past P) stay zero. The rows inside [0, P) are all written.
-        grad_y, grad_w = padmoe.combine_backward(
-            grad_out.detach().contiguous(), y_, ctx.plan, w_, out=(_zero_rows(y_, ctx.rows), grad_w_out)
-        )
-        return grad_y, grad_w, None
-
-
-def _shim_make_plan(top_experts, num_experts, alignment):
-    return padmoe.make_plan(top_experts, num_experts, alignment)
-
-
-def _shim_dispatch(x, plan, weights=None):
-    return _DispatchFn.apply(x, weights, plan)
-
-
-def _shim_combine(y, plan, weights=None):
-    return _CombineFn.apply(y, weights, plan)
-
-
-@dataclass
-class RoutingOps:
-    make_plan: Callable
-    dispatch: Callable
-    combine: Callable
-    name: str
-
-
-def routing_ops(which: str = "auto") -> RoutingOps:
-    """``which``: "auto" (padmoe.torch if it imports and has make_plan/dispatch/combine, else the
-    shim), "padmoe.torch" or "shim"."""
-    if which in ("auto", "padmoe.torch"):
-        try:
-            import padmoe.torch as pt  # noqa: WPS433 (optional module)
-
-            if all(hasattr(pt, n) for n in ("make_plan", "dispatch", "combine")):
-                return RoutingOps(pt.make_plan, pt.dispatch, pt.combine, "padmoe.torch")
-            reason = "padmoe.torch lacks make_plan/dispatch/combine"
-        except ImportError as e:
-            reason = f"padmoe.torch does not import ({e})"
-        if which == "padmoe.torch":
-            raise RuntimeError(reason)
-    elif which == "shim":
-        reason = "asked for"
-    else:
-        raise ValueError(f"ops: expected auto, padmoe.torch or shim, got {which!r}")
-    return RoutingOps(
-        _shim_make_plan,
-        _shim_dispatch,
-        _shim_combine,
-        "local shim: torch.autograd.Function over padmoe.dispatch/combine/combine_backward/"
-        f"dispatch_backward ({reason})",
-    )
-
-
-# ---------------------------------------------------------------------------
-# Expert GEMM: grouped_mm over the padded segments, or a per-segment loop
-# ---------------------------------------------------------------------------
-
-
-def _grouped_mm_fn() -> Optional[Callable]:
-    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if fn is None:
-        return None
-    try:
-        params = inspect.signature(fn).parameters
-        if "offs" not in params:
-            return None
-    except (TypeError, ValueError):
-        pass  # builtins without a signature (torch._grouped_mm): try it and fall back on error
-    return fn
-
-
-def grouped_mm_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    return _grouped_mm_fn() is not None and torch.device(device).type == "cuda" and dtype == torch.bfloat16
-
-
-def segment_loop_mm(a: torch.Tensor, w: torch.Tensor, padded_bins: torch.Tensor) -> torch.Tensor:
-    """out[s:e] = a[s:e] @ w[g] for each padded segment g = [padded_bins[g-1], padded_bins[g]);
-    rows at or past P are zero. Reads padded_bins on the host (one sync on a GPU)."""
-    ends = [int(v) for v in padded_bins.tolist()]
-    pieces, start = [], 0
-    for g, end in enumerate(ends):
-        if end > start:
-            pieces.append(a[start:end] @ w[g])
-        start = end
-    if a.shape[0] > start:
-        pieces.append(a.new_zeros(a.shape[0] - start, w.shape[-1]))
-    if not pieces:
-        return a.new_zeros(0, w.shape[-1])
-    return torch.cat(pieces, dim=0)
-
-
-class ExpertGemm:
-    """``a[rows, K] x w[E, K, N] -> [rows, N]`` segment by segment (offs = plan.padded_bins).
-    mode "auto" uses grouped_mm where usable (CUDA + bf16) and falls back to the loop if it raises."""
-
-    def __init__(self, mode: str = "auto"):
-        if mode not in ("auto", "grouped_mm", "loop"):
-            raise ValueError(f"gemm: expected auto, grouped_mm or loop, got {mode!r}")
-        self.mode = mode
-        self.used = set()
-        self.fallback_reason: Optional[str] = None
-
-    def __call__(self, a: torch.Tensor, w: torch.Tensor, padded_bins: torch.Tensor) -> torch.Tensor:
-        want_grouped = self.mode == "grouped_mm" or (
-            self.mode == "auto" and self.fallback_reason is None and grouped_mm_usable(a.device, a.dtype)
-        )
-        if want_grouped:
-            fn = _grouped_mm_fn()
-            try:
-                if fn is None:
-                    raise RuntimeError("no torch.nn.functional.grouped_mm / torch._grouped_mm with offs=")
-                out = fn(a, w, offs=padded_bins.to(torch.int32))
-                self.used.add("grouped_mm")
-                return out
-            except Exception as e:  # noqa: BLE001 (any failure: fall back, unless forced)
-                if self.mode == "grouped_mm":
-                    raise
-                self.fallback_reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        self.used.add("loop")
-        return segment_loop_mm(a, w, padded_bins)
-
-    def describe(self) -> str:
-        s = "+".join(sorted(self.used)) or "none"
-        if self.fallback_reason:
-            s += f" (grouped_mm failed, fell back: {self.fallback_reason})"
-        return s
-
-
-# ---------------------------------------------------------------------------
-# The layer
-# ---------------------------------------------------------------------------
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# max |got - ref| allowed, relative to max |ref| (see Check.passes)
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
 class MoEMLP(nn.Module):
-    """Top-k routed MoE MLP: router -> plan -> dispatch -> expert GEMMs -> combine.
+    """Router (top-k of a float32 softmax, renormalized) followed by E expert MLPs."""
 
-    Parameters: ``router.weight [E, H]``, ``w_in [E, H, 2F]`` (SwiGLU: gate then up) or
-    ``[E, H, F]`` (GELU), ``w_out [E, F, H]``; expert weights are stored [in, out] so that
-    they are grouped_mm's ``mat_b`` ``(groups, K, N)`` as they are.
-    """
-
-    def __init__(
-        self,
-        hidden: int,
-        ffn: int,
-        num_experts: int,
-        top_k: int,
-        alignment: int = 16,
-        activation: str = "swiglu",
-        ops="auto",
-        gemm: str = "auto",
-    ):
+    def __init__(self, hidden, ffn, experts, top_k, activation="swiglu", alignment=None, gemm="auto"):
         super().__init__()
-        if activation not in ("swiglu", "gelu"):
-            raise ValueError(f"activation: expected swiglu or gelu, got {activation!r}")
-        self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
-        self.alignment, self.activation = alignment, activation
-        self.router = nn.Linear(hidden, num_experts, bias=False)
-        width = 2 * ffn if activation == "swiglu" else ffn
-        self.w_in = nn.Parameter(torch.empty(num_experts, hidden, width))
-        self.w_out = nn.Parameter(torch.empty(num_experts, ffn, hidden))
-        nn.init.normal_(self.w_in, std=1.0 / math.sqrt(hidden))
-        nn.init.normal_(self.w_out, std=1.0 / math.sqrt(ffn))
-        self.ops = ops if isinstance(ops, RoutingOps) else routing_ops(ops)
-        self.gemm = ExpertGemm(gemm)
-        self.last_top_experts: Optional[torch.Tensor] = None
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        act, gated = {"swiglu": ("silu", True), "gelu": ("gelu", False)}[activation]
+        self.experts = GroupedExperts(experts, hidden, ffn, activation=act, gated=gated, alignment=alignment, gemm=gemm)
 
-    def route(self, x: torch.Tensor):
-        """(renormalized top-k weights [T, K] float32, expert ids [T, K] int64); the router runs in float32."""
-        logits = F.linear(x.float(), self.router.weight.float())
-        probs = torch.softmax(logits, dim=-1)
-        w, top = torch.topk(probs, self.top_k, dim=-1)
+    def route(self, x):
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        w, top = probs.topk(self.top_k, dim=-1)
         return w / w.sum(dim=-1, keepdim=True), top
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         w, top = self.route(x)
-        self.last_top_experts = top.detach()
-        plan = self.ops.make_plan(top.to(torch.int32), self.num_experts, self.alignment)
-        xs = self.ops.dispatch(x, plan)  # [rows >= P, H], expert order, padding rows zero
-        offs = plan.padded_bins  # int32 cumulative segment ends: the grouped GEMM's offsets
-        h = self.gemm(xs, self.w_in, offs)
-        if self.activation == "swiglu":
-            gate, up = h.split(self.ffn, dim=-1)
-            a = F.silu(gate) * up
-        else:
-            a = F.gelu(h)
-        ys = self.gemm(a, self.w_out, offs)  # padding rows' outputs are never read below
-        return self.ops.combine(ys, plan, w.reshape(-1))  # [T, H]: sum_k w[t, k] * ys[dest_rows[t*K+k]]
+        return self.experts(x, top, w)
 
 
-# ---------------------------------------------------------------------------
-# Dense float64 reference
-# ---------------------------------------------------------------------------
+def gemm_path(experts: GroupedExperts, x: torch.Tensor) -> str:
+    """Which GEMMs ``experts`` runs on rows like ``x``: torch's grouped_mm or the loop per expert."""
+    if experts.gemm != "auto":
+        return experts.gemm
+    up = grouped_mm_usable(x, experts.up_weight.transpose(-2, -1))
+    down = grouped_mm_usable(x.new_empty(0, experts.intermediate_size), experts.down_proj.transpose(-2, -1))
+    up, down = ("grouped_mm" if ok else "loop" for ok in (up, down))
+    return up if up == down else f"{up} (up), {down} (down)"
 
 
-def _expert_ref(xe, w_in_e, w_out_e, activation):
-    h = xe @ w_in_e
-    if activation == "swiglu":
-        gate, up = h.split(w_out_e.shape[0], dim=-1)
-        return (F.silu(gate) * up) @ w_out_e
-    return F.gelu(h) @ w_out_e
-
-
-def dense_reference(x, router_w, w_in, w_out, grad_out, top_k, activation="swiglu", top_experts=None, method="auto"):
-    """The same layer in float64 on the CPU, no padmoe, no padding. Returns (out, grads, top):
-    out [T, H], the grads of x, router weight, w_in, w_out for the loss ``sum(out * grad_out)``,
-    and the routing used ``top`` [T, K] (the reference's own float64 top-k unless ``top_experts``).
-
-    method "loop": plain per-token loops, ``out[t] = sum_k w_k * expert_k(x[t])``; "masks": one
-    dense [T, E] matrix of combine weights (zero where an expert is not chosen) and, per expert,
-    the tokens its mask selects (fast enough for large T); "auto": loop up to 256 tokens."""
+def dense_reference(x, router_w, up_w, down_w, grad_out, top_k, activation="swiglu", top=None, method="auto"):
+    """The same layer in float64 on the CPU, no padmoe, no padding: ``(out, grads, top)`` with the
+    gradients (x, router, up, down) of ``sum(out * grad_out)``. ``top``: the routing to use instead
+    of the reference's own top-k. ``method``: "loop" (``out[t] = sum_k w_k * expert_k(x[t])`` per
+    token), "masks" (a dense [T, E] matrix of combine weights, zero where an expert is not chosen)
+    or "auto" (the loop up to 256 tokens)."""
     if method == "auto":
         method = "loop" if x.shape[0] <= 256 else "masks"
-    f64 = lambda t: t.detach().to("cpu", torch.float64).clone().requires_grad_(True)  # noqa: E731
-    x, router_w, w_in, w_out = f64(x), f64(router_w), f64(w_in), f64(w_out)
-    num_tokens, num_experts = x.shape[0], w_in.shape[0]
+    x, router_w, up_w, down_w = (
+        t.detach().to("cpu", torch.float64).requires_grad_() for t in (x, router_w, up_w, down_w)
+    )
+    ffn = down_w.shape[-1]
+
+    def expert(xe, e):
+        h = xe @ up_w[e].t()
+        a = F.silu(h[:, :ffn]) * h[:, ffn:] if activation == "swiglu" else F.gelu(h)
+        return a @ down_w[e].t()
+
     probs = torch.softmax(x @ router_w.t(), dim=-1)
-    if top_experts is None:
-        top = torch.topk(probs.detach(), top_k, dim=-1).indices
-    else:
-        top = top_experts.detach().to("cpu", torch.long)
+    top = probs.detach().topk(top_k, dim=-1).indices if top is None else top.detach().to("cpu", torch.long)
     if method == "loop":
         rows = []
-        for t in range(num_tokens):
-            chosen = [int(e) for e in top[t]]
-            norm = sum(probs[t, e] for e in chosen)
-            acc = torch.zeros(x.shape[1], dtype=torch.float64)
-            for e in chosen:
-                acc = acc + (probs[t, e] / norm) * _expert_ref(x[t : t + 1], w_in[e], w_out[e], activation)[0]
-            rows.append(acc)
+        for t in range(x.shape[0]):
+            norm = sum(probs[t, e] for e in top[t].tolist())
+            rows.append(sum(probs[t, e] / norm * expert(x[t : t + 1], e)[0] for e in top[t].tolist()))
         out = torch.stack(rows)
     elif method == "masks":
-        chosen = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, top, True)
-        masked = probs * chosen
-        coef = masked / masked.sum(dim=-1, keepdim=True)  # [T, E] renormalized top-k weights, else 0
+        chosen = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, top, True)
+        coef = probs * chosen
+        coef = coef / coef.sum(dim=-1, keepdim=True)  # [T, E]: the renormalized top-k weights, else 0
         out = torch.zeros_like(x)
-        for e in range(num_experts):
+        for e in range(up_w.shape[0]):
             tokens = chosen[:, e].nonzero().squeeze(1)
             if tokens.numel():
-                ye = _expert_ref(x[tokens], w_in[e], w_out[e], activation)
-                out = out.index_add(0, tokens, coef[tokens, e : e + 1] * ye)
+                out = out.index_add(0, tokens, coef[tokens, e : e + 1] * expert(x[tokens], e))
     else:
         raise ValueError(f"method: expected auto, loop or masks, got {method!r}")
     (out * grad_out.detach().to("cpu", torch.float64)).sum().backward()
-    grads = {"x": x.grad, "router.weight": router_w.grad, "w_in": w_in.grad, "w_out": w_out.grad}
-    return out.detach(), grads, top
-
-
-# ---------------------------------------------------------------------------
-# Check against the reference
-# ---------------------------------------------------------------------------
-
-# max |got - ref| / max |ref| allowed, per dtype (forward and every gradient; see CheckResult.passes).
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    return out.detach(), {"x": x.grad, "router": router_w.grad, "up": up_w.grad, "down": down_w.grad}, top
 
 
 @dataclass
-class CheckResult:
-    ops: str
-    gemm: str
-    tolerance: float
-    errors: Dict[str, Dict[str, float]] = field(default_factory=dict)  # name -> {max_abs, rel}
-    routing_mismatch_tokens: int = 0
+class Check:
+    """The layer's errors against the reference: ``errors[name] = (max |got - ref|, max |ref|)``."""
 
-    def passes(self, name: str) -> bool:
-        """max_abs <= tol * max|ref| + tol * 1e-2: relative, with a small absolute floor for
-        gradients that are zero in exact arithmetic (the router's with top_k = 1)."""
-        e = self.errors[name]
-        return e["max_abs"] <= self.tolerance * (e["scale"] + 1e-2)
+    model: MoEMLP
+    gemm: str  # the expert GEMMs that ran (gemm_path)
+    tolerance: float
+    errors: dict
+    near_ties: int  # tokens whose top-k set differs from the reference's (float rounding)
+
+    def passes(self, name):
+        """max_abs <= tol * (max|ref| + 1e-2): relative, with a small floor for a gradient that is
+        zero in exact arithmetic (the router's with top_k = 1)."""
+        diff, scale = self.errors[name]
+        return diff <= self.tolerance * (scale + 1e-2)
 
     @property
-    def ok(self) -> bool:
+    def ok(self):
         return all(self.passes(name) for name in self.errors)
 
-    def report(self) -> str:
-        lines = [f"routing ops: {self.ops}", f"expert GEMM: {self.gemm}"]
-        if self.routing_mismatch_tokens:
+    def report(self):
+        lines = [f"expert GEMMs: {self.gemm}"]
+        if self.near_ties:
             lines.append(
-                f"note: {self.routing_mismatch_tokens} token(s) with a near-tie top-k choice; "
-                "the reference used the layer's choice there"
+                f"{self.near_ties} token(s) with a near-tie in the router: the reference used the layer's top-k"
             )
-        for name, e in self.errors.items():
+        for name, (diff, scale) in self.errors.items():
             flag = "ok" if self.passes(name) else "FAIL"
-            lines.append(
-                f"  {name:14s} max_abs={e['max_abs']:.3e}  rel={e['rel']:.3e}  (tol {self.tolerance:.0e}) {flag}"
-            )
+            rel = diff / scale if scale else float(diff > 0)
+            lines.append(f"  {name:12s} max_abs={diff:.3e}  rel={rel:.3e}  (tol {self.tolerance:.0e}) {flag}")
         return "\n".join(lines)
 
     def assert_ok(self):
         assert self.ok, "MoE MLP does not match the float64 dense reference:\n" + self.report()
 
 
-def _error(got: Optional[torch.Tensor], ref: torch.Tensor) -> Dict[str, float]:
-    if got is None:  # no gradient reached this tensor
-        got = torch.zeros_like(ref)
-    diff = (got.detach().to("cpu", torch.float64) - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    return {"max_abs": diff, "rel": diff / scale if scale > 0 else (math.inf if diff > 0 else 0.0), "scale": scale}
-
-
 def make_inputs(tokens, hidden, device, dtype, seed):
     g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_(True)
-    grad_out = torch.randn(tokens, hidden, generator=g).to(device, dtype)
-    return x, grad_out
+    x = torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_()
+    return x, torch.randn(tokens, hidden, generator=g).to(device, dtype)
 
 
 def check(
@@ -420,43 +174,41 @@ def check(
     ffn=48,
     experts=8,
     top_k=2,
-    alignment=16,
-    seed=0,
+    alignment=None,
     activation="swiglu",
-    ops="auto",
     gemm="auto",
-) -> CheckResult:
-    """Build the layer, run forward + backward, and measure the errors against dense_reference."""
+    seed=0,
+):
+    """Build the layer, run forward + backward and compare with :func:`dense_reference`."""
     torch.manual_seed(seed)
-    model = MoEMLP(hidden, ffn, experts, top_k, alignment, activation, ops=ops, gemm=gemm).to(device, dtype)
+    model = MoEMLP(hidden, ffn, experts, top_k, activation, alignment, gemm).to(device, dtype)
     x, grad_out = make_inputs(tokens, hidden, device, dtype, seed)
     out = model(x)
     out.backward(grad_out)
 
-    params = (x, model.router.weight, model.w_in, model.w_out)
+    ex = model.experts
+    params = (x, model.router.weight, ex.up_weight, ex.down_proj)
     ref_out, ref_grads, ref_top = dense_reference(*params, grad_out, top_k, activation)
-    # The same expert set per token (order within the top-k does not matter).
-    mine = model.last_top_experts.to("cpu").sort(dim=-1).values
-    mismatch = int((mine != ref_top.sort(dim=-1).values).any(dim=-1).sum())
-    if mismatch:  # near-ties in the router: use the layer's routing (top-k selection has no gradient)
-        ref_out, ref_grads, _ = dense_reference(
-            *params, grad_out, top_k, activation, top_experts=model.last_top_experts
-        )
+    with torch.no_grad():
+        top = model.route(x)[1].cpu()
+    # the same expert set per token? (the order within the top-k does not matter)
+    near_ties = int((top.sort(-1).values != ref_top.sort(-1).values).any(-1).sum())
+    if near_ties:  # the selection has no gradient: use the layer's where float rounding chose otherwise
+        ref_out, ref_grads, _ = dense_reference(*params, grad_out, top_k, activation, top=top)
 
-    result = CheckResult(model.ops.name, model.gemm.describe(), TOLERANCE[dtype], routing_mismatch_tokens=mismatch)
-    result.errors["out"] = _error(out, ref_out)
-    result.errors["grad x"] = _error(x.grad, ref_grads["x"])
-    result.errors["grad router"] = _error(model.router.weight.grad, ref_grads["router.weight"])
-    result.errors["grad w_in"] = _error(model.w_in.grad, ref_grads["w_in"])
-    result.errors["grad w_out"] = _error(model.w_out.grad, ref_grads["w_out"])
-    result.model = model  # for timing
-    return result
+    def error(got, ref):
+        got = torch.zeros_like(ref) if got is None else got.detach().to("cpu", torch.float64)
+        return (got - ref).abs().max().item(), ref.abs().max().item()
+
+    got = {"x": x.grad, "router": model.router.weight.grad, "up": ex.up_weight.grad, "down": ex.down_proj.grad}
+    errors = {"out": error(out, ref_out)}
+    errors.update({f"grad {name}": error(got[name], ref_grads[name]) for name in got})
+    return Check(model, gemm_path(ex, x), TOLERANCE[dtype], errors, near_ties)
 
 
-def time_forward_backward(model, tokens, device, dtype, seed, iters=10, warmup=3) -> float:
-    """Mean seconds of one forward + backward (not part of the check)."""
-    x, grad_out = make_inputs(tokens, model.hidden, device, dtype, seed)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+def time_forward_backward(model, x, grad_out, iters=10, warmup=3):
+    """Mean seconds of one forward + backward."""
+    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
     for i in range(warmup + iters):
         if i == warmup:
             sync()
@@ -474,45 +226,36 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--ffn", type=int, default=48)
+    p.add_argument("--ffn", type=int, default=48, help="the experts' intermediate size I")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--alignment", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alignment", type=int, default=None, help="default: 16 on CUDA, 1 on the CPU")
     p.add_argument("--activation", default="swiglu", choices=["swiglu", "gelu"])
-    p.add_argument("--ops", default="auto", choices=["auto", "padmoe.torch", "shim"])
     p.add_argument("--gemm", default="auto", choices=["auto", "grouped_mm", "loop"])
-    p.add_argument("--iters", type=int, default=10, help="timed forward+backward iterations")
-    args = p.parse_args(argv)
-    dtype = DTYPES[args.dtype]
+    p.add_argument("--iters", type=int, default=10, help="timed forward + backward iterations (0: none)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    dtype = DTYPES[a.dtype]
 
-    print(
-        f"MoE MLP: T={args.tokens} H={args.hidden} F={args.ffn} E={args.experts} K={args.top_k} "
-        f"m={args.alignment} {args.activation} {args.dtype} on {args.device}"
-    )
     result = check(
-        args.device,
-        dtype,
-        args.tokens,
-        args.hidden,
-        args.ffn,
-        args.experts,
-        args.top_k,
-        args.alignment,
-        args.seed,
-        args.activation,
-        args.ops,
-        args.gemm,
+        a.device, dtype, a.tokens, a.hidden, a.ffn, a.experts, a.top_k, a.alignment, a.activation, a.gemm, a.seed
+    )
+    model = result.model
+    x, grad_out = make_inputs(a.tokens, a.hidden, a.device, dtype, a.seed)
+    alignment = model.experts.alignment or default_alignment(x.device)
+    with torch.no_grad():
+        rows = int(make_plan(model.route(x)[1], a.experts, alignment).padded_bins[-1])
+    print(
+        f"MoE MLP: T={a.tokens} H={a.hidden} I={a.ffn} E={a.experts} K={a.top_k} {a.activation} "
+        f"{a.dtype} on {a.device}; alignment {alignment}: {rows} rows for {a.tokens * a.top_k} assignments"
     )
     print(result.report())
     result.assert_ok()
     print("check: ok")
-    if args.iters > 0:
-        secs = time_forward_backward(result.model, args.tokens, args.device, dtype, args.seed, iters=args.iters)
-        print(
-            f"forward+backward: {secs * 1e3:.3f} ms/iter (mean of {args.iters}; GEMM path "
-            f"{result.model.gemm.describe()})"
-        )
+    if a.iters > 0:
+        secs = time_forward_backward(model, x, grad_out, a.iters)
+        us = f" = {secs * 1e6:.0f} µs" if x.device.type == "cuda" else ""
+        print(f"forward + backward: {secs * 1e3:.3f} ms{us} per iteration (mean of {a.iters})")
     return 0
 
 

@@ -1,11 +1,12 @@
-"""examples/moe_mlp.py: the MoE MLP layer on padmoe's routing matches its float64 dense reference.
+"""examples/moe_mlp.py: a router plus padmoe.torch.GroupedExperts matches the example's float64 dense reference.
 
 The example is loaded by path. Each case runs forward + backward and compares the output and the
-gradients of x, the router weight and both expert weights with the dense float64 per-token
-reference: max|got - ref| <= tol * (max|ref| + 1e-2) with the example's TOLERANCE (float32:
-1e-4, bfloat16: 4e-2; CheckResult.passes). CPU float32 always; CUDA float32 (segment loop) and bfloat16 (grouped_mm) when a
-GPU and padmoe's CUDA backend are present. Negative controls check that the comparison catches
-wrong combine weights and a missing router-weight gradient.
+gradients of x, the router weight and both expert weights with the float64 reference (per-token
+loops, or dense masks past 256 tokens): max|got - ref| <= tol * (max|ref| + 1e-2) with the example's
+TOLERANCE (float32: 1e-4, bfloat16: 4e-2). CPU float32 always; CUDA float32 and bfloat16 when a GPU
+and padmoe's CUDA backend are present. Negative controls show that the comparison catches router
+weights off by 2% and a router gradient cut off; the GEMM path the example reports is checked
+against the operators that actually run.
 """
 
 import importlib.util
@@ -15,6 +16,8 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import padmoe  # noqa: E402
 
@@ -35,144 +38,110 @@ def _load_example():
 moe = _load_example()
 
 CUDA = torch.cuda.is_available() and padmoe.has_cuda()
-OPS = ["shim"]
-try:
-    moe.routing_ops("padmoe.torch")
-    OPS.append("padmoe.torch")
-except RuntimeError:
-    pass
-
 SMALL = dict(tokens=48, hidden=32, ffn=40, experts=6, top_k=2)
 
 
 def _run(**kw):
-    args = dict(SMALL, seed=0)
-    args.update(kw)
-    result = moe.check(**args)
+    result = moe.check(**{**SMALL, "seed": 0, **kw})
     print(result.report())
     return result
 
 
-@pytest.mark.parametrize("ops", OPS)
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 @pytest.mark.parametrize("alignment", [1, 16, 128])
-def test_cpu_float32_matches_dense_reference(ops, activation, alignment):
-    result = _run(ops=ops, activation=activation, alignment=alignment)
+def test_cpu_float32_matches_dense_reference(activation, alignment):
+    result = _run(activation=activation, alignment=alignment)
     assert result.tolerance == 1e-4
     result.assert_ok()
-    assert "loop" in result.gemm
-    assert ops in result.ops or (ops == "shim" and "shim" in result.ops)
+    assert max(diff / scale for diff, scale in result.errors.values()) < 1e-5  # float32 rounding, far inside
+    assert result.model.experts.alignment == alignment
+    assert result.model.experts.gated == (activation == "swiglu")
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_cpu_float32_loop_gemm(activation):
+    result = _run(activation=activation, alignment=16, gemm="loop")
+    assert result.gemm == "loop"
+    result.assert_ok()
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_cpu_float32_other_shapes(seed):
-    # top_k 3 of 5 experts with few tokens (an expert may get no tokens), odd sizes.
+def test_cpu_float32_odd_shapes(seed):
+    # top_k 3 of 5 experts, few tokens, odd sizes
     _run(tokens=7, hidden=20, ffn=12, experts=5, top_k=3, alignment=8, seed=seed).assert_ok()
-    # top_k 1 and more experts than tokens: several empty segments.
-    _run(tokens=5, hidden=16, ffn=8, experts=12, top_k=1, alignment=4, seed=seed).assert_ok()
-
-
-def test_main_runs():
-    assert moe.main(["--tokens", "16", "--hidden", "16", "--ffn", "8", "--experts", "4", "--iters", "1"]) == 0
-
-
-def _wrapped(combine_wrapper):
-    base = moe.routing_ops("auto")
-    return moe.RoutingOps(base.make_plan, base.dispatch, combine_wrapper(base.combine), "wrapped " + base.name)
-
-
-def test_padding_rows_never_read_by_combine():
-    """NaN in every padding row of the expert output changes nothing: combine reads only
-    the rows of real assignments (and its backward writes zero gradients there)."""
-
-    def poison(combine):
-        def run(y, plan, weights=None):
-            real = torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
-            real[plan.dest_rows.long()] = True
-            assert not bool(real.all()), "test needs padding rows (alignment > 1)"
-            return combine(y.masked_fill(~real.unsqueeze(1), float("nan")), plan, weights)
-
-        return run
-
-    result = _run(ops=_wrapped(poison), alignment=16)
+    # top_k 1 and more experts than tokens: empty experts; H = 18 floats is no multiple of 16 bytes
+    result = _run(tokens=5, hidden=18, ffn=10, experts=12, top_k=1, alignment=4, seed=seed)
     result.assert_ok()
+    assert result.gemm == "loop"
+    with torch.no_grad():
+        x, _ = moe.make_inputs(5, 18, "cpu", torch.float32, seed)
+        used = result.model.route(x)[1].unique().numel()
+    assert used < 12  # some experts got no token
 
 
-def test_detects_wrong_combine_weights():
-    """Negative control: weights off by 2% in combine must fail the check (out and gradients)."""
+def test_cpu_float32_many_tokens():
+    # past 256 tokens the reference uses dense masks
+    _run(tokens=300, experts=8, alignment=128, activation="gelu").assert_ok()
 
-    def scaled(combine):
-        return lambda y, plan, weights=None: combine(y, plan, weights * 1.02)
 
-    result = _run(ops=_wrapped(scaled))
-    assert not result.ok
+def test_main_runs(capsys):
+    argv = ["--tokens", "16", "--hidden", "16", "--ffn", "8", "--experts", "4", "--iters", "1"]
+    assert moe.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "alignment 1: 32 rows for 32 assignments" in out  # GroupedExperts' default on the CPU: no padding
+    assert "check: ok" in out and "forward + backward:" in out
+    assert moe.main(argv + ["--activation", "gelu", "--alignment", "16", "--gemm", "loop"]) == 0
+    out = capsys.readouterr().out
+    assert "alignment 16:" in out and "expert GEMMs: loop" in out and "check: ok" in out
+
+
+def _patch_route(monkeypatch, change):
+    """Change the router's (weights, top_k ids) before they reach the experts."""
+    route = moe.MoEMLP.route
+    monkeypatch.setattr(moe.MoEMLP, "route", lambda self, x: change(*route(self, x)))
+
+
+def test_detects_wrong_router_weights(monkeypatch):
+    """Negative control: router weights off by 2% must fail the check, in the output and the gradients."""
+    _patch_route(monkeypatch, lambda w, top: (w * 1.02, top))
+    result = _run()
     assert not result.passes("out")
+    assert not result.passes("grad x")
+    assert not result.ok
     with pytest.raises(AssertionError, match="does not match"):
         result.assert_ok()
 
 
-def test_detects_missing_router_gradient():
-    """Negative control: detaching the router weights before combine leaves the output right but
-    the router gradient wrong, which the check must catch."""
-
-    def detached(combine):
-        return lambda y, plan, weights=None: combine(y, plan, weights.detach())
-
-    result = _run(ops=_wrapped(detached))
-    assert result.passes("out")
-    assert not result.passes("grad router")
+def test_detects_missing_router_gradient(monkeypatch):
+    """Negative control: detached router weights leave the output and the expert weight gradients right,
+    but no gradient reaches the router (nor x through it), which the check must catch."""
+    _patch_route(monkeypatch, lambda w, top: (w.detach(), top))
+    result = _run()
+    assert result.passes("out") and result.passes("grad up") and result.passes("grad down")
+    assert not result.passes("grad router") and not result.passes("grad x")
     assert not result.ok
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a GPU and padmoe's CUDA backend")
-@pytest.mark.parametrize("ops", OPS)
-def test_cuda_float32_loop(ops):
-    result = _run(device="cuda", dtype=torch.float32, ops=ops, alignment=16)
-    result.assert_ok()
-    assert result.gemm == "loop"
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a GPU and padmoe's CUDA backend")
-@pytest.mark.parametrize("ops", OPS)
-@pytest.mark.parametrize("alignment", [16, 128])
-def test_cuda_bfloat16(ops, alignment):
-    # grouped_mm where this torch has it (auto falls back to the loop if it raises: then
-    # the report says why, and the check still applies).
-    result = _run(
-        device="cuda",
-        dtype=torch.bfloat16,
-        ops=ops,
-        alignment=alignment,
-        tokens=256,
-        hidden=64,
-        ffn=128,
-        experts=8,
-        top_k=2,
-    )
-    assert result.tolerance == 4e-2
-    result.assert_ok()
-    if moe.grouped_mm_usable("cuda", torch.bfloat16):
-        assert result.gemm.startswith("grouped_mm"), result.gemm
-
-
-@pytest.mark.skipif(
-    not (CUDA and moe.grouped_mm_usable("cuda", torch.bfloat16)),
-    reason="needs a GPU, padmoe's CUDA backend and torch grouped_mm",
-)
-def test_cuda_grouped_mm_forced():
-    result = _run(
-        device="cuda",
-        dtype=torch.bfloat16,
-        gemm="grouped_mm",
-        alignment=16,
-        tokens=256,
-        hidden=64,
-        ffn=128,
-        experts=8,
-        top_k=2,
-    )
-    result.assert_ok()
-    assert result.gemm == "grouped_mm"
+@pytest.mark.parametrize("hidden, ffn, gemm", [(32, 40, "auto"), (18, 10, "auto"), (32, 10, "auto"), (32, 40, "loop")])
+def test_gemm_path_is_what_runs(hidden, ffn, gemm):
+    """gemm_path names the GEMMs GroupedExperts runs: torch's grouped_mm, the loop per expert, or both."""
+    model = moe.MoEMLP(hidden, ffn, 4, 2, gemm=gemm)
+    x, grad_out = moe.make_inputs(10, hidden, "cpu", torch.float32, 0)
+    with _Ops() as ops:
+        model(x).backward(grad_out)
+    path = moe.gemm_path(model.experts, x)
+    assert ("aten._grouped_mm" in ops.names) == ("grouped_mm" in path), (path, ops.names)
+    assert ("padmoe_experts.segment_mm" in ops.names) == ("loop" in path), (path, ops.names)
 
 
 def test_reference_methods_agree():
@@ -181,10 +150,46 @@ def test_reference_methods_agree():
     t, h, f, e, k = 24, 12, 10, 5, 2
     x, w_r, g = torch.randn(t, h), torch.randn(e, h), torch.randn(t, h)
     for act, width in (("swiglu", 2 * f), ("gelu", f)):
-        w_in, w_out = torch.randn(e, h, width), torch.randn(e, f, h)
-        a = moe.dense_reference(x, w_r, w_in, w_out, g, k, act, method="loop")
-        b = moe.dense_reference(x, w_r, w_in, w_out, g, k, act, method="masks")
+        up, down = torch.randn(e, width, h), torch.randn(e, h, f)
+        a = moe.dense_reference(x, w_r, up, down, g, k, act, method="loop")
+        b = moe.dense_reference(x, w_r, up, down, g, k, act, method="masks")
         assert torch.equal(a[2], b[2])
         torch.testing.assert_close(a[0], b[0], rtol=1e-12, atol=1e-12)
         for name in a[1]:
             torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU and padmoe's CUDA backend")
+@pytest.mark.parametrize("gemm", ["auto", "loop"])
+def test_cuda_float32(gemm):
+    result = _run(device="cuda", dtype=torch.float32, gemm=gemm)
+    result.assert_ok()
+    assert result.model.experts.alignment is None  # GroupedExperts' default: 16 on CUDA
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU and padmoe's CUDA backend")
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("alignment", [None, 16, 128])
+def test_cuda_bfloat16(activation, alignment):
+    result = _run(
+        device="cuda",
+        dtype=torch.bfloat16,
+        activation=activation,
+        alignment=alignment,
+        tokens=256,
+        hidden=64,
+        ffn=128,
+        experts=8,
+    )
+    assert result.tolerance == 4e-2
+    result.assert_ok()
+    if torch.cuda.get_device_capability() >= (8, 0):
+        assert result.gemm == "grouped_mm"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU and padmoe's CUDA backend")
+def test_cuda_main_runs(capsys):
+    argv = ["--device", "cuda", "--dtype", "bfloat16", "--tokens", "512", "--hidden", "64", "--ffn", "128"]
+    assert moe.main(argv + ["--alignment", "128", "--iters", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "alignment 128:" in out and "check: ok" in out and " µs per iteration" in out
