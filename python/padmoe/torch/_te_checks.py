@@ -5,11 +5,11 @@ input is valid."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from ._common import Tensor
+from ._common import Tensor, compiling
 
 _ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -218,3 +218,116 @@ def _check_chunks(op: str, rows: int, sizes: Tensor, order: Tensor) -> None:
                 f"{op}: sorted_index: must be a permutation of [0, {order.numel()}): chunk {c} appears twice"
             )
         seen.add(c)
+
+
+# ---------------------------------------------------------------------------
+# TE's quantized (FP8) tensors, read by their attributes (TE is never imported)
+# ---------------------------------------------------------------------------
+
+
+class QuantizedRows(NamedTuple):
+    """A TE quantized tensor's row-wise parts: ``kind`` ``"tensor"`` (``Float8Tensor``: one
+    ``_scale_inv`` for the whole tensor), ``"blockwise"`` (``Float8BlockwiseQTensor``, 1x128
+    blocks) or ``"mxfp8"`` (``MXFP8Tensor``, E8M0 per 32 columns); ``data`` the ``[T, H]`` one-byte
+    codes; ``scales`` one scale row per data row (``[T, S]``, the input's dtype), None for
+    ``"tensor"``."""
+
+    kind: str
+    data: Tensor
+    scales: Optional[Tensor]
+
+
+def _is_quantized(t) -> bool:
+    """A TE ``QuantizedTensor`` (a torch tensor subclass holding a ``_quantizer`` and its own
+    ``dequantize``), told by its attributes."""
+    return (
+        isinstance(t, Tensor)
+        and type(t) is not Tensor
+        and hasattr(t, "_quantizer")
+        and callable(getattr(t, "dequantize", None))
+    )
+
+
+def _quantized(op: str, inp) -> Optional[QuantizedRows]:
+    """None for a plain tensor; the row-wise parts of a TE quantized ``inp`` whose rows padmoe can
+    move with their scales (per-tensor scaling, 1x128 blocks, MXFP8 with compact scales); else a
+    ``TypeError`` / ``ValueError`` naming ``op`` and what is not taken."""
+    if not _is_quantized(inp):
+        return None
+    name = type(inp).__name__
+    if not hasattr(inp, "_fp8_dtype"):
+        raise TypeError(
+            f"{op}: inp: {name} is not taken (padmoe moves the rows of TE's Float8Tensor, "
+            "Float8BlockwiseQTensor and MXFP8Tensor)"
+        )
+    t = inp.shape[0]
+    if hasattr(inp, "_rowwise_data"):
+        kind = "blockwise" if hasattr(inp, "_is_2D_scaled") else "mxfp8"
+        data, scales = inp._rowwise_data, inp._rowwise_scale_inv
+    elif hasattr(inp, "_data") and hasattr(inp, "_scale_inv"):
+        kind, data, scales = "tensor", inp._data, None
+    else:
+        raise TypeError(f"{op}: inp: {name} holds neither _data nor _rowwise_data (not a TE FP8 tensor padmoe knows)")
+    if not isinstance(data, Tensor):
+        raise ValueError(
+            f"{op}: inp: {name} holds no row-wise data (column-wise only); quantize it with row-wise usage"
+        )
+    if tuple(data.shape) != tuple(inp.shape) or data.element_size() != 1 or data.device != inp.device:
+        raise ValueError(
+            f"{op}: inp: {name}'s row-wise data is {data.dtype} of shape {list(data.shape)} on {data.device}; "
+            f"expected one-byte codes of shape {list(inp.shape)} on {inp.device}"
+        )
+    if kind == "blockwise":
+        if inp._is_2D_scaled:
+            raise TypeError(
+                f"{op}: inp: {name} has 128x128 block scales, each shared by 128 rows, which a row move "
+                "cannot carry; quantize with 1x128 blocks (block_scaling_dim=1)"
+            )
+        ready = getattr(inp, "_is_gemm_ready_format", None)
+        if callable(ready) and not ready():
+            raise TypeError(f"{op}: inp: {name} has its scales in the compact format; expected the GEMM-ready one")
+        # [ceil(H/128), T rounded up to 4]: a column per row
+        ok = isinstance(scales, Tensor) and scales.dim() == 2 and scales.shape[1] >= t
+        expect = f"[S, >= {t}] (a column of block scales per row)"
+        rows = scales[:, :t].t() if ok else None
+    else:
+        if kind == "mxfp8" and getattr(inp, "_with_gemm_swizzled_scales", False):
+            raise TypeError(
+                f"{op}: inp: {name} has GEMM-swizzled scales, which interleave the scales of 128 rows; "
+                "a row move needs the compact (unswizzled) scales"
+            )
+        # mxfp8: [T rounded up to 128, ceil(H/32) rounded up to 4]: a row of E8M0 scales per row
+        ok = kind == "tensor" or (isinstance(scales, Tensor) and scales.dim() == 2 and scales.shape[0] >= t)
+        expect = f"[>= {t}, S] (a row of scales per row)"
+        rows = scales[:t] if ok and scales is not None else None
+    if not ok:
+        got = list(scales.shape) if isinstance(scales, Tensor) else type(scales).__name__
+        raise ValueError(f"{op}: inp: {name}'s _rowwise_scale_inv: expected {expect}, got {got}")
+    if rows is not None and rows.device != inp.device:
+        raise ValueError(f"{op}: inp: {name}'s _rowwise_scale_inv is on {rows.device}, its data on {inp.device}")
+    return QuantizedRows(kind, data, rows)
+
+
+def _no_compile(op: str) -> None:
+    if compiling():
+        raise RuntimeError(
+            f"{op}: inp: a quantized (FP8) tensor is not taken under torch.compile (nor by TE); quantize "
+            "outside the compiled region"
+        )
+
+
+def _fp8_rows(op: str, inp) -> Optional[QuantizedRows]:
+    """The row-wise parts of a TE quantized ``inp`` (None for a plain tensor); not under torch.compile."""
+    if not _is_quantized(inp):
+        return None
+    _no_compile(op)
+    return _quantized(op, inp)
+
+
+def _dequantized(op: str, inp):
+    """``inp``, a TE quantized one dequantized by its own ``dequantize()`` (TE's index-map kernels get
+    it dequantized too: its tensor class dequantizes for the operators it does not pass through)."""
+    if not _is_quantized(inp):
+        return inp
+    _no_compile(op)
+    return inp.dequantize()

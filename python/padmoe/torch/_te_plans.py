@@ -16,7 +16,11 @@ launches on CUDA); the index form from ``make_plan`` or ``torch.argsort``; the u
 kept plan rebuilds one from TE's row_id_map.
 
 An assignment is ``a = t*K + k``: for the mask map K = E and ``k`` is the expert (``a = t*E + e``),
-for the index map ``k`` is the column of ``index``."""
+for the index map ``k`` is the column of ``index``.
+
+TE's quantized (FP8) tensors: their one-byte codes and their scale rows (any dtype, as bytes) go
+through the same operators as float8 rows, which padmoe moves bit for bit; the outputs are tensors
+of the input's own class (:func:`quantized_output`)."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch
 from padmoe._plan import Plan
 
 from ._common import Tensor, ops
+from ._te_checks import QuantizedRows
 
 
 def _layout(a: int, e: int) -> Tuple[int, int]:
@@ -167,3 +172,90 @@ def padded_plan_from_dest(dest: Tensor, pad_offsets: Tensor, rows: int) -> Tuple
     src.index_put_((flat.long(),), torch.arange(a, dtype=torch.int32, device=device))
     src[-1] = -1
     return Plan._from_packed(packed[:-1], t, e, e, 1, cap), cap
+
+
+# ---------------------------------------------------------------------------
+# TE's quantized (FP8) tensors
+# ---------------------------------------------------------------------------
+
+_BYTES = torch.float8_e4m3fn  # one-byte rows padmoe's row operators move bit for bit
+
+
+def as_bytes(rows: Tensor) -> Tensor:
+    """``[N, W]`` rows of any dtype as ``[N, W * itemsize]`` one-byte rows for padmoe's operators."""
+    if not rows.is_contiguous() or rows.stride(-1) != 1:  # a [N, 1] transpose counts as contiguous
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    return rows.view(torch.uint8).view(_BYTES)
+
+
+def from_bytes(moved: Tensor, like: Tensor) -> Tensor:
+    """Moved byte rows back in ``like``'s dtype."""
+    return moved.view(torch.uint8).view(like.dtype)
+
+
+def quantized_output(inp, q: QuantizedRows, data: Tensor, scales: Optional[Tensor]):
+    """A tensor of ``inp``'s own class (TE's) holding ``data`` and ``scales`` as its row-wise parts,
+    made as TE's permute makes its outputs: no column-wise parts, no quantizer, 1x128 (not 2-D) block
+    scales, unswizzled MXFP8 scales, a ``Float8Tensor``'s ``_scale_inv`` passed on as it is; the
+    other constructor arguments are ``inp.get_metadata()``'s (TE's keyword arguments of the class)."""
+    get = getattr(inp, "get_metadata", None)
+    meta = dict(get()) if callable(get) else {}
+    meta.update(fp8_dtype=inp._fp8_dtype, quantizer=None)
+    if q.kind == "tensor":
+        meta.update(data=data, fp8_scale_inv=inp._scale_inv, data_transpose=None)
+    else:
+        meta.update(rowwise_data=data, rowwise_scale_inv=scales, columnwise_data=None, columnwise_scale_inv=None)
+        if q.kind == "blockwise":
+            meta["is_2D_scaled"] = False
+        elif "with_gemm_swizzled_scales" in meta or hasattr(inp, "_with_gemm_swizzled_scales"):
+            meta["with_gemm_swizzled_scales"] = False
+    if not (data.is_cuda and data.device.index == torch.cuda.current_device()):
+        meta["device"] = data.device  # TE's classes default to the current CUDA device
+    return type(inp)(shape=data.shape, dtype=inp.dtype, requires_grad=False, **meta)
+
+
+def permute_quantized(inp, q: QuantizedRows, moved, packed, top_k, num_experts, capacity, rows):
+    """TE's permute of a quantized ``inp`` by a packed plan: its codes and scale rows moved by
+    padmoe's dispatch (bit copies; rows no assignment names get zero bytes), the first ``rows``
+    (-1: all); with ``moved`` (the moved probs) a row of probability 0 gets zero codes, its scales
+    still moved (TE's routing-map padding). Returns the output of ``inp``'s class."""
+
+    def move(t: Tensor) -> Tensor:
+        y = ops.dispatch.default(as_bytes(t), packed, None, top_k, num_experts, 1, capacity, 0, True)
+        return from_bytes(y[:rows] if 0 <= rows < y.shape[0] else y, t)
+
+    data = move(q.data)
+    scales = None if q.scales is None else move(q.scales)
+    if moved is not None:
+        data.view(torch.uint8).masked_fill_((moved == 0).unsqueeze(1), 0)
+    if q.kind == "blockwise":
+        scales = scales.t().contiguous()  # TE's [S, rows]
+    return quantized_output(inp, q, data, scales)
+
+
+class QuantizedChunkSort(torch.autograd.Function):
+    """TE's chunk sort of a quantized ``inp``, its codes already sorted (``data``, by padmoe's
+    sort_chunks: output row j holds input row ``perm[j]``): the scale rows gathered with them (a
+    padded scale layout keeps its padding), the output of the input's own class. The backward
+    sends the (plain) gradient back: ``grad_inp[perm[j]] = grad[j]``."""
+
+    @staticmethod
+    def forward(ctx, inp, q, data, perm):
+        scales = None
+        if q.scales is not None:
+            moved = q.scales.index_select(0, perm.long())
+            scales = inp._rowwise_scale_inv.clone()  # the input's layout, its padding included
+            if q.kind == "blockwise":
+                scales[:, : data.shape[0]] = moved.t()
+            else:
+                scales[: data.shape[0]] = moved
+        ctx.save_for_backward(perm)
+        return quantized_output(inp, q, data, scales)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (perm,) = ctx.saved_tensors
+        grad_inp = None
+        if ctx.needs_input_grad[0] and grad is not None:
+            grad_inp = torch.empty_like(grad).index_copy_(0, perm.long(), grad)
+        return grad_inp, None, None, None

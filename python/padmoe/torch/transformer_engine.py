@@ -51,8 +51,18 @@ the rows' dtype; a non-finite row routed with probability 0 gives NaN where TE w
 ``num_experts=`` (index map: ids in ``[0, E)`` or -1, sorted by padmoe's plan in one operator
 instead of ``torch.argsort``), ``out_rows=`` (above), ``check=`` (eager default: the index ids with
 ``num_experts``, ``tokens_per_expert`` against the map, the chunk sizes and order; one read of the
-device each; ``check=False`` reads nothing). float8 tensors (TE's QuantizedTensor) are not
-taken."""
+device each; ``check=False`` reads nothing).
+
+TE's quantized (FP8) tensors, told by their attributes (TE is never imported here): the mask-map
+permutes (all three) take, as TE, a ``Float8Tensor`` (``_data`` moved, ``_scale_inv`` passed on),
+a ``Float8BlockwiseQTensor`` of 1x128 blocks and an ``MXFP8Tensor`` with compact scales
+(``_rowwise_data`` moved with the rows of ``_rowwise_scale_inv``; a row of probability 0 gets zero
+codes, its scales still moved), and return a tensor of the input's own class, made by its
+constructor from ``get_metadata()`` (no column-wise data, no quantizer); the chunk sorts take the
+three (TE: ``Float8Tensor`` only); the index map's permute and unpermute read the input
+dequantized (``inp.dequantize()``), as TE's do; the mask unpermute takes none (TE neither). Codes
+and scales are bit copies; a quantized input that requires a gradient gets TE's plain gradient.
+Not under torch.compile (TE neither)."""
 
 from __future__ import annotations
 
@@ -79,7 +89,10 @@ from ._te_checks import (
     _check_out_tokens,
     _check_probs,
     _check_rows,
+    _dequantized,
+    _fp8_rows,
     _is_int,
+    _is_quantized,
 )
 
 __all__ = [
@@ -163,6 +176,32 @@ def _permute(inp, probs, plan, weights, sources, rows=None):
     return y, moved
 
 
+class _QuantizedPermute(_Permute):
+    """:class:`_Permute` of a TE quantized tensor (``q`` in the place of the weights): codes and scale
+    rows moved by the plan, the output of the input's own class (``_te_plans.permute_quantized``).
+    The backward is _Permute's: the gradient comes as a plain tensor, as in TE."""
+
+    @staticmethod
+    def forward(ctx, inp, probs, packed, top_k, num_experts, capacity, q, sources, rows):
+        moved = None
+        if probs is not None:
+            flat = probs.reshape(-1)
+            moved = torch.where(sources >= 0, flat[sources.clamp(min=0).long()], 0)
+            moved = _head(moved, rows) if 0 <= rows < moved.shape[0] else moved
+        out = tp.permute_quantized(inp, q, moved, packed, top_k, num_experts, capacity, rows)
+        ctx.assignments = inp.shape[0] * top_k
+        ctx.plan = (top_k, num_experts, capacity)
+        ctx.probs_shape = None if probs is None else probs.shape
+        ctx.save_for_backward(packed)
+        return out, moved
+
+
+def _permute_quantized(inp, q, probs, plan, sources, rows=None):
+    """_permute of a TE quantized tensor (eager mode only)."""
+    args = (plan.packed, plan.top_k, plan.num_experts, plan.expert_capacity, q, sources)
+    return _QuantizedPermute.apply(inp, probs, *args, -1 if rows is None else rows)
+
+
 def _empty_float(inp: Tensor) -> Tensor:
     return torch.empty(0, dtype=torch.float32, device=inp.device)
 
@@ -215,8 +254,13 @@ def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
     _check_map(op, inp, routing_map)
     if probs is not None:
         _check_probs(op, probs, routing_map)
+    q = _fp8_rows(op, inp)
     plan, row_id_map = tp.mask_plan(routing_map, num_out_tokens)
     _, sources = tp.plan_views(plan)
+    if q is not None:
+        out, moved = _permute_quantized(inp, q, probs, plan, sources)
+        _keep(row_id_map, plan, False, num_out_tokens)
+        return out, moved, row_id_map
     weights = None
     if probs is not None:  # a routed slot of probability 0 is a zero row (TE's routing-map padding)
         weights = _nonzero_weights(probs)
@@ -244,6 +288,8 @@ def moe_permute(
     if map_type not in ("mask", "index"):
         raise ValueError(f"{op}: map_type: expected 'mask' or 'index', got {map_type!r}")
     _check_rows(op, inp)
+    if map_type == "index":
+        inp = _dequantized(op, inp)  # as TE: a quantized inp is permuted dequantized on the index map
     if inp.numel() == 0:
         return inp.clone(), _empty_float(inp)
     if map_type == "mask":
@@ -330,6 +376,7 @@ def moe_permute_and_pad_with_probs(
     _check_rows(op, inp, weighted=True)
     _check_map(op, inp, routing_map)
     _check_probs(op, probs, routing_map)
+    q = _fp8_rows(op, inp)
     e = routing_map.shape[1]
     if not isinstance(tokens_per_expert, Tensor) or tuple(tokens_per_expert.shape) != (e,):
         raise ValueError(f"{op}: tokens_per_expert: expected a tensor of shape [{e}], got {tokens_per_expert!r}")
@@ -360,8 +407,10 @@ def moe_permute_and_pad_with_probs(
         return out, moved, _empty_float(inp), pad_offsets, target
     plan, row_id_map = tp.padded_mask_plan(routing_map, align_size, rows)
     _, sources = tp.plan_views(plan)
-    weights = _nonzero_weights(probs)
-    out, moved = _permute(inp, probs, plan, weights, sources, rows)
+    if q is not None:
+        out, moved = _permute_quantized(inp, q, probs, plan, sources, rows)
+    else:
+        out, moved = _permute(inp, probs, plan, _nonzero_weights(probs), sources, rows)
     _keep(row_id_map, plan, True, rows)
     return out, moved, row_id_map, pad_offsets, target
 
@@ -393,6 +442,13 @@ def moe_unpermute(
     if map_type not in ("mask", "index"):
         raise ValueError(f"{op}: map_type: expected 'mask' or 'index', got {map_type!r}")
     _check_rows(op, inp, weighted=merging_probs is not None)
+    if _is_quantized(inp):
+        if map_type == "mask":
+            raise TypeError(
+                f"{op}: inp: a quantized (FP8) tensor is not taken on the mask map (TE's moe_unpermute "
+                "does not take one either); pass the rows in high precision, e.g. inp.dequantize()"
+            )
+        inp = _dequantized(op, inp)  # as TE: the index map's unpermute reads a quantized inp dequantized
     if merging_probs is not None:
         _check_merging_probs(op, merging_probs, inp)
     if inp.numel() == 0:
@@ -494,12 +550,21 @@ def _chunk_sort(op: str, inp: Tensor, split_sizes: Tensor, sorted_index: Tensor,
     return out, permutation_map
 
 
+def _sort_chunks_any(op, inp, split_sizes, sorted_index, check):
+    """_chunk_sort of a plain tensor or of a TE quantized one (its codes as bytes, its scales with them)."""
+    q = _fp8_rows(op, inp)
+    if q is None:
+        return _chunk_sort(op, inp, split_sizes, sorted_index, check)
+    data, perm = _chunk_sort(op, tp.as_bytes(q.data), split_sizes, sorted_index, check)
+    return tp.QuantizedChunkSort.apply(inp, q, tp.from_bytes(data, q.data), perm), perm
+
+
 def moe_sort_chunks_by_index(
     inp: Tensor, split_sizes: Tensor, sorted_index: Tensor, *, check: Optional[bool] = None
 ) -> Tensor:
     """TE's ``moe_sort_chunks_by_index(inp, split_sizes, sorted_index) -> output`` (this module's
     docstring)."""
-    out, _ = _chunk_sort("moe_sort_chunks_by_index", inp, split_sizes, sorted_index, check)
+    out, _ = _sort_chunks_any("moe_sort_chunks_by_index", inp, split_sizes, sorted_index, check)
     return out
 
 
@@ -516,7 +581,7 @@ def moe_sort_chunks_by_index_with_probs(
         raise ValueError(f"{op}: probs: expected [{inp.shape[0]}] (one per row of inp), got shape {list(probs.shape)}")
     if probs.device != getattr(inp, "device", probs.device):
         raise ValueError(f"{op}: probs: expected a tensor on {inp.device}, got {probs.device}")
-    out, permutation_map = _chunk_sort(op, inp, split_sizes, sorted_index, check)
+    out, permutation_map = _sort_chunks_any(op, inp, split_sizes, sorted_index, check)
     # every output row holds an input row (alignment 1, the tail chunk last): the map is a permutation
     permuted_probs = probs[permutation_map.long()]
     return out, permuted_probs
