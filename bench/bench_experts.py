@@ -7,7 +7,7 @@ included), the forward replayed in a CUDA graph, the peak memory of forward + ba
 forward + backward with ``recompute_rows=True``.
 
     python bench/bench_experts.py [--shapes qwen3-30b-a3b,mixtral-8x7b,deepseek-v3,decode] [--iters 10]
-           [--json FILE]
+           [--json FILE] [--vllm-src TREE]
 
 Shapes (bf16, top-k softmax router weights, alignment 128, gated SiLU, ``[E, out, in]`` weights):
 qwen3-30b-a3b T=16384 H=2048 I=768 E=128 K=8; mixtral-8x7b T=4096 H=4096 I=14336 E=8 K=2; deepseek-v3
@@ -16,13 +16,45 @@ GEMM is the larger of its FLOPs (over the real rows, A = T*K) at the dense rate 
 and output) at the copy bandwidth; the MLP's floor sums its GEMMs' (two forward, six forward + backward).
 The sum of parts is the GEMMs alone plus the routing ops alone (make_plan, dispatch, combine; backward:
 combine_backward, dispatch_backward).
+
+``--vllm-src TREE`` also times vLLM's Triton fused MoE forward beside the operator's, without vLLM
+installed: TREE is a vLLM source tree (a git checkout, or a copy of its files with the commit on the
+first line of a COMMIT.txt at its root) holding ``vllm/model_executor/layers/fused_moe/fused_moe.py``.
+That file is parsed with ``ast``: the ``@triton.jit`` function ``fused_moe_kernel``, every module-level
+``@triton.jit`` helper it calls (transitively) and the module-level constants they read are executed in
+a fresh namespace holding only ``triton`` and ``triton.language as tl`` (at their own line numbers of
+that file, so Triton and tracebacks read the file itself); ``get_default_config`` (plain Python) is
+extracted the same way, with vLLM's environment as seen here (no batch-invariant mode; ROCm when torch
+is a ROCm build). The forward is composed as vLLM's ``fused_experts`` runs its unquantized bf16 path:
+block sizes from ``get_default_config(M=T, E, N=I, K=H, topk=K, dtype=None)`` (vLLM would take a tuned
+JSON file for the device and shape instead where one exists); ``moe_align_block_size`` with that
+BLOCK_SIZE_M (padmoe's drop-in, ``padmoe.torch.moe_align_block_size``, vLLM's semantics; vLLM's
+token-wise assignment for ``T*K*4 <= E`` applies to none of these shapes); the first
+``fused_moe_kernel`` launch (x @ w1 into ``[T, K, 2I]``, not weighted); SiLU-and-mul as torch ops,
+``F.silu(g) * u`` over the two halves (vLLM's CUDA ``silu_and_mul`` is not available standalone); the
+second launch (``[T*K, I] @ w2`` with MUL_ROUTED_WEIGHT into ``[T, K, H]``); and ``.sum(1)`` (vLLM's
+``moe_sum``). Each launch passes every kernel parameter by keyword, as the tree's kernel names them
+(``num_warps`` / ``num_stages`` from the config; no quantization, bias, tensor descriptors or swapped
+operands), with the grid and EM of vLLM's ``invoke_fused_moe_triton_kernel``. The weights are the
+operator's (``up`` ``[E, 2I, H]`` is vLLM's w1, ``down`` ``[E, H, I]`` its w2), the router weights
+float32 and the ids int32 as vLLM's top-k gives them. vLLM's output is first checked against the
+operator's on the same inputs (relative Frobenius error; above 1e-2 a line is printed and vLLM's times
+are marked), then timed with the same eager / graph forward timing, and each of its two GEMM launches
+alone. Where the kernel cannot be extracted (it reads a name that is neither a module-level definition
+of the file nor ``triton`` / ``tl``), or it fails to run, the reason is printed and the rest runs
+without vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import builtins
+import inspect
 import json
+import os
 import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +63,8 @@ from bench_te import copy_bandwidth, eager_time, graph_time  # the timing of the
 import padmoe.torch as pt
 from padmoe.torch import _expert_mlp
 from padmoe.torch._common import plan_args
-from padmoe.torch._expert_mlp import KINDS, _mm, _mm_dgrad, _mm_wgrad, triton_gather_up
+from padmoe.torch._expert_mlp import KINDS, _mm, _mm_dgrad, _mm_wgrad
+from padmoe.torch._gather_gemm import triton_gather_up
 from padmoe.torch.grouped import Routing, experts_forward
 
 SHAPES = {
@@ -131,7 +164,323 @@ def parts(s, x, idx, w, up, down, iters, rate, bw):
     return out
 
 
-def run_shape(name, s, iters, rate, bw):
+# vLLM's Triton fused MoE (--vllm-src): read from the user's vLLM tree at run time, vLLM not imported.
+VLLM_FUSED_MOE = "vllm/model_executor/layers/fused_moe/fused_moe.py"
+VLLM_KERNEL, VLLM_CONFIG = "fused_moe_kernel", "get_default_config"
+VLLM_TOLERANCE = 1e-2  # relative (Frobenius) error of vLLM's output against the operator's (bf16)
+# The entries of vLLM's config that go to the launch rather than to a kernel parameter; the config's
+# other entries that are no kernel parameter are dropped (as vLLM's launcher drops USE_TMA).
+VLLM_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def _names_read(node):
+    """The names a module-level definition reads without binding them itself (parameters, assigned
+    locals, loop and comprehension targets, nested lambdas' parameters and the like are bound)."""
+    bound, read = set(), set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.arg):
+            bound.add(n.arg)
+        elif isinstance(n, ast.Name):
+            (read if isinstance(n.ctx, ast.Load) else bound).add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n is not node:
+            bound.add(n.name)
+        elif isinstance(n, (ast.Global, ast.Nonlocal)):
+            read.update(n.names)
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        bound.discard(node.name)  # a recursive call is to the module-level definition
+    return read - bound
+
+
+def _is_triton_jit(node):
+    for d in getattr(node, "decorator_list", ()):
+        f = d.func if isinstance(d, ast.Call) else d
+        if (
+            isinstance(f, ast.Attribute)
+            and f.attr == "jit"
+            and isinstance(f.value, ast.Name)
+            and f.value.id == "triton"
+        ):
+            return True
+    return False
+
+
+def extract_definitions(module, roots, provided, jit_only):
+    """The module-level statements (in file order) defining ``roots`` and, transitively, every
+    module-level function or constant they read. ``provided``: names the namespace supplies.
+    ``jit_only``: the functions must all be ``@triton.jit``. Raises LookupError naming what cannot be
+    had this way (an import of the file, a name bound elsewhere than at module level)."""
+    defs, imported = {}, set()
+    for stmt in module.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defs[stmt.name] = stmt
+        elif isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Name) for t in stmt.targets):
+            defs.update((t.id, stmt) for t in stmt.targets)
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
+            defs[stmt.target.id] = stmt
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            imported.update((a.asname or a.name).split(".")[0] for a in stmt.names)
+    need, todo, missing = {}, list(roots), []
+    while todo:
+        name = todo.pop()
+        if name in need or name in provided or (name not in defs and hasattr(builtins, name)):
+            continue
+        stmt = defs.get(name)
+        if stmt is None:
+            missing.append(f"{name} ({'imported by the file' if name in imported else 'not defined at module level'})")
+            continue
+        if jit_only and isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if not _is_triton_jit(stmt):
+                missing.append(f"{name} (not a @triton.jit function)")
+                continue
+        need[name] = stmt
+        todo.extend(_names_read(stmt))
+    if missing:
+        raise LookupError(f"{', '.join(roots)} (or what it calls) reads {', '.join(sorted(set(missing)))}")
+    chosen = {id(stmt) for stmt in need.values()}
+    return [stmt for stmt in module.body if id(stmt) in chosen]
+
+
+def exec_definitions(path, module, lines, stmts, namespace):
+    """Executes ``stmts`` of the file ``path`` (parsed: ``module``, its ``lines``) in ``namespace``,
+    each at its own line numbers (the other lines blank), with the file's own ``__future__`` imports
+    (and not this script's): ``inspect.getsource``, which Triton's JIT reads, and tracebacks see the
+    file itself."""
+    future = [st for st in module.body if isinstance(st, ast.ImportFrom) and st.module == "__future__"]
+    keep = [""] * len(lines)
+    for stmt in future + list(stmts):
+        first = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", ())])
+        keep[first - 1 : stmt.end_lineno] = lines[first - 1 : stmt.end_lineno]
+    exec(compile("\n".join(keep) + "\n", path, "exec", dont_inherit=True), namespace)
+    return namespace
+
+
+class _VllmPlatform:
+    """vLLM's ``current_platform`` as far as its config rule asks: the torch build's."""
+
+    @staticmethod
+    def is_rocm():
+        return torch.version.hip is not None
+
+    @staticmethod
+    def is_cuda():
+        return torch.version.hip is None and torch.version.cuda is not None
+
+    @staticmethod
+    def is_cuda_alike():
+        return torch.version.hip is not None or torch.version.cuda is not None
+
+
+def _next_power_of_2(n):
+    return 1 if n < 1 else 1 << (n - 1).bit_length()
+
+
+# What the extracted get_default_config may read besides the file's own definitions: vLLM's
+# environment as it would be here (default environment variables, no batch-invariant mode).
+VLLM_CONFIG_ENV = dict(
+    envs=types.SimpleNamespace(VLLM_BATCH_INVARIANT=False),
+    current_platform=_VllmPlatform,
+    next_power_of_2=_next_power_of_2,
+    vllm_is_batch_invariant=lambda: False,
+)
+
+
+# fused_moe_kernel's arguments that are the same at every launch of the unquantized path (no scales,
+# bias, tensor descriptors, swapped operands or token-wise assignment), by the kernel's parameter names.
+VLLM_FIXED_ARGS = dict(
+    b_desc=None,
+    b_bias_ptr=None,
+    a_scale_ptr=None,
+    b_scale_ptr=None,
+    a_desc=None,
+    stride_asm=0,
+    stride_ask=0,
+    stride_bse=0,
+    stride_bsk=0,
+    stride_bsn=0,
+    stride_bbe=0,
+    stride_bbn=0,
+    group_n=0,
+    group_k=0,
+    naive_block_assignment=False,
+    SPLIT_K=1,
+    use_fp8_w8a8=False,
+    use_int8_w8a8=False,
+    use_int8_w8a16=False,
+    per_channel_quant=False,
+    HAS_BIAS=False,
+    SWAP_AB=False,
+    USE_TD=False,
+    USE_TMA_B=False,
+    USE_TMA_A=False,
+    C_IS_SORTED=False,
+)
+# Those that follow the launch's tensors (VllmFusedMoe.gemm), and those the config gives.
+VLLM_LAUNCH_ARGS = (
+    "a_ptr b_ptr c_ptr topk_weights_ptr sorted_token_ids_ptr expert_ids_ptr num_tokens_post_padded_ptr N K EM "
+    "num_valid_tokens stride_am stride_ak stride_be stride_bk stride_bn stride_cm stride_cn MUL_ROUTED_WEIGHT top_k "
+    "compute_type"
+).split()
+VLLM_CONFIG_ARGS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
+
+
+class VllmFusedMoe:
+    """vLLM's ``fused_moe_kernel`` and ``get_default_config`` from a vLLM tree, and the unquantized
+    forward of vLLM's ``fused_experts`` composed from them (see the module docstring)."""
+
+    def __init__(self, kernel, default_config):
+        import triton.language as tl
+
+        self.kernel, self.default_config = kernel, default_config
+        self.compute_type = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+        self.params = inspect.signature(kernel.fn).parameters
+        self.config_params = inspect.signature(default_config).parameters
+        known = set(VLLM_FIXED_ARGS) | set(VLLM_LAUNCH_ARGS) | set(VLLM_CONFIG_ARGS)
+        unknown = [n for n, p in self.params.items() if n not in known and p.default is inspect.Parameter.empty]
+        if unknown:
+            raise LookupError(f"{VLLM_KERNEL} takes parameters this script does not know: {', '.join(unknown)}")
+        self.defaulted = [n for n in self.params if n not in known]  # left at the kernel's defaults
+
+    def config(self, T, E, H, I, K):
+        """vLLM's default config for the shape: ``get_default_config`` called as
+        ``try_get_optimal_moe_config`` calls it (M = tokens, N = w2's last dim, K = w1's last dim;
+        dtype None: bf16 / fp16 without quantization)."""
+        args = dict(M=T, E=E, N=I, K=H, topk=K, dtype=None, block_shape=None, is_marlin=False)
+        return dict(self.default_config(**{k: v for k, v in args.items() if k in self.config_params}))
+
+    def align(self, topk_ids, config, num_experts):
+        """(sorted_token_ids, expert_ids, num_tokens_post_padded) for the config's BLOCK_SIZE_M, as
+        vLLM's fused_experts asks them (no expert map)."""
+        return pt.moe_align_block_size(
+            topk_ids, config["BLOCK_SIZE_M"], num_experts, None, ignore_invalid_experts=True, check=False
+        )
+
+    def gemm(self, A, B, C, topk_weights, align, mul_routed_weight, top_k, config):
+        """One ``fused_moe_kernel`` launch as vLLM's ``invoke_fused_moe_triton_kernel`` makes it on the
+        unquantized path: C[token * top_k + k] = A[token] @ B[expert]^T over the aligned blocks."""
+        sorted_ids, expert_ids, post = align
+        block_m = config["BLOCK_SIZE_M"]
+        EM = sorted_ids.size(0)
+        if A.size(0) < block_m:  # vLLM's small-batch bound on the blocks launched
+            EM = min(EM, A.size(0) * top_k * block_m)
+        values = dict(VLLM_FIXED_ARGS)
+        values.update(
+            a_ptr=A,
+            b_ptr=B,
+            c_ptr=C,
+            topk_weights_ptr=topk_weights,
+            sorted_token_ids_ptr=sorted_ids,
+            expert_ids_ptr=expert_ids,
+            num_tokens_post_padded_ptr=post,
+            N=B.size(1),
+            K=B.size(2),
+            EM=EM,
+            num_valid_tokens=A.size(0) * top_k,
+            stride_am=A.stride(0),
+            stride_ak=A.stride(1),
+            stride_be=B.stride(0),
+            stride_bk=B.stride(2),
+            stride_bn=B.stride(1),
+            stride_cm=C.stride(1),
+            stride_cn=C.stride(2),
+            MUL_ROUTED_WEIGHT=mul_routed_weight,
+            top_k=top_k,
+            compute_type=self.compute_type[A.dtype],
+        )
+        values.update((k, v) for k, v in config.items() if k in VLLM_CONFIG_ARGS)
+        kwargs = {n: values[n] for n in self.params if n in values}
+        kwargs.update((k, config[k]) for k in VLLM_LAUNCH_OPTIONS if k in config)
+        grid = (-(-EM // block_m) * -(-B.size(1) // config["BLOCK_SIZE_N"]),)
+        self.kernel[grid](**kwargs)
+
+    def forward(self, x, topk_ids, topk_weights, w1, w2, config):
+        """vLLM's fused_experts (unquantized, no expert map): [T, H] from x [T, H], ids int32 and
+        weights float32 [T, K], w1 [E, 2I, H], w2 [E, H, I]."""
+        T, H = x.shape
+        E, N, _ = w1.shape
+        K = topk_ids.size(1)
+        align = self.align(topk_ids, config, E)
+        cache13 = torch.empty(T * K * max(N, H), device=x.device, dtype=x.dtype)  # as vLLM shares it
+        c1, c3 = cache13[: T * K * N].view(T, K, N), cache13[: T * K * H].view(T, K, H)
+        self.gemm(x, w1, c1, topk_weights, align, False, K, config)
+        g, u = c1.view(-1, N).chunk(2, dim=-1)
+        c2 = F.silu(g) * u
+        self.gemm(c2, w2, c3, topk_weights, align, True, 1, config)
+        return c3.sum(1)
+
+
+def load_vllm_fused_moe(vllm_src):
+    """(VllmFusedMoe or None, a status line) from the vLLM tree ``vllm_src``; never raises."""
+    path = os.path.join(vllm_src, VLLM_FUSED_MOE)
+    try:
+        import triton
+        import triton.language as tl
+
+        with open(path) as f:
+            text = f.read()
+        module = ast.parse(text, path)
+        lines = text.splitlines()
+        kernel_env = dict(triton=triton, tl=tl)
+        kernel_stmts = extract_definitions(module, [VLLM_KERNEL], kernel_env, jit_only=True)
+        config_stmts = extract_definitions(module, [VLLM_CONFIG], VLLM_CONFIG_ENV, jit_only=False)
+        ns = exec_definitions(path, module, lines, kernel_stmts, dict(kernel_env, __name__="padmoe_bench_vllm_kernel"))
+        cns = exec_definitions(
+            path, module, lines, config_stmts, dict(VLLM_CONFIG_ENV, __name__="padmoe_bench_vllm_config")
+        )
+        vllm = VllmFusedMoe(ns[VLLM_KERNEL], cns[VLLM_CONFIG])
+    except Exception as e:  # noqa: BLE001 - the benchmark goes on without vLLM, with the reason
+        return None, f"vLLM fused_moe: not timed: {type(e).__name__}: {e}"
+    from bench_vllm import vllm_commit  # the tree's git HEAD, else its COMMIT.txt
+
+    def names(stmts):
+        return ", ".join(n for st in stmts for n in (_assigned(st) if not hasattr(st, "name") else [st.name]))
+
+    commit = vllm_commit(vllm_src) or "commit unknown"
+    status = f"vLLM fused_moe from {path} ({commit}): kernel {names(kernel_stmts)}; config {names(config_stmts)}"
+    if vllm.defaulted:
+        status += f"; kernel parameters left at their defaults: {', '.join(vllm.defaulted)}"
+    return vllm, status
+
+
+def _assigned(stmt):
+    return [t.id for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]) if isinstance(t, ast.Name)]
+
+
+def run_vllm(vllm, name, s, x, idx, w, up, down, iters):
+    """vLLM's fused MoE forward on the shape's inputs: its config, its error against padmoe's
+    operator, eager / graph forward µs and each GEMM launch alone (µs)."""
+    T, H, I, E, K = s["T"], s["H"], s["I"], s["E"], s["K"]
+    ids, wts = idx.to(torch.int32).contiguous(), w.float().contiguous()
+    config = vllm.config(T, E, H, I, K)
+    out = dict(config=config)
+    with torch.no_grad():
+        ref = experts_forward(x, idx, w, up, down, gate="silu", alignment=ALIGN, check=False).float()
+        got = vllm.forward(x, ids, wts, up, down, config).float()
+    out["rel_err"] = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    out["match"] = out["rel_err"] <= VLLM_TOLERANCE
+    if not out["match"]:
+        print(
+            f"vLLM fused_moe {name}: relative error {out['rel_err']:.2e} against padmoe's operator "
+            f"(over {VLLM_TOLERANCE:g}); its times are marked",
+            flush=True,
+        )
+
+    def fwd():
+        with torch.no_grad():
+            return vllm.forward(x, ids, wts, up, down, config)
+
+    out["fwd_us"] = eager_time(fwd, iters)
+    out["graph_fwd_us"] = graph_time(fwd, 1, iters)
+    align = vllm.align(ids, config, E)
+    c1 = torch.empty(T, K, 2 * I, device=x.device, dtype=x.dtype)
+    c3 = torch.empty(T, K, H, device=x.device, dtype=x.dtype)
+    out["gemm1_us"] = eager_time(lambda: vllm.gemm(x, up, c1, wts, align, False, K, config), iters)
+    g, u = c1.view(-1, 2 * I).chunk(2, dim=-1)
+    a = F.silu(g) * u  # the second GEMM's input as the forward makes it
+    out["gemm2_us"] = eager_time(lambda: vllm.gemm(a, down, c3, wts, align, True, 1, config), iters)
+    return out
+
+
+def run_shape(name, s, iters, rate, bw, vllm=None):
     T, H, I, E, K = s["T"], s["H"], s["I"], s["E"], s["K"]
     dev, dt = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -190,6 +539,12 @@ def run_shape(name, s, iters, rate, bw):
             torch.cuda.synchronize()
             row[f"{form}_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     _expert_mlp.gather_config = GATHER_CONFIG
+    if vllm is not None:
+        try:
+            row["vllm"] = run_vllm(vllm, name, s, x, idx, w, up.detach(), down.detach(), iters)
+        except Exception as e:  # noqa: BLE001 - the other shapes and tables go on without it
+            print(f"vLLM fused_moe {name}: failed: {type(e).__name__}: {e}", flush=True)
+            row["vllm"] = dict(error=f"{type(e).__name__}: {e}")
     return row
 
 
@@ -199,21 +554,58 @@ def fmt(r, c):
     return f"{r[f'{c}_fwd_us']:.0f} / {r[f'{c}_graph_fwd_us']:.0f} / {tail}"
 
 
+def print_vllm(rows, status):
+    """vLLM's fused MoE forward beside the operator's, per shape."""
+    print(f"\n{status}")
+    print(
+        "\n| shape | vLLM config (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, warps, stages) | vLLM error vs operator "
+        "| vllm fused_moe fwd / graph fwd µs | operator fwd / graph fwd µs | vLLM over operator fwd / graph "
+        "| vLLM GEMM1 / GEMM2 µs | padmoe up / down grouped_mm µs |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        v = r.get("vllm")
+        if v is None or "error" in v:
+            why = (v["error"].splitlines() or ["failed"])[0][:120].replace("|", "/") if v else "not run"
+            print(f"| {r['shape']} | - | {why} | - | - | - | - | - |")
+            continue
+        c = v["config"]
+        cfg = "/".join(str(c.get(k, "-")) for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"))
+        cfg += f", {c.get('GROUP_SIZE_M', '-')}, {c.get('num_warps', '-')}, {c.get('num_stages', '-')}"
+        mark = "" if v["match"] else " (mismatch)"
+        p = r["parts"]
+        print(
+            f"| {r['shape']} | {cfg} | {v['rel_err']:.1e}{mark} | {v['fwd_us']:.0f} / {v['graph_fwd_us']:.0f}{mark} "
+            f"| {r['operator_fwd_us']:.0f} / {r['operator_graph_fwd_us']:.0f} "
+            f"| {v['fwd_us'] / r['operator_fwd_us']:.2f}x / {v['graph_fwd_us'] / r['operator_graph_fwd_us']:.2f}x "
+            f"| {v['gemm1_us']:.0f} / {v['gemm2_us']:.0f} | {p['up'][0]:.0f} / {p['down'][0]:.0f} |"
+        )
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--vllm-src",
+        default=None,
+        metavar="TREE",
+        help="a vLLM source tree: time vLLM's Triton fused MoE forward beside the operator's (vLLM not imported)",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_experts: needs a CUDA device", file=sys.stderr)
         return 2
+    vllm, vllm_status = load_vllm_fused_moe(args.vllm_src) if args.vllm_src else (None, None)
     rate, bw = dense_rate(), copy_bandwidth()
     print(
         f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  "
         f"dense bf16 mm {rate / 1e12:.0f} TFLOP/s  copy {bw / 1e9:.0f} GB/s"
     )
-    rows = [run_shape(n, SHAPES[n], args.iters, rate, bw) for n in args.shapes.split(",")]
+    if vllm_status:
+        print(vllm_status, flush=True)
+    rows = [run_shape(n, SHAPES[n], args.iters, rate, bw, vllm) for n in args.shapes.split(",")]
     print(
         "\n| shape | floor fwd / f+b µs | parts fwd / f+b µs | composition fwd / graph fwd / f+b µs (peak MiB) "
         "| operator fwd / graph fwd / f+b µs (peak MiB) | operator over parts fwd / f+b |"
@@ -270,9 +662,14 @@ def main(argv=None):
         "\noperator with dispatch + grouped_mm only, fwd / graph fwd / f+b µs: "
         + ", ".join(f"{r['shape']} {fmt(r, 'operator_dispatch')}" for r in rows)
     )
+    if vllm_status:
+        print_vllm(rows, vllm_status)
     if args.json:
+        report = dict(dense_flops=rate, copy_bytes_per_s=bw, rows=rows)
+        if vllm_status:
+            report.update(vllm_src=args.vllm_src, vllm_status=vllm_status)
         with open(args.json, "w") as f:
-            json.dump(dict(dense_flops=rate, copy_bytes_per_s=bw, rows=rows), f, indent=1)
+            json.dump(report, f, indent=1)
     return 0
 
 

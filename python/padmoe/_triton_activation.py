@@ -22,9 +22,9 @@ import triton.language as tl
 # 2 gelu_tanh, 3 relu, 4 relu2, 5 sigmoid, 6 identity, 7 clamped_swiglu: GPT-OSS's
 # g' = min(g, L), u' = clamp(u, -L, L), (u' + 1) * g' * sigmoid(alpha g')).
 
-_INV_SQRT_2: tl.constexpr = 0.7071067811865476
-_INV_SQRT_2PI: tl.constexpr = 0.3989422804014327
-_SQRT_2_OVER_PI: tl.constexpr = 0.7978845608028654
+_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

@@ -56,6 +56,7 @@ def gather_gemm_kernel(
     off_ends,
     off_sources,
     E,
+    NUM_M,
     N,
     KDIM,
     TOP_K,
@@ -77,11 +78,18 @@ def gather_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
+    # Programs in groups of GROUP_M row tiles, column tiles outermost within a group: the row tiles
+    # of one expert that run together share each weight tile while it is in L2 (row-major order
+    # would read an expert's weights once per row tile).
     num_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = tl.minimum(NUM_M - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
     row0 = pid_m * BLOCK_M
     counts = plan + off_counts
     pad_ends = plan + off_ends

@@ -16,7 +16,8 @@ pytest.importorskip("triton")
 from padmoe import _triton_gather_gemm as tg  # noqa: E402
 from padmoe._triton_kernels import _interpreting  # noqa: E402
 from padmoe.torch import _expert_mlp  # noqa: E402
-from padmoe.torch._expert_mlp import KINDS, gather_config, triton_gather_up, triton_gather_wgrad  # noqa: E402
+from padmoe.torch._expert_mlp import KINDS  # noqa: E402
+from padmoe.torch._gather_gemm import gather_config, triton_gather_up, triton_gather_wgrad  # noqa: E402
 from padmoe.torch.grouped import Routing, experts_forward  # noqa: E402
 
 if _interpreting():
