@@ -119,9 +119,10 @@ if want profile; then
             --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters)
   for spec in ${PADMOE_PROFILE_SPECS:-decode:make_plan deepseek-v3:make_plan decode:dispatch(w) deepseek-v3:dispatch(w) decode:combine_backward(w)}; do
     p=${spec%%:*}; o=${spec#*:}; tag=$(echo "$p-$o" | tr -c 'a-zA-Z0-9\n-' _)
-    # The bench's L2 flush is a wgrad (reduce_dots_warp_kernel): the default regex leaves it out (reduce_kernel,
+    # The bench's L2 flush is a wgrad (reduce_token_kernel): the default regex leaves it out (reduce_kernel,
     # not reduce_), so that the flushes do not use up the launch count (profiling wgrad or the weighted
-    # backward ops: PADMOE_PROFILE_KERNELS with dots_, and PADMOE_PROFILE_SKIP=N to skip the flushes before the op).
+    # backward ops: PADMOE_PROFILE_KERNELS with reduce_token_|dots_, and PADMOE_PROFILE_SKIP=N to skip the flushes
+    # before the op).
     run "profile-$tag" ncu --clock-control none ${PADMOE_NCU_ARGS:-} "${sections[@]}" -f -o "$out/profile-$tag" \
       --kernel-name regex:"${PADMOE_PROFILE_KERNELS:-plan_|spread_|reduce_kernel|gather_|pad_|fill_|invert_|map_|layout_|quant_|chunk_|sorted_}" \
       --launch-skip "${PADMOE_PROFILE_SKIP:-0}" --launch-count 12 \

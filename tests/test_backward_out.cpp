@@ -3,7 +3,7 @@
 // dispatch_backward_out, unpad_from_alignment_backward_out) and padmoe::copy.
 //
 // Each _out form must be bitwise equal to its allocating form and match the
-// reference (test_fused.cpp / test_megatron.cpp state the rules):
+// reference (test_rows_plan.cpp / test_padding.cpp state the rules):
 //   grad of gather / dispatch (rows)    = ref padded_scatter(grad_y, weights)   (tolerance)
 //   grad of gather / dispatch (weights) = ref wgrad(grad_y, x)                   (tolerance)
 //   grad of scatter (rows)              = ref padded_gather(grad_out, weights)   (bitwise)

@@ -1,5 +1,5 @@
 // quant.hpp — argument checks and kernel views shared by dispatch_quantized
-// (src/api/megablocks.cpp, on a plan) and quantize (src/api/quant.cpp).
+// (src/api/rows.cpp, on a plan) and quantize (src/api/quant.cpp).
 #pragma once
 
 #include "api/checks.hpp"

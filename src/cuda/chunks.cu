@@ -90,8 +90,9 @@ __device__ __forceinline__ long long sat_round_up(long long x, long long m) {  /
 // (1) exclusive scan of the sizes in source order; (2) in output order, with
 // each position's source start and size; (3) over groups, padded; (4) each
 // position's first padded row.
-__global__ void __launch_bounds__(kScanThreads) layout_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int64_t ranks,
-                                                              int64_t alignment, int64_t rows, Layout l) {
+__global__ void __launch_bounds__(kScanThreads)
+    chunk_layout_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int64_t ranks, int64_t alignment, int64_t rows,
+                        Layout l) {
   pdl_begin();
   using Scan = cub::BlockScan<long long, kScanThreads>;
   __shared__ typename Scan::TempStorage storage;
@@ -153,7 +154,7 @@ __global__ void __launch_bounds__(kScanThreads) layout_kernel(IndexRef sizes, In
 // The same layout with every array in shared memory (int32) for up to kBlock * kPer chunks whose
 // sums fit in 32 bits (the host checks the bound), by one block of kBlock threads: the two inputs
 // are read once, each phase reads what the one before left in shared memory. Used by
-// layout_smem_kernel (one block for the whole op) and chunk_rows_kernel (every block its own copy).
+// chunk_layout_smem_kernel (one block for the whole op) and chunk_rows_kernel (every block its own copy).
 template <int kBlock, int kPer>
 struct LayoutSmem {
   static constexpr int kChunks = kBlock * kPer;
@@ -261,7 +262,7 @@ __device__ void positions_to_smem(LayoutSmem<kBlock, kPer>& s, int i0, int i1, c
   __syncthreads();
 }
 
-// map[p] as map_kernel forms it, from positions_to_smem's arrays: the source row of padded row p, or
+// map[p] as chunk_map_kernel forms it, from positions_to_smem's arrays: the source row of padded row p, or
 // -1 (padding, at or past P, or a source past `rows`).
 template <int kBlock, int kPer>
 __device__ int32_t chunk_source_row(const LayoutSmem<kBlock, kPer>& s, int c, int padded_total, int64_t rows,
@@ -286,8 +287,8 @@ constexpr int kSmemPer = kSmemChunks / kScanThreads;  // chunks a thread
 // block also writes inclusive_offsets and map[p] for p < map_len, chunk_map's values, and leaves
 // the workspace arrays unwritten (only the header); one launch instead of two.
 __global__ void __launch_bounds__(kScanThreads)
-    layout_smem_kernel(IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, int64_t rows, Layout l,
-                       int map_len, int32_t* map, int32_t* inclusive_offsets) {
+    chunk_layout_smem_kernel(IndexRef sizes, IndexRef sorted, int c, int ranks, int alignment, int64_t rows, Layout l,
+                             int map_len, int32_t* map, int32_t* inclusive_offsets) {
   pdl_begin();
   __shared__ LayoutSmem<kScanThreads, kSmemPer> s;
   const int groups = c / ranks;
@@ -530,7 +531,7 @@ __device__ __forceinline__ void report(Key* key, int code, int64_t pos) {
   atomicMin(key, (static_cast<Key>(code) << kPosBits) | static_cast<Key>(pos));
 }
 
-__global__ void validate_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int64_t rows, Layout l) {
+__global__ void validate_chunks_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int64_t rows, Layout l) {
   pdl_begin();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < c;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -547,8 +548,8 @@ __global__ void validate_kernel(IndexRef sizes, IndexRef sorted, int64_t c, int6
 
 // map[p]: the last position whose first row is <= p holds p when p is inside
 // its size, else p is padding; -1 at or past P. Also inclusive_offsets.
-__global__ void map_kernel(Layout l, int64_t c, int64_t groups, int64_t rows, int64_t map_len, int32_t* map,
-                           int32_t* inclusive_offsets) {
+__global__ void chunk_map_kernel(Layout l, int64_t c, int64_t groups, int64_t rows, int64_t map_len, int32_t* map,
+                                 int32_t* inclusive_offsets) {
   pdl_begin();
   const int64_t padded = *l.padded_total;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < map_len || p < groups;
@@ -705,13 +706,13 @@ bool chunk_layout(IndexRef split_sizes, IndexRef sorted_index, int64_t num_chunk
   const bool small = num_chunks <= kSmemChunks && layout_sums_fit_32(num_chunks, groups, alignment, rows);
   if (small) {
     const bool fuse = map != nullptr && fused_chunk_map(map_len);
-    launch_kernel("layout_smem_kernel", layout_smem_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index,
-                  static_cast<int>(num_chunks), num_ranks, alignment, rows, l, static_cast<int>(fuse ? map_len : 0),
-                  fuse ? map : nullptr, fuse ? inclusive_offsets : nullptr);
+    launch_kernel("chunk_layout_smem_kernel", chunk_layout_smem_kernel, 1, kScanThreads, 0, s, split_sizes,
+                  sorted_index, static_cast<int>(num_chunks), num_ranks, alignment, rows, l,
+                  static_cast<int>(fuse ? map_len : 0), fuse ? map : nullptr, fuse ? inclusive_offsets : nullptr);
     return fuse;
   }
-  launch_kernel("layout_kernel", layout_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index, num_chunks, num_ranks,
-                alignment, rows, l);
+  launch_kernel("chunk_layout_kernel", chunk_layout_kernel, 1, kScanThreads, 0, s, split_sizes, sorted_index,
+                num_chunks, num_ranks, alignment, rows, l);
   return false;
 }
 
@@ -722,8 +723,8 @@ Violation validate_chunks(IndexRef split_sizes, IndexRef sorted_index, int64_t n
   PADMOE_CUDA_CHECK(cudaMemsetAsync(l.key, 0xff, sizeof(Key), s));
   if (num_chunks > 0) {
     PADMOE_CUDA_CHECK(cudaMemsetAsync(l.seen, 0, static_cast<size_t>(num_chunks) * 4, s));
-    launch_kernel("validate_kernel", validate_kernel, grid_for(num_chunks, 256, 1024), 256, 0, s, split_sizes,
-                  sorted_index, num_chunks, rows, l);
+    launch_kernel("validate_chunks_kernel", validate_chunks_kernel, grid_for(num_chunks, 256, 1024), 256, 0, s,
+                  split_sizes, sorted_index, num_chunks, rows, l);
   }
   int64_t header[3] = {0, 0, 0};
   PADMOE_CUDA_CHECK(cudaMemcpyAsync(header, workspace, sizeof(header), cudaMemcpyDeviceToHost, s));
@@ -752,8 +753,8 @@ void chunk_map(const void* workspace, int64_t num_chunks, int num_ranks, int64_t
   const int64_t work = map_len > groups ? map_len : groups;
   if (work == 0) return;
   const Layout l = layout_of(const_cast<void*>(workspace), num_chunks);
-  launch_kernel("map_kernel", map_kernel, grid_for(work, 256, 4096), 256, 0, as_stream(stream), l, num_chunks, groups,
-                rows, map_len, map, inclusive_offsets);
+  launch_kernel("chunk_map_kernel", chunk_map_kernel, grid_for(work, 256, 4096), 256, 0, as_stream(stream), l,
+                num_chunks, groups, rows, map_len, map, inclusive_offsets);
 }
 
 }  // namespace cuda

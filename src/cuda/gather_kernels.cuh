@@ -11,12 +11,12 @@ namespace {
 constexpr int kWarpUnits = 8;  // the gather's warp dots: 16-byte units a lane in flight
 
 // row_dots a warp an assignment (top-2 and above top_k 8): each lane sums its units in ascending
-// order, then a fixed shuffle tree. Deterministic; the order differs from reduce_dots_warp_kernel's
+// order, then a fixed shuffle tree. Deterministic; the order differs from reduce_token_kernel's
 // (a block a token), so the bits may differ between the two.
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
-    dots_warp_kernel(RowsArg y, RowsArg g, int top_k, const int32_t* __restrict__ dest, int64_t assignments,
-                     FloatOutArg out) {
+    row_dots_warp_kernel(RowsArg y, RowsArg g, int top_k, const int32_t* __restrict__ dest, int64_t assignments,
+                         FloatOutArg out) {
   pdl_begin();
   using U = Unit<T, kVec>;
   const int64_t a = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;

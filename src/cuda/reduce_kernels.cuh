@@ -1,7 +1,7 @@
 // reduce_kernels.cuh — reduce: out[t] = sum_k w * y[dest[t*K+k]] (combine, scatter, the grad of
 // dispatch), with or without the dot products of a weight gradient, and the dots alone (row_dots).
 // Two kernels: a block a token over a chunk of units a thread (reduce_kernel), and a warp or a block
-// a token with every source row's unit loaded before the first add (reduce_dots_warp_kernel).
+// a token with every source row's unit loaded before the first add (reduce_token_kernel).
 // Included by rows.cu.
 #pragma once
 
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, bool kVec, int kMaxK, int kUnits, int kSplit, bool kDots = true, bool kOut = true,
           bool kSearch = false>
 __global__ void __launch_bounds__(kThreads)
-    reduce_dots_warp_kernel(RowsArg y, int top_k, DestArg dest, ScaleArg w, RowsArg out, RowsArg g, FloatOutArg dots) {
+    reduce_token_kernel(RowsArg y, int top_k, DestArg dest, ScaleArg w, RowsArg out, RowsArg g, FloatOutArg dots) {
   pdl_begin();
   static_assert(kSplit == 1 || kSplit == kThreads / 32, "a token's lanes: one warp or the whole block");
   using U = Unit<T, kVec>;

@@ -58,15 +58,15 @@ struct ReduceShape {
   };
 };
 template <int kMaxK, int kUnits, int kSplit, bool kDots = true, bool kOut = true, bool kSearch = false>
-struct ReduceDotsWarp {
+struct ReduceToken {
   template <typename T, bool kVec>
   struct Tag {
-    static constexpr auto fn = reduce_dots_warp_kernel<T, kVec, kMaxK, kUnits, kSplit, kDots, kOut, kSearch>;
+    static constexpr auto fn = reduce_token_kernel<T, kVec, kMaxK, kUnits, kSplit, kDots, kOut, kSearch>;
   };
 };
 template <typename T, bool kVec>
-struct WarpDotsTag {
-  static constexpr auto fn = dots_warp_kernel<T, kVec>;
+struct RowDotsWarpTag {
+  static constexpr auto fn = row_dots_warp_kernel<T, kVec>;
 };
 template <typename T, bool kVec>
 struct GatherTag {
@@ -167,7 +167,7 @@ void spread_rows(const RowsArg& x, int top_k, const DestArg& dest, ScaleArg w, c
 
 namespace {
 
-// reduce_dots_warp_kernel a warp a token (kTokenWarp) or a block a token, with dots or without;
+// reduce_token_kernel a warp a token (kTokenWarp) or a block a token, with dots or without;
 // top-2 has its own shape (two units a lane and batch: six loads in flight), top-8 one unit (nine).
 template <bool kD>
 void launch_token_reduce(const RowsArg& y, int top_k, const DestArg& dest, ScaleArg w, const RowsArg& out,
@@ -176,14 +176,14 @@ void launch_token_reduce(const RowsArg& y, int top_k, const DestArg& dest, Scale
   const int64_t blocks = warp_a_token ? index::ceil_div(out.rows, kBlockWarps) : out.rows;
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, stream, y, top_k,
-                  dest, w, out, g, dots);
+    launch_kernel("reduce_token_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, stream, y, top_k, dest, w,
+                  out, g, dots);
   };
-  if (warp_a_token && top_k <= 2) pick<ReduceDotsWarp<2, 2, 1, kD>::template Tag>(y.dtype, vec, launch);
-  else if (warp_a_token) pick<ReduceDotsWarp<kMaxK, 1, 1, kD>::template Tag>(y.dtype, vec, launch);
-  else if (top_k <= 2) pick<ReduceDotsWarp<2, 2, kBlockWarps, kD>::template Tag>(y.dtype, vec, launch);
-  else if (two_units) pick<ReduceDotsWarp<kMaxK, 2, kBlockWarps, kD>::template Tag>(y.dtype, vec, launch);
-  else pick<ReduceDotsWarp<kMaxK, 1, kBlockWarps, kD>::template Tag>(y.dtype, vec, launch);
+  if (warp_a_token && top_k <= 2) pick<ReduceToken<2, 2, 1, kD>::template Tag>(y.dtype, vec, launch);
+  else if (warp_a_token) pick<ReduceToken<kMaxK, 1, 1, kD>::template Tag>(y.dtype, vec, launch);
+  else if (top_k <= 2) pick<ReduceToken<2, 2, kBlockWarps, kD>::template Tag>(y.dtype, vec, launch);
+  else if (two_units) pick<ReduceToken<kMaxK, 2, kBlockWarps, kD>::template Tag>(y.dtype, vec, launch);
+  else pick<ReduceToken<kMaxK, 1, kBlockWarps, kD>::template Tag>(y.dtype, vec, launch);
 }
 
 // The search form (top_k <= 8): a block a token, two units a lane in the two-units window.
@@ -191,14 +191,14 @@ void launch_search_reduce(const RowsArg& y, int top_k, const DestArg& dest, Scal
                           const RowsArg& g, FloatOutArg dots, bool vec, bool two, cudaStream_t stream) {
   auto launch = [&](auto tag) {
     using Tag = decltype(tag);
-    launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(out.rows), kThreads, 0, stream, y, top_k,
-                  dest, w, out, g, dots);
+    launch_kernel("reduce_token_kernel", Tag::fn, static_cast<unsigned>(out.rows), kThreads, 0, stream, y, top_k, dest,
+                  w, out, g, dots);
   };
   const bool with_dots = dots.data != nullptr;
-  if (with_dots && two) pick<ReduceDotsWarp<kMaxK, 2, kBlockWarps, true, true, true>::Tag>(y.dtype, vec, launch);
-  else if (with_dots) pick<ReduceDotsWarp<kMaxK, 1, kBlockWarps, true, true, true>::Tag>(y.dtype, vec, launch);
-  else if (two) pick<ReduceDotsWarp<kMaxK, 2, kBlockWarps, false, true, true>::Tag>(y.dtype, vec, launch);
-  else pick<ReduceDotsWarp<kMaxK, 1, kBlockWarps, false, true, true>::Tag>(y.dtype, vec, launch);
+  if (with_dots && two) pick<ReduceToken<kMaxK, 2, kBlockWarps, true, true, true>::Tag>(y.dtype, vec, launch);
+  else if (with_dots) pick<ReduceToken<kMaxK, 1, kBlockWarps, true, true, true>::Tag>(y.dtype, vec, launch);
+  else if (two) pick<ReduceToken<kMaxK, 2, kBlockWarps, false, true, true>::Tag>(y.dtype, vec, launch);
+  else pick<ReduceToken<kMaxK, 1, kBlockWarps, false, true, true>::Tag>(y.dtype, vec, launch);
 }
 
 }  // namespace
@@ -270,17 +270,17 @@ void row_dots(const RowsArg& y, const RowsArg& g, int top_k, const DestArg& dest
     const RowsArg shape{nullptr, tokens, g.cols, 0, g.dtype};
     auto launch = [&](auto tag) {
       using Tag = decltype(tag);
-      launch_kernel("reduce_dots_warp_kernel", Tag::fn, static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream),
-                    y, top_k, dest, ScaleArg{}, shape, g, out);
+      launch_kernel("reduce_token_kernel", Tag::fn, static_cast<unsigned>(tokens), kThreads, 0, as_stream(stream), y,
+                    top_k, dest, ScaleArg{}, shape, g, out);
     };
-    if (search) pick<ReduceDotsWarp<kMaxK, 1, kBlockWarps, true, false, true>::Tag>(y.dtype, vec, launch);
-    else pick<ReduceDotsWarp<kMaxK, 1, kBlockWarps, true, false>::Tag>(y.dtype, vec, launch);
+    if (search) pick<ReduceToken<kMaxK, 1, kBlockWarps, true, false, true>::Tag>(y.dtype, vec, launch);
+    else pick<ReduceToken<kMaxK, 1, kBlockWarps, true, false>::Tag>(y.dtype, vec, launch);
     return;
   }
   const int64_t blocks = index::ceil_div(assignments, kBlockWarps);
-  pick<WarpDotsTag>(y.dtype, vec, [&](auto tag) {
+  pick<RowDotsWarpTag>(y.dtype, vec, [&](auto tag) {
     using Tag = decltype(tag);
-    launch_kernel("dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), y, g,
+    launch_kernel("row_dots_warp_kernel", Tag::fn, static_cast<unsigned>(blocks), kThreads, 0, as_stream(stream), y, g,
                   top_k, dest.rows, assignments, out);
   });
 }

@@ -26,7 +26,7 @@ __device__ __forceinline__ void grid_loop(int64_t n, F&& f) {
   }
 }
 
-__global__ void top_experts_kernel(IndexRef ids, int64_t n, int num_experts, Key* key) {
+__global__ void validate_top_experts_kernel(IndexRef ids, int64_t n, int num_experts, Key* key) {
   pdl_begin();
   grid_loop(n, [&](int64_t a) {
     const int64_t e = load_index(ids, a);
@@ -35,8 +35,8 @@ __global__ void top_experts_kernel(IndexRef ids, int64_t n, int num_experts, Key
 }
 
 // Ids in [0, global) (when check_ids) and expert_map entries in [-1, num_experts) (when given).
-__global__ void routing_ids_kernel(IndexRef ids, int64_t n, int64_t global, bool check_ids, IndexRef map,
-                                   int num_experts, Key* key) {
+__global__ void validate_routing_ids_kernel(IndexRef ids, int64_t n, int64_t global, bool check_ids, IndexRef map,
+                                            int num_experts, Key* key) {
   pdl_begin();
   grid_loop(n > global ? n : global, [&](int64_t i) {
     if (check_ids && i < n) {
@@ -50,8 +50,8 @@ __global__ void routing_ids_kernel(IndexRef ids, int64_t n, int64_t global, bool
   });
 }
 
-__global__ void bins_kernel(IndexRef bins, IndexRef padded_bins, int num_experts, int64_t assignments,
-                            int64_t output_rows, Key* key) {
+__global__ void validate_bins_kernel(IndexRef bins, IndexRef padded_bins, int num_experts, int64_t assignments,
+                                     int64_t output_rows, Key* key) {
   pdl_begin();
   grid_loop(num_experts, [&](int64_t e) {
     const int64_t b = load_index(bins, e), p = load_index(padded_bins, e);
@@ -66,8 +66,8 @@ __global__ void bins_kernel(IndexRef bins, IndexRef padded_bins, int num_experts
   });
 }
 
-__global__ void sorted_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bins, int num_experts, int64_t assignments,
-                              int* seen, Key* key) {
+__global__ void validate_sorted_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bins, int num_experts,
+                                       int64_t assignments, int* seen, Key* key) {
   pdl_begin();
   grid_loop(assignments, [&](int64_t i) {
     const int64_t e = load_index(bin_ids, i);
@@ -83,8 +83,9 @@ __global__ void sorted_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bins,
   });
 }
 
-__global__ void plan_kernel(const int32_t* dest, const int32_t* sources, const int32_t* padded_bins, int num_experts,
-                            int64_t assignments, int64_t sources_len, int64_t output_rows, Key* key) {
+__global__ void validate_plan_kernel(const int32_t* dest, const int32_t* sources, const int32_t* padded_bins,
+                                     int num_experts, int64_t assignments, int64_t sources_len, int64_t output_rows,
+                                     Key* key) {
   pdl_begin();
   const int64_t padded = num_experts > 0 ? padded_bins[num_experts - 1] : 0;
   if (blockIdx.x == 0 && threadIdx.x == 0 &&
@@ -104,7 +105,8 @@ __global__ void plan_kernel(const int32_t* dest, const int32_t* sources, const i
   });
 }
 
-__global__ void counts_kernel(IndexRef counts, int num_experts, int alignment, unsigned long long* sums, Key* key) {
+__global__ void validate_counts_kernel(IndexRef counts, int num_experts, int alignment, unsigned long long* sums,
+                                       Key* key) {
   pdl_begin();
   grid_loop(num_experts, [&](int64_t e) {
     const int64_t n = load_index(counts, e);
@@ -117,7 +119,7 @@ __global__ void counts_kernel(IndexRef counts, int num_experts, int alignment, u
   });
 }
 
-__global__ void count_range_kernel(IndexRef counts, int64_t n, int64_t limit, Key* key) {
+__global__ void validate_count_range_kernel(IndexRef counts, int64_t n, int64_t limit, Key* key) {
   pdl_begin();
   grid_loop(n, [&](int64_t e) {
     const int64_t v = load_index(counts, e);
@@ -125,7 +127,7 @@ __global__ void count_range_kernel(IndexRef counts, int64_t n, int64_t limit, Ke
   });
 }
 
-__global__ void map_kernel(IndexRef map, int64_t map_len, int64_t original_size, int* seen, Key* key) {
+__global__ void validate_map_kernel(IndexRef map, int64_t map_len, int64_t original_size, int* seen, Key* key) {
   pdl_begin();
   grid_loop(map_len, [&](int64_t p) {
     const int64_t n = load_index(map, p);
@@ -186,8 +188,8 @@ Violation validate_top_experts(IndexRef ids, int64_t assignments, int num_expert
   const Layout l = layout(workspace);
   begin(l, 0, s);
   if (assignments > 0)
-    launch_kernel("top_experts_kernel", top_experts_kernel, blocks_for(assignments), 256, 0, s, ids, assignments,
-                  num_experts, l.key);
+    launch_kernel("validate_top_experts_kernel", validate_top_experts_kernel, blocks_for(assignments), 256, 0, s, ids,
+                  assignments, num_experts, l.key);
   Violation v = finish(l, s);
   if (v.code == kExpertOutOfRange) v.v1 = read_index(ids, v.pos, s);
   return v;
@@ -200,12 +202,12 @@ Violation validate_sorted_routing(IndexRef indices, IndexRef bin_ids, IndexRef b
   const Layout l = layout(workspace);
   begin(l, assignments, s);
   if (num_experts > 0) {
-    launch_kernel("bins_kernel", bins_kernel, blocks_for(num_experts), 256, 0, s, bins, padded_bins, num_experts,
-                  assignments, output_rows, l.key);
+    launch_kernel("validate_bins_kernel", validate_bins_kernel, blocks_for(num_experts), 256, 0, s, bins, padded_bins,
+                  num_experts, assignments, output_rows, l.key);
   }
   if (assignments > 0 && num_experts > 0) {
-    launch_kernel("sorted_kernel", sorted_kernel, blocks_for(assignments), 256, 0, s, indices, bin_ids, bins,
-                  num_experts, assignments, l.seen, l.key);
+    launch_kernel("validate_sorted_kernel", validate_sorted_kernel, blocks_for(assignments), 256, 0, s, indices,
+                  bin_ids, bins, num_experts, assignments, l.seen, l.key);
   }
   Violation v = finish(l, s);
   const int64_t e = v.pos;
@@ -241,8 +243,8 @@ Violation validate_routing_ids(IndexRef ids, int64_t assignments, int64_t global
   begin(l, 0, s);
   const int64_t work = map.data != nullptr && global > assignments ? global : assignments;
   if (work > 0) {
-    launch_kernel("routing_ids_kernel", routing_ids_kernel, blocks_for(work), 256, 0, s, ids, assignments, global,
-                  check_ids, map, num_experts, l.key);
+    launch_kernel("validate_routing_ids_kernel", validate_routing_ids_kernel, blocks_for(work), 256, 0, s, ids,
+                  assignments, global, check_ids, map, num_experts, l.key);
   }
   Violation v = finish(l, s);
   if (v.code == kExpertOutOfRange) v.v1 = read_index(ids, v.pos, s);
@@ -257,9 +259,10 @@ Violation validate_plan(const PlanView& plan, int64_t output_rows, void* workspa
   const int64_t assignments = plan.num_tokens * plan.top_k;
   const int64_t sources_len = plan.row_sources.shape[0];
   const int64_t work = assignments > sources_len ? assignments : sources_len;
-  launch_kernel("plan_kernel", plan_kernel, blocks_for(work), 256, 0, s, plan.dest_rows.data_as<const int32_t>(),
-                plan.row_sources.data_as<const int32_t>(), plan.padded_bins.data_as<const int32_t>(), plan.num_experts,
-                assignments, sources_len, output_rows, l.key);
+  launch_kernel("validate_plan_kernel", validate_plan_kernel, blocks_for(work), 256, 0, s,
+                plan.dest_rows.data_as<const int32_t>(), plan.row_sources.data_as<const int32_t>(),
+                plan.padded_bins.data_as<const int32_t>(), plan.num_experts, assignments, sources_len, output_rows,
+                l.key);
   Violation v = finish(l, s);
   const IndexRef pb{plan.padded_bins.data, false};
   switch (v.code) {
@@ -280,8 +283,8 @@ Violation validate_counts(IndexRef counts, int num_experts, int alignment, int64
   const Layout l = layout(workspace);
   begin(l, 0, s);
   if (num_experts > 0)
-    launch_kernel("counts_kernel", counts_kernel, blocks_for(num_experts), 256, 0, s, counts, num_experts, alignment,
-                  l.sums, l.key);
+    launch_kernel("validate_counts_kernel", validate_counts_kernel, blocks_for(num_experts), 256, 0, s, counts,
+                  num_experts, alignment, l.sums, l.key);
   Violation v = finish(l, s);
   if (v.code == kCountNegative) {
     v.v1 = read_index(counts, v.pos, s);
@@ -302,7 +305,8 @@ Violation validate_map(IndexRef map, int64_t map_len, int64_t original_size, voi
   const Layout l = layout(workspace);
   begin(l, original_size, s);
   if (map_len > 0)
-    launch_kernel("map_kernel", map_kernel, blocks_for(map_len), 256, 0, s, map, map_len, original_size, l.seen, l.key);
+    launch_kernel("validate_map_kernel", validate_map_kernel, blocks_for(map_len), 256, 0, s, map, map_len,
+                  original_size, l.seen, l.key);
   Violation v = finish(l, s);
   if (v.code == kMapOutOfRange) v.v1 = read_index(map, v.pos, s);
   if (v.code == kMapRepeated) v.v1 = v.pos;
@@ -314,8 +318,8 @@ Violation validate_count_range(IndexRef counts, int64_t num_experts, int64_t lim
   const Layout l = layout(workspace);
   begin(l, 0, s);
   if (num_experts > 0) {
-    launch_kernel("count_range_kernel", count_range_kernel, blocks_for(num_experts), 256, 0, s, counts, num_experts,
-                  limit, l.key);
+    launch_kernel("validate_count_range_kernel", validate_count_range_kernel, blocks_for(num_experts), 256, 0, s,
+                  counts, num_experts, limit, l.key);
   }
   Violation v = finish(l, s);
   if (v.code == kCountOutOfRange) v.v1 = read_index(counts, v.pos, s);

@@ -180,7 +180,7 @@ struct Saved {
 inline Tensor shaped_as(const Tensor& g, c10::IntArrayRef shape) { return g.sizes() == shape ? g : g.view(shape); }
 
 // The backward of pad_to_alignment and of sort_chunks: unpad_from_alignment of the gradient
-// (the inverse move). Edge (the padded op's rows); apply() is in megatron_ops.cpp.
+// (the inverse move). Edge (the padded op's rows); apply() is in padding_ops.cpp.
 struct PadBackward : Node {
   Tensor permutation_map;
   int64_t rows = 0, check = 0;

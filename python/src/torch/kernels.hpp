@@ -37,7 +37,7 @@ std::tuple<Tensor, Tensor> combine_backward_kernel(const Tensor& grad_out_in, co
                                                    int64_t alignment, OptInt expert_capacity, bool need_wgrad,
                                                    int64_t check, int64_t rows);
 
-// megablocks_ops.cpp
+// rows_ops.cpp
 Tensor padded_gather_kernel(const Tensor& x_in, const Tensor& indices_in, const Tensor& bin_ids_in,
                             const Tensor& bins_in, const Tensor& padded_bins_in, int64_t top_k,
                             const OptTensor& weights, int64_t check, bool zero_padding);
@@ -58,7 +58,7 @@ Tensor padded_scatter_wgrad_kernel(const Tensor& y_in, const Tensor& grad_in, co
                                    const Tensor& bin_ids_in, const Tensor& bins_in, const Tensor& padded_bins_in,
                                    int64_t top_k, int64_t check);
 
-// megatron_ops.cpp
+// padding_ops.cpp
 std::tuple<Tensor, Tensor, Tensor> pad_kernel(const Tensor& h_in, const Tensor& tpe_in, int64_t alignment,
                                               int64_t check, bool zero_padding);
 Tensor unpad_kernel(const Tensor& padded_in, const Tensor& map_in, int64_t original_size, const OptTensor& probs,

@@ -1,4 +1,4 @@
-// test_fused.cpp — dispatch / combine on a plan, and every backward rule of
+// test_rows_plan.cpp — dispatch / combine on a plan, and every backward rule of
 // docs/spec.md §9, against expected values built from the reference:
 //   grad of gather (rows)   = reference scatter(grad_y, weights = None)
 //   grad of gather (weights)= reference wgrad(grad_y, x)      (<grad_y[row], x[token]>)
@@ -7,7 +7,7 @@
 // Moves are compared bitwise, sums within the tolerance of test_util.hpp.
 #include <tuple>
 
-#include "mb_case.hpp"
+#include "rows_case.hpp"
 
 namespace pt {
 namespace {

@@ -1,4 +1,4 @@
-// test_megatron.cpp — pad_to_alignment / unpad_from_alignment (and its
+// test_padding.cpp — pad_to_alignment / unpad_from_alignment (and its
 // backward) against the reference and Megatron's own cases.
 #include <tuple>
 

@@ -1,7 +1,8 @@
-// megablocks_ops.cpp — MegaBlocks' drop-ins on the sorted form of a plan (indices, bin_ids, bins,
+// rows_ops.cpp — MegaBlocks' drop-ins on the sorted form of a plan (indices, bin_ids, bins,
 // padded_bins): padded_gather (+ _backward), padded_scatter (+ _backward), padded_scatter_wgrad:
 // their schemas, CPU / CUDA kernels and autograd. padded_gather's output rows, P = padded_bins[-1],
-// are read on the host (CUDA: one synchronization, as MegaBlocks does).
+// are read on the host (CUDA: one synchronization, as MegaBlocks does). The same row ops on the
+// packed plan (dispatch, combine and their backward) are in plan_ops.cpp, beside make_plan.
 #include <algorithm>
 #include <tuple>
 

@@ -1,4 +1,4 @@
-// megablocks.cpp — docs/spec.md §6: padded_gather / padded_scatter / wgrad,
+// rows.cpp — docs/spec.md §6: padded_gather / padded_scatter / wgrad,
 // their backward rules, and the fused plan forms dispatch / combine /
 // combine_backward / dispatch_backward.
 //

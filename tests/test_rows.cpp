@@ -1,9 +1,9 @@
-// test_megablocks.cpp — padded_gather / padded_scatter / padded_scatter_wgrad
+// test_rows.cpp — padded_gather / padded_scatter / padded_scatter_wgrad
 // against the reference: MegaBlocks' test grid, the Ascend tutorial cases,
 // the Ascend design's verification list, alignments, dtypes and index dtypes.
 #include <tuple>
 
-#include "mb_case.hpp"
+#include "rows_case.hpp"
 
 namespace pt {
 namespace {
@@ -16,13 +16,13 @@ using GridParam = std::tuple<int64_t, int64_t, int, int>;
 class MegaBlocksGrid : public ::testing::TestWithParam<GridParam> {};
 
 TEST_P(MegaBlocksGrid, GatherScatterWgradMatchReference) {
-  MbCase c;
+  RowsCase c;
   std::tie(c.T, c.H, c.E, c.K) = GetParam();
   c.m = 128;
   c.dtype = DType::kBFloat16;
   c.seed = static_cast<uint64_t>(c.T * 7 + c.H * 13 + c.E * 3 + c.K);
   c.check_alloc = c.T * c.H <= 1024 * 768;  // the allocating forms on the smaller half of the grid
-  run_mb_case(c);
+  run_rows_case(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, MegaBlocksGrid,
@@ -42,14 +42,14 @@ using AscendParam = std::tuple<int64_t, int64_t, int, int>;
 class AscendTutorial : public ::testing::TestWithParam<AscendParam> {};
 
 TEST_P(AscendTutorial, MatchesReference) {
-  MbCase c;
+  RowsCase c;
   std::tie(c.T, c.H, c.E, c.K) = GetParam();
   c.m = 128;
   c.dtype = DType::kFloat16;
   c.gather_weighted = true;
   c.seed = 99;
   c.check_alloc = false;
-  run_mb_case(c);
+  run_rows_case(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, AscendTutorial,
@@ -69,7 +69,7 @@ using DtypeParam = std::tuple<int, DType, DType, bool>;
 class AlignDtype : public ::testing::TestWithParam<DtypeParam> {};
 
 TEST_P(AlignDtype, MatchesReference) {
-  MbCase c;
+  RowsCase c;
   c.T = 257;
   c.H = 33;
   c.E = 16;
@@ -82,11 +82,11 @@ TEST_P(AlignDtype, MatchesReference) {
   c.scatter_weighted = weighted;
   c.dist = Dist::kSkewed;
   c.seed = static_cast<uint64_t>(c.m) * 5 + static_cast<uint64_t>(c.dtype);
-  run_mb_case(c);
+  run_rows_case(c);
   // weights in the row dtype
   c.wdtype = c.dtype;
   c.seed += 1000;
-  run_mb_case(c);
+  run_rows_case(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(All, AlignDtype,
@@ -104,7 +104,7 @@ INSTANTIATE_TEST_SUITE_P(All, AlignDtype,
 
 TEST(SeedVerification, ExpertsWithZeroTokens) {
   for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
-    MbCase c;
+    RowsCase c;
     c.T = 100;
     c.H = 17;
     c.E = 16;
@@ -113,7 +113,7 @@ TEST(SeedVerification, ExpertsWithZeroTokens) {
     c.dtype = dt;
     c.gather_weighted = true;
     c.dist = Dist::kOdd;  // every even expert is empty, including expert 0
-    run_mb_case(c);
+    run_rows_case(c);
     // Only the last expert gets tokens; and only the first.
     for (int64_t only : {int64_t{15}, int64_t{0}}) {
       std::vector<int64_t> counts(16, 0);
@@ -121,7 +121,7 @@ TEST(SeedVerification, ExpertsWithZeroTokens) {
       const std::vector<int64_t> te = routing_with_counts(counts, 3);
       c.routing = &te;
       c.seed = 5 + static_cast<uint64_t>(only);
-      run_mb_case(c);
+      run_rows_case(c);
       c.routing = nullptr;
     }
   }
@@ -134,7 +134,7 @@ TEST(SeedVerification, CountsOnAndOneOverTheMultiple) {
   const ref::Plan p = ref::make_plan(te, 41, 2, 8, 8);
   EXPECT_EQ(p.padded_tokens_per_expert, (std::vector<int64_t>{8, 16, 16, 8, 8, 0, 24, 24}));
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
-    MbCase c;
+    RowsCase c;
     c.T = 41;
     c.H = 9;
     c.E = 8;
@@ -143,26 +143,26 @@ TEST(SeedVerification, CountsOnAndOneOverTheMultiple) {
     c.dtype = dt;
     c.gather_weighted = true;
     c.routing = &te;
-    run_mb_case(c);
+    run_rows_case(c);
   }
   // m = 128 with counts 128 and 129.
   const std::vector<int64_t> counts2 = {128, 129, 0, 127};
   const std::vector<int64_t> te2 = routing_with_counts(counts2, 12);
-  MbCase c;
+  RowsCase c;
   c.T = 384;
   c.H = 5;
   c.E = 4;
   c.K = 1;
   c.m = 128;
   c.routing = &te2;
-  run_mb_case(c);
+  run_rows_case(c);
 }
 
 TEST(SeedVerification, SeveralExpertsInsideOneSubBlock) {
   // Many tiny segments (1-3 rows) so every sub-block of rows spans several experts,
   // with and without padding between them.
   for (int m : {1, 2, 4}) {
-    MbCase c;
+    RowsCase c;
     c.T = 48;
     c.H = 40;
     c.E = 64;
@@ -171,14 +171,14 @@ TEST(SeedVerification, SeveralExpertsInsideOneSubBlock) {
     c.gather_weighted = true;
     c.dtype = DType::kBFloat16;
     c.seed = 100 + static_cast<uint64_t>(m);
-    run_mb_case(c);
+    run_rows_case(c);
   }
 }
 
 TEST(SeedVerification, TopK) {
   for (int K : {1, 2, 4, 8}) {
     for (bool weighted : {false, true}) {
-      MbCase c;
+      RowsCase c;
       c.T = 200;
       c.H = 24;
       c.E = 16;
@@ -188,10 +188,10 @@ TEST(SeedVerification, TopK) {
       c.scatter_weighted = weighted;
       c.dist = Dist::kDistinct;
       c.seed = static_cast<uint64_t>(K) * 2 + weighted;
-      run_mb_case(c);
+      run_rows_case(c);
       c.dist = Dist::kUniform;  // repeated experts within a token
       c.dtype = DType::kFloat16;
-      run_mb_case(c);
+      run_rows_case(c);
     }
   }
 }
@@ -199,7 +199,7 @@ TEST(SeedVerification, TopK) {
 TEST(SeedVerification, HiddenTails) {
   for (int64_t H : {1, 3, 33, 4097}) {
     for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
-      MbCase c;
+      RowsCase c;
       c.T = H > 1000 ? 64 : 300;
       c.H = H;
       c.E = 8;
@@ -208,13 +208,13 @@ TEST(SeedVerification, HiddenTails) {
       c.dtype = dt;
       c.gather_weighted = true;
       c.seed = static_cast<uint64_t>(H);
-      run_mb_case(c);
+      run_rows_case(c);
     }
   }
 }
 
 TEST(SeedVerification, LargeRoutedBatch) {
-  MbCase c;
+  RowsCase c;
   c.T = 32768;
   c.H = 33;
   c.E = 64;
@@ -223,8 +223,8 @@ TEST(SeedVerification, LargeRoutedBatch) {
   c.dtype = DType::kBFloat16;
   c.gather_weighted = true;
   c.check_alloc = false;
-  run_mb_case(c);
-  MbCase d;
+  run_rows_case(c);
+  RowsCase d;
   d.T = 16384;
   d.H = 8;
   d.E = 256;
@@ -233,27 +233,27 @@ TEST(SeedVerification, LargeRoutedBatch) {
   d.dist = Dist::kDistinct;
   d.idx = DType::kInt64;
   d.check_alloc = false;
-  run_mb_case(d);
+  run_rows_case(d);
 }
 
 TEST(MegaBlocks, EmptyInputs) {
   // T = 0
-  MbCase c;
+  RowsCase c;
   c.T = 0;
   c.H = 8;
   c.E = 4;
   c.K = 2;
   c.m = 8;
-  run_mb_case(c);
+  run_rows_case(c);
   // H = 0
-  MbCase d;
+  RowsCase d;
   d.T = 10;
   d.H = 0;
   d.E = 4;
   d.K = 2;
   d.m = 8;
   d.gather_weighted = true;
-  run_mb_case(d);
+  run_rows_case(d);
 }
 
 TEST(MegaBlocks, StridedRowViews) {

@@ -1,4 +1,4 @@
-// mb_case.hpp — one MegaBlocks-family case (padded_gather, padded_scatter,
+// rows_case.hpp — one MegaBlocks-family case (padded_gather, padded_scatter,
 // padded_scatter_wgrad) run through the library and compared with the
 // reference: gather bitwise (including weighted gather: the float32 product,
 // cast once), scatter and wgrad within the tolerance stated in test_util.hpp.
@@ -12,7 +12,7 @@
 
 namespace pt {
 
-struct MbCase {
+struct RowsCase {
   int64_t T = 16;
   int64_t H = 8;
   int E = 4;
@@ -32,7 +32,7 @@ struct MbCase {
   const std::vector<int64_t>* routing = nullptr;  // explicit top_experts [T*K] (overrides dist)
 };
 
-inline std::string describe(const MbCase& c) {
+inline std::string describe(const RowsCase& c) {
   std::ostringstream os;
   os << "T=" << c.T << " H=" << c.H << " E=" << c.E << " K=" << c.K << " m=" << c.m << " " << dname(c.dtype)
      << " idx=" << dname(c.idx) << " w=" << dname(c.wdtype) << " gw=" << c.gather_weighted
@@ -52,7 +52,7 @@ inline int64_t chunk_width(int64_t H, int64_t rows) {
   return std::max<int64_t>(1, std::min<int64_t>(H, budget / std::max<int64_t>(rows, 1)));
 }
 
-inline void run_mb_case(const MbCase& c) {
+inline void run_rows_case(const RowsCase& c) {
   SCOPED_TRACE(describe(c));
   const int64_t T = c.T, H = c.H, A = T * c.K;
   const std::vector<int64_t> te = c.routing ? *c.routing : make_routing(T, c.K, c.E, c.dist, c.seed);

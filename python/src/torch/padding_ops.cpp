@@ -1,4 +1,4 @@
-// megatron_ops.cpp — Megatron's drop-ins: pad_to_alignment, unpad_from_alignment (+ _backward):
+// padding_ops.cpp — Megatron's drop-ins: pad_to_alignment, unpad_from_alignment (+ _backward):
 // their schemas, CPU / CUDA kernels and autograd. P, pad_to_alignment's output rows, comes from
 // padmoe's host read of the counts (CUDA: one synchronization, as Megatron has).
 #include <tuple>

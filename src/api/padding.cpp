@@ -1,4 +1,4 @@
-// megatron.cpp — docs/spec.md §7: pad_to_alignment / unpad_from_alignment
+// padding.cpp — docs/spec.md §7: pad_to_alignment / unpad_from_alignment
 // (input already expert-grouped) and the backward of unpad.
 //
 // Both run output-row-driven over a row map: pad builds
