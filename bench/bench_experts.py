@@ -76,7 +76,7 @@ SHAPES = {
 ALIGN = 128
 GEMMS = ("up", "down", "down_dgrad", "down_wgrad", "up_dgrad", "up_wgrad")
 SILU = (KINDS["silu"], True, False, 1.702, 7.0)
-GATHER_CONFIG = _expert_mlp.gather_config  # the activation ops' (kind, gated, interleaved, alpha, limit)
+GATHER_PAYS = _expert_mlp.gather_pays  # the operator's choice of the gather-fused up projection
 
 
 def dense_rate():
@@ -510,21 +510,24 @@ def run_shape(name, s, iters, rate, bw, vllm=None):
             xx, idx, ww, up, down, gate="silu", alignment=ALIGN, check=False, recompute_rows=True
         ),
     }
-    forms["operator_dispatch"] = forms["operator"]  # the operator with dispatch + torch's GEMM only
+    # The operator with its choice forced: dispatch + torch's GEMM, or the gather-fused up projection
+    # (where it applies: forward without gradients, and recompute_rows).
+    forms["operator_dispatch"] = forms["operator_gather"] = forms["operator"]
+    forms["recompute_gather"] = forms["recompute"]
     for form, call in forms.items():
-        if form == "recompute" and not s["backward"]:
+        if form.startswith("recompute") and not s["backward"]:
             continue
-        if form == "operator_dispatch":
-            _expert_mlp.gather_config = lambda *a: None
+        _expert_mlp.gather_pays = {"operator_dispatch": lambda *a: False, "operator_gather": lambda *a: True,
+                                   "recompute_gather": lambda *a: True}.get(form, GATHER_PAYS)  # fmt: skip
 
         def fwd():
             with torch.no_grad():
                 return call(x, w)
 
-        if form != "recompute":  # the same forward as the operator's
+        if not form.startswith("recompute"):  # the same forward as the operator's
             row[f"{form}_fwd_us"] = eager_time(fwd, iters)
             row[f"{form}_graph_fwd_us"] = graph_time(fwd, 1, iters)
-        if s["backward"]:
+        if s["backward"] and form != "operator_gather":  # (its forward + backward is the operator's)
 
             def fwd_bwd():
                 out = call(xg, wg)
@@ -538,7 +541,7 @@ def run_shape(name, s, iters, rate, bw, vllm=None):
             fwd_bwd()
             torch.cuda.synchronize()
             row[f"{form}_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    _expert_mlp.gather_config = GATHER_CONFIG
+    _expert_mlp.gather_pays = GATHER_PAYS
     if vllm is not None:
         try:
             row["vllm"] = run_vllm(vllm, name, s, x, idx, w, up.detach(), down.detach(), iters)
@@ -661,6 +664,20 @@ def main(argv=None):
     print(
         "\noperator with dispatch + grouped_mm only, fwd / graph fwd / f+b µs: "
         + ", ".join(f"{r['shape']} {fmt(r, 'operator_dispatch')}" for r in rows)
+    )
+    print(
+        "operator with the gather-fused up projection, fwd / graph fwd µs: "
+        + ", ".join(
+            f"{r['shape']} {r['operator_gather_fwd_us']:.0f} / {r['operator_gather_graph_fwd_us']:.0f}" for r in rows
+        )
+    )
+    print(
+        "recompute_rows=True with the gather-fused GEMMs, forward + backward µs (peak MiB): "
+        + ", ".join(
+            f"{r['shape']} {r['recompute_gather_fwd_bwd_us']:.0f} ({r['recompute_gather_peak_mib']:.0f})"
+            for r in rows
+            if "recompute_gather_fwd_bwd_us" in r
+        )
     )
     if vllm_status:
         print_vllm(rows, vllm_status)

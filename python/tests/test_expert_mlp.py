@@ -5,11 +5,13 @@ none; odd cases (one expert, top-1, one token, no tokens, every token on one exp
 alignment 1 and 128, float32 and bfloat16); bitwise determinism."""
 
 import math
+import weakref
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import padmoe  # noqa: E402
+from padmoe.torch import _expert_mlp  # noqa: E402
 from padmoe.torch.grouped import _GROUPED_MM, ACTIVATIONS, experts_forward  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and padmoe.has_cuda() else [])
@@ -387,3 +389,35 @@ def test_recompute_rows_gives_the_same_bits(device, weighting):
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
+
+
+def test_backward_frees_intermediates_after_last_use(monkeypatch):
+    """The operator's eager backward frees the expert outputs before the activation's backward and
+    the up projection's output right after it (their last uses), instead of keeping both until the
+    backward returns: the peak memory of forward + backward is that of the composition."""
+    x, idx, w, up, down = small_inputs("cpu", torch.bfloat16)
+    made, seen = [], {}
+    real_mm, real_act, real_wgrad = _expert_mlp._mm, _expert_mlp._act_backward, _expert_mlp._mm_wgrad
+
+    def mm(*args):
+        out = real_mm(*args)
+        made.append(weakref.ref(out))
+        return out
+
+    def act_backward(*args):
+        seen["ys alive at the activation's backward"] = made[1]() is not None
+        return real_act(*args)
+
+    def wgrad(*args):
+        seen.setdefault("h alive at the weight gradients", made[0]() is not None)
+        return real_wgrad(*args)
+
+    monkeypatch.setattr(_expert_mlp, "_mm", mm)
+    monkeypatch.setattr(_expert_mlp, "_act_backward", act_backward)
+    monkeypatch.setattr(_expert_mlp, "_mm_wgrad", wgrad)
+    out = experts_forward(x, idx, w, up, down, gate="silu", alignment=16)
+    assert len(made) == 2 and made[0]() is not None and made[1]() is not None  # h and ys, kept for the backward
+    out.float().sum().backward(retain_graph=True)
+    assert seen == {"ys alive at the activation's backward": False, "h alive at the weight gradients": False}
+    with pytest.raises(RuntimeError, match="a second time"):
+        out.float().sum().backward()

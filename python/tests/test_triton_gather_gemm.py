@@ -17,7 +17,7 @@ from padmoe import _triton_gather_gemm as tg  # noqa: E402
 from padmoe._triton_kernels import _interpreting  # noqa: E402
 from padmoe.torch import _expert_mlp  # noqa: E402
 from padmoe.torch._expert_mlp import KINDS  # noqa: E402
-from padmoe.torch._gather_gemm import gather_config, triton_gather_up, triton_gather_wgrad  # noqa: E402
+from padmoe.torch._gather_gemm import gather_config, gather_pays, triton_gather_up, triton_gather_wgrad  # noqa: E402
 from padmoe.torch.grouped import Routing, experts_forward  # noqa: E402
 
 if _interpreting():
@@ -212,6 +212,17 @@ def test_tile_choice():
     assert gather_config(x, torch.zeros(2, 8, 8, device=DEV), (2, 2, 16, None), False, True, True) is None  # fp32
 
 
+def test_gather_pays_where_padding_rows_dominate():
+    """The operator reads x through the plan only where padding rows dominate: decode at alignment 128
+    (T=256, K=8, E=256), not the training shapes, nor transformers' alignment 16; with a capacity
+    from the rows the capacity leaves empty."""
+    assert gather_pays(256, (8, 256, 128, None))  # decode
+    for t, k, e, m in ((16384, 8, 128, 128), (4096, 2, 8, 128), (4096, 8, 256, 128), (16384, 8, 128, 16)):
+        assert not gather_pays(t, (k, e, m, None))
+    assert gather_pays(10, (2, 4, 64, None)) and not gather_pays(10, (2, 4, 16, None))
+    assert gather_pays(4, (2, 4, 16, 16)) and not gather_pays(32, (2, 4, 16, 16))  # 64 rows for 8 / 64 real
+
+
 def spy(monkeypatch):
     """The list of ``fused`` flags of the operator's gather-fused GEMM calls."""
     calls, real = [], _expert_mlp._gather_up_call
@@ -228,7 +239,7 @@ def spy(monkeypatch):
 def test_operator_without_gradients(weighting, monkeypatch):
     """experts_forward under no_grad runs the gather and the activation fused; against float64."""
     calls = spy(monkeypatch)
-    T, K, E, H, I = 20, 2, 4, 64, 32
+    T, K, E, H, I = 10, 2, 4, 64, 32  # alignment 64: padding rows dominate, so the gather runs
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(T, H, generator=gen).to(DT).to(DEV)
     idx = torch.randint(0, E, (T, K), generator=gen).to(DEV)
@@ -236,7 +247,7 @@ def test_operator_without_gradients(weighting, monkeypatch):
     up = (torch.randn(E, 2 * I, H, generator=gen) / 8).to(DT).to(DEV)
     down = (torch.randn(E, H, I, generator=gen) / 6).to(DT).to(DEV)
     with torch.no_grad():
-        out = experts_forward(x, idx, w, up, down, gate="silu", alignment=16, weighting=weighting)
+        out = experts_forward(x, idx, w, up, down, gate="silu", alignment=64, weighting=weighting)
     want = torch.zeros(T, H, dtype=torch.float64)
     for t in range(T):
         for k in range(K):
@@ -255,7 +266,7 @@ def test_operator_without_gradients(weighting, monkeypatch):
 def test_operator_recompute_rows_gradients(monkeypatch):
     """With gradients and recompute_rows the forward keeps h from the gather-fused GEMM and the backward
     dispatches the rows: the same results as the operator that keeps the rows, to bf16 rounding."""
-    T, K, E, H, I = 20, 2, 4, 64, 32
+    T, K, E, H, I = 10, 2, 4, 64, 32  # alignment 64: padding rows dominate, so the gather runs
     gen = torch.Generator().manual_seed(4)
     x0 = torch.randn(T, H, generator=gen).to(DT).to(DEV)
     idx = torch.randint(0, E, (T, K), generator=gen).to(DEV)
@@ -266,7 +277,7 @@ def test_operator_recompute_rows_gradients(monkeypatch):
     calls = spy(monkeypatch)
     for recompute in (False, True):
         x, w, up, down = (t.clone().requires_grad_() for t in (x0, w0, up0, down0))
-        out = experts_forward(x, idx, w, up, down, gate="silu", alignment=16, recompute_rows=recompute)
+        out = experts_forward(x, idx, w, up, down, gate="silu", alignment=64, recompute_rows=recompute)
         out.float().square().sum().backward()
         grads.append((out.detach(), x.grad, w.grad, up.grad, down.grad))
         assert calls == ([False] if recompute else [])  # kept rows: dispatch; recomputed: h from the gather

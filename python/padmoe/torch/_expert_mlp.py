@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 from ._common import call, compiling, eager_mode, fake_plan_sizes, packed, plan_args
-from ._gather_gemm import _gather_up_call, _gather_wgrad_call, gather_config
+from ._gather_gemm import _gather_up_call, _gather_wgrad_call, gather_config, gather_pays
 
 Tensor = torch.Tensor
 
@@ -345,10 +345,15 @@ class _ExpertMLP(torch.autograd.Function):
         kind, gated, interleaved, alpha, limit = act
         before = w if weighting == "before" else None
         after = w if weighting == "after" else None
-        # The gather fused into the up projection where it applies: without gradients the activation
-        # too (neither the rows nor h written); with gradients and recompute_rows, h with zero padding
-        # rows (the backward dispatches the rows). Kept rows need the dispatch, then torch's GEMM.
-        fuse = (not grads or recompute) and gather_config(x, up, sizes, transposed, not grads, gated) is not None
+        # The gather fused into the up projection where it applies and padding rows dominate (see
+        # gather_pays): without gradients the activation too (neither the rows nor h written); with
+        # gradients and recompute_rows, h with zero padding rows (the backward's up weight gradient
+        # reads x through the plan too). Otherwise the dispatch, then torch's GEMM.
+        fuse = (
+            (not grads or recompute)
+            and gather_pays(x.shape[0], sizes)
+            and gather_config(x, up, sizes, transposed, not grads, gated) is not None
+        )
         if fuse:
             _check_rows(x, packed, sizes)
         rows = h = None
@@ -371,12 +376,30 @@ class _ExpertMLP(torch.autograd.Function):
         ctx.gathered = fuse
         ctx.has_bias = (up_bias is not None, down_bias is not None)
         kept = None if recompute else rows
-        ctx.save_for_backward(x, w, up, down, act_bias, row_experts, packed, offs, kept, h, ys)
+        ctx.compiled = compiling()
+        if ctx.compiled:  # the compiled backward frees each tensor after its last use itself
+            ctx.save_for_backward(x, w, up, down, act_bias, row_experts, packed, offs, kept, h, ys)
+            ctx.inter = None
+        else:
+            # The large intermediates live on ctx, not in saved tensors (which last until the backward
+            # returns), so that the backward frees each after its last use: ys after combine's
+            # backward, h after the activation's, the rows after the up weight gradient.
+            ctx.save_for_backward(x, w, up, down, act_bias, row_experts, packed, offs)
+            ctx.inter = [kept, h, ys]
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w, up, down, act_bias, row_experts, packed, offs, rows, h, ys = ctx.saved_tensors
+        if ctx.inter is None and not ctx.compiled:
+            raise RuntimeError(
+                "padmoe experts: the expert MLP operator's backward ran a second time (retain_graph=True): "
+                "it frees its intermediates as it goes; run the forward again for a second backward"
+            )
+        if ctx.compiled:
+            x, w, up, down, act_bias, row_experts, packed, offs, rows, h, ys = ctx.saved_tensors
+        else:
+            x, w, up, down, act_bias, row_experts, packed, offs = ctx.saved_tensors
+            (rows, h, ys), ctx.inter = ctx.inter, None
         sizes, _, transposed, act, weighting, _, _ = ctx.spec
         kind, gated, interleaved, alpha, limit = act
         e = sizes[1]
@@ -386,10 +409,11 @@ class _ExpertMLP(torch.autograd.Function):
         grad_ys, grad_w = torch.ops.padmoe.combine_backward.default(
             grad_out.contiguous(), ys, packed, after, *sizes, after is not None and need[1], 0, ys.shape[0]
         )
+        del ys
         grad_down_bias = _bias_grad(grad_ys, row_experts, e) if ctx.has_bias[1] and need[5] else None
         grad_a = _mm_dgrad(grad_ys, down, offs, transposed)
         grad_h, a = _act_backward(h, grad_a, offs, act_bias, row_experts, kind, gated, interleaved, alpha, limit)
-        del grad_a
+        del grad_a, h
         grad_down = _mm_wgrad(a, grad_ys, offs, transposed) if need[3] else None
         del a, grad_ys
         grad_up_bias = _bias_grad(grad_h, row_experts, e) if ctx.has_bias[0] and need[4] else None

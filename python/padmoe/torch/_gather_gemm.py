@@ -22,6 +22,20 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def gather_pays(tokens: int, sizes) -> bool:
+    """Whether the expert MLP's up projection reads x through the plan instead of dispatching it: where
+    padding rows dominate (the expected padding rows, ``E * (alignment - 1) / 2`` or ``E * C - T*K``
+    with a capacity C, at least twice the ``T*K`` real ones, as at decode), because the gather-fused
+    GEMM's tiles skip the padding that torch's grouped GEMM computes. Elsewhere torch's GEMM on
+    dispatched rows is faster (bench/results/experts.md: on an H100 the gather-fused up projection
+    is 1.02-1.27x dispatch + grouped_mm at qwen3-30b-a3b, mixtral-8x7b and deepseek-v3, and 0.83x at
+    decode)."""
+    top_k, e, alignment, capacity = sizes
+    real = tokens * top_k
+    padding = e * capacity - real if capacity is not None else e * (alignment - 1) / 2
+    return padding >= 2 * real
+
+
 def gather_config(x: Tensor, up: Tensor, sizes, transposed: bool, fused: bool, gated: bool):
     """The gather-fused up projection's tile configuration, or None where it does not apply: it runs on
     CUDA (or in Triton's interpreter) on bf16/fp16 operands of one dtype, for plans whose alignment
