@@ -22,11 +22,12 @@ copies, no zero-filled halves)::
     grad_rows       = grouped_mm(grad_h, up^T)
     grad_x, grad_w  = dispatch_backward(grad_rows)
 
-On CUDA (bf16 / fp16, an alignment that is a multiple of 16) the up projection reads x's rows through
-the plan instead (``padmoe/_triton_gather_gemm.py``, the gather in the GEMM's A-load): without
-gradients with the activation in its epilogue (``a = act(x[sources] @ up)``: neither the rows nor h
-written); with gradients and ``recompute_rows``, writing h, and the backward's ``grad_up`` reads x
-through the plan as well. Kept rows (the default with gradients) are dispatched once for torch's GEMM.
+On CUDA (bf16 / fp16, an alignment that is a multiple of 16) where padding rows dominate (decode;
+``_gather_gemm.gather_pays``) the up projection reads x's rows through the plan instead
+(``padmoe/_triton_gather_gemm.py``, the gather in the GEMM's A-load, tiles of padding skipped):
+without gradients with the activation in its epilogue (``a = act(x[sources] @ up)``: neither the
+rows nor h written); with gradients and ``recompute_rows``, writing h, and the backward's ``grad_up``
+reads x through the plan as well. Otherwise the rows are dispatched for torch's GEMM.
 
 Saved for the backward: x, the dispatched rows, h and ys (``a`` is recomputed in the activation's
 backward pass instead of kept: ``R * I`` elements less than the composition keeps); with
