@@ -179,7 +179,7 @@ void run(const Workload& w, Device dev, Printer& pr) {
   if (!plan.indices.defined()) return;
   const PlanView pv = plan.view();
   const int64_t P = padded_rows(pv);
-  const int64_t R = capacity_bound(T, K, E, m);
+  const int64_t R = padded_rows_bound(T, K, E, m);
 
   // unchecked _out plan with layouts, into poisoned buffers
   guard("make_plan_out+layouts", [&] {
@@ -369,7 +369,7 @@ void run(const Workload& w, Device dev, Printer& pr) {
         pr.out(op, "unsort", unsort_chunks(r.padded, r.permutation_map, A));
         Options o;
         o.check_data = false;
-        const int64_t cap = sort_chunks_capacity(A, C, ranks, m);
+        const int64_t cap = sort_chunks_rows_bound(A, C, ranks, m);
         const Tensor p2 = filled(w.dt, {cap, H}, dev, 0x3c), m2 = filled(DType::kInt32, {cap}, dev, 0x3c),
                      off2 = filled(DType::kInt32, {C / ranks}, dev, 0x3c);
         sort_chunks_out(hs, sz, ranks, m, sorted ? W(perm.view()) : std::nullopt, p2, m2, off2, o);

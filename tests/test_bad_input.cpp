@@ -400,7 +400,7 @@ TEST(BadInput, MakePlan) {
   const int64_t P = ref::make_plan(te, T, K, E, 8).padded_rows;
   ASSERT_LT(P, cap);
   {
-    // row_sources needs at least P entries (on the CPU P is known; capacity_bound is the
+    // row_sources needs at least P entries (on the CPU P is known; padded_rows_bound is the
     // size that never fails); P - 1 entries are rejected.
     auto b = buffers(P - 1, A, DType::kInt32);
     EXPECT_TRUE(throws_error([&] { padmoe::make_plan_out(good, E, 8, b.v); }, {"row_sources"}));

@@ -107,7 +107,7 @@ TEST_P(SortChunksGrid, MatchesReferenceAndRoundTrips) {
     if (want.permutation_map[static_cast<size_t>(p)] < 0) ASSERT_TRUE(bytes_are(r.padded, p, p + 1, 0x00)) << p;
 
   // _out into a larger poisoned buffer: the same rows, rows past P untouched, map -1 past P.
-  const int64_t cap = padmoe::sort_chunks_capacity(N, C, R, m);
+  const int64_t cap = padmoe::sort_chunks_rows_bound(N, C, R, m);
   ASSERT_GE(cap, want.padded_rows);
   Tensor padded = poison_rows(dt, cap + 3, H);
   Tensor map = poison_index(cap + 3);
@@ -235,7 +235,7 @@ TEST(SortChunks, OptionsZeroTailAndZeroPadding) {
   const Tensor h = rows_from_float(hf, DType::kBFloat16, N, H);
   const Tensor st = index_tensor(sizes, DType::kInt32);
   const ref::PadResult want = ref::sort_chunks(hf, H, sizes, R, m, nullptr);
-  const int64_t cap = padmoe::sort_chunks_capacity(N, 6, R, m);
+  const int64_t cap = padmoe::sort_chunks_rows_bound(N, 6, R, m);
   {  // zero_tail: rows at or past P zeroed too
     Tensor padded = poison_rows(DType::kBFloat16, cap, H);
     Tensor map = poison_index(cap), offs = poison_index(E);

@@ -132,9 +132,9 @@ TEST(EntryHardening, SortChunksSizeSumsAreChecked) {
   EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows(huge, sizes1, 1, 1 << 30); },
                            {"sort_chunks: split_sizes: ", "size overflow"}, kValue));
   // the bound helper
-  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_capacity(kI64Max - 1, 4, 1, 1 << 30); },
-                           {"sort_chunks_capacity", "size overflow"}, kValue));
-  EXPECT_EQ(padmoe::sort_chunks_capacity(1000, 8, 2, 16), 1000 + 4 * 15);
+  EXPECT_TRUE(throws_error([&] { padmoe::sort_chunks_rows_bound(kI64Max - 1, 4, 1, 1 << 30); },
+                           {"sort_chunks_rows_bound", "size overflow"}, kValue));
+  EXPECT_EQ(padmoe::sort_chunks_rows_bound(1000, 8, 2, 16), 1000 + 4 * 15);
 }
 
 TEST(EntryHardening, PadToAlignmentSizeSumsAreChecked) {
@@ -155,10 +155,11 @@ TEST(EntryHardening, PadToAlignmentSizeSumsAreChecked) {
 
 TEST(EntryHardening, SizeHelpersReportOverflowInsteadOfAWrongBound) {
   const int64_t big = int64_t{1} << 62;
-  EXPECT_TRUE(throws_error([&] { padmoe::capacity_bound(big, 4, 1, 1); }, {"capacity_bound", "size overflow"}, kValue));
-  EXPECT_TRUE(throws_error([&] { padmoe::capacity_bound(-1, 1, 1, 1); }, {"capacity_bound: num_tokens"}, kValue));
-  EXPECT_TRUE(throws_error([&] { padmoe::capacity_bound(1, 1, 1, 0); }, {"capacity_bound: alignment"}, kValue));
-  EXPECT_EQ(padmoe::capacity_bound(big / 4, 4, 2, 3), big + 4);
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::padded_rows_bound(big, 4, 1, 1); }, {"padded_rows_bound", "size overflow"}, kValue));
+  EXPECT_TRUE(throws_error([&] { padmoe::padded_rows_bound(-1, 1, 1, 1); }, {"padded_rows_bound: num_tokens"}, kValue));
+  EXPECT_TRUE(throws_error([&] { padmoe::padded_rows_bound(1, 1, 1, 0); }, {"padded_rows_bound: alignment"}, kValue));
+  EXPECT_EQ(padmoe::padded_rows_bound(big / 4, 4, 2, 3), big + 4);
   padmoe::PlanOptions po;
   po.expert_capacity = big;
   EXPECT_TRUE(
@@ -214,7 +215,7 @@ TEST(EntryHardening, BoundsAdmitWhatFits) {
   ref::RoutingOptions r;
   r.expert_capacity = 0;
   const ref::RoutedPlan want2 = ref::make_plan(te2, 3, 2, 4, 1 << 30, r);
-  EXPECT_EQ(plan.capacity(), 0);
+  EXPECT_EQ(plan.padded_rows_bound(), 0);
   EXPECT_TRUE(plan_equals(plan.view(), want2.plan));
   EXPECT_EQ(index_to_vec(dropped)[0], 6);
 }
@@ -222,7 +223,7 @@ TEST(EntryHardening, BoundsAdmitWhatFits) {
 TEST(EntryHardening, QuantizedDispatchOfColumnlessRowsWithNullData) {
   // x [2, 0] with null data (legal: no elements); the sanitizer job catches pointer arithmetic on null
   const padmoe::Plan plan = padmoe::make_plan(index_matrix({0, 1, 1, 0}, 2, 2, DType::kInt32), 2, 2);
-  const int64_t R = plan.capacity();
+  const int64_t R = plan.padded_rows_bound();
   // rows of no columns a row stride apart (a column slice of nothing): null + t * stride is UB
   const TensorView x = TensorView::matrix(nullptr, DType::kBFloat16, 2, 0, 64);
   const TensorView y = TensorView::contiguous(nullptr, DType::kFloat8E4M3, {R, 0});
@@ -246,7 +247,7 @@ TEST(EntryHardening, AliasedOutputsAreRefusedDisjointSlicesAccepted) {
   const std::vector<int64_t> te = {0, 1, 2, 1, 0, 2, 1, 1, 2, 0, 0, 2};
   const Tensor top = index_matrix(te, T, K, DType::kInt32);
   const padmoe::Plan plan = padmoe::make_plan(top, E, m);
-  const int64_t R = plan.capacity();
+  const int64_t R = plan.padded_rows_bound();
   // make_plan_out: out.indices on the ids, bin_ids on indices, a layout on row_sources
   {
     OutPlan out(T * K, E, R);
@@ -321,7 +322,7 @@ TEST(EntryHardening, AliasedOutputsAreRefusedDisjointSlicesAccepted) {
   EXPECT_TRUE(all_bytes_are(padded, kPoison));
   std::vector<int64_t> split = {2, 1, 1, 2};
   Tensor sizes = index_tensor(split, DType::kInt32);
-  Tensor sorted_rows = poison_rows(DType::kFloat32, padmoe::sort_chunks_capacity(6, 4, 2, 4), H);
+  Tensor sorted_rows = poison_rows(DType::kFloat32, padmoe::sort_chunks_rows_bound(6, 4, 2, 4), H);
   Tensor smap = poison_index(sorted_rows.size(0));
   const TensorView offs_on_sizes = TensorView::contiguous(sizes.data_as<int32_t>() + 2, DType::kInt32, {2});
   EXPECT_TRUE(

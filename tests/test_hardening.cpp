@@ -36,7 +36,7 @@ struct Big {
   Tensor dispatch(int threads) const {
     padmoe::Options o;
     o.num_threads = threads;
-    Tensor y = poison_rows(DType::kFloat32, plan.capacity(), H);
+    Tensor y = poison_rows(DType::kFloat32, plan.padded_rows_bound(), H);
     padmoe::dispatch_out(x, plan.view(), std::nullopt, y, o);
     return y;
   }
@@ -120,7 +120,7 @@ TEST(Hardening, NegativeLengthsAreRejected) {
   padmoe::Plan lib = padmoe::make_plan(index_matrix({0, 1, 1, 0}, 2, 2, DType::kInt32), 2, 2);
   padmoe::PlanView pv = lib.view();
   pv.num_tokens = -1;
-  Tensor small = poison_rows(DType::kFloat32, lib.capacity(), 4);
+  Tensor small = poison_rows(DType::kFloat32, lib.padded_rows_bound(), 4);
   EXPECT_TRUE(
       throws_error([&] { padmoe::dispatch_out(x, pv, std::nullopt, small); }, {"dispatch", "plan.num_tokens"}, kValue));
   EXPECT_TRUE(all_bytes_are(small, kPoison));
@@ -150,7 +150,7 @@ TEST(Hardening, EmptyRowsWithNullPointersAreValid) {
   TensorView y = TensorView::contiguous(nullptr, DType::kFloat32, {p.padded_rows, 0});
   padmoe::padded_gather_out(x, ii.indices, ii.bin_ids, ii.bins, ii.padded_bins, 2, std::nullopt, y);
   padmoe::Plan lib = padmoe::make_plan(index_matrix({0, 1, 1, 0}, 2, 2, DType::kInt32), 2, 2);
-  TensorView yc = TensorView::contiguous(nullptr, DType::kFloat32, {lib.capacity(), 0});
+  TensorView yc = TensorView::contiguous(nullptr, DType::kFloat32, {lib.padded_rows_bound(), 0});
   padmoe::Options o;
   o.zero_tail = true;
   padmoe::dispatch_out(x, lib.view(), std::nullopt, yc, o);
@@ -161,7 +161,7 @@ TEST(Hardening, EmptyRowsWithNullPointersAreValid) {
 
 TEST(Hardening, PlanFieldsAreCheckedOnTheCpuAsOnCuda) {
   padmoe::Plan lib = padmoe::make_plan(index_matrix({0, 1, 1, 0}, 2, 2, DType::kInt32), 2, 2);
-  Tensor y = poison_rows(DType::kFloat32, lib.capacity(), 4);
+  Tensor y = poison_rows(DType::kFloat32, lib.padded_rows_bound(), 4);
   Tensor out = poison_rows(DType::kFloat32, 2, 4);
   const char* names[] = {"plan.indices", "plan.bin_ids", "plan.tokens_per_expert", "plan.bins",
                          "plan.padded_tokens_per_expert"};

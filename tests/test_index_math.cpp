@@ -25,9 +25,9 @@ TEST(IndexMath, CeilDivAndRoundUp) {
   EXPECT_EQ(ix::round_up(int64_t{3000000001}, 128), int64_t{3000000128});
 }
 
-TEST(IndexMath, CapacityBoundHoldsForEveryCountSplit) {
-  EXPECT_EQ(ix::capacity_bound(131072, 256, 128), 131072 + 256 * 127);
-  EXPECT_EQ(padmoe::capacity_bound(16384, 8, 256, 16), 16384 * 8 + 256 * 15);
+TEST(IndexMath, PaddedRowsBoundHoldsForEveryCountSplit) {
+  EXPECT_EQ(ix::padded_rows_bound(131072, 256, 128), 131072 + 256 * 127);
+  EXPECT_EQ(padmoe::padded_rows_bound(16384, 8, 256, 16), 16384 * 8 + 256 * 15);
   Rng rng(5);
   for (int trial = 0; trial < 500; ++trial) {
     const int64_t E = 1 + rng.below(20), m = 1 + rng.below(40), A = rng.below(300);
@@ -35,10 +35,10 @@ TEST(IndexMath, CapacityBoundHoldsForEveryCountSplit) {
     for (int64_t a = 0; a < A; ++a) ++counts[static_cast<size_t>(rng.below(E))];
     int64_t P = 0;
     for (int64_t c : counts) P += ix::round_up(c, m);
-    ASSERT_LE(P, ix::capacity_bound(A, E, m));
+    ASSERT_LE(P, ix::padded_rows_bound(A, E, m));
   }
   // the bound is attained: every expert one over a multiple
-  EXPECT_EQ(ix::capacity_bound(4 * 9, 4, 8), 4 * 16);
+  EXPECT_EQ(ix::padded_rows_bound(4 * 9, 4, 8), 4 * 16);
 }
 
 TEST(IndexMath, SegmentStartPaddedRowAndFindSegment) {
@@ -149,7 +149,7 @@ TEST(IndexMath, SixtyFourBitOffsets) {
   // row * H past 2^31: padded_row stays exact in 64 bits.
   const int64_t big = int64_t{1} << 33;
   EXPECT_EQ(ix::padded_row(big + 5, big, big * 2), big * 2 + 5);
-  EXPECT_EQ(ix::capacity_bound(int64_t{3} << 31, 256, 128), (int64_t{3} << 31) + 256 * 127);
+  EXPECT_EQ(ix::padded_rows_bound(int64_t{3} << 31, 256, 128), (int64_t{3} << 31) + 256 * 127);
 }
 
 }  // namespace

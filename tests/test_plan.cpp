@@ -74,9 +74,9 @@ TEST_P(MakePlan, MatchesReference) {
   EXPECT_EQ(plan.num_experts, E);
   EXPECT_EQ(plan.alignment, m);
   EXPECT_EQ(plan.num_assignments(), T * K);
-  EXPECT_EQ(plan.capacity(), r.capacity);
-  EXPECT_EQ(plan.capacity(), T * K + static_cast<int64_t>(E) * (m - 1));
-  EXPECT_EQ(padmoe::capacity_bound(T, K, E, m), r.capacity);
+  EXPECT_EQ(plan.padded_rows_bound(), r.capacity);
+  EXPECT_EQ(plan.padded_rows_bound(), T * K + static_cast<int64_t>(E) * (m - 1));
+  EXPECT_EQ(padmoe::padded_rows_bound(T, K, E, m), r.capacity);
   EXPECT_LE(r.padded_rows, r.capacity);
   EXPECT_EQ(padmoe::padded_rows(plan), r.padded_rows);
   expect_plan_matches(plan.view(), r, r.capacity);
@@ -132,7 +132,7 @@ TEST(MakePlanAndDispatch, BadInputNamesTheArgumentBeforeWriting) {
   const int64_t T = 5, H = 8;
   const int K = 2, E = 3, m = 4;
   std::vector<int64_t> te = {0, 1, 2, 0, 1, 1, 2, 2, 0, 1};
-  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m);
+  const int64_t A = T * K, cap = padmoe::padded_rows_bound(T, K, E, m);
   Rng rng(3);
   const Tensor x = rows_from_float(random_values(T * H, DType::kFloat32, rng), DType::kFloat32, T, H);
   const Tensor w = vec_from_float(random_values(A, DType::kFloat32, rng), DType::kFloat32);
@@ -315,7 +315,7 @@ TEST(PlanLayouts, BadInputNamesTheArgument) {
       },
       {"moe_align_block_size", "expert_map"}));
   padmoe::Plan plan = padmoe::Plan::empty(3, 2, 3, 4);
-  Tensor short_rows = poison_index(plan.capacity() - 1);
+  Tensor short_rows = poison_index(plan.padded_rows_bound() - 1);
   padmoe::PlanLayouts l;
   l.row_experts = short_rows;
   EXPECT_TRUE(

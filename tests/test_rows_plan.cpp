@@ -262,14 +262,14 @@ TEST(Determinism, BitwiseAcrossRunsAndThreadCounts) {
   }
 }
 
-// Options::zero_tail: an output sized by capacity_bound() is fully defined —
+// Options::zero_tail: an output sized by padded_rows_bound() is fully defined —
 // rows at or past P zero — for dispatch and the grad_y of combine_backward;
 // without it those rows keep their bytes.
 TEST(ZeroTail, DispatchAndCombineBackwardZeroRowsPastP) {
   for (bool zero_tail : {false, true}) {
     Fixture s = make_setup(37, 20, 5, 3, 8, DType::kBFloat16, DType::kFloat32, 77);
     const int64_t P = s.p.padded_rows;
-    const int64_t R = padmoe::capacity_bound(s.T, s.K, s.E, s.m);
+    const int64_t R = padmoe::padded_rows_bound(s.T, s.K, s.E, s.m);
     ASSERT_GT(R, P);
     padmoe::Options o;
     o.zero_tail = zero_tail;

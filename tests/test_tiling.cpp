@@ -112,7 +112,7 @@ TEST_P(TilePlanner, SatisfiesRules) {
   int64_t H;
   std::tie(tgt, op, dt, H) = GetParam();
   const padmoe::TargetInfo info = padmoe::target_info(tgt);
-  const TileConfig c = padmoe::plan_tiles(info, op, H, dt);
+  const TileConfig c = padmoe::tile_config(info, op, H, dt);
   SCOPED_TRACE(padmoe::describe_tile_config(op, c, H, dt));
   const int64_t s = static_cast<int64_t>(esize(dt));
   const int64_t g = 32 / s;  // 32 bytes in elements
@@ -172,13 +172,13 @@ INSTANTIATE_TEST_SUITE_P(Float8, TilePlanner,
 TEST(Tiling, AscendTutorialShapes) {
   // 16-bit rows on the A2: small H gives block_x = round_up(H, 16); wgrad with H > 5120 steps one row.
   const padmoe::TargetInfo a = padmoe::target_info(TileTarget::kAscendA2);
-  EXPECT_EQ(padmoe::plan_tiles(a, TileOp::kGather, 768, DType::kBFloat16).block_x, 768);
-  EXPECT_EQ(padmoe::plan_tiles(a, TileOp::kGather, 33, DType::kFloat16).block_x, 48);
-  EXPECT_EQ(padmoe::plan_tiles(a, TileOp::kScatter, 1536, DType::kBFloat16).block_x, 1536);
-  const TileConfig w = padmoe::plan_tiles(a, TileOp::kWgrad, 7168, DType::kBFloat16);
+  EXPECT_EQ(padmoe::tile_config(a, TileOp::kGather, 768, DType::kBFloat16).block_x, 768);
+  EXPECT_EQ(padmoe::tile_config(a, TileOp::kGather, 33, DType::kFloat16).block_x, 48);
+  EXPECT_EQ(padmoe::tile_config(a, TileOp::kScatter, 1536, DType::kBFloat16).block_x, 1536);
+  const TileConfig w = padmoe::tile_config(a, TileOp::kWgrad, 7168, DType::kBFloat16);
   EXPECT_LE(w.block_x, 5120);
   EXPECT_EQ(w.sub_block_rows, 1);
-  EXPECT_EQ(padmoe::plan_tiles(a, TileOp::kGather, 1, DType::kFloat32).block_x, 8);  // 8 * 4 B = 32 B
+  EXPECT_EQ(padmoe::tile_config(a, TileOp::kGather, 1, DType::kFloat32).block_x, 8);  // 8 * 4 B = 32 B
 }
 
 TEST(Tiling, GpuTargetShapes) {
@@ -186,14 +186,14 @@ TEST(Tiling, GpuTargetShapes) {
   // --sweep): 32 programs per SM; bf16 gather 9 rows (Triton: 8) x 1024 columns, scatter and wgrad 1 x 2048.
   const padmoe::TargetInfo g = padmoe::target_info(TileTarget::kGpu, 132);
   for (int64_t H : {2048, 4096, 7168}) {
-    const TileConfig ga = padmoe::plan_tiles(g, TileOp::kGather, H, DType::kBFloat16);
+    const TileConfig ga = padmoe::tile_config(g, TileOp::kGather, H, DType::kBFloat16);
     EXPECT_EQ(ga.programs, 132 * 32);
     EXPECT_EQ(ga.block_x, 1024);
     EXPECT_EQ(ga.sub_block_rows, 9);
-    const TileConfig sc = padmoe::plan_tiles(g, TileOp::kScatter, H, DType::kBFloat16);
+    const TileConfig sc = padmoe::tile_config(g, TileOp::kScatter, H, DType::kBFloat16);
     EXPECT_EQ(sc.block_x, 2048);
     EXPECT_EQ(sc.sub_block_rows, 1);
-    const TileConfig wg = padmoe::plan_tiles(g, TileOp::kWgrad, H, DType::kBFloat16);
+    const TileConfig wg = padmoe::tile_config(g, TileOp::kWgrad, H, DType::kBFloat16);
     EXPECT_EQ(wg.block_x, 2048);
     EXPECT_EQ(wg.sub_block_rows, 1);
   }

@@ -30,8 +30,13 @@ PADMOE_HD int64_t round_up(int64_t x, int64_t m) { return ceil_div(x, m) * m; }
 
 // Host-side bound on the padded row count P: every expert wastes at most
 // m - 1 rows. Lets a caller size outputs without reading P from the device.
-PADMOE_HD int64_t capacity_bound(int64_t assignments, int64_t num_experts, int64_t alignment) {
+PADMOE_HD int64_t padded_rows_bound(int64_t assignments, int64_t num_experts, int64_t alignment) {
   return assignments + num_experts * (alignment - 1);
+}
+// Deprecated name of padded_rows_bound (removed in the next release).
+[[deprecated("use padded_rows_bound")]] PADMOE_HD int64_t capacity_bound(int64_t assignments, int64_t num_experts,
+                                                                         int64_t alignment) {
+  return padded_rows_bound(assignments, num_experts, alignment);
 }
 
 // Start of segment e given the inclusive cumulative sums `cumsum[0..E)`.

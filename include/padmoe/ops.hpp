@@ -22,7 +22,7 @@
 // Allocating forms allocate exactly P rows (on CUDA they read P from the
 // device: one synchronization). On CUDA, the _out forms with check_data =
 // false never synchronize with the host (capturable in a CUDA graph); P is then
-// known on the device only, so size outputs with capacity_bound().
+// known on the device only, so size outputs with padded_rows_bound().
 //
 // CUDA checked mode (check_data = true, the default) validates the
 // data-dependent properties on the device and synchronizes once to raise the
@@ -55,7 +55,7 @@ struct Options {
   // Outputs of padded rows written by a spread (padded_gather, dispatch, and
   // the grad_y of padded_scatter_backward / combine_backward): also zero the
   // rows at or past P, in the same pass, so that an output sized by
-  // capacity_bound() is fully defined (padmoe.torch uses this). Off by
+  // padded_rows_bound() is fully defined (padmoe.torch uses this). Off by
   // default: those rows are left untouched.
   bool zero_tail = false;
   // Forward spreads (padded_gather, dispatch, pad_to_alignment): false leaves
@@ -90,7 +90,7 @@ size_t workspace_bound(int64_t num_tokens, int top_k, int num_experts, int align
 
 // Caller-owned plan buffers (all int32, on one device). Sizes: indices,
 // bin_ids, dest_rows: [A]; tokens_per_expert, bins, padded_tokens_per_expert,
-// padded_bins: [E]; row_sources: [R] with R >= P (use capacity_bound to size
+// padded_bins: [E]; row_sources: [R] with R >= P (use padded_rows_bound to size
 // it without knowing P; rows at or past P are set to -1).
 struct PlanView {
   TensorView indices;                   // assignment ids, stable-sorted by expert
@@ -116,21 +116,27 @@ struct Plan {
   int alignment = 1;
 
   // Uninitialized buffers for make_plan_out on `device` (row_sources with
-  // capacity() entries): allocate once, refill each step (e.g. in a CUDA graph).
+  // padded_rows_bound() entries): allocate once, refill each step (e.g. in a CUDA graph).
   static Plan empty(int64_t num_tokens, int top_k, int num_experts, int alignment, Device device = Device::cpu());
 
   PlanView view() const;
   int64_t num_assignments() const { return num_tokens * top_k; }
   // Host-side bound on P: the size of row_sources, A + E*(alignment-1) (E * C for
   // a plan made with a capacity).
-  int64_t capacity() const;
+  int64_t padded_rows_bound() const;
+  [[deprecated("use padded_rows_bound")]] int64_t capacity() const { return padded_rows_bound(); }
 };
 
-// Host-side bound on P: A + E * (alignment - 1). The size helpers here (capacity_bound,
-// workspace_bound, plan_rows_bound, aligned_rows_bound, sort_chunks_capacity, Plan::empty) check
+// Host-side bound on P: A + E * (alignment - 1). The size helpers here (padded_rows_bound,
+// workspace_bound, plan_rows_bound, aligned_rows_bound, sort_chunks_rows_bound, Plan::empty) check
 // their arguments and throw padmoe::Error ("<helper>: <argument>: size overflow") rather than
 // return a bound that does not fit 64 bits.
-int64_t capacity_bound(int64_t num_tokens, int top_k, int num_experts, int alignment);
+int64_t padded_rows_bound(int64_t num_tokens, int top_k, int num_experts, int alignment);
+// Deprecated name of padded_rows_bound (removed in the next release).
+[[deprecated("use padded_rows_bound")]] inline int64_t capacity_bound(int64_t num_tokens, int top_k, int num_experts,
+                                                                      int alignment) {
+  return padded_rows_bound(num_tokens, top_k, num_experts, alignment);
+}
 
 // P = padded_bins[E-1], read on the host (on CUDA this synchronizes the stream).
 int64_t padded_rows(const PlanView& plan, const Options& options = {});
@@ -142,7 +148,7 @@ int64_t padded_rows(const Plan& plan, const Options& options = {});
 // <input>"); column slices of one buffer side by side do not overlap.
 //
 // make_plan(top_experts[T, K] int32|int64, E, m): docs/spec.md §3. On CUDA,
-// out.row_sources needs at least capacity_bound() entries (P is not known on
+// out.row_sources needs at least padded_rows_bound() entries (P is not known on
 // the host); in unchecked mode an expert id outside [0, E) is dropped
 // (dest_rows -1) rather than validated.
 Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, const Options& options = {});
@@ -212,7 +218,7 @@ struct PlanOptions {
 };
 
 // Rows of row_sources (and of padded outputs) a plan with these options can
-// need: E * C with an expert_capacity, else capacity_bound(). Host-side, no data read.
+// need: E * C with an expert_capacity, else padded_rows_bound(). Host-side, no data read.
 int64_t plan_rows_bound(int64_t num_tokens, int top_k, int num_experts, int alignment, const PlanOptions& plan_options);
 
 // make_plan with PlanOptions. The allocating form sizes row_sources with
@@ -393,9 +399,9 @@ void dispatch_out(const TensorView& x, const PlanView& plan, const std::optional
 // launch then dispatch's, with one set of checks (padmoe.torch: one operator call instead of two).
 // Errors are make_plan's and dispatch's, raised before anything is written. (A single CUDA kernel
 // doing both at decode sizes was measured and not kept: docs/decisions.md.)
-// The allocating form returns y with plan.capacity() rows (no host synchronization: rows at or
+// The allocating form returns y with plan.padded_rows_bound() rows (no host synchronization: rows at or
 // past P are zero, as padmoe.torch.dispatch's). _out: y needs at least as many rows as
-// out.row_sources (capacity_bound() on CUDA, P on the CPU), x's columns and dtype; rows at or past
+// out.row_sources (padded_rows_bound() on CUDA, P on the CPU), x's columns and dtype; rows at or past
 // P are zeroed only with options.zero_tail; options.zero_padding as dispatch's.
 struct PlannedRows {
   Plan plan;
@@ -639,7 +645,7 @@ PadResult sort_chunks(const TensorView& received, const TensorView& split_sizes,
 // _out: padded has >= P rows (rows past P untouched, or zeroed when
 // Options::zero_tail); permutation_map has as many entries as padded has rows
 // (entries past P are -1); inclusive_offsets has E = C / num_ranks entries.
-// Size padded with sort_chunks_capacity() to avoid reading P. On CUDA with
+// Size padded with sort_chunks_rows_bound() to avoid reading P. On CUDA with
 // check_data = false: no host synchronization (capturable); device scratch
 // of sort_chunks_workspace_bytes(C) bytes (Options::workspace or the pool).
 // Options::zero_padding = false leaves padding rows (and rows past P)
@@ -649,7 +655,13 @@ void sort_chunks_out(const TensorView& received, const TensorView& split_sizes, 
                      const TensorView& permutation_map, const TensorView& inclusive_offsets,
                      const Options& options = {});
 // Host-side bound on P: received_rows + (num_chunks / num_ranks) * (alignment - 1).
-int64_t sort_chunks_capacity(int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment);
+int64_t sort_chunks_rows_bound(int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment);
+// Deprecated name of sort_chunks_rows_bound (removed in the next release).
+[[deprecated("use sort_chunks_rows_bound")]] inline int64_t sort_chunks_capacity(int64_t received_rows,
+                                                                                 int64_t num_chunks, int num_ranks,
+                                                                                 int alignment) {
+  return sort_chunks_rows_bound(received_rows, num_chunks, num_ranks, alignment);
+}
 // P for these inputs, after every check sort_chunks makes before it allocates (on CUDA the sizes
 // and sorted_index are read to the host: one synchronization); see pad_to_alignment_rows.
 int64_t sort_chunks_rows(const TensorView& received, const TensorView& split_sizes, int num_ranks, int alignment,

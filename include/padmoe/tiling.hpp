@@ -67,12 +67,17 @@ int64_t tile_buffer_bytes(TileOp op, const TileConfig& config, DType dtype);
 // fit the budget (capped at 256; 1 for wgrad when H > block_x).
 // max_block_x: Ascend gather 20000 / scatter 6144 / wgrad 5120 (the
 // Triton-Ascend tutorial's); CPU 16384 / 64 / 4096.
-TileConfig plan_tiles(const TargetInfo& target, TileOp op, int64_t hidden, DType dtype);
+TileConfig tile_config(const TargetInfo& target, TileOp op, int64_t hidden, DType dtype);
+// Deprecated name of tile_config (removed in the next release).
+[[deprecated("use tile_config")]] inline TileConfig plan_tiles(const TargetInfo& target, TileOp op, int64_t hidden,
+                                                               DType dtype) {
+  return tile_config(target, op, hidden, dtype);
+}
 
 // Throws padmoe::Error (kValue) naming the first rule `config` breaks.
 void validate_tile_config(TileOp op, const TileConfig& config, int64_t hidden, DType dtype);
 
-// A one-paragraph human description (used by `padmoe plan`).
+// A one-paragraph human description (used by `padmoe tiles`).
 std::string describe_tile_config(TileOp op, const TileConfig& config, int64_t hidden, DType dtype);
 
 }  // namespace padmoe

@@ -37,7 +37,7 @@ from ._dropin_ops import (
     unpad_from_alignment_backward,
     unpad_from_alignment_scaled,
 )
-from ._plan import Plan
+from ._plan import Plan, PlanOptions
 from ._plan_ops import (
     combine,
     combine_backward,
@@ -65,10 +65,7 @@ def tile_config(target: str, op: str, hidden: int, dtype: str, cores: int = 0) -
     """The tile configuration of a kernel launch (the C++ planner of padmoe/tiling.hpp), as a dict, for
     ``target`` ``"cpu"``, ``"ascend-a2"`` or ``"gpu"``, ``op`` ``"gather"`` / ``"scatter"`` /
     ``"wgrad"``, the hidden size and the row dtype's name; ``cores`` 0: the target's default."""
-    try:
-        return _C.plan_tiles(target, op, hidden, dtype, cores)
-    except (ValueError, TypeError) as e:  # the C++ planner's name in its messages
-        raise type(e)(str(e).replace("plan_tiles:", "tile_config:", 1)) from None
+    return _C.plan_tiles(target, op, hidden, dtype, cores)
 
 
 def plan_tiles(*args, **kwargs):
@@ -81,6 +78,7 @@ __version__ = _C.__version__
 
 __all__ = [
     "Plan",
+    "PlanOptions",
     "aligned_rows_bound",
     "combine",
     "combine_backward",

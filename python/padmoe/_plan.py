@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 from . import _arrays as _arrays_module
 from ._arrays import NUMPY, arrays_of
@@ -49,6 +51,54 @@ def packed_plan_layout(
     return tuple(out)
 
 
+class PackedPlanOffsets(NamedTuple):
+    """Where each of the eight arrays lies in a packed plan: a ``slice`` per array (``packed[o.dest_rows]``
+    is ``dest_rows``; ``.start`` / ``.stop`` are the offsets a kernel takes), from
+    :func:`packed_plan_layout`."""
+
+    indices: slice
+    bin_ids: slice
+    tokens_per_expert: slice
+    bins: slice
+    padded_tokens_per_expert: slice
+    padded_bins: slice
+    dest_rows: slice
+    row_sources: slice
+
+    @property
+    def counts(self) -> slice:
+        """The four [E] arrays together (``tokens_per_expert`` to ``padded_bins``)."""
+        return slice(self.tokens_per_expert.start, self.padded_bins.stop)
+
+    @property
+    def rows(self) -> int:
+        """The length of ``row_sources`` (:func:`rows_bound`)."""
+        return self.row_sources.stop - self.row_sources.start
+
+    @property
+    def size(self) -> int:
+        """The packed plan's length: ``3*A + 4*E + rows``."""
+        return self.row_sources.stop
+
+
+def plan_offsets(
+    num_tokens: int, top_k: int, num_experts: int, alignment: int, expert_capacity: Optional[int] = None
+) -> PackedPlanOffsets:
+    """:func:`packed_plan_offsets` without its cache: for sizes that are not hashable (torch.compile's
+    symbolic sizes) and for code torch.compile traces."""
+    layout = packed_plan_layout(num_tokens, top_k, num_experts, alignment, expert_capacity)
+    return PackedPlanOffsets._make([slice(offset, offset + length) for _, offset, length in layout])
+
+
+@functools.lru_cache(maxsize=1024)
+def packed_plan_offsets(
+    num_tokens: int, top_k: int, num_experts: int, alignment: int, expert_capacity: Optional[int] = None
+) -> PackedPlanOffsets:
+    """:func:`packed_plan_layout` as a :class:`PackedPlanOffsets`, cached on the sizes (plain ints): the
+    one helper the code that reads or writes a packed plan's arrays by offset uses."""
+    return plan_offsets(num_tokens, top_k, num_experts, alignment, expert_capacity)
+
+
 def packed_plan_sizes(
     numel: int, top_k: int, num_experts: int, alignment: int, expert_capacity: Optional[int] = None
 ) -> Tuple[int, int, int]:
@@ -59,6 +109,95 @@ def packed_plan_sizes(
         return a // top_k, a, num_experts * expert_capacity
     a = (numel - num_experts * (alignment + 3)) // 4
     return a // top_k, a, a + num_experts * (alignment - 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """``make_plan``'s routing options as one value (the C++ ``padmoe::PlanOptions``; docs/spec.md
+    "Routing options"): pass it as ``make_plan(..., options=PlanOptions(...))`` or
+    ``Routing.from_topk(..., options=...)`` instead of the keywords of the same names (one or the
+    other, not both). The defaults route plainly. The values are checked where they are used, with
+    the errors the keywords give.
+
+    ``expert_map``
+        ``[global_experts]`` int32/int64 array or tensor: global id -> local id, -1 = not local.
+    ``first_expert``, ``global_experts``
+        without a map, the local experts ``[first_expert, first_expert + num_experts)`` of
+        ``global_experts`` (0: ``num_experts``).
+    ``drop_invalid``
+        drop ids outside ``[0, global_experts)`` instead of rejecting them.
+    ``expert_capacity``
+        C: every segment exactly C rows, each expert keeping C assignments by ``drop_policy``.
+    ``drop_policy``
+        ``"position"`` (the first C) or ``"probs"`` (the C largest ``probs``).
+    ``probs``
+        ``[T, K]`` router weights for ``"probs"`` (``Routing.from_topk``: its weights by default).
+    """
+
+    expert_map: Any = None
+    first_expert: int = 0
+    global_experts: int = 0
+    drop_invalid: bool = False
+    expert_capacity: Optional[int] = None
+    drop_policy: str = "position"
+    probs: Any = None
+
+    @property
+    def routed(self) -> bool:
+        """Whether any option differs from its default (else ``make_plan`` makes the plain plan)."""
+        return bool(
+            self.expert_map is not None
+            or self.first_expert
+            or self.global_experts
+            or self.drop_invalid
+            or self.expert_capacity is not None
+            or self.drop_policy != "position"
+            or self.probs is not None
+        )
+
+
+def routing_options(
+    op: str,
+    options: Optional[PlanOptions],
+    expert_map: Any = None,
+    first_expert: int = 0,
+    global_experts: int = 0,
+    drop_invalid: bool = False,
+    expert_capacity: Optional[int] = None,
+    drop_policy: str = "position",
+    probs: Any = None,
+) -> Optional[PlanOptions]:
+    """The routing options of a ``make_plan`` entry point as one value: ``options``, or the keywords
+    (not both); None when every option is its default (the plain plan)."""
+    keywords = (
+        expert_map is not None
+        or first_expert
+        or global_experts
+        or drop_invalid
+        or expert_capacity is not None
+        or drop_policy != "position"
+        or probs is not None
+    )
+    if options is not None:
+        if not isinstance(options, PlanOptions):
+            raise TypeError(f"{op}: options: expected a padmoe.PlanOptions, got {type(options).__name__}")
+        if keywords:
+            raise ValueError(f"{op}: options: pass the routing options as options= or as keywords, not both")
+        return options if options.routed else None
+    if not keywords:
+        return None
+    return PlanOptions(
+        expert_map=expert_map,
+        first_expert=first_expert,
+        global_experts=global_experts,
+        drop_invalid=drop_invalid,
+        expert_capacity=expert_capacity,
+        drop_policy=drop_policy,
+        probs=probs,
+    )
+
+
+PLAIN_ROUTING = PlanOptions()
 
 
 def _array_field(i: int, name: str):

@@ -22,7 +22,7 @@ from ._common import (
     _weight_grad,
     numpy_only,
 )
-from ._plan import INT32_MAX, Plan
+from ._plan import INT32_MAX, PLAIN_ROUTING, Plan, PlanOptions, routing_options
 from ._sizes import aligned_rows_bound
 
 # ---------------------------------------------------------------------------
@@ -30,25 +30,24 @@ from ._sizes import aligned_rows_bound
 # ---------------------------------------------------------------------------
 
 
-def _routing(
-    arrays, like, expert_map, first_expert, global_experts, drop_invalid, expert_capacity, drop_policy, probs, dropped
-):
-    """make_plan's routing keywords for _C.make_plan_out."""
-    if drop_policy not in ("position", "probs"):
-        raise ValueError(f"make_plan: drop_policy: expected 'position' or 'probs', got {drop_policy!r}")
-    cap = -1 if expert_capacity is None else int(expert_capacity)
+def _routing(arrays, options: Optional[PlanOptions], dropped):
+    """make_plan's routing options (from :func:`routing_options`) as _C.make_plan_out's keywords."""
+    o = PLAIN_ROUTING if options is None else options
+    if o.drop_policy not in ("position", "probs"):
+        raise ValueError(f"make_plan: drop_policy: expected 'position' or 'probs', got {o.drop_policy!r}")
+    cap = -1 if o.expert_capacity is None else int(o.expert_capacity)
     kw = dict(
-        first_expert=int(first_expert),
-        global_experts=int(global_experts),
-        drop_invalid=bool(drop_invalid),
+        first_expert=int(o.first_expert),
+        global_experts=int(o.global_experts),
+        drop_invalid=bool(o.drop_invalid),
         expert_capacity=cap,
-        drop_policy=drop_policy,
+        drop_policy=o.drop_policy,
         dropped=dropped,
     )
-    if expert_map is not None:
-        (kw["expert_map"],) = prepare(arrays, expert_map)
-    if probs is not None:
-        (kw["probs"],) = prepare(arrays, probs)  # [T, K] or [A]: read by assignment id
+    if o.expert_map is not None:
+        (kw["expert_map"],) = prepare(arrays, o.expert_map)
+    if o.probs is not None:
+        (kw["probs"],) = prepare(arrays, o.probs)  # [T, K] or [A]: read by assignment id
     return kw
 
 
@@ -84,6 +83,7 @@ def make_plan(
     expert_capacity: Optional[int] = None,
     drop_policy: str = "position",
     probs: Optional[Array] = None,
+    options: Optional[PlanOptions] = None,
     out: Optional[Plan] = None,
     num_threads: int = 0,
     workspace: Optional[Array] = None,
@@ -108,23 +108,20 @@ def make_plan(
       expert keeps its first C assignments (``drop_policy="position"``) or the C largest
       ``probs[T, K]`` (``"probs"``, ties to the lower assignment id); ``plan.dropped`` is the
       number dropped, a [1] int32 array on the device.
+
+    ``options``: the same routing options as one :class:`padmoe.PlanOptions` value, instead of the
+    keywords (not both).
     """
     op = "make_plan"
+    routed = routing_options(
+        op, options, expert_map, first_expert, global_experts, drop_invalid, expert_capacity, drop_policy, probs
+    )
     arrays = arrays_of(top_experts, op, "top_experts")
     (top_experts,) = prepare(arrays, top_experts)
-    out = _plan_buffers(op, out, top_experts, num_experts, alignment, expert_capacity)
-    routing = _routing(
-        arrays,
-        top_experts,
-        expert_map,
-        first_expert,
-        global_experts,
-        drop_invalid,
-        expert_capacity,
-        drop_policy,
-        probs,
-        getattr(out, "dropped", None),
+    out = _plan_buffers(
+        op, out, top_experts, num_experts, alignment, None if routed is None else routed.expert_capacity
     )
+    routing = _routing(arrays, routed, getattr(out, "dropped", None))
     _C.make_plan_out(
         top_experts,
         num_experts,
@@ -149,6 +146,7 @@ def make_plan_layouts(
     expert_capacity: Optional[int] = None,
     drop_policy: str = "position",
     probs: Optional[Array] = None,
+    options: Optional[PlanOptions] = None,
     num_threads: int = 0,
     workspace: Optional[Array] = None,
     stream: Optional[int] = None,
@@ -162,18 +160,9 @@ def make_plan_layouts(
     alignment)]``: the expert of each block of ``alignment`` rows, -1 past P (vLLM's
     ``expert_ids``). ``padded_total[1]``: P, on the device (no synchronization). numpy arrays only
     (torch: ``padmoe.torch.Routing``'s ``row_experts`` and ``padded_rows``)."""
-    arrays = numpy_only("make_plan_layouts", "top_experts", top_experts, "Routing.from_topk(...).row_experts")
-    (top_experts,) = prepare(arrays, top_experts)
-    t, k = (int(top_experts.shape[0]), int(top_experts.shape[1])) if ndim(top_experts) == 2 else (0, 1)
-    plan = Plan._allocate(t, k, num_experts, alignment, top_experts, expert_capacity)
-    cap = int(plan.row_sources.shape[0])
-    m = max(int(alignment), 1)
-    row_experts = arrays.empty((cap,), arrays.int32, top_experts)
-    block_experts = arrays.empty((-(-cap // m),), arrays.int32, top_experts)
-    padded_total = arrays.empty((1,), arrays.int32, top_experts)
-    routing = _routing(
-        arrays,
-        top_experts,
+    routed = routing_options(
+        "make_plan_layouts",
+        options,
         expert_map,
         first_expert,
         global_experts,
@@ -181,8 +170,18 @@ def make_plan_layouts(
         expert_capacity,
         drop_policy,
         probs,
-        plan.dropped,
     )
+    arrays = numpy_only("make_plan_layouts", "top_experts", top_experts, "Routing.from_topk(...).row_experts")
+    (top_experts,) = prepare(arrays, top_experts)
+    t, k = (int(top_experts.shape[0]), int(top_experts.shape[1])) if ndim(top_experts) == 2 else (0, 1)
+    expert_capacity = None if routed is None else routed.expert_capacity
+    plan = Plan._allocate(t, k, num_experts, alignment, top_experts, expert_capacity)
+    cap = int(plan.row_sources.shape[0])
+    m = max(int(alignment), 1)
+    row_experts = arrays.empty((cap,), arrays.int32, top_experts)
+    block_experts = arrays.empty((-(-cap // m),), arrays.int32, top_experts)
+    padded_total = arrays.empty((1,), arrays.int32, top_experts)
+    routing = _routing(arrays, routed, plan.dropped)
     _C.make_plan_out(
         top_experts,
         num_experts,

@@ -281,7 +281,7 @@ NB_MODULE(_C, m) {
   m.def(
       "capacity_bound",
       [](int64_t num_tokens, int top_k, int num_experts, int alignment) {
-        return padmoe::capacity_bound(num_tokens, top_k, num_experts, alignment);
+        return padmoe::padded_rows_bound(num_tokens, top_k, num_experts, alignment);
       },
       nb::arg("num_tokens"), nb::arg("top_k"), nb::arg("num_experts"), nb::arg("alignment"),
       "Host-side bound on P: num_tokens*top_k + num_experts*(alignment-1).");
@@ -296,7 +296,7 @@ NB_MODULE(_C, m) {
   m.def(
       "plan_tiles",
       [](const std::string& target, const std::string& op, int64_t hidden, const std::string& dtype, int cores) {
-        const char* name = "plan_tiles";
+        const char* name = "tile_config";
         padmoe::TileTarget t = padmoe::TileTarget::kCpu;
         if (!padmoe::parse_tile_target(target, &t))
           fail(ErrorKind::kValue, name, "target", "expected 'cpu', 'ascend-a2' or 'gpu', got '" + target + "'");
@@ -312,7 +312,7 @@ NB_MODULE(_C, m) {
           fail(ErrorKind::kType, name, "dtype", "expected 'float32', 'float16' or 'bfloat16', got '" + dtype + "'");
         if (hidden < 0) fail(ErrorKind::kValue, name, "hidden", "must be >= 0, got " + std::to_string(hidden));
         if (cores < 0) fail(ErrorKind::kValue, name, "cores", "must be >= 0, got " + std::to_string(cores));
-        const padmoe::TileConfig c = padmoe::plan_tiles(padmoe::target_info(t, cores), o, hidden, d);
+        const padmoe::TileConfig c = padmoe::tile_config(padmoe::target_info(t, cores), o, hidden, d);
         nb::dict r;
         r["programs"] = c.programs;
         r["sub_block_rows"] = c.sub_block_rows;
@@ -388,7 +388,7 @@ NB_MODULE(_C, m) {
       },
       nb::arg("num_tokens"), nb::arg("top_k"), nb::arg("num_experts"), nb::arg("alignment"),
       nb::arg("expert_capacity") = -1,
-      "Rows of row_sources a plan needs: num_experts * expert_capacity with a capacity, else capacity_bound.");
+      "Rows of row_sources a plan needs: num_experts * expert_capacity with a capacity, else padded_rows_bound.");
 
   m.def(
       "moe_align_block_size_out",
@@ -680,7 +680,7 @@ NB_MODULE(_C, m) {
   m.def(
       "sort_chunks_capacity",
       [](int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment) {
-        return padmoe::sort_chunks_capacity(received_rows, num_chunks, num_ranks, alignment);
+        return padmoe::sort_chunks_rows_bound(received_rows, num_chunks, num_ranks, alignment);
       },
       nb::arg("received_rows"), nb::arg("num_chunks"), nb::arg("num_ranks"), nb::arg("alignment"),
       "Host-side bound on sort_chunks' P: received_rows + (num_chunks / num_ranks) * (alignment - 1).");

@@ -216,7 +216,7 @@ def test_operator_schemas_carry_the_expert_capacity_as_its_own_argument():
 
 def test_packed_plan_layout_is_defined_once_per_language_and_they_agree():
     from padmoe import _torch_ops
-    from padmoe._plan import packed_plan_layout, packed_plan_sizes
+    from padmoe._plan import packed_plan_layout, packed_plan_offsets, packed_plan_sizes, plan_offsets
 
     for t, k, e, m, c in (
         (0, 1, 1, 1, None),
@@ -229,10 +229,19 @@ def test_packed_plan_layout_is_defined_once_per_language_and_they_agree():
         cc = tuple(tuple(f) for f in _torch_ops.packed_plan_layout(t, k, e, m, c))
         assert py == cc, (t, k, e, m, c)
         total = py[-1][1] + py[-1][2]
+        # packed_plan_offsets: a slice per array, the layout's offsets and lengths, cached or not
+        for offsets in (packed_plan_offsets(t, k, e, m, c), plan_offsets(t, k, e, m, c)):
+            assert offsets._fields == tuple(name for name, _, _ in cc)
+            assert tuple((n, s.start, s.stop - s.start) for n, s in zip(offsets._fields, offsets)) == cc
+            assert offsets.size == total and offsets.rows == cc[-1][2]
+            assert offsets.counts == slice(cc[2][1], cc[5][1] + cc[5][2])
         assert packed_plan_sizes(total, k, e, m, c)[:2] == (t, t * k)
         if t and c is None:
             plan = pt.make_plan(torch.zeros(t, k, dtype=torch.int32), e, m)
             assert plan.packed.numel() == total
+            o = packed_plan_offsets(t, k, e, m, c)
+            for name in o._fields:
+                assert torch.equal(plan.packed[getattr(o, name)], getattr(plan, name)), name
 
 
 def test_deprecated_aliases_warn_and_still_work():

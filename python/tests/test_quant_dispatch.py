@@ -391,3 +391,43 @@ def test_torch_compile_fullgraph_and_no_grad():
     assert z.dtype == torch.float8_e5m2
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="dispatch_quantized: dtype"):
         pt.dispatch_quantized(x, tplan, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_torch_rows_matches_numpy(layout):
+    # padmoe.torch.dispatch_quantized takes rows= as padmoe.dispatch_quantized does: that many rows
+    # (at least P), rows past P zero codes with the padding rows' scale; the same checks
+    if TORCH_FP8["e4m3"] is None:
+        pytest.skip("this torch has no float8")
+    pt = _ptorch()
+    c = Case(seed=27, hidden=160)
+    xf = make_values(c.rng, c.T, c.H, np.float16, "e4m3")
+    tplan = pt.make_plan(torch.from_numpy(c.top), c.E, c.m)
+    cap = c.plan.padded_rows_bound
+    assert tplan.padded_rows_bound == cap > c.P
+    for rows in (None, c.P, cap, cap + 3):
+        want_y, want_s = padmoe.dispatch_quantized(xf, c.plan, scale_layout=layout, rows=rows)
+        y, ys = pt.dispatch_quantized(torch.from_numpy(xf), tplan, scale_layout=layout, rows=rows)
+        n = cap if rows is None else rows
+        assert y.dtype == TORCH_FP8["e4m3"] and y.shape == (n, c.H) and ys.shape == want_s.shape
+        np.testing.assert_array_equal(as_bytes(y), want_y)
+        np.testing.assert_array_equal(as_bytes(ys), as_bytes(want_s))
+    compiled = torch.compile(
+        lambda x: pt.dispatch_quantized(x, tplan, scale_layout=layout, rows=cap + 3),
+        backend="aot_eager",
+        fullgraph=True,
+    )
+    y, ys = compiled(torch.from_numpy(xf))
+    want_y, want_s = padmoe.dispatch_quantized(xf, c.plan, scale_layout=layout, rows=cap + 3)
+    np.testing.assert_array_equal(as_bytes(y), want_y)
+    np.testing.assert_array_equal(as_bytes(ys), as_bytes(want_s))
+    for f, x, plan in (
+        (padmoe.dispatch_quantized, xf, c.plan),
+        (pt.dispatch_quantized, torch.from_numpy(xf), tplan),
+    ):
+        with pytest.raises(ValueError, match=r"dispatch_quantized: rows: must be >= 0, got -1"):
+            f(x, plan, scale_layout=layout, rows=-1)
+        with pytest.raises(ValueError, match=r"dispatch_quantized: rows: size overflow: 2147483648 does not fit"):
+            f(x, plan, scale_layout=layout, rows=2**31)
+        with pytest.raises(ValueError, match=r"dispatch_quantized: y: output capacity"):
+            f(x, plan, scale_layout=layout, rows=c.P - 1)

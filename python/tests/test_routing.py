@@ -264,3 +264,122 @@ def test_torch_routed_plan_compiles_without_graph_breaks():
     torch.testing.assert_close(compiled, eager)
     # expert 2 keeps only assignment 4 (prob .9 over .5): token 2 gets one copy
     torch.testing.assert_close(eager[2], 2 * w[2, 0] * x[2])
+
+
+# ---------------------------------------------------------------------------
+# PlanOptions: the routing options as one value, the same plans and errors as the keywords
+# ---------------------------------------------------------------------------
+
+
+def assert_same_plan(a, b):
+    for f in FIELDS:
+        np.testing.assert_array_equal(as_np(getattr(a, f)), as_np(getattr(b, f)), err_msg=f)
+    assert (a.num_tokens, a.top_k, a.num_experts, a.alignment) == (b.num_tokens, b.top_k, b.num_experts, b.alignment)
+    assert a.expert_capacity == b.expert_capacity
+    assert (a.dropped is None) == (b.dropped is None)
+    if a.dropped is not None:
+        assert int(a.dropped[0]) == int(b.dropped[0])
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_numpy_plan_options_give_the_keywords_plans(case):
+    c = CASES[case]
+    top, probs = case_inputs(c, seed=20 + case)
+    m = 8 if c.get("expert_capacity") else 4
+    kw = kwargs_of(c, probs)
+    options = padmoe.PlanOptions(**kw)
+    assert_same_plan(padmoe.make_plan(top, 5, m, options=options), padmoe.make_plan(top, 5, m, **kw))
+    got = padmoe.make_plan_layouts(top, 5, m, options=options)
+    want = padmoe.make_plan_layouts(top, 5, m, **kw)
+    assert_same_plan(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_plan_options_defaults_give_the_plain_plan():
+    top = np.array([[0, 3], [2, 1], [3, 3]], dtype=np.int32)
+    assert not padmoe.PlanOptions().routed
+    assert_same_plan(padmoe.make_plan(top, 4, 4, options=padmoe.PlanOptions()), padmoe.make_plan(top, 4, 4))
+    with pytest.raises(Exception):  # frozen
+        padmoe.PlanOptions().expert_capacity = 4
+    with pytest.raises(TypeError):  # keywords only, as make_plan's
+        padmoe.PlanOptions(None, 0)
+
+
+BAD_OPTIONS = [
+    (dict(global_experts=10, expert_map=np.array([0, 1, 7, 2, 3, -1, -1, -1, -1, -1])), r"expert_map: entry 2 is 7"),
+    (dict(drop_invalid=True, expert_capacity=6), r"expert_capacity: alignment 4 must divide"),
+    (dict(drop_invalid=True, expert_capacity=4, drop_policy="probs"), r"probs: the probs drop policy needs"),
+    (dict(drop_policy="random"), r"drop_policy: expected 'position' or 'probs'"),
+    (dict(expert_capacity=-4), r"expert_capacity"),
+    (dict(first_expert=-1), r"first_expert"),
+]
+
+
+@pytest.mark.parametrize("bad", range(len(BAD_OPTIONS)))
+def test_bad_plan_options_raise_the_keywords_errors(bad):
+    kw, match = BAD_OPTIONS[bad]
+    top = np.array([[0, 3], [2, 1]], dtype=np.int32)
+    with pytest.raises(ValueError, match=match) as by_keywords:
+        padmoe.make_plan(top, 4, 4, **kw)
+    with pytest.raises(ValueError) as by_options:
+        padmoe.make_plan(top, 4, 4, options=padmoe.PlanOptions(**kw))
+    assert str(by_options.value) == str(by_keywords.value)
+    if torch is None:
+        return
+    tkw = {k: torch.as_tensor(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+    tt = torch.as_tensor(top)
+    with pytest.raises(ValueError, match=match) as by_keywords:
+        pt.make_plan(tt, 4, 4, **tkw)
+    with pytest.raises(ValueError) as by_options:
+        pt.make_plan(tt, 4, 4, options=pt.PlanOptions(**tkw))
+    assert str(by_options.value) == str(by_keywords.value)
+    if "probs" in match:
+        return  # from_topk ranks by its weights
+    with pytest.raises(ValueError) as by_keywords:
+        pt.Routing.from_topk(tt, None, 4, 4, **tkw)
+    with pytest.raises(ValueError) as by_options:
+        pt.Routing.from_topk(tt, None, 4, 4, options=pt.PlanOptions(**tkw))
+    assert str(by_options.value) == str(by_keywords.value)
+
+
+def test_plan_options_and_keywords_not_both():
+    top = np.array([[0, 3], [2, 1]], dtype=np.int32)
+    with pytest.raises(ValueError, match="make_plan: options: .* not both"):
+        padmoe.make_plan(top, 4, 4, drop_invalid=True, options=padmoe.PlanOptions(expert_capacity=4))
+    with pytest.raises(TypeError, match="make_plan: options: expected a padmoe.PlanOptions, got dict"):
+        padmoe.make_plan(top, 4, 4, options={"expert_capacity": 4})
+    if torch is None:
+        return
+    tt = torch.as_tensor(top)
+    with pytest.raises(ValueError, match="make_plan: options: .* not both"):
+        pt.make_plan(tt, 4, 4, expert_capacity=4, options=pt.PlanOptions(drop_invalid=True))
+    with pytest.raises(ValueError, match="Routing.from_topk: options: .* not both"):
+        pt.Routing.from_topk(tt, None, 4, 4, drop_invalid=True, options=pt.PlanOptions(drop_invalid=True))
+
+
+@needs_torch
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_torch_plan_options_give_the_keywords_plans(case):
+    assert pt.PlanOptions is padmoe.PlanOptions
+    c = CASES[case]
+    top, probs = case_inputs(c, seed=30 + case)
+    m = 8 if c.get("expert_capacity") else 4
+    kw = {k: torch.as_tensor(v) if isinstance(v, np.ndarray) else v for k, v in kwargs_of(c, probs).items()}
+    t = torch.as_tensor(top)
+    options = pt.PlanOptions(**kw)
+    assert_same_plan(pt.make_plan(t, 5, m, options=options), pt.make_plan(t, 5, m, **kw))
+    # Routing.from_topk: the keywords it has (its weights are the probs)
+    w = torch.as_tensor(probs) if probs is not None else torch.rand(top.shape)
+    rkw = {k: v for k, v in kw.items() if k != "probs"}
+    want = pt.Routing.from_topk(t, w, 5, m, **rkw)
+    got = pt.Routing.from_topk(t, w, 5, m, options=pt.PlanOptions(**rkw))
+    assert_same_plan(got.plan, want.plan)
+    # the options' probs rank in place of the weights
+    if probs is not None:
+        got = pt.Routing.from_topk(t, torch.rand(top.shape), 5, m, options=options)
+        assert_same_plan(got.plan, want.plan)
+    # the plain plan through options
+    plain = pt.Routing.from_topk(t % 5, w, 5, m, options=pt.PlanOptions())
+    assert_same_plan(plain.plan, pt.Routing.from_topk(t % 5, w, 5, m).plan)
+    assert plain.plan.packed.data_ptr() != 0 and plain.plan.expert_capacity is None

@@ -329,8 +329,8 @@ int64_t sort_chunks_rows(const TensorView& received, const TensorView& split_siz
   return chunk_inputs(c, g, received, sizes, sorted_index, alignment, options, true).padded_rows;
 }
 
-int64_t sort_chunks_capacity(int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment) {
-  Checker c("sort_chunks_capacity");
+int64_t sort_chunks_rows_bound(int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment) {
+  Checker c("sort_chunks_rows_bound");
   if (received_rows < 0) c.value_error("received_rows", "must be >= 0, got " + str(received_rows));
   if (num_chunks < 0) c.value_error("num_chunks", "must be >= 0, got " + str(num_chunks));
   if (num_ranks < 1) c.value_error("num_ranks", "must be >= 1, got " + str(num_ranks));

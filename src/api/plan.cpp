@@ -45,7 +45,7 @@ int64_t helper_assignments(const Checker& c, int64_t num_tokens, int top_k, int 
 }
 
 // A + E * (m - 1), checked.
-int64_t checked_capacity_bound(const Checker& c, int64_t assignments, int num_experts, int alignment) {
+int64_t checked_padded_rows_bound(const Checker& c, int64_t assignments, int num_experts, int alignment) {
   return detail::checked_add(c, "num_experts", assignments,
                              detail::checked_mul(c, "num_experts", num_experts, int64_t{alignment} - 1));
 }
@@ -79,20 +79,21 @@ Plan Plan::empty(int64_t num_tokens, int top_k, int num_experts, int alignment, 
   Checker c("Plan::empty");
   const int64_t a_count = helper_assignments(c, num_tokens, top_k, num_experts, alignment);
   detail::check_int32_extent(c, "num_tokens", a_count);
-  const int64_t rows = checked_capacity_bound(c, a_count, num_experts, alignment);
+  const int64_t rows = checked_padded_rows_bound(c, a_count, num_experts, alignment);
   detail::check_int32_extent(c, "capacity", rows);
   return allocate_plan(num_tokens, top_k, num_experts, alignment, rows, device);
 }
 
-int64_t Plan::capacity() const {
+int64_t Plan::padded_rows_bound() const {
   // a plan of make_plan holds row_sources of the bound it was made for (E * C with a capacity)
-  return row_sources.defined() ? row_sources.numel() : capacity_bound(num_tokens, top_k, num_experts, alignment);
+  return row_sources.defined() ? row_sources.numel()
+                               : padmoe::padded_rows_bound(num_tokens, top_k, num_experts, alignment);
 }
 
-int64_t capacity_bound(int64_t num_tokens, int top_k, int num_experts, int alignment) {
-  Checker c("capacity_bound");
-  return checked_capacity_bound(c, helper_assignments(c, num_tokens, top_k, num_experts, alignment), num_experts,
-                                alignment);
+int64_t padded_rows_bound(int64_t num_tokens, int top_k, int num_experts, int alignment) {
+  Checker c("padded_rows_bound");
+  return checked_padded_rows_bound(c, helper_assignments(c, num_tokens, top_k, num_experts, alignment), num_experts,
+                                   alignment);
 }
 
 int64_t padded_rows(const PlanView& plan, const Options& options) {
@@ -114,7 +115,7 @@ int64_t padded_rows(const PlanView& plan, const Options& options) {
 size_t workspace_bound(int64_t num_tokens, int top_k, int num_experts, int alignment) {
   Checker c("workspace_bound");
   const int64_t a_count = helper_assignments(c, num_tokens, top_k, num_experts, alignment);
-  const int64_t rows = checked_capacity_bound(c, a_count, num_experts, alignment);
+  const int64_t rows = checked_padded_rows_bound(c, a_count, num_experts, alignment);
   detail::check_int32_extent(c, "capacity", rows);  // the byte counts below stay far from overflow
   const size_t plan = cuda::plan_workspace_bytes(a_count, num_experts);
   const size_t checks = cuda::validate_workspace_bytes(std::max(a_count, rows));
@@ -160,9 +161,9 @@ PlanShape check_top_experts_shape(const Checker& c, const TensorView& top_expert
   return PlanShape{tokens, static_cast<int>(k), a_count + min_ae * (int64_t{alignment} - 1)};
 }
 
-// The allocating forms size row_sources by capacity_bound(): it must fit the int32 index outputs.
+// The allocating forms size row_sources by padded_rows_bound(): it must fit the int32 index outputs.
 void check_capacity_fits(const Checker& c, const PlanShape& s, int num_experts, int alignment) {
-  detail::check_int32_extent(c, "capacity", checked_capacity_bound(c, s.tokens * s.top_k, num_experts, alignment));
+  detail::check_int32_extent(c, "capacity", checked_padded_rows_bound(c, s.tokens * s.top_k, num_experts, alignment));
 }
 
 // PlanOptions resolved after checking: the id map, and the drop rules.
@@ -483,7 +484,7 @@ int64_t plan_rows_bound(int64_t num_tokens, int top_k, int num_experts, int alig
   }
   if (po.expert_capacity >= 0)
     return detail::checked_mul(c, "plan_options.expert_capacity", po.expert_capacity, num_experts);
-  return checked_capacity_bound(c, a_count, num_experts, alignment);
+  return checked_padded_rows_bound(c, a_count, num_experts, alignment);
 }
 
 void make_plan_out(const TensorView& top_experts, int num_experts, int alignment, const PlanView& out,
@@ -509,7 +510,7 @@ Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, co
   const PlanShape s = check_top_experts(c, top_experts, num_experts, alignment, r);
   // E * C rows with a capacity (checked to fit int32 with the options), else the capacity bound
   const int64_t rows =
-      r.capacity >= 0 ? r.capacity * num_experts : index::capacity_bound(s.tokens * s.top_k, num_experts, alignment);
+      r.capacity >= 0 ? r.capacity * num_experts : index::padded_rows_bound(s.tokens * s.top_k, num_experts, alignment);
   Plan plan = allocate_plan(s.tokens, s.top_k, num_experts, alignment, rows, top_experts.device);
   run_make_plan(c, top_experts, s, num_experts, alignment, plan.view(), options, {}, -1, &r);
   return plan;
@@ -582,7 +583,7 @@ PlannedRows make_plan_and_dispatch(const TensorView& x, const TensorView& top_ex
   check_plan_dispatch_rows(c, x, weights, nullptr, 0, s, top_experts.device);
   PlannedRows r;
   r.plan = Plan::empty(s.tokens, s.top_k, num_experts, alignment, top_experts.device);
-  r.y = Tensor::empty(x.dtype, {r.plan.capacity(), x.shape[1]}, x.device);
+  r.y = Tensor::empty(x.dtype, {r.plan.padded_rows_bound(), x.shape[1]}, x.device);
   Options o = options;
   o.zero_tail = true;  // y has the bound's rows: those at or past P are zero
   run_plan_dispatch(c, x, top_experts, s, num_experts, alignment, r.plan.view(), weights, r.y.view(), o);

@@ -168,7 +168,7 @@ void check_weights(const Checker& c, const std::optional<TensorView>& weights, c
 
 int scatter_block_x(const TensorView& rows) {
   static const TargetInfo cpu = target_info(TileTarget::kCpu);
-  return plan_tiles(cpu, TileOp::kScatter, rows.shape[1], rows.dtype).block_x;
+  return tile_config(cpu, TileOp::kScatter, rows.shape[1], rows.dtype).block_x;
 }
 
 cpu::FloatOut float_out(const TensorView& t) { return cpu::FloatOut{t.data, t.dtype}; }

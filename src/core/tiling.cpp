@@ -130,7 +130,7 @@ int64_t tile_buffer_bytes(TileOp op, const TileConfig& config, DType dtype) {
          stage_bytes(op, config.sub_block_rows, config.block_x, static_cast<int64_t>(element_size(dtype)));
 }
 
-TileConfig plan_tiles(const TargetInfo& target, TileOp op, int64_t hidden, DType dtype) {
+TileConfig tile_config(const TargetInfo& target, TileOp op, int64_t hidden, DType dtype) {
   const int64_t elem = static_cast<int64_t>(element_size(dtype));
   const int64_t align = kTransferBytes / elem;  // elements per 32 bytes
   TileConfig c;

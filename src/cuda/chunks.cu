@@ -637,7 +637,7 @@ void launch_chunk_rows(const RowsArg& src, IndexRef sizes, IndexRef sorted, int 
   if (form == policy::ChunkRowsForm::kOneScan) {
     // one row a block a round: as many blocks as rows, up to 8 times those that fit at once
     const int64_t most = static_cast<int64_t>(chunk_rows_resident<chunk_rows_one_scan_kernel<W>>()) * 8;
-    const int64_t p_bound = index::capacity_bound(src.rows, c / ranks, alignment);  // P with valid sizes
+    const int64_t p_bound = index::padded_rows_bound(src.rows, c / ranks, alignment);  // P with valid sizes
     const int64_t rows = zero_tail ? out.rows : std::min(out.rows, p_bound);
     const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, most)));
     const RowsArg from = with_l2_prefetch(src, std::is_same<W, uint4>::value, grid);

@@ -127,7 +127,7 @@ struct GpuPlan {
 };
 inline GpuPlan gpu_plan_buffers(int64_t T, int K, int E, int m, int64_t rows = -1) {
   GpuPlan g;
-  const int64_t A = T * K, cap = rows >= 0 ? rows : padmoe::capacity_bound(T, K, E, m);
+  const int64_t A = T * K, cap = rows >= 0 ? rows : padmoe::padded_rows_bound(T, K, E, m);
   g.indices = gpu_poison_index(A);
   g.bin_ids = gpu_poison_index(A);
   g.tpe = gpu_poison_index(E);

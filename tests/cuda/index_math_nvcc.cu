@@ -16,7 +16,7 @@ __global__ void padded_rows_kernel(const int32_t* bins, const int32_t* padded_bi
   out_segments[i] = padmoe::index::find_segment(bins, num_experts, i);
   const padmoe::index::Range r = padmoe::index::work_range(blockIdx.x, gridDim.x, assignments);
   const padmoe::index::Range c = padmoe::index::column_tile(0, 64, r.size());
-  out_rows[i] += padmoe::index::round_up(c.size(), 8) * 0 + padmoe::index::capacity_bound(0, 0, 1) +
+  out_rows[i] += padmoe::index::round_up(c.size(), 8) * 0 + padmoe::index::padded_rows_bound(0, 0, 1) +
                  padmoe::index::token_of(0, 1) + padmoe::index::num_column_tiles(0, 1);
 }
 

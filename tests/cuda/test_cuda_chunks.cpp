@@ -71,7 +71,7 @@ TEST(SortChunksGpu, MatchesCpuBitwise) {
     const std::optional<TensorView> dsi = cf.sorted ? std::optional<TensorView>(dp.view()) : std::nullopt;
 
     const ref::PadResult want = ref::sort_chunks(hf, H, sizes, cf.R, cf.m, cf.sorted ? &perm : nullptr);
-    const int64_t P = want.padded_rows, cap = padmoe::sort_chunks_capacity(N, C, cf.R, cf.m);
+    const int64_t P = want.padded_rows, cap = padmoe::sort_chunks_rows_bound(N, C, cf.R, cf.m);
     const padmoe::PadResult cpu = padmoe::sort_chunks(hh, hs, cf.R, cf.m, hsi);
     ASSERT_EQ(cpu.padded.size(0), P);
     EXPECT_TRUE(rows_bitwise(cpu.padded, want.padded, P));
@@ -179,7 +179,7 @@ TEST(SortChunksGpu, UncheckedCapturedInCudaGraph) {
   const int R = 8, E = 4, m = 16;
   const int64_t C = R * E, N = 2048, H = 512;
   const DType dt = DType::kBFloat16;
-  const int64_t cap = padmoe::sort_chunks_capacity(N, C, R, m);
+  const int64_t cap = padmoe::sort_chunks_rows_bound(N, C, R, m);
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const size_t ws_bytes = padmoe::sort_chunks_workspace_bytes(C);

@@ -39,7 +39,7 @@ void run_cpu_vs_gpu(const Workload& wl, const Combo& cb, uint64_t seed) {
   ASSERT_EQ(static_cast<int64_t>(te.size()), A);
   const ref::Plan p = ref::make_plan(te, T, K, E, m);
   const int64_t P = p.padded_rows, cap = p.capacity;
-  ASSERT_EQ(cap, padmoe::capacity_bound(T, K, E, m));
+  ASSERT_EQ(cap, padmoe::padded_rows_bound(T, K, E, m));
 
   Rng rng(seed * 7 + 3);
   const std::vector<float> xf = random_values(T * H, dt, rng);

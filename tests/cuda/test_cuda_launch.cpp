@@ -14,7 +14,7 @@ TEST(Pdl, ChainedOpsMatchWithAndWithoutPdl) {
   REQUIRE_GPU();
   const int64_t T = 4096, H = 512;
   const int E = 64, K = 8, m = 16;
-  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m);
+  const int64_t A = T * K, cap = padmoe::padded_rows_bound(T, K, E, m);
   const DType dt = DType::kBFloat16;
   const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 31);
   Rng rng(41);
@@ -87,7 +87,7 @@ void capture_once_replay(const int64_t T, const int E, const int K) {
   SCOPED_TRACE("T=" + std::to_string(T) + " E=" + std::to_string(E) + " K=" + std::to_string(K));
   const int64_t H = 256;
   const int m = 16;
-  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m);
+  const int64_t A = T * K, cap = padmoe::padded_rows_bound(T, K, E, m);
   const DType dt = DType::kBFloat16;
 
   cudaStream_t stream = nullptr;
@@ -193,7 +193,7 @@ TEST(L2Prefetch, OpsOnRowsJustWrittenMatchOffAndCpu) {
   REQUIRE_GPU();
   const int64_t T = 512, H = 1024;
   const int E = 32, K = 4, m = 16, R = 4;
-  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m), C = int64_t{R} * E;
+  const int64_t A = T * K, cap = padmoe::padded_rows_bound(T, K, E, m), C = int64_t{R} * E;
   const DType dt = DType::kBFloat16;
   const padmoe::ScaleLayout ql = padmoe::ScaleLayout::kBlock128;
   const std::vector<int64_t> te = make_routing(T, K, E, Dist::kSkewed, 57);
@@ -204,7 +204,7 @@ TEST(L2Prefetch, OpsOnRowsJustWrittenMatchOffAndCpu) {
   std::vector<int64_t> sizes(static_cast<size_t>(C));
   for (auto& n : sizes) n = rng.below(5);  // at most 4 * C = T rows
   const Tensor hs = index_tensor(sizes, DType::kInt32);
-  const int64_t scap = padmoe::sort_chunks_capacity(T, C, R, m);
+  const int64_t scap = padmoe::sort_chunks_rows_bound(T, C, R, m);
   const Tensor dte = to_gpu(hte), dx = to_gpu(hx), dw = to_gpu(hw), ds = to_gpu(hs);
 
   cudaStream_t stream = nullptr;

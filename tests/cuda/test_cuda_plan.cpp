@@ -186,7 +186,7 @@ TEST(RoutingOptionsGpu, MatchesCpuAndReference) {
       const padmoe::PlanOptions go = options_on(true, gm, gp, gd);
       padmoe::Options o;
       o.check_data = checked;
-      const int64_t R = cpu.capacity();
+      const int64_t R = cpu.padded_rows_bound();
       GpuPlan g = gpu_plan_buffers(c.T, c.K, c.E, c.m, R);
       GpuLayouts l = gpu_layout_buffers(R, c.m);
       padmoe::make_plan_out(dte, c.E, c.m, g.view, l.view, go, o);
@@ -354,8 +354,8 @@ TEST(PlanAndDispatchGpu, MatchesCpuAndSeparateCalls) {
       dwo = dw.view();
     }
     const padmoe::PlannedRows cpu = padmoe::make_plan_and_dispatch(hx, hte, E, m, hwo);
-    const int64_t P = rp.padded_rows, cap = cpu.plan.capacity();
-    ASSERT_EQ(cap, padmoe::capacity_bound(T, K, E, m));
+    const int64_t P = rp.padded_rows, cap = cpu.plan.padded_rows_bound();
+    ASSERT_EQ(cap, padmoe::padded_rows_bound(T, K, E, m));
     for (bool zero_tail : {false, true}) {
       for (bool zero_padding : {true, false}) {
         SCOPED_TRACE(std::string("zero_tail ") + (zero_tail ? "1" : "0") + " zero_padding " +
@@ -409,7 +409,7 @@ TEST(PlanAndDispatchGpu, BadIdsUncheckedDroppedCheckedRaised) {
   const Tensor dte = to_gpu(index_matrix(te, T, K, DType::kInt32));
   Rng rng(9);
   const Tensor dx = to_gpu(rows_from_float(random_values(T * H, DType::kBFloat16, rng), DType::kBFloat16, T, H));
-  const int64_t cap = padmoe::capacity_bound(T, K, E, m);
+  const int64_t cap = padmoe::padded_rows_bound(T, K, E, m);
   padmoe::Options unchecked;
   unchecked.check_data = false;
   unchecked.zero_tail = true;

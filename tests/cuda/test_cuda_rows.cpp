@@ -524,7 +524,7 @@ TEST(ZeroTail, DispatchOnGpuMatchesCpu) {
   REQUIRE_GPU();
   const int64_t T = 300, H = 72;
   const int E = 9, K = 3, m = 16;
-  const int64_t cap = padmoe::capacity_bound(T, K, E, m);
+  const int64_t cap = padmoe::padded_rows_bound(T, K, E, m);
   const DType dt = DType::kBFloat16;
   const padmoe::workload::Routing rt = padmoe::workload::random_router(T, E, K, 5);
   const Tensor hte = Tensor::empty(DType::kInt32, {T, K});
@@ -557,7 +557,7 @@ TEST(Large, DeepSeekV3DispatchCombine) {
   REQUIRE_GPU();
   const int64_t T = 4096, H = 7168;
   const int E = 256, K = 8, m = 128;
-  const int64_t A = T * K, cap = padmoe::capacity_bound(T, K, E, m);
+  const int64_t A = T * K, cap = padmoe::padded_rows_bound(T, K, E, m);
   const DType dt = DType::kBFloat16;
   const padmoe::workload::Routing rt = padmoe::workload::random_router(T, E, K, 42);
   const Tensor hte = Tensor::empty(DType::kInt32, {T, K});

@@ -7,7 +7,7 @@ namespace cli {
 
 int cmd_check(const Args& args);    // check.cpp
 int cmd_bench(const Args& args);    // bench.cpp
-int cmd_plan(const Args& args);     // plan.cpp
+int cmd_tiles(const Args& args);    // tiles.cpp
 int cmd_presets();                  // presets.cpp
 
 }  // namespace cli

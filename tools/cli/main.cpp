@@ -13,7 +13,8 @@
 //                  captured once into a CUDA graph and its warm back-to-back
 //                  replays timed (`graph us`, `graph/floor`), and 20 calls
 //                  captured into one graph (`in-graph us`; --no-graph skips both).
-//   padmoe plan    print and validate the tile plan of docs/spec.md §15.
+//   padmoe tiles   print and validate the tile configuration of docs/spec.md §15
+//                  (`padmoe plan`: its deprecated name).
 //   padmoe presets list the workload presets (src/workload).
 //
 // One table, `op_table()`, lists every op once: its name, how to run it into
@@ -31,7 +32,7 @@
 // parsed arguments and small helpers; gpu.* the --device cuda helpers;
 // workload_data.* the workload and its buffers (Data); report.* comparison,
 // shared printing and JSON; ops_table.* the op table; check.cpp, bench.cpp,
-// plan.cpp, presets.cpp one command each.
+// tiles.cpp, presets.cpp one command each.
 #include <cstdio>
 #include <exception>
 #include <set>
@@ -50,7 +51,7 @@ commands:
   check     run every op on a workload and compare with the reference loops
   bench     time every op against the copy floor (docs/spec.md §16): memcpy on
             the CPU; padmoe::copy device->device with --device cuda
-  plan      print and validate a tile plan (docs/spec.md §15)
+  tiles     print and validate a tile configuration (docs/spec.md §15)
   presets   list the workload presets
   help      this text
 
@@ -78,7 +79,7 @@ bench:
                          --variant reduce=block-wide,pdl=off). Keys: `padmoe bench
                          --variant help`
 
-plan:
+tiles:
   --target cpu|ascend-a2|gpu (default cpu)
   --hidden H --dtype f32|f16|bf16 (default bf16)
   --op gather|scatter|wgrad (default: all three)
@@ -139,7 +140,11 @@ int main(int argc, char** argv) {
     }
     if (args.command == "check") return cmd_check(args);
     if (args.command == "bench") return cmd_bench(args);
-    if (args.command == "plan") return cmd_plan(args);
+    if (args.command == "tiles") return cmd_tiles(args);
+    if (args.command == "plan") {  // deprecated name of tiles (removed in the next release)
+      std::fputs("padmoe: `padmoe plan` is deprecated: use `padmoe tiles`\n", stderr);
+      return cmd_tiles(args);
+    }
     if (args.command == "presets") return cmd_presets();
     throw UsageError("unknown command '" + args.command + "'");
   } catch (const UsageError& e) {

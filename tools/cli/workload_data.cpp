@@ -207,7 +207,7 @@ Data build_data(const Workload& w, bool reference) {
   const int64_t T = w.T, H = w.H;
   d.A = T * w.K;
   d.N = d.A;
-  d.R = capacity_bound(T, w.K, w.E, w.m);
+  d.R = padded_rows_bound(T, w.K, w.E, w.m);
 
   d.routing = workload::random_router(T, w.E, w.K, stream_seed(w.seed, 0));
   d.top_experts = Tensor::empty(DType::kInt32, {T, w.K});

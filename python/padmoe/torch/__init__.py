@@ -88,7 +88,7 @@ except ImportError as e:
         "this environment's pip:\n    pip install scikit-build-core nanobind && pip install --no-build-isolation ."
     ) from e
 
-from padmoe._plan import Plan  # noqa: E402
+from padmoe._plan import Plan, PlanOptions  # noqa: E402
 from padmoe._sizes import aligned_rows_bound, padded_rows_bound, sort_chunks_rows_bound, workspace_bound  # noqa: E402
 
 from ._common import set_default_check  # noqa: E402, F401 (deprecated)
@@ -123,6 +123,7 @@ from .grouped import GroupedExperts, experts_forward  # noqa: E402
 
 __all__ = [
     "Plan",
+    "PlanOptions",
     "Routing",
     "GroupedExperts",
     "experts_forward",

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from padmoe import _torch_ops as _native  # loaded (and its operators registered) by padmoe.torch
-from padmoe._plan import PLAN_ARRAYS, packed_plan_sizes
+from padmoe._plan import PLAN_ARRAYS, PackedPlanOffsets, packed_plan_offsets, packed_plan_sizes, plan_offsets
 
 Tensor = torch.Tensor
 ops = torch.ops.padmoe
@@ -121,6 +121,20 @@ def plan_args(plan):
     """The plan operators' arguments after the packed plan: (top_k, num_experts, alignment,
     expert_capacity)."""
     return plan.top_k, plan.num_experts, plan.alignment, getattr(plan, "expert_capacity", None)
+
+
+def plan_slices(
+    num_tokens: int, top_k: int, num_experts: int, alignment: int, expert_capacity: Optional[int] = None
+) -> PackedPlanOffsets:
+    """Where each array lies in a packed plan (:func:`padmoe._plan.packed_plan_offsets`): cached in
+    eager mode, computed while torch.compile traces (traced code bypasses a cache, and symbolic sizes
+    are not hashable)."""
+    if not compiling():
+        try:
+            return packed_plan_offsets(num_tokens, top_k, num_experts, alignment, expert_capacity)
+        except TypeError:  # a symbolic size, traced outside Dynamo
+            pass
+    return plan_offsets(num_tokens, top_k, num_experts, alignment, expert_capacity)
 
 
 def fake_plan_sizes(plan: Tensor, top_k, num_experts, alignment, expert_capacity):

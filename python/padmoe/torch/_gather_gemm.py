@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ._common import compiling, fake_plan_sizes
+from ._common import compiling, fake_plan_sizes, plan_slices
 
 Tensor = torch.Tensor
 
@@ -61,12 +61,11 @@ def triton_gather_up(
     Padding rows: zero with ``zero_padding``, else unwritten; rows at or past P unwritten. ``out``: the
     output to write (a new tensor when None)."""
     from padmoe import _triton_gather_gemm as tg
-    from padmoe._plan import packed_plan_layout
 
     kind, gated, interleaved, alpha, limit = act
     top_k, e, alignment, capacity = sizes
-    layout = {name: (offset, length) for name, offset, length in packed_plan_layout(x.shape[0], *sizes)}
-    rows = layout["row_sources"][1]
+    o = plan_slices(x.shape[0], *sizes)
+    rows = o.rows
     width = up.shape[2] if transposed else up.shape[1]
     n = width // 2 if fused and gated else width
     if out is None:
@@ -81,7 +80,7 @@ def triton_gather_up(
         grid = (num_m * -(-n // bn),)
         tg.gather_gemm_kernel[grid](
             x, x if weights is None else weights.contiguous(), up, x if bias is None else bias, out, packed,
-            layout["tokens_per_expert"][0], layout["padded_bins"][0], layout["row_sources"][0],
+            o.tokens_per_expert.start, o.padded_bins.start, o.row_sources.start,
             e, num_m, n, x.shape[1], top_k, x.stride(0), *sw, 0 if bias is None else bias.stride(0), out.stride(0),
             float(alpha), float(limit),
             WEIGHTED=weights is not None, BIAS=bias is not None, ACT=kind if fused else -1, GATED=gated,
@@ -132,10 +131,9 @@ def triton_gather_wgrad(
     """The up projection's weight gradient, shaped and laid out as ``up``, from ``grad_h[R, N1]`` and
     x's rows read through the plan (times ``weights`` when given): no dispatched rows."""
     from padmoe import _triton_gather_gemm as tg
-    from padmoe._plan import packed_plan_layout
 
     top_k, e = sizes[0], sizes[1]
-    layout = {name: offset for name, offset, _ in packed_plan_layout(x.shape[0], *sizes)}
+    o = plan_slices(x.shape[0], *sizes)
     out = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     n = up.shape[2] if transposed else up.shape[1]
     h = x.shape[1]
@@ -146,7 +144,7 @@ def triton_gather_wgrad(
         grid = (e * -(-n // bn) * -(-h // bh),)
         tg.gather_wgrad_kernel[grid](
             grad_h, x, x if weights is None else weights.contiguous(), out, packed,
-            layout["tokens_per_expert"], layout["padded_bins"], layout["row_sources"],
+            o.tokens_per_expert.start, o.padded_bins.start, o.row_sources.start,
             e, n, h, top_k, grad_h.stride(0), x.stride(0), *so,
             WEIGHTED=weights is not None, BLOCK_N=bn, BLOCK_H=bh, BLOCK_R=br, num_warps=warps, num_stages=stages,
         )  # fmt: skip

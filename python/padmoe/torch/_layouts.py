@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from padmoe._args import check_expert_map, int_arg, map_experts
-from padmoe._plan import INT32_MAX, Plan
+from padmoe._plan import INT32_MAX, Plan, plan_offsets
 
 from ._common import Tensor, compiling, eager_mode, host_check, ops
 
@@ -86,7 +86,7 @@ def _(routing_map, rows, alignment=1, one_bin=False, with_row_id_map=True):
     t, e = routing_map.shape
     bins = 1 if one_bin else e
     cap = rows if one_bin else (-(-rows // e) if e else 0)
-    packed = routing_map.new_empty(3 * t * e + 4 * bins + bins * cap, dtype=torch.int32)
+    packed = routing_map.new_empty(plan_offsets(t, e, bins, alignment, cap).size, dtype=torch.int32)
     shape = (t, 2 * e + 1) if with_row_id_map else (0, 0)
     return packed, routing_map.new_empty(shape, dtype=torch.int32)
 

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from padmoe._plan import Plan, rows_bound
+from padmoe._plan import INT32_MAX, Plan, PlanOptions, plan_offsets, routing_options
 
 from ._common import (
     Tensor,
@@ -37,7 +37,7 @@ from ._common import (
 @torch.library.register_fake("padmoe::make_plan")
 def _(top_experts, num_experts, alignment, check=2, weights=None):
     t, k = top_experts.shape
-    return top_experts.new_empty(4 * t * k + num_experts * (alignment + 3), dtype=torch.int32)
+    return top_experts.new_empty(plan_offsets(t, k, num_experts, alignment).size, dtype=torch.int32)
 
 
 @torch.library.register_fake("padmoe::make_plan_routed")
@@ -55,47 +55,35 @@ def _(
     check=2,
 ):
     t, k = top_experts.shape
-    rows = rows_bound(t, k, num_experts, alignment, expert_capacity)
     return (
-        top_experts.new_empty(3 * t * k + 4 * num_experts + rows, dtype=torch.int32),
+        top_experts.new_empty(plan_offsets(t, k, num_experts, alignment, expert_capacity).size, dtype=torch.int32),
         top_experts.new_empty(1, dtype=torch.int32),
     )
 
 
-def routed_plan(
-    top_experts,
-    weights,
-    num_experts,
-    alignment,
-    check,
-    expert_map,
-    first_expert,
-    global_experts,
-    drop_invalid,
-    expert_capacity,
-    drop_policy,
-    probs,
-) -> Plan:
-    """make_plan with routing options: the Plan (with ``expert_capacity`` and ``dropped``)."""
+def routed_plan(top_experts, weights, num_experts, alignment, check, options: PlanOptions) -> Plan:
+    """make_plan with routing options (from :func:`padmoe._plan.routing_options`): the Plan (with
+    ``expert_capacity`` and ``dropped``)."""
+    drop_policy, probs = options.drop_policy, options.probs
     if drop_policy not in ("position", "probs"):
         raise ValueError(f"make_plan: drop_policy: expected 'position' or 'probs', got {drop_policy!r}")
     if drop_policy == "probs" and probs is None:
         probs = weights  # Routing.from_topk: the router weights
-    cap = None if expert_capacity is None else int(expert_capacity)
+    cap = None if options.expert_capacity is None else int(options.expert_capacity)
     if probs is not None and probs.requires_grad:
         probs = probs.detach()
     plan, dropped = ops.make_plan_routed.default(
         top_experts,
         num_experts,
         alignment,
-        expert_map,
-        int(first_expert),
-        int(global_experts),
-        bool(drop_invalid),
-        cap,
-        drop_policy == "probs",
-        probs,
-        eager_mode(check),
+        expert_map=options.expert_map,
+        first_expert=int(options.first_expert),
+        global_experts=int(options.global_experts),
+        drop_invalid=bool(options.drop_invalid),
+        expert_capacity=cap,
+        by_probs=drop_policy == "probs",
+        probs=probs,
+        check=eager_mode(check),
     )
     t, k = top_experts.shape
     return Plan._from_packed(plan, t, k, num_experts, alignment, cap, dropped if cap is not None else None)
@@ -114,6 +102,7 @@ def make_plan(
     expert_capacity: Optional[int] = None,
     drop_policy: str = "position",
     probs: Optional[Tensor] = None,
+    options: Optional[PlanOptions] = None,
 ) -> Plan:
     """Routing plan of ``top_experts[T, K]`` (int32/int64, any stride) over ``num_experts``
     experts, segments padded to multiples of ``alignment``: a :class:`padmoe.Plan` of int32
@@ -125,9 +114,11 @@ def make_plan(
     ``expert_capacity`` C makes every segment exactly C rows, each expert keeping its first C
     assignments (``drop_policy="position"``) or the C largest ``probs`` (``"probs"``), and
     ``plan.dropped`` ([1] int32, on the device) counts the dropped. The row ops treat a dropped
-    assignment as absent: no row, zero contribution, zero weight gradient."""
+    assignment as absent: no row, zero contribution, zero weight gradient. ``options``: the same
+    routing options as one :class:`padmoe.PlanOptions` value, instead of the keywords (not both)."""
     if (
-        expert_map is not None
+        options is not None
+        or expert_map is not None
         or first_expert
         or global_experts
         or drop_invalid
@@ -135,12 +126,9 @@ def make_plan(
         or drop_policy != "position"
         or probs is not None
     ):
-        return routed_plan(
-            top_experts,
-            None,
-            num_experts,
-            alignment,
-            check,
+        routed = routing_options(
+            "make_plan",
+            options,
             expert_map,
             first_expert,
             global_experts,
@@ -149,6 +137,8 @@ def make_plan(
             drop_policy,
             probs,
         )
+        if routed is not None:
+            return routed_plan(top_experts, None, num_experts, alignment, check, routed)
     # the plain plan, the operator called inline: this is the hot path (a helper call is about 0.1 us)
     op, default = call("make_plan")
     p = op(top_experts, num_experts, alignment, default if check is None else int(bool(check)), None)
@@ -212,11 +202,8 @@ def dispatch_backward(
 @torch.library.register_fake("padmoe::make_plan_and_dispatch")
 def _(x, top_experts, num_experts, alignment, weights=None, check=2, zero_padding=True):
     t, k = top_experts.shape
-    a = t * k
-    return (
-        x.new_empty(a + num_experts * (alignment - 1), x.shape[1]),
-        top_experts.new_empty(4 * a + num_experts * (alignment + 3), dtype=torch.int32),
-    )
+    o = plan_offsets(t, k, num_experts, alignment)
+    return x.new_empty(o.rows, x.shape[1]), top_experts.new_empty(o.size, dtype=torch.int32)
 
 
 def make_plan_and_dispatch(
@@ -321,8 +308,11 @@ def dispatch_scaled(
 
 
 @torch.library.register_fake("padmoe::dispatch_quantized")
-def _(x, plan, top_k, num_experts, alignment, expert_capacity, scale_layout, dtype, check=2, zero_padding=True):
-    _, _, rows = fake_plan_sizes(plan, top_k, num_experts, alignment, expert_capacity)
+def _(
+    x, plan, top_k, num_experts, alignment, expert_capacity, scale_layout, dtype, check=2, zero_padding=True, rows=-1
+):
+    _, _, bound = fake_plan_sizes(plan, top_k, num_experts, alignment, expert_capacity)
+    rows = bound if rows < 0 else rows
     h = x.shape[1]
     if scale_layout == "row":
         scales = x.new_empty(rows, dtype=torch.float32)
@@ -344,6 +334,7 @@ def dispatch_quantized(
     fp8: str = "e4m3",
     check: Optional[bool] = None,
     zero_padding: bool = True,
+    rows: Optional[int] = None,
     dtype=_UNSET,
 ) -> Tuple[Tensor, Tensor]:
     """Fused quantizing dispatch: ``(y, y_scales)`` with ``plan.padded_rows_bound`` rows from bfloat16
@@ -354,7 +345,10 @@ def dispatch_quantized(
     ``.view(torch.float8_e8m0fnu)`` decodes them to 2^X) or ``"row"`` (float32 ``[rows]``). Padding
     rows and rows past P: zero codes, scale 1 (``zero_padding=False``: left unwritten). Not
     differentiable (an ``x`` that requires a gradient under grad mode raises NotImplementedError);
-    unweighted. ``dtype=`` (a torch float8 dtype) is the deprecated spelling of ``fp8=``."""
+    unweighted. ``rows=``: allocate that many rows instead (at least P; rows past P as above), as
+    :func:`padmoe.dispatch_quantized`'s. ``dtype=`` (a torch float8 dtype) is the deprecated spelling
+    of ``fp8=``."""
+    op = "dispatch_quantized"
     if dtype is not _UNSET:
         warnings.warn(
             "padmoe.torch.dispatch_quantized: dtype= is deprecated: pass fp8='e4m3' or 'e5m2'",
@@ -363,10 +357,15 @@ def dispatch_quantized(
         )
         names = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", None: "e4m3"}
         if dtype not in names:
-            raise ValueError(
-                f"dispatch_quantized: dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
-            )
+            raise ValueError(f"{op}: dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
         fp8 = names[dtype]
+    n = -1  # the op's default: plan.padded_rows_bound rows
+    if rows is not None:
+        n = int(rows)
+        if n < 0:
+            raise ValueError(f"{op}: rows: must be >= 0, got {n}")
+        if n > INT32_MAX:  # before allocating, as padmoe.dispatch_quantized: within the int32 index outputs
+            raise ValueError(f"{op}: rows: size overflow: {n} does not fit the int32 index outputs")
     return ops.dispatch_quantized.default(
         x,
         packed(plan),
@@ -375,4 +374,5 @@ def dispatch_quantized(
         fp8_dtype("dispatch_quantized", fp8),
         eager_mode(check),
         bool(zero_padding),
+        n,
     )

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from padmoe._plan import Plan
+from padmoe._plan import Plan, PlanOptions, routing_options
 
 from ._common import Tensor, call
 from ._plan_ops import combine, dispatch, routed_plan
@@ -55,32 +55,34 @@ class Routing:
         drop_invalid: bool = False,
         expert_capacity: Optional[int] = None,
         drop_policy: str = "position",
+        options: Optional[PlanOptions] = None,
     ) -> "Routing":
-        """The routing options are :func:`make_plan`'s; ``drop_policy="probs"`` ranks by ``weights``.
-        Dropped assignments (other ranks' experts, invalid ids, past the capacity) get no row,
-        contribute zero to ``combine`` and get a zero weight gradient."""
+        """The routing options are :func:`make_plan`'s, as keywords or as one :class:`padmoe.PlanOptions`
+        (``options=``, not both); ``drop_policy="probs"`` ranks by ``weights`` (or by the options'
+        ``probs`` when given). Dropped assignments (other ranks' experts, invalid ids, past the
+        capacity) get no row, contribute zero to ``combine`` and get a zero weight gradient."""
+        routed = None
         if (
-            expert_map is not None
+            options is not None
+            or expert_map is not None
             or first_expert
             or global_experts
             or drop_invalid
             or expert_capacity is not None
             or drop_policy != "position"
         ):
-            plan = routed_plan(
-                top_experts,
-                weights,
-                num_experts,
-                alignment,
-                check,
+            routed = routing_options(
+                "Routing.from_topk",
+                options,
                 expert_map,
                 first_expert,
                 global_experts,
                 drop_invalid,
                 expert_capacity,
                 drop_policy,
-                None,
             )
+        if routed is not None:
+            plan = routed_plan(top_experts, weights, num_experts, alignment, check, routed)
         else:  # the plain plan with the weights checked, the operator called inline (the hot path)
             op, default = call("make_plan")
             p = op(top_experts, num_experts, alignment, default if check is None else int(bool(check)), weights)

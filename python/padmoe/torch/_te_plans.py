@@ -30,13 +30,8 @@ import torch
 
 from padmoe._plan import Plan
 
-from ._common import Tensor, ops
+from ._common import Tensor, ops, plan_slices
 from ._te_checks import QuantizedRows
-
-
-def _layout(a: int, e: int) -> Tuple[int, int]:
-    """(offset of dest_rows, offset of row_sources) in a packed plan of A assignments, E experts."""
-    return 2 * a + 4 * e, 3 * a + 4 * e
 
 
 def row_plan(dest: Tensor, sources: Optional[Tensor], kept, rows: int, tokens: int, top_k: int) -> Plan:
@@ -48,16 +43,17 @@ def row_plan(dest: Tensor, sources: Optional[Tensor], kept, rows: int, tokens: i
     and the counts."""
     a = tokens * top_k
     device = dest.device
-    packed = torch.empty(3 * a + 4 + rows + (1 if sources is None else 0), dtype=torch.int32, device=device)
-    counts = packed[2 * a : 2 * a + 4]
+    o = plan_slices(tokens, top_k, 1, 1, rows)  # one expert, alignment 1, capacity `rows`
+    # one scratch entry past the plan when row_sources is the inverse of dest
+    packed = torch.empty(o.size + (1 if sources is None else 0), dtype=torch.int32, device=device)
+    counts = packed[o.counts]  # tokens_per_expert, bins (kept), padded_tokens_per_expert, padded_bins (rows)
     if isinstance(kept, Tensor):
         counts[:2].copy_(kept.reshape(1).expand(2))
     else:
         counts[:2].fill_(kept)
     counts[2:].fill_(rows)
-    d0, s0 = _layout(a, 1)
-    packed[d0:s0].copy_(dest)
-    src = packed[s0:]
+    packed[o.dest_rows].copy_(dest)
+    src = packed[o.row_sources.start :]
     if sources is None:
         # row_sources[dest[a]] = a; a dropped assignment (dest -1) writes the scratch entry at the end
         src.fill_(-1)
@@ -78,7 +74,7 @@ def mask_plan(routing_map: Tensor, rows: int) -> Tuple[Plan, Tensor]:
     destinations at or past ``rows`` are dropped (the last ones in that order: TE's num_out_tokens
     cut)."""
     t, e = routing_map.shape
-    packed, row_id_map = ops.mask_plan.default(routing_map, rows, 1, True, True)
+    packed, row_id_map = ops.mask_plan.default(routing_map, rows, alignment=1, one_bin=True, with_row_id_map=True)
     return Plan._from_packed(packed, t, e, 1, 1, rows), row_id_map
 
 
@@ -86,7 +82,9 @@ def padded_mask_plan(routing_map: Tensor, alignment: int, rows: int) -> Tuple[Pl
     """TE's mask-map permute padded to ``alignment`` per expert: ``(expert plan of capacity C =
     ceil(rows / E), so E*C >= rows, TE's row_id_map with the unpadded rows)``."""
     t, e = routing_map.shape
-    packed, row_id_map = ops.mask_plan.default(routing_map, rows, alignment, False, True)
+    packed, row_id_map = ops.mask_plan.default(
+        routing_map, rows, alignment=alignment, one_bin=False, with_row_id_map=True
+    )
     cap = -(-rows // e) if e else 0
     return Plan._from_packed(packed, t, e, e, 1, cap), row_id_map
 
@@ -127,20 +125,22 @@ def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
         return row_plan(dest, order[:kept].to(torch.int32), kept, rows, t, k)
     e = num_experts + 1  # -1 -> the extra expert E, whose rows come last
     # every id in [0, e) after the remainder: the plain plan, unchecked (no dropped count to write)
-    packed = ops.make_plan.default(index.remainder(e), e, 1, 0, None)
+    packed = ops.make_plan.default(index.remainder(e), e, alignment=1, check=0)
     if rows == a:  # no cut: the plan's rows (alignment 1: the sorted positions) are TE's, as they are
         return Plan._from_packed(packed, t, k, e, 1)
-    d0, s0 = _layout(a, e)
-    dest = packed[d0:s0]
+    o = plan_slices(t, k, e, 1)
+    dest = packed[o.dest_rows]
     if rows < a:
         dest = torch.where(dest < rows, dest, -1)
-    return row_plan(dest, packed[s0:], kept, rows, t, k)
+    return row_plan(dest, packed[o.row_sources], kept, rows, t, k)
 
 
 def plan_views(plan: Plan) -> Tuple[Tensor, Tensor]:
     """(dest_rows, row_sources) views of a packed plan of this module (row or expert plan)."""
-    d0, s0 = _layout(plan.num_tokens * plan.top_k, plan.num_experts)
-    return plan.packed[d0:s0], plan.packed[s0:]
+    o = plan_slices(
+        plan.num_tokens, plan.top_k, plan.num_experts, plan.alignment, getattr(plan, "expert_capacity", None)
+    )
+    return plan.packed[o.dest_rows], plan.packed[o.row_sources.start :]
 
 
 def index_dest_from_map(row_id_map: Tensor, top_k: int) -> Tensor:
@@ -161,13 +161,14 @@ def padded_plan_from_dest(dest: Tensor, pad_offsets: Tensor, rows: int) -> Tuple
     bins = n.cumsum(0, dtype=torch.int32)
     pstart = bins - n + pad_offsets.to(torch.int32)
     pbins = torch.cat([pstart[1:], pstart.new_full((1,), rows)])
-    packed = torch.empty(3 * a + e * (4 + cap) + 1, dtype=torch.int32, device=device)  # indices, bin_ids unread
-    torch.cat([n, bins, pbins - pstart, pbins], out=packed[2 * a : 2 * a + 4 * e])
-    d0, s0 = _layout(a, e)
+    o = plan_slices(t, e, e, 1, cap)  # K = E, alignment 1, capacity C
+    # indices, bin_ids unread; one scratch entry past the plan for the dropped assignments' writes
+    packed = torch.empty(o.size + 1, dtype=torch.int32, device=device)
+    torch.cat([n, bins, pbins - pstart, pbins], out=packed[o.counts])
     flat = dest.reshape(-1)
     flat = torch.where(flat < e * cap, flat, -1)  # a row past the input names nothing
-    packed[d0:s0].copy_(flat)
-    src = packed[s0:]
+    packed[o.dest_rows].copy_(flat)
+    src = packed[o.row_sources.start :]
     src.fill_(-1)
     src.index_put_((flat.long(),), torch.arange(a, dtype=torch.int32, device=device))
     src[-1] = -1
@@ -221,7 +222,9 @@ def permute_quantized(inp, q: QuantizedRows, moved, packed, top_k, num_experts, 
     still moved (TE's routing-map padding). Returns the output of ``inp``'s class."""
 
     def move(t: Tensor) -> Tensor:
-        y = ops.dispatch.default(as_bytes(t), packed, None, top_k, num_experts, 1, capacity, 0, True)
+        y = ops.dispatch.default(
+            as_bytes(t), packed, None, top_k, num_experts, alignment=1, expert_capacity=capacity, check=0
+        )
         return from_bytes(y[:rows] if 0 <= rows < y.shape[0] else y, t)
 
     data = move(q.data)

@@ -74,7 +74,7 @@ import torch
 from padmoe.torch import sort_chunks
 
 from . import _te_plans as tp
-from ._common import Tensor, compiling, host_check
+from ._common import Tensor, compiling, host_check, plan_slices
 from ._plan_ops import combine
 from ._te_checks import (
     _MAX_ROWS,
@@ -119,8 +119,10 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, probs, packed, top_k, num_experts, capacity, weights, sources, rows):
-        y = torch.ops.padmoe.dispatch.default(inp, packed, weights, top_k, num_experts, 1, capacity, 0, True)
-        ctx.assignments = inp.shape[0] * top_k
+        y = torch.ops.padmoe.dispatch.default(
+            inp, packed, weights, top_k, num_experts, alignment=1, expert_capacity=capacity, check=0, zero_padding=True
+        )
+        ctx.tokens = inp.shape[0]
         moved = None
         if probs is not None:
             # no trailing .to(probs.dtype): where() keeps the dtype, and torch.compile of some torch
@@ -144,12 +146,21 @@ class _Permute(torch.autograd.Function):
         grad_inp = grad_probs = None
         if ctx.needs_input_grad[0] and grad_y is not None:
             grad_inp, _ = torch.ops.padmoe.dispatch_backward.default(
-                grad_y.contiguous(), None, packed, None, top_k, num_experts, 1, capacity, False, 0
+                grad_y.contiguous(),
+                None,
+                packed,
+                None,
+                top_k,
+                num_experts,
+                alignment=1,
+                expert_capacity=capacity,
+                need_wgrad=False,
+                check=0,
             )
         if ctx.needs_input_grad[1] and grad_moved is not None:
             # grad_probs[a] = grad_moved[dest_rows[a]], 0 where a has no row
-            a = ctx.assignments
-            dest = packed[2 * a + 4 * num_experts : 3 * a + 4 * num_experts].long()
+            a = ctx.tokens * top_k
+            dest = packed[plan_slices(ctx.tokens, top_k, num_experts, 1, capacity).dest_rows].long()
             live = (dest >= 0) & (dest < grad_moved.numel())
             picked = grad_moved[torch.where(live, dest, 0)] if grad_moved.numel() else grad_moved.new_zeros(a)
             grad_probs = torch.where(live, picked, 0).reshape(ctx.probs_shape)
@@ -189,7 +200,7 @@ class _QuantizedPermute(_Permute):
             moved = torch.where(sources >= 0, flat[sources.clamp(min=0).long()], 0)
             moved = _head(moved, rows) if 0 <= rows < moved.shape[0] else moved
         out = tp.permute_quantized(inp, q, moved, packed, top_k, num_experts, capacity, rows)
-        ctx.assignments = inp.shape[0] * top_k
+        ctx.tokens = inp.shape[0]
         ctx.plan = (top_k, num_experts, capacity)
         ctx.probs_shape = None if probs is None else probs.shape
         ctx.save_for_backward(packed)

@@ -3,7 +3,7 @@
 //
 // sort_chunks(received, split_sizes, num_ranks, alignment, sorted_index, check, zero_padding, rows):
 // rows < 0 allocates exactly P rows (read on the host: one synchronization on CUDA, like the
-// Megatron drop-ins); rows >= 0 allocates that many (>= P, e.g. sort_chunks_capacity) with the rows
+// Megatron drop-ins); rows >= 0 allocates that many (>= P, e.g. sort_chunks_rows_bound) with the rows
 // past P zeroed (zero_tail): static shapes, no synchronization with check=0. Its backward is
 // unpad_from_alignment(grad, permutation_map, N) (the unsort), the inverse move.
 #include <tuple>

@@ -92,6 +92,6 @@ std::tuple<Tensor, Tensor> unpad_scaled_kernel(const Tensor& padded_in, const Te
 std::tuple<Tensor, Tensor> dispatch_quantized_kernel(const Tensor& x_in, const Tensor& plan, int64_t top_k,
                                                      int64_t num_experts, int64_t alignment, OptInt expert_capacity,
                                                      c10::string_view scale_layout, at::ScalarType dtype, int64_t check,
-                                                     bool zero_padding);
+                                                     bool zero_padding, int64_t rows);
 
 }  // namespace padmoe_torch

@@ -19,7 +19,7 @@ namespace padmoe_torch {
 namespace {
 
 // make_plan's sizes before any allocation (in 64 bits, no product that can overflow): E and m
-// >= 1 and within int32, A and capacity = A + E*(m-1) (capacity_bound) within the int32 outputs.
+// >= 1 and within int32, A and capacity = A + E*(m-1) (padded_rows_bound) within the int32 outputs.
 void check_plan_sizes(const char* op, int64_t t, int64_t k, int64_t num_experts, int64_t alignment) {
   if (num_experts < 1) value_error(op, "num_experts", "must be >= 1, got " + std::to_string(num_experts));
   if (alignment < 1) value_error(op, "alignment", "must be >= 1, got " + std::to_string(alignment));
@@ -34,7 +34,7 @@ void check_plan_sizes(const char* op, int64_t t, int64_t k, int64_t num_experts,
                     " assignments do not fit the int32 index outputs");
   }
   const int64_t a = std::max<int64_t>(t * k, 0);
-  const int64_t cap = a + num_experts * (alignment - 1);  // capacity_bound, at most 2^31 * 2^31
+  const int64_t cap = a + num_experts * (alignment - 1);  // padded_rows_bound, at most 2^31 * 2^31
   if (cap > kMax) {
     value_error(op, "capacity", "size overflow: " + std::to_string(cap) + " does not fit the int32 index outputs");
   }

@@ -8,9 +8,10 @@
 // not a silent detach). padmoe.torch calls the OpOverloads.
 //
 // dispatch_quantized: bfloat16 / float16 / float32 rows in, float8 rows (dtype) plus scales out
-// (scale_layout "block128": float32 [cap, ceil(H/128)]; "mxfp8": uint8 E8M0 [cap, ceil(H/32)],
-// view as torch.float8_e8m0fnu for the decoded 2^X; "row": float32 [cap]), capacity rows like
-// dispatch_scaled (padding rows and rows past P: zero codes, scale 1, unless zero_padding=False).
+// (scale_layout "block128": float32 [R, ceil(H/128)]; "mxfp8": uint8 E8M0 [R, ceil(H/32)],
+// view as torch.float8_e8m0fnu for the decoded 2^X; "row": float32 [R]), R = rows, or the plan's
+// padded_rows_bound for rows = -1, like dispatch_scaled (padding rows and rows past P: zero codes,
+// scale 1, unless zero_padding=False).
 // Not differentiable: an x that requires a gradient under grad mode is an error.
 #include <cstring>
 #include <string>
@@ -146,7 +147,7 @@ std::tuple<Tensor, Tensor> unpad_scaled_kernel(const Tensor& padded_in, const Te
 std::tuple<Tensor, Tensor> dispatch_quantized_kernel(const Tensor& x_in, const Tensor& plan, int64_t top_k,
                                                      int64_t num_experts, int64_t alignment, OptInt expert_capacity,
                                                      c10::string_view scale_layout, at::ScalarType dtype, int64_t check,
-                                                     bool zero_padding) {
+                                                     bool zero_padding, int64_t rows) {
   const char* op = "dispatch_quantized";
   const padmoe::ScaleLayout l = quant_layout(std::string(scale_layout), op);
   if (dtype != at::kFloat8_e4m3fn && dtype != at::kFloat8_e5m2) {
@@ -156,8 +157,9 @@ std::tuple<Tensor, Tensor> dispatch_quantized_kernel(const Tensor& x_in, const T
   const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, expert_capacity, op);
   Tensor x = rows_arg(x_in);
   const int64_t hidden = x.dim() == 2 ? x.size(1) : 0;
-  Tensor y = at::empty({pp.cap, hidden}, x.options().dtype(dtype));
-  Tensor ys = quant_scales_out(l, pp.cap, hidden, x);
+  if (rows < 0) rows = pp.cap;  // -1: the plan's padded_rows_bound (the wrapper checks a given rows)
+  Tensor y = at::empty({rows, hidden}, x.options().dtype(dtype));
+  Tensor ys = quant_scales_out(l, rows, hidden, x);
   c10::OptionalDeviceGuard guard(x.device());
   const padmoe::PlanView pv = pp.view(op);
   padmoe::Options o = options_for(x, check, /*zero_tail=*/zero_padding);
@@ -215,7 +217,7 @@ std::tuple<Tensor, Tensor> unpad_scaled_autograd(const Tensor& padded, const Ten
 std::tuple<Tensor, Tensor> dispatch_quantized_autograd(const Tensor& x, const Tensor& plan, int64_t top_k,
                                                        int64_t num_experts, int64_t alignment, OptInt expert_capacity,
                                                        c10::string_view scale_layout, at::ScalarType dtype,
-                                                       int64_t check, bool zero_padding) {
+                                                       int64_t check, bool zero_padding, int64_t rows) {
   if (at::GradMode::is_enabled() && x.requires_grad()) {
     throw c10::NotImplementedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                                    "dispatch_quantized: not differentiable (float8 rows carry no gradient); "
@@ -223,7 +225,8 @@ std::tuple<Tensor, Tensor> dispatch_quantized_autograd(const Tensor& x, const Te
   }
   at::AutoDispatchBelowADInplaceOrView guard;
   static auto op = handle<decltype(dispatch_quantized_kernel)>("padmoe::dispatch_quantized");
-  return op.call(x, plan, top_k, num_experts, alignment, expert_capacity, scale_layout, dtype, check, zero_padding);
+  return op.call(x, plan, top_k, num_experts, alignment, expert_capacity, scale_layout, dtype, check, zero_padding,
+                 rows);
 }
 
 }  // namespace
@@ -243,7 +246,7 @@ TORCH_LIBRARY_FRAGMENT(padmoe, m) {
       "Tensor padded_scales, int check=2) -> (Tensor, Tensor)");
   m.def(
       "dispatch_quantized(Tensor x, Tensor plan, int top_k, int num_experts, int alignment, int? expert_capacity, "
-      "str scale_layout, ScalarType dtype, int check=2, bool zero_padding=True) -> (Tensor, Tensor)");
+      "str scale_layout, ScalarType dtype, int check=2, bool zero_padding=True, int rows=-1) -> (Tensor, Tensor)");
 }
 
 #define PADMOE_TORCH_SCALED_KERNELS(m)                         \

@@ -1,4 +1,4 @@
-// plan.cpp — `padmoe plan`: print and validate the tile plan of docs/spec.md §15.
+// tiles.cpp — `padmoe tiles`: print and validate the tile configuration of docs/spec.md §15.
 #include <cinttypes>
 #include <cstdio>
 #include <sstream>
@@ -9,12 +9,12 @@
 
 namespace cli {
 
-int cmd_plan(const Args& args) {
+int cmd_tiles(const Args& args) {
   const std::string target_name = args.get("target", "cpu");
   TileTarget target;
   if (!parse_tile_target(target_name, &target))
     throw UsageError("--target expects cpu, ascend-a2 or gpu, got '" + target_name + "'");
-  if (!args.has("hidden")) throw UsageError("plan needs --hidden H");
+  if (!args.has("hidden")) throw UsageError("tiles needs --hidden H");
   const int64_t hidden = args.get_int("hidden", 0);
   if (hidden < 1) throw UsageError("--hidden must be >= 1");
   const DType dtype = parse_dtype(args.get("dtype", "bf16"));
@@ -36,7 +36,7 @@ int cmd_plan(const Args& args) {
               info.reserve_bytes, info.buffers);
   int invalid = 0;
   for (TileOp op : tile_ops) {
-    const TileConfig c = plan_tiles(info, op, hidden, dtype);
+    const TileConfig c = tile_config(info, op, hidden, dtype);
     std::printf("\n%s, hidden %" PRId64 ", %s:\n", tile_op_name(op), hidden, dtype_name(dtype));
     std::printf("  TileConfig{programs=%d, sub_block_rows=%d, block_x=%d, buffer_bytes=%" PRId64 ", buffers=%d}\n",
                 c.programs, c.sub_block_rows, c.block_x, c.buffer_bytes, c.buffers);

@@ -1,0 +1,22 @@
+# Runs `padmoe <COMMAND_NAME> --hidden 4096` and requires exit code 0 and the tile configurations on
+# stdout; `tiles` prints nothing on stderr, its deprecated name `plan` one line saying so.
+execute_process(COMMAND "${CLI}" ${COMMAND_NAME} --hidden 4096 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err
+                TIMEOUT 60)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "padmoe ${COMMAND_NAME}: exit code ${rc}, expected 0\nstdout: ${out}\nstderr: ${err}")
+endif()
+foreach(_op gather scatter wgrad)
+  if(NOT out MATCHES "${_op}, hidden 4096, bfloat16:\n  TileConfig{programs=")
+    message(FATAL_ERROR "padmoe ${COMMAND_NAME}: no ${_op} tile configuration on stdout:\n${out}")
+  endif()
+endforeach()
+if(NOT out MATCHES "valid: yes")
+  message(FATAL_ERROR "padmoe ${COMMAND_NAME}: no validation on stdout:\n${out}")
+endif()
+if(COMMAND_NAME STREQUAL "plan")
+  if(NOT err STREQUAL "padmoe: `padmoe plan` is deprecated: use `padmoe tiles`\n")
+    message(FATAL_ERROR "padmoe plan: expected one deprecation line on stderr, got:\n${err}")
+  endif()
+elseif(NOT err STREQUAL "")
+  message(FATAL_ERROR "padmoe ${COMMAND_NAME}: unexpected stderr:\n${err}")
+endif()
