@@ -534,7 +534,7 @@ def run_shape(name, s, iters, rate, bw, vllm=None):
                 out.backward(torch.ones_like(out))
                 xg.grad = wg.grad = up.grad = down.grad = None
 
-            row[f"{form}_fwd_bwd_us"] = eager_time(fwd_bwd, max(iters // 2, 3), warm=1)
+            row[f"{form}_fwd_bwd_us"] = eager_time(fwd_bwd, iters, warm=1)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
