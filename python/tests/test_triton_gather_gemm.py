@@ -308,3 +308,18 @@ def test_custom_operators_compiled_fullgraph():
     p = int(plan.padded_bins[-1])  # rows at or past P: unwritten
     assert torch.equal(got[0][:p], want[0][:p]) and torch.equal(got[2], want[2])
     assert torch.equal(got[1][real], want[1][real])  # padding rows of a: unwritten too
+
+
+def test_operator_rows_of_x_checked_before_the_gather():
+    """The gather-fused path reads x's rows through the plan without dispatch's checks: x with more
+    or fewer rows than the routing's tokens is an error naming hidden_states, raised before any launch."""
+    T, K, E, H, I = 10, 2, 4, 64, 32
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, E, (T, K), generator=gen).to(DEV)
+    w = torch.rand(T, K, generator=gen).to(DEV)
+    up = torch.randn(E, 2 * I, H, generator=gen).to(DT).to(DEV)
+    down = torch.randn(E, H, I, generator=gen).to(DT).to(DEV)
+    for rows in (T - 1, T + 1):
+        x = torch.randn(rows, H, generator=gen).to(DT).to(DEV)
+        with torch.no_grad(), pytest.raises(ValueError, match=rf"hidden_states: expected {T} rows .*got {rows}"):
+            experts_forward(x, idx, w, up, down, gate="silu", alignment=64)
