@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "api/alloc.hpp"
 #include "api/checks.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -311,14 +312,13 @@ PadResult sort_chunks(const TensorView& received, const TensorView& split_sizes,
   TensorView sizes;
   const ChunkGrid g = check_chunk_shapes(c, received, split_sizes, num_ranks, alignment, sorted_index, sizes);
   const ChunkLayout l = chunk_inputs(c, g, received, sizes, sorted_index, alignment, options, true);
-  const Device dev = received.device;
-  PadResult r;
-  r.padded = Tensor::empty(received.dtype, {l.padded_rows, received.shape[1]}, dev);
-  r.permutation_map = Tensor::empty(DType::kInt32, {l.padded_rows}, dev);
-  r.inclusive_offsets = Tensor::empty(DType::kInt32, {g.groups}, dev);
-  run_sort(c, g, l, received, sizes, alignment, sorted_index, r.padded, r.permutation_map, r.inclusive_offsets,
-           options);
-  return r;
+  return detail::allocate_outputs<PadResult>(
+      received.device,
+      {detail::rows_like(received, l.padded_rows), {DType::kInt32, {l.padded_rows}}, {DType::kInt32, {g.groups}}},
+      [&](const PadResult& r) {
+        run_sort(c, g, l, received, sizes, alignment, sorted_index, r.padded, r.permutation_map, r.inclusive_offsets,
+                 options);
+      });
 }
 
 int64_t sort_chunks_rows(const TensorView& received, const TensorView& split_sizes, int num_ranks, int alignment,

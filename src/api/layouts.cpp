@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "api/alloc.hpp"
 #include "api/checks.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -98,14 +99,13 @@ AlignedBlocks batched_moe_align_block_size(const TensorView& expert_num_tokens, 
                                            int block_size, const Options& options) {
   const Checker c(kOp);
   const int64_t entries = check_batched_sizes(c, expert_num_tokens, max_tokens_per_batch, block_size);
-  const Device device = expert_num_tokens.device;
-  AlignedBlocks r;
-  r.sorted_token_ids = Tensor::empty(DType::kInt32, {entries}, device);
-  r.expert_ids = Tensor::empty(DType::kInt32, {entries / block_size}, device);
-  r.num_tokens_post_padded = Tensor::empty(DType::kInt32, {1}, device);
-  batched_moe_align_block_size_out(expert_num_tokens, max_tokens_per_batch, block_size, r.sorted_token_ids.view(),
-                                   r.expert_ids.view(), r.num_tokens_post_padded.view(), options);
-  return r;
+  return detail::allocate_outputs<AlignedBlocks>(
+      expert_num_tokens.device,
+      {{DType::kInt32, {entries}}, {DType::kInt32, {entries / block_size}}, {DType::kInt32, {1}}},
+      [&](const AlignedBlocks& r) {
+        batched_moe_align_block_size_out(expert_num_tokens, max_tokens_per_batch, block_size, r.sorted_token_ids,
+                                         r.expert_ids, r.num_tokens_post_padded, options);
+      });
 }
 
 }  // namespace padmoe

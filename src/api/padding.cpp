@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "api/alloc.hpp"
 #include "api/checks.hpp"
 #include "api/scales.hpp"
 #include "cpu/cpu_backend.hpp"
@@ -258,13 +259,13 @@ PadResult pad_to_alignment(const TensorView& hidden_states, const TensorView& to
                            const Options& options) {
   Checker c("pad_to_alignment");
   const PadShape s = check_pad_inputs(c, hidden_states, tokens_per_expert, alignment, options, true);
-  const Device dev = hidden_states.device;
-  PadResult r;
-  r.padded = Tensor::empty(hidden_states.dtype, {s.padded_rows, hidden_states.shape[1]}, dev);
-  r.permutation_map = Tensor::empty(DType::kInt32, {s.padded_rows}, dev);
-  r.inclusive_offsets = Tensor::empty(DType::kInt32, {static_cast<int64_t>(s.counts.size())}, dev);
-  run_pad(c, s, hidden_states, tokens_per_expert, alignment, r.padded, r.permutation_map, r.inclusive_offsets, options);
-  return r;
+  const detail::NewTensor outputs[] = {detail::rows_like(hidden_states, s.padded_rows),
+                                       {DType::kInt32, {s.padded_rows}},
+                                       {DType::kInt32, {static_cast<int64_t>(s.counts.size())}}};
+  return detail::allocate_outputs<PadResult>(hidden_states.device, outputs, [&](const PadResult& r) {
+    run_pad(c, s, hidden_states, tokens_per_expert, alignment, r.padded, r.permutation_map, r.inclusive_offsets,
+            options);
+  });
 }
 
 int64_t pad_to_alignment_rows(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
@@ -293,9 +294,9 @@ Tensor unpad_from_alignment(const TensorView& padded, const TensorView& permutat
   Checker c("unpad_from_alignment");
   check_unpad_inputs(c, padded, permutation_map, probs, original_size);
   const Inverse inverse = inverse_map(c, permutation_map, padded.shape[0], original_size, padded.device, options);
-  Tensor out = Tensor::empty(padded.dtype, {original_size, padded.shape[1]}, padded.device);
-  run_gather(padded, inverse.data, probs, false, out, original_size, options);
-  return out;
+  return detail::allocate_outputs<Tensor>(
+      padded.device, {detail::rows_like(padded, original_size)},
+      [&](const Tensor& out) { run_gather(padded, inverse.data, probs, false, out, original_size, options); });
 }
 
 // --- rows moved with their scales (ops.hpp section 4) ---------------------------
@@ -334,16 +335,15 @@ PadScaledResult pad_to_alignment_scaled(const TensorView& hidden_states, const T
   const detail::ScaleSpec spec = detail::check_scales(c, hidden_scales, "hidden_scales", hidden_states.shape[0],
                                                       hidden_states.shape[1], hidden_states.device);
   const PadShape s = check_pad_inputs(c, hidden_states, tokens_per_expert, alignment, options, true);
-  const Device dev = hidden_states.device;
-  PadScaledResult r;
-  r.padded = Tensor::empty(hidden_states.dtype, {s.padded_rows, hidden_states.shape[1]}, dev);
-  r.padded_scales = detail::alloc_scales_like(hidden_scales, s.padded_rows, dev);
-  r.permutation_map = Tensor::empty(DType::kInt32, {s.padded_rows}, dev);
-  r.inclusive_offsets = Tensor::empty(DType::kInt32, {static_cast<int64_t>(s.counts.size())}, dev);
-  const ScalePair sp{hidden_scales, r.padded_scales, spec};
-  run_pad(c, s, hidden_states, tokens_per_expert, alignment, r.padded, r.permutation_map, r.inclusive_offsets, options,
-          &sp);
-  return r;
+  const detail::NewTensor outputs[] = {detail::rows_like(hidden_states, s.padded_rows),
+                                       detail::rows_like(hidden_scales, s.padded_rows),
+                                       {DType::kInt32, {s.padded_rows}},
+                                       {DType::kInt32, {static_cast<int64_t>(s.counts.size())}}};
+  return detail::allocate_outputs<PadScaledResult>(hidden_states.device, outputs, [&](const PadScaledResult& r) {
+    const ScalePair sp{hidden_scales, r.padded_scales, spec};
+    run_pad(c, s, hidden_states, tokens_per_expert, alignment, r.padded, r.permutation_map, r.inclusive_offsets,
+            options, &sp);
+  });
 }
 
 void unpad_from_alignment_scaled_out(const TensorView& padded, const TensorView& permutation_map,
@@ -373,11 +373,12 @@ ScaledRows unpad_from_alignment_scaled(const TensorView& padded, const TensorVie
   const detail::ScaleSpec spec =
       detail::check_scales(c, padded_scales, "padded_scales", padded.shape[0], padded.shape[1], padded.device);
   const Inverse inverse = inverse_map(c, permutation_map, padded.shape[0], original_size, padded.device, options);
-  ScaledRows r{Tensor::empty(padded.dtype, {original_size, padded.shape[1]}, padded.device),
-               detail::alloc_scales_like(padded_scales, original_size, padded.device)};
-  const ScalePair sp{padded_scales, r.scales, spec};
-  run_gather(padded, inverse.data, std::nullopt, false, r.rows, original_size, options, &sp);
-  return r;
+  return detail::allocate_outputs<ScaledRows>(
+      padded.device, {detail::rows_like(padded, original_size), detail::rows_like(padded_scales, original_size)},
+      [&](const ScaledRows& r) {
+        const ScalePair sp{padded_scales, r.scales, spec};
+        run_gather(padded, inverse.data, std::nullopt, false, r.rows, original_size, options, &sp);
+      });
 }
 
 namespace {
@@ -459,12 +460,12 @@ RowGrads unpad_from_alignment_backward(const TensorView& grad_out, const TensorV
                                        const Options& options) {
   Checker c("unpad_from_alignment_backward");
   const Inverse inverse = unpad_backward_inputs(c, grad_out, padded, permutation_map, probs, options);
-  RowGrads g;
-  g.grad_rows = Tensor::empty(padded.dtype, {padded.shape[0], padded.shape[1]}, padded.device);
-  if (probs) g.grad_weights = Tensor::empty(probs->dtype, {grad_out.shape[0]}, padded.device);
-  run_unpad_backward(grad_out, padded, permutation_map, inverse, probs, g.grad_rows,
-                     probs ? &g.grad_weights.view() : nullptr, options);
-  return g;
+  return detail::allocate_outputs<RowGrads>(
+      padded.device, {detail::rows_like(padded, padded.shape[0]), detail::grad_like(probs, grad_out.shape[0])},
+      [&](const RowGrads& g) {
+        run_unpad_backward(grad_out, padded, permutation_map, inverse, probs, g.grad_rows,
+                           probs ? &g.grad_weights.view() : nullptr, options);
+      });
 }
 
 }  // namespace padmoe

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "api/alloc.hpp"
 #include "api/checks.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -57,19 +58,15 @@ namespace {
 // A plan's arrays on `device`, uninitialized, with `rows` row_sources (sizes already checked).
 Plan allocate_plan(int64_t num_tokens, int top_k, int num_experts, int alignment, int64_t rows, Device device) {
   const int64_t a_count = num_tokens * top_k;
-  Plan plan;
+  const detail::NewTensor assignments(DType::kInt32, {a_count}), experts(DType::kInt32, {num_experts});
+  // Plan's arrays in its order: indices, bin_ids, tokens_per_expert, bins, padded_tokens_per_expert,
+  // padded_bins, dest_rows, row_sources
+  Plan plan = detail::allocate_outputs<Plan>(
+      device, {assignments, assignments, experts, experts, experts, experts, assignments, {DType::kInt32, {rows}}});
   plan.num_tokens = num_tokens;
   plan.top_k = top_k;
   plan.num_experts = num_experts;
   plan.alignment = alignment;
-  plan.indices = Tensor::empty(DType::kInt32, {a_count}, device);
-  plan.bin_ids = Tensor::empty(DType::kInt32, {a_count}, device);
-  plan.tokens_per_expert = Tensor::empty(DType::kInt32, {num_experts}, device);
-  plan.bins = Tensor::empty(DType::kInt32, {num_experts}, device);
-  plan.padded_tokens_per_expert = Tensor::empty(DType::kInt32, {num_experts}, device);
-  plan.padded_bins = Tensor::empty(DType::kInt32, {num_experts}, device);
-  plan.dest_rows = Tensor::empty(DType::kInt32, {a_count}, device);
-  plan.row_sources = Tensor::empty(DType::kInt32, {rows}, device);
   return plan;
 }
 
@@ -583,10 +580,12 @@ PlannedRows make_plan_and_dispatch(const TensorView& x, const TensorView& top_ex
   check_plan_dispatch_rows(c, x, weights, nullptr, 0, s, top_experts.device);
   PlannedRows r;
   r.plan = Plan::empty(s.tokens, s.top_k, num_experts, alignment, top_experts.device);
-  r.y = Tensor::empty(x.dtype, {r.plan.padded_rows_bound(), x.shape[1]}, x.device);
-  Options o = options;
-  o.zero_tail = true;  // y has the bound's rows: those at or past P are zero
-  run_plan_dispatch(c, x, top_experts, s, num_experts, alignment, r.plan.view(), weights, r.y.view(), o);
+  r.y = detail::allocate_outputs<Tensor>(
+      x.device, {detail::rows_like(x, r.plan.padded_rows_bound())}, [&](const Tensor& y) {
+        Options o = options;
+        o.zero_tail = true;  // y has the bound's rows: those at or past P are zero
+        run_plan_dispatch(c, x, top_experts, s, num_experts, alignment, r.plan.view(), weights, y, o);
+      });
   return r;
 }
 
@@ -705,13 +704,13 @@ AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size
   const PlanShape s = check_top_experts_shape(c, top_experts, num_experts, block_size);
   const int64_t rows = aligned_rows_bound(s.tokens * s.top_k, num_experts, block_size, pad_sorted_ids);
   detail::check_int32_extent(c, "sorted_token_ids", rows);
-  AlignedBlocks r;
-  r.sorted_token_ids = Tensor::empty(DType::kInt32, {rows}, top_experts.device);
-  r.expert_ids = Tensor::empty(DType::kInt32, {index::ceil_div(rows, block_size)}, top_experts.device);
-  r.num_tokens_post_padded = Tensor::empty(DType::kInt32, {1}, top_experts.device);
-  align_blocks_out(top_experts, block_size, num_experts, expert_map, r.sorted_token_ids.view(), r.expert_ids.view(),
-                   r.num_tokens_post_padded.view(), options);
-  return r;
+  return detail::allocate_outputs<AlignedBlocks>(
+      top_experts.device,
+      {{DType::kInt32, {rows}}, {DType::kInt32, {index::ceil_div(rows, block_size)}}, {DType::kInt32, {1}}},
+      [&](const AlignedBlocks& r) {
+        align_blocks_out(top_experts, block_size, num_experts, expert_map, r.sorted_token_ids, r.expert_ids,
+                         r.num_tokens_post_padded, options);
+      });
 }
 
 Plan make_plan(const TensorView& top_experts, int num_experts, int alignment, const Options& options) {

@@ -39,10 +39,10 @@ ScaleSpec quant_spec(ScaleLayout layout, int64_t hidden) {
   return s;
 }
 
-Tensor alloc_quant_scales(ScaleLayout layout, int64_t rows, int64_t hidden, Device device) {
+NewTensor quant_scales(ScaleLayout layout, int64_t rows, int64_t hidden) {
   const ScaleSpec s = quant_spec(layout, hidden);
-  if (layout == ScaleLayout::kPerRow) return Tensor::empty(DType::kFloat32, {rows}, device);
-  return Tensor::empty(s.dtype, {rows, s.cols}, device);
+  if (layout == ScaleLayout::kPerRow) return NewTensor(DType::kFloat32, {rows});
+  return NewTensor(s.dtype, {rows, s.cols});
 }
 
 }  // namespace detail
@@ -86,10 +86,11 @@ ScaledRows quantize(const TensorView& x, ScaleLayout layout, DType dtype, const 
   const Checker c("quantize");
   quantize_inputs(c, x);
   const bool e5m2 = detail::check_fp8_dtype(c, dtype, "dtype");
-  ScaledRows out{Tensor::empty(dtype, {x.shape[0], x.shape[1]}, x.device),
-                 detail::alloc_quant_scales(layout, x.shape[0], x.shape[1], x.device)};
-  run_quantize(x, out.rows, out.scales, detail::quant_spec(layout, x.shape[1]), e5m2, options);
-  return out;
+  return detail::allocate_outputs<ScaledRows>(
+      x.device, {{dtype, {x.shape[0], x.shape[1]}}, detail::quant_scales(layout, x.shape[0], x.shape[1])},
+      [&](const ScaledRows& out) {
+        run_quantize(x, out.rows, out.scales, detail::quant_spec(layout, x.shape[1]), e5m2, options);
+      });
 }
 
 }  // namespace padmoe

@@ -2,6 +2,7 @@
 // (src/api/rows.cpp, on a plan) and quantize (src/api/quant.cpp).
 #pragma once
 
+#include "api/alloc.hpp"
 #include "api/checks.hpp"
 #include "api/scales.hpp"
 #include "cpu/quant_cpu.hpp"
@@ -21,9 +22,9 @@ bool check_fp8_dtype(const Checker& c, DType dtype, const char* name);
 cpu::QuantScales cpu_quant_scales(const TensorView& scales, const ScaleSpec& spec, bool e5m2);
 cuda::QuantScalesArg cuda_quant_scales(const TensorView& scales, const ScaleSpec& spec, bool e5m2);
 
-// A new scale tensor for `rows` rows of `hidden` columns: [rows] float32 (per
-// row), [rows, ceil(H/128)] float32, [rows, ceil(H/32)] uint8.
-Tensor alloc_quant_scales(ScaleLayout layout, int64_t rows, int64_t hidden, Device device);
+// The scale output of `rows` quantized rows of `hidden` columns: [rows] float32
+// (per row), [rows, ceil(H/128)] float32, [rows, ceil(H/32)] uint8.
+NewTensor quant_scales(ScaleLayout layout, int64_t rows, int64_t hidden);
 // The spec of a layout for rows of `hidden` columns (the allocating forms).
 ScaleSpec quant_spec(ScaleLayout layout, int64_t hidden);
 

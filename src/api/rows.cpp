@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "api/alloc.hpp"
 #include "api/checks.hpp"
 #include "api/quant.hpp"
 #include "api/scales.hpp"
@@ -303,16 +304,6 @@ bool check_weight_grad_out(const Checker& c, const TensorView& t, const char* na
   return true;
 }
 
-Tensor alloc_padded(const Routed& r, const TensorView& like) {
-  return Tensor::empty(like.dtype, {r.padded_rows, like.shape[1]}, like.device);
-}
-Tensor alloc_tokens(const Routed& r, const TensorView& like) {
-  return Tensor::empty(like.dtype, {r.tokens, like.shape[1]}, like.device);
-}
-Tensor alloc_weight_grad(const Routed& r, const std::optional<TensorView>& weights, const TensorView& like) {
-  return weights ? Tensor::empty(weights->dtype, {r.assignments}, like.device) : Tensor();
-}
-
 // --- the inputs of each op, checked; each returns the routing ----------------
 
 Routed gather_inputs(const Checker& c, const TensorView& x, const TensorView& indices, const TensorView& bin_ids,
@@ -386,9 +377,9 @@ Tensor padded_gather(const TensorView& x, const TensorView& indices, const Tenso
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, weights, options);
   prepare(c, r, options);
   read_padded_rows(r, options);
-  Tensor y = alloc_padded(r, x);
-  run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
-  return y;
+  return detail::allocate_outputs<Tensor>(x.device, {detail::rows_like(x, r.padded_rows)}, [&](const Tensor& y) {
+    run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
+  });
 }
 
 void padded_scatter_out(const TensorView& y, const TensorView& indices, const TensorView& bin_ids,
@@ -408,9 +399,8 @@ Tensor padded_scatter(const TensorView& y, const TensorView& indices, const Tens
   Checker c("padded_scatter");
   Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, weights, options);
   prepare(c, r, options);
-  Tensor out = alloc_tokens(r, y);
-  run_reduce(r, y, weights, out, options);
-  return out;
+  return detail::allocate_outputs<Tensor>(y.device, {detail::rows_like(y, r.tokens)},
+                                          [&](const Tensor& out) { run_reduce(r, y, weights, out, options); });
 }
 
 void padded_scatter_wgrad_out(const TensorView& y, const TensorView& grad, const TensorView& indices,
@@ -433,9 +423,8 @@ Tensor padded_scatter_wgrad(const TensorView& y, const TensorView& grad, const T
   Routed r = scatter_inputs(c, y, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, grad, "grad", y, "y", std::nullopt);
   prepare(c, r, options);
-  Tensor wgrad = Tensor::empty(y.dtype, {r.assignments}, y.device);
-  run_dots(r, y, grad, wgrad, options);
-  return wgrad;
+  return detail::allocate_outputs<Tensor>(y.device, {{y.dtype, {r.assignments}}},
+                                          [&](const Tensor& wgrad) { run_dots(r, y, grad, wgrad, options); });
 }
 
 // ---------------------------------------------------------------------------
@@ -488,9 +477,10 @@ RowGrads padded_gather_backward(const TensorView& grad_y, const TensorView& x, c
   Routed r = gather_inputs(c, x, indices, bin_ids, bins, padded_bins, top_k, std::nullopt, options);
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
   prepare(c, r, options);
-  RowGrads g{alloc_tokens(r, x), alloc_weight_grad(r, weights, x)};
-  run_spread_backward(r, grad_y, x, weights, g.grad_rows, weights ? &g.grad_weights.view() : nullptr, options);
-  return g;
+  return detail::allocate_outputs<RowGrads>(
+      x.device, {detail::rows_like(x, r.tokens), detail::grad_like(weights, r.assignments)}, [&](const RowGrads& g) {
+        run_spread_backward(r, grad_y, x, weights, g.grad_rows, weights ? &g.grad_weights.view() : nullptr, options);
+      });
 }
 
 void padded_scatter_backward_out(const TensorView& grad_out, const TensorView& y, const TensorView& indices,
@@ -519,10 +509,12 @@ RowGrads padded_scatter_backward(const TensorView& grad_out, const TensorView& y
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
   prepare(c, r, options);
   read_padded_rows(r, options);
-  RowGrads g{alloc_padded(r, y), alloc_weight_grad(r, weights, y)};
-  run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr, weights ? &g.grad_weights.view() : nullptr,
-             options);
-  return g;
+  return detail::allocate_outputs<RowGrads>(
+      y.device, {detail::rows_like(y, r.padded_rows), detail::grad_like(weights, r.assignments)},
+      [&](const RowGrads& g) {
+        run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr,
+                   weights ? &g.grad_weights.view() : nullptr, options);
+      });
 }
 
 // ---------------------------------------------------------------------------
@@ -545,9 +537,9 @@ Tensor dispatch(const TensorView& x, const PlanView& plan, const std::optional<T
   Routed r = dispatch_inputs(c, x, plan, weights);
   prepare(c, r, options);
   read_padded_rows(r, options);
-  Tensor y = alloc_padded(r, x);
-  run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
-  return y;
+  return detail::allocate_outputs<Tensor>(x.device, {detail::rows_like(x, r.padded_rows)}, [&](const Tensor& y) {
+    run_spread(r, x, weights, y, nullptr, nullptr, options, options.zero_padding);
+  });
 }
 
 void combine_out(const TensorView& y, const PlanView& plan, const std::optional<TensorView>& weights,
@@ -565,9 +557,8 @@ Tensor combine(const TensorView& y, const PlanView& plan, const std::optional<Te
   Checker c("combine");
   Routed r = combine_inputs(c, y, plan, weights);
   prepare(c, r, options);
-  Tensor out = alloc_tokens(r, y);
-  run_reduce(r, y, weights, out, options);
-  return out;
+  return detail::allocate_outputs<Tensor>(y.device, {detail::rows_like(y, r.tokens)},
+                                          [&](const Tensor& out) { run_reduce(r, y, weights, out, options); });
 }
 
 void combine_backward_out(const TensorView& grad_out, const TensorView& y, const PlanView& plan,
@@ -593,10 +584,12 @@ RowGrads combine_backward(const TensorView& grad_out, const TensorView& y, const
   pair_inputs(c, r, grad_out, "grad_out", y, "y", weights);
   prepare(c, r, options);
   read_padded_rows(r, options);
-  RowGrads g{alloc_padded(r, y), alloc_weight_grad(r, weights, y)};
-  run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr, weights ? &g.grad_weights.view() : nullptr,
-             options);
-  return g;
+  return detail::allocate_outputs<RowGrads>(
+      y.device, {detail::rows_like(y, r.padded_rows), detail::grad_like(weights, r.assignments)},
+      [&](const RowGrads& g) {
+        run_spread(r, grad_out, weights, g.grad_rows, weights ? &y : nullptr,
+                   weights ? &g.grad_weights.view() : nullptr, options);
+      });
 }
 
 void dispatch_backward_out(const TensorView& grad_y, const TensorView& x, const PlanView& plan,
@@ -621,9 +614,10 @@ RowGrads dispatch_backward(const TensorView& grad_y, const TensorView& x, const 
   Routed r = dispatch_inputs(c, x, plan, std::nullopt);
   pair_inputs(c, r, x, "x", grad_y, "grad_y", weights);
   prepare(c, r, options);
-  RowGrads g{alloc_tokens(r, x), alloc_weight_grad(r, weights, x)};
-  run_spread_backward(r, grad_y, x, weights, g.grad_rows, weights ? &g.grad_weights.view() : nullptr, options);
-  return g;
+  return detail::allocate_outputs<RowGrads>(
+      x.device, {detail::rows_like(x, r.tokens), detail::grad_like(weights, r.assignments)}, [&](const RowGrads& g) {
+        run_spread_backward(r, grad_y, x, weights, g.grad_rows, weights ? &g.grad_weights.view() : nullptr, options);
+      });
 }
 
 // ---------------------------------------------------------------------------
@@ -654,10 +648,12 @@ ScaledRows padded_gather_scaled(const TensorView& x, const TensorView& indices, 
   const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
   prepare(c, r, options);
   read_padded_rows(r, options);
-  ScaledRows out{alloc_padded(r, x), detail::alloc_scales_like(x_scales, r.padded_rows, x.device)};
-  const ScalePair sp{x_scales, out.scales, spec};
-  run_spread(r, x, std::nullopt, out.rows, nullptr, nullptr, options, options.zero_padding, &sp);
-  return out;
+  return detail::allocate_outputs<ScaledRows>(
+      x.device, {detail::rows_like(x, r.padded_rows), detail::rows_like(x_scales, r.padded_rows)},
+      [&](const ScaledRows& out) {
+        const ScalePair sp{x_scales, out.scales, spec};
+        run_spread(r, x, std::nullopt, out.rows, nullptr, nullptr, options, options.zero_padding, &sp);
+      });
 }
 
 void dispatch_scaled_out(const TensorView& x, const PlanView& plan, const TensorView& x_scales, const TensorView& y,
@@ -681,10 +677,12 @@ ScaledRows dispatch_scaled(const TensorView& x, const PlanView& plan, const Tens
   const detail::ScaleSpec spec = detail::check_scales(c, x_scales, "x_scales", r.tokens, x.shape[1], x.device);
   prepare(c, r, options);
   read_padded_rows(r, options);
-  ScaledRows out{alloc_padded(r, x), detail::alloc_scales_like(x_scales, r.padded_rows, x.device)};
-  const ScalePair sp{x_scales, out.scales, spec};
-  run_spread(r, x, std::nullopt, out.rows, nullptr, nullptr, options, options.zero_padding, &sp);
-  return out;
+  return detail::allocate_outputs<ScaledRows>(
+      x.device, {detail::rows_like(x, r.padded_rows), detail::rows_like(x_scales, r.padded_rows)},
+      [&](const ScaledRows& out) {
+        const ScalePair sp{x_scales, out.scales, spec};
+        run_spread(r, x, std::nullopt, out.rows, nullptr, nullptr, options, options.zero_padding, &sp);
+      });
 }
 
 // ---------------------------------------------------------------------------
@@ -736,12 +734,13 @@ ScaledRows dispatch_quantized(const TensorView& x, const PlanView& plan, ScaleLa
   const bool e5m2 = detail::check_fp8_dtype(c, dtype, "dtype");
   prepare(c, r, options);
   read_padded_rows(r, options);
-  ScaledRows out{Tensor::empty(dtype, {r.padded_rows, x.shape[1]}, x.device),
-                 detail::alloc_quant_scales(layout, r.padded_rows, x.shape[1], x.device)};
-  Options o = options;
-  o.zero_tail = false;  // exactly P rows
-  run_quant_spread(r, x, out.rows, out.scales, detail::quant_spec(layout, x.shape[1]), e5m2, o);
-  return out;
+  return detail::allocate_outputs<ScaledRows>(
+      x.device, {{dtype, {r.padded_rows, x.shape[1]}}, detail::quant_scales(layout, r.padded_rows, x.shape[1])},
+      [&](const ScaledRows& out) {
+        Options o = options;
+        o.zero_tail = false;  // exactly P rows
+        run_quant_spread(r, x, out.rows, out.scales, detail::quant_spec(layout, x.shape[1]), e5m2, o);
+      });
 }
 
 }  // namespace padmoe

@@ -116,12 +116,6 @@ cuda::ScaleRowsArg cuda_scale_rows(const TensorView& src, const TensorView& dst,
   return scale_rows_of<cuda::ScaleRowsArg>(src, dst, spec);
 }
 
-Tensor alloc_scales_like(const TensorView& like, int64_t rows, Device device) {
-  int64_t shape[kMaxDims] = {rows, 0, 0, 0};
-  for (int d = 1; d < like.ndim; ++d) shape[d] = like.shape[d];
-  return Tensor::empty(like.dtype, like.ndim, shape, device);
-}
-
 }  // namespace detail
 
 ScaleLayout scale_layout(const TensorView& scales, int64_t hidden, const char* name) {

@@ -42,8 +42,5 @@ struct ScalePair {
 cpu::ScaleRows cpu_scale_rows(const TensorView& src, const TensorView& dst, const ScaleSpec& spec);
 cuda::ScaleRowsArg cuda_scale_rows(const TensorView& src, const TensorView& dst, const ScaleSpec& spec);
 
-// A new tensor for `rows` rows shaped like `like` (its dimensions after the first).
-Tensor alloc_scales_like(const TensorView& like, int64_t rows, Device device);
-
 }  // namespace detail
 }  // namespace padmoe
