@@ -202,32 +202,6 @@ inline const detail::KernelOverrides& overrides() { return detail::kernel_overri
 // allows it (vec: 16-byte rows; blocks: RowsArg::l2_blocks), else cleared. Host code (dispatch.cu).
 RowsArg with_l2_prefetch(const RowsArg& r, bool vec, int blocks);
 
-// P = padded_bins[E-1] (0 without experts).
-__device__ __forceinline__ int64_t padded_total(const PaddingRef& p) {
-  return p.num_experts > 0 ? load_index(p.padded_bins, p.num_experts - 1) : 0;
-}
-
-// Padded row of sorted position i of expert e (index::padded_row_of for IndexRefs).
-__device__ __forceinline__ int64_t sorted_padded_row(const IndexRef& bins, const IndexRef& padded_bins, int64_t e,
-                                                     int64_t i) {
-  return index::padded_row(i, e == 0 ? 0 : load_index(bins, e - 1), e == 0 ? 0 : load_index(padded_bins, e - 1));
-}
-
-
-// Whether padded row r (< P) is a padding row.
-__device__ __forceinline__ bool is_padding_row(const PaddingRef& p, int64_t r) {
-  int64_t lo = 0, hi = p.num_experts;  // first e with padded_bins[e] > r
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (load_index(p.padded_bins, mid) > r) hi = mid;
-    else lo = mid + 1;
-  }
-  const int64_t e = lo;
-  const int64_t pstart = e == 0 ? 0 : load_index(p.padded_bins, e - 1);
-  const int64_t count = load_index(p.bins, e) - (e == 0 ? 0 : load_index(p.bins, e - 1));
-  return r - pstart >= count;
-}
-
 // x rounded up to a multiple of m (x >= 0, m >= 1) in 32 bits: a mask when m is a power of two.
 __device__ __forceinline__ int round_up_32(int x, int m) {
   return (m & (m - 1)) == 0 ? (x + m - 1) & -m : (x + m - 1) / m * m;

@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t a = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (a >= assignments) return;
-  const int64_t r = dest[a];
+  const int64_t r = plan_rows(dest).dest_row(a);
   const int64_t units = units_of<U>(g);
   float partial = 0.0f;
   if (r >= 0 && r < y.rows) {

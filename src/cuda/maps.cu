@@ -3,6 +3,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/common.cuh"
+#include "cuda/plan_view.cuh"
 
 namespace padmoe {
 namespace cuda {
@@ -13,11 +14,12 @@ namespace {
 __global__ void dest_rows_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bins, IndexRef padded_bins,
                                  int num_experts, int64_t assignments, int32_t* dest_rows) {
   pdl_begin();
+  const DevicePlan<IndexRef> plan{bins, padded_bins, num_experts};
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < assignments;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t a = load_index(indices, i), e = load_index(bin_ids, i);
     if (a >= 0 && a < assignments && e >= 0 && e < num_experts) {
-      dest_rows[a] = static_cast<int32_t>(sorted_padded_row(bins, padded_bins, e, i));
+      dest_rows[a] = static_cast<int32_t>(plan.padded_row(e, i));
     }
   }
 }

@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kThreads)
   float my_w = 0.0f;
   if (lane < top_k) {
     const int64_t a = index::assignment_id(t, lane, top_k);
-    const int64_t r = kSearch ? s_found[(kSplit == 1 ? warp : 0) * top_k + lane] : dest.rows[a];
+    const int64_t r = kSearch ? s_found[(kSplit == 1 ? warp : 0) * top_k + lane] : plan_rows(dest.rows).dest_row(a);
     my_row = (r < 0 || r >= y.rows) ? -1 : static_cast<int>(r);
     my_w = load_scale(w, a);
   }

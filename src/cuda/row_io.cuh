@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "cuda/plan_view.cuh"
 
 namespace padmoe {
 namespace cuda {
@@ -112,6 +113,7 @@ __device__ void search_dest_rows(const DestArg& d, int64_t a0, int n, int64_t ro
   // 32-bit positions and values (A <= kSearchAssignments): a value is kept as its low word, and a
   // wide entry outside int32 reads as out of range
   const int A = static_cast<int>(d.assignments), lo = static_cast<int>(a0);
+  const DevicePlan<const int32_t*> smem{s_bins, s_pbins, E};
   for (int base = 0; base < A; base += static_cast<int>(blockDim.x) * kSearchItems) {
     int a[kSearchItems], e[kSearchItems];
 #pragma unroll
@@ -125,7 +127,7 @@ __device__ void search_dest_rows(const DestArg& d, int64_t a0, int n, int64_t ro
     for (int j = 0; j < kSearchItems; ++j) {
       const int i = base + j * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
       if (a[j] < lo || a[j] - lo >= n || e[j] < 0 || e[j] >= E) continue;
-      const int r = i - (e[j] == 0 ? 0 : s_bins[e[j] - 1]) + (e[j] == 0 ? 0 : s_pbins[e[j] - 1]);
+      const int r = i - smem.real_start(e[j]) + smem.padded_start(e[j]);
       s_out[a[j] - lo] = r < 0 || r >= rows ? -1 : static_cast<Out>(r);
     }
   }
@@ -145,7 +147,7 @@ __device__ void stage_group(int64_t t, int k0, int nk, int top_k, const int32_t*
   for (int q = threadIdx.x; q < nk; q += kThreads) {
     const int64_t a = index::assignment_id(t, k0 + q, top_k);
     if constexpr (!kSearch) {
-      const int64_t r = dest[a];
+      const int64_t r = plan_rows(dest).dest_row(a);
       s_dest[q] = (r < 0 || r >= rows) ? -1 : r;
     }
     s_w[q] = load_scale(w, a);
@@ -176,7 +178,7 @@ __device__ int stage_live(int64_t t, int* k0, int top_k, const int32_t* __restri
     const int64_t a = index::assignment_id(t, slot, top_k);
     int64_t r = -1;
     if (slot < top_k) {
-      r = dest[a];
+      r = plan_rows(dest).dest_row(a);
       if (r >= rows) r = -1;
     }
     const bool live = r >= 0;
@@ -300,11 +302,11 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
     }
     __syncthreads();
   }
-  auto bins = [&](int64_t e) -> int64_t { return staged ? s_bins[e] : load_index(pad.bins, e); };
-  auto pbins = [&](int64_t e) -> int64_t { return staged ? s_pbins[e] : load_index(pad.padded_bins, e); };
+  const DevicePlan<StagedIndex> plan{StagedIndex{s_bins, pad.bins, staged},
+                                     StagedIndex{s_pbins, pad.padded_bins, staged}, E};
   const int64_t last = first + rows < y.rows ? first + rows : y.rows;
   const int64_t units = units_of<U>(y);
-  const int64_t padded = E > 0 ? pbins(E - 1) : 0;
+  const int64_t padded = plan.padded_total();
   auto zero_range = [&](int64_t r0, int64_t r1) {  // all threads, flattened over (row, unit)
     // (row, unit) stepped by kThreads units without a division a store (a 64-bit division and
     // modulo a store were the largest stall of decode's dispatch under ncu)
@@ -323,18 +325,13 @@ __device__ void zero_padding_rows(const RowsArg& y, const PaddingRef& pad, bool 
   if (!zero_padding) return;
   const int64_t end = last < padded ? last : padded;
   if (first >= end) return;
-  int64_t lo = 0, hi = E;  // first expert whose padded segment ends past `first`
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (pbins(mid) > first) hi = mid;
-    else lo = mid + 1;
-  }
-  for (int64_t e = lo; e < E; ++e) {
-    const int64_t pstart = e == 0 ? 0 : pbins(e - 1);
+  // from the first expert whose padded segment ends past `first`
+  for (int64_t e = plan.padded_segment(first); e < E; ++e) {
+    const int64_t pstart = plan.padded_start(e);
     if (pstart >= end) break;
-    const int64_t count = bins(e) - (e == 0 ? 0 : bins(e - 1));
+    const int64_t count = plan.count(e);
     const int64_t z0 = pstart + count > first ? pstart + count : first;
-    const int64_t pend = pbins(e);
+    const int64_t pend = plan.padded_end(e);
     const int64_t z1 = pend < end ? pend : end;
     if (z0 < z1) zero_range(z0, z1);
   }

@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, kSpreadDotsBlocks)
     search_dest_rows(dest, a0, static_cast<int>(A - a0 < kThreads / 32 ? A - a0 : kThreads / 32), y.rows, s_found);
   }
   if (a >= A) return;
-  int64_t r = kSearch ? s_found[threadIdx.x / 32] : dest.rows[a];
+  int64_t r = kSearch ? s_found[threadIdx.x / 32] : plan_rows(dest.rows).dest_row(a);
   if (r >= y.rows) r = -1;  // only with unchecked bad input: as the block kernel, dropped
   float partial = 0.0f;
   if (r >= 0) {
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     const uint32_t first_scale = kScales && lane < sc.cols ? load_scale_entry(sc, t, lane) : 0u;
     if (lane < nk) {
       const int64_t a = index::assignment_id(t, k0 + lane, top_k);
-      my_r = dest[a];
+      my_r = plan_rows(dest).dest_row(a);
       if (my_r >= y.rows) my_r = -1;  // only with unchecked bad input: as the block kernel, dropped
       my_w = load_scale(w, a);
     }

@@ -5,6 +5,7 @@
 // The host reads the key back (one synchronization) and fetches the
 // offending values for the message.
 #include "cuda/common.cuh"
+#include "cuda/plan_view.cuh"
 
 namespace padmoe {
 namespace cuda {
@@ -53,9 +54,10 @@ __global__ void validate_routing_ids_kernel(IndexRef ids, int64_t n, int64_t glo
 __global__ void validate_bins_kernel(IndexRef bins, IndexRef padded_bins, int num_experts, int64_t assignments,
                                      int64_t output_rows, Key* key) {
   pdl_begin();
+  const DevicePlan<IndexRef> plan{bins, padded_bins, num_experts};
   grid_loop(num_experts, [&](int64_t e) {
-    const int64_t b = load_index(bins, e), p = load_index(padded_bins, e);
-    const int64_t bp = e == 0 ? 0 : load_index(bins, e - 1), pp = e == 0 ? 0 : load_index(padded_bins, e - 1);
+    const int64_t b = plan.real_end(e), p = plan.padded_end(e);
+    const int64_t bp = plan.real_start(e), pp = plan.padded_start(e);
     if (b < bp) report(key, kBinsDecreasing, e);
     if (p < pp) report(key, kPaddedDecreasing, e);
     if (p - pp < b - bp) report(key, kPaddedTooSmall, e);
@@ -69,9 +71,10 @@ __global__ void validate_bins_kernel(IndexRef bins, IndexRef padded_bins, int nu
 __global__ void validate_sorted_kernel(IndexRef indices, IndexRef bin_ids, IndexRef bins, int num_experts,
                                        int64_t assignments, int* seen, Key* key) {
   pdl_begin();
+  const DevicePlan<IndexRef> plan{bins, IndexRef{}, num_experts};
   grid_loop(assignments, [&](int64_t i) {
     const int64_t e = load_index(bin_ids, i);
-    if (e < 0 || e >= num_experts || i < (e == 0 ? 0 : load_index(bins, e - 1)) || i >= load_index(bins, e)) {
+    if (e < 0 || e >= num_experts || i < plan.real_start(e) || i >= plan.real_end(e)) {
       report(key, kBinIdsInconsistent, i);
     }
     const int64_t a = load_index(indices, i);
@@ -87,7 +90,8 @@ __global__ void validate_plan_kernel(const int32_t* dest, const int32_t* sources
                                      int num_experts, int64_t assignments, int64_t sources_len, int64_t output_rows,
                                      Key* key) {
   pdl_begin();
-  const int64_t padded = num_experts > 0 ? padded_bins[num_experts - 1] : 0;
+  const DevicePlan<const int32_t*> plan{nullptr, padded_bins, num_experts, dest, sources};
+  const int64_t padded = plan.padded_total();
   if (blockIdx.x == 0 && threadIdx.x == 0 &&
       (padded < 0 || padded > sources_len || (output_rows >= 0 && padded > output_rows))) {
     report(key, kCapacity, 0);
@@ -95,12 +99,12 @@ __global__ void validate_plan_kernel(const int32_t* dest, const int32_t* sources
   const int64_t limit = padded < sources_len ? padded : sources_len;
   grid_loop(assignments > limit ? assignments : limit, [&](int64_t i) {
     if (i < assignments) {
-      const int64_t r = dest[i];
-      if (r < -1 || r >= limit || (r >= 0 && sources[r] != i)) report(key, kPlanDestRows, i);
+      const int64_t r = plan.dest_row(i);
+      if (r < -1 || r >= limit || (r >= 0 && plan.row_source(r) != i)) report(key, kPlanDestRows, i);
     }
     if (i < limit) {
-      const int64_t a = sources[i];
-      if (a < -1 || a >= assignments || (a >= 0 && dest[a] != i)) report(key, kPlanRowSources, i);
+      const int64_t a = plan.row_source(i);
+      if (a < -1 || a >= assignments || (a >= 0 && plan.dest_row(a) != i)) report(key, kPlanRowSources, i);
     }
   });
 }
