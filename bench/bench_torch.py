@@ -375,6 +375,40 @@ def render_md(report):
     return "\n".join(lines) + "\n"
 
 
+README_OPS = (
+    "padded_gather",
+    "padded_scatter",
+    "padded_scatter_wgrad",
+    "pad_to_alignment",
+    "unpad_from_alignment",
+    "Routing forward",
+    "Routing forward+backward",
+)
+
+
+def render_readme(report):
+    """The README's performance table: one eager call (host included), µs and (× the copy floor),
+    op by preset; the Routing forward's CUDA-graph replay per call under it."""
+    presets = list(dict.fromkeys(r["preset"] for r in report["rows"]))
+    cell = {(r["preset"], r["op"]): r for r in report["rows"]}
+    lines = ["| op, eager µs (x floor) | " + " | ".join(presets) + " |", "| --- |" + " ---: |" * len(presets)]
+    for op in README_OPS:
+        vals = []
+        for pr in presets:
+            r = cell.get((pr, op))
+            if r is None:
+                vals.append("-")
+            else:
+                f = f" ({r['eager_over_floor']:.1f}x)" if r["eager_over_floor"] else ""
+                vals.append(f"{r['eager_us']:.1f}{f}")
+        lines.append(f"| `{op}` | " + " | ".join(vals) + " |")
+    graph = [cell.get((pr, "Routing forward"), {}).get("graph_us") for pr in presets]
+    lines.append(
+        "| `Routing forward`, CUDA graph | " + " | ".join("-" if g is None else f"{g:.1f}" for g in graph) + " |"
+    )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default=",".join(PRESETS))
@@ -385,6 +419,7 @@ def main(argv=None):
     p.add_argument("--moe", action="store_true", help="also the MoE block")
     p.add_argument("--out-md")
     p.add_argument("--out-json")
+    p.add_argument("--readme-md", help="also write the README's performance table here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_torch.py needs a CUDA device", file=sys.stderr)
@@ -410,6 +445,9 @@ def main(argv=None):
         with open(args.out_json, "w") as f:
             json.dump(report, f, indent=1)
     md = render_md(report)
+    if args.readme_md:
+        with open(args.readme_md, "w") as f:
+            f.write(render_readme(report))
     if args.out_md:
         with open(args.out_md, "w") as f:
             f.write(md)

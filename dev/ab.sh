@@ -13,7 +13,10 @@
 #    in-graph columns.
 # Output under ${AB_OUT:-.ab/out}. AB_PRESETS: the presets; AB_BENCH_ARGS: more bench flags (e.g.
 # --iters 20 to shorten the run). AB_CPU_ONLY=1: a CPU-only build, the CPU digests, no bench (a check
-# of the script itself on a machine without a GPU); AB_DIGEST_ARGS: more digest flags (--small).
+# of the script itself on a machine without a GPU); AB_DIGEST_ARGS: more digest flags (--small);
+# AB_OLD_CXXFLAGS: more flags for the old tree's digest build, e.g. -D macros that map the names
+# digest.cpp uses to the ones an older tree spelled differently
+# (-Dpadded_rows_bound=capacity_bound -Dsort_chunks_rows_bound=sort_chunks_capacity).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -49,7 +52,8 @@ wait $p_new || { echo "new build failed: $work/new-build.build.log"; tail -n 30 
 for v in old new; do
   src=$root; [ $v = old ] && src=$work/old-src
   lib=$(find "$work/$v-build" -maxdepth 1 -name 'libpadmoe.a' | head -n 1)
-  g++ -std=c++17 -O2 -I "$src/include" "$root/dev/digest.cpp" "$lib" "${link_cuda[@]}" -lpthread -ldl -lrt \
+  extra=(); [ $v = old ] && extra=(${AB_OLD_CXXFLAGS:-})
+  g++ -std=c++17 -O2 "${extra[@]}" -I "$src/include" "$root/dev/digest.cpp" "$lib" "${link_cuda[@]}" -lpthread -ldl -lrt \
     -o "$work/digest-$v" || { echo "digest build ($v) failed"; exit 1; }
 done
 stamp "digests (CPU and CUDA backends)"
