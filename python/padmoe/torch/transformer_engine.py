@@ -125,10 +125,7 @@ class _Permute(torch.autograd.Function):
         ctx.tokens = inp.shape[0]
         moved = None
         if probs is not None:
-            # no trailing .to(probs.dtype): where() keeps the dtype, and torch.compile of some torch
-            # releases (2.11) drops the gradient of a Function output that a no-op .to() returned
-            flat = probs.reshape(-1)
-            moved = torch.where(sources >= 0, flat[sources.clamp(min=0).long()], 0)
+            moved = tp.moved_probs(probs, packed, inp.shape[0], top_k, num_experts, capacity, sources)
         if 0 <= rows < y.shape[0]:
             # the first `rows` rows hold every destination: the gradient comes with as many rows, and
             # dispatch_backward reads only the destinations (no zero-padded copy of it is made)
@@ -196,8 +193,7 @@ class _QuantizedPermute(_Permute):
     def forward(ctx, inp, probs, packed, top_k, num_experts, capacity, q, sources, rows):
         moved = None
         if probs is not None:
-            flat = probs.reshape(-1)
-            moved = torch.where(sources >= 0, flat[sources.clamp(min=0).long()], 0)
+            moved = tp.moved_probs(probs, packed, inp.shape[0], top_k, num_experts, capacity, sources)
             moved = _head(moved, rows) if 0 <= rows < moved.shape[0] else moved
         out = tp.permute_quantized(inp, q, moved, packed, top_k, num_experts, capacity, rows)
         ctx.tokens = inp.shape[0]
