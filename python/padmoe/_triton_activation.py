@@ -214,13 +214,23 @@ def act_backward_kernel(
     stride_b,
     alpha,
     limit,
+    row_sources,
+    weights,
+    dots,
+    NB,
     BIAS: tl.constexpr,
     KIND: tl.constexpr,
     GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """With ``WEIGHTED`` (the router weights applied after the experts, folded in here): ``grad_a``
+    is the unweighted gradient of ``a``; each row's weight ``w_r = weights[row_sources[r]]`` (0 on
+    padding rows) scales it before the activation's derivative and scales the ``a`` written (the
+    down projection's weight gradient reads ``w_r * a``), and ``dots[row_sources[r], program
+    column]`` gets this tile's share of ``<grad_a_r, a_r>``, the router weight's gradient."""
     rows, cols, live, m, p, col0 = _tile(offsets, E, I, BLOCK_R, BLOCK_C)
     if tl.program_id(0) * BLOCK_R < p:
         g, u = _inputs(h, bias, row_experts, rows, cols, live, m, I, stride_h, stride_b, col0, BIAS, GATED, INTERLEAVED,
@@ -229,6 +239,14 @@ def act_backward_kernel(
         y, d = _act(g, KIND, alpha, limit)
         out = h.dtype.element_ty
         base = grad_h + rows[:, None] * stride_gh
+        if WEIGHTED:
+            src = tl.load(row_sources + rows, mask=live, other=-1)
+            has = live & (src >= 0)
+            wr = tl.load(weights + tl.where(has, src, 0).to(tl.int64), mask=has, other=0.0).to(tl.float32)
+            full = y * _up_half(u, KIND, limit) if GATED else y
+            part = tl.sum(ga * tl.where(m, full, 0.0), axis=1)
+            tl.store(dots + tl.where(has, src, 0).to(tl.int64) * NB + tl.program_id(1), part, mask=has)
+            ga = ga * wr[:, None]
         if GATED:
             uu = _up_half(u, KIND, limit)
             dg = ga * uu * d
@@ -243,6 +261,8 @@ def act_backward_kernel(
                 tl.store(base + I + cols[None, :], du.to(out), mask=m)
         else:
             tl.store(base + cols[None, :], (ga * d).to(out), mask=m)
+        if WEIGHTED:
+            y = y * wr[:, None]
         tl.store(a + rows[:, None] * stride_a + cols[None, :], y.to(a.dtype.element_ty), mask=m)
 
 

@@ -195,11 +195,20 @@ def test_forms_against_float64_loops(device, act, gated, interleaved, transposed
         (50, 4, 2, 128, {}),  # alignment 128: most rows padding
         (40, 5, 2, 16, {"one_expert": True}),  # every token on expert 0
         (45, 6, 3, 8, {"invalid": True}),  # dropped ids (drop_invalid)
+        # no biases, I < H: the router weights folded into the activation's backward (fold_weights)
+        (41, 6, 2, 8, {"bias": False}),
+        (1, 6, 2, 8, {"bias": False}),
+        (50, 4, 2, 128, {"bias": False}),
+        (45, 6, 3, 8, {"bias": False, "invalid": True}),
+        (40, 5, 2, 16, {"bias": False, "one_expert": True}),
+        (41, 6, 2, 8, {"bias": False, "H": 16, "I": 32}),  # I > H: not folded, the expert outputs read
     ],
 )
 def test_odd_cases(device, T, E, K, alignment, extra):
+    extra = dict(extra)
+    bias = extra.pop("bias", True)
     run_case(
-        device, torch.float32, "silu", True, False, False, True, "after", T=T, E=E, K=K, alignment=alignment, **extra
+        device, torch.float32, "silu", True, False, False, bias, "after", T=T, E=E, K=K, alignment=alignment, **extra
     )
 
 
@@ -396,13 +405,19 @@ def test_recompute_rows_gives_the_same_bits(device, weighting):
         assert torch.equal(a, b)
 
 
-def test_backward_frees_intermediates_after_last_use(monkeypatch):
+@pytest.mark.parametrize("H, I", [(64, 32), (32, 64)])
+def test_backward_frees_intermediates_after_last_use(monkeypatch, H, I):
     """The operator's eager backward frees the expert outputs before the activation's backward and
     the up projection's output right after it (their last uses), instead of keeping both until the
-    backward returns: the peak memory of forward + backward is that of the composition."""
-    x, idx, w, up, down = small_inputs("cpu", torch.bfloat16)
+    backward returns: the peak memory of forward + backward is at most that of the composition.
+    Where the router weights fold into the activation's backward (I < H), the expert outputs are
+    not kept at all."""
+    x, idx, w, up, down = small_inputs("cpu", torch.bfloat16, H=H, I=I)
+    folded = I < H
     made, seen = [], {}
-    real_mm, real_act, real_wgrad = _expert_mlp._mm, _expert_mlp._act_backward, _expert_mlp._mm_wgrad
+    real_mm, real_wgrad = _expert_mlp._mm, _expert_mlp._mm_wgrad
+    name = "_act_backward_weighted" if folded else "_act_backward"
+    real_act = getattr(_expert_mlp, name)
 
     def mm(*args):
         out = real_mm(*args)
@@ -418,10 +433,11 @@ def test_backward_frees_intermediates_after_last_use(monkeypatch):
         return real_wgrad(*args)
 
     monkeypatch.setattr(_expert_mlp, "_mm", mm)
-    monkeypatch.setattr(_expert_mlp, "_act_backward", act_backward)
+    monkeypatch.setattr(_expert_mlp, name, act_backward)
     monkeypatch.setattr(_expert_mlp, "_mm_wgrad", wgrad)
     out = experts_forward(x, idx, w, up, down, gate="silu", alignment=16)
-    assert len(made) == 2 and made[0]() is not None and made[1]() is not None  # h and ys, kept for the backward
+    assert len(made) == 2 and made[0]() is not None  # h, kept for the backward
+    assert (made[1]() is None) == folded  # ys: kept only where the weights' gradient reads it
     out.float().sum().backward(retain_graph=True)
     assert seen == {"ys alive at the activation's backward": False, "h alive at the weight gradients": False}
     with pytest.raises(RuntimeError, match="a second time"):

@@ -71,8 +71,10 @@ def reference(kind, h, ga, gated, interleaved):
     return y * uu, grad_h
 
 
-def launch(h, ga, offsets, kind, gated, interleaved, bias=None, row_experts=None):
-    """Both kernels into outputs pre-filled with SENTINEL: (a, grad_h, a recomputed)."""
+def launch(h, ga, offsets, kind, gated, interleaved, bias=None, row_experts=None, fold=None):
+    """Both kernels into outputs pre-filled with SENTINEL: (a, grad_h, a recomputed); with ``fold =
+    (row_sources, weights, assignments)`` the backward folds the router weights in (WEIGHTED) and a
+    fourth item is its dots ``[assignments, column blocks]``."""
     width = ga.shape[1]
     a = torch.full((h.shape[0], width), SENTINEL, dtype=h.dtype, device=h.device)
     grad_h = torch.full_like(h, SENTINEL)
@@ -82,11 +84,15 @@ def launch(h, ga, offsets, kind, gated, interleaved, bias=None, row_experts=None
     b, rx, sb = (h, h, 0) if bias is None else (bias, row_experts, bias.stride(0))
     e = offsets.shape[0]
     ta.act_forward_kernel[grid](h, a, offsets, b, rx, e, width, h.stride(0), a.stride(0), sb, ALPHA, LIMIT, **meta)
+    src, wts, dots = h, h, h
+    if fold is not None:
+        src, wts, n = fold
+        dots = torch.zeros(n, grid[1], dtype=torch.float32, device=h.device)
     ta.act_backward_kernel[grid](
         h, ga, grad_h, a2, offsets, b, rx, e, width, h.stride(0), ga.stride(0), grad_h.stride(0), a2.stride(0), sb,
-        ALPHA, LIMIT, **meta,
+        ALPHA, LIMIT, src, wts, dots, grid[1], WEIGHTED=fold is not None, **meta,
     )  # fmt: skip
-    return a, grad_h, a2
+    return (a, grad_h, a2) if fold is None else (a, grad_h, a2, dots)
 
 
 FORMS = [(k, True, False) for k in KINDS if k not in ("swish", "gelu_pytorch_tanh")]
@@ -114,6 +120,41 @@ def test_against_float64(kind, gated, interleaved, dtype):
         torch.testing.assert_close(got[:p].double(), want.to(dtype).double(), **tol)
         assert (got[p:] == SENTINEL).all()  # rows at or past P not written
     assert torch.equal(a.cpu(), a2.cpu())  # the backward's recomputed output is the forward's, bit for bit
+
+
+@pytest.mark.parametrize("kind, gated, interleaved", [("silu", True, False), ("clamped_swiglu", True, True),
+                                                      ("gelu", False, False)])  # fmt: skip
+def test_router_weights_folded_in(kind, gated, interleaved):
+    """WEIGHTED: grad_a unweighted; each row's weight w_r = weights[row_sources[r]] (0 on padding rows,
+    source -1) scales it before the derivative and scales the a written; dots[source] gets the row's
+    <grad_a, a> by column block (their sum: the router weight's gradient); assignments without a row
+    stay 0."""
+    rows, width, p, n = 45, 300, 37, 50  # two column blocks (256 + a 44-column tail), rows past P
+    gen = torch.Generator().manual_seed(11 + gated)
+    n1 = 2 * width if gated else width
+    h = torch.randn(rows, n1, generator=gen) * 2
+    ga = torch.randn(rows, width, generator=gen)
+    h[p:] = float("nan")
+    ga[p:] = float("nan")
+    offsets = torch.tensor([12, 20, 20, p], dtype=torch.int32)
+    sources = torch.randperm(n, generator=gen)[:rows].to(torch.int32)
+    sources[[3, 15, 30]] = -1  # padding rows
+    weights = torch.rand(n, generator=gen)
+    a_ref, gh_ref = reference(kind, h[:p], ga[:p], gated, interleaved)
+    has = sources[:p] >= 0
+    wr = torch.where(has, weights.double()[sources[:p].clamp(min=0).long()], 0.0)
+    _, gh_w = reference(kind, h[:p], ga[:p] * wr[:, None], gated, interleaved)
+    dots_ref = torch.zeros(n, dtype=torch.float64)
+    dots_ref[sources[:p][has].long()] = (ga[:p].double() * a_ref).sum(1)[has]
+    _, grad_h, a2, dots = launch(
+        h.to(DEV), ga.to(DEV), offsets.to(DEV), kind, gated, interleaved,
+        fold=(sources.to(DEV), weights.to(DEV), n),
+    )  # fmt: skip
+    scale = max(gh_w.abs().max().item(), 1.0)
+    torch.testing.assert_close(grad_h.cpu()[:p].double(), gh_w, rtol=1e-5, atol=1e-6 * scale)
+    torch.testing.assert_close(a2.cpu()[:p].double(), a_ref * wr[:, None], rtol=1e-5, atol=1e-5)
+    assert (a2.cpu()[p:] == SENTINEL).all() and (grad_h.cpu()[p:] == SENTINEL).all()
+    torch.testing.assert_close(dots.cpu().double().sum(1), dots_ref, rtol=1e-5, atol=1e-4)
 
 
 def test_no_rows():

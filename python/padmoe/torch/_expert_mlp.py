@@ -22,6 +22,15 @@ copies, no zero-filled halves)::
     grad_rows       = grouped_mm(grad_h, up^T)
     grad_x, grad_w  = dispatch_backward(grad_rows)
 
+With the router weights applied after the experts, their gradient wanted, no down bias and I < H
+(``fold_weights``: qwen3-30b-a3b, deepseek-v3), the weights fold into the activation's pass instead,
+and ys is never read (nor kept)::
+
+    grad_ys                 = dispatch(grad_out)                      unweighted
+    grad_a                  = grouped_mm(grad_ys, down^T)
+    grad_h, w*a, grad_w     = activation_backward(h + b_up, grad_a, w)  grad_w[a] = <grad_a, a> of its row
+    grad_down               = grad_ys^T (w*a)
+
 On CUDA (bf16 / fp16, an alignment that is a multiple of 16) where padding rows dominate (decode;
 ``_gather_gemm.gather_pays``) the up projection reads x's rows through the plan instead
 (``padmoe/_triton_gather_gemm.py``, the gather in the GEMM's A-load, tiles of padding skipped):
@@ -29,8 +38,9 @@ without gradients with the activation in its epilogue (``a = act(x[sources] @ up
 rows nor h written); with gradients and ``recompute_rows``, writing h, and the backward's ``grad_up``
 reads x through the plan as well. Otherwise the rows are dispatched for torch's GEMM.
 
-Saved for the backward: x, the dispatched rows, h and ys (``a`` is recomputed in the activation's
-backward pass instead of kept: ``R * I`` elements less than the composition keeps); with
+Saved for the backward: x, the dispatched rows, h and, where the router weights' gradient reads it
+and the weights are not folded, ys (``a`` is recomputed in the activation's backward pass instead
+of kept: ``R * I`` elements less than the composition keeps); with
 ``recompute_rows`` no rows are kept (``R * H`` elements fewer): read through the plan, or dispatched
 again. The activation runs in float32 and rounds once (the composition rounds ``act(g)`` before the product, so results
 differ from it by bf16 rounding). Every sum is a GEMM's or padmoe's, in a fixed order: bitwise
@@ -50,7 +60,7 @@ from typing import Optional
 
 import torch
 
-from ._common import call, compiling, eager_mode, fake_plan_sizes, packed, plan_args
+from ._common import call, compiling, eager_mode, fake_plan_sizes, packed, plan_args, plan_slices
 from ._gather_gemm import _gather_up_call, _gather_wgrad_call, gather_config, gather_pays
 
 Tensor = torch.Tensor
@@ -150,13 +160,24 @@ def _torch_forward(h, offsets, bias, row_experts, kind, gated, interleaved, alph
     return a
 
 
-def _torch_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit):
+def _torch_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit, fold=None):
+    """``(grad_h, a)``; with ``fold = (row_sources, weights, assignments)`` (see act_backward_kernel's
+    WEIGHTED) ``(grad_h, w_r * a, grad_weights[assignments])``."""
     grad_h = torch.empty_like(h)
     a = h.new_empty(grad_a.shape)
     p = _live_rows(offsets, h.shape[0])
     g, u = _halves(_inputs(h, bias, row_experts, p), gated, interleaved)
     ga = grad_a[:p].float()
     y, d = _act(g, kind, alpha, limit, True)
+    if fold is not None:
+        sources, weights, assignments = fold
+        src = sources[:p].long()
+        has = src >= 0
+        wr = torch.where(has, weights.reshape(-1)[src.clamp(min=0)].float(), 0.0)
+        full = y * _up(u, kind, limit)[0] if gated else y
+        grad_w = torch.zeros(assignments, dtype=torch.float32, device=h.device)
+        grad_w[src[has]] = (ga * full).sum(1)[has]
+        ga = ga * wr[:, None]
     if gated:
         uu, mask = _up(u, kind, limit)
         dg, du = _halves(grad_h[:p], gated, interleaved)
@@ -165,6 +186,9 @@ def _torch_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interlea
         y = y * uu
     else:
         grad_h[:p] = ga * d
+    if fold is not None:
+        a[:p] = y * wr[:, None]
+        return grad_h, a, grad_w.to(weights.dtype)
     a[:p] = y
     return grad_h, a
 
@@ -193,21 +217,32 @@ def triton_forward(h, offsets, bias, row_experts, kind, gated, interleaved, alph
     return a
 
 
-def triton_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit):
-    """The backward pass as the Triton kernel: ``(grad_h, a)``."""
+def triton_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit, fold=None):
+    """The backward pass as the Triton kernel: ``(grad_h, a)``, or with ``fold`` (as
+    :func:`_torch_backward`) ``(grad_h, w_r * a, grad_weights)``: the kernel writes each row's dot
+    products by column block, summed here in a fixed order."""
     from padmoe import _triton_activation as ta
 
     width = grad_a.shape[1]
     grad_h = torch.empty_like(h)
     a = h.new_empty(grad_a.shape)
+    br, bc, grid = ta.blocks(h.shape[0], width)
+    dots = sources = weights = None
+    if fold is not None:
+        sources, weights, assignments = fold
+        weights = weights.reshape(-1)
+        dots = torch.zeros(assignments, grid[1], dtype=torch.float32, device=h.device)
     if h.shape[0] and width:
-        br, bc, grid = ta.blocks(h.shape[0], width)
         b, rx, sb, has = _bias_args(h, bias, row_experts)
         ta.act_backward_kernel[grid](
             h, grad_a, grad_h, a, offsets, b, rx, offsets.shape[0], width,
             h.stride(0), grad_a.stride(0), grad_h.stride(0), a.stride(0), sb, float(alpha), float(limit),
-            BIAS=has, KIND=kind, GATED=gated, INTERLEAVED=interleaved, BLOCK_R=br, BLOCK_C=bc,
+            h if sources is None else sources, h if weights is None else weights, h if dots is None else dots,
+            grid[1], BIAS=has, KIND=kind, GATED=gated, INTERLEAVED=interleaved, WEIGHTED=fold is not None,
+            BLOCK_R=br, BLOCK_C=bc,
         )  # fmt: skip
+    if fold is not None:
+        return grad_h, a, dots.sum(1).to(weights.dtype)
     return grad_h, a
 
 
@@ -217,10 +252,10 @@ def _activation_impl(h, offsets, bias, row_experts, kind, gated, interleaved, al
     return _torch_forward(h, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit)
 
 
-def _activation_backward_impl(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit):
+def _activation_backward_impl(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit, fold=None):
     if h.is_cuda:
-        return triton_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit)
-    return _torch_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit)
+        return triton_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit, fold)
+    return _torch_backward(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit, fold)
 
 
 @torch.library.custom_op("padmoe_experts::activation", mutates_args=())
@@ -265,6 +300,42 @@ def _activation_backward(
 @_activation_backward.register_fake
 def _(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit):
     return torch.empty_like(h), h.new_empty(grad_a.shape)
+
+
+@torch.library.custom_op("padmoe_experts::activation_backward_weighted", mutates_args=())
+def _activation_backward_weighted(
+    h: Tensor,
+    grad_a: Tensor,
+    offsets: Tensor,
+    bias: Optional[Tensor],
+    row_experts: Optional[Tensor],
+    kind: int,
+    gated: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    row_sources: Tensor,
+    weights: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_h[R, N1], w_r * a[R, I], grad_weights[T*K])`` from the unweighted ``grad_a``: the
+    router weights (weighting "after") folded into the activation's backward (``fold_weights``)."""
+    fold = (row_sources, weights, weights.numel())
+    return _activation_backward_impl(
+        h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit, fold
+    )
+
+
+@_activation_backward_weighted.register_fake
+def _(h, grad_a, offsets, bias, row_experts, kind, gated, interleaved, alpha, limit, row_sources, weights):
+    return torch.empty_like(h), h.new_empty(grad_a.shape), weights.new_empty(weights.numel())
+
+
+def _act_backward_weighted(*args):
+    """The folded backward, chosen as :func:`_act_forward` is."""
+    if compiling():
+        return torch.ops.padmoe_experts.activation_backward_weighted(*args)
+    *head, row_sources, weights = args
+    return _activation_backward_impl(*head, (row_sources, weights, weights.numel()))
 
 
 def _act_forward(*args) -> Tensor:
@@ -324,6 +395,17 @@ def _bias_grad(grad: Tensor, row_experts: Tensor, num_experts: int) -> Tensor:
 # ---------------------------------------------------------------------------
 
 
+def fold_weights(weighting: str, weights_grad: bool, down_bias, a: Tensor, x: Tensor) -> bool:
+    """Whether the backward folds the router weights (weighting "after", their gradient wanted, no
+    down bias) into the activation's backward instead of reading the expert outputs ``ys[R, H]``:
+    the unweighted gradient rows go through the down projection's dgrad, the activation pass scales
+    them by each row's weight, writes ``w_r * a`` for the down weight gradient and the dot
+    ``<grad_a, a>`` as the weight's gradient. It writes ``R * I`` elements more and reads ``R * H``
+    fewer, and ``ys`` is not kept: chosen where I < H (qwen3-30b-a3b, deepseek-v3; not
+    mixtral-8x7b)."""
+    return weighting == "after" and weights_grad and down_bias is None and a.shape[1] < x.shape[1]
+
+
 def _check_rows(x: Tensor, packed: Tensor, sizes) -> None:
     """The check dispatch makes of x before the gather-fused GEMM reads x's rows through the plan (the
     plan itself is padmoe's, valid by construction)."""
@@ -369,6 +451,8 @@ class _ExpertMLP(torch.autograd.Function):
                 h = _mm(rows, up, offs, transposed)  # the bias: added by the activation as it reads h
             a = _act_forward(h, offs, act_bias, row_experts, kind, gated, interleaved, alpha, limit)
         ys = _mm(a, down, offs, transposed)
+        ctx.compiled = compiling()
+        ctx.fold = grads and fold_weights(weighting, ctx.needs_input_grad[1], down_bias, a, x)
         del a
         if down_bias is not None:
             ys = ys + _bias_rows(down_bias, row_experts)
@@ -377,16 +461,20 @@ class _ExpertMLP(torch.autograd.Function):
         ctx.gathered = fuse
         ctx.has_bias = (up_bias is not None, down_bias is not None)
         kept = None if recompute else rows
-        ctx.compiled = compiling()
+        ctx.rows = ys.shape[0]
         if ctx.compiled:  # the compiled backward frees each tensor after its last use itself
-            ctx.save_for_backward(x, w, up, down, act_bias, row_experts, packed, offs, kept, h, ys)
+            ctx.save_for_backward(
+                x, w, up, down, act_bias, row_experts, packed, offs, kept, h, None if ctx.fold else ys
+            )
             ctx.inter = None
         else:
             # The large intermediates live on ctx, not in saved tensors (which last until the backward
             # returns), so that the backward frees each after its last use: ys after combine's
-            # backward, h after the activation's, the rows after the up weight gradient.
+            # backward, h after the activation's, the rows after the up weight gradient. ys only
+            # where the router weights' gradient reads it (weighting "after", not folded).
+            keep_ys = after is not None and ctx.needs_input_grad[1] and not ctx.fold
             ctx.save_for_backward(x, w, up, down, act_bias, row_experts, packed, offs)
-            ctx.inter = [kept, h, ys]
+            ctx.inter = [kept, h, ys if keep_ys else None]
         return out
 
     @staticmethod
@@ -407,13 +495,23 @@ class _ExpertMLP(torch.autograd.Function):
         need = ctx.needs_input_grad
         before = w if weighting == "before" else None
         after = w if weighting == "after" else None
-        grad_ys, grad_w = torch.ops.padmoe.combine_backward.default(
-            grad_out.contiguous(), ys, packed, after, *sizes, after is not None and need[1], 0, ys.shape[0]
-        )
-        del ys
+        if ctx.fold:
+            # the router weights folded into the activation's backward (see fold_weights): the
+            # unweighted gradient rows, grad_w from <grad_a, a> per row, grad_down from w_r * a
+            grad_ys = _dispatch(grad_out.contiguous(), packed, None, sizes, 0, True)
+            grad_a = _mm_dgrad(grad_ys, down, offs, transposed)
+            sources = packed[plan_slices(x.shape[0], *sizes).row_sources]
+            grad_h, a, grad_w = _act_backward_weighted(
+                h, grad_a, offs, act_bias, row_experts, kind, gated, interleaved, alpha, limit, sources, w
+            )
+        else:
+            grad_ys, grad_w = torch.ops.padmoe.combine_backward.default(
+                grad_out.contiguous(), ys, packed, after, *sizes, ys is not None and need[1], 0, ctx.rows
+            )
+            del ys
+            grad_a = _mm_dgrad(grad_ys, down, offs, transposed)
+            grad_h, a = _act_backward(h, grad_a, offs, act_bias, row_experts, kind, gated, interleaved, alpha, limit)
         grad_down_bias = _bias_grad(grad_ys, row_experts, e) if ctx.has_bias[1] and need[5] else None
-        grad_a = _mm_dgrad(grad_ys, down, offs, transposed)
-        grad_h, a = _act_backward(h, grad_a, offs, act_bias, row_experts, kind, gated, interleaved, alpha, limit)
         del grad_a, h
         grad_down = _mm_wgrad(a, grad_ys, offs, transposed) if need[3] else None
         del a, grad_ys
