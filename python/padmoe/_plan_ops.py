@@ -1,6 +1,8 @@
 """The plan ops on numpy arrays (and, for the names padmoe.torch has, torch tensors): make_plan,
 dispatch, combine, their fused and scaled forms, their backward, and the layouts other
-kernels consume. Padded outputs have ``plan.padded_rows_bound`` rows, rows at or past P zero."""
+kernels consume. Padded outputs have ``plan.padded_rows_bound`` rows, rows at or past P zero.
+Each function is its unique part under ``@native_op`` (_native_op.py: the arguments, options and
+native call they share)."""
 
 from __future__ import annotations
 
@@ -8,26 +10,34 @@ from typing import Optional, Tuple
 
 from ._args import check_expert_map, map_experts
 from ._arrays import arrays_of, ndim, prepare
-from ._common import (
-    _C,
-    _UNSET,
-    Array,
-    _check_data,
-    _cols,
-    _native_scales,
-    _options,
-    _padded_out,
-    _scales_out,
-    _split_out,
-    _weight_grad,
-    numpy_only,
-)
+from ._common import _C, Array, _check_data, _cols, _padded_out, _scales_out
+from ._native_op import NO_OUT, PADDED, PADDED_GRAD, native_op
 from ._plan import INT32_MAX, PLAIN_ROUTING, Plan, PlanOptions, routing_options
 from ._sizes import aligned_rows_bound
 
 # ---------------------------------------------------------------------------
 # 1. Routing plan
 # ---------------------------------------------------------------------------
+
+
+# make_plan's routing options, keyword-only after check: PlanOptions' fields, or options= for all.
+_ROUTING = (
+    ("expert_map", None, "Optional[Array]"),
+    ("first_expert", 0, "int"),
+    ("global_experts", 0, "int"),
+    ("drop_invalid", False, "bool"),
+    ("expert_capacity", None, "Optional[int]"),
+    ("drop_policy", "position", "str"),
+    ("probs", None, "Optional[Array]"),
+    ("options", None, "Optional[PlanOptions]"),
+)
+
+
+def _routed(c):
+    """make_plan's routing options as one value (``c.routed``), checked before top_experts is."""
+    keywords = (c.expert_map, c.first_expert, c.global_experts, c.drop_invalid, c.expert_capacity, c.drop_policy)
+    c.routed = routing_options(c.op, c.options, *keywords, c.probs)
+    c.capacity = None if c.routed is None else c.routed.expert_capacity
 
 
 def _routing(arrays, options: Optional[PlanOptions], dropped):
@@ -70,25 +80,8 @@ def _plan_buffers(op, out, top_experts, num_experts, alignment, expert_capacity=
     return out
 
 
-def make_plan(
-    top_experts: Array,
-    num_experts: int,
-    alignment: int,
-    *,
-    check: Optional[bool] = None,
-    expert_map: Optional[Array] = None,
-    first_expert: int = 0,
-    global_experts: int = 0,
-    drop_invalid: bool = False,
-    expert_capacity: Optional[int] = None,
-    drop_policy: str = "position",
-    probs: Optional[Array] = None,
-    options: Optional[PlanOptions] = None,
-    out: Optional[Plan] = None,
-    num_threads: int = 0,
-    workspace: Optional[Array] = None,
-    stream: Optional[int] = None,
-) -> Plan:
+@native_op(outputs="plan", keywords=("check", *_ROUTING, "out", "num_threads", "workspace", "stream"), before=_routed)
+def make_plan(c, top_experts: Array, num_experts: int, alignment: int) -> Plan:
     """Route ``top_experts[T, K]`` (int32 or int64) to ``num_experts`` experts with
     segments padded to multiples of ``alignment``; returns a :class:`Plan` of
     int32 arrays on ``top_experts``' device.
@@ -112,45 +105,18 @@ def make_plan(
     ``options``: the same routing options as one :class:`padmoe.PlanOptions` value, instead of the
     keywords (not both).
     """
-    op = "make_plan"
-    routed = routing_options(
-        op, options, expert_map, first_expert, global_experts, drop_invalid, expert_capacity, drop_policy, probs
-    )
-    arrays = arrays_of(top_experts, op, "top_experts")
-    (top_experts,) = prepare(arrays, top_experts)
-    out = _plan_buffers(
-        op, out, top_experts, num_experts, alignment, None if routed is None else routed.expert_capacity
-    )
-    routing = _routing(arrays, routed, getattr(out, "dropped", None))
-    _C.make_plan_out(
-        top_experts,
-        num_experts,
-        alignment,
-        out,
-        **routing,
-        **_options(arrays, top_experts, check, num_threads, workspace, stream),
-    )
-    return out
+    plan = _plan_buffers(c.op, c.plan, top_experts, num_experts, alignment, c.capacity)
+    routing = _routing(c.arrays, c.routed, getattr(plan, "dropped", None))
+    _C.make_plan_out(top_experts, num_experts, alignment, plan, **routing, **c.opts)
+    return plan
 
 
-def make_plan_layouts(
-    top_experts: Array,
-    num_experts: int,
-    alignment: int,
-    *,
-    check: Optional[bool] = None,
-    expert_map: Optional[Array] = None,
-    first_expert: int = 0,
-    global_experts: int = 0,
-    drop_invalid: bool = False,
-    expert_capacity: Optional[int] = None,
-    drop_policy: str = "position",
-    probs: Optional[Array] = None,
-    options: Optional[PlanOptions] = None,
-    num_threads: int = 0,
-    workspace: Optional[Array] = None,
-    stream: Optional[int] = None,
-) -> Tuple[Plan, Array, Array, Array]:
+@native_op(
+    keywords=("check", *_ROUTING, "num_threads", "workspace", "stream"),
+    numpy_only="Routing.from_topk(...).row_experts",
+    before=_routed,
+)
+def make_plan_layouts(c, top_experts: Array, num_experts: int, alignment: int) -> Tuple[Plan, Array, Array, Array]:
     """:func:`make_plan` and, from the same pass, the layouts other kernels consume:
     ``(plan, row_experts, block_experts, padded_total)``, int32 on ``top_experts``' device.
     The routing options are :func:`make_plan`'s.
@@ -160,54 +126,28 @@ def make_plan_layouts(
     alignment)]``: the expert of each block of ``alignment`` rows, -1 past P (vLLM's
     ``expert_ids``). ``padded_total[1]``: P, on the device (no synchronization). numpy arrays only
     (torch: ``padmoe.torch.Routing``'s ``row_experts`` and ``padded_rows``)."""
-    routed = routing_options(
-        "make_plan_layouts",
-        options,
-        expert_map,
-        first_expert,
-        global_experts,
-        drop_invalid,
-        expert_capacity,
-        drop_policy,
-        probs,
-    )
-    arrays = numpy_only("make_plan_layouts", "top_experts", top_experts, "Routing.from_topk(...).row_experts")
-    (top_experts,) = prepare(arrays, top_experts)
-    t, k = (int(top_experts.shape[0]), int(top_experts.shape[1])) if ndim(top_experts) == 2 else (0, 1)
-    expert_capacity = None if routed is None else routed.expert_capacity
-    plan = Plan._allocate(t, k, num_experts, alignment, top_experts, expert_capacity)
+    plan = _plan_buffers(c.op, None, top_experts, num_experts, alignment, c.capacity)
     cap = int(plan.row_sources.shape[0])
     m = max(int(alignment), 1)
-    row_experts = arrays.empty((cap,), arrays.int32, top_experts)
-    block_experts = arrays.empty((-(-cap // m),), arrays.int32, top_experts)
-    padded_total = arrays.empty((1,), arrays.int32, top_experts)
-    routing = _routing(arrays, routed, plan.dropped)
+    row_experts = c.arrays.empty((cap,), c.arrays.int32, top_experts)
+    block_experts = c.arrays.empty((-(-cap // m),), c.arrays.int32, top_experts)
+    padded_total = c.arrays.empty((1,), c.arrays.int32, top_experts)
+    routing = _routing(c.arrays, c.routed, plan.dropped)
     _C.make_plan_out(
-        top_experts,
-        num_experts,
-        alignment,
-        plan,
-        row_experts,
-        block_experts,
-        padded_total,
-        **routing,
-        **_options(arrays, top_experts, check, num_threads, workspace, stream),
+        top_experts, num_experts, alignment, plan, row_experts, block_experts, padded_total, **routing, **c.opts
     )
     return plan, row_experts, block_experts, padded_total
 
 
+@native_op(keywords=NO_OUT)
 def moe_align_block_size(
+    c,
     topk_ids: Array,
     block_size: int,
     num_experts: int,
     expert_map: Optional[Array] = None,
     pad_sorted_ids: bool = False,
     ignore_invalid_experts: bool = False,
-    *,
-    check: Optional[bool] = None,
-    num_threads: int = 0,
-    workspace: Optional[Array] = None,
-    stream: Optional[int] = None,
 ) -> Tuple[Array, Array, Array]:
     """vLLM's ``moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None,
     pad_sorted_ids=False, ignore_invalid_experts=False)``: ``(sorted_token_ids, expert_ids,
@@ -224,8 +164,7 @@ def moe_align_block_size(
     assignments of experts mapped to -1 get no entry and the rest are grouped and ordered by their
     local id (vLLM's kernel with the map). As in vLLM, ids outside ``[0, num_experts)`` are skipped:
     their assignments get no entry (``make_plan`` rejects them)."""
-    op = "moe_align_block_size"
-    arrays = arrays_of(topk_ids, op, "topk_ids")
+    op, arrays = c.op, c.arrays
     remap = expert_map is not None and not ignore_invalid_experts  # (the kernel checks a map it is given)
     if remap:  # before anything runs; a CUDA map's entries only with check (one synchronization)
         cuda_map = bool(getattr(expert_map, "is_cuda", False))
@@ -233,9 +172,8 @@ def moe_align_block_size(
             op,
             expert_map,
             num_experts,
-            not cuda_map or _check_data(arrays_of(expert_map, op, "expert_map"), expert_map, check),
+            not cuda_map or _check_data(arrays_of(expert_map, op, "expert_map"), expert_map, c.check),
         )
-    (topk_ids,) = prepare(arrays, topk_ids)
     a = 1
     for n in topk_ids.shape:
         a *= int(n)
@@ -247,16 +185,7 @@ def moe_align_block_size(
     expert_ids = arrays.empty((-(-r // m),), arrays.int32, topk_ids)
     post = arrays.empty((1,), arrays.int32, topk_ids)
     in_kernel = expert_map if ignore_invalid_experts else None
-    _C.moe_align_block_size_out(
-        topk_ids,
-        block_size,
-        num_experts,
-        sorted_ids,
-        expert_ids,
-        post,
-        in_kernel,
-        **_options(arrays, topk_ids, check, num_threads, workspace, stream),
-    )
+    _C.moe_align_block_size_out(topk_ids, block_size, num_experts, sorted_ids, expert_ids, post, in_kernel, **c.opts)
     return sorted_ids, map_experts(expert_ids, expert_map) if remap else expert_ids, post
 
 
@@ -293,70 +222,30 @@ def _bound_rows(plan, op: str = "dispatch"):
     return rows
 
 
-def dispatch(
-    x: Array,
-    plan: Plan,
-    weights: Optional[Array] = None,
-    *,
-    check: Optional[bool] = None,
-    zero_padding: bool = True,
-    rows: Optional[int] = None,
-    out: Optional[Array] = None,
-    num_threads: int = 0,
-    workspace: Optional[Array] = None,
-    stream: Optional[int] = None,
-) -> Array:
+@native_op(outputs="y", keywords=PADDED)
+def dispatch(c, x: Array, plan: Plan, weights: Optional[Array] = None) -> Array:
     """``y[plan.padded_rows_bound, H]``: ``y[dest_rows[t*K+k]] = x[t]`` (times ``weights[t*K+k]`` when
     given), each token row read once and written to its K padded rows; padding rows and rows at or
     past P are zero. ``zero_padding=False`` leaves them unwritten (for consumers that skip them:
     DeepGEMM with the -1 row layout, masked grouped GEMMs; an inference forward only, never rows a
     weight gradient reduces over). ``rows=n`` (n >= P) or ``out=`` size the output otherwise."""
-    op = "dispatch"
-    arrays = arrays_of(x, op, "x")
-    x, weights, out = prepare(arrays, x, weights, out)
-    y = _padded_out(arrays, op, x, rows, out, _bound_rows(plan, op))
-    _C.dispatch_out(
-        x, plan, weights, y, **_options(arrays, x, check, num_threads, workspace, stream, zero_padding, out is not None)
-    )
-    return y
+    c.y = _padded_out(c.arrays, c.op, x, c.rows, c.y, _bound_rows(plan, c.op))
 
 
-def dispatch_scaled(
-    x: Array,
-    plan: Plan,
-    x_scales: Array,
-    *,
-    check: Optional[bool] = None,
-    zero_padding: bool = True,
-    rows: Optional[int] = None,
-    out: Optional[Tuple[Array, Array]] = None,
-    num_threads: int = 0,
-    workspace: Optional[Array] = None,
-    stream: Optional[int] = None,
-) -> Tuple[Array, Array]:
+@native_op(outputs="y y_scales", keywords=PADDED)
+def dispatch_scaled(c, x: Array, plan: Plan, x_scales: Array) -> Tuple[Array, Array]:
     """:func:`dispatch` of already-quantized rows with their scales moved in the same pass:
     ``(y, y_scales)`` with ``plan.padded_rows_bound`` rows. Scales: per-row float32 ``[T]`` / ``[T, 1]``,
     per-128-column float32 ``[T, ceil(H/128)]``, or MXFP8 E8M0 bytes ``[T, ceil(H/32)]`` (uint8, or a
     torch ``float8_e8m0fnu`` tensor); padding rows (and rows past P) get zero data and scale 1.
     Unweighted. ``out=(y, y_scales)``."""
-    op = "dispatch_scaled"
-    arrays = arrays_of(x, op, "x")
-    out_y, out_s = _split_out(op, out, 2)
-    x, x_scales, out_y, out_s = prepare(arrays, x, x_scales, out_y, out_s)
-    y = _padded_out(arrays, op, x, rows, out_y, _bound_rows(plan, op))
-    ys = _scales_out(arrays, x_scales, y.shape[0], x, out_s)
-    _C.dispatch_scaled_out(
-        x,
-        plan,
-        _native_scales(arrays, x_scales),
-        y,
-        _native_scales(arrays, ys),
-        **_options(arrays, x, check, num_threads, workspace, stream, zero_padding, out_y is not None),
-    )
-    return y, ys
+    c.y = _padded_out(c.arrays, c.op, x, c.rows, c.y, _bound_rows(plan, c.op))
+    c.y_scales = _scales_out(c.arrays, x_scales, c.y.shape[0], x, c.y_scales)
 
 
+@native_op(outputs="y plan", arrays="x top_experts", keywords=PADDED)
 def make_plan_and_dispatch(
+    c,
     x: Array,
     top_experts: Array,
     num_experts: int,
@@ -367,9 +256,6 @@ def make_plan_and_dispatch(
     zero_padding: bool = True,
     rows: Optional[int] = None,
     out: Optional[Tuple[Optional[Array], Optional[Plan]]] = None,
-    num_threads: int = 0,
-    workspace: Optional[Array] = None,
-    stream: Optional[int] = None,
 ) -> Tuple[Array, Plan]:
     """:func:`make_plan` then :func:`dispatch` in one call: ``(y, plan)``, the plan of
     ``top_experts[T, K]`` and ``y[plan.padded_rows_bound, H] = dispatch(x, plan, weights)``, bit for
@@ -380,111 +266,47 @@ def make_plan_and_dispatch(
     least ``plan.padded_rows_bound`` rows and/or a plan from ``Plan.empty(T, K, E, alignment,
     like=...)`` (either may be None: allocated), filled and returned. ``zero_padding`` as
     :func:`dispatch`."""
-    op = "make_plan_and_dispatch"
-    arrays = arrays_of(x, op, "x")
-    index_arrays = arrays_of(top_experts, op, "top_experts")
-    out_y, out_plan = _split_out(op, out, 2)
-    x, weights, out_y = prepare(arrays, x, weights, out_y)
-    (top_experts,) = prepare(index_arrays, top_experts)
-    plan = _plan_buffers(op, out_plan, top_experts, num_experts, alignment)
-    slots = _bound_rows(plan, op)()
-    if out_y is None and rows is not None and int(rows) < slots:  # P is not known before the call
-        raise ValueError(f"{op}: rows: must be >= plan.padded_rows_bound = {slots}, got {int(rows)}")
-    y = _padded_out(arrays, op, x, rows, out_y, lambda: slots)
-    _C.make_plan_and_dispatch_out(
-        x,
-        top_experts,
-        num_experts,
-        alignment,
-        plan,
-        weights,
-        y,
-        **_options(arrays, x, check, num_threads, workspace, stream, zero_padding, out_y is not None),
-    )
+    plan = _plan_buffers(c.op, c.plan, top_experts, num_experts, alignment)
+    slots = _bound_rows(plan, c.op)()
+    if c.y is None and rows is not None and int(rows) < slots:  # P is not known before the call
+        raise ValueError(f"{c.op}: rows: must be >= plan.padded_rows_bound = {slots}, got {int(rows)}")
+    y = _padded_out(c.arrays, c.op, x, rows, c.y, lambda: slots)
+    _C.make_plan_and_dispatch_out(x, top_experts, num_experts, alignment, plan, weights, y, **c.opts)
     return y, plan
 
 
-def combine(
-    y: Array,
-    plan: Plan,
-    weights: Optional[Array] = None,
-    *,
-    check: Optional[bool] = None,
-    out: Optional[Array] = None,
-    num_threads: int = 0,
-    workspace: Optional[Array] = None,
-    stream: Optional[int] = None,
-) -> Array:
+def _token_rows(c, like, plan, out):
+    """An output of ``plan.num_tokens`` rows shaped like ``like``'s: ``out``, else a new one."""
+    return out if out is not None else c.arrays.empty((max(int(plan.num_tokens), 0), _cols(like)), like.dtype, like)
+
+
+@native_op(outputs="out")
+def combine(c, y: Array, plan: Plan, weights: Optional[Array] = None) -> Array:
     """``out[T, H]`` = :func:`padded_scatter` on a plan: the weighted top-k sum
     in float32, ascending k, cast once to y's dtype."""
-    op = "combine"
-    arrays = arrays_of(y, op, "y")
-    y, weights, out = prepare(arrays, y, weights, out)
-    if out is None:
-        out = arrays.empty((max(int(plan.num_tokens), 0), _cols(y)), y.dtype, y)
-    _C.combine_out(y, plan, weights, out, **_options(arrays, y, check, num_threads, workspace, stream))
-    return out
+    c.out = _token_rows(c, y, plan, c.out)
 
 
+@native_op(outputs="grad_y grad_weights", arrays="y", keywords=PADDED_GRAD)
 def combine_backward(
-    grad_out: Array,
-    y: Array,
-    plan: Plan,
-    weights: Optional[Array] = None,
-    *,
-    check: Optional[bool] = None,
-    rows: Optional[int] = None,
-    out: Optional[Tuple[Array, Optional[Array]]] = None,
-    num_threads: int = 0,
-    workspace: Optional[Array] = None,
-    stream: Optional[int] = None,
+    c, grad_out: Array, y: Array, plan: Plan, weights: Optional[Array] = None
 ) -> Tuple[Array, Optional[Array]]:
     """Backward of :func:`combine` from one read of ``grad_out``:
     ``(grad_y, grad_weights)`` with ``grad_y[dest_rows[a]] = w(a) * grad_out[a // K]``
     (``plan.padded_rows_bound`` rows, padding rows and rows past P zero; y's dtype) and
     ``grad_weights[a] = <y[dest_rows[a]], grad_out[a // K]>`` (weights' dtype) when weights were
     given, else None."""
-    op = "combine_backward"
-    arrays = arrays_of(y, op, "y")
-    out_y, out_w = _split_out(op, out, 2)
-    grad_out, y, weights, out_y, out_w = prepare(arrays, grad_out, y, weights, out_y, out_w)
-    grad_y = _padded_out(arrays, op, y, rows, out_y, _bound_rows(plan, op))
-    grad_w = _weight_grad(arrays, y, weights, out_w if out is not None else _UNSET, _plan_assignments(plan))
-    _C.combine_backward_out(
-        grad_out,
-        y,
-        plan,
-        weights,
-        grad_y,
-        grad_w,
-        **_options(arrays, y, check, num_threads, workspace, stream, True, out_y is not None),
-    )
-    return grad_y, grad_w
+    c.grad_y = _padded_out(c.arrays, c.op, y, c.rows, c.grad_y, _bound_rows(plan, c.op))
+    c.grad_weights = c.weight_grad(weights, _plan_assignments(plan))
 
 
+@native_op(outputs="grad_x grad_weights", arrays="x")
 def dispatch_backward(
-    grad_y: Array,
-    x: Array,
-    plan: Plan,
-    weights: Optional[Array] = None,
-    *,
-    check: Optional[bool] = None,
-    out: Optional[Tuple[Array, Optional[Array]]] = None,
-    num_threads: int = 0,
-    workspace: Optional[Array] = None,
-    stream: Optional[int] = None,
+    c, grad_y: Array, x: Array, plan: Plan, weights: Optional[Array] = None
 ) -> Tuple[Array, Optional[Array]]:
     """Backward of :func:`dispatch`: ``(grad_x, grad_weights)`` with
     ``grad_x = combine(grad_y, weights)`` (x's dtype) and
     ``grad_weights[a] = <grad_y[dest_rows[a]], x[a // K]>`` (weights' dtype)
     when weights were given, else None."""
-    op = "dispatch_backward"
-    arrays = arrays_of(x, op, "x")
-    out_x, out_w = _split_out(op, out, 2)
-    grad_y, x, weights, out_x, out_w = prepare(arrays, grad_y, x, weights, out_x, out_w)
-    grad_x = out_x if out_x is not None else arrays.empty((max(int(plan.num_tokens), 0), _cols(x)), x.dtype, x)
-    grad_w = _weight_grad(arrays, x, weights, out_w if out is not None else _UNSET, _plan_assignments(plan))
-    _C.dispatch_backward_out(
-        grad_y, x, plan, weights, grad_x, grad_w, **_options(arrays, x, check, num_threads, workspace, stream)
-    )
-    return grad_x, grad_w
+    c.grad_x = _token_rows(c, x, plan, c.grad_x)
+    c.grad_weights = c.weight_grad(weights, _plan_assignments(plan))

@@ -1,32 +1,25 @@
 """The quantizing dispatch on numpy arrays (and torch tensors for dispatch_quantized, as padmoe.torch
 has it): bf16 / f16 / f32 token rows to float8 expert rows with their scales in one pass, and the
-quantizer alone."""
+quantizer alone. Each function is its unique part under ``@native_op`` (_native_op.py)."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
-from ._arrays import arrays_of, ndim, prepare
-from ._common import (
-    _C,
-    Array,
-    _cols,
-    _native_scales,
-    _options,
-    _split_out,
-    numpy_only,
-)
+from ._arrays import ndim
+from ._common import _C, Array, _cols, _native_scales
+from ._native_op import PADDED, native_op
 from ._plan import INT32_MAX, Plan
 from ._plan_ops import _bound_rows
 
 _QUANT_LAYOUTS = ("block128", "mxfp8", "row")
 
 
-def _quant_args(op, scale_layout, fp8):
-    if scale_layout not in _QUANT_LAYOUTS:
-        raise ValueError(f"{op}: scale_layout: expected 'block128', 'mxfp8' or 'row', got {scale_layout!r}")
-    if fp8 not in ("e4m3", "e5m2"):
-        raise ValueError(f"{op}: fp8: expected 'e4m3' or 'e5m2', got {fp8!r}")
+def _quant_args(c):
+    if c.scale_layout not in _QUANT_LAYOUTS:
+        raise ValueError(f"{c.op}: scale_layout: expected 'block128', 'mxfp8' or 'row', got {c.scale_layout!r}")
+    if c.fp8 not in ("e4m3", "e5m2"):
+        raise ValueError(f"{c.op}: fp8: expected 'e4m3' or 'e5m2', got {c.fp8!r}")
 
 
 def _quant_rows_out(arrays, x, n, fp8):
@@ -70,19 +63,9 @@ def _fp8_arg(arrays, y, fp8):
     return "" if arrays.name == "torch" and str(y.dtype).startswith("torch.float8") else fp8
 
 
+@native_op(outputs="y y_scales", keywords=PADDED, before=_quant_args)
 def dispatch_quantized(
-    x: Array,
-    plan: Plan,
-    *,
-    scale_layout: str = "block128",
-    fp8: str = "e4m3",
-    check: Optional[bool] = None,
-    zero_padding: bool = True,
-    rows: Optional[int] = None,
-    out: Optional[Tuple[Array, Array]] = None,
-    num_threads: int = 0,
-    workspace: Optional[Array] = None,
-    stream: Optional[int] = None,
+    c, x: Array, plan: Plan, *, scale_layout: str = "block128", fp8: str = "e4m3"
 ) -> Tuple[Array, Array]:
     """Fused quantizing dispatch: ``(y, y_scales)`` from bfloat16 / float16 / float32 token rows
     ``x[T, H]``, each row read once, quantized once and written to its K padded rows; both outputs
@@ -96,12 +79,8 @@ def dispatch_quantized(
     rows and rows past P: zero codes, scale 1 (float32 1.0 / E8M0 127). Not differentiable; unweighted (router
     weights are applied after the expert, in combine). ``out=(y, y_scales)`` (y may be uint8 codes
     or a torch float8 tensor; the layout is read from y_scales' dtype and shape)."""
-    op = "dispatch_quantized"
-    _quant_args(op, scale_layout, fp8)
-    arrays = arrays_of(x, op, "x")
-    out_y, out_s = _split_out(op, out, 2)
-    x, out_y, out_s = prepare(arrays, x, out_y, out_s)
-    if out_y is None:
+    op, rows = c.op, c.rows
+    if c.y is None:
         if rows is None:
             n = _bound_rows(plan, op)()
         else:
@@ -111,48 +90,28 @@ def dispatch_quantized(
         if n > INT32_MAX:  # before allocating, as dispatch: the rows must fit the int32 index outputs
             what = "padded rows" if rows is None else "rows"
             raise ValueError(f"{op}: {what}: size overflow: {n} does not fit the int32 index outputs")
-        y = _quant_rows_out(arrays, x, n, fp8)
+        c.y = _quant_rows_out(c.arrays, x, n, fp8)
     elif rows is not None:
         raise ValueError(f"{op}: pass rows= or out=, not both")
-    else:
-        y = out_y
-    ys = out_s if out_s is not None else _quant_scales_out(arrays, x, y.shape[0], scale_layout)
-    _C.dispatch_quantized_out(
-        x,
-        plan,
-        y,
-        _native_scales(arrays, ys),
-        _fp8_arg(arrays, y, fp8),
-        **_options(arrays, x, check, num_threads, workspace, stream, zero_padding, out_y is not None),
-    )
-    return y, ys
+    if c.y_scales is None:
+        c.y_scales = _quant_scales_out(c.arrays, x, c.y.shape[0], scale_layout)
+    ys = _native_scales(c.arrays, c.y_scales)
+    _C.dispatch_quantized_out(x, plan, c.y, ys, _fp8_arg(c.arrays, c.y, fp8), **c.opts)
+    return c.y, c.y_scales
 
 
-def quantize(
-    x: Array,
-    *,
-    scale_layout: str = "block128",
-    fp8: str = "e4m3",
-    out: Optional[Tuple[Array, Array]] = None,
-    num_threads: int = 0,
-    stream: Optional[int] = None,
-) -> Tuple[Array, Array]:
+@native_op(
+    outputs="y y_scales", keywords=("out", "num_threads", "stream"), numpy_only="dispatch_quantized", before=_quant_args
+)
+def quantize(c, x: Array, *, scale_layout: str = "block128", fp8: str = "e4m3") -> Tuple[Array, Array]:
     """The quantizer of :func:`dispatch_quantized` alone: ``(y[N, H], y_scales)`` from ``x[N, H]``
     (the same codes and scales dispatch_quantized writes for each token). numpy arrays only (torch:
     :func:`padmoe.torch.dispatch_quantized`)."""
-    op = "quantize"
-    _quant_args(op, scale_layout, fp8)
-    arrays = numpy_only(op, "x", x, "dispatch_quantized")
-    out_y, out_s = _split_out(op, out, 2)
-    x, out_y, out_s = prepare(arrays, x, out_y, out_s)
     n = int(x.shape[0]) if ndim(x) >= 1 else 0
-    y = out_y if out_y is not None else _quant_rows_out(arrays, x, n, fp8)
-    ys = out_s if out_s is not None else _quant_scales_out(arrays, x, n, scale_layout)
-    _C.quantize_out(
-        x,
-        y,
-        _native_scales(arrays, ys),
-        _fp8_arg(arrays, y, fp8),
-        **_options(arrays, x, True, num_threads, None, stream),
-    )
-    return y, ys
+    if c.y is None:
+        c.y = _quant_rows_out(c.arrays, x, n, fp8)
+    if c.y_scales is None:
+        c.y_scales = _quant_scales_out(c.arrays, x, n, scale_layout)
+    ys = _native_scales(c.arrays, c.y_scales)
+    _C.quantize_out(x, c.y, ys, _fp8_arg(c.arrays, c.y, fp8), **c.opts)  # (always checked: numpy)
+    return c.y, c.y_scales
