@@ -28,7 +28,7 @@ def gather_pays(tokens: int, sizes) -> bool:
     with a capacity C, at least twice the ``T*K`` real ones, as at decode), because the gather-fused
     GEMM's tiles skip the padding that torch's grouped GEMM computes. Elsewhere torch's GEMM on
     dispatched rows is faster (bench/results/experts.md: on an H100 the gather-fused up projection
-    is 1.07-1.30x dispatch + grouped_mm at qwen3-30b-a3b, mixtral-8x7b and deepseek-v3, and 0.86x at
+    is 1.06-1.22x dispatch + grouped_mm at qwen3-30b-a3b, mixtral-8x7b and deepseek-v3, and 0.84x at
     decode)."""
     top_k, e, alignment, capacity = sizes
     real = tokens * top_k
