@@ -58,6 +58,25 @@ TEST(Megatron, PadRowsIsTheOpsPAfterItsChecks) {
                            {"alignment: must be >= 1"}));
 }
 
+// An output with more rows than P: rows at or past P untouched by default, zeroed under
+// Options::zero_tail (as a spread's), the map's entries there -1 either way.
+TEST(Megatron, RowsPastPZeroedOnlyWithZeroTail) {
+  const int64_t N = 5, H = 4, R = 12;  // counts {2, 3}, alignment 4: P = 8
+  const std::vector<float> hf = tagged_rows(N, H, DType::kFloat32);
+  const Tensor h = rows_from_float(hf, DType::kFloat32, N, H);
+  const ref::PadResult want = ref::pad_to_alignment(hf, H, {2, 3}, 4);
+  for (bool tail : {false, true}) {
+    Tensor padded = poison_rows(DType::kFloat32, R, H), map = poison_index(R), offs = poison_index(2);
+    padmoe::Options o;
+    o.zero_tail = tail;
+    padmoe::pad_to_alignment_out(h, index_tensor({2, 3}, DType::kInt32), 4, padded, map, offs, o);
+    EXPECT_TRUE(rows_bitwise(padded, want.padded, 8)) << "zero_tail " << tail;
+    EXPECT_TRUE(bytes_are(padded, 8, R, tail ? 0x00 : kPoison)) << "zero_tail " << tail;
+    const std::vector<int64_t> m = index_to_vec(map);
+    for (int64_t p = 8; p < R; ++p) EXPECT_EQ(m[static_cast<size_t>(p)], -1) << "row " << p;
+  }
+}
+
 TEST(Megatron, Counts050GivesEightRows) {
   const std::vector<int64_t> counts = {0, 5, 0};
   const int64_t N = 5, H = 3;

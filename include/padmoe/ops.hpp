@@ -454,7 +454,8 @@ struct PadResult {
 // h at or past sum(tokens_per_expert) are ignored.
 PadResult pad_to_alignment(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
                            const Options& options = {});
-// _out: padded has >= P rows (rows past P untouched); permutation_map has as
+// _out: padded has >= P rows (rows past P untouched, or zeroed with options.zero_tail, as a
+// spread's: padmoe's Python rows= form asks for it); permutation_map has as
 // many entries as padded has rows (entries past P are set to -1).
 void pad_to_alignment_out(const TensorView& hidden_states, const TensorView& tokens_per_expert, int alignment,
                           const TensorView& padded, const TensorView& permutation_map,

@@ -370,7 +370,18 @@ def test_pad_rows_capacity():
     np.testing.assert_array_equal(padded[:p], exp_padded)
     np.testing.assert_array_equal(pmap[:p], exp_map)
     assert (pmap[p:] == -1).all()
+    assert (padded[p:] == 0).all()  # rows past P zero, as documented (not whatever memory held)
     np.testing.assert_array_equal(offsets, exp_offsets)
+    # an out= buffer: its rows past P are left as they are
+    sentinel = (np.full((p + 5, 4), 7.0, np.float32), np.full(p + 5, 9, np.int32), np.zeros(3, np.int32))
+    padded, pmap, _ = padmoe.pad_to_alignment(h, counts, 4, out=sentinel)
+    np.testing.assert_array_equal(padded[:p], exp_padded)
+    assert (padded[p:] == 7.0).all() and (pmap[p:] == -1).all()
+    # the scaled form: rows past P zero with scale 1, as padding rows
+    scales = np.full((9, 1), 2.0, np.float32)
+    padded, pscales, pmap, _ = padmoe.pad_to_alignment_scaled(h, counts, 4, scales, rows=p + 5)
+    np.testing.assert_array_equal(padded[:p], exp_padded)
+    assert (padded[p:] == 0).all() and (pscales[p:] == 1.0).all() and (pmap[p:] == -1).all()
 
 
 # ---------------------------------------------------------------------------

@@ -109,11 +109,14 @@ void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const Ten
     int32_t* offs = inclusive_offsets.data_as<int32_t>();
     cuda::pad_map(counts, static_cast<int>(experts), alignment, permutation_map.shape[0], h.shape[0], map, offs,
                   scratch.get(), options.stream);
-    if (experts > 0) {  // no experts: P = 0, no row of `padded` is touched
+    // Rows at or past P (the device's inclusive_offsets[E-1]) are left untouched, or, with
+    // zero_tail, zeroed in the same pass: their map entries are -1.
+    if (experts > 0 || options.zero_tail) {  // no experts and no zero_tail: P = 0, nothing to write
       const cuda::ScaleRowsArg sc =
           scales ? detail::cuda_scale_rows(scales->src, scales->dst, scales->spec) : cuda::ScaleRowsArg{};
+      const int32_t* limit = options.zero_tail ? nullptr : offs + experts - 1;
       cuda::gather_rows(cuda::RowsArg::of(h), cuda::IndexRef{map, false}, cuda::ScaleArg{}, false,
-                        cuda::RowsArg::of(padded), padded.shape[0], offs + experts - 1, options.stream,
+                        cuda::RowsArg::of(padded), padded.shape[0], limit, options.stream,
                         /*skip_unmapped=*/!options.zero_padding, scales ? &sc : nullptr);
     }
     return;
@@ -145,7 +148,9 @@ void run_pad(const Checker& c, const PadShape& s, const TensorView& h, const Ten
     }
   });
   const cpu::ScaleRows sc = scales ? detail::cpu_scale_rows(scales->src, scales->dst, scales->spec) : cpu::ScaleRows{};
-  cpu::gather_rows(cpu::RowsRef::of(h), map, cpu::Scale{}, false, cpu::RowsRef::of(padded), s.padded_rows,
+  // Rows at or past P: untouched, or zeroed with zero_tail (their map entries are -1).
+  const int64_t written = options.zero_tail ? std::min<int64_t>(padded.shape[0], map_len) : s.padded_rows;
+  cpu::gather_rows(cpu::RowsRef::of(h), map, cpu::Scale{}, false, cpu::RowsRef::of(padded), written,
                    options.num_threads, /*skip_unmapped=*/!options.zero_padding, scales ? &sc : nullptr);
 }
 

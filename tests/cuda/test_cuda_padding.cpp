@@ -21,6 +21,30 @@ TEST(CpuVsGpuEdge, PadWithNoExperts) {
   EXPECT_TRUE(all_same(to_cpu(gmap), cmap)) << "permutation_map: GPU vs CPU";
 }
 
+// Rows at or past P: untouched by default, zeroed under Options::zero_tail, with and without
+// experts (no experts: P = 0, every row past it), as on the CPU.
+TEST(CpuVsGpuEdge, PadZeroTailZeroesRowsPastP) {
+  REQUIRE_GPU();
+  const int64_t H = 8, R = 12;
+  const Tensor hh = rows_from_float(ones(5 * H), DType::kFloat32, 5, H);
+  for (const std::vector<int64_t>& counts : {std::vector<int64_t>{2, 3}, std::vector<int64_t>{}}) {
+    const Tensor hc = index_tensor(counts, DType::kInt32);
+    const int64_t P = counts.empty() ? 0 : 8, E = static_cast<int64_t>(counts.size());
+    for (bool tail : {false, true}) {
+      padmoe::Options o;
+      o.zero_tail = tail;
+      Tensor cpad = poison_rows(DType::kFloat32, R, H), cmap = poison_index(R), coff = poison_index(E);
+      padmoe::pad_to_alignment_out(hh, hc, 4, cpad, cmap, coff, o);
+      Tensor gpad = gpu_poison_rows(DType::kFloat32, R, H), gmap = gpu_poison_index(R), goff = gpu_poison_index(E);
+      padmoe::pad_to_alignment_out(to_gpu(hh), to_gpu(hc), 4, gpad, gmap, goff, o);
+      const Tensor back = to_cpu(gpad);
+      EXPECT_TRUE(bytes_are(back, P, R, tail ? 0x00 : kPoison)) << "E " << E << " zero_tail " << tail;
+      EXPECT_TRUE(all_same(back, cpad)) << "E " << E << " zero_tail " << tail << ": GPU vs CPU";
+      EXPECT_TRUE(all_same(to_cpu(gmap), cmap)) << "permutation_map: GPU vs CPU";
+    }
+  }
+}
+
 // ---- pad and unpad against the CPU and the reference -----------------------------
 // pad_to_alignment at many expert counts (up to 1024), capacity rows past P, 1- and 2-byte words,
 // and unchecked bad counts; unpad_from_alignment over partial maps (rows no entry names), int64
