@@ -602,11 +602,15 @@ int64_t aligned_rows_bound(int64_t assignments, int num_experts, int block_size,
 
 namespace {
 
-// moe_align_block_size_out, with vLLM's expert_map (ignore_invalid_experts) when expert_map is set.
-void align_blocks_out(const TensorView& top_experts, int block_size, int num_experts, const TensorView& expert_map,
-                      const TensorView& sorted_token_ids, const TensorView& expert_ids,
-                      const TensorView& num_tokens_post_padded, const Options& options) {
-  Checker c("moe_align_block_size");
+// moe_align_block_size's inputs, checked (ids on the host for CPU tensors; on CUDA while the plan
+// is made): the shape, and the routing of vLLM's expert_map (ignore_invalid_experts) when set.
+struct AlignInputs {
+  PlanShape s;
+  Routing r;
+};
+
+AlignInputs align_inputs(const Checker& c, const TensorView& top_experts, int block_size, int num_experts,
+                         const TensorView& expert_map) {
   if (block_size < 1) c.value_error("block_size", "must be >= 1, got " + std::to_string(block_size));
   // vLLM's kernel skips ids outside [0, E) (and, with a map, ids mapped to -1): such assignments get
   // no entry. The map itself is checked: [E] entries in [-1, E).
@@ -616,7 +620,20 @@ void align_blocks_out(const TensorView& top_experts, int block_size, int num_exp
   po.drop_invalid = true;
   const Routing r =
       check_plan_options(c, po, shape.tokens * shape.top_k, num_experts, block_size, top_experts.device, "expert_map");
-  const PlanShape s = check_top_experts(c, top_experts, num_experts, block_size, r);
+  return {check_top_experts(c, top_experts, num_experts, block_size, r), r};
+}
+
+void run_align_blocks(const Checker& c, const TensorView& top_experts, int block_size, int num_experts,
+                      const AlignInputs& in, const TensorView& sorted_token_ids, const TensorView& expert_ids,
+                      const TensorView& num_tokens_post_padded, const Options& options);
+
+// moe_align_block_size_out: the inputs, then the outputs checked, then the plan.
+void align_blocks_out(const TensorView& top_experts, int block_size, int num_experts, const TensorView& expert_map,
+                      const TensorView& sorted_token_ids, const TensorView& expert_ids,
+                      const TensorView& num_tokens_post_padded, const Options& options) {
+  Checker c("moe_align_block_size");
+  const AlignInputs in = align_inputs(c, top_experts, block_size, num_experts, expert_map);
+  const PlanShape& s = in.s;
   const int64_t a_count = s.tokens * s.top_k;
   const Device device = top_experts.device;
   c.int32_output(sorted_token_ids, "sorted_token_ids", aligned_rows_bound(a_count, num_experts, block_size),
@@ -636,6 +653,17 @@ void align_blocks_out(const TensorView& top_experts, int block_size, int num_exp
     for (int j = 0; j < i; ++j)
       detail::check_disjoint(c, *outs[i].first, outs[i].second, *outs[j].first, outs[j].second);
   }
+  run_align_blocks(c, top_experts, block_size, num_experts, in, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                   options);
+}
+
+// The plan into vLLM's outputs (checked); its other arrays are scratch.
+void run_align_blocks(const Checker& c, const TensorView& top_experts, int block_size, int num_experts,
+                      const AlignInputs& in, const TensorView& sorted_token_ids, const TensorView& expert_ids,
+                      const TensorView& num_tokens_post_padded, const Options& options) {
+  const PlanShape& s = in.s;
+  const int64_t a_count = s.tokens * s.top_k;
+  const Device device = top_experts.device;
   // The plan's other arrays are scratch: 3 of A entries, 4 of E.
   const int64_t ints = 3 * a_count + 4 * static_cast<int64_t>(num_experts);
   std::vector<int32_t> host;
@@ -671,7 +699,8 @@ void align_blocks_out(const TensorView& top_experts, int block_size, int num_exp
   layouts.block_experts = expert_ids;
   layouts.padded_total = num_tokens_post_padded;
   // padding rows of sorted_token_ids hold the sentinel A (such a row_sources is no plan's: kept internal)
-  run_make_plan(c, top_experts, s, num_experts, block_size, plan, options, layouts, static_cast<int32_t>(a_count), &r);
+  run_make_plan(c, top_experts, s, num_experts, block_size, plan, options, layouts, static_cast<int32_t>(a_count),
+                &in.r);
 }
 
 }  // namespace
@@ -699,16 +728,15 @@ AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size
 AlignedBlocks moe_align_block_size(const TensorView& top_experts, int block_size, int num_experts,
                                    const TensorView& expert_map, bool pad_sorted_ids, const Options& options) {
   Checker c("moe_align_block_size");
-  if (block_size < 1) c.value_error("block_size", "must be >= 1, got " + std::to_string(block_size));
-  // sizes only: moe_align_block_size_out checks the ids
-  const PlanShape s = check_top_experts_shape(c, top_experts, num_experts, block_size);
-  const int64_t rows = aligned_rows_bound(s.tokens * s.top_k, num_experts, block_size, pad_sorted_ids);
+  // every input checked before the outputs are allocated (on CUDA the ids are checked on the device)
+  const AlignInputs in = align_inputs(c, top_experts, block_size, num_experts, expert_map);
+  const int64_t rows = aligned_rows_bound(in.s.tokens * in.s.top_k, num_experts, block_size, pad_sorted_ids);
   detail::check_int32_extent(c, "sorted_token_ids", rows);
   return detail::allocate_outputs<AlignedBlocks>(
       top_experts.device,
       {{DType::kInt32, {rows}}, {DType::kInt32, {index::ceil_div(rows, block_size)}}, {DType::kInt32, {1}}},
       [&](const AlignedBlocks& r) {
-        align_blocks_out(top_experts, block_size, num_experts, expert_map, r.sorted_token_ids, r.expert_ids,
+        run_align_blocks(c, top_experts, block_size, num_experts, in, r.sorted_token_ids, r.expert_ids,
                          r.num_tokens_post_padded, options);
       });
 }
