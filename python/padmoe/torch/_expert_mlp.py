@@ -461,7 +461,6 @@ class _ExpertMLP(torch.autograd.Function):
         ctx.gathered = fuse
         ctx.has_bias = (up_bias is not None, down_bias is not None)
         kept = None if recompute else rows
-        ctx.rows = ys.shape[0]
         if ctx.compiled:  # the compiled backward frees each tensor after its last use itself
             ctx.save_for_backward(
                 x, w, up, down, act_bias, row_experts, packed, offs, kept, h, None if ctx.fold else ys
@@ -506,7 +505,7 @@ class _ExpertMLP(torch.autograd.Function):
             )
         else:
             grad_ys, grad_w = torch.ops.padmoe.combine_backward.default(
-                grad_out.contiguous(), ys, packed, after, *sizes, ys is not None and need[1], 0, ctx.rows
+                grad_out.contiguous(), ys, packed, after, *sizes, ys is not None and need[1], 0, h.shape[0]
             )
             del ys
             grad_a = _mm_dgrad(grad_ys, down, offs, transposed)

@@ -116,7 +116,13 @@ def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
     a = t * k
     kept = min(a, rows)
     if num_experts is None:
-        return _sorted_index_plan(index, rows)
+        keys = index.reshape(-1).to(torch.int64) & 0xFFFFFFFF
+        order = torch.argsort(keys, stable=True)
+        dest = torch.empty(a, dtype=torch.int32, device=index.device)
+        dest[order] = torch.arange(a, dtype=torch.int32, device=index.device)
+        if rows < a:
+            dest = torch.where(dest < rows, dest, -1)
+        return row_plan(dest, order[:kept].to(torch.int32), kept, rows, t, k)
     e = num_experts + 1  # -1 -> the extra expert E, whose rows come last
     # every id in [0, e) after the remainder: the plain plan, unchecked (no dropped count to write)
     packed = ops.make_plan.default(index.remainder(e), e, alignment=1, check=0)
@@ -127,31 +133,6 @@ def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
     if rows < a:
         dest = torch.where(dest < rows, dest, -1)
     return row_plan(dest, packed[o.row_sources], kept, rows, t, k)
-
-
-def _sorted_index_plan(index: Tensor, rows: int) -> Plan:
-    """:func:`index_plan` without a bound on the ids: the row plan from ``torch.argsort`` of the ids'
-    low 32 bits as int64 keys (TE's uint32 order: -1 last; int32 keys with the sign bit flipped
-    measured slower, docs/decisions.md), the plan's arrays written in place."""
-    t, k = index.shape
-    a = t * k
-    kept = min(a, rows)
-    device = index.device
-    order = torch.argsort(index.reshape(-1).to(torch.int64) & 0xFFFFFFFF, stable=True)
-    o = plan_slices(t, k, 1, 1, rows)  # one expert, alignment 1, capacity `rows`
-    packed = torch.empty(o.size, dtype=torch.int32, device=device)
-    counts = packed[o.counts]  # tokens_per_expert, bins (kept), padded_tokens_per_expert, padded_bins (rows)
-    counts[:2].fill_(kept)
-    counts[2:].fill_(rows)
-    ranks = torch.arange(a, dtype=torch.int32, device=device)
-    if rows < a:
-        ranks[rows:] = -1  # the positions past the cut are dropped
-    packed[o.dest_rows].scatter_(0, order, ranks)  # dest_rows[order[j]] = j
-    sources = packed[o.row_sources.start :]
-    sources[:kept].copy_(order[:kept])
-    if kept < rows:
-        sources[kept:].fill_(-1)
-    return Plan._from_packed(packed, t, k, 1, 1, rows)
 
 
 def moved_probs(probs, packed, tokens, top_k, num_experts, capacity, sources):
