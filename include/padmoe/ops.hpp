@@ -316,6 +316,23 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
                    const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
                    const TensorView& indices = {}, const TensorView& bin_ids = {}, const Options& options = {});
 
+// A plan from an index map whose ids have no known bound (TransformerEngine's index map without a
+// number of experts): top_experts [T, K] int32, the assignment of (t, k) being a = t * K + k. The
+// assignments are stable-sorted by their id read as uint32 (a negative id sorts after every
+// non-negative one, -1 last) and the j-th sorted goes to row j; a row at or past `rows` is dropped.
+// The plan is one expert of capacity `rows`. Outputs, int32, every entry written:
+//   counts [4]: {kept, kept, rows, rows} with kept = min(T * K, rows);
+//   dest_rows [T * K]: the row of each assignment, -1 where dropped;
+//   row_sources [S] (any S >= 0): the assignment in row r for r < kept, -1 after;
+//   indices, bin_ids [T * K] (optional, both or neither): the kept assignments in sorted order and
+//     their expert (0), then -1.
+// T * K and rows at most INT32_MAX. No data checks (every id is valid); on CUDA no host
+// synchronization: one launch up to cuda::kIndexPlanBlockSort assignments (a block's radix sort),
+// else three (a device-wide radix sort; scratch from Options::workspace or padmoe's pool).
+void index_plan_out(const TensorView& top_experts, int64_t rows, const TensorView& counts, const TensorView& dest_rows,
+                    const TensorView& row_sources, const TensorView& indices = {}, const TensorView& bin_ids = {},
+                    const Options& options = {});
+
 // ---------------------------------------------------------------------------
 // 2. MegaBlocks family (input in token order)
 // ---------------------------------------------------------------------------

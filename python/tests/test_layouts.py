@@ -493,3 +493,41 @@ def test_mask_plan_is_make_plan_of_the_mask(device, T, E, align):
         pt.mask_plan(routing, 0)
     with pytest.raises(TypeError, match="mask_plan: routing_map: expected a bool or integer tensor"):
         pt.mask_plan(routing.float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "T,K,bound,cut,dtype",
+    [(1, 1, 4, 1.0, torch.int32), (40, 8, 16, 0.5, torch.int32), (256, 8, 0, 1.0, torch.int64),
+     (600, 8, 300, 1.3, torch.int32), (3000, 2, 0, 0.8, torch.int64), (0, 4, 4, 1.0, torch.int32)],
+)  # fmt: skip
+def test_index_plan_op_sorts_ids_as_uint32(device, T, K, bound, cut, dtype):
+    """The ``padmoe::index_plan`` operator (TE's index map without a number of experts): the
+    assignments stable-sorted by their id read as uint32 (int64 ids by their low 32 bits), row j
+    holding the j-th, the first ``rows`` kept; checked against a plain sort of (key, assignment)."""
+    g = torch.Generator().manual_seed(T * 7 + K)
+    if bound:
+        ids = torch.randint(0, bound, (T, K), generator=g)
+        ids[torch.rand(T, K, generator=g) < 0.1] = -1
+    else:
+        ids = torch.randint(-(2**40), 2**40, (T, K), generator=g)
+    ids = ids.to(dtype)
+    a, rows = T * K, int(T * K * cut)
+    packed = torch.ops.padmoe.index_plan(ids.to(device), rows).cpu()
+    plan = padmoe.torch.Plan._from_packed(packed, T, K, 1, 1, rows)
+    keys = [(int(v) & 0xFFFFFFFF, i) for i, v in enumerate(ids.reshape(-1).tolist())]
+    order = [i for _, i in sorted(keys)]
+    kept = min(a, rows)
+    want_dest = [-1] * a
+    for j, i in enumerate(order[:kept]):
+        want_dest[i] = j
+    assert plan.dest_rows.tolist() == want_dest
+    assert plan.row_sources.tolist() == order[:kept] + [-1] * (rows - kept)
+    assert plan.indices.tolist() == order[:kept] + [-1] * (a - kept)
+    assert plan.bin_ids.tolist() == [0] * kept + [-1] * (a - kept)
+    assert [plan.tokens_per_expert.item(), plan.bins.item(), plan.padded_bins.item()] == [kept, kept, rows]
+    with pytest.raises(ValueError, match="index_plan: rows"):
+        torch.ops.padmoe.index_plan(ids.to(device), -1)
+    with pytest.raises(TypeError, match="index_plan: top_experts: expected int32 or int64"):
+        torch.ops.padmoe.index_plan(ids.to(device).float(), rows)
+    torch.library.opcheck(torch.ops.padmoe.index_plan.default, (ids.to(device), rows))

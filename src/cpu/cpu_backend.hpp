@@ -114,6 +114,11 @@ void mask_plan(const uint8_t* map, int64_t tokens, int64_t experts, int alignmen
                int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* indices,
                int32_t* bin_ids, int32_t* row_id_map, int threads);
 
+// index_plan (padmoe::index_plan_out) on sizes already checked: ids [A], counts [4], dest_rows [A],
+// row_sources [sources_len], indices and bin_ids [A] (both or neither null).
+void index_plan(const int32_t* ids, int64_t assignments, int64_t rows, int32_t* counts, int32_t* dest_rows,
+                int32_t* row_sources, int64_t sources_len, int32_t* indices, int32_t* bin_ids, int threads);
+
 // dst = src for `bytes` bytes, split into contiguous per-worker chunks;
 // large copies use streaming stores.
 void copy_bytes(void* dst, const void* src, int64_t bytes, int threads);

@@ -500,6 +500,31 @@ MaskPlan mask_plan(const std::vector<uint8_t>& map, int64_t tokens, int64_t expe
   return r;
 }
 
+IndexPlan index_plan(const std::vector<int32_t>& ids, int64_t rows, int64_t sources_len) {
+  const int64_t a_count = static_cast<int64_t>(ids.size());
+  const int64_t kept = std::min(a_count, rows);
+  IndexPlan r;
+  r.counts = {kept, kept, rows, rows};
+  r.dest_rows.assign(static_cast<size_t>(a_count), -1);
+  r.row_sources.assign(static_cast<size_t>(sources_len), -1);
+  r.indices.assign(static_cast<size_t>(a_count), -1);
+  r.bin_ids.assign(static_cast<size_t>(a_count), -1);
+  for (int64_t a = 0; a < a_count; ++a) {
+    const uint32_t key = static_cast<uint32_t>(ids[static_cast<size_t>(a)]);
+    int64_t position = 0;
+    for (int64_t b = 0; b < a_count; ++b) {
+      const uint32_t other = static_cast<uint32_t>(ids[static_cast<size_t>(b)]);
+      position += other < key || (other == key && b < a);
+    }
+    if (position >= rows) continue;
+    r.dest_rows[static_cast<size_t>(a)] = position;
+    r.indices[static_cast<size_t>(position)] = a;
+    r.bin_ids[static_cast<size_t>(position)] = 0;
+    if (position < sources_len) r.row_sources[static_cast<size_t>(position)] = a;
+  }
+  return r;
+}
+
 std::vector<uint8_t> move_scale_rows(const std::vector<uint8_t>& src, int64_t row_bytes,
                                      const std::vector<int64_t>& sources, const std::vector<uint8_t>& one) {
   require(static_cast<int64_t>(one.size()) == row_bytes, "one must hold one scale row");

@@ -138,6 +138,14 @@ struct MaskPlan {
 };
 MaskPlan mask_plan(const std::vector<uint8_t>& map, int64_t tokens, int64_t experts, int alignment, int64_t rows,
                    bool one_bin, int64_t sources_len);
+// index_plan_out from its definition: assignment a's sorted position is the number of assignments
+// with a smaller id read as uint32, plus those before a with the same id (a stable sort, counted
+// pair by pair); positions at or past `rows` dropped; counts {kept, kept, rows, rows},
+// dest_rows [A], row_sources [sources_len], indices / bin_ids [A].
+struct IndexPlan {
+  std::vector<int64_t> counts, dest_rows, row_sources, indices, bin_ids;
+};
+IndexPlan index_plan(const std::vector<int32_t>& ids, int64_t rows, int64_t sources_len);
 
 // Scales moved with the rows (ops.hpp section 4), on raw bytes: scale row r
 // of the output (row_bytes bytes) is source row sources[r] of `src`, or the

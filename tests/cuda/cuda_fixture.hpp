@@ -9,6 +9,7 @@
 //   test_cuda_plan.cpp       make_plan's kernel paths and PlanOptions, make_plan_and_dispatch
 //   test_cuda_layouts.cpp    make_plan's layouts, moe_align_block_size, batched_moe_align_block_size
 //   test_cuda_mask_plan.cpp  mask_plan (TransformerEngine's mask map)
+//   test_cuda_index_plan.cpp index_plan (TransformerEngine's index map without a number of experts)
 //   test_cuda_padding.cpp    pad_to_alignment / unpad_from_alignment
 //   test_cuda_chunks.cpp     sort_chunks / unsort_chunks
 //   test_cuda_quant.cpp      the `_scaled` ops (rows moved with their scales), dispatch_quantized,

@@ -91,6 +91,12 @@ def _(routing_map, rows, alignment=1, one_bin=False, with_row_id_map=True):
     return packed, routing_map.new_empty(shape, dtype=torch.int32)
 
 
+@torch.library.register_fake("padmoe::index_plan")
+def _(top_experts, rows):
+    t, k = top_experts.shape
+    return top_experts.new_empty(plan_offsets(t, k, 1, 1, rows).size, dtype=torch.int32)
+
+
 def mask_plan(routing_map: Tensor, alignment: int = 1) -> Tuple[Plan, Tensor]:
     """The plan of a routing mask ``routing_map[T, E]`` (bool or integer, nonzero = routed:
     TransformerEngine's mask map) and TE's ``row_id_map[T, 2E+1]``, from one native operator (no

@@ -12,8 +12,9 @@ dispatch / combine operators and their backward do the moves:
   rows lie between the experts' rows.
 
 The mask forms come from the native ``mask_plan`` operator (the plan and TE's row_id_map in three
-launches on CUDA); the index form from ``make_plan`` or ``torch.argsort``; the unpermute without a
-kept plan rebuilds one from TE's row_id_map.
+launches on CUDA); the index form from ``make_plan`` (with ``num_experts``) or the native
+``index_plan`` operator (without); the unpermute without a kept plan rebuilds one from TE's
+row_id_map.
 
 An assignment is ``a = t*K + k``: for the mask map K = E and ``k`` is the expert (``a = t*E + e``),
 for the index map ``k`` is the column of ``index``.
@@ -111,18 +112,14 @@ def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
     ``t*K + k`` are stable-sorted by expert id read as uint32 (so -1 sorts last, as in TE) and
     position j holds the j-th; positions at or past ``rows`` are dropped. With ``num_experts`` (ids
     in ``[0, E)`` or -1) padmoe's plan does the sort in one operator (and, with ``rows = T*K``, is
-    itself the plan: an expert plan of E + 1 experts, alignment 1); without, ``torch.argsort``."""
+    itself the plan: an expert plan of E + 1 experts, alignment 1); without, the native
+    ``index_plan`` operator (a radix sort of the ids as uint32 keys: one launch up to 4096
+    assignments on CUDA, three above) writes the row plan."""
     t, k = index.shape
     a = t * k
     kept = min(a, rows)
     if num_experts is None:
-        keys = index.reshape(-1).to(torch.int64) & 0xFFFFFFFF
-        order = torch.argsort(keys, stable=True)
-        dest = torch.empty(a, dtype=torch.int32, device=index.device)
-        dest[order] = torch.arange(a, dtype=torch.int32, device=index.device)
-        if rows < a:
-            dest = torch.where(dest < rows, dest, -1)
-        return row_plan(dest, order[:kept].to(torch.int32), kept, rows, t, k)
+        return Plan._from_packed(ops.index_plan.default(index, rows), t, k, 1, 1, rows)
     e = num_experts + 1  # -1 -> the extra expert E, whose rows come last
     # every id in [0, e) after the remainder: the plain plan, unchecked (no dropped count to write)
     packed = ops.make_plan.default(index.remainder(e), e, alignment=1, check=0)

@@ -40,7 +40,7 @@ form and the ``check`` of the eager calls noted below; outputs are bitwise deter
 
 The permutes are padmoe plans: the mask map becomes a plan and TE's row_id_map in one native
 operator (``torch.ops.padmoe.mask_plan``), the index map a plan of ``make_plan`` (with
-``num_experts``) or of ``torch.argsort``, and padmoe's ``dispatch`` / ``combine`` move the rows. ``moe_unpermute`` uses the plan its
+``num_experts``) or of the native ``index_plan`` operator (a radix sort of any int32 ids), and padmoe's ``dispatch`` / ``combine`` move the rows. ``moe_unpermute`` uses the plan its
 ``moe_permute`` kept on ``row_id_map`` (eager mode), else rebuilds one from ``row_id_map``.
 
 Where padmoe differs from TE: CPU tensors run too; the unwritten rows of TE's outputs (rows past
@@ -48,8 +48,8 @@ the routed count, the input gradient's rows no token uses) are zero; padmoe sums
 expert order where TE's mask path sums descending, and in float32 where TE's index path sums in
 the rows' dtype; a non-finite row routed with probability 0 gives NaN where TE writes zeros;
 ``num_out_tokens`` drops on the mask path (TE writes past its output). padmoe's keywords:
-``num_experts=`` (index map: ids in ``[0, E)`` or -1, sorted by padmoe's plan in one operator
-instead of ``torch.argsort``), ``out_rows=`` (above), ``check=`` (eager default: the index ids with
+``num_experts=`` (index map: ids in ``[0, E)`` or -1, sorted by padmoe's plan, a counting sort,
+and checked in eager mode), ``out_rows=`` (above), ``check=`` (eager default: the index ids with
 ``num_experts``, ``tokens_per_expert`` against the map, the chunk sizes and order; one read of the
 device each; ``check=False`` reads nothing).
 
@@ -289,8 +289,8 @@ def moe_permute(
     """TE's ``moe_permute -> (permuted_inp, row_id_map)`` (this module's docstring): map_type "mask"
     (``routing_map[T, E]``) or "index" (``routing_map[T, K]`` expert ids). ``max_token_num`` is
     accepted and ignored (TE sizes a workspace by it). ``num_experts`` (index map only, padmoe's
-    keyword): the ids are in ``[0, num_experts)`` or -1, and padmoe's plan sorts them in one
-    operator (without it, ``torch.argsort`` does)."""
+    keyword): the ids are in ``[0, num_experts)`` or -1, and padmoe's plan sorts them (a counting
+    sort; without it, the ``index_plan`` operator's radix sort does)."""
     op = "moe_permute"
     if map_type not in ("mask", "index"):
         raise ValueError(f"{op}: map_type: expected 'mask' or 'index', got {map_type!r}")

@@ -1,5 +1,5 @@
 // layouts_ops.cpp — vLLM's moe_align_block_size (from one make_plan), batched_moe_align_block_size
-// and the plan of a routing mask (TransformerEngine's mask map): their schemas and CPU / CUDA
+// and the plans of TransformerEngine's routing mask and index map: their schemas and CPU / CUDA
 // kernels (no Autograd kernels: their outputs are integers).
 #include <algorithm>
 #include <limits>
@@ -7,6 +7,7 @@
 
 #include "common.hpp"
 #include "kernels.hpp"
+#include "packed_plan.hpp"
 
 namespace padmoe_torch {
 
@@ -128,6 +129,30 @@ std::tuple<Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_t rows, 
   return {packed, row_id_map};
 }
 
+// index_plan(top_experts[T, K], rows) -> packed: padmoe::index_plan_out into a packed plan of one
+// expert of capacity `rows` (plan_layout(A, 1, 1, rows)): the assignments stable-sorted by their id
+// read as uint32, the first `rows` kept. int64 ids are read as their low 32 bits (an int32 copy).
+Tensor index_plan_kernel(const Tensor& ids_in, int64_t rows) {
+  const char* op = "index_plan";
+  if (ids_in.dim() != 2) value_error(op, "top_experts", "expected [num_tokens, top_k], got shape " + shape_of(ids_in));
+  if (ids_in.scalar_type() != at::kInt && ids_in.scalar_type() != at::kLong)
+    type_error(op, "top_experts", std::string("expected int32 or int64, got ") + c10::toString(ids_in.scalar_type()));
+  if (rows < 0 || rows > std::numeric_limits<int32_t>::max())
+    value_error(op, "rows", "must be in [0, 2^31), got " + std::to_string(rows));
+  const Tensor ids = ids_in.to(at::kInt).contiguous();
+  const PlanLayout l = plan_layout(ids.numel(), 1, 1, rows);
+  if (l.overflow) value_error(op, "rows", "size overflow");
+  Tensor packed = at::empty({l.total}, ids.options());
+  auto field = [&](int i, const char* name) { return view(packed.narrow(0, l.offset[i], l.length[i]), op, name); };
+  c10::OptionalDeviceGuard guard(ids.device());
+  const padmoe::Options o = options_for(ids, 0);
+  native([&] {
+    padmoe::index_plan_out(view(ids, op, "top_experts"), rows, view(packed.narrow(0, l.offset[2], 4), op, "counts"),
+                           field(6, "dest_rows"), field(7, "row_sources"), field(0, "indices"), field(1, "bin_ids"), o);
+  });
+  return packed;
+}
+
 TORCH_LIBRARY_FRAGMENT(padmoe, m) {
   m.def(
       "moe_align_block_size(Tensor topk_ids, int block_size, int num_experts, bool pad_sorted_ids=False, "
@@ -138,17 +163,20 @@ TORCH_LIBRARY_FRAGMENT(padmoe, m) {
   m.def(
       "mask_plan(Tensor routing_map, int rows, int alignment=1, bool one_bin=False, bool with_row_id_map=True) "
       "-> (Tensor, Tensor)");
+  m.def("index_plan(Tensor top_experts, int rows) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) {
   m.impl("moe_align_block_size", moe_align_kernel);
   m.impl("batched_moe_align_block_size", batched_align_kernel);
   m.impl("mask_plan", mask_plan_kernel);
+  m.impl("index_plan", index_plan_kernel);
 }
 #ifdef PADMOE_TORCH_CUDA
 TORCH_LIBRARY_IMPL(padmoe, CUDA, m) {
   m.impl("moe_align_block_size", moe_align_kernel);
   m.impl("batched_moe_align_block_size", batched_align_kernel);
   m.impl("mask_plan", mask_plan_kernel);
+  m.impl("index_plan", index_plan_kernel);
 }
 #endif
 
