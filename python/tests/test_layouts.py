@@ -501,10 +501,11 @@ def test_mask_plan_is_make_plan_of_the_mask(device, T, E, align):
     [(1, 1, 4, 1.0, torch.int32), (40, 8, 16, 0.5, torch.int32), (256, 8, 0, 1.0, torch.int64),
      (600, 8, 300, 1.3, torch.int32), (3000, 2, 0, 0.8, torch.int64), (0, 4, 4, 1.0, torch.int32)],
 )  # fmt: skip
-def test_index_plan_op_sorts_ids_as_uint32(device, T, K, bound, cut, dtype):
-    """The ``padmoe::index_plan`` operator (TE's index map without a number of experts): the
-    assignments stable-sorted by their id read as uint32 (int64 ids by their low 32 bits), row j
-    holding the j-th, the first ``rows`` kept; checked against a plain sort of (key, assignment)."""
+def test_index_plan_sorts_ids_as_uint32(device, T, K, bound, cut, dtype):
+    """``pt.index_plan`` (TE's index map without a number of experts): the assignments
+    stable-sorted by their id read as uint32 (int64 ids by their low 32 bits), row j holding the
+    j-th, the first ``rows`` kept; checked against a plain sort of (key, assignment), and the rows
+    ``dispatch`` moves with it."""
     g = torch.Generator().manual_seed(T * 7 + K)
     if bound:
         ids = torch.randint(0, bound, (T, K), generator=g)
@@ -513,8 +514,9 @@ def test_index_plan_op_sorts_ids_as_uint32(device, T, K, bound, cut, dtype):
         ids = torch.randint(-(2**40), 2**40, (T, K), generator=g)
     ids = ids.to(dtype)
     a, rows = T * K, int(T * K * cut)
-    packed = torch.ops.padmoe.index_plan(ids.to(device), rows).cpu()
-    plan = padmoe.torch.Plan._from_packed(packed, T, K, 1, 1, rows)
+    on_device = pt.index_plan(ids.to(device), rows)
+    assert (on_device.num_experts, on_device.alignment, on_device.padded_rows_bound) == (1, 1, rows)
+    plan = padmoe.torch.Plan._from_packed(on_device.packed.cpu(), T, K, 1, 1, rows)
     keys = [(int(v) & 0xFFFFFFFF, i) for i, v in enumerate(ids.reshape(-1).tolist())]
     order = [i for _, i in sorted(keys)]
     kept = min(a, rows)
@@ -526,8 +528,16 @@ def test_index_plan_op_sorts_ids_as_uint32(device, T, K, bound, cut, dtype):
     assert plan.indices.tolist() == order[:kept] + [-1] * (a - kept)
     assert plan.bin_ids.tolist() == [0] * kept + [-1] * (a - kept)
     assert [plan.tokens_per_expert.item(), plan.bins.item(), plan.padded_bins.item()] == [kept, kept, rows]
+    if a:
+        x = torch.randn(T, 4, generator=g, dtype=torch.float64).to(device)
+        y = pt.dispatch(x, on_device).cpu()
+        want_y = torch.zeros(rows, 4, dtype=torch.float64)
+        for j, i in enumerate(order[:kept]):
+            want_y[j] = x[i // K].cpu()
+        assert torch.equal(y, want_y)
+    assert torch.equal(pt.index_plan(ids.to(device)).packed.cpu(), torch.ops.padmoe.index_plan(ids, a))
     with pytest.raises(ValueError, match="index_plan: rows"):
-        torch.ops.padmoe.index_plan(ids.to(device), -1)
+        pt.index_plan(ids.to(device), -1)
     with pytest.raises(TypeError, match="index_plan: top_experts: expected int32 or int64"):
-        torch.ops.padmoe.index_plan(ids.to(device).float(), rows)
+        pt.index_plan(ids.to(device).float(), rows)
     torch.library.opcheck(torch.ops.padmoe.index_plan.default, (ids.to(device), rows))

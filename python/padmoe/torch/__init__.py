@@ -107,7 +107,7 @@ from ._dropin_ops import (  # noqa: E402
     unpad_from_alignment_scaled,
     unsort_chunks,
 )
-from ._layouts import batched_moe_align_block_size, mask_plan, moe_align_block_size  # noqa: E402
+from ._layouts import batched_moe_align_block_size, index_plan, mask_plan, moe_align_block_size  # noqa: E402
 from ._plan_ops import (  # noqa: E402
     combine,
     combine_backward,
@@ -151,6 +151,7 @@ __all__ = [
     "moe_align_block_size",
     "batched_moe_align_block_size",
     "mask_plan",
+    "index_plan",
     "padded_rows_bound",
     "sort_chunks_rows_bound",
     "aligned_rows_bound",

@@ -47,6 +47,7 @@ OPERATORS = {
     "moe_align_block_size": "moe_align_block_size",
     "batched_moe_align_block_size": "batched_moe_align_block_size",
     "mask_plan": "mask_plan",
+    "index_plan": "index_plan",
 }
 
 # operators without an autograd rule, and why
@@ -60,6 +61,7 @@ NO_AUTOGRAD = {
     "moe_align_block_size": "integer outputs only",
     "batched_moe_align_block_size": "integer outputs only",
     "mask_plan": "integer outputs only",
+    "index_plan": "integer outputs only",
 }
 
 # The module's entry points hand calls they do not take as they are (tensor subclasses, torch

@@ -123,6 +123,29 @@ def mask_plan(routing_map: Tensor, alignment: int = 1) -> Tuple[Plan, Tensor]:
     return Plan._from_packed(packed, t, e, e, m), row_id_map
 
 
+def index_plan(top_experts: Tensor, rows: Optional[int] = None) -> Plan:
+    """The plan of expert ids with no known bound, ``top_experts[T, K]`` (int32, or int64 read by
+    its low 32 bits: TransformerEngine's index map without a number of experts), from one native
+    operator (no data checks: every id is valid; no host synchronization).
+
+    The assignments ``a = t*K + k`` are stable-sorted by their id read as uint32 (a negative id
+    after every non-negative one, -1 last) and row j holds the j-th; rows at or past ``rows``
+    (default ``T*K``) are dropped. The plan is one expert of capacity ``rows`` (``plan.num_experts
+    == 1``): ``dispatch`` / ``combine`` take it as any plan, the output has exactly ``rows`` rows.
+    With ids in ``[0, E)`` and no cut it orders the rows as ``make_plan(top_experts, E, 1)`` does;
+    ``make_plan`` (a counting sort) is the faster where E is known."""
+    op = "index_plan"
+    if not isinstance(top_experts, Tensor):
+        raise TypeError(f"{op}: top_experts: expected a torch tensor, got {type(top_experts).__name__}")
+    if top_experts.dim() != 2:
+        raise ValueError(f"{op}: top_experts: expected [num_tokens, top_k], got shape {list(top_experts.shape)}")
+    t, k = top_experts.shape
+    r = t * k if rows is None else int_arg(op, "rows", rows, 0)
+    if r > INT32_MAX:
+        raise ValueError(f"{op}: rows: must be below 2^31, got {r}")
+    return Plan._from_packed(ops.index_plan.default(top_experts, r), t, k, 1, 1, r)
+
+
 def batched_moe_align_block_size(
     max_tokens_per_batch: int, block_size: int, expert_num_tokens: Tensor, *, check: Optional[bool] = None
 ) -> Tuple[Tensor, Tensor, Tensor]:
