@@ -17,10 +17,11 @@ The backward's weight gradient of the up projection reads x through the plan the
 
 Two epilogues:
 - ``ACT < 0``: ``h = acc (+ bias)`` rounded once, ``[R, N]`` (the forward with gradients keeps h).
-- ``ACT = kind``: the activation fused (kinds of padmoe/_triton_activation.py); gated, the program
-  keeps two accumulators, the gate's and the up half's columns of the same outputs (side by side:
-  ``j`` and ``I + j``; interleaved: ``2j`` and ``2j + 1``) and writes ``a[R, I]`` only: neither the
-  dispatched rows nor h is ever written (the forward without gradients).
+- ``ACT = kind``: the activation fused (kinds of padmoe/_triton_activation.py); gated, the program's
+  one accumulator is ``BLOCK_M x 2*BLOCK_N``, the gate's and the up half's columns of the same
+  outputs (side by side: ``j`` and ``I + j``; interleaved: ``2j`` and ``2j + 1``), read as one B tile
+  and split in the epilogue; it writes ``a[R, I]`` only: neither the dispatched rows nor h is ever
+  written (the forward without gradients).
 
 The bias is added to the float32 accumulator on real rows (padding rows stay zero). Every output is
 one program's dot products in a fixed order: bitwise deterministic, no atomics.
@@ -42,6 +43,32 @@ def _segment(pad_ends, counts, row0, E, E_POW2: tl.constexpr):
     e = tl.sum(((ends <= row0) & (i < E)).to(tl.int32), axis=0)
     start = tl.sum(tl.where(i == e - 1, ends, 0), axis=0)
     return e, start + tl.load(counts + e)
+
+
+@triton.jit
+def _mainloop(a_ptr, a_mask, b_ptr, b_mask, wv, acc, ks, KDIM, stride_wk, WEIGHTED: tl.constexpr,
+              EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``acc += A @ B`` over KDIM: the tiles' pointers formed once by the caller and advanced by
+    BLOCK_K (no address arithmetic a step); masks only where the sizes need them (EVEN_K: BLOCK_K
+    divides KDIM; EVEN_N: every B column in range). A's rows times ``wv`` (float32, rounded to A's
+    dtype) when WEIGHTED."""
+    for k0 in range(0, KDIM, BLOCK_K):
+        if EVEN_K:
+            at = tl.load(a_ptr, mask=a_mask, other=0.0)
+            if EVEN_N:
+                bt = tl.load(b_ptr)
+            else:
+                bt = tl.load(b_ptr, mask=b_mask, other=0.0)
+        else:
+            k_ok = (k0 + ks) < KDIM
+            at = tl.load(a_ptr, mask=a_mask & k_ok[None, :], other=0.0)
+            bt = tl.load(b_ptr, mask=b_mask & k_ok[:, None], other=0.0)
+        if WEIGHTED:
+            at = (at.to(tl.float32) * wv[:, None] + 0.0).to(at.dtype)
+        acc = tl.dot(at, bt, acc)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K * stride_wk
+    return acc
 
 
 @triton.jit
@@ -79,6 +106,8 @@ def gather_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     # Programs in groups of GROUP_M row tiles, column tiles outermost within a group: the row tiles
     # of one expert that run together share each weight tile while it is in L2 (row-major order
@@ -111,7 +140,38 @@ def gather_gemm_kernel(
             tok = tl.where(live, src // TOP_K, 0).to(tl.int64)
             if WEIGHTED:
                 wv = tl.load(weights + src, mask=live, other=0.0).to(tl.float32)
-            if ACT >= 0 and GATED:  # the weight columns of the gate and up halves of output column j
+            else:
+                wv = 0.0
+            wbase = w + e.to(tl.int64) * stride_we
+            ks = tl.arange(0, BLOCK_K)
+            a_ptr = x + tok[:, None] * stride_x + ks[None, :]
+            if ACT >= 0 and GATED:
+                # one B tile of 2 * BLOCK_N weight rows: the gate's and the up half's columns of the
+                # program's outputs, so each step is one dot of twice the width (the tensor cores'
+                # wider shape) instead of two; interleaved they are the contiguous rows
+                # [2 * n0, 2 * n0 + 2 * BLOCK_N), side by side the two runs [n0, n0 + BLOCK_N) and
+                # [N + n0, N + n0 + BLOCK_N)
+                c2 = tl.arange(0, 2 * BLOCK_N)
+                if INTERLEAVED:
+                    wrow = 2 * pid_n * BLOCK_N + c2
+                    wrow_ok = wrow < 2 * N
+                else:
+                    j2 = pid_n * BLOCK_N + c2 % BLOCK_N
+                    wrow = j2 + (c2 // BLOCK_N) * N
+                    wrow_ok = j2 < N
+                acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+            else:
+                wrow = cols
+                wrow_ok = col_ok
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            b_ptr = wbase + wrow[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+            acc = _mainloop(a_ptr, live[:, None], b_ptr, wrow_ok[None, :], wv, acc, ks, KDIM, stride_wk, WEIGHTED,
+                            EVEN_K, EVEN_N, BLOCK_K)  # fmt: skip
+            if ACT >= 0 and GATED:
+                if INTERLEAVED:  # column 2j the gate's, 2j + 1 the up half's
+                    acc_g, acc_u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+                else:  # columns [0, BLOCK_N) the gate's, [BLOCK_N, 2 * BLOCK_N) the up half's
+                    acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
                 if INTERLEAVED:
                     cg = 2 * cols
                     cu = cg + 1
@@ -119,26 +179,10 @@ def gather_gemm_kernel(
                     cg = cols
                     cu = cols + N
             else:
+                acc_g = acc
+                acc_u = acc
                 cg = cols
                 cu = cols
-            wbase = w + e.to(tl.int64) * stride_we
-            ks = tl.arange(0, BLOCK_K)
-            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, KDIM, BLOCK_K):
-                kk = k0 + ks
-                k_ok = kk < KDIM
-                at = tl.load(x + tok[:, None] * stride_x + kk[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
-                if WEIGHTED:
-                    at = (at.to(tl.float32) * wv[:, None] + 0.0).to(at.dtype)
-                bm = k_ok[:, None] & col_ok[None, :]
-                bg = tl.load(wbase + cg[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk, mask=bm, other=0.0)
-                acc_g = tl.dot(at, bg, acc_g)
-                if ACT >= 0 and GATED:
-                    bu = tl.load(
-                        wbase + cu[None, :].to(tl.int64) * stride_wn + kk[:, None] * stride_wk, mask=bm, other=0.0
-                    )
-                    acc_u = tl.dot(at, bu, acc_u)
             if BIAS:
                 bb = bias + e.to(tl.int64) * stride_be
                 acc_g += tl.where(live[:, None], tl.load(bb + cg, mask=col_ok, other=0.0).to(tl.float32)[None, :], 0.0)

@@ -117,9 +117,10 @@ def test_h_against_float64(transposed, weighted, bias):
      ("relu2", True, False)],
 )  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_activation_against_float64(kind, gated, interleaved, bias):
-    N = 80 if gated else 40
-    x, _, w, r, up, b = problem(11 + len(kind), N=N, bias=bias)
+@pytest.mark.parametrize("H, even", [(72, False), (128, True)])  # even: the tiles divide K and N (no masks)
+def test_fused_activation_against_float64(kind, gated, interleaved, bias, H, even):
+    N = (128 if even else 80) if gated else (64 if even else 40)
+    x, _, w, r, up, b = problem(11 + len(kind), H=H, N=N, bias=bias)
     h, real, p = reference_h(x, w, r, up, b)
     if gated:
         g, u = (h[:, 0::2], h[:, 1::2]) if interleaved else (h[:, : N // 2], h[:, N // 2 :])

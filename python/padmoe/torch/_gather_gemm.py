@@ -85,7 +85,8 @@ def triton_gather_up(
             float(alpha), float(limit),
             WEIGHTED=weights is not None, BIAS=bias is not None, ACT=kind if fused else -1, GATED=gated,
             INTERLEAVED=interleaved, ZERO_PADDING=zero_padding, E_POW2=1 << (e - 1).bit_length(),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=x.shape[1] % bk == 0, EVEN_N=n % bn == 0,
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out
 
