@@ -29,7 +29,7 @@ constexpr int kSortThreads = 512;
 constexpr int kSortItems = static_cast<int>(kIndexPlanBlockSort / kSortThreads);  // 8
 constexpr int kFillThreads = 256;
 constexpr int kFillItems = 8;          // -1 entries a fill thread writes
-constexpr int64_t kMaxFillBlocks = 1024;
+constexpr int kMaxFillBlocks = 1024;
 static_assert(kSortThreads * kSortItems == kIndexPlanBlockSort, "one block sorts kIndexPlanBlockSort keys");
 
 struct Outputs {
@@ -142,10 +142,6 @@ size_t sort_temp_bytes(int64_t assignments) {
   return bytes;
 }
 
-unsigned grid_for(int64_t items, int64_t per_block) {
-  const int64_t blocks = (items + per_block - 1) / per_block;
-  return static_cast<unsigned>(blocks < 1 ? 1 : blocks > kMaxFillBlocks ? kMaxFillBlocks : blocks);
-}
 
 }  // namespace
 
@@ -172,7 +168,7 @@ void index_plan(const int32_t* ids, int64_t assignments, int64_t rows, int32_t* 
   const uint32_t* keys = reinterpret_cast<const uint32_t*>(ids);
   const int64_t tail = sources_len > assignments ? sources_len - assignments : 0;
   if (assignments <= kIndexPlanBlockSort) {
-    const unsigned fill = tail > 0 ? grid_for(tail, static_cast<int64_t>(kSortThreads) * kFillItems) : 0;
+    const unsigned fill = tail > 0 ? grid_for(tail, kSortThreads * kFillItems, kMaxFillBlocks) : 0;
     launch_kernel("index_block_sort_kernel", index_block_sort_kernel, 1 + fill, kSortThreads, 0, s, keys, o);
     return;
   }
@@ -183,12 +179,12 @@ void index_plan(const int32_t* ids, int64_t assignments, int64_t rows, int32_t* 
   int32_t* ids_out = reinterpret_cast<int32_t*>(w + 2 * slot);
   size_t temp_bytes = sort_temp_bytes(assignments);
   launch_kernel("index_iota_kernel", index_iota_kernel,
-                grid_for(assignments > tail ? assignments : tail, static_cast<int64_t>(kFillThreads) * kFillItems),
+                grid_for(assignments > tail ? assignments : tail, kFillThreads * kFillItems, kMaxFillBlocks),
                 kFillThreads, 0, s, ids_in, o);
   PADMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(w + 3 * slot, temp_bytes, keys, keys_out, ids_in, ids_out,
                                                     static_cast<int>(assignments), 0, 32, s));
   launch_kernel("index_place_kernel", index_place_kernel,
-                grid_for(assignments, static_cast<int64_t>(kFillThreads) * kFillItems), kFillThreads, 0, s, ids_out, o);
+                grid_for(assignments, kFillThreads * kFillItems, kMaxFillBlocks), kFillThreads, 0, s, ids_out, o);
 }
 
 }  // namespace cuda

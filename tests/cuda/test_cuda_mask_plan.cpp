@@ -5,9 +5,11 @@
 namespace pt {
 namespace {
 
-// mask_plan_out on the GPU equals the CPU's, entry for entry, over sizes that take one and several
-// tiles a chunk, experts not a multiple of 32, cuts, padding, one_bin and the E above 3072 that
-// needs more than 48 KiB of shared memory; the GPU's outputs are the same on a second run.
+// mask_plan_out on the GPU equals the CPU's, entry for entry, over sizes that take the one-launch
+// path (policy::mask_small: up to 256 tokens) and the three launches with one and several tiles a
+// chunk, experts not a multiple of 32 or of 4 (the byte-wise map read), cuts, padding, one_bin and
+// the E above 3072 that needs more than 48 KiB of shared memory; the GPU's outputs are the same on a
+// second run.
 TEST(CpuVsGpuEdge, MaskPlan) {
   REQUIRE_GPU();
   struct Case {
@@ -20,7 +22,9 @@ TEST(CpuVsGpuEdge, MaskPlan) {
   for (const Case c : {Case{1, 1, 1, true, 1.0}, Case{33, 8, 1, true, 0.5}, Case{256, 256, 1, true, 1.0},
                        Case{256, 256, 16, false, 1.0}, Case{1000, 7, 128, false, 1.0}, Case{4099, 40, 1, false, 0.8},
                        Case{20000, 8, 16, false, 1.0}, Case{70000, 3, 1, true, 1.0}, Case{9, 4000, 4, false, 1.0},
-                       Case{0, 16, 16, false, 1.0}, Case{5, 0, 1, true, 1.0}}) {
+                       Case{0, 16, 16, false, 1.0}, Case{5, 0, 1, true, 1.0}, Case{200, 64, 16, false, 0.7},
+                       Case{256, 128, 1, true, 0.6}, Case{97, 30, 8, false, 1.0}, Case{256, 455, 4, false, 0.9},
+                       Case{257, 8, 1, true, 1.0}}) {
     SCOPED_TRACE("T=" + std::to_string(c.T) + " E=" + std::to_string(c.E) + " align=" + std::to_string(c.alignment) +
                  (c.one_bin ? " one_bin" : "") + " cut=" + std::to_string(c.cut));
     Tensor map = Tensor::empty(DType::kUInt8, {c.T, c.E});
