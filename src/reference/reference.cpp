@@ -5,6 +5,7 @@
 #include "reference/reference.hpp"
 
 #include <algorithm>
+#include <map>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -503,19 +504,22 @@ MaskPlan mask_plan(const std::vector<uint8_t>& map, int64_t tokens, int64_t expe
 IndexPlan index_plan(const std::vector<int32_t>& ids, int64_t rows, int64_t sources_len) {
   const int64_t a_count = static_cast<int64_t>(ids.size());
   const int64_t kept = std::min(a_count, rows);
+  std::map<uint32_t, int64_t> start;  // each distinct key's count, then its first position
+  for (int32_t id : ids) ++start[static_cast<uint32_t>(id)];
+  int64_t run = 0;
+  for (auto& kv : start) {
+    const int64_t n = kv.second;
+    kv.second = run;
+    run += n;
+  }
   IndexPlan r;
   r.counts = {kept, kept, rows, rows};
   r.dest_rows.assign(static_cast<size_t>(a_count), -1);
   r.row_sources.assign(static_cast<size_t>(sources_len), -1);
   r.indices.assign(static_cast<size_t>(a_count), -1);
   r.bin_ids.assign(static_cast<size_t>(a_count), -1);
-  for (int64_t a = 0; a < a_count; ++a) {
-    const uint32_t key = static_cast<uint32_t>(ids[static_cast<size_t>(a)]);
-    int64_t position = 0;
-    for (int64_t b = 0; b < a_count; ++b) {
-      const uint32_t other = static_cast<uint32_t>(ids[static_cast<size_t>(b)]);
-      position += other < key || (other == key && b < a);
-    }
+  for (int64_t a = 0; a < a_count; ++a) {  // in assignment order: equal keys keep it
+    const int64_t position = start[static_cast<uint32_t>(ids[static_cast<size_t>(a)])]++;
     if (position >= rows) continue;
     r.dest_rows[static_cast<size_t>(a)] = position;
     r.indices[static_cast<size_t>(position)] = a;

@@ -139,9 +139,10 @@ struct MaskPlan {
 MaskPlan mask_plan(const std::vector<uint8_t>& map, int64_t tokens, int64_t experts, int alignment, int64_t rows,
                    bool one_bin, int64_t sources_len);
 // index_plan_out from its definition: assignment a's sorted position is the number of assignments
-// with a smaller id read as uint32, plus those before a with the same id (a stable sort, counted
-// pair by pair); positions at or past `rows` dropped; counts {kept, kept, rows, rows},
-// dest_rows [A], row_sources [sources_len], indices / bin_ids [A].
+// with a smaller id read as uint32, plus those before a with the same id (each distinct id's first
+// position from the counts of the smaller ones, then its assignments in order); positions at or past
+// `rows` dropped; counts {kept, kept, rows, rows}, dest_rows [A], row_sources [sources_len],
+// indices / bin_ids [A].
 struct IndexPlan {
   std::vector<int64_t> counts, dest_rows, row_sources, indices, bin_ids;
 };

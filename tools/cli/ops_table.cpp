@@ -174,6 +174,24 @@ std::vector<OpCase> op_table() {
                                     expect_index("row_id_map", row_id_map, std::move(r.row_id_map))};
        }});
 
+  // The routing as TransformerEngine's index map without a number of experts: the plan of the ids
+  // sorted as uint32 keys, every row kept (rows = A).
+  ops.push_back(
+      {"index_plan", "A*4 + (4 + 4*A)*4 (the ids read; counts, dest_rows, row_sources, indices, bin_ids written)",
+       [](const Dims& d) { return d.A * 4 + (4 + 4 * d.A) * 4; },
+       [](Data& d) {
+         index_plan_out(d.top_experts, d.A, d.out_index_counts, d.out_index_dest, d.out_index_sources,
+                        d.out_index_indices, d.out_index_bin_ids, d.opt);
+       },
+       [](Data& d) {
+         ref::IndexPlan r = ref::index_plan(d.routing.top_experts, d.A, d.A);
+         return std::vector<Expect>{expect_index("counts", d.out_index_counts, std::move(r.counts)),
+                                    expect_index("dest_rows", d.out_index_dest, std::move(r.dest_rows)),
+                                    expect_index("row_sources", d.out_index_sources, std::move(r.row_sources)),
+                                    expect_index("indices", d.out_index_indices, std::move(r.indices)),
+                                    expect_index("bin_ids", d.out_index_bin_ids, std::move(r.bin_ids))};
+       }});
+
   // make_plan with PlanOptions (expert parallelism; a capacity with the probs drop policy), against
   // ref::make_plan(..., RoutingOptions).
   // A plan with PlanOptions against ref::make_plan(..., RoutingOptions) (row_sources to o's length).

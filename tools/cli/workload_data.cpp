@@ -177,6 +177,11 @@ std::vector<Tensor*> output_tensors(Data& d) {
           &d.out_mask_indices,
           &d.out_mask_bin_ids,
           &d.out_mask_row_id_map,
+          &d.out_index_counts,
+          &d.out_index_dest,
+          &d.out_index_sources,
+          &d.out_index_indices,
+          &d.out_index_bin_ids,
           &d.out_rows8_R,
           &d.out_scales_R,
           &d.out_e8m0_R,
@@ -335,6 +340,11 @@ Data build_data(const Workload& w, bool reference) {
     d.out_mask_sources = Tensor::empty(DType::kInt32, {fits ? rm : 0}, dev);
     d.out_mask_row_id_map = Tensor::empty(DType::kInt32, {fits ? T : 0, 2 * static_cast<int64_t>(w.E) + 1}, dev);
   }
+  d.out_index_counts = Tensor::empty(DType::kInt32, {4}, dev);
+  d.out_index_dest = Tensor::empty(DType::kInt32, {d.A}, dev);
+  d.out_index_sources = Tensor::empty(DType::kInt32, {d.A}, dev);
+  d.out_index_indices = Tensor::empty(DType::kInt32, {d.A}, dev);
+  d.out_index_bin_ids = Tensor::empty(DType::kInt32, {d.A}, dev);
   d.out_rows8_R = Tensor::empty(DType::kFloat8E4M3, {R, H}, dev);
   d.out_scales_R = Tensor::empty(DType::kFloat32, {R, blocks}, dev);
   d.out_e8m0_R = Tensor::empty(DType::kUInt8, {R, (H + 31) / 32}, dev);

@@ -84,6 +84,9 @@ struct Data {
   Tensor mask;
   std::vector<uint8_t> mask_ref;
   Tensor out_mask_counts, out_mask_dest, out_mask_sources, out_mask_indices, out_mask_bin_ids, out_mask_row_id_map;
+  // index_plan: the plan of top_experts read as ids with no known bound (TE's index map): counts [4],
+  // dest_rows / row_sources / indices / bin_ids [A]
+  Tensor out_index_counts, out_index_dest, out_index_sources, out_index_indices, out_index_bin_ids;
   Tensor out_rows8_R, out_scales_R;  // [R, H] e4m3 and [R, ceil(H/128)] float32: dispatch(fp8+scales)
   Tensor out_e8m0_R;                 // [R, ceil(H/32)] uint8 E8M0: dispatch(quant-mxfp8)
   // make_plan with PlanOptions: rank 1's local experts of ep_ranks ([E/ep_ranks] plan), and an expert
