@@ -111,25 +111,17 @@ def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
     """TE's index-map permute: a row plan of ``index[T, K]`` with R = ``rows``. The assignments
     ``t*K + k`` are stable-sorted by expert id read as uint32 (so -1 sorts last, as in TE) and
     position j holds the j-th; positions at or past ``rows`` are dropped. With ``num_experts`` (ids
-    in ``[0, E)`` or -1) padmoe's plan does the sort in one operator (and, with ``rows = T*K``, is
-    itself the plan: an expert plan of E + 1 experts, alignment 1); without, the native
-    ``index_plan`` operator (a radix sort of the ids as uint32 keys: one launch up to 4096
-    assignments on CUDA, three above) writes the row plan."""
+    in ``[0, E)`` or -1) and ``rows = T*K``, padmoe's plan of E + 1 experts at alignment 1 (a
+    counting sort) is the plan as it is; otherwise the native ``index_plan`` operator (a radix sort
+    of the ids as uint32 keys: one launch up to 4096 assignments on CUDA, three above) writes the
+    row plan: for ids in ``[0, E)`` or -1 the same order."""
     t, k = index.shape
-    a = t * k
-    kept = min(a, rows)
-    if num_experts is None:
+    if num_experts is None or rows != t * k:
         return Plan._from_packed(ops.index_plan.default(index, rows), t, k, 1, 1, rows)
     e = num_experts + 1  # -1 -> the extra expert E, whose rows come last
     # every id in [0, e) after the remainder: the plain plan, unchecked (no dropped count to write)
     packed = ops.make_plan.default(index.remainder(e), e, alignment=1, check=0)
-    if rows == a:  # no cut: the plan's rows (alignment 1: the sorted positions) are TE's, as they are
-        return Plan._from_packed(packed, t, k, e, 1)
-    o = plan_slices(t, k, e, 1)
-    dest = packed[o.dest_rows]
-    if rows < a:
-        dest = torch.where(dest < rows, dest, -1)
-    return row_plan(dest, packed[o.row_sources], kept, rows, t, k)
+    return Plan._from_packed(packed, t, k, e, 1)
 
 
 def moved_probs(probs, packed, tokens, top_k, num_experts, capacity, sources):
