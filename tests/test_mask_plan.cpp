@@ -82,6 +82,27 @@ TEST(MaskPlan, MatchesReference) {
     Tensor dest2 = poison_index(c.T * c.E);
     padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest2, sources, padmoe::TensorView{});
     EXPECT_EQ(index_to_vec(dest2), want.dest_rows);
+    // with probs (NaN where unrouted: never read), float32 and bfloat16: moved_probs[r] holds the
+    // probability of the assignment in row r, bit for bit, 0 in the rows that hold none
+    for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+      SCOPED_TRACE(padmoe::dtype_name(dt));
+      std::vector<float> pv(static_cast<size_t>(c.T * c.E));
+      for (size_t i = 0; i < pv.size(); ++i) pv[i] = map[i] != 0 ? static_cast<float>(rng.uniform(0.0, 1.0)) : NAN;
+      for (size_t i = 0; i < pv.size(); ++i) pv[i] = num::round_to(dt, pv[i]);
+      const Tensor probs = rows_from_float(pv, dt, c.T, c.E);
+      Tensor moved = filled(dt, {sources_len}, 0x7f);
+      Tensor dest3 = poison_index(c.T * c.E), sources3 = poison_index(sources_len);
+      padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest3, sources3, padmoe::TensorView{}, {}, {},
+                            probs, moved);
+      EXPECT_EQ(index_to_vec(sources3), want.row_sources);
+      const std::vector<float> got = vec_to_float(moved);
+      for (int64_t r = 0; r < sources_len; ++r) {
+        const int64_t a = want.row_sources[static_cast<size_t>(r)];
+        const float expect = a >= 0 ? pv[static_cast<size_t>(a)] : 0.0f;
+        ASSERT_EQ(got[static_cast<size_t>(r)], expect) << "row " << r;
+        ASSERT_FALSE(std::signbit(got[static_cast<size_t>(r)])) << "row " << r;
+      }
+    }
   }
 }
 
@@ -111,6 +132,22 @@ TEST(MaskPlan, BadArguments) {
   EXPECT_TRUE(
       throws_error([&] { padmoe::mask_plan_out(m, 1, 4, false, counts, dest, sources, rim, short_indices, bin_ids); },
                    {"mask_plan: indices"}, value));
+  const Tensor probs = filled(DType::kFloat32, {3, 2}, 0x3f), half_probs = filled(DType::kFloat16, {3, 2}, 0x3c);
+  Tensor moved = filled(DType::kFloat32, {8}, 0x7f), short_moved = filled(DType::kFloat32, {7}, 0x7f);
+  const Tensor int_probs = filled(DType::kInt32, {3, 2}, 0), wide_probs = filled(DType::kFloat32, {3, 3}, 0x3f);
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::mask_plan_out(m, 1, 4, false, counts, dest, sources, rim, {}, {}, int_probs, moved); },
+                   {"mask_plan: probs: expected float32, float16 or bfloat16"}, type));
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::mask_plan_out(m, 1, 4, false, counts, dest, sources, rim, {}, {}, wide_probs, moved); },
+      {"mask_plan: probs: expected a contiguous [3, 2] tensor"}, value));
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::mask_plan_out(m, 1, 4, false, counts, dest, sources, rim, {}, {}, probs, short_moved); },
+      {"mask_plan: moved_probs"}, value));
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::mask_plan_out(m, 1, 4, false, counts, dest, sources, rim, {}, {}, half_probs, moved); },
+      {"mask_plan: moved_probs"}, value));
+  EXPECT_TRUE(all_bytes_are(moved, 0x7f));
   // nothing was written by a call that raised
   EXPECT_TRUE(all_bytes_are(counts, kIndexPoison));
   EXPECT_TRUE(all_bytes_are(rim, kIndexPoison));

@@ -316,6 +316,15 @@ AlignedBlocks batched_moe_align_block_size(const TensorView& expert_num_tokens, 
 void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
                    const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
                    const TensorView& indices = {}, const TensorView& bin_ids = {}, const Options& options = {});
+// The same with router probabilities moved with the rows (TransformerEngine's permute with probs):
+// probs [T, E] (float32, float16 or bfloat16, contiguous; only the routed entries are read) and
+// moved_probs [S] of probs' dtype (S = row_sources' length): moved_probs[r] = probs[a] for the
+// assignment a = row_sources[r], 0 where row_sources[r] is -1. Unset probs and moved_probs (both):
+// the form above.
+void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
+                   const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
+                   const TensorView& indices, const TensorView& bin_ids, const TensorView& probs,
+                   const TensorView& moved_probs, const Options& options = {});
 
 // A plan from an index map whose ids have no known bound (TransformerEngine's index map without a
 // number of experts): top_experts [T, K] int32, the assignment of (t, k) being a = t * K + k. The

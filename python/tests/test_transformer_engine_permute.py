@@ -370,7 +370,8 @@ def test_mask_plan_operator(device, T, E, align, one_bin, cut):
     a = T * E
     for m in (torch.tensor(routing), torch.tensor(routing.astype(np.int32)), torch.tensor(routing.astype(np.uint8))):
         m = m.to(device)
-        packed, row_id_map = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True)
+        packed, row_id_map, no_probs = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True)
+        assert no_probs.numel() == 0
         got = packed.cpu().long().numpy()
         assert got.size == 3 * a + 4 * bins + bins * cap
         assert got[:a].tolist() == indices and got[a : 2 * a].tolist() == bin_ids
@@ -383,8 +384,24 @@ def test_mask_plan_operator(device, T, E, align, one_bin, cut):
         (m, rows, align, one_bin, True),
         test_utils=("test_schema", "test_faketensor"),
     )
-    _, none = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, False)
+    _, none, _ = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, False)
     assert none.shape == (0, 0)
+    # probs moved with the rows: row r gets the probability of the pair in it (bit for bit), 0 in
+    # the rows without one; unrouted probs (NaN here) are never read
+    for dtype in (torch.float32, torch.bfloat16):
+        probs = torch.rand(T, E, generator=torch.Generator().manual_seed(5)).to(dtype)
+        probs[~torch.tensor(routing)] = float("nan")
+        _, _, moved = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True, probs.to(device))
+        flat = probs.reshape(-1)
+        want = torch.where(torch.tensor(src) >= 0, flat[torch.tensor(src).clamp(min=0)], torch.zeros((), dtype=dtype))
+        assert moved.dtype == dtype and torch.equal(moved.cpu(), want)
+    torch.library.opcheck(
+        torch.ops.padmoe.mask_plan.default,
+        (m, rows, align, one_bin, True, probs.to(device)),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    with pytest.raises(ValueError, match="mask_plan: probs: expected"):
+        torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True, probs[:, :1].to(device))
     with pytest.raises(TypeError, match="mask_plan: routing_map: expected a bool or integer tensor"):
         torch.ops.padmoe.mask_plan(m.float(), rows, align, one_bin, True)
     with pytest.raises(ValueError, match="mask_plan: alignment: one_bin needs alignment 1"):

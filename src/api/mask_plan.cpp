@@ -14,6 +14,14 @@ namespace padmoe {
 void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
                    const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
                    const TensorView& indices, const TensorView& bin_ids, const Options& options) {
+  mask_plan_out(routing_map, alignment, rows, one_bin, counts, dest_rows, row_sources, row_id_map, indices, bin_ids,
+                TensorView{}, TensorView{}, options);
+}
+
+void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
+                   const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
+                   const TensorView& indices, const TensorView& bin_ids, const TensorView& probs,
+                   const TensorView& moved_probs, const Options& options) {
   const detail::Checker c("mask_plan");
   if (routing_map.ndim != 2) {
     c.value_error("routing_map", "expected a 2-D [num_tokens, num_experts] tensor, got " +
@@ -66,11 +74,38 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
     }
     c.same_device(row_id_map, "row_id_map", device);
   }
-  detail::check_disjoint_all(c,
-                             {detail::named(counts, "counts"), detail::named(dest_rows, "dest_rows"),
-                              detail::named(row_sources, "row_sources"), detail::named(row_id_map, "row_id_map"),
-                              detail::named(indices, "indices"), detail::named(bin_ids, "bin_ids")},
-                             {detail::named(routing_map, "routing_map")});
+  const bool with_probs = probs.data != nullptr || moved_probs.data != nullptr;
+  if (with_probs) {
+    if (probs.dtype != DType::kFloat32 && probs.dtype != DType::kFloat16 && probs.dtype != DType::kBFloat16) {
+      c.fail(ErrorKind::kType, "probs",
+             std::string("expected float32, float16 or bfloat16, got ") + dtype_name(probs.dtype));
+    }
+    if (probs.ndim != 2 || probs.shape[0] != tokens || probs.shape[1] != experts ||
+        (probs.numel() > 0 && !probs.is_contiguous())) {
+      c.value_error("probs",
+                    "expected a contiguous [" + std::to_string(tokens) + ", " + std::to_string(experts) + "] tensor");
+    }
+    if (moved_probs.dtype != probs.dtype || moved_probs.ndim != 1 || moved_probs.shape[0] != row_sources.numel() ||
+        (moved_probs.numel() > 0 && !moved_probs.is_contiguous())) {
+      c.value_error("moved_probs", std::string("expected a contiguous ") + dtype_name(probs.dtype) + " [" +
+                                       std::to_string(row_sources.numel()) +
+                                       "] tensor (probs' dtype, row_sources' length)");
+    }
+    c.same_device(probs, "probs", device);
+    c.same_device(moved_probs, "moved_probs", device);
+  }
+  detail::check_disjoint_all(
+      c,
+      {detail::named(counts, "counts"), detail::named(dest_rows, "dest_rows"),
+       detail::named(row_sources, "row_sources"), detail::named(row_id_map, "row_id_map"),
+       detail::named(indices, "indices"), detail::named(bin_ids, "bin_ids"), detail::named(moved_probs, "moved_probs")},
+      {detail::named(routing_map, "routing_map"), detail::named(probs, "probs")});
+  backend::MovedProbs moved;
+  if (with_probs) {
+    moved.probs = probs.data;
+    moved.moved = moved_probs.data;
+    moved.bytes = probs.dtype == DType::kFloat32 ? 4 : 2;
+  }
   const uint8_t* map = routing_map.data_as<const uint8_t>();
   int32_t* rim = with_map ? row_id_map.data_as<int32_t>() : nullptr;
   int32_t* idx = sorted ? indices.data_as<int32_t>() : nullptr;
@@ -81,12 +116,12 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
     std::unique_ptr<cuda::Scratch> scratch;
     if (bytes > 0) scratch.reset(new cuda::Scratch(options, bytes, device.index));
     cuda::mask_plan(map, tokens, static_cast<int>(experts), alignment, rows, one_bin, counts.data_as<int32_t>(),
-                    dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, idx, bid, rim,
+                    dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, idx, bid, rim, moved,
                     scratch ? scratch->get() : nullptr, options.stream);
     return;
   }
   cpu::mask_plan(map, tokens, experts, alignment, rows, one_bin, counts.data_as<int32_t>(),
-                 dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, idx, bid, rim,
+                 dest_rows.data_as<int32_t>(), row_sources.data_as<int32_t>(), sources_len, idx, bid, rim, moved,
                  options.num_threads);
 }
 

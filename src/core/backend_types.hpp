@@ -65,6 +65,15 @@ struct ScaleRows {
   void fill_one(int64_t to) const;            // host: dst row `to` = scale 1
 };
 
+// Router probabilities moved with a plan's rows (mask_plan_out with probs): moved[r] = probs[a] for
+// the assignment a in row r, 0 in the rows that hold none; elements of `bytes` bytes (2: float16 /
+// bfloat16, 4: float32) copied as bits. probs null: nothing moved.
+struct MovedProbs {
+  const void* probs = nullptr;
+  void* moved = nullptr;
+  int bytes = 0;
+};
+
 // The int32 arrays a make_plan writes: the plan's eight and the optional layouts (null when not
 // asked for).
 struct PlanArrays {

@@ -109,10 +109,11 @@ void batched_align_blocks(const void* counts, bool wide, const int32_t* ends, in
 
 // mask_plan (padmoe::mask_plan_out) on sizes already checked: map [T, E] bytes, counts [4E] (or
 // [4] with one_bin), dest_rows [T * E], row_sources [sources_len], indices and bin_ids [T * E] (both
-// or neither null), row_id_map [T, 2E + 1] or null. Workers own contiguous token ranges.
+// or neither null), row_id_map [T, 2E + 1] or null, the probs moved into [sources_len] (or none).
+// Workers own contiguous token ranges.
 void mask_plan(const uint8_t* map, int64_t tokens, int64_t experts, int alignment, int64_t rows, bool one_bin,
                int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* indices,
-               int32_t* bin_ids, int32_t* row_id_map, int threads);
+               int32_t* bin_ids, int32_t* row_id_map, const backend::MovedProbs& probs, int threads);
 
 // index_plan (padmoe::index_plan_out) on sizes already checked: ids [A], counts [4], dest_rows [A],
 // row_sources [sources_len], indices and bin_ids [A] (both or neither null).

@@ -4,6 +4,7 @@
 // order, then each worker places its tokens with a running row an expert. Each expert's rows
 // therefore follow token order, and every entry has one writer, whatever the worker count.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "cpu/cpu_backend.hpp"
@@ -26,7 +27,10 @@ void fill(int32_t* p, int64_t n, int worker, int workers) {
 
 void mask_plan(const uint8_t* map, int64_t tokens, int64_t experts, int alignment, int64_t rows, bool one_bin,
                int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* indices,
-               int32_t* bin_ids, int32_t* row_id_map, int threads) {
+               int32_t* bin_ids, int32_t* row_id_map, const backend::MovedProbs& probs, int threads) {
+  const auto* probs_in = static_cast<const unsigned char*>(probs.probs);
+  auto* moved = static_cast<unsigned char*>(probs.moved);
+  const size_t bytes = static_cast<size_t>(probs.bytes);
   const int64_t pairs = tokens * experts;
   const int workers = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(resolve_threads(threads), std::min(tokens, pairs / kBytesPerWorker))));
@@ -41,6 +45,10 @@ void mask_plan(const uint8_t* map, int64_t tokens, int64_t experts, int alignmen
       for (int64_t e = 0; e < experts; ++e) n[e] += row[e] != 0;
     }
     fill(row_sources, sources_len, w, workers);
+    if (probs_in != nullptr) {
+      const index::Range z = index::work_range(w, workers, sources_len);
+      std::fill(moved + z.begin * bytes, moved + z.end * bytes, static_cast<unsigned char>(0));
+    }
     if (indices != nullptr) {
       fill(indices, pairs, w, workers);
       fill(bin_ids, pairs, w, workers);
@@ -85,7 +93,10 @@ void mask_plan(const uint8_t* map, int64_t tokens, int64_t experts, int alignmen
           if (d >= rows) d = -1;
         }
         dest_rows[a] = static_cast<int32_t>(d);
-        if (d >= 0 && d < sources_len) row_sources[d] = static_cast<int32_t>(a);
+        if (d >= 0 && d < sources_len) {
+          row_sources[d] = static_cast<int32_t>(a);
+          if (probs_in != nullptr) std::memcpy(moved + d * bytes, probs_in + a * bytes, bytes);
+        }
         if (d >= 0 && indices != nullptr) {  // the sorted position: the unpadded row
           indices[d - shift[e]] = static_cast<int32_t>(a);
           bin_ids[d - shift[e]] = static_cast<int32_t>(e);

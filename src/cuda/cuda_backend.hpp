@@ -192,7 +192,7 @@ constexpr int64_t kMaskPlanMaxExperts = 8192;  // the place kernel's 16 bytes of
 size_t mask_plan_workspace_bytes(int64_t tokens, int64_t num_experts);
 void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignment, int64_t rows, bool one_bin,
                int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* indices,
-               int32_t* bin_ids, int32_t* row_id_map, void* workspace, void* stream);
+               int32_t* bin_ids, int32_t* row_id_map, const backend::MovedProbs& probs, void* workspace, void* stream);
 
 // --- a plan from an index map of unbounded ids (index_plan; src/cuda/index_plan.cu) ---------
 // index_plan_out's outputs from ids [A] (sizes checked: A and rows below 2^31). Up to

@@ -54,12 +54,22 @@ __device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t 
   __syncthreads();
 }
 
+// The probs moved with the rows (backend::MovedProbs): row d gets assignment a's, or 0.
+__device__ __forceinline__ void move_prob(const backend::MovedProbs& p, int64_t d, int64_t a) {
+  if (p.bytes == 4) static_cast<uint32_t*>(p.moved)[d] = static_cast<const uint32_t*>(p.probs)[a];
+  else static_cast<uint16_t*>(p.moved)[d] = static_cast<const uint16_t*>(p.probs)[a];
+}
+__device__ __forceinline__ void zero_prob(const backend::MovedProbs& p, int64_t d) {
+  if (p.bytes == 4) static_cast<uint32_t*>(p.moved)[d] = 0u;
+  else static_cast<uint16_t*>(p.moved)[d] = 0u;
+}
+
 // Shared memory: the masks and the counts, two arrays of E entries.
 __global__ void __launch_bounds__(kThreads)
     mask_count_kernel(const uint8_t* __restrict__ map, int64_t tokens, int experts, bool words, int64_t tiles_per_chunk,
                       int slices, int32_t* __restrict__ chunk_counts, int32_t* __restrict__ row_sources,
                       int64_t sources_len, int32_t* __restrict__ indices, int32_t* __restrict__ bin_ids,
-                      int64_t assignments) {
+                      int64_t assignments, backend::MovedProbs probs) {
   pdl_begin();
   extern __shared__ int32_t s_mem[];
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_mem);
@@ -79,6 +89,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   for (int64_t r = start; r < sources_len; r += stride) row_sources[r] = -1;
+  if (probs.probs != nullptr) {
+    for (int64_t r = start; r < sources_len; r += stride) zero_prob(probs, r);
+  }
   if (indices == nullptr) return;
   for (int64_t i = start; i < assignments; i += stride) indices[i] = bin_ids[i] = -1;
 }
@@ -124,6 +137,7 @@ struct PlaceArgs {
   int32_t* indices;  // null: indices and bin_ids not written
   int32_t* bin_ids;
   int32_t* row_id_map;  // null: not written
+  backend::MovedProbs probs;  // probs null: none moved
 };
 
 // Shared memory: four int arrays of E entries (running base, tile base, token mask, padding shift).
@@ -204,7 +218,10 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
             if (r < a.rows) d = static_cast<int>(r);
           }
           a.dest_rows[t * E + e] = d;
-          if (d >= 0 && d < a.sources_len) a.row_sources[d] = static_cast<int32_t>(t * E + e);
+          if (d >= 0 && d < a.sources_len) {
+            a.row_sources[d] = static_cast<int32_t>(t * E + e);
+            if (a.probs.probs != nullptr) move_prob(a.probs, d, t * E + e);
+          }
           if (d >= 0 && a.indices != nullptr) {  // the sorted position: the unpadded row
             a.indices[d - s_shift[e]] = static_cast<int32_t>(t * E + e);
             a.bin_ids[d - s_shift[e]] = e;
@@ -335,7 +352,10 @@ __global__ void __launch_bounds__(kThreads) mask_small_kernel(PlaceArgs a, int t
       const int count = (e + 1 < E ? s_ustart[e + 1] : routed) - s_ustart[e];
       real = r - s_pstart[e] < count;
     }
-    if (!real) a.row_sources[r] = -1;
+    if (!real) {
+      a.row_sources[r] = -1;
+      if (a.probs.probs != nullptr) zero_prob(a.probs, r);
+    }
   }
   // sorted position i (an unpadded row) is kept iff its padded row is below `rows`
   if (a.indices != nullptr) {
@@ -366,7 +386,10 @@ __global__ void __launch_bounds__(kThreads) mask_small_kernel(PlaceArgs a, int t
         if (r < a.rows) d = static_cast<int>(r);
       }
       a.dest_rows[t * E + e] = d;
-      if (d >= 0 && d < a.sources_len) a.row_sources[d] = static_cast<int32_t>(t * E + e);
+      if (d >= 0 && d < a.sources_len) {
+        a.row_sources[d] = static_cast<int32_t>(t * E + e);
+        if (a.probs.probs != nullptr) move_prob(a.probs, d, t * E + e);
+      }
       if (d >= 0 && a.indices != nullptr) {  // the sorted position: the unpadded row
         const int shift = s_pstart[e] - s_ustart[e];
         a.indices[d - shift] = static_cast<int32_t>(t * E + e);
@@ -405,7 +428,7 @@ size_t mask_plan_workspace_bytes(int64_t tokens, int64_t num_experts) {
 
 void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignment, int64_t rows, bool one_bin,
                int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* indices,
-               int32_t* bin_ids, int32_t* row_id_map, void* workspace, void* stream) {
+               int32_t* bin_ids, int32_t* row_id_map, const backend::MovedProbs& probs, void* workspace, void* stream) {
   const cudaStream_t s = as_stream(stream);
   const bool words = num_experts % 4 == 0 && reinterpret_cast<uintptr_t>(map) % 4 == 0;
   PlaceArgs a{};
@@ -423,6 +446,7 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
   a.indices = indices;
   a.bin_ids = bin_ids;
   a.row_id_map = row_id_map;
+  a.probs = probs;
   if (policy::mask_small(tokens, num_experts)) {
     const int tiles = static_cast<int>((tokens + kTile - 1) / kTile);
     const size_t smem = sizeof(int32_t) * (2 * static_cast<size_t>(tiles) + 2) * static_cast<size_t>(num_experts);
@@ -445,7 +469,7 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
                                            static_cast<int>(smem / 2)));
   }
   launch_kernel("mask_count_kernel", mask_count_kernel, grid, kThreads, smem / 2, s, map, tokens, num_experts, words,
-                tpc, slices, chunk_counts, row_sources, sources_len, indices, bin_ids, tokens * num_experts);
+                tpc, slices, chunk_counts, row_sources, sources_len, indices, bin_ids, tokens * num_experts, probs);
   if (num_experts > 0) {
     launch_kernel("mask_scan_kernel", mask_scan_kernel, static_cast<unsigned>((num_experts + kWarps - 1) / kWarps),
                   kThreads, 0, s, chunk_counts, chunks, num_experts, n);

@@ -66,7 +66,7 @@ void batched_align_blocks(IndexRef, int64_t, int, int, int64_t, int32_t*, int32_
 }
 size_t mask_plan_workspace_bytes(int64_t, int64_t) { return 0; }
 void mask_plan(const uint8_t*, int64_t, int, int, int64_t, bool, int32_t*, int32_t*, int32_t*, int64_t, int32_t*,
-               int32_t*, int32_t*, void*, void*) {
+               int32_t*, int32_t*, const backend::MovedProbs&, void*, void*) {
   unavailable("mask_plan");
 }
 size_t index_plan_workspace_bytes(int64_t) { return 0; }

@@ -11,8 +11,8 @@ dispatch / combine operators and their backward do the moves:
 - an **expert plan** (E experts, capacity C, ``E*C >= R``): the padded mask layout, whose padding
   rows lie between the experts' rows.
 
-The mask forms come from the native ``mask_plan`` operator (the plan and TE's row_id_map in three
-launches on CUDA); the index form from ``make_plan`` (with ``num_experts``) or the native
+The mask forms come from the native ``mask_plan`` operator (the plan, TE's row_id_map and the probs
+moved with the rows, in three launches on CUDA, one at decode sizes); the index form from ``make_plan`` (with ``num_experts``) or the native
 ``index_plan`` operator (without); the unpermute without a kept plan rebuilds one from TE's
 row_id_map.
 
@@ -31,7 +31,7 @@ import torch
 
 from padmoe._plan import Plan
 
-from ._common import Tensor, ops, plan_slices
+from ._common import Tensor, compiling, ops, plan_slices
 from ._te_checks import QuantizedRows
 
 
@@ -69,25 +69,40 @@ def row_plan(dest: Tensor, sources: Optional[Tensor], kept, rows: int, tokens: i
     return Plan._from_packed(packed, tokens, top_k, 1, 1, rows)
 
 
-def mask_plan(routing_map: Tensor, rows: int) -> Tuple[Plan, Tensor]:
-    """TE's mask-map permute without padding: ``(row plan with R = rows, TE's row_id_map[T, 2E+1])``
-    from one native operator; the rows go expert-major, tokens in order within an expert, and
-    destinations at or past ``rows`` are dropped (the last ones in that order: TE's num_out_tokens
-    cut)."""
+def plan_probs(probs: Optional[Tensor], quantized) -> Optional[Tensor]:
+    """The probs the mask plan's operator moves with the rows (eager mode, rows not ``quantized``,
+    a dtype it takes; no gradient through it: the permute's backward gives the probs theirs), else
+    None (the permute moves them itself)."""
+    if probs is None or quantized is not None or compiling():
+        return None
+    return probs.detach() if probs.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
+
+
+def mask_plan(routing_map: Tensor, rows: int, probs: Optional[Tensor] = None) -> Tuple[Plan, Tensor, Optional[Tensor]]:
+    """TE's mask-map permute without padding: ``(row plan with R = rows, TE's row_id_map[T, 2E+1],
+    the probs moved with the rows)`` from one native operator; the rows go expert-major, tokens in
+    order within an expert, and destinations at or past ``rows`` are dropped (the last ones in that
+    order: TE's num_out_tokens cut). ``probs`` ([T, E] float32 / bfloat16 / float16, no gradient
+    taken) moved as the rows are, 0 in rows without an assignment; None: not moved (None back)."""
     t, e = routing_map.shape
-    packed, row_id_map = ops.mask_plan.default(routing_map, rows, alignment=1, one_bin=True, with_row_id_map=True)
-    return Plan._from_packed(packed, t, e, 1, 1, rows), row_id_map
+    packed, row_id_map, moved = ops.mask_plan.default(
+        routing_map, rows, alignment=1, one_bin=True, with_row_id_map=True, probs=probs
+    )
+    return Plan._from_packed(packed, t, e, 1, 1, rows), row_id_map, None if probs is None else moved
 
 
-def padded_mask_plan(routing_map: Tensor, alignment: int, rows: int) -> Tuple[Plan, Tensor]:
+def padded_mask_plan(
+    routing_map: Tensor, alignment: int, rows: int, probs: Optional[Tensor] = None
+) -> Tuple[Plan, Tensor, Optional[Tensor]]:
     """TE's mask-map permute padded to ``alignment`` per expert: ``(expert plan of capacity C =
-    ceil(rows / E), so E*C >= rows, TE's row_id_map with the unpadded rows)``."""
+    ceil(rows / E), so E*C >= rows, TE's row_id_map with the unpadded rows, the probs moved as in
+    :func:`mask_plan`)``."""
     t, e = routing_map.shape
-    packed, row_id_map = ops.mask_plan.default(
-        routing_map, rows, alignment=alignment, one_bin=False, with_row_id_map=True
+    packed, row_id_map, moved = ops.mask_plan.default(
+        routing_map, rows, alignment=alignment, one_bin=False, with_row_id_map=True, probs=probs
     )
     cap = -(-rows // e) if e else 0
-    return Plan._from_packed(packed, t, e, e, 1, cap), row_id_map
+    return Plan._from_packed(packed, t, e, e, 1, cap), row_id_map, None if probs is None else moved
 
 
 def mask_dest_from_map(row_id_map: Tensor, shift: Optional[Tensor] = None) -> Tensor:

@@ -118,13 +118,15 @@ class _Permute(torch.autograd.Function):
     the moved probs."""
 
     @staticmethod
-    def forward(ctx, inp, probs, packed, top_k, num_experts, capacity, weights, sources, rows):
+    def forward(ctx, inp, probs, packed, top_k, num_experts, capacity, weights, sources, rows, moved_in=None):
         y = torch.ops.padmoe.dispatch.default(
             inp, packed, weights, top_k, num_experts, alignment=1, expert_capacity=capacity, check=0, zero_padding=True
         )
         ctx.tokens = inp.shape[0]
         moved = None
-        if probs is not None:
+        if moved_in is not None:  # moved by the plan's operator (mask_plan): an output of its own here
+            moved = _head(moved_in, moved_in.shape[0])
+        elif probs is not None:
             moved = tp.moved_probs(probs, packed, inp.shape[0], top_k, num_experts, capacity, sources)
         if 0 <= rows < y.shape[0]:
             # the first `rows` rows hold every destination: the gradient comes with as many rows, and
@@ -161,7 +163,7 @@ class _Permute(torch.autograd.Function):
             live = (dest >= 0) & (dest < grad_moved.numel())
             picked = grad_moved[torch.where(live, dest, 0)] if grad_moved.numel() else grad_moved.new_zeros(a)
             grad_probs = torch.where(live, picked, 0).reshape(ctx.probs_shape)
-        return grad_inp, grad_probs, None, None, None, None, None, None, None
+        return grad_inp, grad_probs, None, None, None, None, None, None, None, None
 
 
 def _head(t: Tensor, rows: int) -> Tensor:
@@ -172,12 +174,13 @@ def _head(t: Tensor, rows: int) -> Tensor:
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), shape, t.stride())
 
 
-def _permute(inp, probs, plan, weights, sources, rows=None):
-    """(rows, moved probs) of ``plan``: its first ``rows`` rows (default: all). Under torch.compile
+def _permute(inp, probs, plan, weights, sources, rows=None, moved=None):
+    """(rows, moved probs) of ``plan``: its first ``rows`` rows (default: all). ``moved``: the probs
+    already moved by the plan's operator (eager mode), else they are moved here. Under torch.compile
     the rows are a slice of the whole (its backward pads the gradient; the compiler may fuse it)."""
     head = -1 if rows is None or compiling() else rows
     y, moved = _Permute.apply(
-        inp, probs, plan.packed, plan.top_k, plan.num_experts, plan.expert_capacity, weights, sources, head
+        inp, probs, plan.packed, plan.top_k, plan.num_experts, plan.expert_capacity, weights, sources, head, moved
     )
     if rows is not None and head < 0 and rows < y.shape[0]:
         y, moved = y[:rows], (None if moved is None else moved[:rows])
@@ -262,7 +265,7 @@ def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
     if probs is not None:
         _check_probs(op, probs, routing_map)
     q = _fp8_rows(op, inp)
-    plan, row_id_map = tp.mask_plan(routing_map, num_out_tokens)
+    plan, row_id_map, moved = tp.mask_plan(routing_map, num_out_tokens, tp.plan_probs(probs, q))
     _, sources = tp.plan_views(plan)
     if q is not None:
         out, moved = _permute_quantized(inp, q, probs, plan, sources)
@@ -271,7 +274,7 @@ def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
     weights = None
     if probs is not None:  # a routed slot of probability 0 is a zero row (TE's routing-map padding)
         weights = _nonzero_weights(probs)
-    out, moved = _permute(inp, probs, plan, weights, sources)
+    out, moved = _permute(inp, probs, plan, weights, sources, moved=moved)
     _keep(row_id_map, plan, False, num_out_tokens)
     return out, moved, row_id_map
 
@@ -412,12 +415,12 @@ def moe_permute_and_pad_with_probs(
     if inp.numel() == 0:
         out, moved = _Empty.apply(inp, probs)
         return out, moved, _empty_float(inp), pad_offsets, target
-    plan, row_id_map = tp.padded_mask_plan(routing_map, align_size, rows)
+    plan, row_id_map, moved = tp.padded_mask_plan(routing_map, align_size, rows, tp.plan_probs(probs, q))
     _, sources = tp.plan_views(plan)
     if q is not None:
         out, moved = _permute_quantized(inp, q, probs, plan, sources, rows)
     else:
-        out, moved = _permute(inp, probs, plan, _nonzero_weights(probs), sources, rows)
+        out, moved = _permute(inp, probs, plan, _nonzero_weights(probs), sources, rows, moved)
     _keep(row_id_map, plan, True, rows)
     return out, moved, row_id_map, pad_offsets, target
 

@@ -84,13 +84,14 @@ std::tuple<Tensor, Tensor, Tensor> batched_align_kernel(const Tensor& counts_in,
   return {sorted, blocks, post};
 }
 
-// mask_plan(routing_map[T, E], rows, alignment, one_bin, with_row_id_map) -> (packed, row_id_map):
-// padmoe::mask_plan_out into a packed plan (the layout of padmoe.torch's plans: indices and bin_ids
-// [A], the four count arrays, dest_rows [A], row_sources) of B experts of capacity C: B = 1, C =
-// rows with one_bin; else B = E, C = ceil(rows / E). row_id_map: TE's [T, 2E + 1] int32, or [0, 0]
-// when not asked for.
-std::tuple<Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_t rows, int64_t alignment, bool one_bin,
-                                            bool with_row_id_map) {
+// mask_plan(routing_map[T, E], rows, alignment, one_bin, with_row_id_map, probs) -> (packed,
+// row_id_map, moved_probs): padmoe::mask_plan_out into a packed plan (the layout of padmoe.torch's
+// plans: indices and bin_ids [A], the four count arrays, dest_rows [A], row_sources) of B experts of
+// capacity C: B = 1, C = rows with one_bin; else B = E, C = ceil(rows / E). row_id_map: TE's
+// [T, 2E + 1] int32, or [0, 0] when not asked for. moved_probs: probs [T, E] moved with the rows
+// ([B * C], probs' dtype, 0 in rows without an assignment), or [0] float32 without probs.
+std::tuple<Tensor, Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_t rows, int64_t alignment, bool one_bin,
+                                                    bool with_row_id_map, const std::optional<Tensor>& probs_in) {
   const char* op = "mask_plan";
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
   if (map_in.dim() != 2)
@@ -116,6 +117,17 @@ std::tuple<Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_t rows, 
   const auto int32 = map.options().dtype(at::kInt);
   Tensor packed = at::empty({3 * a + 4 * bins + sources}, int32);
   Tensor row_id_map = with_row_id_map ? at::empty({t, 2 * e + 1}, int32) : at::empty({0, 0}, int32);
+  const bool with_probs = probs_in.has_value() && probs_in->defined();
+  Tensor probs, moved;
+  if (with_probs) {
+    if (probs_in->dim() != 2 || probs_in->size(0) != t || probs_in->size(1) != e)
+      value_error(op, "probs",
+                  "expected [" + std::to_string(t) + ", " + std::to_string(e) + "], got shape " + shape_of(*probs_in));
+    probs = probs_in->contiguous();
+    moved = at::empty({sources}, probs.options());
+  } else {
+    moved = at::empty({0}, map.options().dtype(at::kFloat));
+  }
   c10::OptionalDeviceGuard guard(map.device());
   const padmoe::Options o = options_for(map, 0);
   native([&] {
@@ -124,9 +136,11 @@ std::tuple<Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_t rows, 
                           view(packed.narrow(0, 2 * a + 4 * bins, a), op, "dest_rows"),
                           view(packed.narrow(0, 3 * a + 4 * bins, sources), op, "row_sources"),
                           with_row_id_map ? view(row_id_map, op, "row_id_map") : padmoe::TensorView{},
-                          view(packed.narrow(0, 0, a), op, "indices"), view(packed.narrow(0, a, a), op, "bin_ids"), o);
+                          view(packed.narrow(0, 0, a), op, "indices"), view(packed.narrow(0, a, a), op, "bin_ids"),
+                          with_probs ? view(probs, op, "probs") : padmoe::TensorView{},
+                          with_probs ? view(moved, op, "moved_probs") : padmoe::TensorView{}, o);
   });
-  return {packed, row_id_map};
+  return {packed, row_id_map, moved};
 }
 
 // index_plan(top_experts[T, K], rows) -> packed: padmoe::index_plan_out into a packed plan of one
@@ -161,8 +175,8 @@ TORCH_LIBRARY_FRAGMENT(padmoe, m) {
       "batched_moe_align_block_size(Tensor expert_num_tokens, int max_tokens_per_batch, int block_size, "
       "int check=2) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "mask_plan(Tensor routing_map, int rows, int alignment=1, bool one_bin=False, bool with_row_id_map=True) "
-      "-> (Tensor, Tensor)");
+      "mask_plan(Tensor routing_map, int rows, int alignment=1, bool one_bin=False, bool with_row_id_map=True, "
+      "Tensor? probs=None) -> (Tensor, Tensor, Tensor)");
   m.def("index_plan(Tensor top_experts, int rows) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) {
