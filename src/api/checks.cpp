@@ -135,6 +135,25 @@ void check_int32_extent(const Checker& c, const char* what, int64_t value) {
   }
 }
 
+bool plan_outputs(const Checker& c, const TensorView& counts, int64_t counts_len, const TensorView& dest_rows,
+                  const TensorView& row_sources, const TensorView& indices, const TensorView& bin_ids,
+                  int64_t assignments, Device device) {
+  c.int32_output(counts, "counts", counts_len);
+  c.int32_output(dest_rows, "dest_rows", assignments);
+  c.int32_output(row_sources, "row_sources", 0, /*at_least=*/true);
+  c.same_device(counts, "counts", device);
+  c.same_device(dest_rows, "dest_rows", device);
+  c.same_device(row_sources, "row_sources", device);
+  const bool sorted = indices.data != nullptr || bin_ids.data != nullptr;
+  if (sorted) {
+    c.int32_output(indices, "indices", assignments);
+    c.int32_output(bin_ids, "bin_ids", assignments);
+    c.same_device(indices, "indices", device);
+    c.same_device(bin_ids, "bin_ids", device);
+  }
+  return sorted;
+}
+
 namespace {
 
 // The bytes a view addresses, as `rows` runs of `row_bytes` bytes, `stride` bytes apart, from `lo`.

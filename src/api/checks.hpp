@@ -128,6 +128,13 @@ std::vector<T> host_vector(const Checker& c, const char* what, int64_t n, T init
 // Size-overflow guard: padded rows and assignment ids must fit int32 outputs.
 void check_int32_extent(const Checker& c, const char* what, int64_t value);
 
+// The int32 outputs of the plans of TransformerEngine's maps (mask_plan, index_plan), all on
+// `device`: counts [counts_len], dest_rows [assignments], row_sources [any length], and indices /
+// bin_ids [assignments] when either is set (then both). Returns whether indices / bin_ids are set.
+bool plan_outputs(const Checker& c, const TensorView& counts, int64_t counts_len, const TensorView& dest_rows,
+                  const TensorView& row_sources, const TensorView& indices, const TensorView& bin_ids,
+                  int64_t assignments, Device device);
+
 // Outputs never share memory with the op's inputs or with each other: an aliased call would
 // read what it had already written, in an order that depends on the backend and its threads.
 // Raises "<op>: <name>: shares memory with <other>" when any byte `out` addresses is one that

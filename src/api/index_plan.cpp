@@ -30,19 +30,7 @@ void index_plan_out(const TensorView& top_experts, int64_t rows, const TensorVie
   detail::require_backend(c, device);
   const int64_t assignments = detail::checked_mul(c, "top_experts", top_experts.shape[0], top_experts.shape[1]);
   detail::check_int32_extent(c, "top_experts", assignments);
-  c.int32_output(counts, "counts", 4);
-  c.int32_output(dest_rows, "dest_rows", assignments);
-  c.int32_output(row_sources, "row_sources", 0, /*at_least=*/true);
-  c.same_device(counts, "counts", device);
-  c.same_device(dest_rows, "dest_rows", device);
-  c.same_device(row_sources, "row_sources", device);
-  const bool sorted = indices.data != nullptr || bin_ids.data != nullptr;
-  if (sorted) {
-    c.int32_output(indices, "indices", assignments);
-    c.int32_output(bin_ids, "bin_ids", assignments);
-    c.same_device(indices, "indices", device);
-    c.same_device(bin_ids, "bin_ids", device);
-  }
+  const bool sorted = detail::plan_outputs(c, counts, 4, dest_rows, row_sources, indices, bin_ids, assignments, device);
   detail::check_disjoint_all(
       c,
       {detail::named(counts, "counts"), detail::named(dest_rows, "dest_rows"),

@@ -51,19 +51,8 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
     c.value_error("routing_map", "CUDA takes at most " + std::to_string(cuda::kMaskPlanMaxExperts) + " experts, got " +
                                      std::to_string(experts));
   }
-  c.int32_output(counts, "counts", one_bin ? 4 : 4 * experts);
-  c.int32_output(dest_rows, "dest_rows", assignments);
-  c.int32_output(row_sources, "row_sources", 0, /*at_least=*/true);
-  c.same_device(counts, "counts", device);
-  c.same_device(dest_rows, "dest_rows", device);
-  c.same_device(row_sources, "row_sources", device);
-  const bool sorted = indices.data != nullptr || bin_ids.data != nullptr;
-  if (sorted) {
-    c.int32_output(indices, "indices", assignments);
-    c.int32_output(bin_ids, "bin_ids", assignments);
-    c.same_device(indices, "indices", device);
-    c.same_device(bin_ids, "bin_ids", device);
-  }
+  const bool sorted = detail::plan_outputs(c, counts, one_bin ? 4 : 4 * experts, dest_rows, row_sources, indices,
+                                           bin_ids, assignments, device);
   const bool with_map = row_id_map.data != nullptr;
   if (with_map) {
     const int64_t width = 2 * experts + 1;

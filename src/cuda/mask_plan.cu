@@ -140,6 +140,54 @@ struct PlaceArgs {
   backend::MovedProbs probs;  // probs null: none moved
 };
 
+// Token t (bit tl of its tile), by one warp: its dest_rows, row_sources (and moved probs), sorted
+// positions and TE's row_id_map row. mask[e]: the tile's tokens routed to e; base[e]: the row of the
+// tile's first token routed to e; shift[e]: e's padding offset (padded start - unpadded start).
+// dest_rows and row_id_map entries are written by consecutive lanes.
+__device__ void place_token(const PlaceArgs& a, int64_t t, int tl, const uint32_t* mask, const int32_t* base,
+                            const int32_t* shift, int lane) {
+  const int E = a.experts;
+  const int64_t width = 2 * static_cast<int64_t>(E) + 1;
+  const uint32_t below = (1u << tl) - 1u;
+  int kept = 0;
+  for (int g = 0; g < E; g += 32) {
+    const int e = E - 1 - (g + lane);  // descending experts: TE's row_id_map order
+    int d = -1;
+    if (e >= 0) {
+      const uint32_t m = mask[e];
+      if ((m >> tl) & 1u) {
+        const int64_t r = base[e] + __popc(m & below);
+        if (r < a.rows) d = static_cast<int>(r);
+      }
+      a.dest_rows[t * E + e] = d;
+      if (d >= 0 && d < a.sources_len) {
+        a.row_sources[d] = static_cast<int32_t>(t * E + e);
+        if (a.probs.probs != nullptr) move_prob(a.probs, d, t * E + e);
+      }
+      if (d >= 0 && a.indices != nullptr) {  // the sorted position: the unpadded row
+        a.indices[d - shift[e]] = static_cast<int32_t>(t * E + e);
+        a.bin_ids[d - shift[e]] = e;
+      }
+    }
+    if (a.row_id_map != nullptr) {
+      const uint32_t live = __ballot_sync(0xffffffffu, d >= 0);
+      if (d >= 0) {
+        const int pos = kept + __popc(live & ((1u << lane) - 1u));
+        a.row_id_map[t * width + pos] = d - shift[e];
+        a.row_id_map[t * width + E + pos] = e;
+      }
+      kept += __popc(live);
+    }
+  }
+  if (a.row_id_map != nullptr) {
+    for (int p = kept + lane; p < E; p += 32) {
+      a.row_id_map[t * width + p] = -1;
+      a.row_id_map[t * width + E + p] = -1;
+    }
+    if (lane == 0) a.row_id_map[t * width + 2 * E] = kept;
+  }
+}
+
 // Shared memory: four int arrays of E entries (running base, tile base, token mask, padding shift).
 __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
   pdl_begin();
@@ -191,7 +239,6 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
   }
 
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int64_t width = 2 * static_cast<int64_t>(E) + 1;
   const int64_t first = chunk * a.tiles_per_chunk * kTile;
   for (int64_t tile = 0; tile < a.tiles_per_chunk; ++tile) {
     const int64_t t0 = first + tile * kTile;
@@ -206,44 +253,7 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
     for (int tl = slice * share + warp; tl < (slice + 1) * share; tl += kWarps) {
       const int64_t t = t0 + tl;
       if (t >= a.tokens) break;  // uniform across the warp
-      const uint32_t below = (1u << tl) - 1u;
-      int kept = 0;
-      for (int g = 0; g < E; g += 32) {
-        const int e = E - 1 - (g + lane);  // descending experts: TE's row_id_map order
-        int d = -1;
-        if (e >= 0) {
-          const uint32_t m = s_mask[e];
-          if ((m >> tl) & 1u) {
-            const int64_t r = s_tile[e] + __popc(m & below);
-            if (r < a.rows) d = static_cast<int>(r);
-          }
-          a.dest_rows[t * E + e] = d;
-          if (d >= 0 && d < a.sources_len) {
-            a.row_sources[d] = static_cast<int32_t>(t * E + e);
-            if (a.probs.probs != nullptr) move_prob(a.probs, d, t * E + e);
-          }
-          if (d >= 0 && a.indices != nullptr) {  // the sorted position: the unpadded row
-            a.indices[d - s_shift[e]] = static_cast<int32_t>(t * E + e);
-            a.bin_ids[d - s_shift[e]] = e;
-          }
-        }
-        if (a.row_id_map != nullptr) {
-          const uint32_t live = __ballot_sync(0xffffffffu, d >= 0);
-          if (d >= 0) {
-            const int pos = kept + __popc(live & ((1u << lane) - 1u));
-            a.row_id_map[t * width + pos] = d - s_shift[e];
-            a.row_id_map[t * width + E + pos] = e;
-          }
-          kept += __popc(live);
-        }
-      }
-      if (a.row_id_map != nullptr) {
-        for (int p = kept + lane; p < E; p += 32) {
-          a.row_id_map[t * width + p] = -1;
-          a.row_id_map[t * width + E + p] = -1;
-        }
-        if (lane == 0) a.row_id_map[t * width + 2 * E] = kept;
-      }
+      place_token(a, t, tl, s_mask, s_tile, s_shift, lane);
     }
     __syncthreads();
   }
@@ -256,7 +266,7 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
 // entries: a row_sources entry or sorted position is -1 exactly when no placement writes it, which
 // every block can tell from the counts, so each entry has one writer and no launch order is needed.
 // Shared memory: the masks and per-tile offsets ([tiles, E] each), then the unpadded and padded
-// starts ([E] each).
+// starts and the block's tile's bases and padding offsets ([E] each).
 __global__ void __launch_bounds__(kThreads) mask_small_kernel(PlaceArgs a, int tiles) {
   pdl_begin();
   extern __shared__ int32_t s_mem[];
@@ -267,6 +277,8 @@ __global__ void __launch_bounds__(kThreads) mask_small_kernel(PlaceArgs a, int t
   int32_t* s_off = s_mem + tiles * E;                      // [tiles, E]: e's tokens in earlier tiles
   int32_t* s_ustart = s_mem + 2 * tiles * E;               // [E]
   int32_t* s_pstart = s_ustart + E;                        // [E]
+  int32_t* s_base = s_pstart + E;                          // [E]: the block's tile's bases
+  int32_t* s_shift = s_base + E;                           // [E]
   for (int i = threadIdx.x; i < tiles * E; i += kThreads) s_mask[i] = 0u;
   __syncthreads();
   const int64_t bytes = a.tokens * E;
@@ -369,50 +381,16 @@ __global__ void __launch_bounds__(kThreads) mask_small_kernel(PlaceArgs a, int t
     }
   }
 
+  // the block's tokens [8 * blockIdx.x, + 8) lie in one tile: its bases, then a warp a token
+  const int tile = static_cast<int>(static_cast<int64_t>(blockIdx.x) * kWarps / kTile);
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    s_base[e] = s_pstart[e] + s_off[tile * E + e];
+    s_shift[e] = s_pstart[e] - s_ustart[e];
+  }
+  __syncthreads();
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int64_t width = 2 * static_cast<int64_t>(E) + 1;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp;  // this warp's token
-  if (t >= a.tokens) return;
-  const int tile = static_cast<int>(t / kTile), tl = static_cast<int>(t % kTile);
-  const uint32_t below = (1u << tl) - 1u;
-  int kept = 0;
-  for (int g = 0; g < E; g += 32) {
-    const int e = E - 1 - (g + lane);  // descending experts: TE's row_id_map order
-    int d = -1;
-    if (e >= 0) {
-      const uint32_t m = s_mask[tile * E + e];
-      if ((m >> tl) & 1u) {
-        const int64_t r = s_pstart[e] + s_off[tile * E + e] + __popc(m & below);
-        if (r < a.rows) d = static_cast<int>(r);
-      }
-      a.dest_rows[t * E + e] = d;
-      if (d >= 0 && d < a.sources_len) {
-        a.row_sources[d] = static_cast<int32_t>(t * E + e);
-        if (a.probs.probs != nullptr) move_prob(a.probs, d, t * E + e);
-      }
-      if (d >= 0 && a.indices != nullptr) {  // the sorted position: the unpadded row
-        const int shift = s_pstart[e] - s_ustart[e];
-        a.indices[d - shift] = static_cast<int32_t>(t * E + e);
-        a.bin_ids[d - shift] = e;
-      }
-    }
-    if (a.row_id_map != nullptr) {
-      const uint32_t live = __ballot_sync(0xffffffffu, d >= 0);
-      if (d >= 0) {
-        const int pos = kept + __popc(live & ((1u << lane) - 1u));
-        a.row_id_map[t * width + pos] = d - (s_pstart[e] - s_ustart[e]);
-        a.row_id_map[t * width + E + pos] = e;
-      }
-      kept += __popc(live);
-    }
-  }
-  if (a.row_id_map != nullptr) {
-    for (int p = kept + lane; p < E; p += 32) {
-      a.row_id_map[t * width + p] = -1;
-      a.row_id_map[t * width + E + p] = -1;
-    }
-    if (lane == 0) a.row_id_map[t * width + 2 * E] = kept;
-  }
+  if (t < a.tokens) place_token(a, t, static_cast<int>(t % kTile), s_mask + tile * E, s_base, s_shift, lane);
 }
 
 // The place kernel's dynamic shared memory: four int arrays of E entries.
@@ -449,7 +427,7 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
   a.probs = probs;
   if (policy::mask_small(tokens, num_experts)) {
     const int tiles = static_cast<int>((tokens + kTile - 1) / kTile);
-    const size_t smem = sizeof(int32_t) * (2 * static_cast<size_t>(tiles) + 2) * static_cast<size_t>(num_experts);
+    const size_t smem = sizeof(int32_t) * (2 * static_cast<size_t>(tiles) + 4) * static_cast<size_t>(num_experts);
     launch_kernel("mask_small_kernel", mask_small_kernel, grid_for(tokens, kWarps), kThreads, smem, s, a, tiles);
     return;
   }
