@@ -25,14 +25,11 @@ constexpr int kTile = policy::kMaskTile;
 constexpr int kThreads = policy::kMaskThreads;
 constexpr int kWarps = kThreads / 32;
 
-// s_mask[e] = the tokens of the tile at t0 routed to e, bit tl for token t0 + tl. A word a thread
-// where `words` (E a multiple of 4 and the map 4-byte aligned: a word is 4 experts of one token),
-// else a byte a thread. Starts and ends with a barrier.
-__device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t tokens, int experts, bool words,
-                           uint32_t* s_mask) {
-  for (int e = threadIdx.x; e < experts; e += kThreads) s_mask[e] = 0u;
-  __syncthreads();
-  const int64_t n = tokens - t0 < kTile ? tokens - t0 : kTile;
+// s_mask[(i / 32) * E + e] |= 1 << (i % 32) for each token t0 + i (i < n) routed to e: a word a
+// thread where `words` (E a multiple of 4 and the map 4-byte aligned: a word is 4 experts of one
+// token), else a byte a thread.
+__device__ void or_token_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t n, int experts, bool words,
+                               uint32_t* s_mask) {
   const uint8_t* base = map + t0 * experts;
   const int64_t bytes = n * experts;
   if (words) {
@@ -40,17 +37,31 @@ __device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t 
     for (int64_t i = threadIdx.x; i < bytes / 4; i += kThreads) {
       const uint32_t v = w[i];
       if (v == 0u) continue;
-      const int tl = static_cast<int>((4 * i) / experts), e = static_cast<int>((4 * i) % experts);
+      const int64_t t = (4 * i) / experts;
+      const int e = static_cast<int>((4 * i) % experts);
+      uint32_t* m = s_mask + (t / kTile) * experts + e;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if ((v >> (8 * j)) & 0xffu) atomicOr(&s_mask[e + j], 1u << tl);
+        if ((v >> (8 * j)) & 0xffu) atomicOr(&m[j], 1u << (t % kTile));
       }
     }
   } else {
     for (int64_t i = threadIdx.x; i < bytes; i += kThreads) {
-      if (base[i] != 0) atomicOr(&s_mask[i % experts], 1u << (i / experts));
+      if (base[i] != 0) {
+        const int64_t t = i / experts;
+        atomicOr(&s_mask[(t / kTile) * experts + i % experts], 1u << (t % kTile));
+      }
     }
   }
+}
+
+// s_mask[e] = the tokens of the tile at t0 routed to e, bit tl for token t0 + tl. Starts and ends
+// with a barrier.
+__device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t tokens, int experts, bool words,
+                           uint32_t* s_mask) {
+  for (int e = threadIdx.x; e < experts; e += kThreads) s_mask[e] = 0u;
+  __syncthreads();
+  or_token_masks(map, t0, tokens - t0 < kTile ? tokens - t0 : kTile, experts, words, s_mask);
   __syncthreads();
 }
 
@@ -281,26 +292,7 @@ __global__ void __launch_bounds__(kThreads) mask_small_kernel(PlaceArgs a, int t
   int32_t* s_shift = s_base + E;                           // [E]
   for (int i = threadIdx.x; i < tiles * E; i += kThreads) s_mask[i] = 0u;
   __syncthreads();
-  const int64_t bytes = a.tokens * E;
-  if (a.words) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(a.map);
-    for (int64_t i = threadIdx.x; i < bytes / 4; i += kThreads) {
-      const uint32_t v = w[i];
-      if (v == 0u) continue;
-      const int t = static_cast<int>((4 * i) / E), e = static_cast<int>((4 * i) % E);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if ((v >> (8 * j)) & 0xffu) atomicOr(&s_mask[(t / kTile) * E + e + j], 1u << (t % kTile));
-      }
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < bytes; i += kThreads) {
-      if (a.map[i] != 0) {
-        const int t = static_cast<int>(i / E);
-        atomicOr(&s_mask[(t / kTile) * E + static_cast<int>(i % E)], 1u << (t % kTile));
-      }
-    }
-  }
+  or_token_masks(a.map, 0, a.tokens, E, a.words, s_mask);
   __syncthreads();
   // each thread a contiguous range of experts: its per-tile offsets and counts, then the two scans
   const int per = (E + kThreads - 1) / kThreads;
