@@ -38,9 +38,10 @@ unpermute's gradients are the spread rows (zero where no token lands) and, with
 float32 empty tensors, as TE. Nothing reads the device on the host except the exact-size padded
 form and the ``check`` of the eager calls noted below; outputs are bitwise deterministic.
 
-The permutes are padmoe plans: the mask map becomes a plan and TE's row_id_map in one native
-operator (``torch.ops.padmoe.mask_plan``), the index map a plan of ``make_plan`` (with
-``num_experts``) or of the native ``index_plan`` operator (a radix sort of any int32 ids), and padmoe's ``dispatch`` / ``combine`` move the rows. ``moe_unpermute`` uses the plan its
+The permutes are padmoe plans: the mask map becomes a plan, TE's row_id_map and the moved probs in
+one native operator (``torch.ops.padmoe.mask_plan``), the index map a plan of ``make_plan`` (with
+``num_experts``) or of the native ``index_plan`` operator (a radix sort of any int32 ids), and
+padmoe's ``dispatch`` / ``combine`` move the rows. ``moe_unpermute`` uses the plan its
 ``moe_permute`` kept on ``row_id_map`` (eager mode), else rebuilds one from ``row_id_map``.
 
 Where padmoe differs from TE: CPU tensors run too; the unwritten rows of TE's outputs (rows past
