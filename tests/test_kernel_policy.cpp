@@ -178,18 +178,6 @@ TEST(KernelPolicy, MaskPlan) {
   EXPECT_EQ(mask_chunks(4 * 32 + 1, one), 3);
 }
 
-// One launch up to 256 tokens while (tiles + 2) * E fits 4096 words; three launches above.
-TEST(KernelPolicy, MaskSmall) {
-  EXPECT_TRUE(mask_small(0, 16));
-  EXPECT_TRUE(mask_small(256, 256));  // decode: 8 tiles, 2560 words
-  EXPECT_TRUE(mask_small(256, 409));  // 4090 words
-  EXPECT_FALSE(mask_small(256, 410));
-  EXPECT_FALSE(mask_small(257, 8));   // past 256 tokens
-  EXPECT_TRUE(mask_small(9, 1365));   // one tile: 3 x 1365 words
-  EXPECT_FALSE(mask_small(9, 4000));  // would need 64 KiB of shared memory
-  EXPECT_TRUE(mask_small(5, 0));
-}
-
 // A chunk of one tile split over up to 4 place blocks while the grid stays within 4 blocks a
 // multiprocessor; none once a chunk holds several tiles.
 TEST(KernelPolicy, MaskPlaceSlices) {

@@ -311,8 +311,7 @@ AlignedBlocks batched_moe_align_block_size(const TensorView& expert_num_tokens, 
 //     less the expert's padding offset (pstart[e] - the unpadded start), then
 //     those experts, the rest of both halves -1, and the count last.
 // T * E and rows at most INT32_MAX. No data checks (every mask is valid); on
-// CUDA no host synchronization, three launches (one up to 256 tokens and small E: the decode
-// sizes), capturable in a CUDA graph.
+// CUDA no host synchronization, three launches (capturable in a CUDA graph).
 void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
                    const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
                    const TensorView& indices = {}, const TensorView& bin_ids = {}, const Options& options = {});

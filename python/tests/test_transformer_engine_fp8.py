@@ -298,7 +298,10 @@ def _quantize_cpu(x, recipe, fmt, dtype, pad_byte):
         blk = x[:, b * 32 : (b + 1) * 32]
         e = torch.floor(torch.log2(blk.abs().amax(1).clamp(min=1e-30))) - emax
         scale[:t, b] = (e.clamp(-127, 127) + 127).to(torch.uint8)
-        data[:, b * 32 : (b + 1) * 32] = (blk / torch.exp2(e)[:, None]).to(FP8[fmt]).view(torch.uint8)
+        # saturated as TE's quantizer does (x / 2^e reaches 2 * 2^emax; the cast of a value past the
+        # format's largest is NaN in some torch releases)
+        codes = (blk / torch.exp2(e)[:, None]).clamp(-FP8_MAX[fmt], FP8_MAX[fmt])
+        data[:, b * 32 : (b + 1) * 32] = codes.to(FP8[fmt]).view(torch.uint8)
     return MXFP8Tensor(
         rowwise_data=data,
         rowwise_scale_inv=scale,

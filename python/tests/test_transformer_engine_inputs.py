@@ -172,3 +172,18 @@ def test_foreign_index_map_errors():
     bad[1] = bad[0]
     with pytest.raises(ValueError, match=r"moe_unpermute: row_id_map: row \d+ is named twice"):
         te.moe_unpermute(out, bad, w, map_type="index")
+
+
+def test_a_device_without_an_index_is_the_current_one():
+    """TE's quantized tensors report ``cuda`` where their data is on ``cuda:0``: the TE functions take
+    that as the current device of its type, not as a second device."""
+    from types import SimpleNamespace as NS
+
+    from padmoe.torch._te_checks import _same_device
+
+    assert _same_device(NS(device=torch.device("cpu")), NS(device=torch.device("cpu", 0)))
+    assert not _same_device(NS(device=torch.device("cpu")), NS(device=torch.device("meta")))
+    if torch.cuda.is_available():
+        here = torch.device("cuda", torch.cuda.current_device())
+        assert _same_device(NS(device=torch.device("cuda")), NS(device=here))
+        assert _same_device(NS(device="cuda"), torch.zeros(1, device=here))

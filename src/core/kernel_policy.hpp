@@ -247,18 +247,6 @@ inline int64_t mask_chunks(int64_t tokens, const Device& d) {
   return tiles > tpc ? (tiles + tpc - 1) / tpc : 1;
 }
 
-// One launch instead of three (count, scan, place) where every block can afford to read the whole
-// map and hold its masks: at most 256 tokens (8 tiles), and (tiles + 2) * E at most 4096 words (the
-// masks and per-tile offsets, [tiles, E] each, and four [E] arrays in 32 KiB of shared memory;
-// decode, T = 256 and E = 256, is 2560). Each block re-reads the map from L2, so the read grows with
-// T^2 / 8.
-constexpr int64_t kMaskSmallTokens = 256;
-constexpr int64_t kMaskSmallWords = 4096;
-inline bool mask_small(int64_t tokens, int64_t experts) {
-  const int64_t tiles = (tokens + kMaskTile - 1) / kMaskTile;
-  return tokens <= kMaskSmallTokens && (tiles + 2) * experts <= kMaskSmallWords;
-}
-
 // Blocks a chunk of one tile is split into (each places kMaskTile / slices of its tokens, a warp a
 // token at most): 1, 2 or 4, the most that keeps the grid within 4 blocks a multiprocessor. A
 // place block walks its tokens' experts serially, so a grid of few chunks (decode: T = 256 is 8

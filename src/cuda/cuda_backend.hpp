@@ -184,8 +184,7 @@ void batched_align_blocks(IndexRef counts, int64_t num_experts, int max_tokens, 
 
 // --- a plan from a routing mask (mask_plan; src/cuda/mask_plan.cu) --------------------
 // mask_plan_out's outputs from map [T, E] bytes (sizes checked: T * E, rows and the padded total
-// below 2^31, E at most kMaskPlanMaxExperts): three launches (one where policy::mask_small), no host
-// synchronization. The
+// below 2^31, E at most kMaskPlanMaxExperts): three launches, no host synchronization. The
 // workspace holds the per-chunk counts (mask_plan_workspace_bytes); indices / bin_ids (both or
 // neither) and row_id_map may be null.
 constexpr int64_t kMaskPlanMaxExperts = 8192;  // the place kernel's 16 bytes of shared memory an expert

@@ -1,5 +1,5 @@
 // mask_plan.cu — a plan from a routing mask [T, E] (TransformerEngine's mask map) on the GPU, in
-// three launches over tiles of 32 tokens (one launch at decode sizes: mask_small_kernel below). A block reads a tile's
+// three launches over tiles of 32 tokens. A block reads a tile's
 // 32 x E bytes coalesced and ORs each set byte into a per-expert 32-bit mask of the tile's tokens in shared memory (OR
 // commutes: the masks do not depend on the order of the atomics); then:
 //   1. count: per chunk of tiles, each expert's routed tokens (the masks' popcounts); the blocks
@@ -270,128 +270,12 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
   }
 }
 
-// --- small: one launch (decode sizes) -------------------------------------------------------
-// Every block reads the whole map (at most kMaskSmallTokens tokens: it stays in L2 after the first
-// block) into per-tile token masks, counts and scans the experts itself, then places its own
-// kMaskSmallWarps tokens (a warp a token, as the place kernel) and writes its stride of the -1
-// entries: a row_sources entry or sorted position is -1 exactly when no placement writes it, which
-// every block can tell from the counts, so each entry has one writer and no launch order is needed.
-// Shared memory: the masks and per-tile offsets ([tiles, E] each), then the unpadded and padded
-// starts and the block's tile's bases and padding offsets ([E] each).
-__global__ void __launch_bounds__(kThreads) mask_small_kernel(PlaceArgs a, int tiles) {
-  pdl_begin();
-  extern __shared__ int32_t s_mem[];
-  __shared__ typename cub::BlockScan<int, kThreads>::TempStorage storage;
-  __shared__ int s_total;
-  const int E = a.experts;
-  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_mem);  // [tiles, E]
-  int32_t* s_off = s_mem + tiles * E;                      // [tiles, E]: e's tokens in earlier tiles
-  int32_t* s_ustart = s_mem + 2 * tiles * E;               // [E]
-  int32_t* s_pstart = s_ustart + E;                        // [E]
-  int32_t* s_base = s_pstart + E;                          // [E]: the block's tile's bases
-  int32_t* s_shift = s_base + E;                           // [E]
-  for (int i = threadIdx.x; i < tiles * E; i += kThreads) s_mask[i] = 0u;
-  __syncthreads();
-  or_token_masks(a.map, 0, a.tokens, E, a.words, s_mask);
-  __syncthreads();
-  // each thread a contiguous range of experts: its per-tile offsets and counts, then the two scans
-  const int per = (E + kThreads - 1) / kThreads;
-  const int e0 = min(E, static_cast<int>(threadIdx.x) * per), e1 = min(E, e0 + per);
-  int mine = 0, mine_padded = 0;
-  for (int e = e0; e < e1; ++e) {
-    int run = 0;
-    for (int tile = 0; tile < tiles; ++tile) {
-      s_off[tile * E + e] = run;
-      run += __popc(s_mask[tile * E + e]);
-    }
-    s_ustart[e] = run;  // the count, until the scan below
-    mine += run;
-    mine_padded += round_up_32(run, a.alignment);
-  }
-  int ustart = 0, pstart = 0, total = 0;
-  cub::BlockScan<int, kThreads>(storage).ExclusiveSum(mine, ustart, total);
-  __syncthreads();
-  cub::BlockScan<int, kThreads>(storage).ExclusiveSum(mine_padded, pstart);
-  if (threadIdx.x == 0) s_total = total;
-  for (int e = e0; e < e1; ++e) {
-    const int count = s_ustart[e], padded = round_up_32(count, a.alignment);
-    if (blockIdx.x == 0 && !a.one_bin) {
-      a.counts[e] = count;
-      a.counts[E + e] = ustart + count;
-      a.counts[2 * E + e] = padded;
-      a.counts[3 * E + e] = pstart + padded;
-    }
-    s_ustart[e] = ustart;
-    s_pstart[e] = pstart;
-    ustart += count;
-    pstart += padded;
-  }
-  __syncthreads();
-  const int64_t routed = s_total;
-  if (blockIdx.x == 0 && a.one_bin && threadIdx.x == 0) {
-    const int kept = static_cast<int>(routed < a.rows ? routed : a.rows);
-    a.counts[0] = kept;
-    a.counts[1] = kept;
-    a.counts[2] = static_cast<int32_t>(a.rows);
-    a.counts[3] = static_cast<int32_t>(a.rows);
-  }
-  // the last expert whose start is at or before v in `starts` (ascending; experts of count 0 share
-  // the next one's start, so the last of equal starts is the one whose range can hold v)
-  auto expert_of = [E](const int32_t* starts, int64_t v) {
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (starts[mid] <= v) lo = mid;
-      else hi = mid - 1;
-    }
-    return lo;
-  };
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  // row r holds an assignment iff r < rows and r lies in its expert's real rows
-  for (int64_t r = start; r < a.sources_len; r += stride) {
-    bool real = false;
-    if (r < a.rows && E > 0) {
-      const int e = expert_of(s_pstart, r);
-      const int count = (e + 1 < E ? s_ustart[e + 1] : routed) - s_ustart[e];
-      real = r - s_pstart[e] < count;
-    }
-    if (!real) {
-      a.row_sources[r] = -1;
-      if (a.probs.probs != nullptr) zero_prob(a.probs, r);
-    }
-  }
-  // sorted position i (an unpadded row) is kept iff its padded row is below `rows`
-  if (a.indices != nullptr) {
-    for (int64_t i = start; i < a.tokens * E; i += stride) {
-      bool kept = false;
-      if (i < routed) {
-        const int e = expert_of(s_ustart, i);
-        kept = s_pstart[e] + (i - s_ustart[e]) < a.rows;
-      }
-      if (!kept) a.indices[i] = a.bin_ids[i] = -1;
-    }
-  }
-
-  // the block's tokens [8 * blockIdx.x, + 8) lie in one tile: its bases, then a warp a token
-  const int tile = static_cast<int>(static_cast<int64_t>(blockIdx.x) * kWarps / kTile);
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    s_base[e] = s_pstart[e] + s_off[tile * E + e];
-    s_shift[e] = s_pstart[e] - s_ustart[e];
-  }
-  __syncthreads();
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp;  // this warp's token
-  if (t < a.tokens) place_token(a, t, static_cast<int>(t % kTile), s_mask + tile * E, s_base, s_shift, lane);
-}
-
 // The place kernel's dynamic shared memory: four int arrays of E entries.
 size_t mask_plan_shared_bytes(int64_t num_experts) { return 4 * sizeof(int32_t) * static_cast<size_t>(num_experts); }
 
 }  // namespace
 
 size_t mask_plan_workspace_bytes(int64_t tokens, int64_t num_experts) {
-  if (policy::mask_small(tokens, num_experts)) return 0;
   const int64_t chunks = policy::mask_chunks(tokens, device_policy());
   return sizeof(int32_t) * static_cast<size_t>((chunks + 1) * num_experts);
 }
@@ -417,12 +301,6 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
   a.bin_ids = bin_ids;
   a.row_id_map = row_id_map;
   a.probs = probs;
-  if (policy::mask_small(tokens, num_experts)) {
-    const int tiles = static_cast<int>((tokens + kTile - 1) / kTile);
-    const size_t smem = sizeof(int32_t) * (2 * static_cast<size_t>(tiles) + 4) * static_cast<size_t>(num_experts);
-    launch_kernel("mask_small_kernel", mask_small_kernel, grid_for(tokens, kWarps), kThreads, smem, s, a, tiles);
-    return;
-  }
   const int64_t tpc = policy::mask_tiles_per_chunk(tokens, device_policy());
   const int64_t chunks = policy::mask_chunks(tokens, device_policy());
   const int slices = policy::mask_place_slices(tokens, device_policy());

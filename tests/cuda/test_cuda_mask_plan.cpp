@@ -5,9 +5,8 @@
 namespace pt {
 namespace {
 
-// mask_plan_out on the GPU equals the CPU's, entry for entry, over sizes that take the one-launch
-// path (policy::mask_small: up to 256 tokens) and the three launches with one and several tiles a
-// chunk, experts not a multiple of 32 or of 4 (the byte-wise map read), cuts, padding, one_bin and
+// mask_plan_out on the GPU equals the CPU's, entry for entry, over sizes that take one and several
+// tiles a chunk, experts not a multiple of 32 or of 4 (the byte-wise map read), cuts, padding, one_bin and
 // the E above 3072 that needs more than 48 KiB of shared memory; the GPU's outputs are the same on a
 // second run, which also moves bfloat16 probs with the rows (bitwise the CPU's).
 TEST(CpuVsGpuEdge, MaskPlan) {

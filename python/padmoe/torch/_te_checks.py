@@ -40,6 +40,19 @@ def _check_out_tokens(op: str, num_out_tokens, mask: bool) -> None:
         )
 
 
+def _device_index(d: torch.device) -> int:
+    if d.index is not None:
+        return d.index
+    return torch.cuda.current_device() if d.type == "cuda" and torch.cuda.is_available() else 0
+
+
+def _same_device(a, b) -> bool:
+    """Whether two tensors' devices are one device: an index left out is the current device of its
+    type (TE's quantized tensors report ``cuda`` where their data is on ``cuda:0``)."""
+    da, db = torch.device(a.device), torch.device(b.device)
+    return da.type == db.type and _device_index(da) == _device_index(db)
+
+
 def _check_map(op: str, inp: Tensor, routing_map, name: str = "routing_map") -> None:
     if not isinstance(routing_map, Tensor):
         raise TypeError(f"{op}: {name}: expected a torch tensor, got {type(routing_map).__name__}")
@@ -47,7 +60,7 @@ def _check_map(op: str, inp: Tensor, routing_map, name: str = "routing_map") -> 
         raise ValueError(
             f"{op}: {name}: expected [{inp.shape[0]}, E] (one row per row of inp), got shape {list(routing_map.shape)}"
         )
-    if routing_map.device != inp.device:
+    if not _same_device(routing_map, inp):
         raise ValueError(f"{op}: {name}: expected a tensor on {inp.device}, got {routing_map.device}")
     if routing_map.is_floating_point() or routing_map.is_complex():
         raise TypeError(f"{op}: {name}: expected a bool or integer tensor, got {routing_map.dtype}")
@@ -62,7 +75,7 @@ def _check_probs(op: str, probs, like: Tensor) -> None:
         raise ValueError(f"{op}: probs: expected shape {list(like.shape)} (the routing map's), got {list(probs.shape)}")
     if not probs.is_floating_point():
         raise TypeError(f"{op}: probs: expected a float tensor, got {probs.dtype}")
-    if probs.device != like.device:
+    if not _same_device(probs, like):
         raise ValueError(f"{op}: probs: expected a tensor on {like.device}, got {probs.device}")
 
 
@@ -117,7 +130,7 @@ def _check_merging_probs(op: str, merging_probs, inp: Tensor) -> None:
         raise TypeError(f"{op}: merging_probs: expected a torch tensor, got {type(merging_probs).__name__}")
     if not merging_probs.is_floating_point():
         raise TypeError(f"{op}: merging_probs: expected a float tensor, got {merging_probs.dtype}")
-    if merging_probs.device != inp.device:
+    if not _same_device(merging_probs, inp):
         raise ValueError(f"{op}: merging_probs: expected a tensor on {inp.device}, got {merging_probs.device}")
 
 
@@ -272,7 +285,7 @@ def _quantized(op: str, inp) -> Optional[QuantizedRows]:
         raise ValueError(
             f"{op}: inp: {name} holds no row-wise data (column-wise only); quantize it with row-wise usage"
         )
-    if tuple(data.shape) != tuple(inp.shape) or data.element_size() != 1 or data.device != inp.device:
+    if tuple(data.shape) != tuple(inp.shape) or data.element_size() != 1 or not _same_device(data, inp):
         raise ValueError(
             f"{op}: inp: {name}'s row-wise data is {data.dtype} of shape {list(data.shape)} on {data.device}; "
             f"expected one-byte codes of shape {list(inp.shape)} on {inp.device}"
@@ -303,7 +316,7 @@ def _quantized(op: str, inp) -> Optional[QuantizedRows]:
     if not ok:
         got = list(scales.shape) if isinstance(scales, Tensor) else type(scales).__name__
         raise ValueError(f"{op}: inp: {name}'s _rowwise_scale_inv: expected {expect}, got {got}")
-    if rows is not None and rows.device != inp.device:
+    if rows is not None and not _same_device(rows, inp):
         raise ValueError(f"{op}: inp: {name}'s _rowwise_scale_inv is on {rows.device}, its data on {inp.device}")
     return QuantizedRows(kind, data, rows)
 

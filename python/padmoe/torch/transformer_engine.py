@@ -94,6 +94,7 @@ from ._te_checks import (
     _fp8_rows,
     _is_int,
     _is_quantized,
+    _same_device,
 )
 
 __all__ = [
@@ -467,7 +468,7 @@ def moe_unpermute(
     if not isinstance(row_id_map, Tensor):
         raise TypeError(f"{op}: row_id_map: expected a torch tensor, got {type(row_id_map).__name__}")
     _check_integer(op, "row_id_map", row_id_map, "an integer tensor (TE's int32 map)")
-    if row_id_map.device != inp.device:
+    if not _same_device(row_id_map, inp):
         raise ValueError(f"{op}: row_id_map: expected a tensor on {inp.device}, got {row_id_map.device}")
     if map_type == "index":
         return _unpermute_index(op, inp, row_id_map, merging_probs, check)
@@ -590,7 +591,7 @@ def moe_sort_chunks_by_index_with_probs(
         raise TypeError(f"{op}: probs: expected a torch tensor, got {type(probs).__name__}")
     if isinstance(inp, Tensor) and inp.dim() == 2 and (probs.dim() != 1 or probs.numel() != inp.shape[0]):
         raise ValueError(f"{op}: probs: expected [{inp.shape[0]}] (one per row of inp), got shape {list(probs.shape)}")
-    if probs.device != getattr(inp, "device", probs.device):
+    if hasattr(inp, "device") and not _same_device(probs, inp):
         raise ValueError(f"{op}: probs: expected a tensor on {inp.device}, got {probs.device}")
     out, permutation_map = _sort_chunks_any(op, inp, split_sizes, sorted_index, check)
     # every output row holds an input row (alignment 1, the tail chunk last): the map is a permutation
