@@ -1,14 +1,14 @@
 // mask_plan.cu — a plan from a routing mask [T, E] (TransformerEngine's mask map) on the GPU, in
-// three launches over tiles of 32 tokens. A block reads a tile's
-// 32 x E bytes coalesced and ORs each set byte into a per-expert 32-bit mask of the tile's tokens in shared memory (OR
-// commutes: the masks do not depend on the order of the atomics); then:
+// three launches over tiles of 32 tokens. A block reads a tile's 32 x E bytes coalesced and ORs
+// each set byte into a per-expert 32-bit mask of the tile's tokens in shared memory (OR commutes:
+// the masks do not depend on the order of the atomics); then:
 //   1. count: per chunk of tiles, each expert's routed tokens (the masks' popcounts); the blocks
-//      also fill row_sources (and indices, bin_ids) with -1;
+//      also fill row_sources (and indices, bin_ids) with -1 and the moved probs with 0;
 //   2. scan:  per expert (a warp each), the exclusive sum of its chunk counts, and its count;
 //   3. place: per chunk, every block scans the (padded) counts over the experts itself, then for
-//      each tile a warp a token writes the token's dest_rows, row_sources, sorted positions and TE's
-//      row_id_map row (experts descending, compacted with a ballot). A chunk of one tile may be
-//      split over 2 or 4 blocks (slices), each placing its share of the tile's tokens.
+//      each tile a warp a token writes the token's dest_rows, row_sources (and the probs moved with
+//      them), sorted positions and TE's row_id_map row (experts descending, compacted with a ballot). A chunk of one
+//      tile may be split over 2 or 4 blocks (slices), each placing its share of the tile's tokens.
 // The count kernel runs on the same grid: slice 0 of a chunk counts, every block fills.
 // dest_rows and row_id_map rows are written by consecutive lanes; the result does not depend on
 // the schedule.
@@ -25,11 +25,14 @@ constexpr int kTile = policy::kMaskTile;
 constexpr int kThreads = policy::kMaskThreads;
 constexpr int kWarps = kThreads / 32;
 
-// s_mask[(i / 32) * E + e] |= 1 << (i % 32) for each token t0 + i (i < n) routed to e: a word a
-// thread where `words` (E a multiple of 4 and the map 4-byte aligned: a word is 4 experts of one
-// token), else a byte a thread.
-__device__ void or_token_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t n, int experts, bool words,
-                               uint32_t* s_mask) {
+// s_mask[e] = the tokens of the tile at t0 routed to e, bit tl for token t0 + tl. A word a thread
+// where `words` (E a multiple of 4 and the map 4-byte aligned: a word is 4 experts of one token),
+// else a byte a thread. Starts and ends with a barrier.
+__device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t tokens, int experts, bool words,
+                           uint32_t* s_mask) {
+  for (int e = threadIdx.x; e < experts; e += kThreads) s_mask[e] = 0u;
+  __syncthreads();
+  const int64_t n = tokens - t0 < kTile ? tokens - t0 : kTile;
   const uint8_t* base = map + t0 * experts;
   const int64_t bytes = n * experts;
   if (words) {
@@ -37,31 +40,17 @@ __device__ void or_token_masks(const uint8_t* __restrict__ map, int64_t t0, int6
     for (int64_t i = threadIdx.x; i < bytes / 4; i += kThreads) {
       const uint32_t v = w[i];
       if (v == 0u) continue;
-      const int64_t t = (4 * i) / experts;
-      const int e = static_cast<int>((4 * i) % experts);
-      uint32_t* m = s_mask + (t / kTile) * experts + e;
+      const int tl = static_cast<int>((4 * i) / experts), e = static_cast<int>((4 * i) % experts);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if ((v >> (8 * j)) & 0xffu) atomicOr(&m[j], 1u << (t % kTile));
+        if ((v >> (8 * j)) & 0xffu) atomicOr(&s_mask[e + j], 1u << tl);
       }
     }
   } else {
     for (int64_t i = threadIdx.x; i < bytes; i += kThreads) {
-      if (base[i] != 0) {
-        const int64_t t = i / experts;
-        atomicOr(&s_mask[(t / kTile) * experts + i % experts], 1u << (t % kTile));
-      }
+      if (base[i] != 0) atomicOr(&s_mask[i % experts], 1u << (i / experts));
     }
   }
-}
-
-// s_mask[e] = the tokens of the tile at t0 routed to e, bit tl for token t0 + tl. Starts and ends
-// with a barrier.
-__device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t tokens, int experts, bool words,
-                           uint32_t* s_mask) {
-  for (int e = threadIdx.x; e < experts; e += kThreads) s_mask[e] = 0u;
-  __syncthreads();
-  or_token_masks(map, t0, tokens - t0 < kTile ? tokens - t0 : kTile, experts, words, s_mask);
   __syncthreads();
 }
 
@@ -151,54 +140,6 @@ struct PlaceArgs {
   backend::MovedProbs probs;  // probs null: none moved
 };
 
-// Token t (bit tl of its tile), by one warp: its dest_rows, row_sources (and moved probs), sorted
-// positions and TE's row_id_map row. mask[e]: the tile's tokens routed to e; base[e]: the row of the
-// tile's first token routed to e; shift[e]: e's padding offset (padded start - unpadded start).
-// dest_rows and row_id_map entries are written by consecutive lanes.
-__device__ void place_token(const PlaceArgs& a, int64_t t, int tl, const uint32_t* mask, const int32_t* base,
-                            const int32_t* shift, int lane) {
-  const int E = a.experts;
-  const int64_t width = 2 * static_cast<int64_t>(E) + 1;
-  const uint32_t below = (1u << tl) - 1u;
-  int kept = 0;
-  for (int g = 0; g < E; g += 32) {
-    const int e = E - 1 - (g + lane);  // descending experts: TE's row_id_map order
-    int d = -1;
-    if (e >= 0) {
-      const uint32_t m = mask[e];
-      if ((m >> tl) & 1u) {
-        const int64_t r = base[e] + __popc(m & below);
-        if (r < a.rows) d = static_cast<int>(r);
-      }
-      a.dest_rows[t * E + e] = d;
-      if (d >= 0 && d < a.sources_len) {
-        a.row_sources[d] = static_cast<int32_t>(t * E + e);
-        if (a.probs.probs != nullptr) move_prob(a.probs, d, t * E + e);
-      }
-      if (d >= 0 && a.indices != nullptr) {  // the sorted position: the unpadded row
-        a.indices[d - shift[e]] = static_cast<int32_t>(t * E + e);
-        a.bin_ids[d - shift[e]] = e;
-      }
-    }
-    if (a.row_id_map != nullptr) {
-      const uint32_t live = __ballot_sync(0xffffffffu, d >= 0);
-      if (d >= 0) {
-        const int pos = kept + __popc(live & ((1u << lane) - 1u));
-        a.row_id_map[t * width + pos] = d - shift[e];
-        a.row_id_map[t * width + E + pos] = e;
-      }
-      kept += __popc(live);
-    }
-  }
-  if (a.row_id_map != nullptr) {
-    for (int p = kept + lane; p < E; p += 32) {
-      a.row_id_map[t * width + p] = -1;
-      a.row_id_map[t * width + E + p] = -1;
-    }
-    if (lane == 0) a.row_id_map[t * width + 2 * E] = kept;
-  }
-}
-
 // Shared memory: four int arrays of E entries (running base, tile base, token mask, padding shift).
 __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
   pdl_begin();
@@ -250,6 +191,7 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
   }
 
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t width = 2 * static_cast<int64_t>(E) + 1;
   const int64_t first = chunk * a.tiles_per_chunk * kTile;
   for (int64_t tile = 0; tile < a.tiles_per_chunk; ++tile) {
     const int64_t t0 = first + tile * kTile;
@@ -264,7 +206,44 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
     for (int tl = slice * share + warp; tl < (slice + 1) * share; tl += kWarps) {
       const int64_t t = t0 + tl;
       if (t >= a.tokens) break;  // uniform across the warp
-      place_token(a, t, tl, s_mask, s_tile, s_shift, lane);
+      const uint32_t below = (1u << tl) - 1u;
+      int kept = 0;
+      for (int g = 0; g < E; g += 32) {
+        const int e = E - 1 - (g + lane);  // descending experts: TE's row_id_map order
+        int d = -1;
+        if (e >= 0) {
+          const uint32_t m = s_mask[e];
+          if ((m >> tl) & 1u) {
+            const int64_t r = s_tile[e] + __popc(m & below);
+            if (r < a.rows) d = static_cast<int>(r);
+          }
+          a.dest_rows[t * E + e] = d;
+          if (d >= 0 && d < a.sources_len) {
+            a.row_sources[d] = static_cast<int32_t>(t * E + e);
+            if (a.probs.probs != nullptr) move_prob(a.probs, d, t * E + e);
+          }
+          if (d >= 0 && a.indices != nullptr) {  // the sorted position: the unpadded row
+            a.indices[d - s_shift[e]] = static_cast<int32_t>(t * E + e);
+            a.bin_ids[d - s_shift[e]] = e;
+          }
+        }
+        if (a.row_id_map != nullptr) {
+          const uint32_t live = __ballot_sync(0xffffffffu, d >= 0);
+          if (d >= 0) {
+            const int pos = kept + __popc(live & ((1u << lane) - 1u));
+            a.row_id_map[t * width + pos] = d - s_shift[e];
+            a.row_id_map[t * width + E + pos] = e;
+          }
+          kept += __popc(live);
+        }
+      }
+      if (a.row_id_map != nullptr) {
+        for (int p = kept + lane; p < E; p += 32) {
+          a.row_id_map[t * width + p] = -1;
+          a.row_id_map[t * width + E + p] = -1;
+        }
+        if (lane == 0) a.row_id_map[t * width + 2 * E] = kept;
+      }
     }
     __syncthreads();
   }
@@ -284,29 +263,13 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
                int32_t* counts, int32_t* dest_rows, int32_t* row_sources, int64_t sources_len, int32_t* indices,
                int32_t* bin_ids, int32_t* row_id_map, const backend::MovedProbs& probs, void* workspace, void* stream) {
   const cudaStream_t s = as_stream(stream);
-  const bool words = num_experts % 4 == 0 && reinterpret_cast<uintptr_t>(map) % 4 == 0;
-  PlaceArgs a{};
-  a.map = map;
-  a.tokens = tokens;
-  a.experts = num_experts;
-  a.words = words;
-  a.alignment = alignment;
-  a.rows = rows;
-  a.one_bin = one_bin;
-  a.counts = counts;
-  a.dest_rows = dest_rows;
-  a.row_sources = row_sources;
-  a.sources_len = sources_len;
-  a.indices = indices;
-  a.bin_ids = bin_ids;
-  a.row_id_map = row_id_map;
-  a.probs = probs;
   const int64_t tpc = policy::mask_tiles_per_chunk(tokens, device_policy());
   const int64_t chunks = policy::mask_chunks(tokens, device_policy());
   const int slices = policy::mask_place_slices(tokens, device_policy());
   const auto grid = static_cast<unsigned>(chunks * slices);
   int32_t* chunk_counts = static_cast<int32_t*>(workspace);
   int32_t* n = chunk_counts + chunks * num_experts;
+  const bool words = num_experts % 4 == 0 && reinterpret_cast<uintptr_t>(map) % 4 == 0;
   const size_t smem = mask_plan_shared_bytes(num_experts);  // the count kernel takes half
   if (smem > 48 * 1024) {
     PADMOE_CUDA_CHECK(
@@ -322,10 +285,26 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
     launch_kernel("mask_scan_kernel", mask_scan_kernel, static_cast<unsigned>((num_experts + kWarps - 1) / kWarps),
                   kThreads, 0, s, chunk_counts, chunks, num_experts, n);
   }
+  PlaceArgs a{};
+  a.map = map;
+  a.tokens = tokens;
+  a.experts = num_experts;
+  a.words = words;
+  a.alignment = alignment;
+  a.rows = rows;
+  a.one_bin = one_bin;
   a.tiles_per_chunk = tpc;
   a.slices = slices;
   a.n = n;
   a.chunk_offsets = chunk_counts;
+  a.counts = counts;
+  a.dest_rows = dest_rows;
+  a.row_sources = row_sources;
+  a.sources_len = sources_len;
+  a.indices = indices;
+  a.bin_ids = bin_ids;
+  a.row_id_map = row_id_map;
+  a.probs = probs;
   launch_kernel("mask_place_kernel", mask_place_kernel, grid, kThreads, smem, s, a);
 }
 
