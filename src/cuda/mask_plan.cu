@@ -6,9 +6,10 @@
 //      also fill row_sources (and indices, bin_ids) with -1 and the moved probs with 0;
 //   2. scan:  per expert (a warp each), the exclusive sum of its chunk counts, and its count;
 //   3. place: per chunk, every block scans the (padded) counts over the experts itself, then for
-//      each tile a warp a token writes the token's dest_rows, row_sources (and the probs moved with
-//      them), sorted positions and TE's row_id_map row (experts descending, compacted with a ballot). A chunk of one
-//      tile may be split over 2 or 4 blocks (slices), each placing its share of the tile's tokens.
+//      each tile a warp a token writes the token's dest_rows, row_sources (and the probs moved
+//      with them), sorted positions and TE's row_id_map row (experts descending, compacted with a
+//      ballot). A chunk of one tile may be split over 2 or 4 blocks (slices), each placing its
+//      share of the tile's tokens.
 // The count kernel runs on the same grid: slice 0 of a chunk counts, every block fills.
 // dest_rows and row_id_map rows are written by consecutive lanes; the result does not depend on
 // the schedule.
