@@ -45,7 +45,7 @@ void index_plan_out(const TensorView& top_experts, int64_t rows, const TensorVie
     std::unique_ptr<cuda::Scratch> scratch;
     if (bytes > 0) scratch.reset(new cuda::Scratch(options, bytes, device.index));
     cuda::index_plan(ids, assignments, rows, counts.data_as<int32_t>(), dest_rows.data_as<int32_t>(),
-                     row_sources.data_as<int32_t>(), sources_len, idx, bid, scratch ? scratch->get() : nullptr,
+                     row_sources.data_as<int32_t>(), sources_len, idx, bid, scratch ? scratch->get() : nullptr, bytes,
                      options.stream);
     return;
   }

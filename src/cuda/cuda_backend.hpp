@@ -197,12 +197,13 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
 // index_plan_out's outputs from ids [A] (sizes checked: A and rows below 2^31). Up to
 // kIndexPlanBlockSort assignments: one launch, a block's radix sort (no workspace); more: the
 // assignment ids, cub's device radix sort of the ids as uint32 keys, the placement (workspace:
-// index_plan_workspace_bytes). indices / bin_ids (both or neither) may be null.
+// index_plan_workspace_bytes, passed back as workspace_bytes: cub's scratch is the rest, so its size
+// is asked for once a call). indices / bin_ids (both or neither) may be null.
 constexpr int64_t kIndexPlanBlockSort = 4096;  // 512 threads x 8 keys
 size_t index_plan_workspace_bytes(int64_t assignments);
 void index_plan(const int32_t* ids, int64_t assignments, int64_t rows, int32_t* counts, int32_t* dest_rows,
                 int32_t* row_sources, int64_t sources_len, int32_t* indices, int32_t* bin_ids, void* workspace,
-                void* stream);
+                size_t workspace_bytes, void* stream);
 
 // --- checked mode -------------------------------------------------------------------
 // Each returns 0 when valid, else an error code (below) with the first

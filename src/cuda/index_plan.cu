@@ -153,7 +153,7 @@ size_t index_plan_workspace_bytes(int64_t assignments) {
 
 void index_plan(const int32_t* ids, int64_t assignments, int64_t rows, int32_t* counts, int32_t* dest_rows,
                 int32_t* row_sources, int64_t sources_len, int32_t* indices, int32_t* bin_ids, void* workspace,
-                void* stream) {
+                size_t workspace_bytes, void* stream) {
   const cudaStream_t s = as_stream(stream);
   Outputs o;
   o.assignments = assignments;
@@ -177,7 +177,7 @@ void index_plan(const int32_t* ids, int64_t assignments, int64_t rows, int32_t* 
   uint32_t* keys_out = reinterpret_cast<uint32_t*>(w);
   int32_t* ids_in = reinterpret_cast<int32_t*>(w + slot);
   int32_t* ids_out = reinterpret_cast<int32_t*>(w + 2 * slot);
-  size_t temp_bytes = sort_temp_bytes(assignments);
+  size_t temp_bytes = workspace_bytes - 3 * slot;  // cub's share of index_plan_workspace_bytes
   launch_kernel("index_iota_kernel", index_iota_kernel,
                 grid_for(assignments > tail ? assignments : tail, kFillThreads * kFillItems, kMaxFillBlocks),
                 kFillThreads, 0, s, ids_in, o);

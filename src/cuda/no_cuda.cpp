@@ -71,7 +71,7 @@ void mask_plan(const uint8_t*, int64_t, int, int, int64_t, bool, int32_t*, int32
 }
 size_t index_plan_workspace_bytes(int64_t) { return 0; }
 void index_plan(const int32_t*, int64_t, int64_t, int32_t*, int32_t*, int32_t*, int64_t, int32_t*, int32_t*, void*,
-                void*) {
+                size_t, void*) {
   unavailable("index_plan");
 }
 Violation validate_top_experts(IndexRef, int64_t, int, void*, void*) { unavailable("validate"); }
