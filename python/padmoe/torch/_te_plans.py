@@ -12,9 +12,9 @@ dispatch / combine operators and their backward do the moves:
   rows lie between the experts' rows.
 
 The mask forms come from the native ``mask_plan`` operator (the plan, TE's row_id_map and the probs
-moved with the rows, in three launches on CUDA); the index form from ``make_plan`` (with ``num_experts``) or the native
-``index_plan`` operator (without); the unpermute without a kept plan rebuilds one from TE's
-row_id_map.
+moved with the rows, in three launches on CUDA); the index form from ``make_plan`` (with
+``num_experts``) or the native ``index_plan`` operator (without); the unpermute without a kept
+plan rebuilds one from TE's row_id_map.
 
 An assignment is ``a = t*K + k``: for the mask map K = E and ``k`` is the expert (``a = t*E + e``),
 for the index map ``k`` is the column of ``index``.
