@@ -4,7 +4,8 @@
 #  1. `pip install .` exactly as the README says (pip's defaults, build isolation on) into the
 #     virtualenv of scripts/pytest.sh, which has torch (padmoe is uninstalled from it first); then
 #     `import padmoe.torch, padmoe.torch.distributed` from outside the source tree, the operators
-#     built against that torch, and the ImportError that a torch other than the build's gets;
+#     built against that torch, and the ImportError that a torch other than the build's gets.
+#     Skipped, with a warning, when scripts/pytest.sh left torch out for lack of disk;
 #  2. `pip install .` into a new virtualenv without torch (CPU backend only, to save time): the
 #     install works, `import padmoe` works, and the error names the command that builds the operators.
 #   PADMOE_VENV=DIR         the virtualenv with torch (default .venv, made by scripts/pytest.sh)
@@ -16,9 +17,11 @@ cd "$(dirname "$0")/.."
 repo=$PWD
 venv=${PADMOE_VENV:-.venv}
 bin=$(cd "$venv/bin" && pwd)
+with_torch=1
 if ! "$bin/python" -c "import torch" 2>/dev/null; then
-  echo "padmoe: $venv has no torch: run scripts/pytest.sh first" >&2
-  exit 1
+  # scripts/pytest.sh leaves torch out when the disk is short, and says so; so does this.
+  echo "padmoe: WARNING: $venv has no torch: the install into an environment with torch is not checked" >&2
+  with_torch=0
 fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/padmoe-install.XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -33,6 +36,7 @@ else  # a checkout without .git: its files
 fi
 
 # 1. The README's command, in an environment that has torch.
+if [ "$with_torch" = "1" ]; then
 "$bin/python" -m pip uninstall -y -q padmoe || true
 echo "padmoe: (fresh clone) pip install .   [into $venv, torch $("$bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)]" >&2
 start=$SECONDS
@@ -61,6 +65,7 @@ except ImportError as e:
 else:
     raise SystemExit("padmoe: import padmoe.torch loaded operators built against another torch")
 EOF
+fi
 
 # 2. Without torch: the package installs and imports; the error names the command.
 "${PADMOE_PYTHON:-python3}" -m venv "$work/notorch"
