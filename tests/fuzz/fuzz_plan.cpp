@@ -1,5 +1,6 @@
-// fuzz_plan.cpp — a bounded-time fuzzer of make_plan's routing options (expert map, local range,
-// invalid ids, capacity, drop policy, dropped count), its layouts and moe_align_block_size, as a
+// fuzz_plan.cpp — a bounded-time fuzzer of the plans: make_plan's routing options (expert map,
+// local range, invalid ids, capacity, drop policy, dropped count), its layouts,
+// moe_align_block_size, mask_plan (row_id_map, one_bin, moved probabilities) and index_plan, as a
 // hostile caller would call them: random sizes and options, some valid and some not, output
 // buffers exact, larger or one entry short, output views whose scalar fields hold anything.
 //
@@ -359,6 +360,224 @@ void align_case(pt::Rng& rng, Stats& st, std::string& log) {
   (valid ? st.valid : st.invalid) += 1;
 }
 
+// Bytes of a tensor, to compare moved probabilities bit for bit.
+std::vector<unsigned char> bytes_of(const Tensor& t) {
+  const auto* p = static_cast<const unsigned char*>(t.view().data);
+  const size_t n = static_cast<size_t>(t.view().numel()) * padmoe::element_size(t.view().dtype);
+  return p == nullptr ? std::vector<unsigned char>() : std::vector<unsigned char>(p, p + n);
+}
+
+// A tensor of `dtype` and `shape` filled with the byte 0x5A, the poison of every non-index output.
+Tensor poisoned_as(DType dtype, std::initializer_list<int64_t> shape) {
+  Tensor t = Tensor::empty(dtype, shape);
+  std::memset(t.view().data, 0x5A, static_cast<size_t>(t.view().numel()) * padmoe::element_size(dtype));
+  return t;
+}
+
+bool all_poison(const Tensor& t) {
+  for (unsigned char b : bytes_of(t)) {
+    if (b != 0x5A) return false;
+  }
+  return true;
+}
+
+// The optional sorted-order pair and row_id_map: a request or not, sometimes malformed.
+struct SortedOutputs {
+  Tensor indices, bin_ids;
+  bool asked = false, valid = true;
+};
+SortedOutputs sorted_outputs(pt::Rng& rng, int64_t A) {
+  SortedOutputs o;
+  if (chance(rng, 50)) return o;
+  o.asked = true;
+  o.indices = poisoned(A);
+  o.bin_ids = poisoned(A);
+  if (chance(rng, 4)) {  // one of the pair short, or only one of the pair
+    if (chance(rng, 50)) o.indices = poisoned(A + (A > 0 && chance(rng, 50) ? -1 : 1));
+    else o.bin_ids = Tensor();
+    o.valid = false;
+  }
+  return o;
+}
+
+// One mask_plan_out call (TransformerEngine's mask map): a random uint8 mask, alignment, cut,
+// one_bin, row_id_map, sorted order and moved probabilities, some arguments malformed.
+void mask_case(pt::Rng& rng, Stats& st, std::string& log) {
+  const bool big = chance(rng, 2);  // past 2^17 pairs: several CPU workers
+  const int64_t T = big ? 2048 + rng.below(2048) : rng.below(chance(rng, 20) ? 400 : 30);
+  const int64_t E = big ? 64 + rng.below(64) : rng.below(chance(rng, 10) ? 300 : 12);
+  int m = pick<int>(rng, {1, 1, 1, 2, 3, 4, 8, 16, 128});
+  bool valid = true;
+  const bool one_bin = chance(rng, 30) && (m == 1 || chance(rng, 10));
+  if (one_bin && m != 1) valid = false;
+  if (chance(rng, 2)) {
+    m = pick<int>(rng, {0, -1, -128});
+    valid = false;
+  }
+  const int density = static_cast<int>(rng.below(101));
+  std::vector<uint8_t> map(static_cast<size_t>(T * E));
+  for (auto& b : map) b = chance(rng, density) ? static_cast<uint8_t>(1 + rng.below(255)) : 0;
+  const int64_t A = T * E;
+  // the rows: the padded total (the routed count with one_bin), cut or with spares
+  int64_t full = 0;
+  if (valid) {
+    const ref::MaskPlan all = ref::mask_plan(map, T, E, m, INT32_MAX, one_bin, 0);
+    full = one_bin ? all.counts[0] : (all.counts.empty() ? 0 : all.counts.back());  // routed, or padded total
+  }
+  int64_t rows = chance(rng, 50) ? full : rng.below(full + 2 * m + 3);
+  if (chance(rng, 2)) {
+    rows = -1 - rng.below(3);
+    valid = false;
+  }
+  const int64_t S = chance(rng, 50) ? std::max<int64_t>(rows, 0) : rng.below(full + 20);
+  const int64_t n_counts = one_bin ? 4 : 4 * E;
+  Tensor counts = poisoned(n_counts), dest = poisoned(A), sources = poisoned(S);
+  if (chance(rng, 3)) {
+    if (chance(rng, 50) && n_counts > 0) counts = poisoned(n_counts - 1);
+    else dest = poisoned(A + 1);
+    valid = false;
+  }
+  Tensor rim;
+  if (chance(rng, 50)) {
+    rim = poisoned_as(DType::kInt32, {T, 2 * E + 1});
+    if (chance(rng, 3)) {
+      rim = poisoned_as(DType::kInt32, {T, 2 * E});
+      valid = false;
+    }
+  }
+  SortedOutputs so = sorted_outputs(rng, A);
+  valid = valid && so.valid;
+  const bool with_probs = chance(rng, 35);
+  const DType pdt = pick<DType>(rng, {DType::kFloat32, DType::kFloat16, DType::kBFloat16});
+  Tensor probs, moved;
+  if (with_probs) {
+    probs = Tensor::empty(pdt, {T, E});
+    auto* pb = static_cast<unsigned char*>(probs.view().data);
+    const size_t n = static_cast<size_t>(T * E) * padmoe::element_size(pdt);
+    for (size_t i = 0; i < n; ++i) pb[i] = static_cast<unsigned char>(rng.below(256));
+    moved = poisoned_as(pdt, {S});
+    if (chance(rng, 4)) {
+      moved = chance(rng, 50) ? poisoned_as(pdt, {S + 1})
+                              : poisoned_as(pdt == DType::kFloat32 ? DType::kBFloat16 : DType::kFloat32, {S});
+      valid = false;
+    } else if (chance(rng, 2)) {
+      moved = Tensor();  // probs without moved_probs
+      valid = false;
+    }
+  }
+  const bool int_map = chance(rng, 2);
+  Tensor mt = Tensor::empty(int_map ? DType::kInt32 : DType::kUInt8, {T, E});
+  if (int_map) {
+    for (size_t i = 0; i < map.size(); ++i) mt.data_as<int32_t>()[i] = map[i];
+    valid = false;
+  } else if (!map.empty()) {
+    std::memcpy(mt.view().data, map.data(), map.size());
+  }
+  padmoe::Options opt;
+  opt.num_threads = static_cast<int>(rng.below(4));
+  log = "mask_plan T=" + std::to_string(T) + " E=" + std::to_string(E) + " m=" + std::to_string(m) +
+        " rows=" + std::to_string(rows) + " S=" + std::to_string(S) + " one_bin=" + std::to_string(one_bin) +
+        " density=" + std::to_string(density) + " row_id_map=" + std::to_string(rim.view().data != nullptr) +
+        " sorted=" + std::to_string(so.asked) + " probs=" + (with_probs ? padmoe::dtype_name(pdt) : "none") +
+        " threads=" + std::to_string(opt.num_threads);
+  const padmoe::TensorView none{};
+  try {
+    padmoe::mask_plan_out(mt, m, rows, one_bin, counts, dest, sources, rim.view().data ? rim.view() : none,
+                          so.indices.view().data ? so.indices.view() : none,
+                          so.bin_ids.view().data ? so.bin_ids.view() : none, probs.view().data ? probs.view() : none,
+                          moved.view().data ? moved.view() : none, opt);
+    if (!valid) fail("an invalid call returned");
+    const ref::MaskPlan want = ref::mask_plan(map, T, E, m, rows, one_bin, S);
+    expect_equal(read(counts), want.counts, "counts");
+    expect_equal(read(dest), want.dest_rows, "dest_rows");
+    expect_equal(read(sources), want.row_sources, "row_sources");
+    if (rim.view().data) expect_equal(read(rim), want.row_id_map, "row_id_map");
+    if (so.asked) {
+      expect_equal(read(so.indices), want.indices, "indices");
+      expect_equal(read(so.bin_ids), want.bin_ids, "bin_ids");
+    }
+    if (with_probs) {
+      const std::vector<unsigned char> got = bytes_of(moved), src = bytes_of(probs);
+      const size_t w = padmoe::element_size(pdt);
+      for (int64_t r = 0; r < S; ++r) {
+        const int64_t a = want.row_sources[static_cast<size_t>(r)];
+        for (size_t b = 0; b < w; ++b) {
+          const unsigned char expect = a >= 0 ? src[static_cast<size_t>(a) * w + b] : 0;
+          if (got[static_cast<size_t>(r) * w + b] != expect) fail("moved_probs[" + std::to_string(r) + "]");
+        }
+      }
+    }
+  } catch (const padmoe::Error& e) {
+    if (valid) fail(std::string("a valid call threw: ") + e.what());
+    const Tensor* all[] = {&counts, &dest, &sources, &rim, &so.indices, &so.bin_ids, &moved};
+    for (const Tensor* t : all) {
+      if (!all_poison(*t)) fail(std::string("an invalid call wrote an output before failing: ") + e.what());
+    }
+  }
+  (valid ? st.valid : st.invalid) += 1;
+}
+
+// One index_plan_out call (TransformerEngine's index map without a number of experts): ids of any
+// int32 value, a cut or spare rows, the sorted order or not, some arguments malformed.
+void index_case(pt::Rng& rng, Stats& st, std::string& log) {
+  const bool big = chance(rng, 3);  // past one block's sort on CUDA; the CPU's stable sort alike
+  const int64_t T = big ? 600 + rng.below(2000) : rng.below(chance(rng, 20) ? 300 : 20);
+  const int64_t K = rng.below(9);
+  const int64_t A = T * K;
+  const int kind = static_cast<int>(rng.below(4));
+  std::vector<int32_t> ids(static_cast<size_t>(A));
+  for (auto& x : ids) {
+    switch (kind) {
+      case 0: x = static_cast<int32_t>(rng.below(8)); break;
+      case 1: x = chance(rng, 20) ? -1 : static_cast<int32_t>(rng.below(300)); break;
+      case 2: x = static_cast<int32_t>(static_cast<uint32_t>(rng.below(int64_t{1} << 32))); break;
+      default: x = pick<int32_t>(rng, {INT32_MAX, INT32_MIN, -2, 65536, 1 << 24, 0});
+    }
+  }
+  bool valid = true;
+  int64_t rows = chance(rng, 50) ? A : rng.below(A + 10);
+  if (chance(rng, 2)) {
+    rows = pick<int64_t>(rng, {-1, -5, int64_t{1} << 31});
+    valid = false;
+  }
+  const int64_t S = chance(rng, 50) ? std::max<int64_t>(std::min<int64_t>(rows, A + 10), 0) : rng.below(A + 10);
+  Tensor counts = poisoned(4), dest = poisoned(A), sources = poisoned(S);
+  if (chance(rng, 3)) {
+    if (chance(rng, 50)) counts = poisoned(3);
+    else dest = poisoned(A + 1);
+    valid = false;
+  }
+  SortedOutputs so = sorted_outputs(rng, A);
+  valid = valid && so.valid;
+  const bool wide = chance(rng, 2);  // int64 ids: refused
+  Tensor top = index_tensor(std::vector<int64_t>(ids.begin(), ids.end()), wide ? DType::kInt64 : DType::kInt32, {T, K});
+  if (wide) valid = false;
+  log = "index_plan T=" + std::to_string(T) + " K=" + std::to_string(K) + " kind=" + std::to_string(kind) +
+        " rows=" + std::to_string(rows) + " S=" + std::to_string(S) + " sorted=" + std::to_string(so.asked) +
+        " ids=" + describe_ids(std::vector<int64_t>(ids.begin(), ids.end()));
+  const padmoe::TensorView none{};
+  try {
+    padmoe::index_plan_out(top, rows, counts, dest, sources, so.indices.view().data ? so.indices.view() : none,
+                           so.bin_ids.view().data ? so.bin_ids.view() : none);
+    if (!valid) fail("an invalid call returned");
+    const ref::IndexPlan want = ref::index_plan(ids, rows, S);
+    expect_equal(read(counts), want.counts, "counts");
+    expect_equal(read(dest), want.dest_rows, "dest_rows");
+    expect_equal(read(sources), want.row_sources, "row_sources");
+    if (so.asked) {
+      expect_equal(read(so.indices), want.indices, "indices");
+      expect_equal(read(so.bin_ids), want.bin_ids, "bin_ids");
+    }
+  } catch (const padmoe::Error& e) {
+    if (valid) fail(std::string("a valid call threw: ") + e.what());
+    const Tensor* all[] = {&counts, &dest, &sources, &so.indices, &so.bin_ids};
+    for (const Tensor* t : all) {
+      if (!all_poison(*t)) fail(std::string("an invalid call wrote an output before failing: ") + e.what());
+    }
+  }
+  (valid ? st.valid : st.invalid) += 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -383,8 +602,11 @@ int main(int argc, char** argv) {
     pt::Rng rng(seed + static_cast<uint64_t>(it) * 7919);
     std::string log;
     try {
-      if (chance(rng, 70)) plan_case(rng, st, log);
-      else align_case(rng, st, log);
+      const int64_t which = rng.below(100);
+      if (which < 50) plan_case(rng, st, log);
+      else if (which < 65) align_case(rng, st, log);
+      else if (which < 85) mask_case(rng, st, log);
+      else index_case(rng, st, log);
     } catch (const Failure& f) {
       std::fprintf(stderr, "fuzz_plan: FAILED at iteration %lld (seed %llu): %s\n  case: %s\n",
                    static_cast<long long>(it), static_cast<unsigned long long>(seed), f.what.c_str(), log.c_str());
