@@ -621,6 +621,104 @@ def test_every_shipped_experts_class():
     print(f"\n{len(built)} experts classes checked ({len(skipped)} not buildable from a tiny config: {skipped})")
 
 
+# The whole model: a tiny CausalLM of each family (two layers, every one MoE where the config says so).
+_LM_TINY = dict(
+    vocab_size=64,
+    pad_token_id=0,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=16,
+    max_position_embeddings=64,
+    intermediate_size=64,
+    first_k_dense_replace=0,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    n_group=1,
+    topk_group=1,
+    shared_expert_intermediate_size=32,
+    n_shared_experts=1,
+    sliding_window=8,
+)
+
+
+def _tiny_lm(fam):
+    """A tiny CausalLM of the family, float32, or a reason why not."""
+    try:
+        mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
+    except Exception as e:  # noqa: BLE001 (optional dependencies of a family)
+        return None, f"import: {type(e).__name__}"
+    lms = [v for k, v in sorted(vars(mod).items()) if k.endswith("ForCausalLM") and isinstance(v, type)]
+    if not lms:
+        return None, "no CausalLM"
+    try:
+        cfg = lms[0].config_class()
+        for tiny in (_TINY, _LM_TINY):
+            for k, v in tiny.items():
+                if hasattr(cfg, k):
+                    old = getattr(cfg, k)
+                    per_layer = isinstance(old, (list, tuple)) and v is not None and not isinstance(v, list)
+                    setattr(cfg, k, [v] * len(old) if per_layer else v)
+        if isinstance(getattr(cfg, "layer_types", None), list):
+            cfg.layer_types = cfg.layer_types[: cfg.num_hidden_layers]
+        with torch.device("meta"):
+            probe = lms[0](cfg)
+        if sum(p.numel() for p in probe.parameters()) > 5_000_000:
+            return None, "too large"
+        torch.manual_seed(0)
+        return lms[0](cfg).float(), None
+    except Exception as e:  # noqa: BLE001
+        return None, f"build: {type(e).__name__}: {str(e)[:80]}"
+
+
+def test_every_causal_lm_family():
+    """Every family of the installed transformers with an experts class and a CausalLM that builds from
+    a tiny config and runs eager: padmoe swapped in by set_experts_implementation, the logits and every
+    parameter's gradient within 1e-5 of max |ref| of the eager run (or of a thousandth of the
+    model's largest gradient, for a gradient that is only rounding). The five of FAMILIES whose configs
+    the sweep's generic sizes fit must be among them (DeepSeek-V3's MLA is checked above)."""
+    families = sorted({fam for fam, _, _ in _experts_classes()})
+    built, failures, skipped = [], [], []
+    for fam in families:
+        model, why = _tiny_lm(fam)
+        if model is None:
+            skipped.append((fam, why))
+            continue
+        ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+        res = {}
+        for impl in ("eager", "padmoe"):
+            model.set_experts_implementation(impl)
+            model.zero_grad(set_to_none=True)
+            try:
+                logits = model(ids).logits
+            except Exception as exc:  # noqa: BLE001
+                if impl == "eager":
+                    skipped.append((fam, f"eager failed: {type(exc).__name__}"))
+                    break
+                raise
+            (logits.square().mean()).backward()
+            res[impl] = (logits.detach(), [p.grad for p in model.parameters()])
+        if len(res) < 2:
+            continue
+        # a gradient that is zero but for rounding (DeepSeek-V4's hash-routed gate with one expert
+        # chosen twice: w = s / (s + s)) is measured against the model's largest gradient
+        grads = [(a, b) for a, b in zip(res["padmoe"][1], res["eager"][1]) if b is not None]
+        floor = 1e-3 * max(b.abs().max().item() for _, b in grads)
+        errs = [_rel(res["padmoe"][0], res["eager"][0])]
+        errs += [(a - b).abs().max().item() / max(b.abs().max().item(), floor) for a, b in grads]
+        built.append(fam)
+        if max(errs) > 1e-5:
+            failures.append((fam, max(errs)))
+    assert not failures, failures
+    assert {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"} <= set(built), (built, skipped)
+    print(f"\n{len(built)} CausalLM families checked ({len(skipped)} not: {skipped})")
+
+
 # ---------------------------------------------------------------------------
 # GroupedExperts (padmoe.torch) against a float64 loop over tokens
 # ---------------------------------------------------------------------------
