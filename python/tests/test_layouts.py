@@ -491,7 +491,9 @@ def test_mask_plan_is_make_plan_of_the_mask(device, T, E, align):
         torch.testing.assert_close(out.cpu().double(), want_out, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="mask_plan: alignment"):
         pt.mask_plan(routing, 0)
-    with pytest.raises(TypeError, match="mask_plan: routing_map: expected a bool or integer tensor"):
+    with pytest.raises(ValueError, match=r"mask_plan: alignment: must be in \[1, 2147483647\], got 2147483648"):
+        pt.mask_plan(routing, 2**31)  # the argument named, not a size overflow of the map
+    with pytest.raises(TypeError, match="mask_plan: routing_map: expected a bool or integer tensor, got float32$"):
         pt.mask_plan(routing.float())
 
 
@@ -538,6 +540,8 @@ def test_index_plan_sorts_ids_as_uint32(device, T, K, bound, cut, dtype):
     assert torch.equal(pt.index_plan(ids.to(device)).packed.cpu(), torch.ops.padmoe.index_plan(ids, a))
     with pytest.raises(ValueError, match="index_plan: rows"):
         pt.index_plan(ids.to(device), -1)
-    with pytest.raises(TypeError, match="index_plan: top_experts: expected int32 or int64"):
+    with pytest.raises(TypeError, match="index_plan: top_experts: expected int32 or int64, got float32$"):
         pt.index_plan(ids.to(device).float(), rows)
+    with pytest.raises(TypeError, match="index_plan: top_experts: expected int32 or int64, got int16$"):
+        pt.index_plan(ids.to(device).short(), rows)
     torch.library.opcheck(torch.ops.padmoe.index_plan.default, (ids.to(device), rows))

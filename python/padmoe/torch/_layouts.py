@@ -115,7 +115,7 @@ def mask_plan(routing_map: Tensor, alignment: int = 1) -> Tuple[Plan, Tensor]:
         raise TypeError(f"{op}: routing_map: expected a torch tensor, got {type(routing_map).__name__}")
     if routing_map.dim() != 2:
         raise ValueError(f"{op}: routing_map: expected [num_tokens, num_experts], got shape {list(routing_map.shape)}")
-    m = int_arg(op, "alignment", alignment, 1)
+    m = int_arg(op, "alignment", alignment, 1, INT32_MAX)
     t, e = routing_map.shape
     rows = t * e + e * (m - 1)  # padded_rows_bound: the plan's row_sources, as make_plan sizes it
     if rows > INT32_MAX:

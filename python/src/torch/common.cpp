@@ -9,6 +9,7 @@
 #endif
 
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <limits>
 
@@ -43,6 +44,28 @@ std::string shape_of(const Tensor& t) {
   return s + "]";
 }
 
+std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case at::kBool: return "bool";
+    case at::kByte: return "uint8";
+    case at::kChar: return "int8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kHalf: return "float16";
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kBFloat16: return "bfloat16";
+    case at::kComplexFloat: return "complex64";
+    case at::kComplexDouble: return "complex128";
+    default: {  // the float8 and unsigned kinds: c10's name, lower case (Float8_e4m3fn -> float8_e4m3fn)
+      std::string s = c10::toString(t);
+      for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      return s;
+    }
+  }
+}
+
 namespace {
 
 DType dtype_of(const Tensor& t, const char* op, const char* arg) {
@@ -57,7 +80,7 @@ DType dtype_of(const Tensor& t, const char* op, const char* arg) {
     case at::kByte: return DType::kUInt8;  // E8M0 scale bytes (the `_scaled` ops)
     default:
       type_error(op, arg,
-                 std::string("unsupported dtype ") + c10::toString(t.scalar_type()) +
+                 "unsupported dtype " + dtype_name(t.scalar_type()) +
                      "; expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32 or int64");
   }
 }

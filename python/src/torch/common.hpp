@@ -72,6 +72,8 @@ void native(Fn&& fn) {
 // --- tensors -> views -----------------------------------------------------------
 
 std::string shape_of(const Tensor& t);
+// A dtype as Python spells it, without "torch." ("float32", "int16", "bool"), as padmoe's messages do.
+std::string dtype_name(c10::ScalarType t);
 TensorView view(const Tensor& t, const char* op, const char* arg);
 std::optional<TensorView> opt_view(const OptTensor& t, const char* op, const char* arg);
 

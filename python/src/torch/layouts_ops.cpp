@@ -97,8 +97,7 @@ std::tuple<Tensor, Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_
   if (map_in.dim() != 2)
     value_error(op, "routing_map", "expected [num_tokens, num_experts], got shape " + shape_of(map_in));
   if (map_in.is_floating_point() || map_in.is_complex())
-    type_error(op, "routing_map",
-               std::string("expected a bool or integer tensor, got ") + c10::toString(map_in.scalar_type()));
+    type_error(op, "routing_map", "expected a bool or integer tensor, got " + dtype_name(map_in.scalar_type()));
   if (rows < 0 || rows > kMax) value_error(op, "rows", "must be in [0, 2^31), got " + std::to_string(rows));
   if (alignment < 1 || alignment > kMax)
     value_error(op, "alignment", "must be in [1, 2^31), got " + std::to_string(alignment));
@@ -150,7 +149,7 @@ Tensor index_plan_kernel(const Tensor& ids_in, int64_t rows) {
   const char* op = "index_plan";
   if (ids_in.dim() != 2) value_error(op, "top_experts", "expected [num_tokens, top_k], got shape " + shape_of(ids_in));
   if (ids_in.scalar_type() != at::kInt && ids_in.scalar_type() != at::kLong)
-    type_error(op, "top_experts", std::string("expected int32 or int64, got ") + c10::toString(ids_in.scalar_type()));
+    type_error(op, "top_experts", "expected int32 or int64, got " + dtype_name(ids_in.scalar_type()));
   if (rows < 0 || rows > std::numeric_limits<int32_t>::max())
     value_error(op, "rows", "must be in [0, 2^31), got " + std::to_string(rows));
   const Tensor ids = ids_in.to(at::kInt).contiguous();

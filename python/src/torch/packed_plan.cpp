@@ -64,7 +64,7 @@ PackedPlan packed_plan(const Tensor& plan, int64_t top_k, int64_t num_experts, i
   if (plan.scalar_type() != at::kInt || plan.dim() != 1 || !plan.is_contiguous()) {
     type_error(op, "plan",
                std::string("expected the packed plan of make_plan (a contiguous 1-D int32 tensor), got ") +
-                   c10::toString(plan.scalar_type()) + " of shape " + shape_of(plan));
+                   dtype_name(plan.scalar_type()) + " of shape " + shape_of(plan));
   }
   // The length is affine in A: fixed + per_a * A (per_a = 4, or 3 with a capacity).
   const PlanLayout fixed = plan_layout(0, num_experts, alignment, expert_capacity);

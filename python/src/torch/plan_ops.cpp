@@ -73,7 +73,7 @@ Tensor make_plan_kernel(const Tensor& top_experts_in, int64_t num_experts, int64
     const Tensor& w = *weights;
     if (!at::isFloatingType(w.scalar_type()) || w.scalar_type() == at::kFloat8_e4m3fn ||
         w.scalar_type() == at::kFloat8_e5m2) {
-      type_error(op, "weights", std::string("expected a float dtype, got ") + c10::toString(w.scalar_type()));
+      type_error(op, "weights", "expected a float dtype, got " + dtype_name(w.scalar_type()));
     }
     if (w.numel() != t * k) {
       value_error(op, "weights",

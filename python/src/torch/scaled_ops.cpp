@@ -151,8 +151,7 @@ std::tuple<Tensor, Tensor> dispatch_quantized_kernel(const Tensor& x_in, const T
   const char* op = "dispatch_quantized";
   const padmoe::ScaleLayout l = quant_layout(std::string(scale_layout), op);
   if (dtype != at::kFloat8_e4m3fn && dtype != at::kFloat8_e5m2) {
-    type_error(op, "dtype",
-               std::string("expected torch.float8_e4m3fn or torch.float8_e5m2, got ") + c10::toString(dtype));
+    type_error(op, "dtype", "expected torch.float8_e4m3fn or torch.float8_e5m2, got torch." + dtype_name(dtype));
   }
   const PackedPlan pp = packed_plan(plan, top_k, num_experts, alignment, expert_capacity, op);
   Tensor x = rows_arg(x_in);
