@@ -487,6 +487,27 @@ def test_num_experts_path_sorts_minus_one_last():
     assert a[:, 0].tolist() == [1.0, 2.0, 0.0, 2.0, 0.0, 1.0]  # experts 0, 1, 2, 2, then the -1s
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16])
+@pytest.mark.parametrize("num_experts", [None, 2])
+def test_index_map_of_any_integer_dtype(device, dtype, num_experts):
+    """TE casts an index map of any dtype to int32: a bool, (u)int8 or int16 map permutes as its int32
+    values do (rows, row_id_map, and the unpermute back), expert ids written out by hand."""
+    ids = [[1, 0], [0, 1], [1, 1], [0, 0], [1, 0]]
+    x = torch.arange(5.0, device=device).repeat_interleave(3).view(5, 3)
+    idx = torch.tensor(ids, dtype=dtype, device=device)
+    y, row_id_map = te.moe_permute(x, idx, 0, map_type="index", num_experts=num_experts)
+    # stable by id: the (t, k) with id 0 in order, then those with id 1
+    order = [(t, k) for want in (0, 1) for t in range(5) for k in range(2) if ids[t][k] == want]
+    assert y[:, 0].tolist() == [float(t) for t, _ in order]
+    want_map = [0] * 10
+    for row, (t, k) in enumerate(order):
+        want_map[k * 5 + t] = row
+    assert row_id_map.tolist() == want_map
+    back = te.moe_unpermute(y, row_id_map, torch.full((5, 2), 0.5, device=device), map_type="index")
+    assert torch.equal(back, x)
+
+
 @pytest.mark.parametrize("form", ["mask", "index"])
 def test_torch_compile(form):
     T, E, K, H = 32, 6, 2, 8

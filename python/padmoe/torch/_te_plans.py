@@ -131,6 +131,8 @@ def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
     of the ids as uint32 keys: one launch up to 4096 assignments on CUDA, three above) writes the
     row plan: for ids in ``[0, E)`` or -1 the same order."""
     t, k = index.shape
+    if index.dtype not in (torch.int32, torch.int64):  # bool, (u)int8, int16: int32, as TE casts
+        index = index.to(torch.int32)
     if num_experts is None or rows != t * k:
         return Plan._from_packed(ops.index_plan.default(index, rows), t, k, 1, 1, rows)
     e = num_experts + 1  # -1 -> the extra expert E, whose rows come last

@@ -4,12 +4,12 @@ against TE's functions runs with ``import padmoe.torch.transformer_engine as te`
 - ``moe_permute(inp[T, H], routing_map, num_out_tokens, max_token_num=-1, map_type="mask") ->
   (permuted, row_id_map)``. **mask** (``routing_map[T, E]``, bool or 0/1): rows expert-major, tokens
   in order within an expert; ``num_out_tokens`` rows (>= 0; 0 is an empty output, where TE asserts
-  > 0): destinations at or past it are dropped
-  (the last in that order: TE's fix of its open out-of-bounds bug), rows past the routed count are
-  zero. ``row_id_map[T, 2E+1]`` int32: per token its rows in descending order, then their experts,
-  then the count; the rest -1. **index** (``routing_map[T, K]`` expert ids): the assignments ``t*K +
-  k`` stable-sorted by id read as uint32 (-1 last), ``num_out_tokens`` rows (0: T*K), the rest
-  dropped; ``row_id_map[K*T]`` k-major (``row_id_map[k*T + t]``, -1 = dropped).
+  > 0): destinations at or past it are dropped (the last in that order: TE's fix of its open
+  out-of-bounds bug), rows past the routed count are zero. ``row_id_map[T, 2E+1]`` int32: per token
+  its rows in descending order, then their experts, then the count; the rest -1. **index**
+  (``routing_map[T, K]`` expert ids, any integer or bool dtype read as int32, as TE casts them): the
+  assignments ``t*K + k`` stable-sorted by id read as uint32 (-1 last), ``num_out_tokens`` rows (0:
+  T*K), the rest dropped; ``row_id_map[K*T]`` k-major (``row_id_map[k*T + t]``, -1 = dropped).
 - ``moe_permute_with_probs(inp, probs[T, E], routing_map, num_out_tokens) -> (output,
   permuted_probs, row_id_map)`` (mask): ``probs`` moved with the rows; a routed slot of probability
   exactly 0 gives a +0.0 row (Megatron's routing-map padding). Unrouted probs are never read.
@@ -55,15 +55,15 @@ and checked in eager mode), ``out_rows=`` (above), ``check=`` (eager default: th
 device each; ``check=False`` reads nothing).
 
 TE's quantized (FP8) tensors, told by their attributes (TE is never imported here): the mask-map
-permutes (all three) take, as TE, a ``Float8Tensor`` (``_data`` moved, ``_scale_inv`` passed on),
-a ``Float8BlockwiseQTensor`` of 1x128 blocks and an ``MXFP8Tensor`` with compact scales
+permutes (all three) take, as TE, a ``Float8Tensor`` (``_data`` moved, ``_scale_inv`` passed on), a
+``Float8BlockwiseQTensor`` of 1x128 blocks and an ``MXFP8Tensor`` with compact scales
 (``_rowwise_data`` moved with the rows of ``_rowwise_scale_inv``; a row of probability 0 gets zero
 codes, its scales still moved), and return a tensor of the input's own class, made by its
 constructor from ``get_metadata()`` (no column-wise data, no quantizer); the chunk sorts take the
-three (TE: ``Float8Tensor`` only); the index map's permute and unpermute read the input
-dequantized (``inp.dequantize()``), as TE's do; the mask unpermute takes none (TE neither). Codes
-and scales are bit copies; a quantized input that requires a gradient gets TE's plain gradient.
-Not under torch.compile (TE neither)."""
+three (TE: ``Float8Tensor`` only); the index map's permute and unpermute read the input dequantized
+(``inp.dequantize()``), as TE's do; the mask unpermute takes none (TE neither). Codes and scales are
+bit copies; a quantized input that requires a gradient gets TE's plain gradient. Not under
+torch.compile (TE neither)."""
 
 from __future__ import annotations
 
