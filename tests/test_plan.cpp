@@ -378,6 +378,28 @@ TEST(MakePlan, EmptyInput) {
   EXPECT_EQ(index_to_vec(p.row_sources), std::vector<int64_t>(3 * 7, -1));
 }
 
+// A view of no elements is contiguous whatever its strides (as torch and numpy say: torch.empty(6, 0)
+// has strides (1, 1)), so a [T, 0] map gets the error on what is wrong with it: top_k.
+TEST(MakePlan, ZeroTopKWithAnyStrides) {
+  Tensor storage = Tensor::empty(DType::kInt32, {1});
+  padmoe::TensorView top = storage.view();
+  top.ndim = 2;
+  top.shape[0] = 6;
+  top.shape[1] = 0;
+  top.strides[0] = 1;
+  top.strides[1] = 1;
+  EXPECT_TRUE(top.is_contiguous());
+  EXPECT_TRUE(throws_error([&] { padmoe::make_plan(top, 3, 4); }, {"make_plan: top_k: ", "got 0"}));
+  Tensor sorted = poison_index(64), experts = poison_index(4), total = poison_index(1);
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::moe_align_block_size_out(top, 16, 3, padmoe::TensorView{}, sorted, experts, total); },
+                   {"moe_align_block_size: top_k: ", "got 0"}));
+  // one element with a wrong stride is not contiguous
+  top.shape[1] = 1;
+  top.strides[0] = 2;
+  EXPECT_FALSE(top.is_contiguous());
+}
+
 TEST(MakePlan, ThreadCountDoesNotChangeThePlan) {
   const int64_t T = 5000;
   const int K = 4, E = 64, m = 16;

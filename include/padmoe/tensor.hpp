@@ -66,7 +66,7 @@ struct TensorView {
   int64_t size(int dim) const { return shape[dim]; }
   int64_t stride(int dim) const { return strides[dim]; }
   int64_t numel() const;
-  bool is_contiguous() const;
+  bool is_contiguous() const;  // row-major without gaps; any view of no elements
   size_t element_bytes() const { return element_size(dtype); }
   template <typename T>
   T* data_as() const {

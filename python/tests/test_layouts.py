@@ -203,6 +203,22 @@ def test_vllm_cases_deterministic(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_top_k_zero_names_top_k(device):
+    """A [T, 0] top-k (torch gives it strides (1, 1): no element, so contiguous) gets the error on
+    top_k, not on its layout."""
+    top = torch.empty(6, 0, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="make_plan: top_k: .*got 0"):
+        pt.make_plan(top, 3, 4)
+    with pytest.raises(ValueError, match="moe_align_block_size: top_k: .*got 0"):
+        pt.moe_align_block_size(top, 16, 3)
+    for dtype in (torch.int16, torch.uint8, torch.float32):  # vLLM's argument name, whatever the dtype
+        with pytest.raises(
+            TypeError, match=f"moe_align_block_size: topk_ids: expected int32 or int64, got {str(dtype)[6:]}$"
+        ):
+            pt.moe_align_block_size(torch.zeros(6, 2, dtype=dtype, device=device), 16, 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_torch_moe_align_block_size_compiles_and_opchecks(device):
     top = torch.from_numpy(routing(50, 2, 16, 3)).to(device)
     f = torch.compile(lambda t: pt.moe_align_block_size(t, 16, 16, check=False), fullgraph=True, backend="aot_eager")

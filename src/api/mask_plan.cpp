@@ -31,7 +31,7 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
     c.fail(ErrorKind::kType, "routing_map",
            std::string("expected uint8 (a bool mask's bytes), got ") + dtype_name(routing_map.dtype));
   }
-  if (routing_map.numel() > 0 && !routing_map.is_contiguous()) {  // an empty map is read nowhere
+  if (!routing_map.is_contiguous()) {
     c.value_error("routing_map", "expected a contiguous tensor");
   }
   c.alignment(alignment);
@@ -69,13 +69,12 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
       c.fail(ErrorKind::kType, "probs",
              std::string("expected float32, float16 or bfloat16, got ") + dtype_name(probs.dtype));
     }
-    if (probs.ndim != 2 || probs.shape[0] != tokens || probs.shape[1] != experts ||
-        (probs.numel() > 0 && !probs.is_contiguous())) {
+    if (probs.ndim != 2 || probs.shape[0] != tokens || probs.shape[1] != experts || !probs.is_contiguous()) {
       c.value_error("probs",
                     "expected a contiguous [" + std::to_string(tokens) + ", " + std::to_string(experts) + "] tensor");
     }
     if (moved_probs.dtype != probs.dtype || moved_probs.ndim != 1 || moved_probs.shape[0] != row_sources.numel() ||
-        (moved_probs.numel() > 0 && !moved_probs.is_contiguous())) {
+        !moved_probs.is_contiguous()) {
       c.value_error("moved_probs", std::string("expected a contiguous ") + dtype_name(probs.dtype) + " [" +
                                        std::to_string(row_sources.numel()) +
                                        "] tensor (probs' dtype, row_sources' length)");

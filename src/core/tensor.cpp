@@ -89,6 +89,11 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  // No elements: contiguous whatever the strides (as torch and numpy say; torch.empty(6, 0) has
+  // strides (1, 1)), since nothing is read or written through them.
+  for (int d = 0; d < ndim; ++d) {
+    if (shape[d] == 0) return true;
+  }
   uint64_t stride = 1;  // wrapping arithmetic: no undefined behaviour for absurd shapes
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != static_cast<int64_t>(stride)) return false;

@@ -20,6 +20,8 @@ std::tuple<Tensor, Tensor, Tensor> moe_align_kernel(const Tensor& ids_in, int64_
   if (num_experts < 1 || num_experts > kMax)
     value_error(op, "num_experts", "must be in [1, 2^31), got " + std::to_string(num_experts));
   if (ids_in.dim() != 2) value_error(op, "topk_ids", "expected [T, K], got shape " + shape_of(ids_in));
+  if (ids_in.scalar_type() != at::kInt && ids_in.scalar_type() != at::kLong)  // vLLM's name for the argument
+    type_error(op, "topk_ids", "expected int32 or int64, got " + dtype_name(ids_in.scalar_type()));
   Tensor ids = index_arg(ids_in);
   const int64_t a = ids.numel();
   if (a > kMax) value_error(op, "topk_ids", "size overflow: " + std::to_string(a) + " assignments do not fit int32");
