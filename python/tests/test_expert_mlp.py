@@ -235,6 +235,37 @@ def test_unknown_activation_name_is_an_error():
     assert set(ACTIVATIONS) >= {"silu", "gelu", "gelu_tanh", "relu2"}
 
 
+_X, _UP, _DOWN = (6, 8), (4, 32, 8), (4, 8, 16)  # T, H; E, 2I, H; E, H, I
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(hidden_states=torch.zeros(6, 8, dtype=torch.int32)), "hidden_states: expected a float tensor, got int32"),
+        (dict(up=torch.zeros(32, 8)), r"up: expected a 3-D \[E, out, in\] tensor, got shape \[32, 8\]"),
+        (dict(up=torch.zeros(4, 32, 9)), r"up: expected \[E, out, in\] with in = H = 8, got shape \[4, 32, 9\]"),
+        (dict(up=torch.zeros(4, 33, 8)), r"up: a gate needs an even number of outputs \(2I\), got shape \[4, 33, 8\]"),
+        (dict(down=torch.zeros(4, 8, 17)), r"down: expected in = I = 16 \(from up's 32\), got shape \[4, 8, 17\]"),
+        (dict(down=torch.zeros(5, 8, 16)), r"down: expected \[E, out, in\] with E = 4 \(up's\) and out = H = 8"),
+        (dict(down=torch.zeros(4, 8)), r"down: expected a 3-D \[E, out, in\] tensor, got shape \[4, 8\]"),
+        (dict(up_bias=torch.zeros(4, 16)), r"up_bias: expected shape \[4, 32\], got \[4, 16\]"),
+        (dict(down_bias=torch.zeros(4, 9)), r"down_bias: expected shape \[4, 8\], got \[4, 9\]"),
+        (dict(transposed=True), r"up: expected \[E, in, out\] \(transposed\) with in = H = 8"),
+        (dict(gate=None, activation="silu"), r"down: expected in = I = 32 \(from up's 32\)"),
+    ],
+)
+def test_bad_shapes_name_the_argument(change, message):
+    """Each misshapen or mistyped tensor is named, with the shape it needs, before any work (the GEMMs
+    would otherwise fail inside torch with no argument named)."""
+    args = dict(hidden_states=torch.zeros(_X), up=torch.zeros(_UP), down=torch.zeros(_DOWN), gate="silu")
+    args.update(change)
+    idx, w = torch.zeros(6, 2, dtype=torch.int64), torch.ones(6, 2)
+    with pytest.raises((ValueError, TypeError), match="^padmoe experts: " + message):
+        experts_forward(
+            args.pop("hidden_states"), idx, w, args.pop("up"), args.pop("down"), **args
+        )  # fmt: skip
+
+
 def autograd_nodes(t):
     """Names of the autograd nodes behind ``t``."""
     seen, todo, names = set(), [t.grad_fn], set()

@@ -202,6 +202,47 @@ def default_alignment(device: torch.device) -> int:
     return 16 if torch.device(device).type == "cuda" else 1
 
 
+def _check_weights(x, up, down, up_bias, down_bias, transposed, gate, activation) -> None:
+    """The shapes the expert MLP needs, named argument by argument before any work: ``up`` [E, N1, H]
+    (N1 = 2I for a gate given by name, I for an activation given by name; a callable may map N1 to
+    any width), ``down`` [E, H, I] ([E, H, N1] / [E, I, H] with ``transposed``), biases [E, N1] and
+    [E, H], float tensors on x's device."""
+    for name, t in (("hidden_states", x), ("up", up), ("down", down), ("up_bias", up_bias), ("down_bias", down_bias)):
+        if t is None and name.endswith("bias"):
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"padmoe experts: {name}: expected a torch tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"padmoe experts: {name}: expected a float tensor, got {str(t.dtype)[6:]}")
+        if t.device != x.device:
+            raise ValueError(f"padmoe experts: {name}: expected a tensor on {x.device}, got {t.device}")
+    if x.dim() < 1:
+        raise ValueError("padmoe experts: hidden_states: expected [..., H], got a 0-d tensor")
+    layout = "[E, in, out] (transposed)" if transposed else "[E, out, in]"
+    for name, t in (("up", up), ("down", down)):
+        if t.dim() != 3:
+            raise ValueError(f"padmoe experts: {name}: expected a 3-D {layout} tensor, got shape {list(t.shape)}")
+    h, e = x.shape[-1], up.shape[0]
+    n1, h_up = (up.shape[2], up.shape[1]) if transposed else (up.shape[1], up.shape[2])
+    h_down, i = (down.shape[2], down.shape[1]) if transposed else (down.shape[1], down.shape[2])
+    if h_up != h:
+        raise ValueError(f"padmoe experts: up: expected {layout} with in = H = {h}, got shape {list(up.shape)}")
+    if down.shape[0] != e or h_down != h:
+        raise ValueError(
+            f"padmoe experts: down: expected {layout} with E = {e} (up's) and out = H = {h}, got shape {list(down.shape)}"
+        )
+    if isinstance(gate, str) and n1 % 2:
+        raise ValueError(f"padmoe experts: up: a gate needs an even number of outputs (2I), got shape {list(up.shape)}")
+    want = n1 // 2 if isinstance(gate, str) else n1 if isinstance(activation, str) else i  # a callable: any
+    if i != want:
+        raise ValueError(
+            f"padmoe experts: down: expected in = I = {want} (from up's {n1}), got shape {list(down.shape)}"
+        )
+    for name, t, shape in (("up_bias", up_bias, [e, n1]), ("down_bias", down_bias, [e, h])):
+        if t is not None and list(t.shape) != shape:
+            raise ValueError(f"padmoe experts: {name}: expected shape {shape}, got {list(t.shape)}")
+
+
 def experts_forward(
     hidden_states: Tensor,
     top_k_index: Tensor,
@@ -268,6 +309,7 @@ def experts_forward(
     if interleaved and not isinstance(gate, str):
         raise ValueError("padmoe experts: interleaved= is for gate= given by name (a callable gate splits h itself)")
 
+    _check_weights(hidden_states, up, down, up_bias, down_bias, transposed, gate, activation)
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     out_dtype = x.dtype
