@@ -38,8 +38,10 @@ void Checker::row_tensor(const TensorView& t, const char* name, int64_t rows, in
   if (t.ndim != 2) value_error(name, "expected a 2-D [rows, hidden] tensor, got shape " + shape_str(t));
   if (!is_floating(t.dtype) || (is_float8(t.dtype) && !allow_fp8)) {
     fail(ErrorKind::kType, name,
-         std::string("expected float32, float16 or bfloat16") + (allow_fp8 ? " or float8" : "") + ", got " +
-             dtype_name(t.dtype) + (is_float8(t.dtype) ? " (float8 rows are for move-only ops: no weights)" : ""));
+         std::string(allow_fp8 ? "expected float32, float16, bfloat16 or float8"
+                               : "expected float32, float16 or bfloat16") +
+             ", got " + dtype_name(t.dtype) +
+             (is_float8(t.dtype) ? " (float8 rows are for move-only ops: no weights)" : ""));
   }
   if (rows >= 0 && t.shape[0] != rows) {
     value_error(name, "expected " + str(rows) + " rows, got shape " + shape_str(t));
