@@ -48,12 +48,16 @@ if [ ${#need[@]} -gt 0 ]; then
   # CUDA wheels beside their unpacked copies filled a CI machine's disk. No pip cache, for
   # the same reason.
   report=$(mktemp)
-  "$py" -m pip install -q --no-cache-dir --dry-run --report "$report" "${need[@]}"
-  mapfile -t pins < <("$py" -c 'import json, sys
+  pins=()
+  if "$py" -m pip install -q --no-cache-dir --dry-run --report "$report" "${need[@]}"; then
+    mapfile -t pins < <("$py" -c 'import json, sys
 for item in json.load(open(sys.argv[1]))["install"]:
     print(item["metadata"]["name"] + "==" + item["metadata"]["version"])' "$report")
+  fi
   rm -f "$report"
-  [ ${#pins[@]} -gt 0 ] || { echo "padmoe: pip resolved nothing for ${need[*]}" >&2; exit 1; }
+  if [ ${#pins[@]} -eq 0 ]; then  # a pip without --report (before 22.2): one request
+    "$py" -m pip install -q --no-cache-dir "${need[@]}"
+  fi
   for pin in "${pins[@]}"; do
     "$py" -m pip install -q --no-cache-dir --no-deps "$pin"
   done
