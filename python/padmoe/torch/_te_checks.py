@@ -101,8 +101,6 @@ def _is_int(v) -> bool:
 def _check_index(op: str, index: Tensor, num_experts: int) -> None:
     """With num_experts: every id in [0, num_experts) or -1 (one read of the device)."""
     flat = index.reshape(-1)
-    if flat.dtype not in (torch.int32, torch.int64):  # uint8 would compare -1 as 255
-        flat = flat.to(torch.int32)
     bad = ((flat < -1) | (flat >= num_experts)).nonzero()
     if bad.numel():
         i = int(bad[0])

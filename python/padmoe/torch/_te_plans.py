@@ -122,6 +122,12 @@ def mask_dest_from_map(row_id_map: Tensor, shift: Optional[Tensor] = None) -> Te
     return dest[:, :e].contiguous()
 
 
+def int_ids(index: Tensor) -> Tensor:
+    """An index map as int32 or int64 ids: TE casts any index map to int32, exact for the bool,
+    (u)int8 and int16 maps the checks and plans here would otherwise refuse or misread."""
+    return index if index.dtype in (torch.int32, torch.int64) else index.to(torch.int32)
+
+
 def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
     """TE's index-map permute: a row plan of ``index[T, K]`` with R = ``rows``. The assignments
     ``t*K + k`` are stable-sorted by expert id read as uint32 (so -1 sorts last, as in TE) and
@@ -131,8 +137,6 @@ def index_plan(index: Tensor, rows: int, num_experts: Optional[int]) -> Plan:
     of the ids as uint32 keys: one launch up to 4096 assignments on CUDA, three above) writes the
     row plan: for ids in ``[0, E)`` or -1 the same order."""
     t, k = index.shape
-    if index.dtype not in (torch.int32, torch.int64):  # bool, (u)int8, int16: int32, as TE casts
-        index = index.to(torch.int32)
     if num_experts is None or rows != t * k:
         return Plan._from_packed(ops.index_plan.default(index, rows), t, k, 1, 1, rows)
     e = num_experts + 1  # -1 -> the extra expert E, whose rows come last

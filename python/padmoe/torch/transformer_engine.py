@@ -308,6 +308,7 @@ def moe_permute(
         out, _, row_id_map = _mask_permute(op, inp, routing_map, num_out_tokens, None)
         return out, row_id_map
     _check_map(op, inp, routing_map, "index")
+    routing_map = tp.int_ids(routing_map)
     _check_out_tokens(op, num_out_tokens, False)
     t, k = routing_map.shape
     rows = num_out_tokens if num_out_tokens > 0 else t * k
