@@ -514,6 +514,17 @@ _TINY = dict(
 )
 
 
+def _shrink(cfg, *tinies) -> None:
+    """Each tiny value set on ``cfg`` where it has the attribute; a per-layer list stays a list of
+    that value (a list value, such as ``mlp_only_layers=[]``, replaces it)."""
+    for tiny in tinies:
+        for k, v in tiny.items():
+            if hasattr(cfg, k):
+                old = getattr(cfg, k)
+                per_layer = isinstance(old, (list, tuple)) and v is not None and not isinstance(v, list)
+                setattr(cfg, k, [v] * len(old) if per_layer else v)
+
+
 def _experts_classes():
     """(family, modeling module name, class name) of every @use_experts_implementation class, by source scan."""
     root = os.path.dirname(transformers.__file__)
@@ -552,10 +563,7 @@ def _tiny_experts(modname, clsname):
     for ccls in configs:
         try:
             cfg = ccls()
-            for k, v in _TINY.items():
-                if hasattr(cfg, k):
-                    old = getattr(cfg, k)  # a per-layer list stays a list
-                    setattr(cfg, k, [v] * len(old) if isinstance(old, (list, tuple)) and v is not None else v)
+            _shrink(cfg, _TINY)
             with torch.device("meta"):
                 probe = cls(cfg, *extra, **sizes)
             if sum(p.numel() for p in probe.parameters()) > 2_000_000:
@@ -658,12 +666,7 @@ def _tiny_lm(fam):
         return None, "no CausalLM"
     try:
         cfg = lms[0].config_class()
-        for tiny in (_TINY, _LM_TINY):
-            for k, v in tiny.items():
-                if hasattr(cfg, k):
-                    old = getattr(cfg, k)
-                    per_layer = isinstance(old, (list, tuple)) and v is not None and not isinstance(v, list)
-                    setattr(cfg, k, [v] * len(old) if per_layer else v)
+        _shrink(cfg, _TINY, _LM_TINY)
         if isinstance(getattr(cfg, "layer_types", None), list):
             cfg.layer_types = cfg.layer_types[: cfg.num_hidden_layers]
         with torch.device("meta"):
