@@ -34,7 +34,7 @@ using padmoe::Tensor;
 using padmoe::TensorView;
 namespace ref = padmoe::ref;
 
-constexpr int32_t kPoison = 0x5A5A5A5A;
+constexpr unsigned char kPoisonByte = 0x5A;  // every byte of an output before the call
 
 // A chance in percent, and one of a list, from the tests' seeded RNG.
 bool chance(pt::Rng& rng, int percent) { return rng.below(100) < percent; }
@@ -49,23 +49,32 @@ std::string describe_ids(const std::vector<int64_t>& v) {
   return s + (v.size() > 64 ? ",...]" : "]");
 }
 
-// An int32 output buffer filled with the poison.
-Tensor poisoned(int64_t n) {
-  Tensor t = Tensor::empty(DType::kInt32, {n});
-  int32_t* p = t.data_as<int32_t>();
-  for (int64_t i = 0; i < n; ++i) p[i] = kPoison;
+// The bytes of a tensor (none for an unset one), to compare moved probabilities bit for bit.
+std::vector<unsigned char> bytes_of(const Tensor& t) {
+  const auto* p = static_cast<const unsigned char*>(t.view().data);
+  const size_t n = static_cast<size_t>(t.view().numel()) * padmoe::element_size(t.view().dtype);
+  return p == nullptr ? std::vector<unsigned char>() : std::vector<unsigned char>(p, p + n);
+}
+
+// An output buffer of `dtype` and `shape` with every byte the poison.
+Tensor poisoned_as(DType dtype, std::initializer_list<int64_t> shape) {
+  Tensor t = Tensor::empty(dtype, shape);
+  std::memset(t.view().data, kPoisonByte, static_cast<size_t>(t.view().numel()) * padmoe::element_size(dtype));
   return t;
 }
+
+// An int32 output buffer filled with the poison.
+Tensor poisoned(int64_t n) { return poisoned_as(DType::kInt32, {n}); }
 
 std::vector<int64_t> read(const Tensor& t) {
   const int32_t* p = t.data_as<const int32_t>();
   return std::vector<int64_t>(p, p + t.view().numel());
 }
 
+// Every byte still the poison (an unset tensor: nothing to check).
 bool untouched(const Tensor& t) {
-  const int32_t* p = t.data_as<const int32_t>();
-  for (int64_t i = 0; i < t.view().numel(); ++i) {
-    if (p[i] != kPoison) return false;
+  for (unsigned char b : bytes_of(t)) {
+    if (b != kPoisonByte) return false;
   }
   return true;
 }
@@ -360,27 +369,6 @@ void align_case(pt::Rng& rng, Stats& st, std::string& log) {
   (valid ? st.valid : st.invalid) += 1;
 }
 
-// Bytes of a tensor, to compare moved probabilities bit for bit.
-std::vector<unsigned char> bytes_of(const Tensor& t) {
-  const auto* p = static_cast<const unsigned char*>(t.view().data);
-  const size_t n = static_cast<size_t>(t.view().numel()) * padmoe::element_size(t.view().dtype);
-  return p == nullptr ? std::vector<unsigned char>() : std::vector<unsigned char>(p, p + n);
-}
-
-// A tensor of `dtype` and `shape` filled with the byte 0x5A, the poison of every non-index output.
-Tensor poisoned_as(DType dtype, std::initializer_list<int64_t> shape) {
-  Tensor t = Tensor::empty(dtype, shape);
-  std::memset(t.view().data, 0x5A, static_cast<size_t>(t.view().numel()) * padmoe::element_size(dtype));
-  return t;
-}
-
-bool all_poison(const Tensor& t) {
-  for (unsigned char b : bytes_of(t)) {
-    if (b != 0x5A) return false;
-  }
-  return true;
-}
-
 // The optional sorted-order pair and row_id_map: a request or not, sometimes malformed.
 struct SortedOutputs {
   Tensor indices, bin_ids;
@@ -511,7 +499,7 @@ void mask_case(pt::Rng& rng, Stats& st, std::string& log) {
     if (valid) fail(std::string("a valid call threw: ") + e.what());
     const Tensor* all[] = {&counts, &dest, &sources, &rim, &so.indices, &so.bin_ids, &moved};
     for (const Tensor* t : all) {
-      if (!all_poison(*t)) fail(std::string("an invalid call wrote an output before failing: ") + e.what());
+      if (!untouched(*t)) fail(std::string("an invalid call wrote an output before failing: ") + e.what());
     }
   }
   (valid ? st.valid : st.invalid) += 1;
@@ -572,7 +560,7 @@ void index_case(pt::Rng& rng, Stats& st, std::string& log) {
     if (valid) fail(std::string("a valid call threw: ") + e.what());
     const Tensor* all[] = {&counts, &dest, &sources, &so.indices, &so.bin_ids};
     for (const Tensor* t : all) {
-      if (!all_poison(*t)) fail(std::string("an invalid call wrote an output before failing: ") + e.what());
+      if (!untouched(*t)) fail(std::string("an invalid call wrote an output before failing: ") + e.what());
     }
   }
   (valid ? st.valid : st.invalid) += 1;
