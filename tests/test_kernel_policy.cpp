@@ -178,6 +178,16 @@ TEST(KernelPolicy, MaskPlan) {
   EXPECT_EQ(mask_chunks(4 * 32 + 1, one), 3);
 }
 
+// The per-expert scan runs inside the place blocks for a grid of up to 16 chunks (decode, T = 256:
+// 8 chunks), as a launch of its own past that.
+TEST(KernelPolicy, MaskScanFused) {
+  EXPECT_TRUE(mask_scan_fused(1));
+  EXPECT_TRUE(mask_scan_fused(mask_chunks(256, kH200)));
+  EXPECT_TRUE(mask_scan_fused(16));
+  EXPECT_FALSE(mask_scan_fused(17));
+  EXPECT_FALSE(mask_scan_fused(mask_chunks(4096, kH200)));
+}
+
 // A chunk of one tile split over up to 4 place blocks while the grid stays within 4 blocks a
 // multiprocessor; none once a chunk holds several tiles.
 TEST(KernelPolicy, MaskPlaceSlices) {

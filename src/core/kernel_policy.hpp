@@ -260,6 +260,16 @@ inline int mask_place_slices(int64_t tokens, const Device& d) {
   return slices;
 }
 
+// Chunks up to which the place blocks sum the chunk counts themselves (each block reads the
+// chunks x E counts, a few loads a thread) instead of a scan launch between count and place: a
+// launch costs more than a few independent loads; past this the reads grow with the grid.
+constexpr int64_t kMaskFusedScanChunks = 16;
+inline bool mask_scan_fused(int64_t chunks) { return chunks <= kMaskFusedScanChunks; }
+
+// 32-bit words of the map a thread loads before it ORs any into the tile's masks: a tile of
+// 32 x 256 experts is 8 words a thread, so its loads are in flight together, not one after another.
+constexpr int kMaskLoads = 8;
+
 // --- sort_chunks -----------------------------------------------------------------------------
 constexpr int64_t kChunkFusedMapRows = 16384;  // the layout block also writes the map up to here
 constexpr int kChunkRowsMaxChunks = 1024;     // the one launch's chunks

@@ -1,10 +1,12 @@
 // mask_plan.cu — a plan from a routing mask [T, E] (TransformerEngine's mask map) on the GPU, in
-// three launches over tiles of 32 tokens. A block reads a tile's 32 x E bytes coalesced and ORs
-// each set byte into a per-expert 32-bit mask of the tile's tokens in shared memory (OR commutes:
+// two or three launches over tiles of 32 tokens. A block reads a tile's 32 x E bytes coalesced and
+// ORs each set byte into a per-expert 32-bit mask of the tile's tokens in shared memory (OR commutes:
 // the masks do not depend on the order of the atomics); then:
 //   1. count: per chunk of tiles, each expert's routed tokens (the masks' popcounts); the blocks
 //      also fill row_sources (and indices, bin_ids) with -1 and the moved probs with 0;
 //   2. scan:  per expert (a warp each), the exclusive sum of its chunk counts, and its count;
+//      for a grid of few chunks (policy::mask_scan_fused) no launch: each place block sums the
+//      chunk counts it needs itself;
 //   3. place: per chunk, every block scans the (padded) counts over the experts itself, then for
 //      each tile a warp a token writes the token's dest_rows, row_sources (and the probs moved
 //      with them), sorted positions and TE's row_id_map row (experts descending, compacted with a
@@ -26,11 +28,13 @@ constexpr int kTile = policy::kMaskTile;
 constexpr int kThreads = policy::kMaskThreads;
 constexpr int kWarps = kThreads / 32;
 
-// s_mask[e] = the tokens of the tile at t0 routed to e, bit tl for token t0 + tl. A word a thread
+// s_mask[e] = the tokens of the tile at t0 routed to e, bit tl for token t0 + tl. A word a slot
 // where `words` (E a multiple of 4 and the map 4-byte aligned: a word is 4 experts of one token),
-// else a byte a thread. Starts and ends with a barrier.
+// else a byte a slot; each thread loads kMaskLoads slots before it ORs any, so that its loads are
+// in flight together. Starts and ends with a barrier.
 __device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t tokens, int experts, bool words,
                            uint32_t* s_mask) {
+  constexpr int kLoads = policy::kMaskLoads;
   for (int e = threadIdx.x; e < experts; e += kThreads) s_mask[e] = 0u;
   __syncthreads();
   const int64_t n = tokens - t0 < kTile ? tokens - t0 : kTile;
@@ -38,18 +42,38 @@ __device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t 
   const int64_t bytes = n * experts;
   if (words) {
     const uint32_t* w = reinterpret_cast<const uint32_t*>(base);
-    for (int64_t i = threadIdx.x; i < bytes / 4; i += kThreads) {
-      const uint32_t v = w[i];
-      if (v == 0u) continue;
-      const int tl = static_cast<int>((4 * i) / experts), e = static_cast<int>((4 * i) % experts);
+    const int64_t count = bytes / 4;
+    for (int64_t i0 = threadIdx.x; i0 < count; i0 += kLoads * kThreads) {
+      uint32_t v[kLoads];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if ((v >> (8 * j)) & 0xffu) atomicOr(&s_mask[e + j], 1u << tl);
+      for (int u = 0; u < kLoads; ++u) {
+        const int64_t i = i0 + static_cast<int64_t>(u) * kThreads;
+        v[u] = i < count ? __ldg(w + i) : 0u;
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        if (v[u] == 0u) continue;
+        const int64_t b = 4 * (i0 + static_cast<int64_t>(u) * kThreads);
+        const int tl = static_cast<int>(b / experts), e = static_cast<int>(b % experts);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if ((v[u] >> (8 * j)) & 0xffu) atomicOr(&s_mask[e + j], 1u << tl);
+        }
       }
     }
   } else {
-    for (int64_t i = threadIdx.x; i < bytes; i += kThreads) {
-      if (base[i] != 0) atomicOr(&s_mask[i % experts], 1u << (i / experts));
+    for (int64_t i0 = threadIdx.x; i0 < bytes; i0 += kLoads * kThreads) {
+      uint8_t v[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int64_t i = i0 + static_cast<int64_t>(u) * kThreads;
+        v[u] = i < bytes ? __ldg(base + i) : uint8_t{0};
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int64_t i = i0 + static_cast<int64_t>(u) * kThreads;
+        if (v[u] != 0) atomicOr(&s_mask[i % experts], 1u << (i / experts));
+      }
     }
   }
   __syncthreads();
@@ -129,6 +153,8 @@ struct PlaceArgs {
   bool one_bin;
   int64_t tiles_per_chunk;
   int slices;  // blocks a chunk is split into (tiles_per_chunk 1 when above 1)
+  int64_t chunks;
+  bool fused_scan;  // chunk_offsets holds the raw chunk counts (no scan launch), n unused
   const int32_t* n;
   const int32_t* chunk_offsets;
   int32_t* counts;
@@ -159,10 +185,26 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
   // padded starts (the padded total is below 2^31: checked by the caller).
   const int per = (E + kThreads - 1) / kThreads;
   const int e0 = min(E, static_cast<int>(threadIdx.x) * per), e1 = min(E, e0 + per);
+  // s_base[e] holds e's routed tokens in the chunks before this one, s_shift[e] its count, until
+  // the loop after the scans (the same thread) turns them into row starts.
   int mine = 0, mine_padded = 0;
   for (int e = e0; e < e1; ++e) {
-    mine += a.n[e];
-    mine_padded += round_up_32(a.n[e], a.alignment);
+    int count = 0, before = 0;
+    if (a.fused_scan) {
+#pragma unroll 8
+      for (int64_t c = 0; c < a.chunks; ++c) {
+        const int v = a.chunk_offsets[c * E + e];
+        before += c < chunk ? v : 0;
+        count += v;
+      }
+    } else {
+      count = a.n[e];
+      before = a.chunk_offsets[chunk * E + e];
+    }
+    s_base[e] = before;
+    s_shift[e] = count;
+    mine += count;
+    mine_padded += round_up_32(count, a.alignment);
   }
   int ustart = 0, pstart = 0, total = 0;
   cub::BlockScan<int, kThreads>(storage).ExclusiveSum(mine, ustart, total);
@@ -170,8 +212,8 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
   cub::BlockScan<int, kThreads>(storage).ExclusiveSum(mine_padded, pstart);
   if (threadIdx.x == 0) s_total = total;
   for (int e = e0; e < e1; ++e) {
-    const int count = a.n[e], padded = round_up_32(count, a.alignment);
-    s_base[e] = pstart + a.chunk_offsets[chunk * E + e];
+    const int count = s_shift[e], padded = round_up_32(count, a.alignment);
+    s_base[e] += pstart;
     s_shift[e] = pstart - ustart;
     if (chunk == 0 && slice == 0 && !a.one_bin) {
       a.counts[e] = count;
@@ -282,7 +324,8 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
   }
   launch_kernel("mask_count_kernel", mask_count_kernel, grid, kThreads, smem / 2, s, map, tokens, num_experts, words,
                 tpc, slices, chunk_counts, row_sources, sources_len, indices, bin_ids, tokens * num_experts, probs);
-  if (num_experts > 0) {
+  const bool fused_scan = policy::mask_scan_fused(chunks);
+  if (num_experts > 0 && !fused_scan) {
     launch_kernel("mask_scan_kernel", mask_scan_kernel, static_cast<unsigned>((num_experts + kWarps - 1) / kWarps),
                   kThreads, 0, s, chunk_counts, chunks, num_experts, n);
   }
@@ -296,6 +339,8 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
   a.one_bin = one_bin;
   a.tiles_per_chunk = tpc;
   a.slices = slices;
+  a.chunks = chunks;
+  a.fused_scan = fused_scan;
   a.n = n;
   a.chunk_offsets = chunk_counts;
   a.counts = counts;

@@ -12,7 +12,7 @@ dispatch / combine operators and their backward do the moves:
   rows lie between the experts' rows.
 
 The mask forms come from the native ``mask_plan`` operator (the plan, TE's row_id_map and the probs
-moved with the rows, in three launches on CUDA); the index form from ``make_plan`` (with
+moved with the rows, in two or three launches on CUDA); the index form from ``make_plan`` (with
 ``num_experts``) or the native ``index_plan`` operator (without); the unpermute without a kept
 plan rebuilds one from TE's row_id_map.
 
