@@ -82,25 +82,44 @@ TEST(MaskPlan, MatchesReference) {
     Tensor dest2 = poison_index(c.T * c.E);
     padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest2, sources, padmoe::TensorView{});
     EXPECT_EQ(index_to_vec(dest2), want.dest_rows);
-    // with probs (NaN where unrouted: never read), float32 and bfloat16: moved_probs[r] holds the
-    // probability of the assignment in row r, bit for bit, 0 in the rows that hold none
-    for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    // with probs (NaN where unrouted: never read), float32, float16 and bfloat16: moved_probs[r]
+    // holds the probability of the assignment in row r, bit for bit, +0 in the rows that hold none;
+    // probs_nonzero[a] is 1 where a has a row and a nonzero prob (some routed probs are +0 or -0,
+    // some NaN: nonzero), else 0
+    for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
       SCOPED_TRACE(padmoe::dtype_name(dt));
       std::vector<float> pv(static_cast<size_t>(c.T * c.E));
-      for (size_t i = 0; i < pv.size(); ++i) pv[i] = map[i] != 0 ? static_cast<float>(rng.uniform(0.0, 1.0)) : NAN;
-      for (size_t i = 0; i < pv.size(); ++i) pv[i] = num::round_to(dt, pv[i]);
+      for (size_t i = 0; i < pv.size(); ++i) {
+        const int64_t kind = rng.below(12);
+        const float p = kind == 0   ? 0.0f
+                        : kind == 1 ? -0.0f
+                        : kind == 2 ? NAN
+                                    : static_cast<float>(rng.uniform(0.0, 1.0));
+        pv[i] = num::round_to(dt, map[i] != 0 ? p : NAN);
+      }
       const Tensor probs = rows_from_float(pv, dt, c.T, c.E);
-      Tensor moved = filled(dt, {sources_len}, 0x7f);
+      Tensor moved = filled(dt, {sources_len}, 0x7f), nonzero = filled(DType::kFloat32, {c.T * c.E}, 0x7f);
       Tensor dest3 = poison_index(c.T * c.E), sources3 = poison_index(sources_len);
       padmoe::mask_plan_out(m, c.alignment, rows, c.one_bin, counts, dest3, sources3, padmoe::TensorView{}, {}, {},
-                            probs, moved);
+                            probs, moved, nonzero);
       EXPECT_EQ(index_to_vec(sources3), want.row_sources);
       const std::vector<float> got = vec_to_float(moved);
       for (int64_t r = 0; r < sources_len; ++r) {
         const int64_t a = want.row_sources[static_cast<size_t>(r)];
-        const float expect = a >= 0 ? pv[static_cast<size_t>(a)] : 0.0f;
-        ASSERT_EQ(got[static_cast<size_t>(r)], expect) << "row " << r;
-        ASSERT_FALSE(std::signbit(got[static_cast<size_t>(r)])) << "row " << r;
+        const float g = got[static_cast<size_t>(r)];
+        if (a < 0) {
+          ASSERT_TRUE(g == 0.0f && !std::signbit(g)) << "row " << r;
+          continue;
+        }
+        const float expect = pv[static_cast<size_t>(a)];
+        ASSERT_TRUE(std::isnan(expect) ? std::isnan(g) : g == expect && std::signbit(g) == std::signbit(expect))
+            << "row " << r;
+      }
+      const std::vector<float> flags = vec_to_float(nonzero);
+      for (int64_t a = 0; a < c.T * c.E; ++a) {
+        const float p = pv[static_cast<size_t>(a)];
+        const bool live = want.dest_rows[static_cast<size_t>(a)] >= 0 && (std::isnan(p) || p != 0.0f);
+        ASSERT_EQ(flags[static_cast<size_t>(a)], live ? 1.0f : 0.0f) << "pair " << a;
       }
     }
   }
@@ -147,7 +166,20 @@ TEST(MaskPlan, BadArguments) {
   EXPECT_TRUE(throws_error(
       [&] { padmoe::mask_plan_out(m, 1, 4, false, counts, dest, sources, rim, {}, {}, half_probs, moved); },
       {"mask_plan: moved_probs"}, value));
+  Tensor nonzero = filled(DType::kFloat32, {6}, 0x7f), short_nonzero = filled(DType::kFloat32, {5}, 0x7f);
+  EXPECT_TRUE(
+      throws_error([&] { padmoe::mask_plan_out(m, 1, 4, false, counts, dest, sources, rim, {}, {}, {}, {}, nonzero); },
+                   {"mask_plan: probs_nonzero: needs probs"}, value));
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::mask_plan_out(m, 1, 4, false, counts, dest, sources, rim, {}, {}, probs, moved, short_nonzero); },
+      {"mask_plan: probs_nonzero: expected a contiguous float32 [6] tensor"}, value));
+  const Tensor int_nonzero = filled(DType::kInt32, {6}, 0x7f);
+  EXPECT_TRUE(throws_error(
+      [&] { padmoe::mask_plan_out(m, 1, 4, false, counts, dest, sources, rim, {}, {}, probs, moved, int_nonzero); },
+      {"mask_plan: probs_nonzero: expected a contiguous float32 [6] tensor"}, value));
   EXPECT_TRUE(all_bytes_are(moved, 0x7f));
+  EXPECT_TRUE(all_bytes_are(nonzero, 0x7f));
+  EXPECT_TRUE(all_bytes_are(short_nonzero, 0x7f));
   // nothing was written by a call that raised
   EXPECT_TRUE(all_bytes_are(counts, kIndexPoison));
   EXPECT_TRUE(all_bytes_are(rim, kIndexPoison));

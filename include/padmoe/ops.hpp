@@ -311,7 +311,7 @@ AlignedBlocks batched_moe_align_block_size(const TensorView& expert_num_tokens, 
 //     less the expert's padding offset (pstart[e] - the unpadded start), then
 //     those experts, the rest of both halves -1, and the count last.
 // T * E and rows at most INT32_MAX. No data checks (every mask is valid); on
-// CUDA no host synchronization, three launches (capturable in a CUDA graph).
+// CUDA no host synchronization, two or three launches (capturable in a CUDA graph).
 void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
                    const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
                    const TensorView& indices = {}, const TensorView& bin_ids = {}, const Options& options = {});
@@ -324,6 +324,15 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
                    const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
                    const TensorView& indices, const TensorView& bin_ids, const TensorView& probs,
                    const TensorView& moved_probs, const Options& options = {});
+// The same, also writing probs_nonzero [T * E] float32 (with probs only): 1 where the pair has a
+// row (dest_rows >= 0) and its prob is nonzero (a NaN included, -0 not), 0 elsewhere. They are
+// the dispatch weights of TransformerEngine's permute with probs, which writes a zero row for a
+// routed slot of probability 0 (Megatron's padded routing map), made in the plan's pass instead
+// of a pass over probs of their own. Unset: the form above.
+void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
+                   const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
+                   const TensorView& indices, const TensorView& bin_ids, const TensorView& probs,
+                   const TensorView& moved_probs, const TensorView& probs_nonzero, const Options& options = {});
 
 // A plan from an index map whose ids have no known bound (TransformerEngine's index map without a
 // number of experts): top_experts [T, K] int32, the assignment of (t, k) being a = t * K + k. The

@@ -370,8 +370,8 @@ def test_mask_plan_operator(device, T, E, align, one_bin, cut):
     a = T * E
     for m in (torch.tensor(routing), torch.tensor(routing.astype(np.int32)), torch.tensor(routing.astype(np.uint8))):
         m = m.to(device)
-        packed, row_id_map, no_probs = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True)
-        assert no_probs.numel() == 0
+        packed, row_id_map, no_probs, no_nonzero = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True)
+        assert no_probs.numel() == 0 and no_nonzero.numel() == 0
         got = packed.cpu().long().numpy()
         assert got.size == 3 * a + 4 * bins + bins * cap
         assert got[:a].tolist() == indices and got[a : 2 * a].tolist() == bin_ids
@@ -384,22 +384,35 @@ def test_mask_plan_operator(device, T, E, align, one_bin, cut):
         (m, rows, align, one_bin, True),
         test_utils=("test_schema", "test_faketensor"),
     )
-    _, none, _ = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, False)
+    _, none, _, _ = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, False)
     assert none.shape == (0, 0)
     # probs moved with the rows: row r gets the probability of the pair in it (bit for bit), 0 in
-    # the rows without one; unrouted probs (NaN here) are never read
-    for dtype in (torch.float32, torch.bfloat16):
+    # the rows without one; unrouted probs (NaN here) are never read. probs_nonzero: 1.0 where the
+    # pair has a row and a nonzero prob (+-0 in some routed pairs, a NaN in one: nonzero), else 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         probs = torch.rand(T, E, generator=torch.Generator().manual_seed(5)).to(dtype)
+        probs[torch.rand(T, E, generator=torch.Generator().manual_seed(6)) < 0.3] = 0.0
+        probs[torch.rand(T, E, generator=torch.Generator().manual_seed(7)) < 0.1] = -0.0
         probs[~torch.tensor(routing)] = float("nan")
-        _, _, moved = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True, probs.to(device))
+        live = np.nonzero(dst.reshape(-1) >= 0)[0]
+        if live.size:
+            probs.view(-1)[int(live[0])] = float("nan")
+        _, _, moved, nonzero = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True, probs.to(device), True)
         flat = probs.reshape(-1)
         want = torch.where(torch.tensor(src) >= 0, flat[torch.tensor(src).clamp(min=0)], torch.zeros((), dtype=dtype))
-        assert moved.dtype == dtype and torch.equal(moved.cpu(), want)
-    torch.library.opcheck(
-        torch.ops.padmoe.mask_plan.default,
-        (m, rows, align, one_bin, True, probs.to(device)),
-        test_utils=("test_schema", "test_faketensor"),
-    )
+        assert moved.dtype == dtype and torch.equal(moved.cpu().view(torch.uint8), want.view(torch.uint8))
+        want_nz = ((dst.reshape(-1) >= 0) & (flat.float().numpy() != 0.0)).astype(np.float32)
+        assert nonzero.dtype == torch.float32 and (nonzero.cpu().numpy() == want_nz).all()
+        _, _, _, none_nz = torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True, probs.to(device))
+        assert none_nz.numel() == 0
+    for nz in (False, True):
+        torch.library.opcheck(
+            torch.ops.padmoe.mask_plan.default,
+            (m, rows, align, one_bin, True, probs.to(device), nz),
+            test_utils=("test_schema", "test_faketensor"),
+        )
+    with pytest.raises(ValueError, match="mask_plan: probs_nonzero: needs probs"):
+        torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True, None, True)
     with pytest.raises(ValueError, match="mask_plan: probs: expected"):
         torch.ops.padmoe.mask_plan(m, rows, align, one_bin, True, probs[:, :1].to(device))
     with pytest.raises(TypeError, match="mask_plan: routing_map: expected a bool or integer tensor"):

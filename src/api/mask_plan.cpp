@@ -22,6 +22,14 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
                    const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
                    const TensorView& indices, const TensorView& bin_ids, const TensorView& probs,
                    const TensorView& moved_probs, const Options& options) {
+  mask_plan_out(routing_map, alignment, rows, one_bin, counts, dest_rows, row_sources, row_id_map, indices, bin_ids,
+                probs, moved_probs, TensorView{}, options);
+}
+
+void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, bool one_bin, const TensorView& counts,
+                   const TensorView& dest_rows, const TensorView& row_sources, const TensorView& row_id_map,
+                   const TensorView& indices, const TensorView& bin_ids, const TensorView& probs,
+                   const TensorView& moved_probs, const TensorView& probs_nonzero, const Options& options) {
   const detail::Checker c("mask_plan");
   if (routing_map.ndim != 2) {
     c.value_error("routing_map", "expected a 2-D [num_tokens, num_experts] tensor, got " +
@@ -82,17 +90,28 @@ void mask_plan_out(const TensorView& routing_map, int alignment, int64_t rows, b
     c.same_device(probs, "probs", device);
     c.same_device(moved_probs, "moved_probs", device);
   }
-  detail::check_disjoint_all(
-      c,
-      {detail::named(counts, "counts"), detail::named(dest_rows, "dest_rows"),
-       detail::named(row_sources, "row_sources"), detail::named(row_id_map, "row_id_map"),
-       detail::named(indices, "indices"), detail::named(bin_ids, "bin_ids"), detail::named(moved_probs, "moved_probs")},
-      {detail::named(routing_map, "routing_map"), detail::named(probs, "probs")});
+  const bool with_nonzero = probs_nonzero.data != nullptr;
+  if (with_nonzero) {
+    if (!with_probs) c.value_error("probs_nonzero", "needs probs (the probs it flags)");
+    if (probs_nonzero.dtype != DType::kFloat32 || probs_nonzero.ndim != 1 || probs_nonzero.shape[0] != assignments ||
+        !probs_nonzero.is_contiguous()) {
+      c.value_error("probs_nonzero",
+                    "expected a contiguous float32 [" + std::to_string(assignments) + "] tensor (one per pair)");
+    }
+    c.same_device(probs_nonzero, "probs_nonzero", device);
+  }
+  detail::check_disjoint_all(c,
+                             {detail::named(counts, "counts"), detail::named(dest_rows, "dest_rows"),
+                              detail::named(row_sources, "row_sources"), detail::named(row_id_map, "row_id_map"),
+                              detail::named(indices, "indices"), detail::named(bin_ids, "bin_ids"),
+                              detail::named(moved_probs, "moved_probs"), detail::named(probs_nonzero, "probs_nonzero")},
+                             {detail::named(routing_map, "routing_map"), detail::named(probs, "probs")});
   backend::MovedProbs moved;
   if (with_probs) {
     moved.probs = probs.data;
     moved.moved = moved_probs.data;
     moved.bytes = probs.dtype == DType::kFloat32 ? 4 : 2;
+    moved.nonzero = with_nonzero ? probs_nonzero.data_as<float>() : nullptr;
   }
   const uint8_t* map = routing_map.data_as<const uint8_t>();
   int32_t* rim = with_map ? row_id_map.data_as<int32_t>() : nullptr;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "padmoe/config.hpp"
 #include "padmoe/ops.hpp"
 #include "padmoe/tensor.hpp"
 
@@ -67,12 +68,21 @@ struct ScaleRows {
 
 // Router probabilities moved with a plan's rows (mask_plan_out with probs): moved[r] = probs[a] for
 // the assignment a in row r, 0 in the rows that hold none; elements of `bytes` bytes (2: float16 /
-// bfloat16, 4: float32) copied as bits. probs null: nothing moved.
+// bfloat16, 4: float32) copied as bits. probs null: nothing moved. nonzero (optional, float32 per
+// assignment): 1 where the assignment has a row and its prob is nonzero (NaN included), else 0.
 struct MovedProbs {
   const void* probs = nullptr;
   void* moved = nullptr;
   int bytes = 0;
+  float* nonzero = nullptr;
 };
+
+// Whether the prob of `bytes` bytes at p is nonzero as a number: any bit but the sign set (a NaN
+// is nonzero, -0 is zero), for float32, float16 and bfloat16 alike.
+PADMOE_HD bool prob_nonzero(const void* p, int bytes) {
+  if (bytes == 4) return (*static_cast<const uint32_t*>(p) & 0x7fffffffu) != 0u;
+  return (*static_cast<const uint16_t*>(p) & 0x7fffu) != 0u;
+}
 
 // The int32 arrays a make_plan writes: the plan's eight and the optional layouts (null when not
 // asked for).

@@ -97,6 +97,9 @@ void mask_plan(const uint8_t* map, int64_t tokens, int64_t experts, int alignmen
           row_sources[d] = static_cast<int32_t>(a);
           if (probs_in != nullptr) std::memcpy(moved + d * bytes, probs_in + a * bytes, bytes);
         }
+        if (probs.nonzero != nullptr) {
+          probs.nonzero[a] = d >= 0 && backend::prob_nonzero(probs_in + a * bytes, probs.bytes) ? 1.0f : 0.0f;
+        }
         if (d >= 0 && indices != nullptr) {  // the sorted position: the unpadded row
           indices[d - shift[e]] = static_cast<int32_t>(a);
           bin_ids[d - shift[e]] = static_cast<int32_t>(e);

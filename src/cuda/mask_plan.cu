@@ -9,9 +9,9 @@
 //      chunk counts it needs itself;
 //   3. place: per chunk, every block scans the (padded) counts over the experts itself, then for
 //      each tile a warp a token writes the token's dest_rows, row_sources (and the probs moved
-//      with them), sorted positions and TE's row_id_map row (experts descending, compacted with a
-//      ballot). A chunk of one tile may be split over 2 or 4 blocks (slices), each placing its
-//      share of the tile's tokens.
+//      with them, and their nonzero flags), sorted positions and TE's row_id_map row (experts descending, compacted
+//      with a ballot). A chunk of one tile may be split over 2 or 4 blocks (slices), each placing its share of the
+//      tile's tokens.
 // The count kernel runs on the same grid: slice 0 of a chunk counts, every block fills.
 // dest_rows and row_id_map rows are written by consecutive lanes; the result does not depend on
 // the schedule.
@@ -264,6 +264,12 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
           if (d >= 0 && d < a.sources_len) {
             a.row_sources[d] = static_cast<int32_t>(t * E + e);
             if (a.probs.probs != nullptr) move_prob(a.probs, d, t * E + e);
+          }
+          if (a.probs.nonzero != nullptr) {
+            const bool live =
+                d >= 0 && backend::prob_nonzero(static_cast<const char*>(a.probs.probs) + (t * E + e) * a.probs.bytes,
+                                                a.probs.bytes);
+            a.probs.nonzero[t * E + e] = live ? 1.0f : 0.0f;
           }
           if (d >= 0 && a.indices != nullptr) {  // the sorted position: the unpadded row
             a.indices[d - s_shift[e]] = static_cast<int32_t>(t * E + e);

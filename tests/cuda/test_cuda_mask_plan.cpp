@@ -8,7 +8,8 @@ namespace {
 // mask_plan_out on the GPU equals the CPU's, entry for entry, over sizes that take one and several
 // tiles a chunk, experts not a multiple of 32 or of 4 (the byte-wise map read), cuts, padding, one_bin and
 // the E above 3072 that needs more than 48 KiB of shared memory; the GPU's outputs are the same on a
-// second run, which also moves bfloat16 probs with the rows (bitwise the CPU's).
+// second run, which also moves bfloat16 probs with the rows and flags the nonzero ones (bitwise
+// the CPU's).
 TEST(CpuVsGpuEdge, MaskPlan) {
   REQUIRE_GPU();
   struct Case {
@@ -40,24 +41,27 @@ TEST(CpuVsGpuEdge, MaskPlan) {
     Tensor counts = poison_index(4 * bins), dest = poison_index(c.T * c.E), sources = poison_index(sources_len);
     Tensor rim = filled(DType::kInt32, {c.T, 2 * c.E + 1}, kIndexPoison);
     Tensor indices = poison_index(c.T * c.E), bin_ids = poison_index(c.T * c.E);
-    // probs moved with the rows (bfloat16; NaN where unrouted: never read)
+    // probs moved with the rows and their nonzero flags (bfloat16, a fifth of the routed ones +-0;
+    // NaN where unrouted: never read)
     std::vector<float> pv(static_cast<size_t>(c.T * c.E));
-    for (size_t i = 0; i < pv.size(); ++i)
-      pv[i] = map.data_as<uint8_t>()[i] != 0
-                  ? num::round_to(DType::kBFloat16, static_cast<float>(rng.uniform(0.0, 1.0)))
-                  : NAN;
+    for (size_t i = 0; i < pv.size(); ++i) {
+      const int64_t kind = rng.below(10);
+      const float p = kind == 0 ? 0.0f : kind == 1 ? -0.0f : static_cast<float>(rng.uniform(0.0, 1.0));
+      pv[i] = map.data_as<uint8_t>()[i] != 0 ? num::round_to(DType::kBFloat16, p) : NAN;
+    }
     const Tensor probs = rows_from_float(pv, DType::kBFloat16, c.T, c.E);
-    Tensor moved = filled(DType::kBFloat16, {sources_len}, 0x7f);
-    padmoe::mask_plan_out(map, c.alignment, rows, c.one_bin, counts, dest, sources, rim, indices, bin_ids, probs,
-                          moved);
+    Tensor moved = filled(DType::kBFloat16, {sources_len}, 0x7f), nonzero = filled(DType::kFloat32, {c.T * c.E}, 0x7f);
+    padmoe::mask_plan_out(map, c.alignment, rows, c.one_bin, counts, dest, sources, rim, indices, bin_ids, probs, moved,
+                          nonzero);
     const Tensor dmap = to_gpu(map), dprobs = to_gpu(probs);
     for (int run = 0; run < 2; ++run) {
       Tensor gc = gpu_poison_index(4 * bins), gd = gpu_poison_index(c.T * c.E), gs = gpu_poison_index(sources_len);
       Tensor gr = gpu_filled(DType::kInt32, {c.T, 2 * c.E + 1}, kIndexPoison);
       Tensor gi = gpu_poison_index(c.T * c.E), gb = gpu_poison_index(c.T * c.E);
       Tensor gm = gpu_filled(DType::kBFloat16, {sources_len}, 0x7f);
+      Tensor gz = gpu_filled(DType::kFloat32, {c.T * c.E}, 0x7f);
       if (run == 0) padmoe::mask_plan_out(dmap, c.alignment, rows, c.one_bin, gc, gd, gs, gr, gi, gb);
-      else padmoe::mask_plan_out(dmap, c.alignment, rows, c.one_bin, gc, gd, gs, gr, gi, gb, dprobs, gm);
+      else padmoe::mask_plan_out(dmap, c.alignment, rows, c.one_bin, gc, gd, gs, gr, gi, gb, dprobs, gm, gz);
       EXPECT_TRUE(all_same(to_cpu(gc), counts));
       EXPECT_TRUE(all_same(to_cpu(gd), dest));
       EXPECT_TRUE(all_same(to_cpu(gs), sources));
@@ -65,6 +69,7 @@ TEST(CpuVsGpuEdge, MaskPlan) {
       EXPECT_TRUE(all_same(to_cpu(gi), indices));
       EXPECT_TRUE(all_same(to_cpu(gb), bin_ids));
       if (run == 1) EXPECT_TRUE(all_same(to_cpu(gm), moved));
+      if (run == 1) EXPECT_TRUE(all_same(to_cpu(gz), nonzero));
     }
   }
 }

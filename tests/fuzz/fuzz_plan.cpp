@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "padmoe/error.hpp"
+#include "padmoe/numeric.hpp"
 #include "padmoe/ops.hpp"
 #include "padmoe/tensor.hpp"
 #include "reference/reference.hpp"
@@ -437,13 +438,24 @@ void mask_case(pt::Rng& rng, Stats& st, std::string& log) {
   valid = valid && so.valid;
   const bool with_probs = chance(rng, 35);
   const DType pdt = pick<DType>(rng, {DType::kFloat32, DType::kFloat16, DType::kBFloat16});
-  Tensor probs, moved;
+  Tensor probs, moved, nonzero;
   if (with_probs) {
     probs = Tensor::empty(pdt, {T, E});
     auto* pb = static_cast<unsigned char*>(probs.view().data);
-    const size_t n = static_cast<size_t>(T * E) * padmoe::element_size(pdt);
-    for (size_t i = 0; i < n; ++i) pb[i] = static_cast<unsigned char>(rng.below(256));
+    const size_t w = padmoe::element_size(pdt);
+    for (size_t i = 0; i < static_cast<size_t>(T * E); ++i) {  // any bits; a quarter +0 or -0
+      const bool zero = chance(rng, 4);
+      for (size_t b = 0; b < w; ++b) pb[i * w + b] = zero ? 0 : static_cast<unsigned char>(rng.below(256));
+      if (zero && chance(rng, 2)) pb[i * w + w - 1] = 0x80;
+    }
     moved = poisoned_as(pdt, {S});
+    if (chance(rng, 2)) {
+      nonzero = poisoned_as(DType::kFloat32, {A});
+      if (chance(rng, 8)) {
+        nonzero = poisoned_as(DType::kFloat32, {A + 1});
+        valid = false;
+      }
+    }
     if (chance(rng, 4)) {
       moved = chance(rng, 50) ? poisoned_as(pdt, {S + 1})
                               : poisoned_as(pdt == DType::kFloat32 ? DType::kBFloat16 : DType::kFloat32, {S});
@@ -473,7 +485,7 @@ void mask_case(pt::Rng& rng, Stats& st, std::string& log) {
     padmoe::mask_plan_out(mt, m, rows, one_bin, counts, dest, sources, rim.view().data ? rim.view() : none,
                           so.indices.view().data ? so.indices.view() : none,
                           so.bin_ids.view().data ? so.bin_ids.view() : none, probs.view().data ? probs.view() : none,
-                          moved.view().data ? moved.view() : none, opt);
+                          moved.view().data ? moved.view() : none, nonzero.view().data ? nonzero.view() : none, opt);
     if (!valid) fail("an invalid call returned");
     const ref::MaskPlan want = ref::mask_plan(map, T, E, m, rows, one_bin, S);
     expect_equal(read(counts), want.counts, "counts");
@@ -495,9 +507,16 @@ void mask_case(pt::Rng& rng, Stats& st, std::string& log) {
         }
       }
     }
+    if (nonzero.view().data) {  // 1 where the pair has a row and its prob is not 0 as a number
+      for (int64_t a = 0; a < A; ++a) {
+        const float p = padmoe::numeric::load_as_float(probs.view().data, pdt, a);
+        const bool live = want.dest_rows[static_cast<size_t>(a)] >= 0 && !(p == 0.0f);
+        if (nonzero.data_as<float>()[a] != (live ? 1.0f : 0.0f)) fail("probs_nonzero[" + std::to_string(a) + "]");
+      }
+    }
   } catch (const padmoe::Error& e) {
     if (valid) fail(std::string("a valid call threw: ") + e.what());
-    const Tensor* all[] = {&counts, &dest, &sources, &rim, &so.indices, &so.bin_ids, &moved};
+    const Tensor* all[] = {&counts, &dest, &sources, &rim, &so.indices, &so.bin_ids, &moved, &nonzero};
     for (const Tensor* t : all) {
       if (!untouched(*t)) fail(std::string("an invalid call wrote an output before failing: ") + e.what());
     }

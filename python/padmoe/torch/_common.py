@@ -60,7 +60,7 @@ NO_AUTOGRAD = {
     "padded_scatter_wgrad": "MegaBlocks' weight-gradient kernel: itself a backward, not differentiable",
     "moe_align_block_size": "integer outputs only",
     "batched_moe_align_block_size": "integer outputs only",
-    "mask_plan": "integer outputs, and probs moved without a gradient (TE's permute gives them theirs)",
+    "mask_plan": "integer outputs, probs moved and flagged without a gradient (TE's permute gives them theirs)",
     "index_plan": "integer outputs only",
 }
 

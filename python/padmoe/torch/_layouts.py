@@ -82,14 +82,15 @@ def _(expert_num_tokens, max_tokens_per_batch, block_size, check=2):
 
 
 @torch.library.register_fake("padmoe::mask_plan")
-def _(routing_map, rows, alignment=1, one_bin=False, with_row_id_map=True, probs=None):
+def _(routing_map, rows, alignment=1, one_bin=False, with_row_id_map=True, probs=None, probs_nonzero=False):
     t, e = routing_map.shape
     bins = 1 if one_bin else e
     cap = rows if one_bin else (-(-rows // e) if e else 0)
     packed = routing_map.new_empty(plan_offsets(t, e, bins, alignment, cap).size, dtype=torch.int32)
     shape = (t, 2 * e + 1) if with_row_id_map else (0, 0)
     moved = routing_map.new_empty(0, dtype=torch.float32) if probs is None else probs.new_empty(bins * cap)
-    return packed, routing_map.new_empty(shape, dtype=torch.int32), moved
+    nonzero = routing_map.new_empty(t * e if probs_nonzero else 0, dtype=torch.float32)
+    return packed, routing_map.new_empty(shape, dtype=torch.int32), moved, nonzero
 
 
 @torch.library.register_fake("padmoe::index_plan")
@@ -120,7 +121,7 @@ def mask_plan(routing_map: Tensor, alignment: int = 1) -> Tuple[Plan, Tensor]:
     rows = t * e + e * (m - 1)  # padded_rows_bound: the plan's row_sources, as make_plan sizes it
     if rows > INT32_MAX:
         raise ValueError(f"{op}: routing_map: size overflow: {t} x {e} pairs at alignment {m} do not fit int32")
-    packed, row_id_map, _ = ops.mask_plan.default(routing_map, rows, m, False, True)
+    packed, row_id_map, _, _ = ops.mask_plan.default(routing_map, rows, m, False, True)
     return Plan._from_packed(packed, t, e, e, m), row_id_map
 
 

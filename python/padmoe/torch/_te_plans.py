@@ -34,6 +34,8 @@ from padmoe._plan import Plan
 from ._common import Tensor, compiling, ops, plan_slices
 from ._te_checks import QuantizedRows
 
+MovedProbs = Tuple[Tensor, Tensor]  # (the probs moved with the rows, the dispatch weights: probs != 0)
+
 
 def row_plan(dest: Tensor, sources: Optional[Tensor], kept, rows: int, tokens: int, top_k: int) -> Plan:
     """A one-expert plan with capacity ``rows``: ``dest_rows = dest`` ([A] int32, entries in
@@ -78,31 +80,37 @@ def plan_probs(probs: Optional[Tensor], quantized) -> Optional[Tensor]:
     return probs.detach() if probs.dtype in (torch.float32, torch.bfloat16, torch.float16) else None
 
 
-def mask_plan(routing_map: Tensor, rows: int, probs: Optional[Tensor] = None) -> Tuple[Plan, Tensor, Optional[Tensor]]:
+def mask_plan(
+    routing_map: Tensor, rows: int, probs: Optional[Tensor] = None
+) -> Tuple[Plan, Tensor, Optional[MovedProbs]]:
     """TE's mask-map permute without padding: ``(row plan with R = rows, TE's row_id_map[T, 2E+1],
     the probs moved with the rows)`` from one native operator; the rows go expert-major, tokens in
     order within an expert, and destinations at or past ``rows`` are dropped (the last ones in that
     order: TE's num_out_tokens cut). ``probs`` ([T, E] float32 / bfloat16 / float16, no gradient
-    taken) moved as the rows are, 0 in rows without an assignment; None: not moved (None back)."""
+    taken): ``(moved, nonzero)``, the probs moved as the rows are (0 in rows without an assignment)
+    and the dispatch weights that zero the rows of probability 0 (float32 ``[T*E]``); None: not
+    moved (None back)."""
     t, e = routing_map.shape
-    packed, row_id_map, moved = ops.mask_plan.default(
-        routing_map, rows, alignment=1, one_bin=True, with_row_id_map=True, probs=probs
+    nonzero = probs is not None
+    packed, row_id_map, moved, nonzero = ops.mask_plan.default(
+        routing_map, rows, alignment=1, one_bin=True, with_row_id_map=True, probs=probs, probs_nonzero=nonzero
     )
-    return Plan._from_packed(packed, t, e, 1, 1, rows), row_id_map, None if probs is None else moved
+    return Plan._from_packed(packed, t, e, 1, 1, rows), row_id_map, None if probs is None else (moved, nonzero)
 
 
 def padded_mask_plan(
     routing_map: Tensor, alignment: int, rows: int, probs: Optional[Tensor] = None
-) -> Tuple[Plan, Tensor, Optional[Tensor]]:
+) -> Tuple[Plan, Tensor, Optional[MovedProbs]]:
     """TE's mask-map permute padded to ``alignment`` per expert: ``(expert plan of capacity C =
     ceil(rows / E), so E*C >= rows, TE's row_id_map with the unpadded rows, the probs moved as in
     :func:`mask_plan`)``."""
     t, e = routing_map.shape
-    packed, row_id_map, moved = ops.mask_plan.default(
-        routing_map, rows, alignment=alignment, one_bin=False, with_row_id_map=True, probs=probs
+    nonzero = probs is not None
+    packed, row_id_map, moved, nonzero = ops.mask_plan.default(
+        routing_map, rows, alignment=alignment, one_bin=False, with_row_id_map=True, probs=probs, probs_nonzero=nonzero
     )
     cap = -(-rows // e) if e else 0
-    return Plan._from_packed(packed, t, e, e, 1, cap), row_id_map, None if probs is None else moved
+    return Plan._from_packed(packed, t, e, e, 1, cap), row_id_map, None if probs is None else (moved, nonzero)
 
 
 def mask_dest_from_map(row_id_map: Tensor, shift: Optional[Tensor] = None) -> Tensor:

@@ -177,10 +177,11 @@ def _head(t: Tensor, rows: int) -> Tensor:
 
 
 def _permute(inp, probs, plan, weights, sources, rows=None, moved=None):
-    """(rows, moved probs) of ``plan``: its first ``rows`` rows (default: all). ``moved``: the probs
-    already moved by the plan's operator (eager mode), else they are moved here. Under torch.compile
+    """(rows, moved probs) of ``plan``: its first ``rows`` rows (default: all). ``moved``: the plan
+    operator's (probs moved, weights) (eager mode), else the probs are moved here. Under torch.compile
     the rows are a slice of the whole (its backward pads the gradient; the compiler may fuse it)."""
     head = -1 if rows is None or compiling() else rows
+    moved = None if moved is None else moved[0]
     y, moved = _Permute.apply(
         inp, probs, plan.packed, plan.top_k, plan.num_experts, plan.expert_capacity, weights, sources, head, moved
     )
@@ -246,15 +247,15 @@ def _keep(row_id_map: Tensor, plan, padded: bool, rows: int) -> None:
 def _kept(row_id_map: Tensor, padded: bool, rows: int):
     """The plan moe_permute kept on row_id_map, if it was made for this unpermute's input."""
     kept = None if compiling() else getattr(row_id_map, _ATTR, None)
-    if kept is not None and kept[1] == padded and kept[2] == rows:
-        return kept[0]
-    return None
+    return kept[0] if kept is not None and kept[1] == padded and kept[2] == rows else None
 
 
-def _nonzero_weights(probs: Tensor) -> Tensor:
+def _nonzero_weights(probs: Tensor, made) -> Tensor:
     """float32 ``[T*E]``: 1 where ``probs`` is nonzero (NaN included), else 0; the dispatch weights
-    that zero the rows of probability 0. One comparison written straight into float32 (no bool
-    tensor and cast)."""
+    that zero the rows of probability 0: the plan operator's (``made``: its pair) when it made them,
+    else one comparison written straight into float32 (no bool tensor and cast)."""
+    if made is not None:
+        return made[1]
     flat = probs.detach().reshape(-1)
     return torch.ne(flat, 0, out=torch.empty(flat.shape, dtype=torch.float32, device=flat.device))
 
@@ -273,9 +274,7 @@ def _mask_permute(op, inp, routing_map, num_out_tokens, probs):
         out, moved = _permute_quantized(inp, q, probs, plan, sources)
         _keep(row_id_map, plan, False, num_out_tokens)
         return out, moved, row_id_map
-    weights = None
-    if probs is not None:  # a routed slot of probability 0 is a zero row (TE's routing-map padding)
-        weights = _nonzero_weights(probs)
+    weights = None if probs is None else _nonzero_weights(probs, moved)  # probability 0: a zero row
     out, moved = _permute(inp, probs, plan, weights, sources, moved=moved)
     _keep(row_id_map, plan, False, num_out_tokens)
     return out, moved, row_id_map
@@ -423,7 +422,7 @@ def moe_permute_and_pad_with_probs(
     if q is not None:
         out, moved = _permute_quantized(inp, q, probs, plan, sources, rows)
     else:
-        out, moved = _permute(inp, probs, plan, _nonzero_weights(probs), sources, rows, moved)
+        out, moved = _permute(inp, probs, plan, _nonzero_weights(probs, moved), sources, rows, moved)
     _keep(row_id_map, plan, True, rows)
     return out, moved, row_id_map, pad_offsets, target
 

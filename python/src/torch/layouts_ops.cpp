@@ -86,14 +86,17 @@ std::tuple<Tensor, Tensor, Tensor> batched_align_kernel(const Tensor& counts_in,
   return {sorted, blocks, post};
 }
 
-// mask_plan(routing_map[T, E], rows, alignment, one_bin, with_row_id_map, probs) -> (packed,
-// row_id_map, moved_probs): padmoe::mask_plan_out into a packed plan (the layout of padmoe.torch's
-// plans: indices and bin_ids [A], the four count arrays, dest_rows [A], row_sources) of B experts of
-// capacity C: B = 1, C = rows with one_bin; else B = E, C = ceil(rows / E). row_id_map: TE's
-// [T, 2E + 1] int32, or [0, 0] when not asked for. moved_probs: probs [T, E] moved with the rows
-// ([B * C], probs' dtype, 0 in rows without an assignment), or [0] float32 without probs.
-std::tuple<Tensor, Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_t rows, int64_t alignment, bool one_bin,
-                                                    bool with_row_id_map, const std::optional<Tensor>& probs_in) {
+// mask_plan(routing_map[T, E], rows, alignment, one_bin, with_row_id_map, probs, probs_nonzero) ->
+// (packed, row_id_map, moved_probs, nonzero): padmoe::mask_plan_out into a packed plan (the layout
+// of padmoe.torch's plans: indices and bin_ids [A], the four count arrays, dest_rows [A],
+// row_sources) of B experts of capacity C: B = 1, C = rows with one_bin; else B = E, C =
+// ceil(rows / E). row_id_map: TE's [T, 2E + 1] int32, or [0, 0] when not asked for. moved_probs:
+// probs [T, E] moved with the rows ([B * C], probs' dtype, 0 in rows without an assignment), or [0]
+// float32 without probs. nonzero: with probs_nonzero (and probs), float32 [A], 1 where the pair has
+// a row and a nonzero prob, else 0 (TE's with-probs dispatch weights); else [0] float32.
+std::tuple<Tensor, Tensor, Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_t rows, int64_t alignment,
+                                                            bool one_bin, bool with_row_id_map,
+                                                            const std::optional<Tensor>& probs_in, bool probs_nonzero) {
   const char* op = "mask_plan";
   constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
   if (map_in.dim() != 2)
@@ -129,6 +132,8 @@ std::tuple<Tensor, Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_
   } else {
     moved = at::empty({0}, map.options().dtype(at::kFloat));
   }
+  if (probs_nonzero && !with_probs) value_error(op, "probs_nonzero", "needs probs (the probs it flags)");
+  Tensor nonzero = at::empty({probs_nonzero ? a : 0}, map.options().dtype(at::kFloat));
   c10::OptionalDeviceGuard guard(map.device());
   const padmoe::Options o = options_for(map, 0);
   native([&] {
@@ -139,9 +144,10 @@ std::tuple<Tensor, Tensor, Tensor> mask_plan_kernel(const Tensor& map_in, int64_
                           with_row_id_map ? view(row_id_map, op, "row_id_map") : padmoe::TensorView{},
                           view(packed.narrow(0, 0, a), op, "indices"), view(packed.narrow(0, a, a), op, "bin_ids"),
                           with_probs ? view(probs, op, "probs") : padmoe::TensorView{},
-                          with_probs ? view(moved, op, "moved_probs") : padmoe::TensorView{}, o);
+                          with_probs ? view(moved, op, "moved_probs") : padmoe::TensorView{},
+                          probs_nonzero ? view(nonzero, op, "probs_nonzero") : padmoe::TensorView{}, o);
   });
-  return {packed, row_id_map, moved};
+  return {packed, row_id_map, moved, nonzero};
 }
 
 // index_plan(top_experts[T, K], rows) -> packed: padmoe::index_plan_out into a packed plan of one
@@ -177,7 +183,7 @@ TORCH_LIBRARY_FRAGMENT(padmoe, m) {
       "int check=2) -> (Tensor, Tensor, Tensor)");
   m.def(
       "mask_plan(Tensor routing_map, int rows, int alignment=1, bool one_bin=False, bool with_row_id_map=True, "
-      "Tensor? probs=None) -> (Tensor, Tensor, Tensor)");
+      "Tensor? probs=None, bool probs_nonzero=False) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("index_plan(Tensor top_experts, int rows) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(padmoe, CPU, m) {
