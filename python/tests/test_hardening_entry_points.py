@@ -116,8 +116,9 @@ def test_expert_map_entries_follow_the_check_policy(device):
         with pytest.raises(ValueError, match=r"expert_map: entry 2 is 9, outside \[-1, 4\)"):
             pt.moe_align_block_size(ids, 4, 4, bad, check=False)
     else:
+        # the op's expert_ids [0, 1, 2, 3, -1] read through the map: the block past P reads its last entry
         _, e, _ = pt.moe_align_block_size(ids, 4, 4, bad, check=False)
-        assert e.cpu().tolist() == [0, 1, 9, 2, 0]
+        assert e.cpu().tolist() == [0, 1, 9, 2, 2]
     good = torch.tensor([3, 2, -1, 0], dtype=torch.int32, device=device)
     f = torch.compile(
         lambda t, m: pt.moe_align_block_size(t, 4, 4, m, check=False), fullgraph=True, backend="aot_eager"

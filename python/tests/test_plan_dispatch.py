@@ -609,7 +609,7 @@ def test_cuda_deepseek_shapes(T, idtype, weighted, check):
     )
     assert torch.equal(y.cpu(), want)
     # the array layer on the same tensors: P rows
-    plan3, y3 = padmoe.make_plan_and_dispatch(x, top, E, m, w)
+    y3, plan3 = padmoe.make_plan_and_dispatch(x, top, E, m, w)
     assert torch.equal(y3, y[: r["P"]])
     for name in PLAN_FIELDS + ["row_sources"]:
         assert torch.equal(getattr(plan3, name), getattr(plan, name)), name
