@@ -91,9 +91,9 @@ def mask_plan(
     and the dispatch weights that zero the rows of probability 0 (float32 ``[T*E]``); None: not
     moved (None back)."""
     t, e = routing_map.shape
-    nonzero = probs is not None
+    flags = probs is not None
     packed, row_id_map, moved, nonzero = ops.mask_plan.default(
-        routing_map, rows, alignment=1, one_bin=True, with_row_id_map=True, probs=probs, probs_nonzero=nonzero
+        routing_map, rows, alignment=1, one_bin=True, with_row_id_map=True, probs=probs, probs_nonzero=flags
     )
     return Plan._from_packed(packed, t, e, 1, 1, rows), row_id_map, None if probs is None else (moved, nonzero)
 
@@ -105,9 +105,9 @@ def padded_mask_plan(
     ceil(rows / E), so E*C >= rows, TE's row_id_map with the unpadded rows, the probs moved as in
     :func:`mask_plan`)``."""
     t, e = routing_map.shape
-    nonzero = probs is not None
+    flags = probs is not None
     packed, row_id_map, moved, nonzero = ops.mask_plan.default(
-        routing_map, rows, alignment=alignment, one_bin=False, with_row_id_map=True, probs=probs, probs_nonzero=nonzero
+        routing_map, rows, alignment=alignment, one_bin=False, with_row_id_map=True, probs=probs, probs_nonzero=flags
     )
     cap = -(-rows // e) if e else 0
     return Plan._from_packed(packed, t, e, e, 1, cap), row_id_map, None if probs is None else (moved, nonzero)
