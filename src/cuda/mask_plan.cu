@@ -1,7 +1,7 @@
 // mask_plan.cu — a plan from a routing mask [T, E] (TransformerEngine's mask map) on the GPU, in
 // two or three launches over tiles of 32 tokens. A block reads a tile's 32 x E bytes coalesced and
-// ORs each set byte into a per-expert 32-bit mask of the tile's tokens in shared memory (OR commutes:
-// the masks do not depend on the order of the atomics); then:
+// ORs each set byte into a per-expert 32-bit mask of the tile's tokens in shared memory (OR
+// commutes: the masks do not depend on the order of the atomics); then:
 //   1. count: per chunk of tiles, each expert's routed tokens (the masks' popcounts); the blocks
 //      also fill row_sources (and indices, bin_ids) with -1 and the moved probs with 0;
 //   2. scan:  per expert (a warp each), the exclusive sum of its chunk counts, and its count;
@@ -9,9 +9,9 @@
 //      chunk counts it needs itself;
 //   3. place: per chunk, every block scans the (padded) counts over the experts itself, then for
 //      each tile a warp a token writes the token's dest_rows, row_sources (and the probs moved
-//      with them, and their nonzero flags), sorted positions and TE's row_id_map row (experts descending, compacted
-//      with a ballot). A chunk of one tile may be split over 2 or 4 blocks (slices), each placing its share of the
-//      tile's tokens.
+//      with them, and their nonzero flags), sorted positions and TE's row_id_map row (experts
+//      descending, compacted with a ballot). A chunk of one tile may be split over 2 or 4 blocks
+//      (slices), each placing its share of the tile's tokens.
 // The count kernel runs on the same grid: slice 0 of a chunk counts, every block fills.
 // dest_rows and row_id_map rows are written by consecutive lanes; the result does not depend on
 // the schedule.
