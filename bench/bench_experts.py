@@ -608,7 +608,10 @@ def main(argv=None):
     )
     if vllm_status:
         print(vllm_status, flush=True)
-    rows = [run_shape(n, SHAPES[n], args.iters, rate, bw, vllm) for n in args.shapes.split(",")]
+    rows = []
+    for n in args.shapes.split(","):  # each shape's numbers as they come (a long run may be cut short)
+        rows.append(run_shape(n, SHAPES[n], args.iters, rate, bw, vllm))
+        print(f"# {n}: {json.dumps(rows[-1], default=str)}", flush=True)
     print(
         "\n| shape | floor fwd / f+b µs | parts fwd / f+b µs | composition fwd / graph fwd / f+b µs (peak MiB) "
         "| operator fwd / graph fwd / f+b µs (peak MiB) | operator over parts fwd / f+b |"

@@ -134,6 +134,26 @@ def test_fused_activation_against_float64(kind, gated, interleaved, bias, H, eve
     assert (got[:p][~real[:p]] == 0).all()
 
 
+@pytest.mark.parametrize("fused, interleaved", [(False, False), (True, False), (True, True)])
+def test_full_height_tiles_against_float64(fused, interleaved):
+    """Alignment 128 and 160 rows an expert: 128-row tiles, 256 columns of h (the gated form: 128 gate
+    and 128 up columns), the last column tile partly past N."""
+    N = 320
+    x, _, w, r, up, b = problem(31 + fused + interleaved, T=160, K=2, E=2, N=N, alignment=128, bias=True)
+    sizes = (2, 2, 128, None)
+    cfg = gather_config(x.to(DEV), up.to(DEV), sizes, False, fused, True)
+    assert cfg[:2] == ((128, 128) if fused else (128, 256))
+    h, real, p = reference_h(x, w, r, up, b)
+    if fused:
+        g, u = (h[:, 0::2], h[:, 1::2]) if interleaved else (h[:, : N // 2], h[:, N // 2 :])
+        want = act64("silu", g, u)
+    else:
+        want = h
+    got = run(x, w, r, up, b, False, (KINDS["silu"], True, interleaved, ALPHA, LIMIT), fused, True)
+    torch.testing.assert_close(got[:p][real[:p]].double(), want[:p][real[:p]], rtol=2e-2, atol=2e-2)
+    assert (got[:p][~real[:p]] == 0).all()
+
+
 def test_unwritten_rows():
     """Without zero_padding, padding rows and rows at or past P keep what the output held: the kernel
     writes real rows only."""
@@ -207,7 +227,9 @@ def test_tile_choice():
             bm = tg.block_m(align, rows)
             assert align % bm == 0 and 16 <= bm <= 128
     bm, bn, bk, warps, stages = tg.config(128, 1024, 768, True)
-    assert (bm, bn) == (128, 64) and warps == 8
+    assert (bm, bn) == (128, 128) and warps == 8  # full height: 128 x (2 x 128) accumulators
+    assert tg.config(128, 1024, 1536, False)[:2] == (128, 256)
+    assert tg.config(128, 40, 768, True)[:2] == (64, 64)
     assert tg.config(128, 1024, 40, False)[1] == 64  # narrow outputs: a narrower tile
     x = torch.zeros(4, 8, dtype=torch.float32, device=DEV)
     assert gather_config(x, torch.zeros(2, 8, 8, device=DEV), (2, 2, 16, None), False, True, True) is None  # fp32
