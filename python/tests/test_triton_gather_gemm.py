@@ -235,15 +235,22 @@ def test_tile_choice():
     assert gather_config(x, torch.zeros(2, 8, 8, device=DEV), (2, 2, 16, None), False, True, True) is None  # fp32
 
 
-def test_gather_pays_where_padding_rows_dominate():
-    """The operator reads x through the plan only where padding rows dominate: decode at alignment 128
-    (T=256, K=8, E=256), not the training shapes, nor transformers' alignment 16; with a capacity
-    from the rows the capacity leaves empty."""
-    assert gather_pays(256, (8, 256, 128, None))  # decode
-    for t, k, e, m in ((16384, 8, 128, 128), (4096, 2, 8, 128), (4096, 8, 256, 128), (16384, 8, 128, 16)):
-        assert not gather_pays(t, (k, e, m, None))
-    assert gather_pays(10, (2, 4, 64, None)) and not gather_pays(10, (2, 4, 16, None))
-    assert gather_pays(4, (2, 4, 16, 16)) and not gather_pays(32, (2, 4, 16, 16))  # 64 rows for 8 / 64 real
+def test_gather_pays():
+    """The operator reads x through the plan where padding rows dominate (decode at alignment 128:
+    T=256, K=8, E=256; with a capacity, from the rows it leaves empty), with or without gradients;
+    and without gradients at qwen3-30b-a3b's sizes (full-height tiles, up width 1536), not at
+    deepseek-v3's (width 4096) or mixtral-8x7b's (28672), nor at transformers' alignment 16."""
+    assert gather_pays(256, (8, 256, 128, None), 4096, True)  # decode
+    assert gather_pays(10, (2, 4, 64, None), 64, True) and not gather_pays(10, (2, 4, 16, None), 64, True)
+    assert gather_pays(4, (2, 4, 16, 16), 64, True) and not gather_pays(32, (2, 4, 16, 16), 64, True)  # 64 / 8
+    qwen3 = (16384, (8, 128, 128, None))
+    assert gather_pays(*qwen3, 1536, False) and not gather_pays(*qwen3, 1536, True)
+    assert not gather_pays(*qwen3, 2049, False)
+    assert not gather_pays(16384, (8, 128, 16, None), 1536, False)  # alignment 16: 16-row tiles
+    assert not gather_pays(1024, (8, 128, 128, None), 1536, False)  # 64 rows an expert: half-height tiles
+    assert gather_pays(1040, (8, 128, 128, None), 1536, False)
+    for t, k, e, width in ((4096, 2, 8, 28672), (4096, 8, 256, 4096)):
+        assert not gather_pays(t, (k, e, 128, None), width, False)
 
 
 def spy(monkeypatch):
@@ -259,10 +266,14 @@ def spy(monkeypatch):
 
 
 @pytest.mark.parametrize("weighting", ["after", "before"])
-def test_operator_without_gradients(weighting, monkeypatch):
+@pytest.mark.parametrize(
+    "T, E, alignment",
+    [(10, 4, 64), (72, 2, 128)],  # padding rows dominate; full-height tiles of a narrow up projection
+)
+def test_operator_without_gradients(weighting, T, E, alignment, monkeypatch):
     """experts_forward under no_grad runs the gather and the activation fused; against float64."""
     calls = spy(monkeypatch)
-    T, K, E, H, I = 10, 2, 4, 64, 32  # alignment 64: padding rows dominate, so the gather runs
+    K, H, I = 2, 64, 32
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(T, H, generator=gen).to(DT).to(DEV)
     idx = torch.randint(0, E, (T, K), generator=gen).to(DEV)
@@ -270,7 +281,7 @@ def test_operator_without_gradients(weighting, monkeypatch):
     up = (torch.randn(E, 2 * I, H, generator=gen) / 8).to(DT).to(DEV)
     down = (torch.randn(E, H, I, generator=gen) / 6).to(DT).to(DEV)
     with torch.no_grad():
-        out = experts_forward(x, idx, w, up, down, gate="silu", alignment=64, weighting=weighting)
+        out = experts_forward(x, idx, w, up, down, gate="silu", alignment=alignment, weighting=weighting)
     want = torch.zeros(T, H, dtype=torch.float64)
     for t in range(T):
         for k in range(K):

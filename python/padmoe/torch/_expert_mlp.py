@@ -31,8 +31,9 @@ and ys is never read (nor kept)::
     grad_h, w*a, grad_w     = activation_backward(h + b_up, grad_a, w)  grad_w[a] = <grad_a, a> of its row
     grad_down               = grad_ys^T (w*a)
 
-On CUDA (bf16 / fp16, an alignment that is a multiple of 16) where padding rows dominate (decode;
-``_gather_gemm.gather_pays``) the up projection reads x's rows through the plan instead
+On CUDA (bf16 / fp16, an alignment that is a multiple of 16) where padding rows dominate (decode),
+or without gradients where the up projection is narrow and its tiles full height (qwen3-30b-a3b;
+``_gather_gemm.gather_pays``), the up projection reads x's rows through the plan instead
 (``padmoe/_triton_gather_gemm.py``, the gather in the GEMM's A-load, tiles of padding skipped):
 without gradients with the activation in its epilogue (``a = act(x[sources] @ up)``: neither the
 rows nor h written); with gradients and ``recompute_rows``, writing h, and the backward's ``grad_up``
@@ -428,13 +429,12 @@ class _ExpertMLP(torch.autograd.Function):
         kind, gated, interleaved, alpha, limit = act
         before = w if weighting == "before" else None
         after = w if weighting == "after" else None
-        # The gather fused into the up projection where it applies and padding rows dominate (see
-        # gather_pays): without gradients the activation too (neither the rows nor h written); with
+        # The gather fused into the up projection where it applies and pays (see gather_pays): without gradients the activation too (neither the rows nor h written); with
         # gradients and recompute_rows, h with zero padding rows (the backward's up weight gradient
         # reads x through the plan too). Otherwise the dispatch, then torch's GEMM.
         fuse = (
             (not grads or recompute)
-            and gather_pays(x.shape[0], sizes)
+            and gather_pays(x.shape[0], sizes, up.shape[2] if transposed else up.shape[1], grads)
             and gather_config(x, up, sizes, transposed, not grads, gated) is not None
         )
         if fuse:

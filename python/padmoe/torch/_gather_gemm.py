@@ -22,18 +22,27 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def gather_pays(tokens: int, sizes) -> bool:
-    """Whether the expert MLP's up projection reads x through the plan instead of dispatching it: where
-    padding rows dominate (the expected padding rows, ``E * (alignment - 1) / 2`` or ``E * C - T*K``
-    with a capacity C, at least twice the ``T*K`` real ones, as at decode), because the gather-fused
-    GEMM's tiles skip the padding that torch's grouped GEMM computes. Elsewhere torch's GEMM on
-    dispatched rows is faster (bench/results/experts.md: on an H100 the gather-fused up projection
-    is 1.06-1.22x dispatch + grouped_mm at qwen3-30b-a3b, mixtral-8x7b and deepseek-v3, and 0.84x at
-    decode)."""
+def gather_pays(tokens: int, sizes, width: int, grads: bool) -> bool:
+    """Whether the expert MLP's up projection reads x through the plan instead of dispatching it
+    (``width``: its output columns, 2I gated; ``grads``: a forward with gradients). Two cases,
+    measured on an H100 (bench/results/experts.md):
+
+    - padding rows dominate (the expected padding rows, ``E * (alignment - 1) / 2`` or ``E * C - T*K``
+      with a capacity C, at least twice the ``T*K`` real ones, as at decode): the gather-fused GEMM's
+      tiles skip the padding that torch's grouped GEMM computes (decode: 0.84x dispatch + grouped_mm);
+    - a forward without gradients with full-height tiles (alignment a multiple of 128, more than 64
+      rows an expert) and a narrow up projection (``width`` at most 2048), where the dispatch it
+      saves (4H bytes a row) is a large share of the GEMM (2 * width * H FLOPs a row):
+      qwen3-30b-a3b (width 1536) 0.90x dispatch + grouped_mm + activation; deepseek-v3 (4096) 1.03x
+      and mixtral-8x7b (28672) 0.99x keep torch's GEMM. With gradients the gather would also be
+      read in the weight gradient, which is slower there (recompute_rows at qwen3-30b-a3b 1.08x).
+    """
     top_k, e, alignment, capacity = sizes
     real = tokens * top_k
     padding = e * capacity - real if capacity is not None else e * (alignment - 1) / 2
-    return padding >= 2 * real
+    if padding >= 2 * real:
+        return True
+    return not grads and alignment % 128 == 0 and real > 64 * e and width <= 2048
 
 
 def gather_config(x: Tensor, up: Tensor, sizes, transposed: bool, fused: bool, gated: bool):
