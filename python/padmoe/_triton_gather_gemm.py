@@ -282,8 +282,8 @@ def config(alignment: int, rows_per_expert: float, n: int, fused_gated: bool):
         return None
     if bm == 128:
         # Full-height tiles: a 128 x 256 accumulator (gated: 128 gate and 128 up columns), 8 warps, 3
-        # stages, the widest the registers hold; against 128 x 128 it is 0.81x / 0.87x the time at
-        # mixtral-8x7b / qwen3-30b-a3b (H100, bench/results/experts.md)
+        # stages; against 128 x 128, 0.82x / 0.78x / 0.96x the time with the activation fused at
+        # mixtral-8x7b / qwen3-30b-a3b / deepseek-v3 (H100, bench/results/experts.md)
         return bm, min(128 if fused_gated else 256, triton.next_power_of_2(max(n, 16))), 64, 8, 3
     bn = min(64 if fused_gated else 128, triton.next_power_of_2(max(n, 16)))
     warps = 8 if bm * bn * (2 if fused_gated else 1) >= 128 * 128 else 4
