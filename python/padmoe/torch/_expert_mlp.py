@@ -429,9 +429,10 @@ class _ExpertMLP(torch.autograd.Function):
         kind, gated, interleaved, alpha, limit = act
         before = w if weighting == "before" else None
         after = w if weighting == "after" else None
-        # The gather fused into the up projection where it applies and pays (see gather_pays): without gradients the activation too (neither the rows nor h written); with
-        # gradients and recompute_rows, h with zero padding rows (the backward's up weight gradient
-        # reads x through the plan too). Otherwise the dispatch, then torch's GEMM.
+        # The gather fused into the up projection where it applies and pays (see gather_pays):
+        # without gradients the activation too (neither the rows nor h written); with gradients and
+        # recompute_rows, h with zero padding rows (the backward's up weight gradient reads x through
+        # the plan too). Otherwise the dispatch, then torch's GEMM.
         fuse = (
             (not grads or recompute)
             and gather_pays(x.shape[0], sizes, up.shape[2] if transposed else up.shape[1], grads)
