@@ -65,7 +65,7 @@ def tile_config(target: str, op: str, hidden: int, dtype: str, cores: int = 0) -
     """The tile configuration of a kernel launch (the C++ planner of padmoe/tiling.hpp), as a dict, for
     ``target`` ``"cpu"``, ``"ascend-a2"`` or ``"gpu"``, ``op`` ``"gather"`` / ``"scatter"`` /
     ``"wgrad"``, the hidden size and the row dtype's name; ``cores`` 0: the target's default."""
-    return _C.plan_tiles(target, op, hidden, dtype, cores)
+    return _C.tile_config(target, op, hidden, dtype, cores)
 
 
 def plan_tiles(*args, **kwargs):

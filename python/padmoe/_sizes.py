@@ -16,7 +16,7 @@ from . import _C
 def padded_rows_bound(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:
     """Host-side bound on P, the padded rows of a plan: ``num_tokens*top_k + num_experts*(alignment-1)``
     (``Plan.padded_rows_bound`` of such a plan)."""
-    return _C.capacity_bound(num_tokens, top_k, num_experts, alignment)
+    return _C.padded_rows_bound(num_tokens, top_k, num_experts, alignment)
 
 
 def workspace_bound(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:
@@ -34,7 +34,7 @@ def aligned_rows_bound(assignments: int, num_experts: int, block_size: int, pad_
 def sort_chunks_rows_bound(received_rows: int, num_chunks: int, num_ranks: int, alignment: int) -> int:
     """Host-side bound on ``sort_chunks``' padded rows P:
     ``received_rows + (num_chunks // num_ranks) * (alignment - 1)``."""
-    return _C.sort_chunks_capacity(received_rows, num_chunks, num_ranks, alignment)
+    return _C.sort_chunks_rows_bound(received_rows, num_chunks, num_ranks, alignment)
 
 
 def capacity_bound(num_tokens: int, top_k: int, num_experts: int, alignment: int) -> int:

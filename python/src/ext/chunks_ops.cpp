@@ -1,5 +1,5 @@
 // chunks_ops.cpp — padmoe._C's bindings of the expert-parallel chunk sort: sort_chunks_out,
-// sort_chunks_rows (P after the checks) and sort_chunks_capacity (a host-side bound on P).
+// sort_chunks_rows (P after the checks) and sort_chunks_rows_bound (a host-side bound on P).
 #include "common.hpp"
 
 namespace padmoe_ext {
@@ -38,7 +38,7 @@ void bind_chunks(nb::module_& m) {
       nb::arg("sorted_index").none(), PADMOE_OPTIONS,
       "P for these inputs, after sort_chunks' checks (CUDA: one synchronization).");
   m.def(
-      "sort_chunks_capacity",
+      "sort_chunks_rows_bound",
       [](int64_t received_rows, int64_t num_chunks, int num_ranks, int alignment) {
         return padmoe::sort_chunks_rows_bound(received_rows, num_chunks, num_ranks, alignment);
       },

@@ -1,4 +1,4 @@
-// plan_ops.cpp — padmoe._C's plan bindings: the host-side bounds (capacity_bound, workspace_bound,
+// plan_ops.cpp — padmoe._C's plan bindings: the host-side bounds (padded_rows_bound, workspace_bound,
 // plan_rows_bound), padded_rows, make_plan_out, and the row ops on a plan object (dispatch,
 // make_plan_and_dispatch, combine and their backward).
 #include "common.hpp"
@@ -7,7 +7,7 @@ namespace padmoe_ext {
 
 void bind_plan(nb::module_& m) {
   m.def(
-      "capacity_bound",
+      "padded_rows_bound",
       [](int64_t num_tokens, int top_k, int num_experts, int alignment) {
         return padmoe::padded_rows_bound(num_tokens, top_k, num_experts, alignment);
       },

@@ -1,4 +1,4 @@
-// utility_ops.cpp — padmoe._C's utilities: plan_tiles (the tile planner's TileConfig as a dict) and
+// utility_ops.cpp — padmoe._C's utilities: tile_config (the tile planner's TileConfig as a dict) and
 // copy.
 #include "common.hpp"
 #include "padmoe/tiling.hpp"
@@ -7,7 +7,7 @@ namespace padmoe_ext {
 
 void bind_utilities(nb::module_& m) {
   m.def(
-      "plan_tiles",
+      "tile_config",
       [](const std::string& target, const std::string& op, int64_t hidden, const std::string& dtype, int cores) {
         const char* name = "tile_config";
         padmoe::TileTarget t = padmoe::TileTarget::kCpu;
