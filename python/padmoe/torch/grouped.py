@@ -289,9 +289,10 @@ def experts_forward(
     MLP runs as one operator (padmoe/torch/_expert_mlp.py: the activation one fused pass each way, a
     hand-written backward, the activation computed in float32 and rounded once); otherwise as an
     autograd composition of padmoe's routing ops, the GEMMs and the callables. On CUDA (bf16 / fp16,
-    ``alignment`` a multiple of 16) where padding rows dominate (decode) the operator's up
-    projection reads x's rows through the plan (the gather fused into its A-load; without
-    gradients the activation too). ``recompute_rows`` (the operator only): keep no ``[rows, H]``
+    ``alignment`` a multiple of 16) where padding rows dominate (decode), and without gradients
+    where the up projection is narrow and each expert's rows fill full-height tiles (qwen3-30b-a3b;
+    ``_gather_gemm.gather_pays``), the operator's up projection reads x's rows through the plan
+    (the gather fused into its A-load; without gradients the activation too). ``recompute_rows`` (the operator only): keep no ``[rows, H]``
     dispatched rows for the backward (it dispatches x again, or where the gather runs, the up
     projection's weight gradient reads x through the plan)."""
     if weighting not in ("after", "before", "none"):
