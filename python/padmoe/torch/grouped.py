@@ -292,9 +292,9 @@ def experts_forward(
     ``alignment`` a multiple of 16) where padding rows dominate (decode), and without gradients
     where the up projection is narrow and each expert's rows fill full-height tiles (qwen3-30b-a3b;
     ``_gather_gemm.gather_pays``), the operator's up projection reads x's rows through the plan
-    (the gather fused into its A-load; without gradients the activation too). ``recompute_rows`` (the operator only): keep no ``[rows, H]``
-    dispatched rows for the backward (it dispatches x again, or where the gather runs, the up
-    projection's weight gradient reads x through the plan)."""
+    (the gather fused into its A-load; without gradients the activation too). ``recompute_rows``
+    (the operator only): keep no ``[rows, H]`` dispatched rows for the backward (it dispatches x
+    again, or where the gather runs, the up projection's weight gradient reads x through the plan)."""
     if weighting not in ("after", "before", "none"):
         raise ValueError(f"padmoe experts: weighting: expected 'after', 'before' or 'none', got {weighting!r}")
     if gemm not in ("auto", "grouped_mm", "loop"):
