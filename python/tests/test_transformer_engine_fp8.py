@@ -258,7 +258,8 @@ def _round_up(n, m):
 
 def quantize(x, recipe, fmt, requires_grad=False, dtype=torch.float32, pad_byte=0x55, device="cpu"):
     """A fake TE tensor of ``x`` [T, H] (codes of x / scale) on ``device``; scale padding filled with
-    junk."""
+    junk. The device carries its index ("cuda" is the current device), as TE's tensors' do."""
+    device = torch.empty(0, device=device).device
     q = _quantize_cpu(x.cpu(), recipe, fmt, dtype, pad_byte)
     meta = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in q.get_metadata().items()}
     return type(q)(shape=q.shape, dtype=dtype, device=device, requires_grad=requires_grad, **meta)

@@ -79,9 +79,11 @@ struct MovedProbs {
 
 // Whether the prob of `bytes` bytes at p is nonzero as a number: any bit but the sign set (a NaN
 // is nonzero, -0 is zero), for float32, float16 and bfloat16 alike.
+PADMOE_HD bool prob_bits_nonzero(uint32_t bits, int bytes) {
+  return (bits & (bytes == 4 ? 0x7fffffffu : 0x7fffu)) != 0u;
+}
 PADMOE_HD bool prob_nonzero(const void* p, int bytes) {
-  if (bytes == 4) return (*static_cast<const uint32_t*>(p) & 0x7fffffffu) != 0u;
-  return (*static_cast<const uint16_t*>(p) & 0x7fffu) != 0u;
+  return prob_bits_nonzero(bytes == 4 ? *static_cast<const uint32_t*>(p) : *static_cast<const uint16_t*>(p), bytes);
 }
 
 // The int32 arrays a make_plan writes: the plan's eight and the optional layouts (null when not

@@ -27,6 +27,7 @@ namespace {
 constexpr int kTile = policy::kMaskTile;
 constexpr int kThreads = policy::kMaskThreads;
 constexpr int kWarps = kThreads / 32;
+constexpr int kProbLoads = policy::kMaskLoads;  // a place lane's prob loads in flight together
 
 // s_mask[e] = the tokens of the tile at t0 routed to e, bit tl for token t0 + tl. A word a slot
 // where `words` (E a multiple of 4 and the map 4-byte aligned: a word is 4 experts of one token),
@@ -79,10 +80,13 @@ __device__ void tile_masks(const uint8_t* __restrict__ map, int64_t t0, int64_t 
   __syncthreads();
 }
 
-// The probs moved with the rows (backend::MovedProbs): row d gets assignment a's, or 0.
-__device__ __forceinline__ void move_prob(const backend::MovedProbs& p, int64_t d, int64_t a) {
-  if (p.bytes == 4) static_cast<uint32_t*>(p.moved)[d] = static_cast<const uint32_t*>(p.probs)[a];
-  else static_cast<uint16_t*>(p.moved)[d] = static_cast<const uint16_t*>(p.probs)[a];
+// The raw bits of assignment a's prob (backend::MovedProbs), and row d of the moved probs.
+__device__ __forceinline__ uint32_t prob_bits(const backend::MovedProbs& p, int64_t a) {
+  return p.bytes == 4 ? static_cast<const uint32_t*>(p.probs)[a] : static_cast<const uint16_t*>(p.probs)[a];
+}
+__device__ __forceinline__ void store_prob(const backend::MovedProbs& p, int64_t d, uint32_t bits) {
+  if (p.bytes == 4) static_cast<uint32_t*>(p.moved)[d] = bits;
+  else static_cast<uint16_t*>(p.moved)[d] = static_cast<uint16_t>(bits);
 }
 __device__ __forceinline__ void zero_prob(const backend::MovedProbs& p, int64_t d) {
   if (p.bytes == 4) static_cast<uint32_t*>(p.moved)[d] = 0u;
@@ -251,39 +255,50 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
       if (t >= a.tokens) break;  // uniform across the warp
       const uint32_t below = (1u << tl) - 1u;
       int kept = 0;
-      for (int g = 0; g < E; g += 32) {
-        const int e = E - 1 - (g + lane);  // descending experts: TE's row_id_map order
-        int d = -1;
-        if (e >= 0) {
-          const uint32_t m = s_mask[e];
-          if ((m >> tl) & 1u) {
-            const int64_t r = s_tile[e] + __popc(m & below);
-            if (r < a.rows) d = static_cast<int>(r);
-          }
-          a.dest_rows[t * E + e] = d;
-          if (d >= 0 && d < a.sources_len) {
-            a.row_sources[d] = static_cast<int32_t>(t * E + e);
-            if (a.probs.probs != nullptr) move_prob(a.probs, d, t * E + e);
-          }
-          if (a.probs.nonzero != nullptr) {
-            const bool live =
-                d >= 0 && backend::prob_nonzero(static_cast<const char*>(a.probs.probs) + (t * E + e) * a.probs.bytes,
-                                                a.probs.bytes);
-            a.probs.nonzero[t * E + e] = live ? 1.0f : 0.0f;
-          }
-          if (d >= 0 && a.indices != nullptr) {  // the sorted position: the unpadded row
-            a.indices[d - s_shift[e]] = static_cast<int32_t>(t * E + e);
-            a.bin_ids[d - s_shift[e]] = e;
-          }
+      for (int g0 = 0; g0 < E; g0 += 32 * kProbLoads) {
+        // the lane's routed probs of the next kProbLoads groups, loaded before any is used
+        uint32_t bits[kProbLoads];
+#pragma unroll
+        for (int u = 0; u < kProbLoads; ++u) {
+          const int e = E - 1 - (g0 + 32 * u + lane);
+          const bool routed = e >= 0 && ((s_mask[e] >> tl) & 1u);
+          bits[u] = a.probs.probs != nullptr && routed ? prob_bits(a.probs, t * E + e) : 0u;
         }
-        if (a.row_id_map != nullptr) {
-          const uint32_t live = __ballot_sync(0xffffffffu, d >= 0);
-          if (d >= 0) {
-            const int pos = kept + __popc(live & ((1u << lane) - 1u));
-            a.row_id_map[t * width + pos] = d - s_shift[e];
-            a.row_id_map[t * width + E + pos] = e;
+#pragma unroll
+        for (int u = 0; u < kProbLoads; ++u) {
+          const int g = g0 + 32 * u;
+          if (g >= E) break;  // uniform across the warp
+          const int e = E - 1 - (g + lane);  // descending experts: TE's row_id_map order
+          int d = -1;
+          if (e >= 0) {
+            const uint32_t m = s_mask[e];
+            if ((m >> tl) & 1u) {
+              const int64_t r = s_tile[e] + __popc(m & below);
+              if (r < a.rows) d = static_cast<int>(r);
+            }
+            a.dest_rows[t * E + e] = d;
+            if (d >= 0 && d < a.sources_len) {
+              a.row_sources[d] = static_cast<int32_t>(t * E + e);
+              if (a.probs.probs != nullptr) store_prob(a.probs, d, bits[u]);
+            }
+            if (a.probs.nonzero != nullptr) {
+              const bool live = d >= 0 && backend::prob_bits_nonzero(bits[u], a.probs.bytes);
+              a.probs.nonzero[t * E + e] = live ? 1.0f : 0.0f;
+            }
+            if (d >= 0 && a.indices != nullptr) {  // the sorted position: the unpadded row
+              a.indices[d - s_shift[e]] = static_cast<int32_t>(t * E + e);
+              a.bin_ids[d - s_shift[e]] = e;
+            }
           }
-          kept += __popc(live);
+          if (a.row_id_map != nullptr) {
+            const uint32_t live = __ballot_sync(0xffffffffu, d >= 0);
+            if (d >= 0) {
+              const int pos = kept + __popc(live & ((1u << lane) - 1u));
+              a.row_id_map[t * width + pos] = d - s_shift[e];
+              a.row_id_map[t * width + E + pos] = e;
+            }
+            kept += __popc(live);
+          }
         }
       }
       if (a.row_id_map != nullptr) {
