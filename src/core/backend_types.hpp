@@ -77,8 +77,8 @@ struct MovedProbs {
   float* nonzero = nullptr;
 };
 
-// Whether the prob of `bytes` bytes at p is nonzero as a number: any bit but the sign set (a NaN
-// is nonzero, -0 is zero), for float32, float16 and bfloat16 alike.
+// Whether a prob of `bytes` bytes (its bits, or the one at p) is nonzero as a number: any bit but
+// the sign set (a NaN is nonzero, -0 is zero), for float32, float16 and bfloat16 alike.
 PADMOE_HD bool prob_bits_nonzero(uint32_t bits, int bytes) {
   return (bits & (bytes == 4 ? 0x7fffffffu : 0x7fffu)) != 0u;
 }
