@@ -268,6 +268,7 @@ inline bool mask_scan_fused(int64_t chunks) { return chunks <= kMaskFusedScanChu
 
 // 32-bit words of the map a thread loads before it ORs any into the tile's masks: a tile of
 // 32 x 256 experts is 8 words a thread, so its loads are in flight together, not one after another.
+// The place kernel's lanes load as many routed probs (8 groups of 32 experts) before placing any.
 constexpr int kMaskLoads = 8;
 
 // --- sort_chunks -----------------------------------------------------------------------------

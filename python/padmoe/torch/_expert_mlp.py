@@ -62,7 +62,7 @@ from typing import Optional
 import torch
 
 from ._common import call, compiling, eager_mode, fake_plan_sizes, packed, plan_args, plan_slices
-from ._gather_gemm import _gather_up_call, _gather_wgrad_call, gather_config, gather_pays
+from ._gather_gemm import _gather_up_call, _gather_wgrad_call, gather_config, gather_pays, up_width
 
 Tensor = torch.Tensor
 
@@ -435,7 +435,7 @@ class _ExpertMLP(torch.autograd.Function):
         # the plan too). Otherwise the dispatch, then torch's GEMM.
         fuse = (
             (not grads or recompute)
-            and gather_pays(x.shape[0], sizes, up.shape[2] if transposed else up.shape[1], grads)
+            and gather_pays(x.shape[0], sizes, up_width(up, transposed), grads)
             and gather_config(x, up, sizes, transposed, not grads, gated) is not None
         )
         if fuse:

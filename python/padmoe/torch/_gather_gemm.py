@@ -22,6 +22,12 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def up_width(up: Tensor, transposed: bool) -> int:
+    """The up projection's output columns N1 (2I gated): ``up`` is ``[E, N1, H]``, or transposed
+    ``[E, H, N1]``."""
+    return up.shape[2] if transposed else up.shape[1]
+
+
 def gather_pays(tokens: int, sizes, width: int, grads: bool) -> bool:
     """Whether the expert MLP's up projection reads x through the plan instead of dispatching it
     (``width``: its output columns, 2I gated; ``grads``: a forward with gradients). Two cases,
@@ -59,7 +65,7 @@ def gather_config(x: Tensor, up: Tensor, sizes, transposed: bool, fused: bool, g
     from padmoe import _triton_gather_gemm as tg
 
     top_k, e, alignment, _ = sizes
-    n = up.shape[2] if transposed else up.shape[1]
+    n = up_width(up, transposed)
     if fused and gated:
         n //= 2
     return tg.config(alignment, x.shape[0] * top_k / max(e, 1), n, fused and gated)
@@ -78,7 +84,7 @@ def triton_gather_up(
     top_k, e, alignment, capacity = sizes
     o = plan_slices(x.shape[0], *sizes)
     rows = o.rows
-    width = up.shape[2] if transposed else up.shape[1]
+    width = up_width(up, transposed)
     n = width // 2 if fused and gated else width
     if out is None:
         out = x.new_empty(rows, n)
@@ -134,7 +140,7 @@ def _gather_up(
 def _(x, packed, weights, up, bias, top_k, num_experts, alignment, capacity, transposed, kind, gated, interleaved,
       alpha, limit, fused, zero_padding):  # fmt: skip
     _, _, rows = fake_plan_sizes(packed, top_k, num_experts, alignment, capacity)
-    width = up.shape[2] if transposed else up.shape[1]
+    width = up_width(up, transposed)
     return x.new_empty(rows, width // 2 if fused and gated else width)
 
 
@@ -148,7 +154,7 @@ def triton_gather_wgrad(
     top_k, e = sizes[0], sizes[1]
     o = plan_slices(x.shape[0], *sizes)
     out = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-    n = up.shape[2] if transposed else up.shape[1]
+    n = up_width(up, transposed)
     h = x.shape[1]
     if out.numel():
         bn, bh, br, warps, stages = tg.wgrad_config(n, h)
