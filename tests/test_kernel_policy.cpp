@@ -188,6 +188,27 @@ TEST(KernelPolicy, MaskScanFused) {
   EXPECT_FALSE(mask_scan_fused(mask_chunks(4096, kH200)));
 }
 
+// Count and place fit one cooperative launch at the decode sizes: one-tile chunks summed in the place
+// blocks, a grid of at most one block a multiprocessor, E <= 1024.
+TEST(KernelPolicy, MaskOneLaunchFits) {
+  auto one_launch = [](int64_t tokens, int experts, const Device& d) {
+    return mask_one_launch_fits(experts, mask_tiles_per_chunk(tokens, d), mask_chunks(tokens, d),
+                                mask_place_slices(tokens, d), d.sms);
+  };
+  EXPECT_TRUE(one_launch(256, 256, kH200));   // decode: 8 chunks x 4 slices
+  EXPECT_TRUE(one_launch(512, 256, kH200));   // 16 chunks x 4 slices: 64 blocks
+  EXPECT_TRUE(one_launch(0, 8, kH200));
+  EXPECT_TRUE(one_launch(256, 1024, kH200));
+  EXPECT_FALSE(one_launch(256, 1025, kH200));  // more shared memory than the bound
+  EXPECT_FALSE(one_launch(256, 0, kH200));
+  EXPECT_FALSE(one_launch(513, 256, kH200));   // 17 chunks: the scan launch's sizes
+  Device few;
+  few.sms = 16;
+  EXPECT_FALSE(one_launch(256, 256, few));     // 32 blocks on 16 multiprocessors
+  EXPECT_TRUE(mask_one_launch_fits(256, 1, 8, 2, 16));
+  EXPECT_FALSE(mask_one_launch_fits(256, 2, 8, 1, 132));  // chunks of two tiles
+}
+
 // A chunk of one tile split over up to 4 place blocks while the grid stays within 4 blocks a
 // multiprocessor; none once a chunk holds several tiles.
 TEST(KernelPolicy, MaskPlaceSlices) {
@@ -251,6 +272,10 @@ TEST(KernelOverrides, Variants) {
   EXPECT_FALSE(set_kernel_variant(o, "nope", "1", &err));
   EXPECT_NE(err.find("unknown key"), std::string::npos);
   EXPECT_FALSE(set_kernel_variant(o, "slice-blocks", "-2", &err));
+  EXPECT_TRUE(set_kernel_variant(o, "mask-one-launch", "on", &err));
+  EXPECT_EQ(o.mask_one_launch, true);
+  EXPECT_TRUE(set_kernel_variant(o, "mask-one-launch", "auto", &err));
+  EXPECT_FALSE(o.mask_one_launch.has_value());
 }
 
 }  // namespace

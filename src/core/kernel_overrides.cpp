@@ -86,7 +86,8 @@ std::string variant_keys() {
          "reduce=auto|block|block-wide|token-block|token-block-two, "
          "reduce-dots=auto|block|block-wide|token-warp|token-block|token-block-two, row-dots=auto|warp|token-block, "
          "slice-blocks=N (-1: the policy's), dest-search=auto|on|off, l2-prefetch=auto|on|off, pdl=auto|on|off, "
-         "chunk-map=auto|on|off, chunk-rows=auto|on|off, chunk-form=auto|flat|rowwise|one-scan, avx2=auto|on|off";
+         "mask-one-launch=auto|on|off, chunk-map=auto|on|off, chunk-rows=auto|on|off, "
+         "chunk-form=auto|flat|rowwise|one-scan, avx2=auto|on|off";
 }
 
 bool set_kernel_variant(KernelOverrides& o, const std::string& key, const std::string& value, std::string* error) {
@@ -104,6 +105,7 @@ bool set_kernel_variant(KernelOverrides& o, const std::string& key, const std::s
   else if (key == "dest-search") ok = parse_bool(value, &o.dest_search);
   else if (key == "l2-prefetch") ok = parse_bool(value, &o.l2_prefetch);
   else if (key == "pdl") ok = parse_bool(value, &o.pdl);
+  else if (key == "mask-one-launch") ok = parse_bool(value, &o.mask_one_launch);
   else if (key == "chunk-map") ok = parse_bool(value, &o.chunk_map_fused);
   else if (key == "chunk-rows") ok = parse_bool(value, &o.chunk_rows);
   else if (key == "chunk-form") ok = parse_enum(value, kChunkForms, &o.chunk_rows_form);

@@ -266,6 +266,19 @@ inline int mask_place_slices(int64_t tokens, const Device& d) {
 constexpr int64_t kMaskFusedScanChunks = 16;
 inline bool mask_scan_fused(int64_t chunks) { return chunks <= kMaskFusedScanChunks; }
 
+// Where count and place fit one cooperative launch (a grid barrier between them): chunks of one tile
+// whose counts the place blocks sum themselves, at most one block a multiprocessor, and shared
+// memory of at most 16 KiB (E <= 1024), so that any device holds the grid at once: the decode sizes
+// (T <= 512). It saves a launch and a second read of the map, but the cooperative launch gives up
+// the programmatic overlap with the kernel before it; it is not chosen by default until measured
+// against the two launches on a GPU (`padmoe bench --preset decode --ops mask_plan --variant
+// mask-one-launch=on` forces it where it fits).
+constexpr int kMaskOneLaunchMaxExperts = 1024;
+inline bool mask_one_launch_fits(int num_experts, int64_t tiles_per_chunk, int64_t chunks, int slices, int sms) {
+  return num_experts >= 1 && num_experts <= kMaskOneLaunchMaxExperts && tiles_per_chunk == 1 &&
+         mask_scan_fused(chunks) && chunks * slices <= sms;
+}
+
 // 32-bit words of the map a thread loads before it ORs any into the tile's masks: a tile of
 // 32 x 256 experts is 8 words a thread, so its loads are in flight together, not one after another.
 // The place kernel's lanes load as many routed probs (8 groups of 32 experts) before placing any.

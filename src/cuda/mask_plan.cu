@@ -1,5 +1,5 @@
 // mask_plan.cu — a plan from a routing mask [T, E] (TransformerEngine's mask map) on the GPU, in
-// two or three launches over tiles of 32 tokens. A block reads a tile's 32 x E bytes coalesced and
+// one, two or three launches over tiles of 32 tokens. A block reads a tile's 32 x E bytes coalesced and
 // ORs each set byte into a per-expert 32-bit mask of the tile's tokens in shared memory (OR
 // commutes: the masks do not depend on the order of the atomics); then:
 //   1. count: per chunk of tiles, each expert's routed tokens (the masks' popcounts); the blocks
@@ -13,8 +13,14 @@
 //      descending, compacted with a ballot). A chunk of one tile may be split over 2 or 4 blocks
 //      (slices), each placing its share of the tile's tokens.
 // The count kernel runs on the same grid: slice 0 of a chunk counts, every block fills.
+// One launch (where policy::mask_one_launch_fits, the decode sizes; forced by KernelOverrides, not
+// the default until measured): the count and place phases in one cooperative launch with a grid
+// barrier between them; each block keeps its tile's masks from the count phase for the placement.
 // dest_rows and row_id_map rows are written by consecutive lanes; the result does not depend on
 // the schedule.
+#include <cooperative_groups.h>
+
+#include <atomic>
 #include <cub/block/block_scan.cuh>
 
 #include "core/kernel_policy.hpp"
@@ -93,6 +99,20 @@ __device__ __forceinline__ void zero_prob(const backend::MovedProbs& p, int64_t 
   else static_cast<uint16_t*>(p.moved)[d] = 0u;
 }
 
+// The fills before any placement, shared over the grid: row_sources -1 and the moved probs 0 (rows
+// no token reaches keep them), indices and bin_ids -1 (where set).
+__device__ void fill_unplaced(int32_t* __restrict__ row_sources, int64_t sources_len, int32_t* __restrict__ indices,
+                              int32_t* __restrict__ bin_ids, int64_t assignments, const backend::MovedProbs& probs) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  for (int64_t r = start; r < sources_len; r += stride) row_sources[r] = -1;
+  if (probs.probs != nullptr) {
+    for (int64_t r = start; r < sources_len; r += stride) zero_prob(probs, r);
+  }
+  if (indices == nullptr) return;
+  for (int64_t i = start; i < assignments; i += stride) indices[i] = bin_ids[i] = -1;
+}
+
 // Shared memory: the masks and the counts, two arrays of E entries.
 __global__ void __launch_bounds__(kThreads)
     mask_count_kernel(const uint8_t* __restrict__ map, int64_t tokens, int experts, bool words, int64_t tiles_per_chunk,
@@ -115,14 +135,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     for (int e = threadIdx.x; e < experts; e += kThreads) chunk_counts[chunk * experts + e] = s_count[e];
   }
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  for (int64_t r = start; r < sources_len; r += stride) row_sources[r] = -1;
-  if (probs.probs != nullptr) {
-    for (int64_t r = start; r < sources_len; r += stride) zero_prob(probs, r);
-  }
-  if (indices == nullptr) return;
-  for (int64_t i = start; i < assignments; i += stride) indices[i] = bin_ids[i] = -1;
+  fill_unplaced(row_sources, sources_len, indices, bin_ids, assignments, probs);
 }
 
 // chunk_counts[c * E + e] becomes the exclusive sum over chunks c' < c; n[e] the total.
@@ -171,10 +184,11 @@ struct PlaceArgs {
   backend::MovedProbs probs;  // probs null: none moved
 };
 
-// Shared memory: four int arrays of E entries (running base, tile base, token mask, padding shift).
-__global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
-  pdl_begin();
-  extern __shared__ int32_t s_mem[];
+// The placement of block (chunk, slice). s_mem: four int arrays of E entries (running base, tile
+// base, token mask, padding shift). With masks_ready (one tile a chunk), the token mask array holds
+// the chunk's tile already. The chunk counts are read through L2 (__ldcg): in the one-launch form
+// the same grid wrote them.
+__device__ void place_chunk(const PlaceArgs& a, int32_t* s_mem, bool masks_ready) {
   __shared__ typename cub::BlockScan<int, kThreads>::TempStorage storage;
   __shared__ int s_total;
   const int E = a.experts;
@@ -197,7 +211,7 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
     if (a.fused_scan) {
 #pragma unroll 8
       for (int64_t c = 0; c < a.chunks; ++c) {
-        const int v = a.chunk_offsets[c * E + e];
+        const int v = __ldcg(a.chunk_offsets + c * E + e);
         before += c < chunk ? v : 0;
         count += v;
       }
@@ -243,7 +257,7 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
   for (int64_t tile = 0; tile < a.tiles_per_chunk; ++tile) {
     const int64_t t0 = first + tile * kTile;
     if (t0 >= a.tokens) break;  // uniform across the block
-    tile_masks(a.map, t0, a.tokens, E, a.words, s_mask);
+    if (!masks_ready) tile_masks(a.map, t0, a.tokens, E, a.words, s_mask);
     for (int e = threadIdx.x; e < E; e += kThreads) {  // e's own thread, as in the scan above
       s_tile[e] = s_base[e];
       s_base[e] += __popc(s_mask[e]);
@@ -313,8 +327,52 @@ __global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
   }
 }
 
+__global__ void __launch_bounds__(kThreads) mask_place_kernel(PlaceArgs a) {
+  pdl_begin();
+  extern __shared__ int32_t s_mem[];
+  place_chunk(a, s_mem, false);
+}
+
+// Count and place in one cooperative launch, for chunks of one tile summed by the place blocks
+// themselves (policy::mask_one_launch_fits): every block builds its tile's masks once, slice 0
+// publishes the chunk's counts, the grid fills, waits at its barrier and places from the masks it
+// kept. One launch and one read of the map fewer than count + place.
+__global__ void __launch_bounds__(kThreads) mask_one_launch_kernel(PlaceArgs a, int32_t* chunk_counts) {
+  pdl_begin();
+  extern __shared__ int32_t s_mem[];
+  const int E = a.experts;
+  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_mem + 2 * E);  // place_chunk's token masks
+  const int64_t chunk = blockIdx.x / a.slices;
+  tile_masks(a.map, chunk * kTile, a.tokens, E, a.words, s_mask);
+  if (static_cast<int>(blockIdx.x) % a.slices == 0) {
+    for (int e = threadIdx.x; e < E; e += kThreads) chunk_counts[chunk * E + e] = __popc(s_mask[e]);
+  }
+  fill_unplaced(a.row_sources, a.sources_len, a.indices, a.bin_ids, a.tokens * E, a.probs);
+  cooperative_groups::this_grid().sync();
+  place_chunk(a, s_mem, true);
+}
+
 // The place kernel's dynamic shared memory: four int arrays of E entries.
 size_t mask_plan_shared_bytes(int64_t num_experts) { return 4 * sizeof(int32_t) * static_cast<size_t>(num_experts); }
+
+// Whether the current device takes cooperative launches (asked once: 1 yes, -1 no; a launch refused
+// as too large sets -1). The one-launch grid is at most one block a multiprocessor (its shared
+// memory is at most 16 KiB), so a device that takes them holds the whole grid at once.
+std::atomic<int> g_one_launch{0};
+bool one_launch_supported() {
+  int v = g_one_launch.load(std::memory_order_relaxed);
+  if (v == 0) {
+    int dev = 0, coop = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess) {
+      cudaGetLastError();
+      coop = 0;
+    }
+    v = coop != 0 ? 1 : -1;
+    g_one_launch.store(v, std::memory_order_relaxed);
+  }
+  return v > 0;
+}
 
 }  // namespace
 
@@ -343,13 +401,7 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
     PADMOE_CUDA_CHECK(cudaFuncSetAttribute(mask_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem / 2)));
   }
-  launch_kernel("mask_count_kernel", mask_count_kernel, grid, kThreads, smem / 2, s, map, tokens, num_experts, words,
-                tpc, slices, chunk_counts, row_sources, sources_len, indices, bin_ids, tokens * num_experts, probs);
   const bool fused_scan = policy::mask_scan_fused(chunks);
-  if (num_experts > 0 && !fused_scan) {
-    launch_kernel("mask_scan_kernel", mask_scan_kernel, static_cast<unsigned>((num_experts + kWarps - 1) / kWarps),
-                  kThreads, 0, s, chunk_counts, chunks, num_experts, n);
-  }
   PlaceArgs a{};
   a.map = map;
   a.tokens = tokens;
@@ -372,6 +424,27 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
   a.bin_ids = bin_ids;
   a.row_id_map = row_id_map;
   a.probs = probs;
+  const bool one_launch = overrides().mask_one_launch.value_or(false) &&
+                          policy::mask_one_launch_fits(num_experts, tpc, chunks, slices, sm_count());
+  if (one_launch && one_launch_supported()) {
+    void* args[] = {&a, &chunk_counts};
+    const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(mask_one_launch_kernel),
+                                                        dim3(grid), dim3(kThreads), args, smem, s);
+    if (err != cudaErrorCooperativeLaunchTooLarge) {
+      PADMOE_CUDA_CHECK(err);
+      return;
+    }
+    // fewer multiprocessors than the device reports (MPS limits, green contexts): two launches
+    // from now on
+    cudaGetLastError();
+    g_one_launch.store(-1, std::memory_order_relaxed);
+  }
+  launch_kernel("mask_count_kernel", mask_count_kernel, grid, kThreads, smem / 2, s, map, tokens, num_experts, words,
+                tpc, slices, chunk_counts, row_sources, sources_len, indices, bin_ids, tokens * num_experts, probs);
+  if (num_experts > 0 && !fused_scan) {
+    launch_kernel("mask_scan_kernel", mask_scan_kernel, static_cast<unsigned>((num_experts + kWarps - 1) / kWarps),
+                  kThreads, 0, s, chunk_counts, chunks, num_experts, n);
+  }
   launch_kernel("mask_place_kernel", mask_place_kernel, grid, kThreads, smem, s, a);
 }
 

@@ -5,11 +5,12 @@
 namespace pt {
 namespace {
 
-// mask_plan_out on the GPU equals the CPU's, entry for entry, over sizes that take one and several
-// tiles a chunk, experts not a multiple of 32 or of 4 (the byte-wise map read), cuts, padding, one_bin and
-// the E above 3072 that needs more than 48 KiB of shared memory; the GPU's outputs are the same on a
-// second run, which also moves bfloat16 probs with the rows and flags the nonzero ones (bitwise
-// the CPU's).
+// mask_plan_out on the GPU equals the CPU's, entry for entry, over sizes that fit one launch (up to
+// T = 512 and E = 1024) and not, one and several tiles a chunk, experts not a multiple of 32 or of 4
+// (the byte-wise map read), cuts, padding, one_bin and the E above 3072 that needs more than 48 KiB
+// of shared memory; the GPU's outputs are the same on a second run, which also moves bfloat16 probs
+// with the rows and flags the nonzero ones (bitwise the CPU's); both runs again with count and place
+// forced into one launch where they fit.
 TEST(CpuVsGpuEdge, MaskPlan) {
   REQUIRE_GPU();
   struct Case {
@@ -24,7 +25,7 @@ TEST(CpuVsGpuEdge, MaskPlan) {
                        Case{20000, 8, 16, false, 1.0}, Case{70000, 3, 1, true, 1.0}, Case{9, 4000, 4, false, 1.0},
                        Case{0, 16, 16, false, 1.0}, Case{5, 0, 1, true, 1.0}, Case{200, 64, 16, false, 0.7},
                        Case{256, 128, 1, true, 0.6}, Case{97, 30, 8, false, 1.0}, Case{256, 409, 4, false, 0.9},
-                       Case{257, 8, 1, true, 1.0}}) {
+                       Case{257, 8, 1, true, 1.0}, Case{512, 1024, 8, false, 1.0}, Case{513, 64, 1, true, 1.0}}) {
     SCOPED_TRACE("T=" + std::to_string(c.T) + " E=" + std::to_string(c.E) + " align=" + std::to_string(c.alignment) +
                  (c.one_bin ? " one_bin" : "") + " cut=" + std::to_string(c.cut));
     Tensor map = Tensor::empty(DType::kUInt8, {c.T, c.E});
@@ -54,13 +55,18 @@ TEST(CpuVsGpuEdge, MaskPlan) {
     padmoe::mask_plan_out(map, c.alignment, rows, c.one_bin, counts, dest, sources, rim, indices, bin_ids, probs, moved,
                           nonzero);
     const Tensor dmap = to_gpu(map), dprobs = to_gpu(probs);
-    for (int run = 0; run < 2; ++run) {
+    // runs 0 and 1 as the policy chooses, 2 and 3 with the one launch forced (where it fits)
+    for (int run = 0; run < 4; ++run) {
+      KernelOverrides ko;
+      if (run >= 2) ko.mask_one_launch = true;
+      const ScopedKernelOverrides forced(ko);
+      const bool with_probs = run % 2 == 1;
       Tensor gc = gpu_poison_index(4 * bins), gd = gpu_poison_index(c.T * c.E), gs = gpu_poison_index(sources_len);
       Tensor gr = gpu_filled(DType::kInt32, {c.T, 2 * c.E + 1}, kIndexPoison);
       Tensor gi = gpu_poison_index(c.T * c.E), gb = gpu_poison_index(c.T * c.E);
       Tensor gm = gpu_filled(DType::kBFloat16, {sources_len}, 0x7f);
       Tensor gz = gpu_filled(DType::kFloat32, {c.T * c.E}, 0x7f);
-      if (run == 0) padmoe::mask_plan_out(dmap, c.alignment, rows, c.one_bin, gc, gd, gs, gr, gi, gb);
+      if (!with_probs) padmoe::mask_plan_out(dmap, c.alignment, rows, c.one_bin, gc, gd, gs, gr, gi, gb);
       else padmoe::mask_plan_out(dmap, c.alignment, rows, c.one_bin, gc, gd, gs, gr, gi, gb, dprobs, gm, gz);
       EXPECT_TRUE(all_same(to_cpu(gc), counts));
       EXPECT_TRUE(all_same(to_cpu(gd), dest));
@@ -68,8 +74,8 @@ TEST(CpuVsGpuEdge, MaskPlan) {
       EXPECT_TRUE(all_same(to_cpu(gr), rim));
       EXPECT_TRUE(all_same(to_cpu(gi), indices));
       EXPECT_TRUE(all_same(to_cpu(gb), bin_ids));
-      if (run == 1) EXPECT_TRUE(all_same(to_cpu(gm), moved));
-      if (run == 1) EXPECT_TRUE(all_same(to_cpu(gz), nonzero));
+      if (with_probs) EXPECT_TRUE(all_same(to_cpu(gm), moved));
+      if (with_probs) EXPECT_TRUE(all_same(to_cpu(gz), nonzero));
     }
   }
 }
