@@ -188,8 +188,8 @@ TEST(KernelPolicy, MaskScanFused) {
   EXPECT_FALSE(mask_scan_fused(mask_chunks(4096, kH200)));
 }
 
-// Count and place fit one cooperative launch at the decode sizes: one-tile chunks summed in the place
-// blocks, a grid of at most one block a multiprocessor, E <= 1024.
+// Count and place fit one cooperative launch at the decode sizes: one-tile chunks summed in the
+// place blocks, a grid of at most one block a multiprocessor, E <= 1024.
 TEST(KernelPolicy, MaskOneLaunchFits) {
   auto one_launch = [](int64_t tokens, int experts, const Device& d) {
     return mask_one_launch_fits(experts, mask_tiles_per_chunk(tokens, d), mask_chunks(tokens, d),

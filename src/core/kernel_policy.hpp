@@ -266,8 +266,8 @@ inline int mask_place_slices(int64_t tokens, const Device& d) {
 constexpr int64_t kMaskFusedScanChunks = 16;
 inline bool mask_scan_fused(int64_t chunks) { return chunks <= kMaskFusedScanChunks; }
 
-// Where count and place fit one cooperative launch (a grid barrier between them): chunks of one tile
-// whose counts the place blocks sum themselves, at most one block a multiprocessor, and shared
+// Where count and place fit one cooperative launch (a grid barrier between them): chunks of one
+// tile whose counts the place blocks sum themselves, at most one block a multiprocessor, and shared
 // memory of at most 16 KiB (E <= 1024), so that any device holds the grid at once: the decode sizes
 // (T <= 512). It saves a launch and a second read of the map, but the cooperative launch gives up
 // the programmatic overlap with the kernel before it; it is not chosen by default until measured

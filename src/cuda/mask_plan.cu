@@ -1,7 +1,7 @@
 // mask_plan.cu — a plan from a routing mask [T, E] (TransformerEngine's mask map) on the GPU, in
-// one, two or three launches over tiles of 32 tokens. A block reads a tile's 32 x E bytes coalesced and
-// ORs each set byte into a per-expert 32-bit mask of the tile's tokens in shared memory (OR
-// commutes: the masks do not depend on the order of the atomics); then:
+// one, two or three launches over tiles of 32 tokens. A block reads a tile's 32 x E bytes
+// coalesced and ORs each set byte into a per-expert 32-bit mask of the tile's tokens in shared
+// memory (OR commutes: the masks do not depend on the order of the atomics); then:
 //   1. count: per chunk of tiles, each expert's routed tokens (the masks' popcounts); the blocks
 //      also fill row_sources (and indices, bin_ids) with -1 and the moved probs with 0;
 //   2. scan:  per expert (a warp each), the exclusive sum of its chunk counts, and its count;

@@ -6,11 +6,11 @@ namespace pt {
 namespace {
 
 // mask_plan_out on the GPU equals the CPU's, entry for entry, over sizes that fit one launch (up to
-// T = 512 and E = 1024) and not, one and several tiles a chunk, experts not a multiple of 32 or of 4
-// (the byte-wise map read), cuts, padding, one_bin and the E above 3072 that needs more than 48 KiB
-// of shared memory; the GPU's outputs are the same on a second run, which also moves bfloat16 probs
-// with the rows and flags the nonzero ones (bitwise the CPU's); both runs again with count and place
-// forced into one launch where they fit.
+// T = 512 and E = 1024) and not, one and several tiles a chunk, experts not a multiple of 32 or of
+// 4 (the byte-wise map read), cuts, padding, one_bin and the E above 3072 that needs more than 48
+// KiB of shared memory; the GPU's outputs are the same on a second run, which also moves bfloat16
+// probs with the rows and flags the nonzero ones (bitwise the CPU's); both runs again with count
+// and place forced into one launch where they fit.
 TEST(CpuVsGpuEdge, MaskPlan) {
   REQUIRE_GPU();
   struct Case {
