@@ -55,10 +55,10 @@ TEST(CpuVsGpuEdge, MaskPlan) {
     padmoe::mask_plan_out(map, c.alignment, rows, c.one_bin, counts, dest, sources, rim, indices, bin_ids, probs, moved,
                           nonzero);
     const Tensor dmap = to_gpu(map), dprobs = to_gpu(probs);
-    // runs 0 and 1 as the policy chooses, 2 and 3 with the one launch forced (where it fits)
+    // runs 0 and 1 in two launches, 2 and 3 in one (where it fits)
     for (int run = 0; run < 4; ++run) {
       KernelOverrides ko;
-      if (run >= 2) ko.mask_one_launch = true;
+      ko.mask_one_launch = run >= 2;
       const ScopedKernelOverrides forced(ko);
       const bool with_probs = run % 2 == 1;
       Tensor gc = gpu_poison_index(4 * bins), gd = gpu_poison_index(c.T * c.E), gs = gpu_poison_index(sources_len);
