@@ -3,14 +3,17 @@ rows through the plan's ``row_sources`` instead of a dispatched ``[P, H]`` buffe
 MLP operator runs it on CUDA tensors; on CPU tensors it runs in Triton's interpreter, which is how the
 CPU suite tests it).
 
-Program (m, n) computes rows ``[m*BLOCK_M, (m+1)*BLOCK_M)`` of ``x[row_sources // K] @ W[e]`` for output
-columns ``[n*BLOCK_N, (n+1)*BLOCK_N)``. ``BLOCK_M`` divides the plan's alignment (every segment starts
-on a multiple of it), so a tile belongs to one expert ``e``, found by counting the segment ends
-(``padded_bins``) at or before its first row. Real rows come first in a segment, so a tile past
-``padded_start(e) + count(e)`` holds padding only: it computes nothing (zeros written only when the
-caller needs padding rows zero). Tiles at or past P exit. The router weight (``weighting="before"``)
-multiplies each gathered row in float32 and rounds to x's dtype before the product, as ``dispatch``
-does.
+Program (m, n) computes ``BLOCK_M`` rows of ``x[row_sources // K] @ W[e]`` for output columns
+``[n*BLOCK_N, (n+1)*BLOCK_N)``, the rows of one expert ``e``. Where ``BLOCK_M`` divides the plan's
+alignment (every segment starts on a multiple of it), tile m is rows ``[m*BLOCK_M, (m+1)*BLOCK_M)``
+and its expert is found by counting the segment ends (``padded_bins``) at or before its first row.
+Otherwise (segment tiles: 128-row tiles at an alignment of 16, 32 or 64) each expert's padded segment
+is tiled from its own start, its last tile cut at the segment's end, and tile m is found in the
+running sum of the experts' tile counts; the grid has E tiles more than P needs. Real rows come
+first in a segment, so a tile past ``padded_start(e) + count(e)`` holds padding only: it computes
+nothing (zeros written only when the caller needs padding rows zero). Tiles past the last exit.
+The router weight (``weighting="before"``) multiplies each gathered row in float32 and rounds to x's
+dtype before the product, as ``dispatch`` does.
 
 The backward's weight gradient of the up projection reads x through the plan the same way
 (:func:`gather_wgrad_kernel`), so with ``recompute_rows`` no ``[P, H]`` rows are dispatched at all.
@@ -43,6 +46,23 @@ def _segment(pad_ends, counts, row0, E, E_POW2: tl.constexpr):
     e = tl.sum(((ends <= row0) & (i < E)).to(tl.int32), axis=0)
     start = tl.sum(tl.where(i == e - 1, ends, 0), axis=0)
     return e, start + tl.load(counts + e)
+
+
+@triton.jit
+def _segment_tile(pad_ends, counts, tile, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first row, segment end, first padding row) of segment tile ``tile``: each expert's
+    padded segment cut into tiles of BLOCK_M rows from its start, the experts' tiles one after
+    another; an expert of E or more past the last tile."""
+    i = tl.arange(0, E_POW2)
+    ends = tl.load(pad_ends + i, mask=i < E, other=0)
+    starts = tl.load(pad_ends + i - 1, mask=(i > 0) & (i < E), other=0)
+    tiles = tl.where(i < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    through = tl.cumsum(tiles, 0)  # the tiles of experts 0..i
+    e = tl.sum((through <= tile).to(tl.int32), axis=0)
+    first = tl.sum(tl.where(i == e, through - tiles, 0), axis=0)
+    start = tl.sum(tl.where(i == e, starts, 0), axis=0)
+    end = tl.sum(tl.where(i == e, ends, 0), axis=0)
+    return e, start + (tile - first) * BLOCK_M, end, start + tl.load(counts + e, mask=e < E, other=0)
 
 
 @triton.jit
@@ -108,6 +128,7 @@ def gather_gemm_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
+    SEG_TILES: tl.constexpr,
 ):
     # Programs in groups of GROUP_M row tiles, column tiles outermost within a group: the row tiles
     # of one expert that run together share each weight tile while it is in L2 (row-major order
@@ -119,21 +140,30 @@ def gather_gemm_kernel(
     group_m = tl.minimum(NUM_M - first_m, GROUP_M)
     pid_m = first_m + (pid % in_group) % group_m
     pid_n = (pid % in_group) // group_m
-    row0 = pid_m * BLOCK_M
     counts = plan + off_counts
     pad_ends = plan + off_ends
     sources = plan + off_sources
-    p = tl.load(pad_ends + E - 1)
-    if row0 < p:
-        e, real_end = _segment(pad_ends, counts, row0, E, E_POW2)
+    if SEG_TILES:
+        e, row0, seg_end, real_end = _segment_tile(pad_ends, counts, pid_m, E, E_POW2, BLOCK_M)
+        run = e < E
+    else:
+        row0 = pid_m * BLOCK_M
+        run = row0 < tl.load(pad_ends + E - 1)
+    if run:
+        if not SEG_TILES:
+            e, real_end = _segment(pad_ends, counts, row0, E, E_POW2)
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
+        if SEG_TILES:  # the segment's last tile: rows past its end are the next expert's
+            out_ok = col_ok[None, :] & (rows < seg_end)[:, None]
+        else:
+            out_ok = col_ok[None, :]
         optr = out + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
         if row0 >= real_end:
             if ZERO_PADDING:
                 zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=out.dtype.element_ty)
-                tl.store(optr, zero, mask=col_ok[None, :])
+                tl.store(optr, zero, mask=out_ok)
         else:
             src = tl.load(sources + rows, mask=rows < real_end, other=-1)
             live = src >= 0
@@ -197,7 +227,7 @@ def gather_gemm_kernel(
                 y = tl.where(live[:, None], y, 0.0)
             else:
                 y = acc_g
-            m = col_ok[None, :]
+            m = out_ok
             if not ZERO_PADDING:
                 m = m & live[:, None]
             tl.store(optr, y.to(out.dtype.element_ty), mask=m)
@@ -262,16 +292,26 @@ def gather_wgrad_kernel(
 
 
 def block_m(alignment: int, rows_per_expert: float):
-    """The tile height: a power of two from 16 to 128 dividing ``alignment`` (so a tile never spans two
-    experts), no taller than the average expert's rows need; None when ``alignment`` is not a multiple
-    of 16 (the tensor cores' smallest tile), and then the caller dispatches and runs torch's grouped GEMM."""
+    """The tile height: a power of two from 16 to 128, no taller than the average expert's rows need;
+    None when ``alignment`` is not a multiple of 16 (the tensor cores' smallest tile), and then the
+    caller dispatches and runs torch's grouped GEMM. Below 128 it divides ``alignment`` (a tile never
+    spans two experts); 128 (full-height tiles) at any alignment, as segment tiles where it does not
+    divide it (:func:`segment_tiles`)."""
     if alignment <= 0 or alignment % 16:
         return None
-    bm = 16
     want = min(128, triton.next_power_of_2(max(int(rows_per_expert), 16)))
+    if want == 128:
+        return want
+    bm = 16
     while bm < want and alignment % (2 * bm) == 0:
         bm *= 2
     return bm
+
+
+def segment_tiles(alignment: int, bm: int) -> bool:
+    """Whether tiles of ``bm`` rows tile each expert's segment from its own start (``bm`` does not
+    divide ``alignment``) rather than the padded rows from row 0."""
+    return alignment % bm != 0
 
 
 def config(alignment: int, rows_per_expert: float, n: int, fused_gated: bool):

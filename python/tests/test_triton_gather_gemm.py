@@ -154,6 +154,32 @@ def test_full_height_tiles_against_float64(fused, interleaved):
     assert (got[:p][~real[:p]] == 0).all()
 
 
+@pytest.mark.parametrize("alignment", [16, 48])
+@pytest.mark.parametrize("fused, zero_padding", [(False, True), (True, False), (True, True)])
+def test_segment_tiles_against_float64(alignment, fused, zero_padding):
+    """128-row tiles at an alignment 128 does not divide: each expert's segment tiled from its own
+    start, the last tile cut at the segment's end (the next expert's rows written by its own tiles
+    only), padding rows zero or unwritten as asked, rows at or past P unwritten."""
+    N = 160
+    x, _, w, r, up, b = problem(41 + alignment + fused, T=260, K=2, E=3, N=N, alignment=alignment, bias=True)
+    plan = r.plan
+    sizes = (2, 3, alignment, None)
+    cfg = gather_config(x.to(DEV), up.to(DEV), sizes, False, fused, True)
+    assert cfg[0] == 128 and tg.segment_tiles(alignment, cfg[0])
+    counts = plan.tokens_per_expert.tolist()
+    assert all(c > 128 and c % 128 for c in counts)  # every segment ends in a partial tile
+    h, real, p = reference_h(x, w, r, up, b)
+    want = act64("silu", h[:, : N // 2], h[:, N // 2 :]) if fused else h
+    act = (KINDS["silu"], True, False, ALPHA, LIMIT)
+    got = torch.full((plan.row_sources.shape[0], N // 2 if fused else N), SENTINEL, dtype=DT, device=DEV)
+    triton_gather_up(x.to(DEV), plan.packed.to(DEV), w.to(DEV), up.to(DEV), b.to(DEV), sizes, False, act, fused,
+                     zero_padding, out=got)  # fmt: skip
+    got = got.cpu()
+    torch.testing.assert_close(got[:p][real[:p]].double(), want[:p][real[:p]], rtol=2e-2, atol=2e-2)
+    assert (got[:p][~real[:p]] == (0 if zero_padding else SENTINEL)).all()
+    assert (got[p:] == SENTINEL).all()
+
+
 def test_unwritten_rows():
     """Without zero_padding, padding rows and rows at or past P keep what the output held: the kernel
     writes real rows only."""
@@ -221,11 +247,14 @@ def test_wgrad_against_float64(transposed, weighted):
 def test_tile_choice():
     assert tg.block_m(8, 1000) is None and tg.block_m(24, 1000) is None  # not a multiple of 16
     assert tg.block_m(128, 1024) == 128 and tg.block_m(128, 8) == 16 and tg.block_m(128, 40) == 64
-    assert tg.block_m(16, 1024) == 16 and tg.block_m(48, 1024) == 16 and tg.block_m(64, 1024) == 64
+    assert tg.block_m(16, 40) == 16 and tg.block_m(48, 40) == 16 and tg.block_m(64, 40) == 64
+    # full height at any alignment: segment tiles where 128 does not divide it
+    assert tg.block_m(16, 1024) == 128 and tg.block_m(48, 1024) == 128 and tg.block_m(64, 100) == 128
     for align in (16, 32, 48, 64, 128, 256):
         for rows in (1, 8, 100, 5000):
             bm = tg.block_m(align, rows)
-            assert align % bm == 0 and 16 <= bm <= 128
+            assert 16 <= bm <= 128 and (align % bm == 0) != tg.segment_tiles(align, bm)
+            assert not tg.segment_tiles(align, bm) or bm == 128
     bm, bn, bk, warps, stages = tg.config(128, 1024, 768, True)
     assert (bm, bn) == (128, 128) and warps == 8  # full height: 128 x (2 x 128) accumulators
     assert tg.config(128, 1024, 1536, False)[:2] == (128, 256)

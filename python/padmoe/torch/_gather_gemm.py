@@ -94,7 +94,8 @@ def triton_gather_up(
         x = x.contiguous()
         sw = (up.stride(0), up.stride(2), up.stride(1)) if transposed else (up.stride(0), up.stride(1), up.stride(2))
         bias = None if bias is None else bias.contiguous()
-        num_m = -(-rows // bm)
+        seg = tg.segment_tiles(alignment, bm)
+        num_m = -(-rows // bm) + (e if seg else 0)  # segment tiles: at most one partial tile an expert
         grid = (num_m * -(-n // bn),)
         tg.gather_gemm_kernel[grid](
             x, x if weights is None else weights.contiguous(), up, x if bias is None else bias, out, packed,
@@ -104,7 +105,7 @@ def triton_gather_up(
             WEIGHTED=weights is not None, BIAS=bias is not None, ACT=kind if fused else -1, GATED=gated,
             INTERLEAVED=interleaved, ZERO_PADDING=zero_padding, E_POW2=1 << (e - 1).bit_length(),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=x.shape[1] % bk == 0, EVEN_N=n % bn == 0,
-            num_warps=warps, num_stages=stages,
+            SEG_TILES=seg, num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out
 
