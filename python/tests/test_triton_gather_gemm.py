@@ -268,15 +268,16 @@ def test_gather_pays():
     """The operator reads x through the plan where padding rows dominate (decode at alignment 128:
     T=256, K=8, E=256; with a capacity, from the rows it leaves empty), with or without gradients;
     and without gradients at qwen3-30b-a3b's sizes (full-height tiles, 256 rows an expert or more,
-    up width 1536), not at deepseek-v3's (width 4096) or mixtral-8x7b's (28672), nor at
-    transformers' alignment 16."""
+    up width 1536; at transformers' alignment 16 too, in segment tiles), not at deepseek-v3's (width
+    4096) or mixtral-8x7b's (28672)."""
     assert gather_pays(256, (8, 256, 128, None), 4096, True)  # decode
     assert gather_pays(10, (2, 4, 64, None), 64, True) and not gather_pays(10, (2, 4, 16, None), 64, True)
     assert gather_pays(4, (2, 4, 16, 16), 64, True) and not gather_pays(32, (2, 4, 16, 16), 64, True)  # 64 / 8
     qwen3 = (16384, (8, 128, 128, None))
     assert gather_pays(*qwen3, 1536, False) and not gather_pays(*qwen3, 1536, True)
     assert not gather_pays(*qwen3, 2049, False)
-    assert not gather_pays(16384, (8, 128, 16, None), 1536, False)  # alignment 16: 16-row tiles
+    assert gather_pays(16384, (8, 128, 16, None), 1536, False)  # alignment 16: segment tiles
+    assert not gather_pays(16384, (8, 128, 16, None), 1536, True)
     assert gather_pays(4096, (8, 128, 128, None), 1536, False)  # 256 rows an expert
     assert not gather_pays(4080, (8, 128, 128, None), 1536, False)  # 255: weight-bound
     for t, k, e, width in ((4096, 2, 8, 28672), (4096, 8, 256, 4096)):
@@ -298,7 +299,8 @@ def spy(monkeypatch):
 @pytest.mark.parametrize("weighting", ["after", "before"])
 @pytest.mark.parametrize(
     "T, E, alignment",
-    [(10, 4, 64), (256, 2, 128)],  # padding rows dominate; a narrow up projection, 256 rows an expert
+    # padding rows dominate; a narrow up projection, 256 rows an expert (at alignment 16: segment tiles)
+    [(10, 4, 64), (256, 2, 128), (256, 2, 16)],
 )
 def test_operator_without_gradients(weighting, T, E, alignment, monkeypatch):
     """experts_forward under no_grad runs the gather and the activation fused; against float64."""
