@@ -32,7 +32,7 @@ struct KernelOverrides {
   std::optional<bool> pdl;              // programmatic dependent launch (on where the device has it)
 
   // mask_plan
-  std::optional<bool> mask_one_launch;  // true: count and place in one launch where it fits
+  std::optional<bool> mask_one_launch;  // count and place in one launch where it fits (default) or two
   // sort_chunks
   std::optional<bool> chunk_map_fused;  // the layout launch writes the map (where map_len fits)
   std::optional<bool> chunk_rows;       // the one launch: true wherever it fits, false never
