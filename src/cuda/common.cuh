@@ -88,21 +88,37 @@ __device__ __forceinline__ void pdl_begin(const L2Rows& rows) {
 bool pdl_enabled();
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
-// pdl_enabled(); errors name the kernel.
+// pdl_enabled(), as a cooperative launch (every block resident at once, for a grid barrier) when
+// `cooperative`; returns the launch's error (a cooperative grid too large for the device:
+// cudaErrorCooperativeLaunchTooLarge).
 template <typename... Params, typename... Args>
-void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                   Args&&... args) {
+cudaError_t try_launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                              bool cooperative, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[2];
+  unsigned n = 0;
+  if (pdl_enabled()) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cooperative) {
+    attribute[n].id = cudaLaunchAttributeCooperative;
+    attribute[n++].val.cooperative = 1;
+  }
   config.attrs = attribute;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
-  check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
+  config.numAttrs = n;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// try_launch_kernel, not cooperative; errors name the kernel.
+template <typename... Params, typename... Args>
+void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+  check_cuda(try_launch_kernel(kernel, grid, block, smem, stream, false, std::forward<Args>(args)...), name);
 }
 
 __device__ __forceinline__ int64_t load_index(const IndexRef& r, int64_t i) {
