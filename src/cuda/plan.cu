@@ -146,11 +146,11 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
       launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks, per_block,
                     shift, n_experts, align, block_counts, local_rank, capacity, plan_out, pad_src, packed);
     } else {
-      int pb = per_block, reps = shift;
-      void* args[] = {&ids,   &rm,           &a_count,    &n_chunks, &pb,       &reps,    &n_experts,
-                      &align, &block_counts, &local_rank, &capacity, &plan_out, &pad_src, &packed};
-      const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fused), dim3(grid),
-                                                          dim3(kFusedThreads), args, smem, s);
+      // cooperative, and with programmatic serialization where enabled (its blocks start while the
+      // kernel before finishes, as every other launch does)
+      const cudaError_t err = try_launch_kernel(fused, grid, kFusedThreads, smem, s, true, ids, rm, a_count, n_chunks,
+                                                per_block, shift, n_experts, align, block_counts, local_rank, capacity,
+                                                plan_out, pad_src, packed);
       if (err == cudaErrorCooperativeLaunchTooLarge) {
         // fewer multiprocessors than the device reports (MPS limits, green contexts): the split
         // launches from now on, for this device
