@@ -42,60 +42,70 @@ void memset_async(void* dst, int value, size_t bytes, void* stream) {
   if (bytes > 0) PADMOE_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, as_stream(stream)));
 }
 
+// The attributes the backend reads of a device, asked once a device (kInfoDevices of them; past
+// that, or where the runtime cannot answer, the defaults: an H200's 132 multiprocessors and 50 MiB
+// of L2, no programmatic serialization, no cooperative launch). Per device, so that a process
+// driving GPUs of different kinds plans each launch for the GPU it runs on.
+namespace {
+constexpr int kInfoDevices = 64;
+struct DeviceAttributes {
+  std::once_flag once;
+  int sms = 132;
+  int64_t l2_bytes = int64_t{50} << 20;
+  bool sm90 = false;
+  std::atomic<bool> cooperative{false};  // cleared by cooperative_launch_refused
+};
+DeviceAttributes g_devices[kInfoDevices];
+
+// The current device's attributes, or null (no current device, or past kInfoDevices).
+DeviceAttributes* current_device() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kInfoDevices) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  DeviceAttributes& d = g_devices[dev];
+  std::call_once(d.once, [&d, dev] {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) d.sms = v;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, dev) == cudaSuccess && v > 0) d.l2_bytes = v;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess) d.sm90 = v >= 9;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrCooperativeLaunch, dev) == cudaSuccess) {
+      d.cooperative.store(v != 0, std::memory_order_relaxed);
+    }
+    cudaGetLastError();
+  });
+  return &d;
+}
+}  // namespace
+
 // Programmatic dependent launch: on devices of compute capability 9.0 and up (every kernel waits
 // for the one before it before its first memory access, so results do not change);
 // KernelOverrides::pdl false turns it off (tests, `padmoe bench --variant pdl=off`).
-namespace {
-constexpr int kPdlDevices = 64;
-std::atomic<int> g_pdl_cc[kPdlDevices];  // 0: not asked; 1: sm_90+; -1: older
-}  // namespace
-
 bool pdl_enabled() {
   if (!detail::kernel_overrides().pdl.value_or(true)) return false;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kPdlDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  int cc = g_pdl_cc[dev].load(std::memory_order_relaxed);
-  if (cc == 0) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      cudaGetLastError();
-      major = 0;
-    }
-    cc = major >= 9 ? 1 : -1;
-    g_pdl_cc[dev].store(cc, std::memory_order_relaxed);
-  }
-  return cc > 0;
+  const DeviceAttributes* d = current_device();
+  return d != nullptr && d->sm90;
 }
 
-// The multiprocessors of the current device when first asked (132, an H200's, if unknown).
 int sm_count() {
-  static const int sms = [] {
-    int dev = 0, n = 132;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-      cudaGetLastError();
-      n = 132;
-    }
-    return n;
-  }();
-  return sms;
+  const DeviceAttributes* d = current_device();
+  return d != nullptr ? d->sms : 132;
 }
 
-// The L2's bytes on the current device when first asked (50 MiB, an H200's, if unknown).
 int64_t l2_cache_bytes() {
-  static const int64_t bytes = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, dev) != cudaSuccess ||
-        n <= 0) {
-      cudaGetLastError();
-      n = 50 << 20;
-    }
-    return static_cast<int64_t>(n);
-  }();
-  return bytes;
+  const DeviceAttributes* d = current_device();
+  return d != nullptr ? d->l2_bytes : int64_t{50} << 20;
+}
+
+bool cooperative_launch_supported() {
+  const DeviceAttributes* d = current_device();
+  return d != nullptr && d->cooperative.load(std::memory_order_relaxed);
+}
+
+void cooperative_launch_refused() {
+  DeviceAttributes* d = current_device();
+  if (d != nullptr) d->cooperative.store(false, std::memory_order_relaxed);
 }
 
 RowsArg with_l2_prefetch(const RowsArg& r, bool vec, int blocks) {
