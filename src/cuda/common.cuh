@@ -214,8 +214,9 @@ int64_t l2_cache_bytes();
 // cooperative_launch_refused() turns them off for that device. Host code (memory.cu).
 bool cooperative_launch_supported();
 void cooperative_launch_refused();
-// What the kernel policy reads of the current device (sm_count, l2_cache_bytes, pdl_enabled).
-inline policy::Device device_policy() { return policy::Device{sm_count(), l2_cache_bytes(), pdl_enabled()}; }
+// What the kernel policy reads of the current device (sm_count, l2_cache_bytes, pdl_enabled), from
+// one look-up of its attributes. Host code (memory.cu).
+policy::Device device_policy();
 // The overrides set by tests and `padmoe bench --variant` (all unset by default).
 inline const detail::KernelOverrides& overrides() { return detail::kernel_overrides(); }
 

@@ -98,6 +98,12 @@ int64_t l2_cache_bytes() {
   return d != nullptr ? d->l2_bytes : int64_t{50} << 20;
 }
 
+policy::Device device_policy() {
+  const DeviceAttributes* d = current_device();
+  if (d == nullptr) return policy::Device{132, int64_t{50} << 20, false};
+  return policy::Device{d->sms, d->l2_bytes, d->sm90 && detail::kernel_overrides().pdl.value_or(true)};
+}
+
 bool cooperative_launch_supported() {
   const DeviceAttributes* d = current_device();
   return d != nullptr && d->cooperative.load(std::memory_order_relaxed);
