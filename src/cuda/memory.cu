@@ -56,13 +56,14 @@ struct DeviceAttributes {
   std::atomic<bool> cooperative{false};  // cleared by cooperative_launch_refused
 };
 DeviceAttributes g_devices[kInfoDevices];
+DeviceAttributes g_unknown;  // the defaults, for no current device or one past kInfoDevices
 
-// The current device's attributes, or null (no current device, or past kInfoDevices).
-DeviceAttributes* current_device() {
+// The current device's attributes (g_unknown where it cannot be asked).
+DeviceAttributes& current_device() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kInfoDevices) {
     cudaGetLastError();
-    return nullptr;
+    return g_unknown;
   }
   DeviceAttributes& d = g_devices[dev];
   std::call_once(d.once, [&d, dev] {
@@ -75,44 +76,29 @@ DeviceAttributes* current_device() {
     }
     cudaGetLastError();
   });
-  return &d;
+  return d;
 }
-}  // namespace
 
 // Programmatic dependent launch: on devices of compute capability 9.0 and up (every kernel waits
 // for the one before it before its first memory access, so results do not change);
 // KernelOverrides::pdl false turns it off (tests, `padmoe bench --variant pdl=off`).
-bool pdl_enabled() {
-  if (!detail::kernel_overrides().pdl.value_or(true)) return false;
-  const DeviceAttributes* d = current_device();
-  return d != nullptr && d->sm90;
-}
+bool pdl_on(const DeviceAttributes& d) { return d.sm90 && detail::kernel_overrides().pdl.value_or(true); }
+}  // namespace
 
-int sm_count() {
-  const DeviceAttributes* d = current_device();
-  return d != nullptr ? d->sms : 132;
-}
+bool pdl_enabled() { return pdl_on(current_device()); }
 
-int64_t l2_cache_bytes() {
-  const DeviceAttributes* d = current_device();
-  return d != nullptr ? d->l2_bytes : int64_t{50} << 20;
-}
+int sm_count() { return current_device().sms; }
+
+int64_t l2_cache_bytes() { return current_device().l2_bytes; }
 
 policy::Device device_policy() {
-  const DeviceAttributes* d = current_device();
-  if (d == nullptr) return policy::Device{132, int64_t{50} << 20, false};
-  return policy::Device{d->sms, d->l2_bytes, d->sm90 && detail::kernel_overrides().pdl.value_or(true)};
+  const DeviceAttributes& d = current_device();
+  return policy::Device{d.sms, d.l2_bytes, pdl_on(d)};
 }
 
-bool cooperative_launch_supported() {
-  const DeviceAttributes* d = current_device();
-  return d != nullptr && d->cooperative.load(std::memory_order_relaxed);
-}
+bool cooperative_launch_supported() { return current_device().cooperative.load(std::memory_order_relaxed); }
 
-void cooperative_launch_refused() {
-  DeviceAttributes* d = current_device();
-  if (d != nullptr) d->cooperative.store(false, std::memory_order_relaxed);
-}
+void cooperative_launch_refused() { current_device().cooperative.store(false, std::memory_order_relaxed); }
 
 RowsArg with_l2_prefetch(const RowsArg& r, bool vec, int blocks) {
   RowsArg out = r;
