@@ -47,19 +47,20 @@ int chunk_rows_per_block(int words) {
   const int per = kRowThreads * kRowUnits / (words > 0 ? words : 1);
   return per < 1 ? 1 : (per > kRowMaxRows ? kRowMaxRows : per);
 }
-// The blocks of kKernel that fit at once (each lays the chunks out once, then strides over the
-// rows), counted once per kernel.
+// The blocks of kKernel that fit at once on the current device (each lays the chunks out once, then
+// strides over the rows): its blocks a multiprocessor, counted once per kernel, times the
+// device's multiprocessors.
 template <auto kKernel>
 int chunk_rows_resident() {
-  static const int resident = [] {
-    int per_sm = 4;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kRowThreads, 0) != cudaSuccess) {
+  static const int per_sm = [] {
+    int n = 4;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kRowThreads, 0) != cudaSuccess) {
       cudaGetLastError();
-      per_sm = 4;
+      n = 4;
     }
-    return std::max(1, sm_count()) * std::max(1, per_sm);
+    return std::max(1, n);
   }();
-  return resident;
+  return std::max(1, sm_count()) * per_sm;
 }
 
 template <typename W>

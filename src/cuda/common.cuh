@@ -206,11 +206,17 @@ __device__ __forceinline__ L2Rows l2_share(const RowsArg& r) {
 }
 
 // The multiprocessors (132, an H200's, if unknown) and the L2's bytes (50 MiB if unknown) of the
-// current device when first asked. Host code (dispatch.cu).
+// current device, asked once a device. Host code (memory.cu).
 int sm_count();
 int64_t l2_cache_bytes();
-// What the kernel policy reads of the current device (sm_count, l2_cache_bytes, pdl_enabled).
-inline policy::Device device_policy() { return policy::Device{sm_count(), l2_cache_bytes(), pdl_enabled()}; }
+// Whether the current device takes cooperative launches (asked once a device), until a launch there
+// is refused as too large (fewer multiprocessors than it reports: MPS limits, green contexts) and
+// cooperative_launch_refused() turns them off for that device. Host code (memory.cu).
+bool cooperative_launch_supported();
+void cooperative_launch_refused();
+// What the kernel policy reads of the current device (sm_count, l2_cache_bytes, pdl_enabled), from
+// one look-up of its attributes. Host code (memory.cu).
+policy::Device device_policy();
 // The overrides set by tests and `padmoe bench --variant` (all unset by default).
 inline const detail::KernelOverrides& overrides() { return detail::kernel_overrides(); }
 

@@ -20,7 +20,6 @@
 // the schedule.
 #include <cooperative_groups.h>
 
-#include <atomic>
 #include <cub/block/block_scan.cuh>
 
 #include "core/kernel_policy.hpp"
@@ -355,25 +354,6 @@ __global__ void __launch_bounds__(kThreads) mask_one_launch_kernel(PlaceArgs a, 
 // The place kernel's dynamic shared memory: four int arrays of E entries.
 size_t mask_plan_shared_bytes(int64_t num_experts) { return 4 * sizeof(int32_t) * static_cast<size_t>(num_experts); }
 
-// Whether the current device takes cooperative launches (asked once: 1 yes, -1 no; a launch refused
-// as too large sets -1). The one-launch grid is at most one block a multiprocessor (its shared
-// memory is at most 16 KiB), so a device that takes them holds the whole grid at once.
-std::atomic<int> g_one_launch{0};
-bool one_launch_supported() {
-  int v = g_one_launch.load(std::memory_order_relaxed);
-  if (v == 0) {
-    int dev = 0, coop = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess) {
-      cudaGetLastError();
-      coop = 0;
-    }
-    v = coop != 0 ? 1 : -1;
-    g_one_launch.store(v, std::memory_order_relaxed);
-  }
-  return v > 0;
-}
-
 }  // namespace
 
 size_t mask_plan_workspace_bytes(int64_t tokens, int64_t num_experts) {
@@ -426,8 +406,10 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
   a.probs = probs;
   const bool one_launch = overrides().mask_one_launch.value_or(true) &&
                           policy::mask_one_launch_fits(num_experts, tpc, chunks, slices, sm_count());
-  if (one_launch && one_launch_supported()) {
-    // cooperative, and programmatically serialized like every padmoe launch: the kernel's
+  if (one_launch && cooperative_launch_supported()) {
+    // The grid is at most one block a multiprocessor (mask_one_launch_fits; its shared memory is
+    // at most 16 KiB), so a device that takes cooperative launches holds it whole.
+    // Cooperative, and programmatically serialized like every padmoe launch: the kernel's
     // pdl_begin() waits for the kernel before it, so its launch overlaps that kernel's tail (the
     // plan alone at decode in a CUDA graph 9.7 us with the overlap, 10.2 without, on an H100)
     const cudaError_t err = try_launch_kernel(mask_one_launch_kernel, grid, kThreads, smem, s, true, a, chunk_counts);
@@ -435,10 +417,9 @@ void mask_plan(const uint8_t* map, int64_t tokens, int num_experts, int alignmen
       PADMOE_CUDA_CHECK(err);
       return;
     }
-    // fewer multiprocessors than the device reports (MPS limits, green contexts): two launches
-    // from now on
+    // fewer multiprocessors than the device reports: two launches on this device from now on
     cudaGetLastError();
-    g_one_launch.store(-1, std::memory_order_relaxed);
+    cooperative_launch_refused();
   }
   launch_kernel("mask_count_kernel", mask_count_kernel, grid, kThreads, smem / 2, s, map, tokens, num_experts, words,
                 tpc, slices, chunk_counts, row_sources, sources_len, indices, bin_ids, tokens * num_experts, probs);

@@ -42,61 +42,63 @@ void memset_async(void* dst, int value, size_t bytes, void* stream) {
   if (bytes > 0) PADMOE_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, as_stream(stream)));
 }
 
+// The attributes the backend reads of a device, asked once a device (kInfoDevices of them; past
+// that, or where the runtime cannot answer, the defaults: an H200's 132 multiprocessors and 50 MiB
+// of L2, no programmatic serialization, no cooperative launch). Per device, so that a process
+// driving GPUs of different kinds plans each launch for the GPU it runs on.
+namespace {
+constexpr int kInfoDevices = 64;
+struct DeviceAttributes {
+  std::once_flag once;
+  int sms = 132;
+  int64_t l2_bytes = int64_t{50} << 20;
+  bool sm90 = false;
+  std::atomic<bool> cooperative{false};  // cleared by cooperative_launch_refused
+};
+DeviceAttributes g_devices[kInfoDevices];
+DeviceAttributes g_unknown;  // the defaults, for no current device or one past kInfoDevices
+
+// The current device's attributes (g_unknown where it cannot be asked).
+DeviceAttributes& current_device() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kInfoDevices) {
+    cudaGetLastError();
+    return g_unknown;
+  }
+  DeviceAttributes& d = g_devices[dev];
+  std::call_once(d.once, [&d, dev] {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && v > 0) d.sms = v;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrL2CacheSize, dev) == cudaSuccess && v > 0) d.l2_bytes = v;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess) d.sm90 = v >= 9;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrCooperativeLaunch, dev) == cudaSuccess) {
+      d.cooperative.store(v != 0, std::memory_order_relaxed);
+    }
+    cudaGetLastError();
+  });
+  return d;
+}
+
 // Programmatic dependent launch: on devices of compute capability 9.0 and up (every kernel waits
 // for the one before it before its first memory access, so results do not change);
 // KernelOverrides::pdl false turns it off (tests, `padmoe bench --variant pdl=off`).
-namespace {
-constexpr int kPdlDevices = 64;
-std::atomic<int> g_pdl_cc[kPdlDevices];  // 0: not asked; 1: sm_90+; -1: older
+bool pdl_on(const DeviceAttributes& d) { return d.sm90 && detail::kernel_overrides().pdl.value_or(true); }
 }  // namespace
 
-bool pdl_enabled() {
-  if (!detail::kernel_overrides().pdl.value_or(true)) return false;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kPdlDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  int cc = g_pdl_cc[dev].load(std::memory_order_relaxed);
-  if (cc == 0) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      cudaGetLastError();
-      major = 0;
-    }
-    cc = major >= 9 ? 1 : -1;
-    g_pdl_cc[dev].store(cc, std::memory_order_relaxed);
-  }
-  return cc > 0;
+bool pdl_enabled() { return pdl_on(current_device()); }
+
+int sm_count() { return current_device().sms; }
+
+int64_t l2_cache_bytes() { return current_device().l2_bytes; }
+
+policy::Device device_policy() {
+  const DeviceAttributes& d = current_device();
+  return policy::Device{d.sms, d.l2_bytes, pdl_on(d)};
 }
 
-// The multiprocessors of the current device when first asked (132, an H200's, if unknown).
-int sm_count() {
-  static const int sms = [] {
-    int dev = 0, n = 132;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-      cudaGetLastError();
-      n = 132;
-    }
-    return n;
-  }();
-  return sms;
-}
+bool cooperative_launch_supported() { return current_device().cooperative.load(std::memory_order_relaxed); }
 
-// The L2's bytes on the current device when first asked (50 MiB, an H200's, if unknown).
-int64_t l2_cache_bytes() {
-  static const int64_t bytes = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, dev) != cudaSuccess ||
-        n <= 0) {
-      cudaGetLastError();
-      n = 50 << 20;
-    }
-    return static_cast<int64_t>(n);
-  }();
-  return bytes;
-}
+void cooperative_launch_refused() { current_device().cooperative.store(false, std::memory_order_relaxed); }
 
 RowsArg with_l2_prefetch(const RowsArg& r, bool vec, int blocks) {
   RowsArg out = r;

@@ -47,13 +47,12 @@ namespace padmoe {
 namespace cuda {
 namespace {
 
-// Per device: whether cooperative launches work, and how many fused blocks fit at once
-// (for the smem of E rounded up to a power of two), found once.
+// Per device: how many fused blocks fit at once (for the smem of E rounded up to a power of two),
+// found once.
 constexpr int kMaxDevices = 64;
 constexpr int kSmemBuckets = 5;  // E <= 32, 64, ..., 512
 struct FusedLimits {
-  std::atomic<int> resident[kSmemBuckets];  // 0: not asked yet; -1: no cooperative launch
-  std::atomic<int> sms{0};
+  std::atomic<int> resident[kSmemBuckets];  // 0: not asked yet; -1: none fit
   std::once_flag attr_once;
 };
 FusedLimits g_fused[kMaxDevices];
@@ -64,9 +63,10 @@ int fused_bucket(int num_experts) {
   return b;
 }
 
-// Blocks of the fused kernel resident at once on the current device (0: use the split path);
-// *sms: its multiprocessors.
-int fused_resident_blocks(int num_experts, int* sms_out) {
+// Blocks of the fused kernel resident at once on the current device (0: use the split path: no
+// cooperative launch there, or the device past kMaxDevices).
+int fused_resident_blocks(int num_experts) {
+  if (!cooperative_launch_supported()) return 0;
   int dev = 0;
   PADMOE_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < 0 || dev >= kMaxDevices) return 0;
@@ -80,16 +80,12 @@ int fused_resident_blocks(int num_experts, int* sms_out) {
   const int bucket = fused_bucket(num_experts);
   int n = f.resident[bucket].load(std::memory_order_relaxed);
   if (n == 0) {
-    int coop = 0, sms = 0, per_sm = 0;
-    PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev));
-    PADMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    int per_sm = 0;
     PADMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan_fused_kernel<true>, kFusedThreads,
                                                                     fused_smem_bytes(32 << bucket)));
-    n = coop != 0 && per_sm > 0 ? per_sm * sms : -1;
-    f.sms.store(sms, std::memory_order_relaxed);
+    n = per_sm > 0 ? per_sm * sm_count() : -1;
     f.resident[bucket].store(n, std::memory_order_relaxed);
   }
-  *sms_out = f.sms.load(std::memory_order_relaxed);
   return n > 0 ? n : 0;
 }
 
@@ -118,13 +114,12 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
                   alignment, kSmallShift, row_capacity, arrays, padding_source);
     return;
   }
-  int sms = 0;
-  const int resident = path != policy::PlanPath::kSplit && fits_fused ? fused_resident_blocks(num_experts, &sms) : 0;
+  const int resident = path != policy::PlanPath::kSplit && fits_fused ? fused_resident_blocks(num_experts) : 0;
   if (resident > 0) {
     const int limit = o.plan_fused_blocks > 0 ? std::min(o.plan_fused_blocks, resident) : resident;
     const int per_block = chunks > limit ? static_cast<int>(index::ceil_div(chunks, limit)) : 1;
     const int distinct = chunks > 0 ? static_cast<int>(index::ceil_div(chunks, per_block)) : 1;
-    const int replicas = chunks > 0 ? policy::plan_replicas(distinct, per_block, sms, resident) : 1;
+    const int replicas = chunks > 0 ? policy::plan_replicas(distinct, per_block, sm_count(), resident) : 1;
     const int grid = distinct * replicas;
     int shift = 0;
     while ((1 << shift) < replicas) ++shift;
@@ -146,19 +141,16 @@ void make_plan(IndexRef top_experts, int64_t assignments, int top_k, int num_exp
       launch_kernel("plan_fused_kernel", fused, grid, kFusedThreads, smem, s, ids, rm, a_count, n_chunks, per_block,
                     shift, n_experts, align, block_counts, local_rank, capacity, plan_out, pad_src, packed);
     } else {
-      int pb = per_block, reps = shift;
-      void* args[] = {&ids,   &rm,           &a_count,    &n_chunks, &pb,       &reps,    &n_experts,
-                      &align, &block_counts, &local_rank, &capacity, &plan_out, &pad_src, &packed};
-      const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fused), dim3(grid),
-                                                          dim3(kFusedThreads), args, smem, s);
+      // cooperative, and with programmatic serialization where enabled (its blocks start while the
+      // kernel before finishes, as every other launch does)
+      const cudaError_t err =
+          try_launch_kernel(fused, grid, kFusedThreads, smem, s, true, ids, rm, a_count, n_chunks, per_block, shift,
+                            n_experts, align, block_counts, local_rank, capacity, plan_out, pad_src, packed);
       if (err == cudaErrorCooperativeLaunchTooLarge) {
         // fewer multiprocessors than the device reports (MPS limits, green contexts): the split
         // launches from now on, for this device
         cudaGetLastError();
-        int dev = 0;
-        if (cudaGetDevice(&dev) == cudaSuccess && dev >= 0 && dev < kMaxDevices) {
-          for (auto& r : g_fused[dev].resident) r.store(-1, std::memory_order_relaxed);
-        }
+        cooperative_launch_refused();
       } else {
         PADMOE_CUDA_CHECK(err);
         return;

@@ -177,8 +177,12 @@ __device__ int stage_live(int64_t t, int* k0, int top_k, const int32_t* __restri
     const int slot = k + static_cast<int>(threadIdx.x);
     const int64_t a = index::assignment_id(t, slot, top_k);
     int64_t r = -1;
+    float wk = 1.0f;
     if (slot < top_k) {
+      // the weight is loaded with the row, dead slot or not (w covers every slot): its latency
+      // then overlaps the row's instead of following the liveness test
       r = plan_rows(dest).dest_row(a);
+      wk = load_scale(w, a);
       if (r >= rows) r = -1;
     }
     const bool live = r >= 0;
@@ -194,7 +198,7 @@ __device__ int stage_live(int64_t t, int* k0, int top_k, const int32_t* __restri
     const int pos = staged + before + __popc(m & ((1u << lane) - 1u));
     if (live && pos < kGroupK) {
       s_dest[pos] = r;
-      s_w[pos] = load_scale(w, a);
+      s_w[pos] = wk;
       s_k[pos] = slot;
       if (pos == kGroupK - 1) s_next = slot + 1;
     }
